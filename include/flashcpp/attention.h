@@ -1,0 +1,153 @@
+// Attention forward: one parameter struct, one entry point, one validator.
+//
+// Semantics (every backend computes exactly this; the fp64 CPU reference is the ground truth):
+//
+//   For batch b, query head h, query row i, key row j, with the KV head hk = h / (heads_q/heads_kv):
+//     s(i,j)  = softmax_scale * dot(Q[b,i,h,:], K[b,j,hk,:])
+//     if softcap > 0:        s = softcap * tanh(s / softcap)                  (Gemma-2)
+//     if alibi_slopes:       s += slope[b,h] * (j - ia)                       (BLOOM)
+//     P(i,:)  = softmax over the visible keys j of s(i,j)
+//     O[b,i,h,:] = sum_j P(i,j) V[b,j,hk,:]
+//     LSE[b,h,i] = log(sum_j exp(s(i,j)))      (natural log, fp32)
+//
+//   Causal alignment is BOTTOM-RIGHT, as in flash-attn: the query row i sits at key position
+//   ia = i + seqlen_k - seqlen_q, and sees keys j <= ia. (PyTorch SDPA's is_causal is
+//   top-left; the two agree only when seqlen_q == seqlen_k.)
+//
+//   Visibility of key j for query i (all conditions that are enabled must hold):
+//     causal:                         j <= ia
+//     window_right >= 0:              j <= ia + window_right      (not for global queries)
+//     window_left  >= 0:              j >= ia - window_left       (not for global keys/queries)
+//     global tokens (G = global_tokens): keys j < G are exempt from window_left
+//                                     (attention sinks); with global_queries, query rows with
+//                                     ia < G are exempt from both window bounds (causal still holds).
+//     block_sparse:                   the (i / block_m, j / block_n) block is listed, and for a
+//                                     partial block its element bit is set.
+//     varlen:                         i and j belong to the same packed sequence (always true:
+//                                     each sequence is an independent problem).
+//
+//   A query row that sees no key at all has O = 0 and LSE = -inf.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "flashcpp/status.h"
+#include "flashcpp/types.h"
+
+namespace flashcpp {
+
+/// Head dimensions every backend supports.
+inline constexpr int kSupportedHeadDims[] = {64, 128, 256};
+
+/// Block-sparse mask in CSR form over (mask_batch, mask_head, query_block).
+/// Built on the host by build_block_sparse() (masks.h) or by hand. All arrays live in the
+/// memory space of the backend that runs (host memory for the CPU backend).
+struct BlockSparseMask {
+  int block_m = 0;          ///< query rows per block (> 0)
+  int block_n = 0;          ///< key columns per block (> 0)
+  int num_batch = 1;        ///< 1 (same mask for every sequence) or batch
+  int num_heads = 1;        ///< 1 (same mask for every head) or heads_q
+  int num_q_blocks = 0;     ///< ceil(seqlen_q / block_m)
+  int num_k_blocks = 0;     ///< ceil(seqlen_k / block_n)
+  /// [num_batch * num_heads * num_q_blocks + 1]: row r = (mb * num_heads + mh) * num_q_blocks + qb.
+  const std::int32_t* row_ptr = nullptr;
+  /// [nnz] key-block index, strictly ascending within a row.
+  const std::int32_t* col_idx = nullptr;
+  /// [nnz] -1: every element of the block is visible; p >= 0: element mask p decides.
+  const std::int32_t* partial = nullptr;
+  /// [num_partial][block_m][words_per_row] with words_per_row = ceil(block_n / 64):
+  /// bit c of word (c / 64) in row r says key (block_n*kb + c) is visible to query (block_m*qb + r).
+  const std::uint64_t* element_masks = nullptr;
+  std::int64_t num_partial = 0;  ///< number of element masks (bound for `partial` entries)
+};
+
+/// The mask description. Every field defaults to "off".
+struct MaskParams {
+  bool causal = false;     ///< bottom-right aligned (see the header comment)
+  int window_left = -1;    ///< keys at most this far left of ia are visible; -1 = unbounded
+  int window_right = -1;   ///< keys at most this far right of ia are visible; -1 = unbounded
+  int global_tokens = 0;   ///< G: the first G keys ignore window_left (attention sinks)
+  bool global_queries = false;  ///< also let query rows with ia < G ignore the window
+  float softcap = 0.f;     ///< > 0: s = softcap * tanh(s / softcap); 0 = off
+  /// ALiBi: per-head slopes (fp32), bias slope * (j - ia). nullptr = off.
+  /// Indexed slopes[b * alibi_batch_stride + h]; alibi_batch_stride is 0 or heads_q.
+  const float* alibi_slopes = nullptr;
+  std::int64_t alibi_batch_stride = 0;
+  /// Packed variable-length sequences: int32 [batch + 1] prefix sums of the lengths (first 0).
+  /// When set, q/k/v/o are (total_tokens, heads, dim) views (batch_stride ignored) and
+  /// seqlen_q / seqlen_k of AttnParams are the maximum lengths (used to size the grid).
+  const std::int32_t* cu_seqlens_q = nullptr;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  /// Block-sparse restriction; nullptr = off.
+  const BlockSparseMask* block_sparse = nullptr;
+
+  bool is_varlen() const noexcept { return cu_seqlens_q != nullptr || cu_seqlens_k != nullptr; }
+  bool has_window() const noexcept { return window_left >= 0 || window_right >= 0; }
+};
+
+/// Attention forward problem. Pointers are device pointers for the CUDA backend and host
+/// pointers for the CPU backend.
+struct AttnParams {
+  int batch = 0;
+  int seqlen_q = 0;   ///< query rows per sequence (max over sequences when varlen)
+  int seqlen_k = 0;   ///< key rows per sequence (max over sequences when varlen)
+  int heads_q = 0;
+  int heads_kv = 0;   ///< heads_q % heads_kv == 0 (GQA/MQA)
+  int head_dim = 0;   ///< one of kSupportedHeadDims
+  TensorView q, k, v; ///< inputs, all of the same dtype
+  TensorView o;       ///< output, same dtype and shape as q; must not overlap the inputs
+  /// Optional fp32 log-sum-exp, contiguous (batch, heads_q, seqlen_q); (heads_q, total_q) if varlen.
+  float* lse = nullptr;
+  /// Multiplies q.k; 0 means 1/sqrt(head_dim).
+  float softmax_scale = 0.f;
+  MaskParams mask;
+
+  float effective_scale() const noexcept;
+};
+
+enum class Backend : std::uint8_t {
+  kAuto = 0,  ///< CUDA if the pointers are device pointers and a kernel fits, else CPU
+  kCpu,       ///< tiled fp32 online-softmax CPU backend
+  kCpuReference,  ///< fp64 naive reference (slow; ground truth)
+  kCuda,
+};
+const char* backend_name(Backend b) noexcept;
+
+/// Which implementation runs a problem: a named choice that `flashcpp info` prints.
+enum class KernelId : std::uint8_t {
+  kNone = 0,
+  kCpuReference,  ///< fp64 naive, src/cpu/reference.cc
+  kCpuTiled,      ///< fp32 tiled online softmax, src/cpu/tiled.cc
+  kCudaSm80,      ///< FA2-style mma.sync kernel (sm80+), src/cuda/prefill/
+  kCudaSm90,      ///< FA3-style wgmma/TMA kernel (sm90a)
+};
+const char* kernel_name(KernelId k) noexcept;
+
+struct KernelChoice {
+  KernelId id = KernelId::kNone;
+  std::string config;  ///< tile config name, e.g. "m128n64w4s2"; empty for CPU
+  std::string reason;  ///< one sentence: why this kernel (and config) was chosen
+};
+
+struct RunOptions {
+  Backend backend = Backend::kAuto;
+  Stream stream = nullptr;  ///< CUDA stream (ignored by CPU backends)
+  int cpu_threads = 0;      ///< CPU backends: 0 = hardware concurrency
+  /// CPU tiled backend tile sizes (mirror the GPU kernel's BlockM x BlockN); 0 = default 64x64.
+  int cpu_block_m = 0, cpu_block_n = 0;
+  /// CUDA: force a tile config by name (see `flashcpp info`); empty = tuned table.
+  std::string cuda_config;
+};
+
+/// Checks everything that can be checked without touching device memory. Never launches.
+Status validate(const AttnParams& p, Backend backend);
+
+/// Chooses the implementation for a problem (validates first).
+Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* out);
+
+/// Validates, selects and runs. CUDA: asynchronous on opt.stream, allocates nothing,
+/// never synchronizes (capturable in a CUDA graph). batch 0 or seqlen_q 0: writes nothing.
+Status attention_forward(const AttnParams& p, const RunOptions& opt = {});
+
+}  // namespace flashcpp

@@ -1,0 +1,89 @@
+// Host-side fp16/bf16 <-> float conversions (round to nearest even), for the CPU backend,
+// the tests and the tools. Device code uses cuda_fp16.h / cuda_bf16.h instead.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "flashcpp/types.h"
+
+namespace flashcpp {
+
+inline float bf16_bits_to_float(std::uint16_t h) {
+  std::uint32_t u = static_cast<std::uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline std::uint16_t float_to_bf16_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x007fffffu)) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+
+inline float half_bits_to_float(std::uint16_t h) {
+  const std::uint32_t sign = (h & 0x8000u) << 16;
+  std::uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+  if (exp == 0) {
+    if (man == 0) {
+      u = sign;
+    } else {  // subnormal: normalize
+      int e = -1;
+      do { man <<= 1; ++e; } while (!(man & 0x400u));
+      u = sign | static_cast<std::uint32_t>(127 - 15 - e) << 23 | (man & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | man << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | man << 13;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline std::uint16_t float_to_half_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t absu = u & 0x7fffffffu;
+  if (absu >= 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7c00u | (absu > 0x7f800000u ? 0x200u : 0));
+  if (absu >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (absu < 0x38800000u) {  // subnormal or zero in half
+    if (absu < 0x33000000u) return static_cast<std::uint16_t>(sign);
+    const std::uint32_t e = absu >> 23;
+    const std::uint32_t man = (absu & 0x7fffffu) | 0x800000u;
+    // value = man * 2^(e-150); the half subnormal unit is 2^-24, so q = man * 2^(e-126)
+    const int rs = 126 - static_cast<int>(e);  // right shift amount, 1..24
+    std::uint32_t q = man >> rs;
+    const std::uint32_t rem = man & ((1u << rs) - 1), halfway = 1u << (rs - 1);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    return static_cast<std::uint16_t>(sign | q);
+  }
+  std::uint32_t h = ((absu >> 13) - ((127 - 15) << 10));
+  const std::uint32_t rem = absu & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<std::uint16_t>(sign | h);
+}
+
+/// Load element `idx` of a host buffer of dtype `t` as float.
+inline float load_as_float(const void* base, DType t, std::int64_t idx) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(base)[idx];
+    case DType::kBF16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+    case DType::kF16: return half_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+  }
+  return NAN;
+}
+/// Store `v` (rounded to nearest even) as element `idx` of a host buffer of dtype `t`.
+inline void store_from_float(void* base, DType t, std::int64_t idx, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(base)[idx] = v; break;
+    case DType::kBF16: static_cast<std::uint16_t*>(base)[idx] = float_to_bf16_bits(v); break;
+    case DType::kF16: static_cast<std::uint16_t*>(base)[idx] = float_to_half_bits(v); break;
+  }
+}
+
+}  // namespace flashcpp

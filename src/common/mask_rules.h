@@ -1,0 +1,71 @@
+// Visibility rules of MaskParams as plain integer arithmetic, shared by the CUDA kernels and the
+// CPU tiled backend (which mirrors them), so both walk exactly the same key blocks.
+// The fp64 reference (src/cpu/reference.cc) deliberately does NOT use this file: it evaluates
+// the rules of attention.h element by element, so the two can check each other.
+#pragma once
+
+#if defined(__CUDACC__)
+#define FC_HD __host__ __device__ __forceinline__
+#else
+#define FC_HD inline
+#endif
+
+namespace flashcpp {
+
+/// The window/causal/global part of a mask for one sequence (block-sparse is handled apart).
+struct MaskRules {
+  int seqlen_q = 0, seqlen_k = 0;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  int global_tokens = 0;
+  bool global_queries = false;
+
+  FC_HD int offset() const { return seqlen_k - seqlen_q; }
+  FC_HD bool is_global_query(int i) const {
+    return global_queries && i + offset() < global_tokens;
+  }
+  /// Exclusive upper bound of the keys row i can see.
+  FC_HD int key_hi(int i) const {
+    const int ia = i + offset();
+    int hi = seqlen_k;
+    if (causal && ia + 1 < hi) hi = ia + 1;
+    if (window_right >= 0 && !is_global_query(i) && ia + window_right + 1 < hi)
+      hi = ia + window_right + 1;
+    return hi < 0 ? 0 : hi;
+  }
+  /// Inclusive lower bound of the window of row i (keys below it are visible only if global).
+  FC_HD int key_lo(int i) const {
+    if (window_left < 0 || is_global_query(i)) return 0;
+    const int lo = i + offset() - window_left;
+    return lo < 0 ? 0 : lo;
+  }
+  FC_HD bool visible(int i, int j) const {
+    return j >= 0 && j < key_hi(i) && (j >= key_lo(i) || j < global_tokens);
+  }
+  /// Keys [lo, hi) that some row of [i0, i1) sees through its window (i0 < i1 <= seqlen_q).
+  /// Global keys below lo are extra: see sink_hi().
+  FC_HD void key_range(int i0, int i1, int* lo, int* hi) const {
+    const int h0 = key_hi(i0), h1 = key_hi(i1 - 1);
+    *hi = h0 > h1 ? h0 : h1;
+    *lo = key_lo(i0);
+    if (*lo > *hi) *lo = *hi;
+  }
+  /// Exclusive end of the global keys visible to some row of [i0, i1) below `lo`.
+  FC_HD int sink_hi(int i0, int i1, int lo) const {
+    int g = global_tokens < lo ? global_tokens : lo;
+    const int h0 = key_hi(i0), h1 = key_hi(i1 - 1);
+    const int hmax = h0 > h1 ? h0 : h1;
+    return g < hmax ? g : hmax;
+  }
+  /// True when every (i, j) of the tile is visible, so the kernel may skip the element mask.
+  /// Conservative: may answer false for a tile that happens to be fully visible.
+  FC_HD bool tile_fully_visible(int i0, int i1, int j0, int j1) const {
+    if (global_queries && global_tokens > 0 && is_global_query(i0) != is_global_query(i1 - 1))
+      return false;
+    const int hmin = key_hi(i0) < key_hi(i1 - 1) ? key_hi(i0) : key_hi(i1 - 1);
+    const int lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);
+    return j1 <= hmin && (j0 >= lmax || j1 <= global_tokens);
+  }
+};
+
+}  // namespace flashcpp

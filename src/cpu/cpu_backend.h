@@ -1,0 +1,61 @@
+// CPU backends: the fp64 reference (ground truth) and the tiled fp32 online-softmax backend
+// that mirrors the GPU kernels' algorithm. Inputs and outputs are host memory.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "flashcpp/attention.h"
+
+namespace flashcpp::cpu {
+
+/// Output of the fp64 reference, in double so the harness can measure errors of any dtype.
+///   o:   (total_q, heads_q, head_dim) with total_q = batch*seqlen_q (or cu_seqlens_q[batch])
+///   lse: (heads_q, total_q) natural log; -inf for rows that see no key
+/// Rows are in the packed order (b * seqlen_q + i, or cu_seqlens_q[b] + i when varlen).
+struct RefOutput {
+  std::vector<double> o;
+  std::vector<double> lse;
+  std::int64_t total_q = 0;
+};
+
+/// Naive fp64 attention with every mask of MaskParams, evaluated element by element from the
+/// rules in attention.h. Multithreaded over (batch, head). Reads p.q/p.k/p.v (any dtype).
+Status reference_attention(const AttnParams& p, RefOutput* out, int threads = 0);
+
+/// Backend::kCpuReference: reference_attention, then writes p.o (rounded to its dtype) and p.lse.
+Status reference_forward(const AttnParams& p, const RunOptions& opt);
+
+/// Backend::kCpu: Br x Bc tiles, running max m, denominator l, rescaled accumulator O, exp2 with
+/// the scale folded in, fp32 throughout, walking the key blocks that MaskRules gives (same as the
+/// GPU). Multithreaded over (batch, head, query block).
+Status tiled_forward(const AttnParams& p, const RunOptions& opt);
+
+// ---- online softmax primitives (documented in docs/online_softmax.md) -------------------
+
+/// Partial softmax state of one row: running max m (in the exp2 domain of the caller) and
+/// denominator l = sum exp2(x - m).
+struct SoftmaxState {
+  float m = -INFINITY;
+  float l = 0.f;
+};
+
+/// Plain three-pass softmax of x[0..n) into y (max, exp-sum, normalize). n == 0 is a no-op.
+void softmax_plain(const float* x, int n, float* y);
+/// One-pass online softmax of x[0..n) into y: the running (m, l) recurrence over the row,
+/// then one normalizing pass. Equal to softmax_plain within fp32 rounding.
+void softmax_online(const float* x, int n, float* y);
+
+/// Merge two partial states of the same row, each with an unnormalized accumulator o[0..d)
+/// (o = sum exp2(x - m) * v). Writes the merged state into (a, o_a). -inf maxima (empty
+/// partials) are handled: an empty side contributes nothing.
+void merge_states(SoftmaxState* a, float* o_a, const SoftmaxState& b, const float* o_b, int d);
+
+/// Merge two normalized partial outputs by their natural-log LSEs (the split-KV / cascade rule):
+///   lse = log(exp(lse_a) + exp(lse_b)); o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse).
+/// Both -inf gives o = 0, lse = -inf.
+void merge_by_lse(const float* o_a, float lse_a, const float* o_b, float lse_b, int d, float* o,
+                  float* lse);
+
+}  // namespace flashcpp::cpu
