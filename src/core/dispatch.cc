@@ -1,0 +1,102 @@
+// The one dispatch layer: runtime values (backend, device, head_dim, dtype) become a named
+// KernelChoice here, and nowhere else.
+#include <string>
+
+#include "cpu/cpu_backend.h"
+#include "flashcpp/attention.h"
+#if FLASHCPP_WITH_CUDA
+#include "cuda/cuda_api.h"
+#endif
+
+namespace flashcpp {
+
+namespace {
+
+bool empty_problem(const AttnParams& p) { return p.batch == 0 || p.seqlen_q == 0; }
+
+#if FLASHCPP_WITH_CUDA
+Status select_cuda(const AttnParams& p, const RunOptions& opt, KernelChoice* out) {
+  cuda::DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
+  if (dev.sm_major < 8)
+    return Status::Unsupported("the CUDA kernels need compute capability 8.0 or newer; device '" +
+                               dev.name + "' is " + std::to_string(dev.sm_major) + "." +
+                               std::to_string(dev.sm_minor));
+  if (p.q.dtype == DType::kF32)
+    return Status::Unsupported("fp32 inputs run on the CPU backend only; the CUDA kernels take fp16 or bf16");
+  if (p.mask.softcap > 0.f || p.mask.alibi_slopes || p.mask.is_varlen() || p.mask.block_sparse ||
+      p.mask.global_tokens > 0)
+    return Status::Unsupported(
+        "softcap, ALiBi, varlen, global tokens and block-sparse masks are not implemented in the "
+        "CUDA kernels yet (they run on the CPU backends)");
+  out->id = KernelId::kCudaSm80;
+  if (!opt.cuda_config.empty()) {
+    bool known = false;
+    std::string names;
+    for (const auto& c : cuda::prefill_sm80_configs(p.head_dim)) {
+      known |= (c == opt.cuda_config);
+      names += (names.empty() ? "" : ", ") + c;
+    }
+    if (!known)
+      return Status::Invalid("unknown config '" + opt.cuda_config + "' for head_dim " +
+                             std::to_string(p.head_dim) + " (compiled: " + names + ")");
+    out->config = opt.cuda_config;
+    out->reason = "config forced by the caller";
+  } else {
+    out->config = cuda::prefill_sm80_pick(p, dev);
+    out->reason = "FA2-style mma.sync kernel on " + dev.name + " (sm_" +
+                  std::to_string(dev.sm_major * 10 + dev.sm_minor) + "), config from the tuned table";
+  }
+  return Status::Ok();
+}
+#endif
+
+}  // namespace
+
+Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* out) {
+  Backend b = opt.backend;
+  if (b == Backend::kAuto) {
+#if FLASHCPP_WITH_CUDA
+    b = cuda::is_device_pointer(p.q.data) ? Backend::kCuda : Backend::kCpu;
+#else
+    b = Backend::kCpu;
+#endif
+  }
+  FLASHCPP_RETURN_IF_ERROR(validate(p, b));
+  *out = KernelChoice{};
+  switch (b) {
+    case Backend::kCpuReference:
+      out->id = KernelId::kCpuReference;
+      out->reason = "fp64 reference requested";
+      return Status::Ok();
+    case Backend::kCpu:
+      out->id = KernelId::kCpuTiled;
+      out->reason = "CPU backend (host pointers)";
+      return Status::Ok();
+    case Backend::kCuda:
+#if FLASHCPP_WITH_CUDA
+      return select_cuda(p, opt, out);
+#else
+      return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+#endif
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("backend selection fell through");
+}
+
+Status attention_forward(const AttnParams& p, const RunOptions& opt) {
+  KernelChoice choice;
+  FLASHCPP_RETURN_IF_ERROR(select_kernel(p, opt, &choice));
+  if (empty_problem(p)) return Status::Ok();
+  switch (choice.id) {
+    case KernelId::kCpuReference: return cpu::reference_forward(p, opt);
+    case KernelId::kCpuTiled: return cpu::tiled_forward(p, opt);
+#if FLASHCPP_WITH_CUDA
+    case KernelId::kCudaSm80: return cuda::prefill_sm80(p, choice.config, opt.stream);
+#endif
+    default: break;
+  }
+  return Status::Unsupported(std::string("kernel ") + kernel_name(choice.id) + " is not available in this build");
+}
+
+}  // namespace flashcpp

@@ -1,0 +1,38 @@
+// Internal CUDA-side entry points used by the dispatcher, the CLI and the GPU tests.
+// Only defined when FLASHCPP_WITH_CUDA=1; callers guard with that macro.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "flashcpp/attention.h"
+
+namespace flashcpp::cuda {
+
+/// Properties of the current device, read once per device and cached.
+struct DeviceInfo {
+  int device = -1;
+  int sm_major = 0, sm_minor = 0;
+  int num_sms = 0;
+  std::size_t smem_optin = 0;  ///< max dynamic shared memory per block (bytes)
+  std::string name;
+};
+/// Fails with a sentence when no CUDA device is usable.
+Status current_device(DeviceInfo* info);
+
+/// True when `ptr` is device (or managed) memory according to the CUDA runtime.
+bool is_device_pointer(const void* ptr);
+
+/// fp64 ground truth on the GPU: a simple, obviously-correct kernel (one thread block per
+/// (query row, head)), every mask of MaskParams except block_sparse. Outputs in packed order
+/// like cpu::RefOutput: o_f64 (total_q, heads_q, head_dim), lse_f64 (heads_q, total_q).
+Status reference_attention_f64(const AttnParams& p, double* o_f64, double* lse_f64, Stream stream);
+
+/// Names of the compiled tile configs of the sm80 prefill kernel for a head dim.
+std::vector<std::string> prefill_sm80_configs(int head_dim);
+/// Runs the sm80 prefill kernel with the named config (empty: the tuned choice).
+Status prefill_sm80(const AttnParams& p, const std::string& config, Stream stream);
+/// The config the tuned table picks for a problem on the current device.
+std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev);
+
+}  // namespace flashcpp::cuda
