@@ -2,6 +2,7 @@
 // Only defined when FLASHCPP_WITH_CUDA=1; callers guard with that macro.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -23,10 +24,14 @@ Status current_device(DeviceInfo* info);
 /// True when `ptr` is device (or managed) memory according to the CUDA runtime.
 bool is_device_pointer(const void* ptr);
 
-/// fp64 ground truth on the GPU: a simple, obviously-correct kernel (one thread block per
-/// (query row, head)), every mask of MaskParams except block_sparse. Outputs in packed order
+/// fp64 ground truth on the GPU: per (sequence, head) fp64 DGEMMs around an fp64 masked softmax
+/// kernel; every mask of MaskParams except block_sparse. Outputs (device memory) in packed order
 /// like cpu::RefOutput: o_f64 (total_q, heads_q, head_dim), lse_f64 (heads_q, total_q).
+/// Allocates scratch and synchronizes `stream`: a test utility, not for graph capture.
 Status reference_attention_f64(const AttnParams& p, double* o_f64, double* lse_f64, Stream stream);
+
+/// Fill n elements with pseudo-random ~normal(0, stddev) values on the device (bench/tune inputs).
+Status fill_random(void* ptr, DType dt, std::int64_t n, std::uint64_t seed, float stddev, Stream stream);
 
 /// Names of the compiled tile configs of the sm80 prefill kernel for a head dim.
 std::vector<std::string> prefill_sm80_configs(int head_dim);

@@ -1,0 +1,94 @@
+// sm80 prefill: AttnParams -> Fa2Params, the config registry and the tuned config choice.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <string>
+
+#include "cuda/cuda_api.h"
+#include "cuda/prefill/fa2_registry.h"
+#include "cuda/prefill/fa2_tuning.h"
+
+namespace flashcpp::cuda {
+
+namespace {
+constexpr float kLog2e = 1.4426950408889634f;
+}
+
+std::string fa2_config_name(const Fa2Entry& e) {
+  return "m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "w" + std::to_string(e.warps) + "s" +
+         std::to_string(e.stages) + (e.q_in_regs ? "r" : "q");
+}
+
+std::span<const Fa2Entry> fa2_entries(int head_dim) {
+  switch (head_dim) {
+    case 64: return fa2_entries_hd64();
+    case 128: return fa2_entries_hd128();
+    case 256: return fa2_entries_hd256();
+    default: return {};
+  }
+}
+
+std::vector<std::string> prefill_sm80_configs(int head_dim) {
+  std::vector<std::string> out;
+  for (const auto& e : fa2_entries(head_dim)) out.push_back(fa2_config_name(e));
+  return out;
+}
+
+std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev) {
+  const auto entries = fa2_entries(p.head_dim);
+  const std::string tuned = tuned_config(dev, p.head_dim, p.mask.causal, p.q.dtype, std::max(p.seqlen_q, p.seqlen_k));
+  for (const auto& e : entries)
+    if (fa2_config_name(e) == tuned && static_cast<std::size_t>(e.smem_bytes) <= dev.smem_optin) return tuned;
+  for (const auto& e : entries)  // no table row: the first listed config that fits the device
+    if (static_cast<std::size_t>(e.smem_bytes) <= dev.smem_optin) return fa2_config_name(e);
+  return {};
+}
+
+Status prefill_sm80(const AttnParams& a, const std::string& config, Stream stream) {
+  DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  const Fa2Entry* entry = nullptr;
+  for (const auto& e : fa2_entries(a.head_dim))
+    if (fa2_config_name(e) == config) entry = &e;
+  if (entry == nullptr)
+    return Status::Invalid("no sm80 prefill config '" + config + "' for head_dim " + std::to_string(a.head_dim));
+  if (static_cast<std::size_t>(entry->smem_bytes) > dev.smem_optin)
+    return Status::Unsupported("config " + config + " needs " + std::to_string(entry->smem_bytes) +
+                               " bytes of shared memory; " + dev.name + " allows " + std::to_string(dev.smem_optin));
+  Fa2Params p{};
+  p.q = a.q.data;
+  p.k = a.k.data;
+  p.v = a.v.data;
+  p.o = a.o.data;
+  p.lse = a.lse;
+  p.q_batch_stride = a.q.batch_stride;
+  p.k_batch_stride = a.k.batch_stride;
+  p.v_batch_stride = a.v.batch_stride;
+  p.o_batch_stride = a.o.batch_stride;
+  // validate() guarantees in-sequence offsets fit in int32.
+  p.q_seq_stride = static_cast<std::int32_t>(a.q.seq_stride);
+  p.k_seq_stride = static_cast<std::int32_t>(a.k.seq_stride);
+  p.v_seq_stride = static_cast<std::int32_t>(a.v.seq_stride);
+  p.o_seq_stride = static_cast<std::int32_t>(a.o.seq_stride);
+  p.q_head_stride = static_cast<std::int32_t>(a.q.head_stride);
+  p.k_head_stride = static_cast<std::int32_t>(a.k.head_stride);
+  p.v_head_stride = static_cast<std::int32_t>(a.v.head_stride);
+  p.o_head_stride = static_cast<std::int32_t>(a.o.head_stride);
+  p.batch = a.batch;
+  p.seqlen_q = a.seqlen_q;
+  p.seqlen_k = a.seqlen_k;
+  p.heads_q = a.heads_q;
+  p.group = a.heads_q / a.heads_kv;
+  p.scale_log2 = a.effective_scale() * kLog2e;
+  p.rules.seqlen_q = a.seqlen_q;
+  p.rules.seqlen_k = a.seqlen_k;
+  p.rules.causal = a.mask.causal;
+  p.rules.window_left = a.mask.window_left;
+  p.rules.window_right = a.mask.window_right;
+  p.rules.global_tokens = a.mask.global_tokens;
+  p.rules.global_queries = a.mask.global_queries;
+  const Fa2RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
+  return fn(p, stream, dev.device);
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,296 @@
+// FA2-style attention forward for sm80+ (mma.sync m16n8k16, ldmatrix, cp.async).
+//
+// One CTA computes kBlockM query rows of one (batch, head). Each warp owns kRowsPerWarp rows
+// (kMT m16 tiles). K/V tiles stream through a kStages-deep ring of XOR-swizzled shared memory
+// filled by cp.async; Q is loaded once. Per key block, in registers:
+//   S  = Q K^T                        (mma.sync, fp32 accumulators)
+//   m' = max(m, rowmax(S) * c)        c = softmax_scale * log2(e)   (scale folded into exp2)
+//   P  = exp2(S * c - m')             (ex2.approx)
+//   l  = l * exp2(m - m') + rowsum(P);  O = O * exp2(m - m') + P V   (P reused as the A operand)
+// then O / l and LSE = (m + log2 l) * ln 2. Key blocks are walked from the last visible one
+// down (MaskRules::key_range), so a causal CTA does only the blocks its rows can see and
+// only boundary blocks pay for the element mask.
+//
+// Napkin math (H200): 4*Nq*Nk*D FLOPs per (batch, head) at ~700 TFLOP/s of mma.sync-reachable
+// peak vs reading Q,K,V,O once: at N=4096, D=128 the intensity is ~1000 FLOP/byte, far above
+// the ~190 ridge, so the kernel is compute- (really shared-memory- and issue-) bound.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/mask_rules.h"
+#include "cuda/common/ptx.cuh"
+#include "cuda/prefill/fa2_config.h"
+#include "cuda/prefill/fa2_params.h"
+
+namespace flashcpp::cuda {
+
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+/// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile:
+/// chunk' = chunk ^ (row % 8) puts the 8 rows an ldmatrix phase reads into 8 distinct bank groups.
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+/// Copy `rows` rows [row0, row0+rows) of a (seq, D) slab into a swizzled tile; rows at or past
+/// `limit` are zero-filled (their source address is clamped to row 0, which is never read).
+template <class Cfg, int Rows, typename T>
+__device__ __forceinline__ void load_tile(T* smem, const T* gmem, std::int32_t seq_stride, int row0,
+                                          int limit, int tid) {
+  constexpr int kTotal = Rows * Cfg::kChunks;
+  static_assert(kTotal % Cfg::kThreads == 0, "tile chunks divide evenly over the threads");
+#pragma unroll
+  for (int it = 0; it < kTotal / Cfg::kThreads; ++it) {
+    const int idx = tid + it * Cfg::kThreads;
+    const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+    const bool ok = row0 + r < limit;
+    const T* src = gmem + (ok ? static_cast<std::int64_t>(row0 + r) * seq_stride : 0) + c * 8;
+    ptx::cp_async_16(ptx::smem_u32(smem + swz<Cfg::kHeadDim>(r, c)), src, ok ? 16 : 0);
+  }
+}
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    fa2_forward_kernel(const __grid_constant__ Fa2Params p) {
+  constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
+  constexpr int MT = Cfg::kMT, NT = Cfg::kNT, DT = Cfg::kDT, KT = Cfg::kKT, PT = Cfg::kPT;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BM * D;
+  T* sV = sK + S * BN * D;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int bh = blockIdx.x;
+  const int b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group;
+  const int m_block = gridDim.y - 1 - blockIdx.y;  // heaviest (causal) row blocks start first
+  const int m0 = m_block * BM;
+  const int m_end = min(m0 + BM, p.seqlen_q);
+
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
+  T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+
+  int key_lo, key_hi;
+  p.rules.key_range(m0, m_end, &key_lo, &key_hi);
+  const int n_first = key_lo / BN;
+  const int n_iters = key_hi > key_lo ? (key_hi + BN - 1) / BN - n_first : 0;
+  const int n_last = n_first + n_iters - 1;
+
+  // ---- prologue: Q and the first S-1 K/V stages ----------------------------------------
+  load_tile<Cfg, BM>(sQ, gQ + static_cast<std::int64_t>(0), p.q_seq_stride, m0, p.seqlen_q, tid);
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_iters) {
+      const int n0 = (n_last - s) * BN;
+      load_tile<Cfg, BN>(sK + s * BN * D, gK, p.k_seq_stride, n0, p.seqlen_k, tid);
+      load_tile<Cfg, BN>(sV + s * BN * D, gV, p.v_seq_stride, n0, p.seqlen_k, tid);
+    }
+    ptx::cp_async_commit();
+  }
+
+  const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp inside the tile
+  float acc_o[MT][DT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+  float row_max[MT][2], row_sum[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) row_max[mt][r] = -INFINITY, row_sum[mt][r] = 0.f;
+
+  std::uint32_t q_frag[Cfg::kQInRegs ? MT : 1][Cfg::kQInRegs ? KT : 1][4];
+  // ldmatrix row addresses. Every tile starts on a multiple of its row size (>= 128 B) and rows
+  // are swizzled by chunk ^ (row % 8), so the address of 16-byte chunk 2*kk + c of a lane's row
+  // is (row_base | ((c ^ row%8) << 4)) ^ (kk << 5): one base register per operand, and each
+  // k-step costs a single XOR with an immediate instead of a hoisted address register.
+  constexpr std::uint32_t kRowBytes = D * 2;
+  const std::uint32_t r7 = lane & 7;
+  const std::uint32_t q_base = ptx::smem_u32(sQ) + (warp_row0 + (lane & 15)) * kRowBytes + (((lane >> 4) ^ r7) << 4);
+  const std::uint32_t k_base = ptx::smem_u32(sK) + ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes +
+                               ((((lane >> 3) & 1) ^ r7) << 4);
+  const std::uint32_t v_base = ptx::smem_u32(sV) + (lane & 15) * kRowBytes + (((lane >> 4) ^ r7) << 4);
+  auto load_q_frag = [&](int mt, int kk, std::uint32_t(&a)[4]) {
+    ptx::ldmatrix_x4(a, (q_base ^ (kk << 5)) + mt * 16 * kRowBytes);
+  };
+
+  for (int it = 0; it < n_iters; ++it) {
+    ptx::cp_async_wait<S - 2>();
+    __syncthreads();
+    if (it + S - 1 < n_iters) {  // refill the stage consumed in iteration it-1
+      const int st = (it + S - 1) % S;
+      const int n0 = (n_last - it - (S - 1)) * BN;
+      load_tile<Cfg, BN>(sK + st * BN * D, gK, p.k_seq_stride, n0, p.seqlen_k, tid);
+      load_tile<Cfg, BN>(sV + st * BN * D, gV, p.v_seq_stride, n0, p.seqlen_k, tid);
+    }
+    ptx::cp_async_commit();
+    if constexpr (Cfg::kQInRegs) {
+      if (it == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < KT; ++kk) load_q_frag(mt, kk, q_frag[mt][kk]);
+      }
+    }
+    const std::uint32_t stage_off = (it % S) * BN * kRowBytes;
+    const int n0 = (n_last - it) * BN;
+
+    // ---- S = Q K^T ----------------------------------------------------------------------
+    float acc_s[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if constexpr (Cfg::kQInRegs) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mt][e] = q_frag[mt][kk][e];
+        } else {
+          load_q_frag(mt, kk, a[mt]);
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        std::uint32_t bk[4];
+        ptx::ldmatrix_x4(bk, ((k_base + stage_off) ^ (kk << 5)) + np * 16 * kRowBytes);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          ptx::mma_16816<T>(acc_s[mt][2 * np], a[mt], bk[0], bk[1]);
+          ptx::mma_16816<T>(acc_s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // ---- scale (log2 domain), then mask boundary tiles ---------------------------------------
+    // Scaling first keeps max() right for any sign of the scale and leaves masked scores -inf.
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= p.scale_log2;
+    if (!p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = m0 + warp_row0 + mt * 16 + g + (e >= 2 ? 8 : 0);
+            const int j = n0 + nt * 8 + 2 * t + (e & 1);
+            if (!p.rules.visible(i, j)) acc_s[mt][nt][e] = -INFINITY;
+          }
+    }
+
+    // ---- online softmax ------------------------------------------------------------------
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen no key yet keeps m = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        const float corr = ptx::exp2_approx(row_max[mt][r] - m_use);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const float p0 = ptx::exp2_approx(acc_s[mt][nt][2 * r] - m_use);
+          const float p1 = ptx::exp2_approx(acc_s[mt][nt][2 * r + 1] - m_use);
+          acc_s[mt][nt][2 * r] = p0;
+          acc_s[mt][nt][2 * r + 1] = p1;
+          sum += p0 + p1;
+        }
+        row_sum[mt][r] = row_sum[mt][r] * corr + sum;  // per-thread partial; quad-reduced at the end
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc_o[mt][dt][2 * r] *= corr;
+          acc_o[mt][dt][2 * r + 1] *= corr;
+        }
+      }
+    }
+
+    // ---- O += P V (P from registers) -----------------------------------------------------
+#pragma unroll
+    for (int kk = 0; kk < PT; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = ptx::pack2<T>(acc_s[mt][2 * kk][0], acc_s[mt][2 * kk][1]);
+        a[mt][1] = ptx::pack2<T>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
+        a[mt][2] = ptx::pack2<T>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
+        a[mt][3] = ptx::pack2<T>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        std::uint32_t bv[4];
+        ptx::ldmatrix_x4_trans(bv, ((v_base + stage_off) ^ (dp << 5)) + kk * 16 * kRowBytes);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          ptx::mma_16816<T>(acc_o[mt][2 * dp], a[mt], bv[0], bv[1]);
+          ptx::mma_16816<T>(acc_o[mt][2 * dp + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+  ptx::cp_async_wait<0>();  // drain (possibly empty) groups before smem is reused
+
+  // ---- epilogue: O / l through this warp's rows of sQ, 16-byte coalesced stores ---------------
+  if constexpr (!Cfg::kQInRegs) __syncwarp();  // this warp's Q rows are no longer read
+  if (n_iters == 0) __syncthreads();           // prologue Q copy must land before we overwrite
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float l = row_sum[mt][r];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no visible key writes O = 0
+      const int row = warp_row0 + mt * 16 + g + 8 * r;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        *reinterpret_cast<std::uint32_t*>(sQ + swz<D>(row, dt) + 2 * t) =
+            ptx::pack2<T>(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
+      }
+      if (p.lse != nullptr && t == 0 && m0 + row < p.seqlen_q) {
+        const float lse = l > 0.f ? (row_max[mt][r] + __log2f(l)) * kLn2 : -INFINITY;
+        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + m0 + row] = lse;
+      }
+    }
+  }
+  __syncwarp();
+  constexpr int kWarpChunks = Cfg::kRowsPerWarp * Cfg::kChunks;
+#pragma unroll
+  for (int it = 0; it < kWarpChunks / 32; ++it) {
+    const int idx = lane + it * 32;
+    const int r = warp_row0 + idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+    if (m0 + r < p.seqlen_q) {
+      const uint4 val = *reinterpret_cast<const uint4*>(sQ + swz<D>(r, c));
+      *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + r) * p.o_seq_stride + c * 8) = val;
+    }
+  }
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,208 @@
+// GPU tests of the sm80 prefill kernel against the fp64 GPU reference (which the CPU tests and
+// the harness check against the CPU fp64 reference on small sizes). Fresh random inputs each run
+// (seed printed), outputs poisoned with NaN, tolerance atol = rtol = 1e-2 (docs/tolerances.md).
+#include <cstring>
+
+#include "gpu_util.h"
+
+namespace flashcpp::testing {
+namespace {
+
+struct Case {
+  int b, sq, sk, hq, hkv, d;
+  bool causal = false;
+  DType dt = DType::kBF16;
+  bool sdpa_layout = false;
+  int wl = -1, wr = -1;
+  std::string config;  // empty: tuned choice
+};
+
+std::string describe(const Case& c) {
+  return "b" + std::to_string(c.b) + " sq" + std::to_string(c.sq) + " sk" + std::to_string(c.sk) + " hq" +
+         std::to_string(c.hq) + " hkv" + std::to_string(c.hkv) + " d" + std::to_string(c.d) +
+         (c.causal ? " causal" : "") + (c.dt == DType::kBF16 ? " bf16" : " fp16") + (c.sdpa_layout ? " sdpa" : "") +
+         " wl" + std::to_string(c.wl) + " wr" + std::to_string(c.wr) + (c.config.empty() ? "" : " cfg " + c.config);
+}
+
+constexpr double kAtol = 1e-2, kRtol = 1e-2, kLseAtol = 1e-3;
+
+TensorView make_view(void* ptr, DType dt, const Case& c, int seqlen, int heads) {
+  return c.sdpa_layout ? bhsd_view(ptr, dt, seqlen, heads, c.d) : bshd_view(ptr, dt, seqlen, heads, c.d);
+}
+
+/// Runs one case; returns the output bits (in the tensor's own layout) for determinism checks.
+void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bits_out = nullptr) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+  const std::int64_t nq = static_cast<std::int64_t>(c.b) * c.sq * c.hq * c.d;
+  const std::int64_t nk = static_cast<std::int64_t>(c.b) * c.sk * c.hkv * c.d;
+  auto hq = random_half_bits(nq, c.dt, g), hk = random_half_bits(nk, c.dt, g), hv = random_half_bits(nk, c.dt, g);
+  DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2), lse(sizeof(float) * c.b * c.hq * c.sq);
+  DeviceBuffer oref(sizeof(double) * nq), lseref(sizeof(double) * c.b * c.hq * c.sq);
+  ASSERT_TRUE(q.ptr && k.ptr && v.ptr && o.ptr && lse.ptr && oref.ptr && lseref.ptr);
+  CUDA_OK(cudaMemcpy(q.ptr, hq.data(), nq * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(k.ptr, hk.data(), nk * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(v.ptr, hv.data(), nk * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(o.ptr, 0xFF, nq * 2));  // NaN in fp16 and bf16
+  CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
+
+  AttnParams p;
+  p.batch = c.b; p.seqlen_q = c.sq; p.seqlen_k = c.sk; p.heads_q = c.hq; p.heads_kv = c.hkv; p.head_dim = c.d;
+  p.q = make_view(q.ptr, c.dt, c, c.sq, c.hq);
+  p.k = make_view(k.ptr, c.dt, c, c.sk, c.hkv);
+  p.v = make_view(v.ptr, c.dt, c, c.sk, c.hkv);
+  p.o = make_view(o.ptr, c.dt, c, c.sq, c.hq);
+  p.lse = static_cast<float*>(lse.ptr);
+  p.mask.causal = c.causal;
+  p.mask.window_left = c.wl;
+  p.mask.window_right = c.wr;
+  RunOptions opt;
+  opt.backend = Backend::kCuda;
+  opt.cuda_config = c.config;
+  const Status st = attention_forward(p, opt);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  const Status rs = cuda::reference_attention_f64(p, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr);
+  ASSERT_TRUE(rs.ok()) << rs.to_string();
+
+  std::vector<std::uint16_t> ho(nq);
+  std::vector<float> hlse(c.b * c.hq * c.sq);
+  std::vector<double> ro(nq), rlse(c.b * c.hq * c.sq);
+  CUDA_OK(cudaMemcpy(ho.data(), o.ptr, nq * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(hlse.data(), lse.ptr, lse.bytes, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, oref.bytes, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(rlse.data(), lseref.ptr, lseref.bytes, cudaMemcpyDeviceToHost));
+
+  double max_abs = 0, worst_viol = -1;
+  std::int64_t bad = 0, nan = 0;
+  for (int b = 0; b < c.b; ++b)
+    for (int i = 0; i < c.sq; ++i)
+      for (int h = 0; h < c.hq; ++h)
+        for (int d = 0; d < c.d; ++d) {
+          const std::int64_t idx = b * p.o.batch_stride + i * p.o.seq_stride + h * p.o.head_stride + d;
+          const double out = bits_to_float(ho[idx], c.dt);
+          const double ref = ro[((static_cast<std::int64_t>(b) * c.sq + i) * c.hq + h) * c.d + d];
+          if (std::isnan(out)) { ++nan; continue; }
+          const double err = std::fabs(out - ref);
+          max_abs = std::max(max_abs, err);
+          worst_viol = std::max(worst_viol, err - (kAtol + kRtol * std::fabs(ref)));
+          bad += err > kAtol + kRtol * std::fabs(ref);
+        }
+  double lse_err = 0;
+  std::int64_t lse_bad = 0;
+  for (int b = 0; b < c.b; ++b)
+    for (int h = 0; h < c.hq; ++h)
+      for (int i = 0; i < c.sq; ++i) {
+        const double out = hlse[(static_cast<std::int64_t>(b) * c.hq + h) * c.sq + i];
+        const double ref = rlse[h * static_cast<std::int64_t>(c.b) * c.sq + static_cast<std::int64_t>(b) * c.sq + i];
+        if (std::isinf(ref) && ref < 0) { lse_bad += !(std::isinf(out) && out < 0); continue; }
+        const double e = std::fabs(out - ref);
+        if (std::isnan(out) || e > kLseAtol) ++lse_bad;
+        if (!std::isnan(e)) lse_err = std::max(lse_err, e);
+      }
+  EXPECT_EQ(nan, 0) << "NaN (unwritten or poisoned) outputs";
+  EXPECT_EQ(bad, 0) << "elements over tolerance; max_abs_err " << max_abs;
+  EXPECT_EQ(lse_bad, 0) << "LSE rows over " << kLseAtol << "; max " << lse_err;
+  RecordProperty("max_abs_err", std::to_string(max_abs));
+  std::printf("    %-70s max_abs_err %.3e  lse_err %.3e\n", describe(c).c_str(), max_abs, lse_err);
+  if (bits_out) *bits_out = std::move(ho);
+}
+
+TEST(Sm80Prefill, CourseShapes) {
+  const int shapes[][4] = {{1, 8, 512, 64}, {1, 8, 2048, 64}, {4, 32, 4096, 128}, {1, 8, 8192, 128}, {2, 16, 16384, 64}};
+  std::uint64_t salt = 1;
+  for (auto& s : shapes)
+    for (bool causal : {false, true})
+      for (DType dt : {DType::kBF16, DType::kF16})
+        run_case(Case{s[0], s[2], s[2], s[1], s[1], s[3], causal, dt}, salt++);
+}
+
+TEST(Sm80Prefill, OddSizesAllHeadDims) {
+  std::uint64_t salt = 100;
+  for (int d : {64, 128, 256})
+    for (int n : {1, 17, 1000, 4097})
+      for (bool causal : {false, true}) run_case(Case{2, n, n, 3, 3, d, causal}, salt++);
+}
+
+TEST(Sm80Prefill, GqaMqaAndUnequalLengths) {
+  run_case(Case{1, 1024, 1024, 32, 8, 128, true}, 200);
+  run_case(Case{2, 777, 777, 8, 1, 64, false, DType::kF16}, 201);
+  for (bool causal : {false, true}) {
+    run_case(Case{1, 1000, 4097, 4, 2, 128, causal}, 202 + causal);
+    run_case(Case{1, 4097, 1000, 4, 2, 128, causal}, 204 + causal);
+    run_case(Case{2, 1, 3000, 8, 8, 64, causal}, 206 + causal);
+  }
+  run_case(Case{1, 2048, 2048, 8, 8, 256, true}, 208);
+}
+
+TEST(Sm80Prefill, SdpaLayoutThroughStrides) {
+  run_case(Case{2, 1000, 1000, 4, 4, 128, true, DType::kBF16, true}, 300);
+  run_case(Case{1, 513, 1025, 8, 2, 64, false, DType::kF16, true}, 301);
+}
+
+TEST(Sm80Prefill, SlidingWindows) {
+  std::uint64_t salt = 400;
+  const int windows[][2] = {{256, 0}, {0, 0}, {100, 37}, {5000, -1}, {-1, 64}, {1, 1}};
+  for (auto& w : windows)
+    for (bool causal : {false, true}) {
+      Case c{1, 1500, 1500, 4, 2, 128, causal};
+      c.wl = w[0], c.wr = w[1];
+      run_case(c, salt++);
+      c.sq = 700;  // seqlen_q != seqlen_k with a window
+      run_case(c, salt++);
+    }
+}
+
+TEST(Sm80Prefill, EveryCompiledConfig) {
+  std::uint64_t salt = 500;
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  for (int d : {64, 128, 256})
+    for (const auto& cfg : cuda::prefill_sm80_configs(d))
+      for (bool causal : {false, true})
+        for (DType dt : {DType::kBF16, DType::kF16}) {
+          Case c{2, 777, 1025, 4, 2, d, causal, dt};
+          c.config = cfg;
+          run_case(c, salt++);
+        }
+}
+
+TEST(Sm80Prefill, BitwiseDeterministic) {
+  std::vector<std::uint16_t> first, again;
+  Case c{1, 2048, 2048, 8, 8, 128, true};
+  run_case(c, 600, &first);
+  for (int r = 0; r < 5; ++r) {
+    run_case(c, 600, &again);  // same salt: same inputs
+    ASSERT_EQ(std::memcmp(first.data(), again.data(), first.size() * 2), 0) << "run " << r << " differs";
+  }
+}
+
+TEST(Sm80Prefill, EmptyProblemsWriteNothingAndNoKeysGiveZero) {
+  DeviceBuffer o(1024 * 2);
+  CUDA_OK(cudaMemset(o.ptr, 0x5A, 1024 * 2));
+  AttnParams p;
+  p.batch = 0; p.seqlen_q = 16; p.seqlen_k = 16; p.heads_q = 1; p.heads_kv = 1; p.head_dim = 64;
+  p.q = p.k = p.v = p.o = bshd_view(o.ptr, DType::kBF16, 16, 1, 64);
+  RunOptions opt;
+  opt.backend = Backend::kCuda;
+  ASSERT_TRUE(attention_forward(p, opt).ok());
+  std::vector<std::uint8_t> h(1024 * 2);
+  CUDA_OK(cudaMemcpy(h.data(), o.ptr, h.size(), cudaMemcpyDeviceToHost));
+  for (auto x : h) ASSERT_EQ(x, 0x5A);
+}
+
+TEST(Sm80Prefill, UnsupportedHeadDimIsAClearError) {
+  DeviceBuffer buf(1 << 20);
+  AttnParams p;
+  p.batch = 1; p.seqlen_q = 16; p.seqlen_k = 16; p.heads_q = 1; p.heads_kv = 1; p.head_dim = 80;
+  p.q = p.k = p.v = bshd_view(buf.ptr, DType::kBF16, 16, 1, 80);
+  p.o = bshd_view(static_cast<char*>(buf.ptr) + (1 << 19), DType::kBF16, 16, 1, 80);
+  RunOptions opt;
+  opt.backend = Backend::kCuda;
+  const Status st = attention_forward(p, opt);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("64, 128, 256"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace flashcpp::testing
