@@ -103,7 +103,7 @@ void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bit
   EXPECT_EQ(nan, 0) << "NaN (unwritten or poisoned) outputs";
   EXPECT_EQ(bad, 0) << "elements over tolerance; max_abs_err " << max_abs;
   EXPECT_EQ(lse_bad, 0) << "LSE rows over " << kLseAtol << "; max " << lse_err;
-  RecordProperty("max_abs_err", std::to_string(max_abs));
+  ::testing::Test::RecordProperty("max_abs_err", std::to_string(max_abs));
   std::printf("    %-70s max_abs_err %.3e  lse_err %.3e\n", describe(c).c_str(), max_abs, lse_err);
   if (bits_out) *bits_out = std::move(ho);
 }

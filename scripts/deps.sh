@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs what the C++ build needs when it is missing. Fresh Debian/Ubuntu machines (CI) get
+# Debian packages through apt; machines without network use .deb files carried in .debs/
+# (see scripts/fetch_debs.sh), unpacked into .deps/ and found through CMAKE_PREFIX_PATH.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+have_header() { [ -e "/usr/include/$1" ] || [ -e ".deps/usr/include/$1" ]; }
+missing=()
+have_header nlohmann/json.hpp || missing+=(nlohmann-json3-dev)
+have_header CLI/CLI.hpp || missing+=(libcli11-dev)
+have_header fmt/format.h || missing+=(libfmt-dev)
+have_header gtest/gtest.h || missing+=(libgtest-dev)
+command -v cmake >/dev/null || missing+=(cmake)
+command -v ninja >/dev/null || missing+=(ninja-build)
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "deps: missing ${missing[*]}"
+if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && timeout 120 apt-get update -qq >/dev/null 2>&1; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null && exit 0
+fi
+if compgen -G ".debs/*.deb" >/dev/null; then
+  echo "deps: unpacking carried .debs into .deps/"
+  for d in .debs/*.deb; do dpkg -x "$d" .deps || exit 1; done
+  exit 0
+fi
+echo "deps: cannot install ${missing[*]} (no apt access and no .debs/)" >&2
+exit 1
