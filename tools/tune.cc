@@ -146,6 +146,10 @@ int bench_main(const BenchOptions& opt) {
     }
     const std::string tuned = cuda::prefill_sm80_pick(in.sets[0], dev);
     std::vector<std::string> cfgs = opt.all_configs ? cuda::prefill_sm80_configs(s.d) : std::vector<std::string>{tuned};
+#if FLASHCPP_HAS_SM90
+    if (dev.sm_major == 9)
+      for (const auto& c : cuda::prefill_sm90_configs(s.d)) cfgs.push_back(c);
+#endif
     for (const auto& cfg : cfgs) {
       double us = 0;
       if (Status st = time_config(in, cfg, opt.warmup, opt.quick ? 10 : opt.iters, &us); !st.ok()) {

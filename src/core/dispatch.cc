@@ -1,5 +1,6 @@
 // The one dispatch layer: runtime values (backend, device, head_dim, dtype) become a named
 // KernelChoice here, and nowhere else.
+#include <algorithm>
 #include <string>
 
 #include "cpu/cpu_backend.h"
@@ -29,6 +30,20 @@ Status select_cuda(const AttnParams& p, const RunOptions& opt, KernelChoice* out
     return Status::Unsupported(
         "softcap, ALiBi, varlen, global tokens and block-sparse masks are not implemented in the "
         "CUDA kernels yet (they run on the CPU backends)");
+  if (p.effective_scale() < 0.f)
+    return Status::Unsupported("a negative softmax_scale runs on the CPU backends only (the CUDA kernels fold a positive scale into exp2)");
+#if FLASHCPP_HAS_SM90
+  // Hopper: the wgmma/TMA kernel, unless the caller forces an sm80 config by name.
+  const auto sm90 = cuda::prefill_sm90_configs(p.head_dim);
+  const bool forced_sm90 = !opt.cuda_config.empty() &&
+                           std::find(sm90.begin(), sm90.end(), opt.cuda_config) != sm90.end();
+  if (dev.sm_major == 9 && !sm90.empty() && (opt.cuda_config.empty() || forced_sm90)) {
+    out->id = KernelId::kCudaSm90;
+    out->config = forced_sm90 ? opt.cuda_config : sm90.front();
+    out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (forced_sm90 ? " (config forced)" : "");
+    return Status::Ok();
+  }
+#endif
   out->id = KernelId::kCudaSm80;
   if (!opt.cuda_config.empty()) {
     bool known = false;
@@ -93,6 +108,9 @@ Status attention_forward(const AttnParams& p, const RunOptions& opt) {
     case KernelId::kCpuTiled: return cpu::tiled_forward(p, opt);
 #if FLASHCPP_WITH_CUDA
     case KernelId::kCudaSm80: return cuda::prefill_sm80(p, choice.config, opt.stream);
+#if FLASHCPP_HAS_SM90
+    case KernelId::kCudaSm90: return cuda::prefill_sm90(p, choice.config, opt.stream);
+#endif
 #endif
     default: break;
   }

@@ -40,4 +40,9 @@ Status prefill_sm80(const AttnParams& p, const std::string& config, Stream strea
 /// The config the tuned table picks for a problem on the current device.
 std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev);
 
+/// Names of the compiled configs of the sm_90a (wgmma + TMA) prefill kernel for a head dim.
+std::vector<std::string> prefill_sm90_configs(int head_dim);
+/// Runs the sm_90a prefill kernel (config "" = the first listed for the head dim).
+Status prefill_sm90(const AttnParams& p, const std::string& config, Stream stream);
+
 }  // namespace flashcpp::cuda

@@ -1,4 +1,4 @@
-// GPU tests of the sm80 prefill kernel against the fp64 GPU reference (which the CPU tests and
+// GPU tests of the prefill kernels (sm90 wgmma path and sm80 mma.sync path) against the fp64 GPU reference (which the CPU tests and
 // the harness check against the CPU fp64 reference on small sizes). Fresh random inputs each run
 // (seed printed), outputs poisoned with NaN, tolerance atol = rtol = 1e-2 (docs/tolerances.md).
 #include <cstring>
@@ -25,6 +25,10 @@ std::string describe(const Case& c) {
 }
 
 constexpr double kAtol = 1e-2, kRtol = 1e-2, kLseAtol = 1e-3;
+/// Case::config value that forces the sm80 kernel (with its tuned config) on any device.
+const std::string kSm80 = "sm80";
+/// Every suite runs on both paths: the automatic choice (the sm90 kernel on Hopper) and sm80.
+const std::string kPaths[] = {"", kSm80};
 
 TensorView make_view(void* ptr, DType dt, const Case& c, int seqlen, int heads) {
   return c.sdpa_layout ? bhsd_view(ptr, dt, seqlen, heads, c.d) : bshd_view(ptr, dt, seqlen, heads, c.d);
@@ -59,6 +63,13 @@ void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bit
   RunOptions opt;
   opt.backend = Backend::kCuda;
   opt.cuda_config = c.config;
+  if (c.config == kSm80) {  // the sm80 kernel's tuned choice, even on a Hopper device
+    cuda::DeviceInfo dev;
+    ASSERT_TRUE(cuda::current_device(&dev).ok());
+    opt.cuda_config = cuda::prefill_sm80_pick(p, dev);
+  }
+  KernelChoice choice;
+  ASSERT_TRUE(select_kernel(p, opt, &choice).ok());
   const Status st = attention_forward(p, opt);
   ASSERT_TRUE(st.ok()) << st.to_string();
   CUDA_OK(cudaDeviceSynchronize());
@@ -104,61 +115,88 @@ void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bit
   EXPECT_EQ(bad, 0) << "elements over tolerance; max_abs_err " << max_abs;
   EXPECT_EQ(lse_bad, 0) << "LSE rows over " << kLseAtol << "; max " << lse_err;
   ::testing::Test::RecordProperty("max_abs_err", std::to_string(max_abs));
-  std::printf("    %-70s max_abs_err %.3e  lse_err %.3e\n", describe(c).c_str(), max_abs, lse_err);
+  std::printf("    %-70s %-16s max_abs_err %.3e  lse_err %.3e\n", describe(c).c_str(), kernel_name(choice.id), max_abs,
+              lse_err);
   if (bits_out) *bits_out = std::move(ho);
 }
 
-TEST(Sm80Prefill, CourseShapes) {
+TEST(Prefill, CourseShapes) {
   const int shapes[][4] = {{1, 8, 512, 64}, {1, 8, 2048, 64}, {4, 32, 4096, 128}, {1, 8, 8192, 128}, {2, 16, 16384, 64}};
   std::uint64_t salt = 1;
   for (auto& s : shapes)
     for (bool causal : {false, true})
       for (DType dt : {DType::kBF16, DType::kF16})
-        run_case(Case{s[0], s[2], s[2], s[1], s[1], s[3], causal, dt}, salt++);
+        for (const auto& path : kPaths) {
+          Case c{s[0], s[2], s[2], s[1], s[1], s[3], causal, dt};
+          c.config = path;
+          run_case(c, salt++);
+        }
 }
 
-TEST(Sm80Prefill, OddSizesAllHeadDims) {
+TEST(Prefill, OddSizesAllHeadDims) {
   std::uint64_t salt = 100;
   for (int d : {64, 128, 256})
     for (int n : {1, 17, 1000, 4097})
-      for (bool causal : {false, true}) run_case(Case{2, n, n, 3, 3, d, causal}, salt++);
+      for (bool causal : {false, true})
+        for (const auto& path : kPaths) {
+          Case c{2, n, n, 3, 3, d, causal};
+          c.config = path;
+          run_case(c, salt++);
+        }
 }
 
-TEST(Sm80Prefill, GqaMqaAndUnequalLengths) {
-  run_case(Case{1, 1024, 1024, 32, 8, 128, true}, 200);
-  run_case(Case{2, 777, 777, 8, 1, 64, false, DType::kF16}, 201);
-  for (bool causal : {false, true}) {
-    run_case(Case{1, 1000, 4097, 4, 2, 128, causal}, 202 + causal);
-    run_case(Case{1, 4097, 1000, 4, 2, 128, causal}, 204 + causal);
-    run_case(Case{2, 1, 3000, 8, 8, 64, causal}, 206 + causal);
+void run_paths(Case c, std::uint64_t salt) {
+  for (const auto& path : kPaths) {
+    c.config = path;
+    run_case(c, salt);
   }
-  run_case(Case{1, 2048, 2048, 8, 8, 256, true}, 208);
 }
 
-TEST(Sm80Prefill, SdpaLayoutThroughStrides) {
-  run_case(Case{2, 1000, 1000, 4, 4, 128, true, DType::kBF16, true}, 300);
-  run_case(Case{1, 513, 1025, 8, 2, 64, false, DType::kF16, true}, 301);
+TEST(Prefill, GqaMqaAndUnequalLengths) {
+  run_paths(Case{1, 1024, 1024, 32, 8, 128, true}, 200);
+  run_paths(Case{2, 777, 777, 8, 1, 64, false, DType::kF16}, 201);
+  for (bool causal : {false, true}) {
+    run_paths(Case{1, 1000, 4097, 4, 2, 128, causal}, 202 + causal);
+    run_paths(Case{1, 4097, 1000, 4, 2, 128, causal}, 204 + causal);
+    run_paths(Case{2, 1, 3000, 8, 8, 64, causal}, 206 + causal);
+  }
+  run_paths(Case{1, 2048, 2048, 8, 8, 256, true}, 208);
 }
 
-TEST(Sm80Prefill, SlidingWindows) {
+TEST(Prefill, SdpaLayoutThroughStrides) {
+  run_paths(Case{2, 1000, 1000, 4, 4, 128, true, DType::kBF16, true}, 300);
+  run_paths(Case{1, 513, 1025, 8, 2, 64, false, DType::kF16, true}, 301);
+}
+
+TEST(Prefill, SlidingWindows) {
   std::uint64_t salt = 400;
   const int windows[][2] = {{256, 0}, {0, 0}, {100, 37}, {5000, -1}, {-1, 64}, {1, 1}};
   for (auto& w : windows)
     for (bool causal : {false, true}) {
       Case c{1, 1500, 1500, 4, 2, 128, causal};
       c.wl = w[0], c.wr = w[1];
-      run_case(c, salt++);
+      run_paths(c, salt++);
       c.sq = 700;  // seqlen_q != seqlen_k with a window
-      run_case(c, salt++);
+      run_paths(c, salt++);
     }
 }
 
-TEST(Sm80Prefill, EveryCompiledConfig) {
+std::vector<std::string> all_configs(int d) {
+  auto v = cuda::prefill_sm80_configs(d);
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
+    for (const auto& c : cuda::prefill_sm90_configs(d)) v.push_back(c);
+#endif
+  return v;
+}
+
+TEST(Prefill, EveryCompiledConfig) {
   std::uint64_t salt = 500;
   cuda::DeviceInfo dev;
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   for (int d : {64, 128, 256})
-    for (const auto& cfg : cuda::prefill_sm80_configs(d))
+    for (const auto& cfg : all_configs(d))
       for (bool causal : {false, true})
         for (DType dt : {DType::kBF16, DType::kF16}) {
           Case c{2, 777, 1025, 4, 2, d, causal, dt};
@@ -167,17 +205,20 @@ TEST(Sm80Prefill, EveryCompiledConfig) {
         }
 }
 
-TEST(Sm80Prefill, BitwiseDeterministic) {
-  std::vector<std::uint16_t> first, again;
-  Case c{1, 2048, 2048, 8, 8, 128, true};
-  run_case(c, 600, &first);
-  for (int r = 0; r < 5; ++r) {
-    run_case(c, 600, &again);  // same salt: same inputs
-    ASSERT_EQ(std::memcmp(first.data(), again.data(), first.size() * 2), 0) << "run " << r << " differs";
+TEST(Prefill, BitwiseDeterministic) {
+  for (const auto& path : kPaths) {
+    std::vector<std::uint16_t> first, again;
+    Case c{1, 2047, 2047, 8, 8, 128, true};  // not a multiple of any tile size
+    c.config = path;
+    run_case(c, 600, &first);
+    for (int r = 0; r < 5; ++r) {
+      run_case(c, 600, &again);  // same salt: same inputs
+      ASSERT_EQ(std::memcmp(first.data(), again.data(), first.size() * 2), 0) << "run " << r << " differs";
+    }
   }
 }
 
-TEST(Sm80Prefill, EmptyProblemsWriteNothingAndNoKeysGiveZero) {
+TEST(Prefill, EmptyProblemsWriteNothingAndNoKeysGiveZero) {
   DeviceBuffer o(1024 * 2);
   CUDA_OK(cudaMemset(o.ptr, 0x5A, 1024 * 2));
   AttnParams p;
@@ -191,7 +232,7 @@ TEST(Sm80Prefill, EmptyProblemsWriteNothingAndNoKeysGiveZero) {
   for (auto x : h) ASSERT_EQ(x, 0x5A);
 }
 
-TEST(Sm80Prefill, UnsupportedHeadDimIsAClearError) {
+TEST(Prefill, UnsupportedHeadDimIsAClearError) {
   DeviceBuffer buf(1 << 20);
   AttnParams p;
   p.batch = 1; p.seqlen_q = 16; p.seqlen_k = 16; p.heads_q = 1; p.heads_kv = 1; p.head_dim = 80;

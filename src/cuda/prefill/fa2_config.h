@@ -4,7 +4,7 @@
 
 namespace flashcpp::cuda {
 
-template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, bool QInRegs>
+template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, bool QInRegs, int MinBlocks = 1>
 struct Fa2Config {
   static constexpr int kHeadDim = HeadDim;  ///< D
   static constexpr int kBlockM = BlockM;    ///< query rows per CTA
@@ -12,6 +12,7 @@ struct Fa2Config {
   static constexpr int kWarps = Warps;      ///< warps per CTA, each owns kBlockM/kWarps rows
   static constexpr int kStages = Stages;    ///< K/V shared-memory ring depth (cp.async groups in flight + 1)
   static constexpr bool kQInRegs = QInRegs; ///< Q fragments loaded once to registers, else re-read by ldmatrix
+  static constexpr int kMinBlocks = MinBlocks; ///< CTAs per SM the register allocation must allow (launch bounds)
 
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowsPerWarp = kBlockM / kWarps;

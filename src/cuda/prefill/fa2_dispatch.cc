@@ -16,7 +16,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 std::string fa2_config_name(const Fa2Entry& e) {
   return "m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "w" + std::to_string(e.warps) + "s" +
-         std::to_string(e.stages) + (e.q_in_regs ? "r" : "q");
+         std::to_string(e.stages) + (e.q_in_regs ? "r" : "q") +
+         (e.min_blocks > 1 ? "b" + std::to_string(e.min_blocks) : "");
 }
 
 std::span<const Fa2Entry> fa2_entries(int head_dim) {

@@ -4,9 +4,9 @@
 // (kMT m16 tiles). K/V tiles stream through a kStages-deep ring of XOR-swizzled shared memory
 // filled by cp.async; Q is loaded once. Per key block, in registers:
 //   S  = Q K^T                        (mma.sync, fp32 accumulators)
-//   m' = max(m, rowmax(S) * c)        c = softmax_scale * log2(e)   (scale folded into exp2)
-//   P  = exp2(S * c - m')             (ex2.approx)
-//   l  = l * exp2(m - m') + rowsum(P);  O = O * exp2(m - m') + P V   (P reused as the A operand)
+//   m' = max(m, rowmax(S))            raw scores; c = softmax_scale * log2(e) > 0
+//   P  = exp2(S * c - m' * c)         (one FFMA + ex2.approx per element: scale folded in)
+//   l  = l * exp2((m - m') c) + rowsum(P);  O = O * exp2((m - m') c) + P V   (P reused as A operand)
 // then O / l and LSE = (m + log2 l) * ln 2. Key blocks are walked from the last visible one
 // down (MaskRules::key_range), so a causal CTA does only the blocks its rows can see and
 // only boundary blocks pay for the element mask.
@@ -37,25 +37,29 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-/// Copy `rows` rows [row0, row0+rows) of a (seq, D) slab into a swizzled tile; rows at or past
-/// `limit` are zero-filled (their source address is clamped to row 0, which is never read).
+/// Copy `Rows` rows [row0, row0+Rows) of a (seq, D) slab into a swizzled tile; rows at or past
+/// `limit` are zero-filled (src-size 0: nothing is read; the address stays the slab's row 0).
+/// Each thread owns one 16-byte column chunk and every kRowsPerPass-th row, so its source
+/// pointer advances by a constant stride and its destination by an immediate: few registers.
 template <class Cfg, int Rows, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, std::int32_t seq_stride, int row0,
                                           int limit, int tid) {
-  constexpr int kTotal = Rows * Cfg::kChunks;
-  static_assert(kTotal % Cfg::kThreads == 0, "tile chunks divide evenly over the threads");
+  constexpr int kRowsPerPass = Cfg::kThreads / Cfg::kChunks;
+  static_assert(Cfg::kThreads % Cfg::kChunks == 0 && Rows % kRowsPerPass == 0, "rows divide over the threads");
+  const int tr = tid / Cfg::kChunks, c = tid % Cfg::kChunks;
+  const T* src = gmem + static_cast<std::int64_t>(row0 + tr) * seq_stride + c * 8;
+  const std::int64_t step = static_cast<std::int64_t>(kRowsPerPass) * seq_stride;
 #pragma unroll
-  for (int it = 0; it < kTotal / Cfg::kThreads; ++it) {
-    const int idx = tid + it * Cfg::kThreads;
-    const int r = idx / Cfg::kChunks, c = idx % Cfg::kChunks;
+  for (int it = 0; it < Rows / kRowsPerPass; ++it) {
+    const int r = tr + it * kRowsPerPass;
     const bool ok = row0 + r < limit;
-    const T* src = gmem + (ok ? static_cast<std::int64_t>(row0 + r) * seq_stride : 0) + c * 8;
-    ptx::cp_async_16(ptx::smem_u32(smem + swz<Cfg::kHeadDim>(r, c)), src, ok ? 16 : 0);
+    ptx::cp_async_16(ptx::smem_u32(smem + swz<Cfg::kHeadDim>(r, c)), ok ? src : gmem, ok ? 16 : 0);
+    src += step;
   }
 }
 
 template <class Cfg, typename T>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     fa2_forward_kernel(const __grid_constant__ Fa2Params p) {
   constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
   constexpr int MT = Cfg::kMT, NT = Cfg::kNT, DT = Cfg::kDT, KT = Cfg::kKT, PT = Cfg::kPT;
@@ -178,14 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
     }
 
-    // ---- scale (log2 domain), then mask boundary tiles ---------------------------------------
-    // Scaling first keeps max() right for any sign of the scale and leaves masked scores -inf.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[mt][nt][e] *= p.scale_log2;
+    // ---- mask boundary tiles ------------------------------------------------------------------
     if (!p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -210,15 +207,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * r], acc_s[mt][nt][2 * r + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // A row that has seen no key yet keeps m = -inf; use 0 so exp2(-inf - 0) = 0, not NaN.
-        const float m_use = mx == -INFINITY ? 0.f : mx;
-        const float corr = ptx::exp2_approx(row_max[mt][r] - m_use);
+        // Max on raw scores (the scale is positive, dispatch guarantees it), then one FFMA per
+        // exponent: p = exp2(s * c - m * c). A row that has seen no key yet keeps m = -inf; use 0
+        // so exp2(-inf - 0) = 0, not NaN.
+        const float m_use = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+        const float corr = ptx::exp2_approx(row_max[mt][r] * p.scale_log2 - m_use);
         row_max[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const float p0 = ptx::exp2_approx(acc_s[mt][nt][2 * r] - m_use);
-          const float p1 = ptx::exp2_approx(acc_s[mt][nt][2 * r + 1] - m_use);
+          const float p0 = ptx::exp2_approx(fmaf(acc_s[mt][nt][2 * r], p.scale_log2, -m_use));
+          const float p1 = ptx::exp2_approx(fmaf(acc_s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
           acc_s[mt][nt][2 * r] = p0;
           acc_s[mt][nt][2 * r + 1] = p1;
           sum += p0 + p1;
@@ -275,7 +274,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             ptx::pack2<T>(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
       }
       if (p.lse != nullptr && t == 0 && m0 + row < p.seqlen_q) {
-        const float lse = l > 0.f ? (row_max[mt][r] + __log2f(l)) * kLn2 : -INFINITY;
+        const float lse = l > 0.f ? (row_max[mt][r] * p.scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
         p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + m0 + row] = lse;
       }
     }

@@ -38,7 +38,7 @@ Status fa2_run(const Fa2Params& p, Stream stream, int device) {
 template <class Cfg>
 constexpr Fa2Entry fa2_entry() {
   return Fa2Entry{Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kStages, Cfg::kQInRegs,
-                  Cfg::kSmemBytes, &fa2_run<Cfg, __nv_bfloat16>, &fa2_run<Cfg, __half>};
+                  Cfg::kMinBlocks, Cfg::kSmemBytes, &fa2_run<Cfg, __nv_bfloat16>, &fa2_run<Cfg, __half>};
 }
 
 }  // namespace flashcpp::cuda

@@ -1,0 +1,1 @@
+"""Benchmarks of flashcpp against its peers, in one process: `python -m flashcpp.bench AREA`."""

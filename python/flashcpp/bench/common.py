@@ -1,0 +1,93 @@
+"""Shared pieces of the benchmark drivers: environment block, measured ceilings, timing, CSV, plots."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Callable, Dict, List
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+                                       stderr=subprocess.DEVNULL).decode().strip()
+    except Exception:
+        return os.environ.get("FLASHCPP_GIT_COMMIT", "unknown")
+
+
+def environment() -> Dict[str, object]:
+    import torch
+    env: Dict[str, object] = {
+        "gpu": torch.cuda.get_device_name(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+        "torch": torch.__version__,
+        "cuda_runtime": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "git_commit": git_commit(),
+        "python": sys.version.split()[0],
+    }
+    try:
+        out = subprocess.check_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        env["driver"] = out.decode().strip()
+    except Exception:
+        env["driver"] = "unknown"
+    return env
+
+
+def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median time of fn in microseconds (CUDA events; triton's do_bench clears L2 between runs)."""
+    import triton.testing
+    return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 2) -> Dict[str, float]:
+    """Time each implementation `rounds` times in alternating order; the median of the rounds."""
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_us(fn))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def ceilings() -> Dict[str, float]:
+    """Measured bf16 GEMM TFLOP/s (8192^3) and device copy TB/s (read + write), on random data."""
+    import torch
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    us = bench_us(lambda: a @ b)
+    gemm = 2 * 8192 ** 3 / (us * 1e-6) / 1e12
+    x = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    y = torch.empty_like(x)
+    us = bench_us(lambda: y.copy_(x))
+    copy = 2 * x.numel() * 2 / (us * 1e-6) / 1e12
+    del a, b, x, y
+    torch.cuda.empty_cache()
+    return {"gemm_bf16_tflops": round(gemm, 1), "copy_tbps": round(copy, 3)}
+
+
+def write_csv(path: str, rows: List[Dict[str, object]]) -> None:
+    if not rows:
+        return
+    keys: List[str] = []
+    for r in rows:
+        for k in r:
+            if k not in keys:
+                keys.append(k)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def write_json(path: str, obj: object) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+
+
+def progress(msg: str) -> None:
+    print(msg, flush=True)

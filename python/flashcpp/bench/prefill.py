@@ -1,0 +1,107 @@
+"""Prefill attention: flashcpp vs torch SDPA's FLASH (FA2), CUDNN and EFFICIENT backends, one process.
+
+TFLOP/s = 4*B*H*Nq*Nk*D / time, halved for causal (DESIGN.md). Every implementation reads the same
+(B, N, H, D) bf16/fp16 tensors; SDPA gets the (B, H, N, D) view of them through strides.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+from .common import ceilings, environment, interleaved, progress, write_csv, write_json
+
+SHAPES = [  # batch, heads, seqlen, head_dim
+    (1, 8, 512, 64), (1, 8, 2048, 64), (2, 16, 4096, 64), (2, 16, 16384, 64),
+    (4, 32, 4096, 128), (1, 8, 8192, 128), (1, 16, 16384, 128), (1, 16, 4096, 256),
+]
+QUICK = [(2, 16, 4096, 64), (4, 32, 4096, 128)]
+
+
+def _flops(b, h, n, d, causal):
+    f = 4.0 * b * h * n * n * d
+    return f / 2 if causal else f
+
+
+def run(quick: bool, out: str) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashcpp
+
+    os.makedirs(out, exist_ok=True)
+    env = environment()
+    env.update(ceilings())
+    progress(f"[bench prefill] {env}")
+    rows: List[Dict[str, object]] = []
+    peers = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_cudnn": SDPBackend.CUDNN_ATTENTION,
+             "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}
+    cases = [(s, c, dt) for s in (QUICK if quick else SHAPES) for c in (False, True)
+             for dt in ([torch.bfloat16] if quick else [torch.bfloat16, torch.float16])]
+    for idx, ((b, h, n, d), causal, dtype) in enumerate(cases):
+        g = torch.Generator(device="cuda").manual_seed(1000 + idx)
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+        qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        fns = {"flashcpp": lambda: flashcpp.flash_attn_func(q, k, v, causal=causal)}
+        for name, be in peers.items():
+            def f(be=be):
+                with sdpa_kernel(be):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            try:
+                f()
+                fns[name] = f
+            except Exception as e:  # a backend that refuses a shape is reported, not hidden
+                progress(f"  {name} unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
+        # sanity: same function (SDPA causal is top-left; equal lengths here, so identical)
+        ref = fns["torch_cudnn" if "torch_cudnn" in fns else "torch_flash"]().transpose(1, 2).float()
+        err = (fns["flashcpp"]().float() - ref).abs().max().item()
+        t = interleaved(fns)
+        dts = "bf16" if dtype == torch.bfloat16 else "fp16"
+        cid = f"b{b}_h{h}_n{n}_d{d}{'_causal' if causal else ''}_{dts}"
+        fl = _flops(b, h, n, d, causal)
+        line = [f"{cid:34s} ours {fl / t['flashcpp'] / 1e6:6.1f} TF/s"]
+        for peer in peers:
+            if peer not in t:
+                continue
+            rows.append({"case": cid, "peer": peer, "ours_us": round(t["flashcpp"], 2), "peer_us": round(t[peer], 2),
+                         "speedup": round(t[peer] / t["flashcpp"], 3), "batch": b, "heads_q": h, "heads_kv": h,
+                         "seqlen_q": n, "seqlen_k": n, "head_dim": d, "causal": int(causal), "mask": "causal" if causal else "none",
+                         "dtype": dts, "ours_tflops": round(fl / t["flashcpp"] / 1e6, 1),
+                         "peer_tflops": round(fl / t[peer] / 1e6, 1), "max_abs_diff_vs_sdpa": f"{err:.3e}",
+                         "gpu": env["gpu"], "git_commit": env["git_commit"]})
+            line.append(f"{peer} {fl / t[peer] / 1e6:6.1f} ({t[peer] / t['flashcpp']:.2f}x)")
+        progress("  ".join(line) + f"  maxdiff {err:.1e}")
+        del q, k, v, qt, kt, vt
+    write_csv(os.path.join(out, "benchmark.csv"), rows)
+    write_json(os.path.join(out, "benchmark_env.json"), env)
+    plot(rows, os.path.join(out, "benchmark.png"), env)
+    progress(f"[bench prefill] wrote {out}/benchmark.csv, benchmark.png")
+    return 0
+
+
+def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({r["case"] for r in rows if r["dtype"] == "bf16"}, key=lambda c: [r["case"] for r in rows].index(c))
+    impls = ["flashcpp", "torch_flash", "torch_cudnn", "torch_efficient"]
+    vals = {i: [] for i in impls}
+    for c in cases:
+        rs = [r for r in rows if r["case"] == c]
+        vals["flashcpp"].append(rs[0]["ours_tflops"])
+        for p in impls[1:]:
+            m = [r for r in rs if r["peer"] == p]
+            vals[p].append(m[0]["peer_tflops"] if m else 0)
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.9), 5))
+    w = 0.2
+    for i, name in enumerate(impls):
+        ax.bar([x + (i - 1.5) * w for x in range(len(cases))], vals[name], w, label=name)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([c.replace("_bf16", "") for c in cases], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (bf16)")
+    ax.set_title(f"Prefill forward on {env['gpu']} (torch {env['torch']}, cuDNN {env['cudnn']}, {env['git_commit']})")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,120 @@
+// sm_90a prefill: AttnParams -> TMA tensor maps + Fa3Params, and the config registry.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+#include <string>
+
+#include "cuda/cuda_api.h"
+#include "cuda/prefill/fa3_registry.h"
+
+namespace flashcpp::cuda {
+
+std::span<const Fa3Entry> fa3_entries_hd64();
+std::span<const Fa3Entry> fa3_entries_hd128();
+std::span<const Fa3Entry> fa3_entries_hd256();
+
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+/// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link needed).
+Status get_encode_fn(PFN_cuTensorMapEncodeTiled_v12000* out) {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  static cudaError_t err = cudaSuccess;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q);
+    if (err == cudaSuccess && q == cudaDriverEntryPointSuccess) fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  });
+  if (fn == nullptr) return Status::Cuda(std::string("cuTensorMapEncodeTiled is unavailable: ") + cudaGetErrorString(err));
+  *out = fn;
+  return Status::Ok();
+}
+
+/// Rank-4 map over (head_dim, seqlen, heads, batch) of a 16-bit tensor view, box (64, rows, 1, 1),
+/// 128-byte swizzle. Rows past seqlen read as zeros (TMA out-of-bounds fill).
+Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, int batch, int head_dim, int box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode;
+  FLASHCPP_RETURN_IF_ERROR(get_encode_fn(&encode));
+  const CUtensorMapDataType dt = t.dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  // A stride of an extent-1 dimension is never used; TMA still wants a multiple of 16 bytes.
+  auto stride = [](std::int64_t s_elems, int extent, std::int64_t fallback) -> cuuint64_t {
+    const std::int64_t bytes = s_elems * 2;
+    return static_cast<cuuint64_t>(extent == 1 || bytes <= 0 ? fallback : bytes);
+  };
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
+  const std::int64_t row_bytes = static_cast<std::int64_t>(head_dim) * 2;
+  const cuuint64_t strides[3] = {stride(t.seq_stride, seqlen, row_bytes), stride(t.head_stride, heads, row_bytes),
+                                 stride(t.batch_stride, batch, row_bytes)};
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, dt, 4, t.data, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return Status::Cuda("cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string fa3_config_name(const Fa3Entry& e) {
+  return "sm90_m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "s" + std::to_string(e.stages);
+}
+
+std::span<const Fa3Entry> fa3_entries(int head_dim) {
+  switch (head_dim) {
+    case 64: return fa3_entries_hd64();
+    case 128: return fa3_entries_hd128();
+    case 256: return fa3_entries_hd256();
+    default: return {};
+  }
+}
+
+std::vector<std::string> prefill_sm90_configs(int head_dim) {
+  std::vector<std::string> out;
+  for (const auto& e : fa3_entries(head_dim)) out.push_back(fa3_config_name(e));
+  return out;
+}
+
+Status prefill_sm90(const AttnParams& a, const std::string& config, Stream stream) {
+  DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
+  const Fa3Entry* entry = nullptr;
+  for (const auto& e : fa3_entries(a.head_dim))
+    if (config.empty() || fa3_config_name(e) == config) {
+      entry = &e;
+      break;
+    }
+  if (entry == nullptr)
+    return Status::Invalid("no sm90 prefill config '" + config + "' for head_dim " + std::to_string(a.head_dim));
+  Fa3Params p{};
+  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, entry->block_m));
+  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n));
+  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n));
+  p.o = a.o.data;
+  p.lse = a.lse;
+  p.o_batch_stride = a.o.batch_stride;
+  p.o_seq_stride = static_cast<std::int32_t>(a.o.seq_stride);
+  p.o_head_stride = static_cast<std::int32_t>(a.o.head_stride);
+  p.batch = a.batch;
+  p.seqlen_q = a.seqlen_q;
+  p.seqlen_k = a.seqlen_k;
+  p.heads_q = a.heads_q;
+  p.group = a.heads_q / a.heads_kv;
+  p.scale_log2 = a.effective_scale() * kLog2e;
+  p.rules.seqlen_q = a.seqlen_q;
+  p.rules.seqlen_k = a.seqlen_k;
+  p.rules.causal = a.mask.causal;
+  p.rules.window_left = a.mask.window_left;
+  p.rules.window_right = a.mask.window_right;
+  const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
+  return fn(p, stream, dev.device);
+}
+
+}  // namespace flashcpp::cuda

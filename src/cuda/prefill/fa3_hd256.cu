@@ -1,0 +1,11 @@
+// sm_90a prefill instantiations for head_dim 256 (bf16 + fp16).
+#include "cuda/prefill/fa3_launch.cuh"
+
+namespace flashcpp::cuda {
+namespace {
+const Fa3Entry kEntries[] = {
+    fa3_entry<Fa3Config<256, 64, 2>>(),
+};
+}  // namespace
+std::span<const Fa3Entry> fa3_entries_hd256() { return kEntries; }
+}  // namespace flashcpp::cuda

@@ -1,0 +1,253 @@
+// FA3-style attention forward for sm_90a: TMA loads into a multi-stage shared-memory ring
+// synchronized by mbarriers, one producer warp, two consumer warpgroups with register
+// reallocation (setmaxnreg), wgmma for S = Q K^T (both operands in shared memory) and
+// O += P V (P from registers, V read MN-major from shared memory).
+//
+// A CTA owns kBlockM = 128 query rows of one (batch, head): consumer warpgroup c computes rows
+// [64c, 64c + 64). Per key block, per consumer warpgroup:
+//   wait K full -> S = Q K^T (wgmma.ss, D/16 k-steps) -> mask boundary tiles -> online softmax
+//   (same recurrence as the sm80 kernel, exp2 with the scale folded in) -> P to 16-bit A fragments
+//   -> wait V full -> O = O * corr + P V (wgmma.rs, BlockN/16 k-steps) -> release the stage.
+// The producer thread refills a stage as soon as both consumers released it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/mask_rules.h"
+#include "cuda/common/hopper.cuh"
+#include "cuda/common/ptx.cuh"
+#include "cuda/prefill/fa3_params.h"
+
+namespace flashcpp::cuda {
+inline constexpr float kLn2Fa3 = 0.6931471805599453f;
+}
+
+namespace flashcpp::cuda {
+
+template <int HeadDim, int BlockN, int Stages>
+struct Fa3Config {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = 128;              ///< two consumer warpgroups x 64 rows
+  static constexpr int kBlockN = BlockN;           ///< keys per stage
+  static constexpr int kStages = Stages;           ///< K/V ring depth
+  static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
+  static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
+  static constexpr int kQBytes = kBlockM * HeadDim * 2;
+  static constexpr int kKVBytes = BlockN * HeadDim * 2;
+  static constexpr int kSmemBytes = kQBytes + 2 * Stages * kKVBytes + 1024 /*align*/ + 256 /*barriers*/;
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
+  static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
+};
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __grid_constant__ Fa3Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma/setmaxnreg exist only in the sm_90a pass
+  constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
+  constexpr int NC = BN / 8;   // n8 column chunks of S per row
+  constexpr int DC = D / 8;    // n8 column chunks of O per row
+  extern __shared__ unsigned char smem_raw[];
+  // 1024-byte alignment for the 128B-swizzle atoms (TMA writes them, wgmma reads them).
+  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  T* sQ = reinterpret_cast<T*>(base);                       // [panel][BM][64]
+  T* sK = reinterpret_cast<T*>(base + Cfg::kQBytes);        // [stage][panel][BN][64]
+  T* sV = reinterpret_cast<T*>(base + Cfg::kQBytes + S * Cfg::kKVBytes);
+  std::uint64_t* bars = reinterpret_cast<std::uint64_t*>(base + Cfg::kQBytes + 2 * S * Cfg::kKVBytes);
+  std::uint64_t* q_full = bars;
+  std::uint64_t* k_full = bars + 1;
+  std::uint64_t* v_full = bars + 1 + S;
+  std::uint64_t* kv_empty = bars + 1 + 2 * S;
+
+  const int tid = threadIdx.x, wg = tid / 128;
+  const int bh = blockIdx.x;
+  const int b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group;
+  const int m_block = gridDim.y - 1 - blockIdx.y;  // heaviest causal blocks first
+  const int m0 = m_block * BM;
+  const int m_end = min(m0 + BM, p.seqlen_q);
+  int key_lo, key_hi;
+  p.rules.key_range(m0, m_end, &key_lo, &key_hi);
+  const int n_first = key_lo / BN;
+  const int n_iters = key_hi > key_lo ? (key_hi + BN - 1) / BN - n_first : 0;
+  const int n_last = n_first + n_iters - 1;
+
+  if (tid == 0) {
+    sm90::mbar_init(q_full, 1);
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(&k_full[s], 1);
+      sm90::mbar_init(&v_full[s], 1);
+      sm90::mbar_init(&kv_empty[s], 8);  // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer
+    sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (tid == 0) {
+      sm90::mbar_expect_tx(q_full, Cfg::kQBytes);
+#pragma unroll
+      for (int pn = 0; pn < Cfg::kPanels; ++pn)
+        sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, m0, h, b, q_full);
+      for (int it = 0; it < n_iters; ++it) {
+        const int s = it % S;
+        const std::uint32_t phase = (it / S) & 1;
+        sm90::mbar_wait(&kv_empty[s], phase ^ 1);  // first pass: the "previous" phase counts as done
+        const int n0 = (n_last - it) * BN;
+        sm90::mbar_expect_tx(&k_full[s], Cfg::kKVBytes);
+#pragma unroll
+        for (int pn = 0; pn < Cfg::kPanels; ++pn)
+          sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, n0, hk, b, &k_full[s]);
+        sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
+#pragma unroll
+        for (int pn = 0; pn < Cfg::kPanels; ++pn)
+          sm90::tma_load_4d(sV + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, n0, hk, b, &v_full[s]);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+  sm90::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int c = wg - 1;                  // rows [64c, 64c+64) of the tile
+  const int ct = tid - 128 * wg;         // thread index inside the warpgroup
+  const int warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const int row_base = m0 + 64 * c + 16 * warp + g;  // query row of this thread's r = 0 values
+
+  float acc_o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+
+  const std::uint32_t q_addr = ptx::smem_u32(sQ) + 64 * c * 128;  // this warpgroup's 64 rows
+  sm90::mbar_wait(q_full, 0);
+
+  for (int it = 0; it < n_iters; ++it) {
+    const int s = it % S;
+    const std::uint32_t phase = (it / S) & 1;
+    const int n0 = (n_last - it) * BN;
+
+    // ---- S = Q K^T --------------------------------------------------------------------
+    float acc_s[BN / 2];
+    sm90::mbar_wait(&k_full[s], phase);
+    sm90::wgmma_fence();
+    const std::uint32_t k_addr = ptx::smem_u32(sK + s * Cfg::kPanels * BN * 64);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, then 32 bytes per k16 step
+      const std::uint64_t da = sm90::make_desc(q_addr + pn * BM * 128 + off, 16, 1024);
+      const std::uint64_t db = sm90::make_desc(k_addr + pn * BN * 128 + off, 16, 1024);
+      sm90::wgmma_ss<BN, T>(acc_s, da, db, kk > 0 ? 1 : 0);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+
+    // ---- mask boundary tiles ------------------------------------------------------------
+    if (!p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) {
+#pragma unroll
+      for (int j = 0; j < NC; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = row_base + (e >= 2 ? 8 : 0);
+          const int col = n0 + 8 * j + 2 * t + (e & 1);
+          if (!p.rules.visible(i, col)) acc_s[4 * j + e] = -INFINITY;
+        }
+    }
+
+    // ---- online softmax (raw-score max, exp2 with the scale folded in) ---------------------
+    std::uint32_t pa[BN / 16][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = row_max[r];
+#pragma unroll
+      for (int j = 0; j < NC; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_use = mx == -INFINITY ? 0.f : mx * p.scale_log2;
+      const float corr = ptx::exp2_approx(row_max[r] * p.scale_log2 - m_use);
+      row_max[r] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        const float p0 = ptx::exp2_approx(fmaf(acc_s[4 * j + 2 * r], p.scale_log2, -m_use));
+        const float p1 = ptx::exp2_approx(fmaf(acc_s[4 * j + 2 * r + 1], p.scale_log2, -m_use));
+        acc_s[4 * j + 2 * r] = p0;
+        acc_s[4 * j + 2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      row_sum[r] = row_sum[r] * corr + sum;
+#pragma unroll
+      for (int j = 0; j < DC; ++j) {
+        acc_o[4 * j + 2 * r] *= corr;
+        acc_o[4 * j + 2 * r + 1] *= corr;
+      }
+    }
+    // P as wgmma A fragments: k16 step kk covers S chunks 2kk (a0, a1) and 2kk+1 (a2, a3).
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      pa[kk][0] = ptx::pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
+      pa[kk][1] = ptx::pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
+      pa[kk][2] = ptx::pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
+      pa[kk][3] = ptx::pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
+    }
+
+    // ---- O += P V -------------------------------------------------------------------------
+    sm90::mbar_wait(&v_full[s], phase);
+    sm90::wgmma_fence();
+    const std::uint32_t v_addr = ptx::smem_u32(sV + s * Cfg::kPanels * BN * 64);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      // 16 keys = 2 K-groups of 8 rows x 128 B; panels of 64 head-dim columns are BN*128 B apart.
+      const std::uint64_t db = sm90::make_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
+      sm90::wgmma_rs<D, T>(acc_o, pa[kk], db, 1);
+    }
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<0>();
+    if (lane == 0) sm90::mbar_arrive(&kv_empty[s]);
+  }
+
+  // ---- epilogue: O / l into this warpgroup's rows of sQ (same 128B-swizzled panels), then
+  //      16-byte coalesced stores; LSE from the quad leader. --------------------------------
+  float inv[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = row_sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    const int i = row_base + 8 * r;
+    if (p.lse != nullptr && t == 0 && i < p.seqlen_q)
+      p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i] =
+          l > 0.f ? (row_max[r] * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
+  }
+  unsigned char* sO = base;  // this warpgroup reads only its own Q rows, all S GEMMs are done
+#pragma unroll
+  for (int j = 0; j < DC; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = 64 * c + 16 * warp + g + 8 * r;  // row inside the tile
+      const int pn = j / 8, chunk = j % 8;
+      *reinterpret_cast<std::uint32_t*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4) + 4 * t) =
+          ptx::pack2<T>(acc_o[4 * j + 2 * r] * inv[r], acc_o[4 * j + 2 * r + 1] * inv[r]);
+    }
+  sm90::named_barrier_sync(1 + c, 128);
+  T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+#pragma unroll
+  for (int it = 0; it < 64 * DC / 128; ++it) {
+    const int idx = ct + it * 128;
+    const int row = 64 * c + idx / DC, j = idx % DC;
+    const int pn = j / 8, chunk = j % 8;
+    if (m0 + row < p.seqlen_q) {
+      const uint4 val = *reinterpret_cast<const uint4*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4));
+      *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + row) * p.o_seq_stride + j * 8) = val;
+    }
+  }
+#else
+  __trap();  // never launched: dispatch picks this kernel only on sm_90 devices
+#endif
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,25 @@
+// Kernel parameters of the sm_90a (wgmma + TMA) prefill kernel.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "common/mask_rules.h"
+
+namespace flashcpp::cuda {
+
+struct Fa3Params {
+  CUtensorMap tmap_q;  ///< rank 4 (D, seqlen_q, heads_q, batch), box (64, 128, 1, 1), 128B swizzle
+  CUtensorMap tmap_k;  ///< rank 4 (D, seqlen_k, heads_kv, batch), box (64, BlockN, 1, 1)
+  CUtensorMap tmap_v;
+  void* o;
+  float* lse;  ///< (batch, heads_q, seqlen_q) or nullptr
+  std::int64_t o_batch_stride;
+  std::int32_t o_seq_stride, o_head_stride;
+  int batch, seqlen_q, seqlen_k, heads_q, group;
+  float scale_log2;
+  MaskRules rules;
+};
+
+}  // namespace flashcpp::cuda

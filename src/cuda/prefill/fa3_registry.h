@@ -1,0 +1,25 @@
+// The compiled configs of the sm_90a prefill kernel (one row per listed instantiation).
+#pragma once
+
+#include <span>
+#include <string>
+
+#include "cuda/prefill/fa3_params.h"
+#include "flashcpp/status.h"
+#include "flashcpp/types.h"
+
+namespace flashcpp::cuda {
+
+using Fa3RunFn = Status (*)(const Fa3Params&, Stream, int device);
+
+struct Fa3Entry {
+  int head_dim, block_m, block_n, stages, smem_bytes;
+  Fa3RunFn run_bf16;
+  Fa3RunFn run_fp16;
+};
+
+/// "sm90_m128n128s2": BlockM 128 (2 consumer warpgroups), BlockN 128, 2 K/V stages.
+std::string fa3_config_name(const Fa3Entry& e);
+std::span<const Fa3Entry> fa3_entries(int head_dim);
+
+}  // namespace flashcpp::cuda
