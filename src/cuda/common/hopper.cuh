@@ -58,6 +58,11 @@ __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/// Arrive (without waiting) at named barrier `id`, counted against `threads` participants.
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ void mbar_init(std::uint64_t* bar, std::uint32_t count) { ptx::mbarrier_init(bar, count); }
 /// Blocks until the phase of `bar` with this parity has completed.
 __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {

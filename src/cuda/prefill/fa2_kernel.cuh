@@ -71,9 +71,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int bh = blockIdx.x;
-  const int b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group;
-  const int m_block = gridDim.y - 1 - blockIdx.y;  // heaviest (causal) row blocks start first
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // row blocks of one head run together (K/V stay in L2); heaviest causal first
   const int m0 = m_block * BM;
   const int m_end = min(m0 + BM, p.seqlen_q);
 

@@ -25,10 +25,10 @@ Status fa2_run(const Fa2Params& p, Stream stream, int device) {
     opted_in.fetch_or(bit, std::memory_order_acq_rel);
   }
   const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  if (m_blocks > 65535)
-    return Status::Unsupported("seqlen_q " + std::to_string(p.seqlen_q) + " needs more than 65535 row blocks of " +
-                               std::to_string(Cfg::kBlockM));
-  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>(m_blocks));
+  if (p.batch > 65535 || p.heads_q > 65535)
+    return Status::Unsupported("batch " + std::to_string(p.batch) + " or heads_q " + std::to_string(p.heads_q) +
+                               " exceeds the 65535 limit of a grid dimension");
+  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::Cuda(std::string("prefill kernel launch failed: ") + cudaGetErrorString(e));

@@ -27,12 +27,16 @@ inline constexpr float kLn2Fa3 = 0.6931471805599453f;
 
 namespace flashcpp::cuda {
 
-template <int HeadDim, int BlockN, int Stages>
+template <int HeadDim, int BlockN, int Stages, bool PingPong = false>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;              ///< two consumer warpgroups x 64 rows
   static constexpr int kBlockN = BlockN;           ///< keys per stage
   static constexpr int kStages = Stages;           ///< K/V ring depth
+  /// Software-pipelined consumers (Q K^T of block j overlaps softmax of j and P V of j-1) with
+  /// ping-pong scheduling: the two consumer warpgroups take turns issuing their wgmmas, so one
+  /// warpgroup's softmax runs while the other's matrix products occupy the tensor cores.
+  static constexpr bool kPingPong = PingPong;
   static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -62,9 +66,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   std::uint64_t* kv_empty = bars + 1 + 2 * S;
 
   const int tid = threadIdx.x, wg = tid / 128;
-  const int bh = blockIdx.x;
-  const int b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group;
-  const int m_block = gridDim.y - 1 - blockIdx.y;  // heaviest causal blocks first
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int m_block = gridDim.x - 1 - blockIdx.x;  // row blocks of one head run together (K/V stay in L2); heaviest causal first
   const int m0 = m_block * BM;
   const int m_end = min(m0 + BM, p.seqlen_q);
   int key_lo, key_hi;
@@ -125,16 +128,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   const std::uint32_t q_addr = ptx::smem_u32(sQ) + 64 * c * 128;  // this warpgroup's 64 rows
   sm90::mbar_wait(q_full, 0);
 
-  for (int it = 0; it < n_iters; ++it) {
-    const int s = it % S;
-    const std::uint32_t phase = (it / S) & 1;
-    const int n0 = (n_last - it) * BN;
-
-    // ---- S = Q K^T --------------------------------------------------------------------
-    float acc_s[BN / 2];
-    sm90::mbar_wait(&k_full[s], phase);
-    sm90::wgmma_fence();
-    const std::uint32_t k_addr = ptx::smem_u32(sK + s * Cfg::kPanels * BN * 64);
+  const std::uint32_t k_base = ptx::smem_u32(sK), v_base = ptx::smem_u32(sV);
+  // Issue S = Q K^T for stage s (D/16 k-steps; the first overwrites S).
+  auto issue_qk = [&](float (&acc_s)[BN / 2], int s) {
+    const std::uint32_t k_addr = k_base + s * Cfg::kKVBytes;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, then 32 bytes per k16 step
@@ -142,23 +139,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       const std::uint64_t db = sm90::make_desc(k_addr + pn * BN * 128 + off, 16, 1024);
       sm90::wgmma_ss<BN, T>(acc_s, da, db, kk > 0 ? 1 : 0);
     }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
-
-    // ---- mask boundary tiles ------------------------------------------------------------
-    if (!p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) {
+  };
+  // Issue O += P V for stage s: 16 keys = 2 K-groups of 8 rows x 128 B per k-step; panels of
+  // 64 head-dim columns are BN*128 B apart (the MN-major leading byte offset).
+  auto issue_pv = [&](const std::uint32_t (&pa)[BN / 16][4], int s) {
+    const std::uint32_t v_addr = v_base + s * Cfg::kKVBytes;
 #pragma unroll
-      for (int j = 0; j < NC; ++j)
+    for (int kk = 0; kk < BN / 16; ++kk)
+      sm90::wgmma_rs<D, T>(acc_o, pa[kk], sm90::make_desc(v_addr + kk * 16 * 128, BN * 128, 1024), 1);
+  };
+  // Element mask of a boundary tile (interior tiles skip it).
+  auto mask = [&](float (&acc_s)[BN / 2], int n0) {
+    if (p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) return;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = row_base + (e >= 2 ? 8 : 0);
-          const int col = n0 + 8 * j + 2 * t + (e & 1);
-          if (!p.rules.visible(i, col)) acc_s[4 * j + e] = -INFINITY;
-        }
-    }
-
-    // ---- online softmax (raw-score max, exp2 with the scale folded in) ---------------------
-    std::uint32_t pa[BN / 16][4];
+    for (int j = 0; j < NC; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_base + (e >= 2 ? 8 : 0);
+        const int col = n0 + 8 * j + 2 * t + (e & 1);
+        if (!p.rules.visible(i, col)) acc_s[4 * j + e] = -INFINITY;
+      }
+  };
+  // Online softmax of one block (raw-score max, exp2 with the scale folded in): S becomes P in
+  // place, row stats update, corr[r] = exp2((m_old - m_new) * c) is returned for the O rescale.
+  auto softmax = [&](float (&acc_s)[BN / 2], float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = row_max[r];
@@ -167,7 +171,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_use = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      const float corr = ptx::exp2_approx(row_max[r] * p.scale_log2 - m_use);
+      corr[r] = ptx::exp2_approx(row_max[r] * p.scale_log2 - m_use);
       row_max[r] = mx;
       float sum = 0.f;
 #pragma unroll
@@ -178,35 +182,100 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
         acc_s[4 * j + 2 * r + 1] = p1;
         sum += p0 + p1;
       }
-      row_sum[r] = row_sum[r] * corr + sum;
-#pragma unroll
-      for (int j = 0; j < DC; ++j) {
-        acc_o[4 * j + 2 * r] *= corr;
-        acc_o[4 * j + 2 * r + 1] *= corr;
-      }
+      row_sum[r] = row_sum[r] * corr[r] + sum;
     }
-    // P as wgmma A fragments: k16 step kk covers S chunks 2kk (a0, a1) and 2kk+1 (a2, a3).
+  };
+  auto rescale_o = [&](const float (&corr)[2]) {
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      pa[kk][0] = ptx::pack2<T>(acc_s[8 * kk + 0], acc_s[8 * kk + 1]);
-      pa[kk][1] = ptx::pack2<T>(acc_s[8 * kk + 2], acc_s[8 * kk + 3]);
-      pa[kk][2] = ptx::pack2<T>(acc_s[8 * kk + 4], acc_s[8 * kk + 5]);
-      pa[kk][3] = ptx::pack2<T>(acc_s[8 * kk + 6], acc_s[8 * kk + 7]);
-    }
-
-    // ---- O += P V -------------------------------------------------------------------------
-    sm90::mbar_wait(&v_full[s], phase);
-    sm90::wgmma_fence();
-    const std::uint32_t v_addr = ptx::smem_u32(sV + s * Cfg::kPanels * BN * 64);
+    for (int j = 0; j < DC; ++j)
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      // 16 keys = 2 K-groups of 8 rows x 128 B; panels of 64 head-dim columns are BN*128 B apart.
-      const std::uint64_t db = sm90::make_desc(v_addr + kk * 16 * 128, BN * 128, 1024);
-      sm90::wgmma_rs<D, T>(acc_o, pa[kk], db, 1);
-    }
-    sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
+      for (int e = 0; e < 4; ++e) acc_o[4 * j + e] *= corr[e >> 1];
+  };
+  // P as wgmma A fragments: k16 step kk covers S chunks 2kk (a0, a1) and 2kk+1 (a2, a3).
+  auto pack_p = [&](const float (&acc_s)[BN / 2], std::uint32_t (&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
+  };
+  auto release = [&](int s) {
     if (lane == 0) sm90::mbar_arrive(&kv_empty[s]);
+  };
+
+  float acc_s[BN / 2];
+  std::uint32_t pa[BN / 16][4];
+  float corr[2];
+  if constexpr (!Cfg::kPingPong) {
+    for (int it = 0; it < n_iters; ++it) {
+      const int s = it % S;
+      const std::uint32_t phase = (it / S) & 1;
+      sm90::mbar_wait(&k_full[s], phase);
+      sm90::wgmma_fence();
+      issue_qk(acc_s, s);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      mask(acc_s, (n_last - it) * BN);
+      softmax(acc_s, corr);
+      rescale_o(corr);
+      pack_p(acc_s, pa);
+      sm90::mbar_wait(&v_full[s], phase);
+      sm90::wgmma_fence();
+      issue_pv(pa, s);
+      sm90::wgmma_commit();
+      sm90::wgmma_wait<0>();
+      release(s);
+    }
+  } else if (n_iters > 0) {
+    // Scheduler barriers: warpgroup c waits on kSched + c before issuing, then lets the other
+    // issue. Warpgroup 0 goes first; warpgroup 1 skips its last hand-over so that both barriers
+    // see exactly as many arrivals as waits (n_iters + 1 issue windows per warpgroup).
+    constexpr int kSched = 3;
+    auto window_begin = [&] { sm90::named_barrier_sync(kSched + c, 256); };
+    auto window_end = [&](bool last) {
+      if (c == 0 || !last) sm90::named_barrier_arrive(kSched + (1 - c), 256);
+    };
+    if (c == 1) sm90::named_barrier_arrive(kSched + 0, 256);
+    // Block 0: Q K^T alone.
+    sm90::mbar_wait(&k_full[0], 0);
+    window_begin();
+    sm90::wgmma_fence();
+    issue_qk(acc_s, 0);
+    sm90::wgmma_commit();
+    window_end(false);
+    sm90::wgmma_wait<0>();
+    mask(acc_s, n_last * BN);
+    softmax(acc_s, corr);
+    pack_p(acc_s, pa);
+    // Steady state: Q K^T of block it and P V of block it-1 in flight together.
+    for (int it = 1; it < n_iters; ++it) {
+      const int s = it % S, sp = (it - 1) % S;
+      sm90::mbar_wait(&k_full[s], (it / S) & 1);
+      sm90::mbar_wait(&v_full[sp], ((it - 1) / S) & 1);
+      window_begin();
+      sm90::wgmma_fence();
+      issue_qk(acc_s, s);
+      sm90::wgmma_commit();
+      issue_pv(pa, sp);
+      sm90::wgmma_commit();
+      window_end(false);
+      sm90::wgmma_wait<1>();  // S of block it is ready; P V of it-1 may still run
+      mask(acc_s, (n_last - it) * BN);
+      softmax(acc_s, corr);
+      sm90::wgmma_wait<0>();  // P V of it-1 done: its stage is free, O can be rescaled
+      release(sp);
+      rescale_o(corr);
+      pack_p(acc_s, pa);
+    }
+    // Last block: P V alone.
+    const int sl = (n_iters - 1) % S;
+    sm90::mbar_wait(&v_full[sl], ((n_iters - 1) / S) & 1);
+    window_begin();
+    sm90::wgmma_fence();
+    issue_pv(pa, sl);
+    sm90::wgmma_commit();
+    window_end(true);
+    sm90::wgmma_wait<0>();
+    release(sl);
   }
 
   // ---- epilogue: O / l into this warpgroup's rows of sQ (same 128B-swizzled panels), then

@@ -23,9 +23,10 @@ Status fa3_run(const Fa3Params& p, Stream stream, int device) {
     opted_in.fetch_or(bit, std::memory_order_acq_rel);
   }
   const int m_blocks = (p.seqlen_q + Cfg::kBlockM - 1) / Cfg::kBlockM;
-  if (m_blocks > 65535)
-    return Status::Unsupported("seqlen_q " + std::to_string(p.seqlen_q) + " needs more than 65535 row blocks");
-  const dim3 grid(static_cast<unsigned>(p.batch * p.heads_q), static_cast<unsigned>(m_blocks));
+  if (p.batch > 65535 || p.heads_q > 65535)
+    return Status::Unsupported("batch " + std::to_string(p.batch) + " or heads_q " + std::to_string(p.heads_q) +
+                               " exceeds the 65535 limit of a grid dimension");
+  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::Cuda(std::string("sm90 prefill kernel launch failed: ") + cudaGetErrorString(e));
@@ -34,7 +35,7 @@ Status fa3_run(const Fa3Params& p, Stream stream, int device) {
 
 template <class Cfg>
 constexpr Fa3Entry fa3_entry() {
-  return Fa3Entry{Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kSmemBytes,
+  return Fa3Entry{Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kSmemBytes, Cfg::kPingPong,
                   &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
 }
 
