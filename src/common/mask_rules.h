@@ -60,7 +60,7 @@ struct MaskRules {
   /// True when every (i, j) of the tile is visible, so the kernel may skip the element mask.
   /// Conservative: may answer false for a tile that happens to be fully visible.
   FC_HD bool tile_fully_visible(int i0, int i1, int j0, int j1) const {
-    if (global_queries && global_tokens > 0 && is_global_query(i0) != is_global_query(i1 - 1))
+    if (global_queries && is_global_query(i0) != is_global_query(i1 - 1))
       return false;
     const int hmin = key_hi(i0) < key_hi(i1 - 1) ? key_hi(i0) : key_hi(i1 - 1);
     const int lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);

@@ -1,0 +1,281 @@
+// fp64 naive attention: the ground truth every other backend is measured against.
+//
+// Deliberately simple and deliberately independent of src/common/mask_rules.h: visibility is
+// decided per (query, key) pair straight from the rules written in the header comment of
+// include/flashcpp/attention.h, so that a slip in MaskRules (which the CUDA kernels and the
+// tiled CPU backend share) shows up as a mismatch against this file instead of being copied.
+//
+// Cost: O(batch * heads_q * seqlen_q * seqlen_k * head_dim) double FMAs, ~2 GFMA for one head
+// of 4097 x 4097 x 64; fine for tests, far too slow for anything long (use the GPU reference).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/half.h"
+#include "cpu/cpu_backend.h"
+
+namespace flashcpp::cpu {
+namespace {
+
+constexpr double kNegInfD = -std::numeric_limits<double>::infinity();
+
+/// Where sequence b lives. With varlen the tensors are packed (total_tokens, heads, dim) and
+/// `first_*` are token indices; otherwise first_q is b * seqlen_q (the packed output row).
+struct Sequence {
+  int len_q = 0, len_k = 0;
+  std::int64_t first_q = 0, first_k = 0;
+};
+
+Sequence sequence(const AttnParams& p, int b) {
+  const MaskParams& m = p.mask;
+  Sequence s;
+  if (m.cu_seqlens_q) {
+    s.first_q = m.cu_seqlens_q[b];
+    s.len_q = m.cu_seqlens_q[b + 1] - m.cu_seqlens_q[b];
+  } else {
+    s.first_q = static_cast<std::int64_t>(b) * p.seqlen_q;
+    s.len_q = p.seqlen_q;
+  }
+  if (m.cu_seqlens_k) {
+    s.first_k = m.cu_seqlens_k[b];
+    s.len_k = m.cu_seqlens_k[b + 1] - m.cu_seqlens_k[b];
+  } else {
+    s.first_k = static_cast<std::int64_t>(b) * p.seqlen_k;
+    s.len_k = p.seqlen_k;
+  }
+  return s;
+}
+
+/// Element offset of (sequence b, row `row`, head h, dim 0) in tensor t. Varlen tensors ignore
+/// batch_stride and start sequence b at token `first`.
+std::int64_t row_offset(const TensorView& t, bool varlen, int b, std::int64_t first,
+                        std::int64_t row, int h) {
+  const std::int64_t seq_base = varlen ? first * t.seq_stride : b * t.batch_stride;
+  return seq_base + row * t.seq_stride + h * t.head_stride;
+}
+
+std::int64_t total_q_rows(const AttnParams& p) {
+  return p.mask.cu_seqlens_q ? p.mask.cu_seqlens_q[p.batch]
+                             : static_cast<std::int64_t>(p.batch) * p.seqlen_q;
+}
+
+/// The visibility rules of attention.h for one (sequence, head), one pair at a time.
+class Visibility {
+ public:
+  Visibility(const MaskParams& m, const Sequence& s, int b, int h) : m_(m), s_(s) {
+    if (m.block_sparse) {
+      bs_ = m.block_sparse;
+      bs_row_base_ = (static_cast<std::int64_t>(bs_->num_batch == 1 ? 0 : b) * bs_->num_heads +
+                      (bs_->num_heads == 1 ? 0 : h)) *
+                     bs_->num_q_blocks;
+      block_of_key_.assign(static_cast<std::size_t>(std::max(bs_->num_k_blocks, 0)), kAbsent);
+    }
+  }
+
+  /// Call once per query row before visible(i, j): loads the row's block-sparse entries.
+  void begin_row(int i) {
+    if (!bs_) return;
+    const int qb = i / bs_->block_m;
+    if (qb == loaded_qb_) return;
+    std::fill(block_of_key_.begin(), block_of_key_.end(), kAbsent);
+    loaded_qb_ = qb;
+    if (qb >= bs_->num_q_blocks) return;  // beyond the mask: nothing listed
+    const std::int64_t r = bs_row_base_ + qb;
+    for (std::int32_t e = bs_->row_ptr[r]; e < bs_->row_ptr[r + 1]; ++e) {
+      const int kb = bs_->col_idx[e];
+      if (kb >= 0 && kb < bs_->num_k_blocks) block_of_key_[kb] = bs_->partial[e];
+    }
+  }
+
+  bool visible(int i, int j) const {
+    const std::int64_t ia = static_cast<std::int64_t>(i) + s_.len_k - s_.len_q;  // bottom-right
+    const bool global_key = j < m_.global_tokens;
+    const bool global_query = m_.global_queries && ia < m_.global_tokens;
+    if (m_.causal && j > ia) return false;
+    if (m_.window_right >= 0 && !global_query && j > ia + m_.window_right) return false;
+    if (m_.window_left >= 0 && !global_query && !global_key && j < ia - m_.window_left)
+      return false;
+    if (bs_) {
+      const int kb = j / bs_->block_n;
+      if (kb >= bs_->num_k_blocks) return false;
+      const std::int32_t state = block_of_key_[kb];
+      if (state == kAbsent) return false;
+      if (state >= 0) {  // partial block: its element bit decides
+        const int words_per_row = (bs_->block_n + 63) / 64;
+        const int r = i % bs_->block_m, c = j % bs_->block_n;
+        const std::uint64_t word =
+            bs_->element_masks[(static_cast<std::int64_t>(state) * bs_->block_m + r) * words_per_row +
+                               c / 64];
+        if (((word >> (c % 64)) & 1u) == 0) return false;
+      }
+    }
+    return true;
+  }
+
+ private:
+  static constexpr std::int32_t kAbsent = -2;  // -1 = full block, >= 0 = element mask index
+  const MaskParams& m_;
+  Sequence s_;
+  const BlockSparseMask* bs_ = nullptr;
+  std::int64_t bs_row_base_ = 0;
+  int loaded_qb_ = -1;
+  std::vector<std::int32_t> block_of_key_;
+};
+
+double dot(const double* a, const double* b, int n) {
+  // Four partial sums only to break the FMA dependency chain; in double the order is immaterial.
+  double s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  int d = 0;
+  for (; d + 4 <= n; d += 4) {
+    s0 += a[d] * b[d];
+    s1 += a[d + 1] * b[d + 1];
+    s2 += a[d + 2] * b[d + 2];
+    s3 += a[d + 3] * b[d + 3];
+  }
+  for (; d < n; ++d) s0 += a[d] * b[d];
+  return (s0 + s1) + (s2 + s3);
+}
+
+void load_rows(const TensorView& t, std::int64_t offset, std::int64_t rows, int dim, double* dst) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (int d = 0; d < dim; ++d)
+      dst[r * dim + d] = load_as_float(t.data, t.dtype, offset + r * t.seq_stride + d);
+}
+
+/// One (batch, head) problem, every query row of it.
+void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
+  const MaskParams& m = p.mask;
+  const bool varlen = m.is_varlen();
+  const Sequence s = sequence(p, b);
+  if (s.len_q <= 0) return;
+  const int dim = p.head_dim;
+  const int hk = h / (p.heads_q / p.heads_kv);
+  const double scale = p.effective_scale();
+  const double softcap = m.softcap;
+  const double slope = m.alibi_slopes ? m.alibi_slopes[b * m.alibi_batch_stride + h] : 0.0;
+  const std::int64_t total_q = out->total_q;
+
+  const int len_k = std::max(s.len_k, 0);
+  std::vector<double> kd(static_cast<std::size_t>(len_k) * dim), vd(kd.size()), qd(dim);
+  load_rows(p.k, row_offset(p.k, varlen, b, s.first_k, 0, hk), len_k, dim, kd.data());
+  load_rows(p.v, row_offset(p.v, varlen, b, s.first_k, 0, hk), len_k, dim, vd.data());
+  std::vector<double> score(static_cast<std::size_t>(len_k));
+  std::vector<char> seen(static_cast<std::size_t>(len_k));
+  std::vector<double> o(dim);
+
+  Visibility vis(m, s, b, h);
+  for (int i = 0; i < s.len_q; ++i) {
+    const std::int64_t row = s.first_q + i;
+    load_rows(p.q, row_offset(p.q, varlen, b, s.first_q, i, h), 1, dim, qd.data());
+    vis.begin_row(i);
+    const double ia = static_cast<double>(i) + len_k - s.len_q;
+    double mx = kNegInfD;
+    for (int j = 0; j < len_k; ++j) {
+      seen[j] = vis.visible(i, j);
+      if (!seen[j]) continue;
+      double x = scale * dot(qd.data(), &kd[static_cast<std::size_t>(j) * dim], dim);
+      if (softcap > 0) x = softcap * std::tanh(x / softcap);
+      if (m.alibi_slopes) x += slope * (j - ia);
+      score[j] = x;
+      mx = std::max(mx, x);
+    }
+    std::fill(o.begin(), o.end(), 0.0);
+    double lse = kNegInfD;
+    if (mx != kNegInfD) {  // at least one visible key
+      double sum = 0;
+      for (int j = 0; j < len_k; ++j) {
+        if (!seen[j]) continue;
+        const double w = std::exp(score[j] - mx);
+        sum += w;
+        const double* vj = &vd[static_cast<std::size_t>(j) * dim];
+        for (int d = 0; d < dim; ++d) o[d] += w * vj[d];
+      }
+      for (int d = 0; d < dim; ++d) o[d] /= sum;
+      lse = mx + std::log(sum);
+    }
+    std::copy(o.begin(), o.end(), out->o.begin() + (row * p.heads_q + h) * dim);
+    out->lse[static_cast<std::size_t>(h * total_q + row)] = lse;
+  }
+}
+
+/// Runs f(item) for item in [0, n) on `threads` threads pulling from a shared counter.
+template <class F>
+void parallel_for(int n, int threads, F&& f) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = std::min(threads, n);
+  std::atomic<int> next{0};
+  auto worker = [&] {
+    for (int item = next.fetch_add(1); item < n; item = next.fetch_add(1)) f(item);
+  };
+  if (threads <= 1) {
+    worker();
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+}
+
+Status check_reference_params(const AttnParams& p) {
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0)
+    return Status::Invalid("batch and sequence lengths must be >= 0");
+  if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
+  if (p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0)
+    return Status::Invalid("heads_q (" + std::to_string(p.heads_q) +
+                           ") must be a positive multiple of heads_kv (" +
+                           std::to_string(p.heads_kv) + ")");
+  if (p.head_dim <= 0) return Status::Invalid("head_dim must be > 0");
+  if (!p.q.data || !p.k.data || !p.v.data) return Status::Invalid("q, k and v must not be null");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status reference_attention(const AttnParams& p, RefOutput* out, int threads) {
+  FLASHCPP_RETURN_IF_ERROR(check_reference_params(p));
+  *out = RefOutput{};
+  if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
+  out->total_q = total_q_rows(p);
+  out->o.assign(static_cast<std::size_t>(out->total_q * p.heads_q * p.head_dim), 0.0);
+  out->lse.assign(static_cast<std::size_t>(out->total_q * p.heads_q), kNegInfD);
+  parallel_for(p.batch * p.heads_q, threads,
+               [&](int item) { reference_head(p, item / p.heads_q, item % p.heads_q, out); });
+  return Status::Ok();
+}
+
+Status reference_forward(const AttnParams& p, const RunOptions& opt) {
+  RefOutput ref;
+  FLASHCPP_RETURN_IF_ERROR(reference_attention(p, &ref, opt.cpu_threads));
+  if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
+  if (!p.o.data) return Status::Invalid("o must not be null");
+  const bool varlen = p.mask.is_varlen();
+  const int dim = p.head_dim;
+  for (int b = 0; b < p.batch; ++b) {
+    const Sequence s = sequence(p, b);
+    for (int i = 0; i < s.len_q; ++i) {
+      const std::int64_t row = s.first_q + i;
+      for (int h = 0; h < p.heads_q; ++h) {
+        const std::int64_t dst = row_offset(p.o, varlen, b, s.first_q, i, h);
+        const double* src = &ref.o[static_cast<std::size_t>((row * p.heads_q + h) * dim)];
+        for (int d = 0; d < dim; ++d)
+          store_from_float(p.o.data, p.o.dtype, dst + d, static_cast<float>(src[d]));
+        if (p.lse) {
+          // LSE layout: (heads_q, total_q) when varlen, else (batch, heads_q, seqlen_q).
+          const std::int64_t at = varlen ? h * ref.total_q + row
+                                         : (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i;
+          p.lse[at] = static_cast<float>(ref.lse[static_cast<std::size_t>(h * ref.total_q + row)]);
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace flashcpp::cpu

@@ -1,0 +1,430 @@
+// Tiled fp32 online-softmax attention on the CPU: the FA2 forward algorithm, tile for tile.
+//
+// One work item = one (batch, head, query tile of Br rows). Per row it keeps the running max m,
+// the denominator l and an unnormalized output accumulator acc, and visits Br x Bc key tiles:
+//
+//   S   = Q_tile . K_tile^T                     (fp32 dot products)
+//   m'  = max(m, rowmax(S))                     (per row)
+//   P   = exp2(S * fold - m' * fold)            (fold = softmax_scale * log2(e): one multiply)
+//   l   = l * exp2((m - m') * fold) + rowsum(P)
+//   acc = acc * exp2((m - m') * fold) + P . V_tile
+//
+// and at the end O = acc / l and LSE = (m * fold + log2(l)) * ln(2), natural log. A row that saw
+// no key keeps m = -inf and gets O = 0, LSE = -inf. The derivation is in docs/online_softmax.md.
+//
+// Which key tiles are visited mirrors the GPU kernel exactly (src/common/mask_rules.h): the tiles
+// of [lo, hi) that some row of the query tile sees through its window, from the last down to the
+// first, then the attention-sink tiles (global keys) below the window; tiles that MaskRules
+// proves fully visible skip the element mask. With a block-sparse mask the CSR list of the query
+// block's key blocks is walked instead (also last to first), a query tile never straddles a
+// sparse query block and a key tile never straddles a sparse key block.
+//
+// Numerics, and where they differ from the GPU on purpose:
+// - Softcap and ALiBi are applied in natural units (s = scale*q.k, then softcap*tanh(s/softcap),
+//   then + slope*(j - ia)) and only then converted to the log2 domain with fold = log2(e): the
+//   bias is defined in natural units and tanh is not linear, so neither commutes with the fold.
+//   Without them the row max is kept on the raw dot products and scale*log2(e) is applied once.
+// - exp2 takes fmaf(s, fold, -m*fold): the product is exact inside the FMA, so the only rounding
+//   that differs between keys is that of a small number (s*fold - m*fold). The rounding of
+//   m*fold itself is shared by every key of the row (the same rounded value is used for P, for
+//   the rescale factor and for the LSE), so it cancels in O and in LSE.
+// - q.k over head_dim, and P.V and the row sum of P over a tile's keys, are pairwise (tree) sums,
+//   added once per tile to the rescaled running values; see pairwise_sum_rows() for why. With
+//   running sums this backend missed the 1e-6 bar against the fp64 reference (tests/cpu/
+//   test_tiled.cc tells the measurements); the GPU's MMA reduces k in hardware trees too.
+// - LSE is formed as fma(m * fold, ln 2, log l): one rounding fewer than (m + log2 l) * ln 2.
+// - P stays fp32 for the P.V product; the GPU rounds P to fp16/bf16 for the tensor cores. So
+//   this backend is the "fp32 everywhere" version of the algorithm, used to test the algorithm
+//   and the mask walk, not the GPU's 16-bit rounding.
+//
+// Cost: per work item Q is loaded once and each visited K/V tile once (converted to fp32), and
+// a tile costs 2*Br*Bc*D multiply-adds. Not tuned: it is here to be read against the GPU kernel
+// and to be checked against the reference.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/half.h"
+#include "common/mask_rules.h"
+#include "cpu/cpu_backend.h"
+
+namespace flashcpp::cpu {
+namespace {
+
+constexpr float kLog2e = 1.44269504088896340736f;  // log2(e)
+constexpr float kLn2 = 0.69314718055994530942f;    // ln(2) = 1 / log2(e)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int kDefaultBlockM = 64;  // Br: query rows per tile (the GPU kernel's BlockM)
+constexpr int kDefaultBlockN = 64;  // Bc: key columns per tile (the GPU kernel's BlockN)
+constexpr std::int32_t kFullBlock = -1;  // BlockSparseMask::partial value of a fully listed block
+
+/// Where sequence b lives (same convention as the reference; see attention.h).
+struct Sequence {
+  int len_q = 0, len_k = 0;
+  std::int64_t first_q = 0, first_k = 0;  // token index when varlen, else b * seqlen
+};
+
+Sequence sequence(const AttnParams& p, int b) {
+  const MaskParams& m = p.mask;
+  Sequence s;
+  s.first_q = m.cu_seqlens_q ? m.cu_seqlens_q[b] : static_cast<std::int64_t>(b) * p.seqlen_q;
+  s.len_q = m.cu_seqlens_q ? m.cu_seqlens_q[b + 1] - m.cu_seqlens_q[b] : p.seqlen_q;
+  s.first_k = m.cu_seqlens_k ? m.cu_seqlens_k[b] : static_cast<std::int64_t>(b) * p.seqlen_k;
+  s.len_k = m.cu_seqlens_k ? m.cu_seqlens_k[b + 1] - m.cu_seqlens_k[b] : p.seqlen_k;
+  return s;
+}
+
+std::int64_t row_offset(const TensorView& t, bool varlen, int b, std::int64_t first,
+                        std::int64_t row, int h) {
+  const std::int64_t seq_base = varlen ? first * t.seq_stride : b * t.batch_stride;
+  return seq_base + row * t.seq_stride + h * t.head_stride;
+}
+
+/// Converts `dim` elements of t starting at `offset` to fp32.
+void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {
+  switch (t.dtype) {
+    case DType::kF32: {
+      const float* src = static_cast<const float*>(t.data) + offset;
+      std::copy(src, src + dim, dst);
+      return;
+    }
+    case DType::kBF16:
+    case DType::kF16:
+      for (int d = 0; d < dim; ++d) dst[d] = load_as_float(t.data, t.dtype, offset + d);
+      return;
+  }
+}
+
+/// How a dot product becomes a logit. The kernel keeps the row max in "u" units and converts to
+/// the log2 domain with one multiply by `fold`.
+struct Logits {
+  bool natural = false;  // softcap or ALiBi on: u = natural-units logit, fold = log2(e)
+  float scale = 1.f;     // softmax_scale (natural path)
+  float softcap = 0.f;   // > 0: u = softcap * tanh(s * scale / softcap)
+  float softcap_in = 0.f;  // scale / softcap, folded into one multiply
+  bool alibi = false;
+  float slope = 0.f;     // ALiBi slope of this (batch, head), natural units
+  float fold = 0.f;      // u * fold = log2-domain logit
+
+  static Logits make(const AttnParams& p, int b, int h) {
+    Logits g;
+    const float scale = p.effective_scale();
+    const MaskParams& m = p.mask;
+    g.scale = scale;
+    g.alibi = m.alibi_slopes != nullptr;
+    if (g.alibi) g.slope = m.alibi_slopes[b * m.alibi_batch_stride + h];
+    if (m.softcap > 0.f) {
+      g.softcap = m.softcap;
+      g.softcap_in = scale / m.softcap;
+    }
+    // The raw-dot fast path needs scale > 0: the max of s must be the max of s * scale.
+    g.natural = g.alibi || g.softcap > 0.f || !(scale > 0.f);
+    g.fold = g.natural ? kLog2e : scale * kLog2e;
+    return g;
+  }
+  /// u for dot product s of query position ia (bottom-right aligned) and key j.
+  float operator()(float s, int ia, int j) const {
+    if (!natural) return s;
+    float u = softcap > 0.f ? softcap * std::tanh(s * softcap_in) : s * scale;
+    if (alibi) u += slope * static_cast<float>(j - ia);
+    return u;
+  }
+};
+
+/// Per-thread buffers, sized once for Br x Bc x D.
+struct Scratch {
+  std::vector<float> q;     // [Br][D] query tile
+  std::vector<float> kt;    // [D][Bc] key tile, transposed
+  std::vector<float> v;     // [Bc][D] value tile
+  std::vector<float> prod;  // products before their pairwise sum: Q.K^T [D][Bc], then P.V [Bc][D]
+  std::vector<float> s;     // [Br][Bc] scores, then logits, then P
+  std::vector<float> acc;   // [Br][D] unnormalized output accumulator
+  std::vector<float> m_u, m_fold, l;  // [Br] running max (u units and log2 units), denominator
+  std::vector<int> row_hi, row_lo;    // [Br] MaskRules key_hi / key_lo of each row of the tile
+  Scratch(int br, int bc, int dim)
+      : q(static_cast<std::size_t>(br) * dim), kt(static_cast<std::size_t>(dim) * bc),
+        v(static_cast<std::size_t>(bc) * dim), prod(static_cast<std::size_t>(dim) * bc),
+        s(static_cast<std::size_t>(br) * bc), acc(static_cast<std::size_t>(br) * dim), m_u(br),
+        m_fold(br), l(br), row_hi(br), row_lo(br) {}
+};
+
+/// Everything one work item needs to visit key tiles.
+struct TileContext {
+  const AttnParams* p = nullptr;
+  int b = 0, h = 0, hk = 0, dim = 0;
+  bool varlen = false;
+  Sequence seq;
+  MaskRules rules;
+  Logits logits;
+  int i0 = 0, rows = 0;  // query rows [i0, i0 + rows) of the sequence
+  const BlockSparseMask* bs = nullptr;  // block-sparse mask, or null
+  int bs_q_block = 0;                   // the sparse query block the rows lie in
+};
+
+bool sparse_bit(const BlockSparseMask& bs, std::int32_t partial, int i, int j) {
+  const int words_per_row = (bs.block_n + 63) / 64;
+  const int r = i % bs.block_m, c = j % bs.block_n;
+  const std::uint64_t word =
+      bs.element_masks[(static_cast<std::int64_t>(partial) * bs.block_m + r) * words_per_row + c / 64];
+  return (word >> (c % 64)) & 1u;
+}
+
+/// Sums rows [0, n) of a row-major array (rows `stride` apart, `width` used columns) into row 0,
+/// pairwise: the upper half is added onto the lower half until one row is left (an odd middle
+/// row waits a round). Every column is a binary-tree sum, vectorized across the columns.
+/// Why a tree and not a running sum: the rounding error of a sum of n terms grows like n for a
+/// running sum and like log2(n) for a tree. Over head_dim = 64..256 products, and again over Bc
+/// keys for l and P.V, the running sums were the largest fp32 error against the fp64 reference
+/// (up to ~1.8e-6 in O at head_dim 256); the tree brings it to a few 1e-7. The GPU's MMA units
+/// also reduce the k dimension in hardware trees rather than one term at a time.
+void pairwise_sum_rows(float* a, int n, int width, std::size_t stride) {
+  while (n > 1) {
+    const int half = n / 2, upper = n - half;
+    for (int row = 0; row < half; ++row) {
+      float* dst = a + static_cast<std::size_t>(row) * stride;
+      const float* src = a + static_cast<std::size_t>(row + upper) * stride;
+      for (int col = 0; col < width; ++col) dst[col] += src[col];
+    }
+    n = upper;
+  }
+}
+
+/// One Br x Bc step of the online softmax: keys [j0, j0 + cols) against the tile's rows.
+/// `need_mask`: some element may be hidden (else the tile was proven fully visible).
+/// `partial`: the block-sparse element mask of these keys, or kFullBlock.
+void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool need_mask,
+                std::int32_t partial) {
+  const AttnParams& p = *c.p;
+  const int dim = c.dim;
+  // K^T and V tiles in fp32. K is transposed so that S = Q K^T runs over contiguous keys.
+  for (int col = 0; col < cols; ++col) {
+    const std::int64_t kofs = row_offset(p.k, c.varlen, c.b, c.seq.first_k, j0 + col, c.hk);
+    const std::int64_t vofs = row_offset(p.v, c.varlen, c.b, c.seq.first_k, j0 + col, c.hk);
+    load_row(p.v, vofs, dim, &w.v[static_cast<std::size_t>(col) * dim]);
+    float* staging = w.prod.data();  // free until the products below
+    load_row(p.k, kofs, dim, staging);
+    for (int d = 0; d < dim; ++d) w.kt[static_cast<std::size_t>(d) * bc + col] = staging[d];
+  }
+  const int offset = c.rules.offset();
+  for (int r = 0; r < c.rows; ++r) {
+    const int i = c.i0 + r;
+    const int ia = i + offset;
+    float* srow = &w.s[static_cast<std::size_t>(r) * bc];
+    const float* qrow = &w.q[static_cast<std::size_t>(r) * dim];
+    // S row = q . K^T: every product, then a pairwise sum over d (vectorized over the keys).
+    float* prod = w.prod.data();
+    for (int d = 0; d < dim; ++d) {
+      const float qd = qrow[d];
+      const float* kd = &w.kt[static_cast<std::size_t>(d) * bc];
+      float* pd = &prod[static_cast<std::size_t>(d) * bc];
+      for (int col = 0; col < cols; ++col) pd[col] = qd * kd[col];
+    }
+    pairwise_sum_rows(prod, dim, cols, bc);
+    std::copy(prod, prod + cols, srow);
+    // Logits (u units), masking, row max.
+    float m_new = w.m_u[r];
+    for (int col = 0; col < cols; ++col) {
+      const int j = j0 + col;
+      float u = c.logits(srow[col], ia, j);
+      if (need_mask) {  // MaskRules::visible(i, j) with the row's bounds precomputed, and the bit
+        const bool vis = j < w.row_hi[r] && (j >= w.row_lo[r] || j < c.rules.global_tokens) &&
+                         (partial == kFullBlock || sparse_bit(*c.bs, partial, i, j));
+        if (!vis) u = kNegInf;
+      }
+      srow[col] = u;
+      m_new = std::max(m_new, u);
+    }
+    // While the row has seen nothing, m stays -inf; exponentiate against 0 instead so that
+    // exp2(-inf - (-inf)) never produces NaN (P = 0, and the rescale factor of the empty
+    // accumulator is 0).
+    const float m_fold_new = m_new * c.logits.fold;
+    const float m_fold_use = m_new == kNegInf ? 0.f : m_fold_new;
+    const float alpha = std::exp2(w.m_fold[r] - m_fold_use);
+    // P = exp2(s * fold - m * fold); then this tile's P.V and row sum, each a pairwise sum over
+    // the tile's keys (P.V vectorized over d), added once to the rescaled running values.
+    for (int col = 0; col < cols; ++col) {
+      const float pr = std::exp2(std::fma(srow[col], c.logits.fold, -m_fold_use));
+      srow[col] = pr;
+      const float* vrow = &w.v[static_cast<std::size_t>(col) * dim];
+      float* pd = &prod[static_cast<std::size_t>(col) * dim];
+      for (int d = 0; d < dim; ++d) pd[d] = pr * vrow[d];
+    }
+    pairwise_sum_rows(prod, cols, dim, dim);
+    pairwise_sum_rows(srow, cols, 1, 1);
+    w.l[r] = w.l[r] * alpha + srow[0];
+    float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
+    for (int d = 0; d < dim; ++d) acc[d] = acc[d] * alpha + prod[d];
+    w.m_u[r] = m_new;
+    w.m_fold[r] = m_fold_new;
+  }
+}
+
+/// Tile sizes and the number of query tiles per (batch, head).
+struct Tiling {
+  int br = kDefaultBlockM, bc = kDefaultBlockN;
+  int tiles_per_head = 0;
+  int sub_tiles = 1;  // block-sparse: query tiles per sparse query block
+};
+
+Tiling make_tiling(const AttnParams& p, const RunOptions& opt) {
+  Tiling t;
+  t.br = opt.cpu_block_m > 0 ? opt.cpu_block_m : kDefaultBlockM;
+  t.bc = opt.cpu_block_n > 0 ? opt.cpu_block_n : kDefaultBlockN;
+  if (const BlockSparseMask* bs = p.mask.block_sparse) {
+    // Tiles never straddle a sparse block: a query tile lies inside one query block and a key
+    // tile inside one listed key block.
+    t.br = std::min(t.br, bs->block_m);
+    t.bc = std::min(t.bc, bs->block_n);
+    t.sub_tiles = (bs->block_m + t.br - 1) / t.br;
+    t.tiles_per_head = (p.seqlen_q + bs->block_m - 1) / bs->block_m * t.sub_tiles;
+  } else {
+    t.tiles_per_head = (p.seqlen_q + t.br - 1) / t.br;
+  }
+  return t;
+}
+
+/// One work item: (batch b, head h, query tile `tile`).
+void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scratch& w) {
+  const MaskParams& m = p.mask;
+  TileContext c;
+  c.p = &p;
+  c.b = b;
+  c.h = h;
+  c.hk = h / (p.heads_q / p.heads_kv);
+  c.dim = p.head_dim;
+  c.varlen = m.is_varlen();
+  c.seq = sequence(p, b);
+  const int len_q = c.seq.len_q, len_k = std::max(c.seq.len_k, 0);
+  c.bs = m.block_sparse;
+  if (c.bs) {
+    c.bs_q_block = tile / t.sub_tiles;
+    c.i0 = c.bs_q_block * c.bs->block_m + (tile % t.sub_tiles) * t.br;
+    const int block_end = std::min((c.bs_q_block + 1) * c.bs->block_m, len_q);
+    c.rows = std::min(t.br, block_end - c.i0);
+  } else {
+    c.i0 = tile * t.br;
+    c.rows = std::min(t.br, len_q - c.i0);
+  }
+  if (c.rows <= 0) return;  // varlen: this sequence is shorter than the grid
+  c.rules = MaskRules{len_q, len_k, m.causal, m.window_left, m.window_right, m.global_tokens,
+                      m.global_queries};
+  c.logits = Logits::make(p, b, h);
+  const int dim = c.dim, i0 = c.i0, i1 = c.i0 + c.rows;
+
+  for (int r = 0; r < c.rows; ++r) {
+    load_row(p.q, row_offset(p.q, c.varlen, b, c.seq.first_q, i0 + r, h), dim,
+             &w.q[static_cast<std::size_t>(r) * dim]);
+    w.row_hi[r] = c.rules.key_hi(i0 + r);
+    w.row_lo[r] = c.rules.key_lo(i0 + r);
+  }
+  std::fill(w.m_u.begin(), w.m_u.end(), kNegInf);
+  std::fill(w.m_fold.begin(), w.m_fold.end(), kNegInf);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+
+  int lo = 0, hi = 0;
+  c.rules.key_range(i0, i1, &lo, &hi);
+  const int sink_hi = c.rules.sink_hi(i0, i1, lo);
+  auto visit = [&](int j0, int j1, std::int32_t partial) {
+    const bool need_mask = partial != kFullBlock || !c.rules.tile_fully_visible(i0, i1, j0, j1);
+    visit_tile(c, w, j0, j1 - j0, t.bc, need_mask, partial);
+  };
+
+  if (c.bs) {
+    const BlockSparseMask& bs = *c.bs;
+    if (c.bs_q_block < bs.num_q_blocks) {
+      const std::int64_t row =
+          (static_cast<std::int64_t>(bs.num_batch == 1 ? 0 : b) * bs.num_heads +
+           (bs.num_heads == 1 ? 0 : h)) * bs.num_q_blocks + c.bs_q_block;
+      for (std::int32_t e = bs.row_ptr[row + 1] - 1; e >= bs.row_ptr[row]; --e) {
+        const int kb = bs.col_idx[e];
+        const int block_lo = kb * bs.block_n, block_hi = std::min(block_lo + bs.block_n, len_k);
+        // Key tiles of this block, last to first, skipping those no row of the tile can see.
+        const int n_sub = (block_hi - block_lo + t.bc - 1) / t.bc;
+        for (int sub = n_sub - 1; sub >= 0; --sub) {
+          const int j0 = block_lo + sub * t.bc, j1 = std::min(j0 + t.bc, block_hi);
+          const bool in_window = j0 < hi && j1 > lo;
+          const bool in_sinks = j0 < sink_hi;
+          if (in_window || in_sinks) visit(j0, j1, bs.partial[e]);
+        }
+      }
+    }
+  } else {
+    // Window tiles, last to first (the first tiles visited are the ones that need masking at
+    // the causal/window diagonal), then the sink tiles that lie entirely below the window.
+    const int first_block = lo / t.bc;
+    const int end_block = (hi + t.bc - 1) / t.bc;
+    for (int kb = end_block - 1; kb >= first_block; --kb)
+      visit(kb * t.bc, std::min((kb + 1) * t.bc, len_k), kFullBlock);
+    const int sink_end_block = std::min((sink_hi + t.bc - 1) / t.bc, first_block);
+    for (int kb = sink_end_block - 1; kb >= 0; --kb)
+      visit(kb * t.bc, std::min((kb + 1) * t.bc, len_k), kFullBlock);
+  }
+
+  // Epilogue: O = acc / l and LSE; a row that saw no key has O = 0 and LSE = -inf.
+  for (int r = 0; r < c.rows; ++r) {
+    const int i = i0 + r;
+    const bool empty = w.m_u[r] == kNegInf;
+    const float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
+    const std::int64_t dst = row_offset(p.o, c.varlen, b, c.seq.first_q, i, h);
+    for (int d = 0; d < dim; ++d)
+      store_from_float(p.o.data, p.o.dtype, dst + d, empty ? 0.f : acc[d] / w.l[r]);
+    if (p.lse) {
+      const std::int64_t total_q =
+          m.cu_seqlens_q ? m.cu_seqlens_q[p.batch] : static_cast<std::int64_t>(p.batch) * p.seqlen_q;
+      const std::int64_t at = c.varlen ? h * total_q + c.seq.first_q + i
+                                       : (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i;
+      // LSE = ln(2) * (m_fold + log2(l)) = m_fold * ln(2) + ln(l), as one FMA: the product is
+      // exact inside it, so the only roundings are ln(l)'s and the final one.
+      p.lse[at] = empty ? kNegInf : std::fma(w.m_fold[r], kLn2, std::log(w.l[r]));
+    }
+  }
+}
+
+}  // namespace
+
+Status tiled_forward(const AttnParams& p, const RunOptions& opt) {
+  if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
+  if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
+      p.heads_q % p.heads_kv != 0 || p.head_dim <= 0)
+    return Status::Invalid("tiled_forward: bad problem shape (call validate() first)");
+  if (!p.q.data || !p.k.data || !p.v.data || !p.o.data)
+    return Status::Invalid("tiled_forward: q, k, v and o must not be null");
+  if (opt.cpu_block_m < 0 || opt.cpu_block_n < 0)
+    return Status::Invalid("cpu_block_m and cpu_block_n must be >= 0 (0 = default 64)");
+  const BlockSparseMask* bs = p.mask.block_sparse;
+  if (bs && (bs->block_m <= 0 || bs->block_n <= 0))
+    return Status::Invalid("block-sparse block_m and block_n must be > 0");
+
+  const Tiling t = make_tiling(p, opt);
+  const std::int64_t items64 = static_cast<std::int64_t>(p.batch) * p.heads_q * t.tiles_per_head;
+  if (items64 > std::numeric_limits<int>::max())
+    return Status::Unsupported("tiled_forward: too many work items (" + std::to_string(items64) + ")");
+  const int items = static_cast<int>(items64);
+  const int per_batch = p.heads_q * t.tiles_per_head;
+
+  int threads = opt.cpu_threads > 0 ? opt.cpu_threads
+                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = std::max(1, std::min(threads, items));
+  std::atomic<int> next{0};
+  auto worker = [&] {
+    Scratch w(t.br, t.bc, p.head_dim);
+    for (int item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
+      const int b = item / per_batch, rest = item % per_batch;
+      run_tile(p, t, b, rest / t.tiles_per_head, rest % t.tiles_per_head, w);
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(threads - 1);
+  for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+  return Status::Ok();
+}
+
+}  // namespace flashcpp::cpu

@@ -1,0 +1,173 @@
+// MaskRules (src/common/mask_rules.h), which the CUDA kernels and the tiled CPU backend use to
+// choose the key blocks they visit, checked by brute force on random small configurations:
+// - visible(i, j) equals the rules of attention.h evaluated independently here;
+// - key_range / sink_hi cover every visible (i, j) of a query tile (a kernel that walks only
+//   those blocks misses nothing), and the bounds are tight where they claim to be;
+// - tile_fully_visible is never true for a tile with a hidden element (it may skip masking).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+
+#include "common/mask_rules.h"
+#include "test_util.h"
+
+namespace flashcpp {
+namespace {
+
+/// The visibility rules of attention.h's header comment, written out once more for the test.
+bool visible_by_definition(const MaskRules& r, int i, int j) {
+  if (j < 0 || j >= r.seqlen_k) return false;
+  const long long ia = static_cast<long long>(i) + r.seqlen_k - r.seqlen_q;
+  const bool global_query = r.global_queries && ia < r.global_tokens;
+  if (r.causal && j > ia) return false;
+  if (r.window_right >= 0 && !global_query && j > ia + r.window_right) return false;
+  if (r.window_left >= 0 && !global_query && j >= r.global_tokens && j < ia - r.window_left)
+    return false;
+  return true;
+}
+
+std::string describe(const MaskRules& r) {
+  return "Lq=" + std::to_string(r.seqlen_q) + " Lk=" + std::to_string(r.seqlen_k) +
+         " causal=" + std::to_string(r.causal) + " wl=" + std::to_string(r.window_left) +
+         " wr=" + std::to_string(r.window_right) + " G=" + std::to_string(r.global_tokens) +
+         " gq=" + std::to_string(r.global_queries);
+}
+
+MaskRules random_rules(std::mt19937_64& g) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g); };
+  auto window = [&] {  // off, small (incl. 0), or larger than any sequence here
+    const int k = pick(0, 5);
+    return k == 0 ? -1 : k == 1 ? 1000 : pick(0, 12);
+  };
+  MaskRules r;
+  r.seqlen_q = pick(1, 40);
+  r.seqlen_k = pick(0, 40);
+  r.causal = pick(0, 1);
+  r.window_left = window();
+  r.window_right = window();
+  r.global_tokens = pick(0, 3) == 0 ? 0 : pick(0, 1) ? pick(1, 8) : pick(20, 60);
+  r.global_queries = pick(0, 1);
+  return r;
+}
+
+constexpr int kConfigs = 3000;
+
+TEST(MaskRules, VisibleMatchesDefinition) {
+  auto g = testing::rng(201);
+  for (int n = 0; n < kConfigs; ++n) {
+    const MaskRules r = random_rules(g);
+    for (int i = 0; i < r.seqlen_q; ++i)
+      for (int j = -1; j <= r.seqlen_k; ++j)
+        ASSERT_EQ(r.visible(i, j), visible_by_definition(r, i, j))
+            << describe(r) << " i=" << i << " j=" << j;
+  }
+}
+
+TEST(MaskRules, RowBoundsAreTight) {
+  auto g = testing::rng(202);
+  for (int n = 0; n < kConfigs; ++n) {
+    const MaskRules r = random_rules(g);
+    for (int i = 0; i < r.seqlen_q; ++i) {
+      const int hi = r.key_hi(i), lo = r.key_lo(i);
+      SCOPED_TRACE(describe(r) + " i=" + std::to_string(i));
+      for (int j = hi; j < r.seqlen_k; ++j) ASSERT_FALSE(visible_by_definition(r, i, j)) << j;
+      if (hi > 0) {
+        ASSERT_TRUE(visible_by_definition(r, i, hi - 1));
+      }
+      for (int j = 0; j < std::min(lo, hi); ++j)
+        ASSERT_EQ(visible_by_definition(r, i, j), j < r.global_tokens) << j;
+      if (lo < hi) {
+        ASSERT_TRUE(visible_by_definition(r, i, lo));
+      }
+    }
+  }
+}
+
+TEST(MaskRules, TileRangesCoverEveryVisibleKey) {
+  auto g = testing::rng(203);
+  std::uniform_int_distribution<int> tile(1, 20);
+  for (int n = 0; n < kConfigs; ++n) {
+    const MaskRules r = random_rules(g);
+    const int br = tile(g);
+    for (int i0 = 0; i0 < r.seqlen_q; i0 += br) {
+      const int i1 = std::min(i0 + br, r.seqlen_q);
+      int lo = -1, hi = -1;
+      r.key_range(i0, i1, &lo, &hi);
+      const int sink = r.sink_hi(i0, i1, lo);
+      SCOPED_TRACE(describe(r) + " rows [" + std::to_string(i0) + "," + std::to_string(i1) +
+                   ") lo=" + std::to_string(lo) + " hi=" + std::to_string(hi) +
+                   " sink_hi=" + std::to_string(sink));
+      ASSERT_LE(0, lo);
+      ASSERT_LE(lo, hi);
+      ASSERT_LE(hi, r.seqlen_k);
+      ASSERT_LE(sink, lo);
+      int max_visible = -1;
+      for (int i = i0; i < i1; ++i)
+        for (int j = 0; j < r.seqlen_k; ++j) {
+          if (!visible_by_definition(r, i, j)) continue;
+          max_visible = std::max(max_visible, j);
+          ASSERT_TRUE((j >= lo && j < hi) || j < sink) << "i=" << i << " j=" << j;
+        }
+      ASSERT_EQ(hi, max_visible + 1) << "hi is the tile's last visible key + 1";
+    }
+  }
+}
+
+TEST(MaskRules, FullyVisibleTilesHaveNoHiddenElement) {
+  auto g = testing::rng(204);
+  std::uniform_int_distribution<int> tile(1, 16);
+  long long claimed = 0;
+  for (int n = 0; n < kConfigs; ++n) {
+    const MaskRules r = random_rules(g);
+    const int br = tile(g), bc = tile(g);
+    for (int i0 = 0; i0 < r.seqlen_q; i0 += br) {
+      const int i1 = std::min(i0 + br, r.seqlen_q);
+      for (int j0 = 0; j0 < r.seqlen_k; j0 += bc) {
+        const int j1 = std::min(j0 + bc, r.seqlen_k);
+        if (!r.tile_fully_visible(i0, i1, j0, j1)) continue;
+        ++claimed;
+        for (int i = i0; i < i1; ++i)
+          for (int j = j0; j < j1; ++j)
+            ASSERT_TRUE(visible_by_definition(r, i, j))
+                << describe(r) << " tile [" << i0 << "," << i1 << ")x[" << j0 << "," << j1
+                << ") claims full visibility but hides i=" << i << " j=" << j;
+      }
+    }
+  }
+  EXPECT_GT(claimed, 0) << "no tile was ever proven fully visible: the fast path is dead";
+}
+
+// Found by FullyVisibleTilesHaveNoHiddenElement. With global_queries and G = 0, rows with
+// ia < 0 (seqlen_q > seqlen_k) satisfy "ia < G" and are global queries, so a query tile can
+// start with global rows and end with ordinary ones even though G == 0; tile_fully_visible only
+// looks for that mix when global_tokens > 0.
+TEST(MaskRules, GlobalQueryRowsWithZeroGlobalTokens) {
+  MaskRules r;
+  r.seqlen_q = 20;
+  r.seqlen_k = 6;
+  r.window_left = 9;
+  r.window_right = 0;
+  r.global_tokens = 0;
+  r.global_queries = true;
+  ASSERT_TRUE(visible_by_definition(r, 13, 1));   // ia = -1 < G: a global query
+  ASSERT_FALSE(visible_by_definition(r, 14, 1));  // ia = 0: window_right 0 hides key 1
+  EXPECT_FALSE(r.tile_fully_visible(13, 20, 1, 2));
+}
+
+TEST(MaskRules, InteriorCausalTilesSkipMasking) {
+  MaskRules r;
+  r.seqlen_q = r.seqlen_k = 256;
+  r.causal = true;
+  EXPECT_TRUE(r.tile_fully_visible(64, 128, 0, 64));     // strictly below the diagonal
+  EXPECT_FALSE(r.tile_fully_visible(64, 128, 64, 128));  // on the diagonal
+  r.window_left = 100;
+  EXPECT_FALSE(r.tile_fully_visible(192, 256, 0, 64));   // left of the window
+  r.global_tokens = 64;
+  EXPECT_TRUE(r.tile_fully_visible(192, 256, 0, 64));    // ... but those keys are sinks
+}
+
+}  // namespace
+}  // namespace flashcpp
