@@ -1,0 +1,286 @@
+// The flashcpp command-line tool.
+//
+//   flashcpp info  [shape options]   build, devices, supported head dims, the kernel choice for a shape
+//   flashcpp check [--backend ...]   the correctness harness (tools/harness/), JSON report
+//   flashcpp bench | tune            time / tune the CUDA prefill kernels (tools/tune.cc)
+//   flashcpp audit | decode          (placeholders in this version)
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <new>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "flashcpp/attention.h"
+#include "harness/harness.h"
+#include "tune.h"
+#if FLASHCPP_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "cuda/cuda_api.h"
+#endif
+
+#ifndef FLASHCPP_GIT_COMMIT
+#define FLASHCPP_GIT_COMMIT "unknown"
+#endif
+
+namespace {
+
+// Keep in step with project(flashcpp VERSION ...) in CMakeLists.txt.
+constexpr const char* kVersion = "0.1.0";
+
+using flashcpp::AttnParams;
+using flashcpp::Backend;
+using flashcpp::DType;
+using flashcpp::KernelChoice;
+using flashcpp::RunOptions;
+using flashcpp::Status;
+
+struct ShapeOptions {
+  int batch = 1, seqlen_q = 4096, seqlen_k = -1, heads_q = 32, heads_kv = -1, head_dim = 128;
+  std::string dtype = "bf16";
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+};
+
+DType parse_dtype(const std::string& s) {
+  if (s == "fp16") return DType::kF16;
+  if (s == "fp32") return DType::kF32;
+  return DType::kBF16;
+}
+
+/// Memory for the tensors select_kernel validates. Host: an aligned allocation that is never
+/// touched (so the OS never backs it); device: cudaMalloc.
+class InfoBuffers {
+ public:
+  ~InfoBuffers() {
+    for (void* p : host_) ::operator delete(p, std::align_val_t(256));
+#if FLASHCPP_WITH_CUDA
+    for (void* p : device_) cudaFree(p);
+#endif
+  }
+  void* host(std::size_t bytes) {
+    host_.push_back(::operator new(std::max<std::size_t>(bytes, 256), std::align_val_t(256)));
+    return host_.back();
+  }
+#if FLASHCPP_WITH_CUDA
+  Status device(std::size_t bytes, void** out) {
+    *out = nullptr;
+    const cudaError_t e = cudaMalloc(out, std::max<std::size_t>(bytes, 256));
+    if (e != cudaSuccess)
+      return Status::Cuda(fmt::format("cudaMalloc of {} bytes failed: {}", bytes, cudaGetErrorString(e)));
+    device_.push_back(*out);
+    return Status::Ok();
+  }
+#endif
+
+ private:
+  std::vector<void*> host_;
+  std::vector<void*> device_;
+};
+
+AttnParams info_params(const ShapeOptions& s, void* q, void* k, void* v, void* o) {
+  AttnParams p;
+  p.batch = s.batch;
+  p.seqlen_q = s.seqlen_q;
+  p.seqlen_k = s.seqlen_k;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.head_dim = s.head_dim;
+  const DType dt = parse_dtype(s.dtype);
+  p.q = flashcpp::bshd_view(q, dt, s.seqlen_q, s.heads_q, s.head_dim);
+  p.k = flashcpp::bshd_view(k, dt, s.seqlen_k, s.heads_kv, s.head_dim);
+  p.v = flashcpp::bshd_view(v, dt, s.seqlen_k, s.heads_kv, s.head_dim);
+  p.o = flashcpp::bshd_view(o, dt, s.seqlen_q, s.heads_q, s.head_dim);
+  p.mask.causal = s.causal;
+  p.mask.window_left = s.window_left;
+  p.mask.window_right = s.window_right;
+  return p;
+}
+
+void print_choice(const char* backend, const Status& st, const KernelChoice& kc) {
+  if (!st.ok()) {
+    fmt::print("  {:<14} {}\n", backend, st.to_string());
+    return;
+  }
+  fmt::print("  {:<14} {}{}\n  {:<14} ({})\n", backend, flashcpp::kernel_name(kc.id),
+             kc.config.empty() ? "" : " config " + kc.config, "", kc.reason);
+}
+
+int cmd_info(ShapeOptions s) {
+  if (s.seqlen_k < 0) s.seqlen_k = s.seqlen_q;
+  if (s.heads_kv < 0) s.heads_kv = s.heads_q;
+  fmt::print("flashcpp {} (git {})\n", kVersion, FLASHCPP_GIT_COMMIT);
+  fmt::print("build: CUDA {}\n", FLASHCPP_WITH_CUDA ? "yes" : "no");
+#if FLASHCPP_WITH_CUDA
+  {
+    int driver = 0, runtime = 0;
+    if (cudaDriverGetVersion(&driver) == cudaSuccess && cudaRuntimeGetVersion(&runtime) == cudaSuccess)
+      fmt::print("CUDA driver {}.{}, runtime {}.{}\n", driver / 1000, (driver % 1000) / 10, runtime / 1000,
+                 (runtime % 1000) / 10);
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0) {
+      fmt::print("devices: no CUDA device{}\n", e != cudaSuccess ? fmt::format(" ({})", cudaGetErrorString(e)) : "");
+    } else {
+      fmt::print("devices:\n");
+      for (int d = 0; d < n; ++d) {
+        cudaDeviceProp prop{};
+        if (cudaGetDeviceProperties(&prop, d) != cudaSuccess) {
+          fmt::print("  {}: (properties unavailable)\n", d);
+          continue;
+        }
+        fmt::print("  {}: {} (sm_{}{}, {} SMs, {:.0f} GiB)\n", d, prop.name, prop.major, prop.minor,
+                   prop.multiProcessorCount, static_cast<double>(prop.totalGlobalMem) / (1u << 30));
+      }
+    }
+  }
+#else
+  fmt::print("devices: no CUDA device (CPU-only build)\n");
+#endif
+  std::string dims;
+  for (int d : flashcpp::kSupportedHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  fmt::print("supported head dims: {}\n", dims);
+
+  const DType dt = parse_dtype(s.dtype);
+  const std::size_t es = flashcpp::dtype_size(dt);
+  const std::size_t nq = static_cast<std::size_t>(s.batch) * s.seqlen_q * s.heads_q * s.head_dim * es;
+  const std::size_t nk = static_cast<std::size_t>(s.batch) * s.seqlen_k * s.heads_kv * s.head_dim * es;
+  std::string mask = s.causal ? "causal" : "";
+  if (s.window_left >= 0 || s.window_right >= 0)
+    mask += fmt::format("{}window ({}, {})", mask.empty() ? "" : ", ", s.window_left, s.window_right);
+  fmt::print("kernel choice for batch {}, seqlen_q {}, seqlen_k {}, heads_q {}, heads_kv {}, head_dim {}, {}{}:\n",
+             s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim, s.dtype,
+             mask.empty() ? "" : ", " + mask);
+  InfoBuffers buf;
+  {
+    const AttnParams p = info_params(s, buf.host(nq), buf.host(nk), buf.host(nk), buf.host(nq));
+    for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
+      RunOptions opt;
+      opt.backend = b;
+      KernelChoice kc;
+      const Status st = flashcpp::select_kernel(p, opt, &kc);
+      print_choice(flashcpp::backend_name(b), st, kc);
+    }
+  }
+#if FLASHCPP_WITH_CUDA
+  {
+    flashcpp::cuda::DeviceInfo dev;
+    Status st = flashcpp::cuda::current_device(&dev);
+    KernelChoice kc;
+    if (st.ok()) {
+      void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+      st = buf.device(nq, &q);
+      if (st.ok()) st = buf.device(nk, &k);
+      if (st.ok()) st = buf.device(nk, &v);
+      if (st.ok()) st = buf.device(nq, &o);
+      if (st.ok()) {
+        RunOptions opt;
+        opt.backend = Backend::kCuda;
+        st = flashcpp::select_kernel(info_params(s, q, k, v, o), opt, &kc);
+      }
+    }
+    print_choice("cuda", st, kc);
+  }
+  auto list_configs = [](const char* title, std::vector<std::string> (*configs)(int)) {
+    fmt::print("{}:\n", title);
+    for (int d : flashcpp::kSupportedHeadDims) {
+      std::string names;
+      for (const auto& c : configs(d)) names += (names.empty() ? "" : ", ") + c;
+      fmt::print("  head_dim {:>3}: {}\n", d, names.empty() ? "(none compiled)" : names);
+    }
+  };
+  list_configs("cuda sm80 prefill configs (mma.sync)", &flashcpp::cuda::prefill_sm80_configs);
+#if FLASHCPP_HAS_SM90
+  list_configs("cuda sm90a prefill configs (wgmma + TMA)", &flashcpp::cuda::prefill_sm90_configs);
+#endif
+#endif
+  return 0;
+}
+
+int not_built(const char* cmd) {
+  std::fprintf(stderr, "flashcpp %s: not built in this version yet\n", cmd);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"flashcpp: attention kernels and the tools that prove them"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("flashcpp ") + kVersion + " (git " FLASHCPP_GIT_COMMIT ")");
+
+  ShapeOptions shape;
+  auto* info = app.add_subcommand("info", "Build, devices, supported head dims and the kernel chosen for a shape");
+  info->add_option("--batch", shape.batch, "batch size")->capture_default_str();
+  info->add_option("--seqlen-q", shape.seqlen_q, "query rows per sequence")->capture_default_str();
+  info->add_option("--seqlen-k", shape.seqlen_k, "key rows per sequence (default: seqlen-q)");
+  info->add_option("--heads-q", shape.heads_q, "query heads")->capture_default_str();
+  info->add_option("--heads-kv", shape.heads_kv, "key/value heads (default: heads-q)");
+  info->add_option("--head-dim", shape.head_dim, "head dimension")->capture_default_str();
+  info->add_option("--dtype", shape.dtype, "element type")
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))
+      ->capture_default_str();
+  info->add_flag("--causal", shape.causal, "bottom-right aligned causal mask");
+  info->add_option("--window-left", shape.window_left, "sliding window, keys to the left (-1: unbounded)");
+  info->add_option("--window-right", shape.window_right, "sliding window, keys to the right (-1: unbounded)");
+
+  flashcpp::harness::CheckOptions check_opt;
+  std::string backend = "auto";
+  bool quick = false, full = false;
+  std::uint64_t seed = 0;
+  auto* check = app.add_subcommand("check", "Correctness harness: every case against an fp64 reference");
+  check->add_option("--backend", backend, "cpu, cpu-reference, cuda, or auto (cuda when a device is present)")
+      ->check(CLI::IsMember({"cpu", "cpu-reference", "cuda", "auto"}))
+      ->capture_default_str();
+  auto* quick_flag = check->add_flag("--quick", quick, "the quick table (default)");
+  auto* full_flag = check->add_flag("--full", full, "the full table (larger problems; the course's shapes on cuda)");
+  quick_flag->excludes(full_flag);
+  check->add_option("--json", check_opt.json_path, "write correctness_report.json here");
+  check->add_option("--filter", check_opt.filter, "run only cases whose name contains this");
+  auto* seed_opt = check->add_option("--seed", seed, "input seed (default: fresh each run, printed)");
+  check->add_option("--threads", check_opt.cpu_threads, "CPU threads (0: all)")->capture_default_str();
+  check->add_flag("--list", check_opt.list_only, "print the selected case names and exit");
+
+  flashcpp::tools::BenchOptions bench_opt;
+  auto* bench = app.add_subcommand("bench", "Time flashcpp's CUDA prefill kernels from C++ (peers: python -m flashcpp.bench)");
+  bench->add_option("--head-dims", bench_opt.head_dims, "head dims to time")->delimiter(',')->capture_default_str();
+  bench->add_flag("--all-configs", bench_opt.all_configs, "time every compiled config, not just the tuned choice");
+  bench->add_flag("--quick", bench_opt.quick, "the course shapes only, fewer iterations");
+  bench->add_option("--csv", bench_opt.csv, "write the rows to this CSV file");
+  bench->add_option("--warmup", bench_opt.warmup, "warm-up runs per case")->capture_default_str();
+  bench->add_option("--iters", bench_opt.iters, "timed runs per case")->capture_default_str();
+  flashcpp::tools::TuneOptions tune_opt;
+  auto* tune = app.add_subcommand("tune", "Choose the tile config per head dim and shape on this device");
+  tune->add_option("--out", tune_opt.out, "JSON cache path (default: the library's cache path)");
+  tune->add_flag("--emit-table", tune_opt.emit_table, "also print rows for src/cuda/prefill/fa2_tuned_table.inc");
+  tune->add_option("--head-dims", tune_opt.head_dims, "head dims to tune")->delimiter(',')->capture_default_str();
+  tune->add_option("--warmup", tune_opt.warmup, "warm-up runs per config")->capture_default_str();
+  tune->add_option("--iters", tune_opt.iters, "timed runs per config")->capture_default_str();
+  auto* audit = app.add_subcommand("audit", "Numerics audit of the kernels")->allow_extras();
+  auto* decode = app.add_subcommand("decode", "Llama decode engine: end-to-end tokens/s")->allow_extras();
+
+  CLI11_PARSE(app, argc, argv);
+
+  if (*info) return cmd_info(shape);
+  if (*check) {
+    check_opt.backend = backend == "cpu"             ? Backend::kCpu
+                        : backend == "cpu-reference" ? Backend::kCpuReference
+                        : backend == "cuda"          ? Backend::kCuda
+                                                     : Backend::kAuto;
+    check_opt.table = full ? flashcpp::harness::TableKind::kFull : flashcpp::harness::TableKind::kQuick;
+    if (seed_opt->count() > 0) check_opt.seed = seed;
+    return flashcpp::harness::run_check(check_opt, std::cout, std::cerr);
+  }
+  if (*bench) return flashcpp::tools::bench_main(bench_opt);
+  if (*tune) return flashcpp::tools::tune_main(tune_opt);
+  if (*audit) return not_built("audit");
+  if (*decode) return not_built("decode");
+  return 2;
+}

@@ -1,0 +1,236 @@
+// The correctness harness behind `flashcpp check`: case tables, fresh random inputs, poisoned
+// outputs, comparison against an fp64 ground truth, per-row error statistics, the tolerance
+// policy of docs/tolerances.md and the correctness_report.json writer.
+//
+// A run of one case:
+//   1. inputs  : q, k, v ~ normal(0, 1) rounded to the dtype, from a per-case seed derived from
+//                the run seed and the case name (so --filter does not change a case's inputs);
+//   2. poison  : O (and the LSE) start as NaN, with NaN guard zones before and after each buffer;
+//   3. run     : flashcpp::attention_forward on the chosen backend (select_kernel first: an
+//                Unsupported answer is recorded as "unsupported" with its sentence, never a pass);
+//   4. truth   : cpu::reference_attention (fp64), or cuda::reference_attention_f64 for CUDA
+//                problems with batch*heads_q*seqlen_q*seqlen_k > gpu_reference_threshold;
+//   5. compare : per element |out - ref| <= atol + rtol*|ref|, no NaN/Inf, guards intact, LSE
+//                within lse_atol; also the "floor": the error of the fp64 result merely rounded
+//                to the output dtype, which no kernel can beat.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "flashcpp/attention.h"
+
+namespace flashcpp::harness {
+
+/// Memory layout of q/k/v/o (varlen cases are always packed (total_tokens, heads, dim)).
+enum class Layout : std::uint8_t {
+  kBshd,  ///< flash-attn (batch, seqlen, heads, dim)
+  kBhsd,  ///< PyTorch SDPA (batch, heads, seqlen, dim), through strides alone
+};
+const char* layout_name(Layout l) noexcept;  // "bshd", "bhsd"
+
+/// Host-side description of a mask; the harness turns it into MaskParams (building the ALiBi
+/// slopes, cu_seqlens and the block-sparse CSR arrays) in the backend's memory space.
+struct MaskSpec {
+  bool causal = false;
+  int window_left = -1;   ///< -1 = unbounded
+  int window_right = -1;  ///< -1 = unbounded
+  int global_tokens = 0;
+  bool global_queries = false;
+  float softcap = 0.f;
+  bool alibi = false;            ///< BLOOM slopes 2^(-8(h+1)/heads_q)
+  bool alibi_per_batch = false;  ///< slopes differ per sequence (alibi_batch_stride = heads_q)
+  /// Varlen: per-sequence query lengths (non-empty = packed varlen; batch = its size).
+  std::vector<int> varlen_q;
+  /// Per-sequence key lengths; empty = same as varlen_q.
+  std::vector<int> varlen_k;
+  /// > 0: block-sparse with blocks of sparse_block_m x sparse_block_n, a random pattern of
+  /// absent, full and partial (random element bits) blocks drawn from the case seed.
+  int sparse_block_m = 0, sparse_block_n = 0;
+  bool sparse_per_head = false;  ///< one pattern per (batch, head) instead of one for all
+
+  bool is_varlen() const noexcept { return !varlen_q.empty(); }
+  bool is_block_sparse() const noexcept { return sparse_block_m > 0 && sparse_block_n > 0; }
+};
+
+/// Mask kinds a case can exercise, used to prove table coverage.
+inline constexpr const char* kMaskKinds[] = {"none",   "causal", "window", "softcap",
+                                             "alibi",  "varlen", "global", "block_sparse"};
+
+struct Case {
+  int batch = 1;
+  int seqlen_q = 1, seqlen_k = 1;  ///< maxima of varlen_q / varlen_k for varlen cases
+  int heads_q = 1, heads_kv = 1;
+  int head_dim = 64;
+  DType dtype = DType::kBF16;
+  Layout layout = Layout::kBshd;
+  MaskSpec mask;
+  float softmax_scale = 0.f;  ///< 0 = 1/sqrt(head_dim)
+  bool return_lse = true;
+
+  /// Readable unique id, e.g. "b2_h16_n4096_d64_causal_bf16", "b1_h32kv8_q1000_k4097_d128_fp16",
+  /// "b4_h2_n1000_d64_wl64_wr0_sink4_bhsd_fp32" (tokens documented in docs/tolerances.md).
+  std::string name() const;
+  /// "none" or a comma-separated description, e.g. "causal, window_left=64, window_right=0".
+  std::string mask_description() const;
+  /// The kinds of kMaskKinds this case exercises ("none" when no mask at all).
+  std::vector<std::string> mask_kinds() const;
+  /// Multiply-adds of QK^T and PV over the dense (unmasked) problem: the cost bound of a case.
+  double work() const;
+  /// Query rows in the packed order (batch*seqlen_q, or the sum of varlen_q).
+  std::int64_t total_q() const;
+  std::int64_t total_k() const;
+};
+
+enum class TableKind : std::uint8_t { kQuick, kFull };
+const char* table_name(TableKind t) noexcept;
+
+/// Dense multiply-adds allowed per case in a CPU table, so a CPU `full` run stays within a few
+/// minutes on 2 cores (the reference and the tiled backend both run every case).
+inline constexpr double kCpuMaxWorkPerCase = 6.0e9;
+
+/// The case table for a backend. `quick` is CPU-cheap and covers every mask kind, head dim, dtype
+/// and both layouts; `full` adds larger problems, and for Backend::kCuda the course's shapes.
+std::vector<Case> make_table(TableKind kind, Backend backend);
+
+/// Tolerance policy, per output dtype (docs/tolerances.md gives the reasoning).
+struct Tolerance {
+  double atol = 0, rtol = 0;  ///< per element: |out - ref| <= atol + rtol * |ref|
+  double lse_atol = 0;        ///< per row: |lse - lse_ref| <= lse_atol (both -inf is exact)
+  /// fp32 only (0 otherwise): atol and lse_atol of a case grow by plain_factor times the error
+  /// of a plain fp32 implementation on that case (the flash-attn rule), because fp32 scores of
+  /// magnitude S carry an absolute error ~S * 2^-24 that no algorithm avoids.
+  double plain_factor = 0;
+};
+/// A plain fp32 implementation disagreeing with the fp64 reference by more than this (in O or
+/// the LSE) is a mask or harness bug, not rounding: the case fails. It also caps the fp32 band.
+inline constexpr double kPlainSanityBound = 1e-4;
+Tolerance tolerance_for(DType t) noexcept;
+/// The policy as JSON (the "tolerance_policy" object of the report).
+nlohmann::json tolerance_policy_json();
+
+/// Host copy of a kernel output as the harness sees it after the run (strided layout of the case).
+struct HostTensor {
+  DType dtype = DType::kF32;
+  std::vector<std::uint8_t> bytes;
+  HostTensor() = default;
+  HostTensor(DType t, std::int64_t n);
+  std::int64_t size() const;
+  void* data() { return bytes.data(); }
+  const void* data() const { return bytes.data(); }
+  float get(std::int64_t i) const;
+  void set(std::int64_t i, float v);
+};
+
+/// Test hook: called with the host copies of the output (dtype of the case, the case's layout)
+/// and the LSE (fp32, empty when not requested) after the run and before the comparison.
+/// Used by tests to prove that a wrong or NaN output fails; never set by the CLI.
+using OutputHook = std::function<void(const Case&, HostTensor& out, std::vector<float>& lse)>;
+
+enum class CaseStatus : std::uint8_t { kPass, kFail, kUnsupported };
+const char* case_status_name(CaseStatus s) noexcept;  // "pass", "fail", "unsupported"
+
+struct CaseResult {
+  Case c;
+  std::string name;
+  CaseStatus status = CaseStatus::kFail;
+  std::string message;  ///< unsupported sentence, error sentence, or the first violation found
+  std::uint64_t seed = 0;  ///< the per-case seed the inputs were drawn from
+  std::string kernel, config, kernel_reason;
+  std::string reference;  ///< "cpu_fp64" or "cuda_fp64"
+  Tolerance tol;
+  // Output errors against the fp64 reference (NaN when not measured, e.g. unsupported).
+  double max_abs_err = NAN, mean_abs_err = NAN;
+  double p50_row_err = NAN, p99_row_err = NAN, max_row_err = NAN;  ///< row = (b, i, h)
+  /// max |out - ref| / max(|ref|, atol): the relative error, floored so near-zero outputs do
+  /// not turn rounding noise into huge ratios.
+  double max_rel_err = NAN;
+  /// max over elements of |out - ref| / (atol + rtol*|ref|): <= 1 passes; the margin.
+  double tol_ratio = NAN;
+  /// Error of the fp64 reference rounded to the output dtype (the floor any kernel has).
+  double floor_max_abs_err = NAN, floor_mean_abs_err = NAN;
+  double lse_max_abs_err = NAN;  ///< NaN when the LSE was not requested
+  /// fp32 cases: error of plain_attention_fp32 against the reference (NaN for 16-bit cases).
+  double plain_max_abs_err = NAN, plain_lse_max_abs_err = NAN;
+  /// The bounds actually applied: atol (+ plain_factor * plain error for fp32) and rtol.
+  double effective_atol = NAN, effective_lse_atol = NAN;
+  std::int64_t nan_count = 0;      ///< NaN or Inf elements in O
+  /// LSE values that are NaN or +Inf, -inf where the row sees keys, or finite where it sees none.
+  std::int64_t lse_nan_count = 0;
+  std::int64_t guard_violations = 0;  ///< elements written outside O or the LSE
+  std::int64_t violations = 0;        ///< elements of O outside the tolerance
+  std::int64_t lse_violations = 0;    ///< finite LSE values further than lse_atol from the truth
+  double ms = NAN;      ///< wall time of attention_forward (CUDA: launch to synchronize)
+  double ref_ms = NAN;  ///< wall time of the ground truth
+
+  bool pass() const noexcept { return status == CaseStatus::kPass; }
+};
+
+struct RunConfig {
+  Backend backend = Backend::kCpu;  ///< kCpu, kCpuReference or kCuda (resolve kAuto first)
+  std::uint64_t seed = 0;
+  int cpu_threads = 0;  ///< threads of the CPU backends and the CPU reference; 0 = all
+  /// CUDA problems above this many (batch*heads_q*seqlen_q*seqlen_k) use the GPU fp64 reference.
+  double gpu_reference_threshold = 268435456.0;  // 2^28
+  OutputHook perturb_output;  ///< tests only
+};
+
+/// Runs one case. Never throws for a failing kernel: the result says what went wrong.
+CaseResult run_case(const Case& c, const RunConfig& cfg);
+
+/// Plain fp32 attention of an fp32 problem with host pointers, in the packed order of
+/// cpu::RefOutput: o (total_q, heads_q, head_dim), lse (heads_q, total_q). See plain.cc.
+Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vector<float>* lse, int threads = 0);
+
+/// The per-case seed: a mix of the run seed and the case name.
+std::uint64_t case_seed(std::uint64_t run_seed, const std::string& name);
+
+struct Environment {
+  std::string device, backend, git_commit, timestamp;
+  std::uint64_t seed = 0;
+  bool cuda_build = false;
+  int cuda_driver = 0, cuda_runtime = 0;  ///< 0 when unknown or no CUDA build
+};
+/// Describes the machine and build a run happens on (device = CPU model or GPU name).
+Environment describe_environment(Backend backend, std::uint64_t seed);
+
+struct Summary {
+  int passed = 0, failed = 0, unsupported = 0;
+};
+Summary summarize(const std::vector<CaseResult>& results);
+/// "N passed, M failed" with ", K unsupported" when K > 0.
+std::string summary_line(const Summary& s);
+
+nlohmann::json case_json(const CaseResult& r);
+/// The correctness_report.json document.
+nlohmann::json report_json(const Environment& env, const std::vector<CaseResult>& results);
+
+/// Resolves Backend::kAuto: kCuda when this build has CUDA and a device is present, else kCpu.
+Backend resolve_backend(Backend b);
+/// Fresh random seed (std::random_device).
+std::uint64_t random_seed();
+
+/// Options of `flashcpp check`.
+struct CheckOptions {
+  Backend backend = Backend::kAuto;
+  TableKind table = TableKind::kQuick;
+  std::string json_path;  ///< empty: no JSON written
+  std::string filter;     ///< substring of the case name; empty: all
+  std::optional<std::uint64_t> seed;
+  int cpu_threads = 0;
+  bool list_only = false;  ///< print the selected case names and exit 0
+  OutputHook perturb_output;  ///< tests only
+};
+
+/// `flashcpp check`: runs the table, prints the aligned table and the closing summary line to
+/// `out` (diagnostics to `err`), writes the JSON if asked. Returns the process exit status:
+/// 0 all supported cases passed, 1 a case failed, 2 a usage or I/O problem.
+int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err);
+
+}  // namespace flashcpp::harness
