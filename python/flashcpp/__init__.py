@@ -1,0 +1,31 @@
+"""flashcpp: attention and fused LLM kernels in C++20/CUDA, with a flash-attn style Python API.
+
+Works on numpy arrays (CPU backend) and, when torch imports, on torch tensors through the
+``torch.ops.flashcpp.*`` custom ops (torch.compile and CUDA-graph friendly). See python/README.md.
+"""
+from . import _flashcpp as _C
+from ._core import torch as _torch
+
+if _torch is not None:
+    from . import _torch_ops  # noqa: F401  (registers torch.ops.flashcpp.*)
+
+from .attention import (KernelChoice, attention, flash_attn_func, flash_attn_varlen_func,
+                        select_kernel)
+from .decode import BatchDecodeWithPagedKVCache, flash_attn_with_kvcache
+from .fused import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
+from .merge import merge_attention_states
+
+__version__ = _C.VERSION
+#: True when this build has the CUDA kernels (FLASHCPP_CUDA=ON).
+WITH_CUDA: bool = _C.WITH_CUDA
+#: Git commit the extension was built from (recorded in reports).
+GIT_COMMIT: str = _C.GIT_COMMIT
+#: Head dimensions every backend supports.
+SUPPORTED_HEAD_DIMS = _C.SUPPORTED_HEAD_DIMS
+
+__all__ = [
+    "flash_attn_func", "flash_attn_varlen_func", "attention", "select_kernel", "KernelChoice",
+    "merge_attention_states", "flash_attn_with_kvcache", "BatchDecodeWithPagedKVCache",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary",
+    "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "__version__",
+]

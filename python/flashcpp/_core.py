@@ -1,0 +1,298 @@
+"""Framework-neutral plumbing between the public functions and the C++ binding.
+
+Describes numpy arrays and torch tensors alike (shape, element strides, dtype, device), checks
+them with sentences a user can act on, and launches ``flashcpp::attention_forward`` through
+``_flashcpp.attention`` with raw pointers. Nothing here copies an input: strides go to C++ as
+they are, so an SDPA-layout tensor (B, H, N, D) transposed to (B, N, H, D) runs in place.
+
+Errors: wrong or mixed dtypes -> TypeError; device mismatch, bad shapes or strides -> ValueError;
+what the C++ validator rejects -> ValueError (invalid) or NotImplementedError (unsupported).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from . import _flashcpp as _C
+
+try:  # torch is optional: the package works on numpy arrays without it.
+    import torch
+except ImportError:  # pragma: no cover - exercised in CI, which has no torch
+    torch = None
+
+_DTYPE_CODES = {"float16": _C.DTYPE_F16, "bfloat16": _C.DTYPE_BF16, "float32": _C.DTYPE_F32}
+if torch is not None:
+    _TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_NUMPY_DTYPE_NAMES = {np.dtype(n): n for n in ("float16", "float32", "int32")}  # dtype.name is slow
+_INT32_MAX = 2**31 - 1
+BACKENDS = ("auto", "cpu", "cpu-reference", "cuda")
+
+
+def is_torch(x: Any) -> bool:
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+class Meta(NamedTuple):
+    """What the checks need of an array: no data access, so it works on torch FakeTensors."""
+
+    name: str
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]  # elements
+    dtype: str  # "float16", "bfloat16", "float32", or the library's own name for others
+    device: Any  # "cpu" for numpy, a torch.device for torch
+    is_cuda: bool
+    lib: str  # "torch" or "numpy"
+
+
+def meta(x: Any, name: str) -> Meta:
+    if is_torch(x):
+        dt = _TORCH_DTYPE_NAMES.get(x.dtype)
+        if dt is None:
+            dt = str(x.dtype).replace("torch.", "")
+        return Meta(name, tuple(x.shape), tuple(x.stride()), dt, x.device, x.device.type == "cuda", "torch")
+    if isinstance(x, np.ndarray):
+        item = x.dtype.itemsize
+        if any(s % item for s in x.strides):
+            raise ValueError(f"{name} has byte strides {x.strides} that are not multiples of its "
+                             f"element size {item}; pass np.ascontiguousarray({name})")
+        dt = _NUMPY_DTYPE_NAMES.get(x.dtype)
+        if dt is None:
+            if not x.dtype.isnative:
+                raise TypeError(f"{name} has non-native byte order ({x.dtype.str}); convert it with "
+                                f"{name}.astype({name}.dtype.newbyteorder('='))")
+            dt = x.dtype.name
+        return Meta(name, tuple(x.shape), tuple(s // item for s in x.strides), dt, "cpu", False, "numpy")
+    raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _same_library(name_list: str, *xs: Any) -> None:
+    kinds = {x.lib if isinstance(x, Meta) else
+             "torch" if is_torch(x) else "numpy" if isinstance(x, np.ndarray) else type(x).__name__
+             for x in xs}
+    if len(kinds) > 1:
+        raise TypeError(f"{name_list} must all be numpy arrays or all torch tensors "
+                        f"(got a mix: {', '.join(sorted(kinds))})")
+
+
+class Dims(NamedTuple):
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+
+
+def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta, Meta, Meta]:
+    """Type, device, rank, stride and shape checks of q/k/v; returns the problem dims.
+
+    Dense: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim).
+    Varlen: q (total_q, heads_q, head_dim), k/v (total_k, heads_kv, head_dim); batch and the
+    sequence lengths come from cu_seqlens and are filled in by the caller (0 here).
+    """
+    mq, mk, mv = meta(q, "q"), meta(k, "k"), meta(v, "v")
+    if not (mq.lib == mk.lib == mv.lib):
+        _same_library("q, k and v", mq, mk, mv)
+    for m in (mq, mk, mv):
+        if m.dtype not in _DTYPE_CODES:
+            raise TypeError(f"{m.name} has dtype {m.dtype}; flashcpp attention takes float16, "
+                            "bfloat16 or float32")
+    if not (mq.dtype == mk.dtype == mv.dtype):
+        raise TypeError(f"q, k and v must have the same dtype (got q {mq.dtype}, k {mk.dtype}, "
+                        f"v {mv.dtype})")
+    if not (mq.device == mk.device == mv.device):
+        raise ValueError(f"q, k and v must be on the same device (got q on {mq.device}, "
+                         f"k on {mk.device}, v on {mv.device})")
+    rank = 3 if varlen else 4
+    layout = "(total_tokens, heads, head_dim)" if varlen else "(batch, seqlen, heads, head_dim)"
+    for m in (mq, mk, mv):
+        if len(m.shape) != rank:
+            raise ValueError(f"{m.name} must be {rank}-D {layout}; got shape {m.shape}")
+    for m in (mq, mk, mv):
+        if 0 in m.shape:
+            continue  # an empty array is never read; numpy gives it arbitrary strides
+        if m.strides[-1] != 1 and m.shape[-1] > 1:
+            raise ValueError(f"{m.name}: the last dimension (head_dim) must be contiguous (stride 1); "
+                             f"got strides {m.strides}. Other dimensions may have any stride.")
+        if any(s < 0 for s in m.strides):
+            raise ValueError(f"{m.name} has a negative stride {m.strides}; flashcpp takes "
+                             "non-negative strides (np.ascontiguousarray makes a copy)")
+    if tuple(mk.shape) != tuple(mv.shape):
+        raise ValueError(f"k and v must have the same shape; got k {mk.shape}, v {mv.shape}")
+    if mq.shape[-1] != mk.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim; got {mq.shape[-1]} and {mk.shape[-1]}")
+    heads_q, heads_kv = mq.shape[-2], mk.shape[-2]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv}) "
+                         "(GQA/MQA)")
+    if varlen:
+        dims = Dims(0, 0, 0, heads_q, heads_kv, mq.shape[-1])
+    else:
+        if mq.shape[0] != mk.shape[0]:
+            raise ValueError(f"q and k must have the same batch size; got {mq.shape[0]} and {mk.shape[0]}")
+        dims = Dims(mq.shape[0], mq.shape[1], mk.shape[1], heads_q, heads_kv, mq.shape[-1])
+    for m in (mq, mk):
+        if any(n > _INT32_MAX for n in m.shape):
+            raise ValueError(f"{m.name} has a dimension above 2**31-1: {m.shape}")
+    return dims, mq, mk, mv
+
+
+def check_window(window_size: Any) -> Tuple[int, int]:
+    try:
+        left, right = window_size
+        left, right = int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; "
+                         f"got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got {window_size!r}")
+    return left, right
+
+
+def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
+    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def check_alibi(alibi: Any, dims: Dims, mq: Meta) -> int:
+    """Checks ALiBi slopes ((heads_q,) or (batch, heads_q), fp32, contiguous, q's device).
+    Returns alibi_batch_stride (0 or heads_q)."""
+    m = meta(alibi, "alibi_slopes")
+    if m.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32; got {m.dtype}")
+    if m.device != mq.device:
+        raise ValueError(f"alibi_slopes must be on q's device ({mq.device}); got {m.device}")
+    h = dims.heads_q
+    if m.shape == (h,):
+        batch_stride = 0
+    elif len(m.shape) == 2 and m.shape[1] == h and (dims.batch == 0 or m.shape[0] == dims.batch):
+        batch_stride = h
+    else:
+        raise ValueError(f"alibi_slopes must have shape (heads_q,) = ({h},) or (batch, heads_q); "
+                         f"got {m.shape}")
+    if m.strides[-1] != 1 or (len(m.shape) == 2 and m.shape[0] > 1 and m.strides[0] != h):
+        raise ValueError(f"alibi_slopes must be contiguous; got strides {m.strides}")
+    return batch_stride
+
+
+def check_cu_seqlens(cu: Any, name: str, mq: Meta) -> int:
+    """Checks a cu_seqlens array (int32, 1-D, contiguous, q's device); returns batch."""
+    m = meta(cu, name)
+    if m.dtype != "int32":
+        raise TypeError(f"{name} must be int32; got {m.dtype}")
+    if m.device != mq.device:
+        raise ValueError(f"{name} must be on q's device ({mq.device}); got {m.device}")
+    if len(m.shape) != 1 or m.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D (batch + 1,); got shape {m.shape}")
+    if m.shape[0] > 1 and m.strides[0] != 1:
+        raise ValueError(f"{name} must be contiguous; got stride {m.strides}")
+    return m.shape[0] - 1
+
+
+def check_cu_seqlens_values(cu: np.ndarray, name: str, total: int, max_seqlen: int) -> None:
+    """Host-side value checks (CPU tensors only: reading device memory would synchronize).
+    The C++ TensorView does not know the packed length, so this is what keeps reads in bounds."""
+    if cu.size == 0:
+        return
+    if cu[0] != 0:
+        raise ValueError(f"{name}[0] must be 0; got {int(cu[0])}")
+    lens = np.diff(cu.astype(np.int64))
+    if lens.size and lens.min() < 0:
+        raise ValueError(f"{name} must be non-decreasing; got {cu.tolist()}")
+    if int(cu[-1]) > total:
+        raise ValueError(f"{name}[-1] = {int(cu[-1])} exceeds the {total} packed tokens")
+    if lens.size and int(lens.max()) > max_seqlen:
+        raise ValueError(f"a sequence of {int(lens.max())} tokens exceeds the max_seqlen passed "
+                         f"for {name} ({max_seqlen})")
+
+
+def _view(m: Meta, varlen: bool) -> Tuple[int, int, int]:
+    """(batch_stride, seq_stride, head_stride) in elements. A dimension of size 1 is never
+    stepped over, and torch leaves its stride arbitrary; give it the tensor's extent instead so
+    the validator sees a stride that cannot overlap anything."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(m.shape, m.strides) if n > 0)
+    strides = [s if n > 1 else extent for n, s in zip(m.shape, m.strides)]
+    if varlen:
+        return 0, strides[0], strides[1]
+    return strides[0], strides[1], strides[2]
+
+
+def data_ptr(x: Any) -> int:
+    if x is None:
+        return 0
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data
+    return x.data_ptr()
+
+
+def resolve_backend(backend: str, mq: Meta) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if backend == "auto":
+        return "cuda" if mq.is_cuda else "cpu"
+    if backend == "cuda" and not mq.is_cuda:
+        raise ValueError(f"backend 'cuda' needs CUDA tensors; q is on {mq.device}")
+    if backend != "cuda" and mq.is_cuda:
+        raise ValueError(f"backend {backend!r} runs on the host; q is on {mq.device}")
+    return backend
+
+
+def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk: Meta, mv: Meta,
+           *, varlen: bool = False, softmax_scale: float, causal: bool = False,
+           window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi: Any = None,
+           alibi_batch_stride: int = 0, global_tokens: int = 0, global_queries: bool = False,
+           cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, backend: str = "auto",
+           cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None,
+           select_only: bool = False) -> Any:
+    """Fills the binding's arguments from checked inputs and calls it. `out`/`lse` are
+    allocated by the caller (lse may be None). Returns None, or the kernel choice tuple."""
+    backend = resolve_backend(backend, mq)
+    mo = meta(out, "out")
+    if stream is None:
+        stream = 0
+        if mq.is_cuda:
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+    tensors = [(data_ptr(x), *_view(m, varlen)) for x, m in ((q, mq), (k, mk), (v, mv), (out, mo))]
+    kwargs = dict(
+        q=tensors[0], k=tensors[1], v=tensors[2], o=tensors[3], lse=data_ptr(lse),
+        dtype=_DTYPE_CODES[mq.dtype], batch=dims.batch, seqlen_q=dims.seqlen_q,
+        seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
+        head_dim=dims.head_dim, softmax_scale=float(softmax_scale), causal=bool(causal),
+        window_left=int(window[0]), window_right=int(window[1]), softcap=float(softcap),
+        alibi_slopes=data_ptr(alibi), alibi_batch_stride=int(alibi_batch_stride),
+        global_tokens=int(global_tokens), global_queries=bool(global_queries),
+        cu_seqlens_q=data_ptr(cu_seqlens_q), cu_seqlens_k=data_ptr(cu_seqlens_k),
+        stream=int(stream), backend=backend, cpu_threads=int(cpu_threads),
+        cuda_config=str(cuda_config), select_only=bool(select_only))
+    if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):  # the C++ launch uses the current device
+            return _C.attention(**kwargs)
+    return _C.attention(**kwargs)
+
+
+def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int, ...], mq: Meta) -> None:
+    """Checks caller-provided outputs of the low-level `attention` function."""
+    mo = meta(out, "out")
+    if mo.shape != tuple(shape_o):
+        raise ValueError(f"out must have shape {tuple(shape_o)}; got {mo.shape}")
+    if mo.dtype != mq.dtype:
+        raise TypeError(f"out must have q's dtype {mq.dtype}; got {mo.dtype}")
+    if mo.device != mq.device:
+        raise ValueError(f"out must be on q's device ({mq.device}); got {mo.device}")
+    if 0 in mo.shape:
+        pass  # nothing is written
+    elif mo.strides[-1] != 1 and mo.shape[-1] > 1:
+        raise ValueError(f"out: the last dimension (head_dim) must be contiguous; got strides {mo.strides}")
+    elif any(s < 0 for s in mo.strides):
+        raise ValueError(f"out has a negative stride {mo.strides}")
+    if lse is not None:
+        ml = meta(lse, "lse")
+        if ml.shape != tuple(shape_lse) or ml.dtype != "float32" or ml.device != mq.device:
+            raise ValueError(f"lse must be a float32 array of shape {tuple(shape_lse)} on {mq.device}; "
+                             f"got {ml.dtype} {ml.shape} on {ml.device}")
+        contiguous = 1
+        for n, s in reversed(list(zip(ml.shape, ml.strides))):
+            if n > 1 and s != contiguous and 0 not in ml.shape:
+                raise ValueError(f"lse must be contiguous; got strides {ml.strides}")
+            contiguous *= n

@@ -1,0 +1,115 @@
+"""torch.library custom ops (namespace ``flashcpp``), registered when torch imports.
+
+Each op allocates its outputs with ``torch.empty`` and hands raw pointers plus the current CUDA
+stream (as an int) to the C++ entry point: no DLPack export, no synchronization, so the ops
+can be captured in CUDA graphs. Each has a ``register_fake`` (shape-only) implementation that
+runs the same checks, so ``torch.compile(fullgraph=True)`` traces through without graph breaks
+and bad inputs fail at trace time with the same sentences.
+
+Ops:
+  flashcpp::flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                           alibi_slopes?, return_lse) -> (out, lse)
+  flashcpp::flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, softmax_scale, causal, window_left, window_right,
+                           softcap, alibi_slopes?, return_lse) -> (out, lse)
+  flashcpp::merge_attention_states(v_a, s_a, v_b, s_b) -> (v, s)
+When return_lse is False the lse output is an empty (0,) tensor.
+
+No annotations from __future__ here: torch.library reads the real annotations for the schema.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _core
+from .attention import _execute, _prepare
+
+_NO_LSE = (0,)
+
+
+def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes):
+    return _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes,
+                    None, None, None, None)
+
+
+@torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+                   window_left: int, window_right: int, softcap: float,
+                   alibi_slopes: Optional[Tensor], return_lse: bool) -> Tuple[Tensor, Tensor]:
+    p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
+    out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
+    _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
+    return out, lse
+
+
+@flash_attn_fwd.register_fake
+def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                         alibi_slopes, return_lse):
+    # softmax_scale 1.0: the fake needs shapes only (and math.sqrt of a SymInt is best avoided)
+    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes)
+    return (q.new_empty(p.shape_o),
+            q.new_empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
+
+
+def _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   window_left, window_right, alibi_slopes):
+    # Shape/type checks only; the host-side value checks of cu_seqlens run in _prepare for CPU
+    # tensors (eager only: a fake tensor has no values).
+    dims, mq, _, _ = _core.check_qkv(q, k, v, varlen=True)
+    _core.check_window((window_left, window_right))
+    batch = _core.check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", mq)
+    if _core.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", mq) != batch:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1)")
+    if alibi_slopes is not None:
+        _core.check_alibi(alibi_slopes, dims._replace(batch=batch), mq)
+    total_q = q.shape[0]
+    return (total_q, dims.heads_q, dims.head_dim), (dims.heads_q, total_q)
+
+
+@torch.library.custom_op("flashcpp::flash_attn_varlen_fwd", mutates_args=())
+def flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                          softcap: float, alibi_slopes: Optional[Tensor],
+                          return_lse: bool) -> Tuple[Tensor, Tensor]:
+    p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q,
+                 cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
+    _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
+    return out, lse
+
+
+@flash_attn_varlen_fwd.register_fake
+def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, window_left, window_right, softcap,
+                                alibi_slopes, return_lse):
+    shape_o, shape_lse = _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, window_left, window_right, alibi_slopes)
+    return (q.new_empty(shape_o),
+            q.new_empty(shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
+
+
+@torch.library.custom_op("flashcpp::merge_attention_states", mutates_args=())
+def merge_attention_states_op(v_a: Tensor, s_a: Tensor, v_b: Tensor,
+                              s_b: Tensor) -> Tuple[Tensor, Tensor]:
+    from .merge import check_merge, merge_host
+
+    check_merge(v_a, s_a, v_b, s_b)
+    if v_a.device.type != "cpu":
+        raise NotImplementedError(
+            "merge_attention_states on CUDA is not implemented yet (the CPU path merges host "
+            "tensors through cpu::merge_by_lse)")
+    f32 = lambda t: t.detach().to(torch.float32).contiguous().numpy()  # noqa: E731
+    o, lse = merge_host(f32(v_a), f32(s_a), f32(v_b), f32(s_b))
+    return torch.from_numpy(o).to(v_a.dtype), torch.from_numpy(lse)
+
+
+@merge_attention_states_op.register_fake
+def _merge_attention_states_fake(v_a, s_a, v_b, s_b):
+    from .merge import check_merge
+
+    check_merge(v_a, s_a, v_b, s_b)
+    return v_a.new_empty(v_a.shape), s_a.new_empty(s_a.shape, dtype=torch.float32)

@@ -1,0 +1,276 @@
+"""Attention forward: flash-attn style functions over numpy arrays and torch tensors.
+
+Semantics are those of ``include/flashcpp/attention.h``; in short:
+
+* layout (batch, seqlen, heads, head_dim), any strides except a contiguous head_dim, so
+  PyTorch SDPA's (B, H, N, D) tensors run after ``.transpose(1, 2)`` without a copy;
+* GQA/MQA: heads_q a multiple of heads_kv;
+* causal masks are aligned **bottom-right** as in flash-attn: query i sees keys
+  j <= i + seqlen_k - seqlen_q (SDPA's ``is_causal`` is top-left; they agree when
+  seqlen_q == seqlen_k);
+* window_size=(left, right): keys in [ia - left, ia + right] with ia = i + seqlen_k - seqlen_q,
+  -1 meaning unbounded on that side;
+* softcap > 0: s = softcap * tanh(s / softcap) (Gemma-2);
+* ALiBi: s += slope * (j - ia). With causal masking this equals flash-attn's
+  -slope * |i + seqlen_k - seqlen_q - j|; without it, flash-attn uses the absolute distance
+  while flashcpp keeps the signed one (keys right of ia get a positive bias);
+* LSE: natural log, fp32, (batch, heads_q, seqlen_q) ((heads_q, total_q) for varlen);
+  a row that sees no key gets O = 0 and LSE = -inf.
+
+Torch tensors go through the ``torch.ops.flashcpp.*`` custom ops (see ``_torch_ops``), so
+``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque op; numpy arrays run on the
+CPU backend directly.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from ._core import torch
+
+
+class KernelChoice(NamedTuple):
+    kernel: str  # e.g. "cpu_tiled_online_softmax", "cuda_sm80_fa2"
+    config: str  # tile config name ("" for CPU kernels)
+    reason: str  # one sentence: why this kernel
+
+
+def _as_host_int32(cu: Any, name: str) -> np.ndarray:
+    arr = np.asarray(cu)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32); got {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > _core._INT32_MAX):
+        raise ValueError(f"{name} values must fit int32 and be >= 0")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def _as_host_f32(x: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+
+
+class _Problem(NamedTuple):
+    q: Any
+    k: Any
+    v: Any
+    dims: _core.Dims
+    mq: _core.Meta
+    mk: _core.Meta
+    mv: _core.Meta
+    varlen: bool
+    shape_o: Tuple[int, ...]
+    shape_lse: Tuple[int, ...]
+    alibi: Any
+    alibi_batch_stride: int
+    cu_q: Any
+    cu_k: Any
+    window: Tuple[int, int]
+    scale: float
+
+
+def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+             max_seqlen_q, max_seqlen_k) -> _Problem:
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    dims, mq, mk, mv = _core.check_qkv(q, k, v, varlen=varlen)
+    window = _core.check_window(window_size)
+    torch_in = _core.is_torch(q)
+    cu_q = cu_k = None
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None or max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("varlen attention needs cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
+                             "max_seqlen_k together")
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+        if not torch_in:
+            cu_q, cu_k = _as_host_int32(cu_q, "cu_seqlens_q"), _as_host_int32(cu_k, "cu_seqlens_k")
+        batch = _core.check_cu_seqlens(cu_q, "cu_seqlens_q", mq)
+        if _core.check_cu_seqlens(cu_k, "cu_seqlens_k", mq) != batch:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); "
+                             f"got {batch + 1} and {cu_k.shape[0]}")
+        max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
+        if not (0 <= max_q <= _core._INT32_MAX and 0 <= max_k <= _core._INT32_MAX):
+            raise ValueError(f"max_seqlen_q/max_seqlen_k must be in [0, 2**31-1]; got {max_q}, {max_k}")
+        if not mq.is_cuda:  # host memory: check the values (device memory would need a sync)
+            host = (lambda c: c.numpy()) if torch_in else (lambda c: c)
+            _core.check_cu_seqlens_values(host(cu_q), "cu_seqlens_q", mq.shape[0], max_q)
+            _core.check_cu_seqlens_values(host(cu_k), "cu_seqlens_k", mk.shape[0], max_k)
+        dims = dims._replace(batch=batch, seqlen_q=max_q, seqlen_k=max_k)
+        shape_o = (mq.shape[0], dims.heads_q, dims.head_dim)
+        shape_lse = (dims.heads_q, mq.shape[0])
+    else:
+        shape_o = (dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim)
+        shape_lse = (dims.batch, dims.heads_q, dims.seqlen_q)
+    alibi, alibi_bs = alibi_slopes, 0
+    if alibi is not None:
+        if not torch_in:
+            alibi = _as_host_f32(alibi)
+        alibi_bs = _core.check_alibi(alibi, dims, mq)
+    scale = _core.default_scale(softmax_scale, dims.head_dim)
+    return _Problem(q, k, v, dims, mq, mk, mv, varlen, shape_o, shape_lse, alibi, alibi_bs,
+                    cu_q, cu_k, window, scale)
+
+
+def _empty(like: Any, shape, dtype=None):
+    if _core.is_torch(like):
+        return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+
+
+def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, return_lse: bool = False,
+              softmax_scale: Optional[float] = None, causal: bool = False,
+              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+              global_tokens: int = 0, global_queries: bool = False, cu_seqlens_q: Any = None,
+              cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
+              max_seqlen_k: Optional[int] = None, backend: str = "auto", cpu_threads: int = 0,
+              cuda_config: str = "", stream: Optional[int] = None) -> Tuple[Any, Any]:
+    """Low-level eager entry point: every mask field, a backend choice and caller-owned outputs.
+
+    No torch.library op sits in between (use :func:`flash_attn_func` inside ``torch.compile``);
+    benchmarks and tests use this to pass preallocated ``out``/``lse`` or to force
+    ``backend`` = "cpu", "cpu-reference" (fp64 ground truth) or "cuda". ``stream`` is a
+    ``cudaStream_t`` as an int (default: torch's current stream for CUDA tensors).
+    Varlen when ``cu_seqlens_q``/``cu_seqlens_k`` are given (q/k/v packed (total, heads, dim)).
+    Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
+    """
+    p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                 max_seqlen_q, max_seqlen_k)
+    if out is None:
+        out = _empty(q, p.shape_o)
+    if lse is None and return_lse:
+        lse = _empty(q, p.shape_lse, np.float32 if not _core.is_torch(q) else torch.float32)
+    _core.check_out(out, lse, p.shape_o, p.shape_lse, p.mq)
+    _execute(p, out, lse, causal=causal, softcap=softcap, global_tokens=global_tokens,
+             global_queries=global_queries, backend=backend, cpu_threads=cpu_threads,
+             cuda_config=cuda_config, stream=stream)
+    return out, lse
+
+
+def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
+             global_tokens: int = 0, global_queries: bool = False, backend: str = "auto",
+             cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None) -> None:
+    """Runs a checked problem into checked outputs (shared by `attention` and the torch ops)."""
+    if p.dims.batch == 0 or p.dims.seqlen_q == 0 or p.dims.heads_q == 0 or p.mq.shape[0] == 0:
+        return  # nothing to compute (and empty arrays may have null pointers)
+    if p.dims.seqlen_k == 0 or p.mk.shape[0] == 0:
+        # No key at all: every row sees nothing, O = 0 and LSE = -inf (the documented rule).
+        out[...] = 0
+        if lse is not None:
+            lse[...] = -np.inf
+        return
+    _core.launch(p.q, p.k, p.v, out, lse, p.dims, p.mq, p.mk, p.mv, varlen=p.varlen,
+                 softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
+                 alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
+                 global_tokens=global_tokens, global_queries=global_queries,
+                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, backend=backend,
+                 cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
+    if p.varlen and not p.mq.is_cuda:
+        used = int(p.cu_q[-1])
+        if used < p.mq.shape[0]:  # packed rows past the last sequence: define them
+            out[used:] = 0
+            if lse is not None:
+                lse[:, used:] = -np.inf
+
+
+def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = None,
+                  causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                  softcap: float = 0.0, alibi_slopes: Any = None, cu_seqlens_q: Any = None,
+                  cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
+                  max_seqlen_k: Optional[int] = None, backend: str = "auto",
+                  cuda_config: str = "") -> KernelChoice:
+    """Which kernel (and tile config) flashcpp would run for these inputs, and why.
+    Validates like a real call (raising the same errors) but launches nothing."""
+    p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                 max_seqlen_q, max_seqlen_k)
+    out = _empty(q, p.shape_o)
+    lse = _empty(q, p.shape_lse, np.float32 if not _core.is_torch(q) else torch.float32)
+    choice = _core.launch(p.q, p.k, p.v, out, lse, p.dims, p.mq, p.mk, p.mv, varlen=p.varlen,
+                          softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
+                          alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
+                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, backend=backend,
+                          cuda_config=cuda_config, select_only=True)
+    return KernelChoice(*choice)
+
+
+def _torch_alibi(alibi_slopes: Any, q: Any) -> Any:
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        return torch.tensor(alibi_slopes, dtype=torch.float32, device=q.device)
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device ({q.device}); got {alibi_slopes.device}")
+    return alibi_slopes.to(torch.float32).contiguous()
+
+
+def _torch_cu(cu: Any, q: Any, name: str) -> Any:
+    if not isinstance(cu, torch.Tensor):
+        return torch.tensor(cu, dtype=torch.int32, device=q.device)
+    if cu.device != q.device:
+        raise ValueError(f"{name} must be on q's device ({q.device}); got {cu.device}")
+    if cu.dtype.is_floating_point or cu.dtype.is_complex:
+        raise TypeError(f"{name} must hold integers (int32); got {cu.dtype}")
+    return cu.to(torch.int32).contiguous()
+
+
+def _all_torch(q: Any, k: Any, v: Any) -> bool:
+    if _core.is_torch(q) or _core.is_torch(k) or _core.is_torch(v):
+        _core._same_library("q, k and v", q, k, v)
+        return True
+    return False
+
+
+def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = None,
+                    causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False):
+    """flash-attn's ``flash_attn_func`` (forward only, no dropout).
+
+    Args:
+        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
+            torch tensors (CPU or CUDA; fp16/bf16, fp32 on CPU) or numpy arrays (CPU backend;
+            float16/float32, bfloat16 via ml_dtypes). Only head_dim must be contiguous.
+        softmax_scale: multiplies q.k; default 1/sqrt(head_dim).
+        causal: bottom-right aligned causal mask (see the module docstring).
+        window_size: (left, right) sliding window, -1 = unbounded.
+        softcap: > 0 enables s = softcap * tanh(s / softcap).
+        alibi_slopes: (heads_q,) or (batch, heads_q) fp32 slopes, bias slope * (j - ia).
+        return_lse: also return the fp32 natural-log LSE, (batch, heads_q, seqlen_q).
+
+    Returns:
+        out (batch, seqlen_q, heads_q, head_dim) in q's dtype, or (out, lse).
+    """
+    if _all_torch(q, k, v):
+        wl, wr = _core.check_window(window_size)
+        scale = _core.default_scale(softmax_scale, q.shape[-1])
+        out, lse = torch.ops.flashcpp.flash_attn_fwd(
+            q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
+            bool(return_lse))
+        return (out, lse) if return_lse else out
+    out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float] = None,
+                           causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                           softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False):
+    """flash-attn's ``flash_attn_varlen_func`` (forward only, no dropout).
+
+    q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim), sequences packed back
+    to back; cu_seqlens_q/k: int32 (batch + 1,) prefix sums starting at 0; max_seqlen_q/k: the
+    longest sequence. Each sequence is its own problem (causal alignment per sequence).
+    Returns out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
+    Runs on the CPU backend; the CUDA kernels do not take varlen yet (NotImplementedError).
+    """
+    if _all_torch(q, k, v):
+        wl, wr = _core.check_window(window_size)
+        scale = _core.default_scale(softmax_scale, q.shape[-1])
+        out, lse = torch.ops.flashcpp.flash_attn_varlen_fwd(
+            q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
+            int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), wl, wr, float(softcap),
+            _torch_alibi(alibi_slopes, q), bool(return_lse))
+        return (out, lse) if return_lse else out
+    out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,225 @@
+"""flashcpp from PyTorch on a GPU: vs SDPA (fp64 math backend as ground truth), torch.compile
+(fullgraph=True), CUDA-graph capture/replay, torch.library.opcheck, stream handling and errors.
+
+Needs torch, a CUDA device and a build with FLASHCPP_CUDA=ON (runs on the H200 machine:
+``pip install --no-build-isolation . && pytest tests/python/test_torch_cuda.py``).
+Tolerance (flash-attn's rule): max error vs fp64 <= 2 * (error of PyTorch's own SDPA in the
+same dtype vs fp64) + 1e-3.
+"""
+import pytest
+
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+
+import flashcpp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not flashcpp.WITH_CUDA, reason="this build has no CUDA kernels (FLASHCPP_CUDA=OFF)"),
+]
+DEV = "cuda"
+
+
+def bottom_right_mask(nq, nk, causal, window=(-1, -1), device=DEV):
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nk, device=device)[None, :]
+    ia = i + nk - nq
+    vis = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= ia
+    if window[0] >= 0:
+        vis &= j >= ia - window[0]
+    if window[1] >= 0:
+        vis &= j <= ia + window[1]
+    return vis
+
+
+def sdpa_bshd(q, k, v, mask=None):
+    """SDPA on (B, N, H, D) tensors (GQA by repeating k/v heads), returns (B, N, H, D)."""
+    g = q.shape[2] // k.shape[2]
+    qs, ks, vs = q.transpose(1, 2), k.repeat_interleave(g, 2).transpose(1, 2), v.repeat_interleave(g, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(1, 2)
+
+
+def rand(shape, dtype, gen):
+    return torch.randn(shape, dtype=torch.float32, device=DEV, generator=gen).to(dtype)
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEV)
+    seed = g.seed()
+    print(f"seed={seed}")
+    return g
+
+
+def check_vs_sdpa(q, k, v, out, causal, window=(-1, -1)):
+    mask = bottom_right_mask(q.shape[1], k.shape[1], causal, window)
+    ref = sdpa_bshd(q.double(), k.double(), v.double(), mask)
+    peer = sdpa_bshd(q, k, v, mask)  # PyTorch in the same dtype
+    rows = mask.any(-1)  # SDPA gives NaN for rows without keys; flashcpp gives 0
+    err = (out.double() - ref)[:, rows].abs().max().item()
+    err_peer = (peer.double() - ref)[:, rows].abs().max().item()
+    assert err <= 2 * err_peer + 1e-3, f"max err {err:.3g} vs SDPA's own {err_peer:.3g}"
+    assert torch.all(out[:, ~rows] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("B,Nq,Nk,Hq,Hkv,causal", [
+    (2, 1000, 1000, 8, 8, True),
+    (2, 127, 127, 8, 2, False),
+    (1, 7, 4097, 4, 1, True),     # decode-like, bottom-right causal, MQA
+    (1, 1, 1, 2, 2, False),
+    (3, 515, 700, 4, 4, True),
+])
+def test_matches_sdpa(gen, dtype, D, B, Nq, Nk, Hq, Hkv, causal):
+    q = rand((B, Nq, Hq, D), dtype, gen)
+    k, v = rand((B, Nk, Hkv, D), dtype, gen), rand((B, Nk, Hkv, D), dtype, gen)
+    out = flashcpp.flash_attn_func(q, k, v, causal=causal)
+    assert out.dtype == dtype and out.shape == q.shape and out.device == q.device
+    check_vs_sdpa(q, k, v, out, causal)
+
+
+def test_sliding_window(gen):
+    q, k, v = (rand((2, 600, 4, 128), torch.bfloat16, gen) for _ in range(3))
+    out = flashcpp.flash_attn_func(q, k, v, causal=True, window_size=(128, 0))
+    check_vs_sdpa(q, k, v, out, True, (128, 0))
+
+
+def test_lse(gen):
+    q, k, v = (rand((2, 300, 4, 64), torch.float16, gen) for _ in range(3))
+    out, lse = flashcpp.flash_attn_func(q, k, v, return_lse=True, softmax_scale=0.1)
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 0.1
+    assert lse.shape == (2, 4, 300) and lse.dtype == torch.float32
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() < 1e-3
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_sdpa_layout_without_a_copy(gen):
+    B, H, N, D = 2, 8, 512, 128
+    qs, ks, vs = (rand((B, H, N, D), torch.bfloat16, gen) for _ in range(3))
+    with OpLog() as log:
+        out = flashcpp.flash_attn_func(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), causal=True)
+    copies = [op for op in log.ops if any(w in op for w in ("copy", "clone", "contiguous", "_to_copy"))]
+    assert not copies, f"inputs were copied: {copies}"
+    ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True).transpose(1, 2)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_compile_fullgraph(gen):
+    class Block(torch.nn.Module):
+        def __init__(self, dim=512, heads=4):
+            super().__init__()
+            self.heads, self.hd = heads, dim // heads
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+            self.proj = torch.nn.Linear(dim, dim)
+
+        def forward(self, x):
+            B, N, _ = x.shape
+            q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.hd).unbind(2)
+            return self.proj(flashcpp.flash_attn_func(q, k, v, causal=True).reshape(B, N, -1))
+
+    block = Block().to(DEV, torch.bfloat16)
+    x = rand((2, 256, 512), torch.bfloat16, gen)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explain = torch._dynamo.explain(block)(x)
+        assert explain.graph_break_count == 0 and explain.graph_count == 1
+        compiled = torch.compile(block, fullgraph=True)
+        eager = block(x)
+        assert (compiled(x).float() - eager.float()).abs().max().item() < 5e-2
+
+
+def test_cuda_graph_capture_and_replay(gen):
+    q, k, v = (rand((2, 256, 8, 128), torch.bfloat16, gen) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        flashcpp.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashcpp.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    for _ in range(2):
+        for x in (q, k, v):
+            x.copy_(rand(x.shape, x.dtype, gen))
+        graph.replay()
+        ref, ref_lse = flashcpp.flash_attn_func(q, k, v, causal=True, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+def test_runs_on_the_current_stream(gen):
+    q, k, v = (rand((1, 2048, 8, 128), torch.float16, gen) for _ in range(3))
+    expected = flashcpp.flash_attn_func(q, k, v)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = flashcpp.flash_attn_func(q, k, v)
+    s.synchronize()
+    assert torch.equal(out, expected)
+
+
+def test_opcheck(gen):
+    q, k, v = (rand((1, 64, 4, 64), torch.bfloat16, gen) for _ in range(3))
+    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default,
+                          (q, k, v, 0.125, True, -1, -1, 0.0, None, True))
+    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default,
+                          (q, k, v, 0.125, False, 16, 0, 0.0, None, False))
+
+
+def test_select_kernel_names_a_cuda_kernel(gen):
+    q = rand((1, 128, 4, 128), torch.bfloat16, gen)
+    choice = flashcpp.select_kernel(q, q, q, causal=True)
+    assert choice.kernel.startswith("cuda_") and choice.config and choice.reason
+
+
+def test_errors(gen):
+    q = rand((1, 64, 4, 64), torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="same device"):
+        flashcpp.flash_attn_func(q, q.cpu(), q)
+    with pytest.raises(TypeError, match="same dtype"):
+        flashcpp.flash_attn_func(q, q.half(), q)
+    with pytest.raises(NotImplementedError, match="fp32"):
+        flashcpp.flash_attn_func(q.float(), q.float(), q.float())
+    wide = rand((1, 64, 4, 72), torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="aligned"):  # data pointer 2 bytes past a 16-byte boundary
+        flashcpp.flash_attn_func(wide[..., 1:65], q, q)
+    with pytest.raises(ValueError, match=r"the last dimension \(head_dim\) must be contiguous"):
+        flashcpp.flash_attn_func(rand((1, 64, 4, 128), torch.bfloat16, gen)[..., ::2], q, q)
+    with pytest.raises(ValueError, match="alibi_slopes must be on q's device"):
+        flashcpp.flash_attn_func(q, q, q, alibi_slopes=torch.ones(4))
+
+
+def test_varlen_on_cuda_is_not_implemented_yet(gen):
+    q = rand((10, 4, 64), torch.bfloat16, gen)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEV)
+    with pytest.raises(NotImplementedError, match="varlen"):
+        flashcpp.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)
+
+
+def test_merge_on_cuda_is_not_implemented_yet(gen):
+    v = rand((4, 2, 64), torch.float32, gen)
+    s = rand((4, 2), torch.float32, gen)
+    with pytest.raises(NotImplementedError, match="merge_attention_states on CUDA"):
+        flashcpp.merge_attention_states(v, s, v, s)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_another_device(gen):
+    q = torch.randn(1, 128, 4, 64, device="cuda:1", dtype=torch.bfloat16)
+    with torch.cuda.device(0):
+        out = flashcpp.flash_attn_func(q, q, q)
+    ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, q, q))).transpose(1, 2)
+    assert out.device == q.device and (out.float() - ref.float()).abs().max().item() < 2e-2
