@@ -136,7 +136,9 @@ struct RunOptions {
   int cpu_threads = 0;      ///< CPU backends: 0 = hardware concurrency
   /// CPU tiled backend tile sizes (mirror the GPU kernel's BlockM x BlockN); 0 = default 64x64.
   int cpu_block_m = 0, cpu_block_n = 0;
-  /// CUDA: force a tile config by name (see `flashcpp info`); empty = tuned table.
+  /// CUDA: "" = automatic (sm90 kernel on Hopper, else sm80 with the tuned table); "sm80" or
+  /// "sm90" = that kernel family with its default/tuned config; else an exact config name
+  /// (see `flashcpp info`).
   std::string cuda_config;
 };
 

@@ -32,20 +32,25 @@ Status select_cuda(const AttnParams& p, const RunOptions& opt, KernelChoice* out
         "CUDA kernels yet (they run on the CPU backends)");
   if (p.effective_scale() < 0.f)
     return Status::Unsupported("a negative softmax_scale runs on the CPU backends only (the CUDA kernels fold a positive scale into exp2)");
+  // opt.cuda_config: "" = automatic, "sm80" / "sm90" = that kernel family with its tuned choice,
+  // anything else = an exact config name of either family.
+  const std::string& want = opt.cuda_config;
 #if FLASHCPP_HAS_SM90
-  // Hopper: the wgmma/TMA kernel, unless the caller forces an sm80 config by name.
   const auto sm90 = cuda::prefill_sm90_configs(p.head_dim);
-  const bool forced_sm90 = !opt.cuda_config.empty() &&
-                           std::find(sm90.begin(), sm90.end(), opt.cuda_config) != sm90.end();
-  if (dev.sm_major == 9 && !sm90.empty() && (opt.cuda_config.empty() || forced_sm90)) {
+  const bool named_sm90 = std::find(sm90.begin(), sm90.end(), want) != sm90.end();
+  if (want == "sm90" && dev.sm_major != 9)
+    return Status::Unsupported("the sm90 kernel family needs a Hopper (sm_90) device; '" + dev.name + "' is not one");
+  if (dev.sm_major == 9 && !sm90.empty() && (want.empty() || want == "sm90" || named_sm90)) {
     out->id = KernelId::kCudaSm90;
-    out->config = forced_sm90 ? opt.cuda_config : sm90.front();
-    out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (forced_sm90 ? " (config forced)" : "");
+    out->config = named_sm90 ? want : sm90.front();
+    out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named_sm90 ? " (config forced)" : "");
     return Status::Ok();
   }
+#else
+  if (want == "sm90") return Status::Unsupported("this build has no sm_90a kernels (FLASHCPP_CUDA_ARCHS lacks 90a)");
 #endif
   out->id = KernelId::kCudaSm80;
-  if (!opt.cuda_config.empty()) {
+  if (!want.empty() && want != "sm80") {
     bool known = false;
     std::string names;
     for (const auto& c : cuda::prefill_sm80_configs(p.head_dim)) {
