@@ -33,15 +33,25 @@ def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes):
                     None, None, None, None)
 
 
-@torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-                   window_left: int, window_right: int, softcap: float,
-                   alibi_slopes: Optional[Tensor], return_lse: bool) -> Tuple[Tensor, Tensor]:
+def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+                         window_left: int, window_right: int, softcap: float,
+                         alibi_slopes: Optional[Tensor], return_lse: bool) -> Tuple[Tensor, Tensor]:
+    """The body of flashcpp::flash_attn_fwd. Eager callers use it directly: going through the
+    torch.library dispatcher costs tens of microseconds per call, which is the whole kernel time
+    of a short sequence."""
     p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes)
     out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
     _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
     return out, lse
+
+
+@torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+                   window_left: int, window_right: int, softcap: float,
+                   alibi_slopes: Optional[Tensor], return_lse: bool) -> Tuple[Tensor, Tensor]:
+    return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                alibi_slopes, return_lse)
 
 
 @flash_attn_fwd.register_fake

@@ -240,9 +240,16 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
-        out, lse = torch.ops.flashcpp.flash_attn_fwd(
-            q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
-            bool(return_lse))
+        args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
+                bool(return_lse))
+        # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
+        # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
+                                             (q.requires_grad or k.requires_grad or v.requires_grad)):
+            out, lse = torch.ops.flashcpp.flash_attn_fwd(*args)
+        else:
+            from ._torch_ops import flash_attn_fwd_eager
+            out, lse = flash_attn_fwd_eager(*args)
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)

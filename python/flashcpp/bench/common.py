@@ -44,12 +44,19 @@ def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 2) -> Dict[str, float]:
+def bench_graph_us(fn: Callable[[], object], rep_ms: int = 100) -> float:
+    """Median time of fn in microseconds replayed from a CUDA graph: launch and Python overhead
+    removed for every implementation alike, so this compares the kernels themselves."""
+    import triton.testing
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
+def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 2, graph: bool = False) -> Dict[str, float]:
     """Time each implementation `rounds` times in alternating order; the median of the rounds."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(bench_us(fn))
+            times[name].append(bench_graph_us(fn) if graph else bench_us(fn))
     return {k: statistics.median(v) for k, v in times.items()}
 
 
