@@ -14,7 +14,8 @@ PYTHON ?= python3
 DEPS_PREFIX := $(CURDIR)/.deps/usr
 CMAKE_ARGS ?=
 CMAKE_PREFIX := $(if $(wildcard $(DEPS_PREFIX)),-DCMAKE_PREFIX_PATH=$(DEPS_PREFIX),)
-GPU_AREA ?= prefill
+GIT_COMMIT ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+IS_HOPPER := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9' && echo yes || echo no)
 
 .PHONY: all deps configure build test run gpu-test bench fuzz python-test clean
 all: build
@@ -23,7 +24,8 @@ deps:
 	bash scripts/deps.sh
 
 $(BUILD)/build.ninja:
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCPP_CUDA=$(CUDA) $(CMAKE_PREFIX) $(CMAKE_ARGS)
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCPP_CUDA=$(CUDA) \
+	  -DFLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(CMAKE_PREFIX) $(CMAKE_ARGS)
 
 configure: deps $(BUILD)/build.ninja
 
@@ -45,14 +47,21 @@ else
 endif
 
 # ---- NVIDIA machine ----------------------------------------------------------------------
+# GPU tests of both kernel families, the correctness reports, and the Python package's GPU tests.
 gpu-test: build
-	mkdir -p reports/$(GPU_AREA)
+	mkdir -p reports/prefill reports/hopper
 	./$(BUILD)/flashcpp_gpu_tests
-	./$(BUILD)/flashcpp check --backend cuda --full --json reports/$(GPU_AREA)/correctness_report.json
+	./$(BUILD)/flashcpp check --backend cuda --full --cuda-config sm80 --json reports/prefill/correctness_report.json
+ifeq ($(IS_HOPPER),yes)
+	./$(BUILD)/flashcpp check --backend cuda --full --cuda-config sm90 --json reports/hopper/correctness_report.json
+endif
+	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
+	cd /tmp && $(PYTHON) -m pytest -q -p no:cacheprovider $(CURDIR)/tests/python
 
+# Peers vs flashcpp in one process; writes reports/prefill and reports/hopper.
 bench: build
-	$(PYTHON) -m pip install --no-build-isolation --no-deps -q . 2>&1 | tail -2
-	$(PYTHON) -m flashcpp.bench $(GPU_AREA)
+	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill --out $(CURDIR)/reports/prefill
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz

@@ -246,6 +246,8 @@ int main(int argc, char** argv) {
   check->add_option("--filter", check_opt.filter, "run only cases whose name contains this");
   auto* seed_opt = check->add_option("--seed", seed, "input seed (default: fresh each run, printed)");
   check->add_option("--threads", check_opt.cpu_threads, "CPU threads (0: all)")->capture_default_str();
+  check->add_option("--cuda-config", check_opt.cuda_config,
+                    "cuda backend: kernel family (sm80, sm90) or config name; default automatic");
   check->add_flag("--list", check_opt.list_only, "print the selected case names and exit");
 
   flashcpp::tools::BenchOptions bench_opt;

@@ -74,6 +74,7 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
   cfg.backend = backend;
   cfg.seed = opt.seed ? *opt.seed : random_seed();
   cfg.cpu_threads = opt.cpu_threads;
+  cfg.cuda_config = opt.cuda_config;
   cfg.perturb_output = opt.perturb_output;
   const Environment env = describe_environment(backend, cfg.seed);
 

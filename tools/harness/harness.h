@@ -176,6 +176,7 @@ struct RunConfig {
   Backend backend = Backend::kCpu;  ///< kCpu, kCpuReference or kCuda (resolve kAuto first)
   std::uint64_t seed = 0;
   int cpu_threads = 0;  ///< threads of the CPU backends and the CPU reference; 0 = all
+  std::string cuda_config;  ///< RunOptions::cuda_config ("" auto, "sm80", "sm90" or a config name)
   /// CUDA problems above this many (batch*heads_q*seqlen_q*seqlen_k) use the GPU fp64 reference.
   double gpu_reference_threshold = 268435456.0;  // 2^28
   OutputHook perturb_output;  ///< tests only
@@ -224,6 +225,7 @@ struct CheckOptions {
   std::string filter;     ///< substring of the case name; empty: all
   std::optional<std::uint64_t> seed;
   int cpu_threads = 0;
+  std::string cuda_config;  ///< kernel family or config for the cuda backend ("" = automatic)
   bool list_only = false;  ///< print the selected case names and exit 0
   OutputHook perturb_output;  ///< tests only
 };

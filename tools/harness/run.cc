@@ -382,6 +382,7 @@ RunOutcome run_cuda(const Case& c, HostProblem& hp, DeviceProblem& dp, AttnParam
   *p_dev = make_params(c, ptr);
   RunOptions opt;
   opt.backend = Backend::kCuda;
+  opt.cuda_config = cfg.cuda_config;
   r.status = select_kernel(*p_dev, opt, &r.choice);
   if (r.status.code() == StatusCode::kUnsupported) r.unsupported = true;
   if (!r.status.ok()) return r;

@@ -88,10 +88,15 @@ def run(quick: bool, out: str) -> int:
             line.append(f"{peer} {fl / t[peer] / 1e6:6.1f} ({t[peer] / t['flashcpp']:.2f}x, eager {te[peer] / te['flashcpp']:.2f}x)")
         progress("  ".join(line) + f"  maxdiff {err:.1e}")
         del q, k, v, qt, kt, vt
-    write_csv(os.path.join(out, "benchmark.csv"), rows)
+    # The raw measurement (both kernels), then the per-area views: reports/prefill (sm80 kernel)
+    # and reports/hopper (sm90 kernel) from the same rows.
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    write_csv(os.path.join(out, "raw", "measured_both_kernels.csv"), rows)
     write_json(os.path.join(out, "benchmark_env.json"), env)
-    plot(rows, os.path.join(out, "benchmark.png"), env)
-    progress(f"[bench prefill] wrote {out}/benchmark.csv, benchmark.png")
+    plot(rows, os.path.join(out, "raw", "all_kernels.png"), env)
+    from .report import write_areas
+    write_areas(rows, os.path.dirname(os.path.abspath(out)), env)
+    progress(f"[bench prefill] wrote {out}/raw/measured_both_kernels.csv and the prefill/hopper reports")
     return 0
 
 
