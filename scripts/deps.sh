@@ -12,6 +12,8 @@ have_header fmt/format.h || missing+=(libfmt-dev)
 have_header gtest/gtest.h || missing+=(libgtest-dev)
 command -v cmake >/dev/null || missing+=(cmake)
 command -v ninja >/dev/null || missing+=(ninja-build)
+command -v clang++ >/dev/null || missing+=(clang)   # libFuzzer target (tests/fuzz)
+compgen -G "/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a" >/dev/null || missing+=(libclang-rt-14-dev)
 [ ${#missing[@]} -eq 0 ] && exit 0
 echo "deps: missing ${missing[*]}"
 if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ] && timeout 120 apt-get update -qq >/dev/null 2>&1; then
