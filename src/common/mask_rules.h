@@ -20,6 +20,16 @@ struct MaskRules {
   int global_tokens = 0;
   bool global_queries = false;
 
+  /// Builds the rules with windows clamped to seqlen_q + seqlen_k (a wider window sees the same
+  /// keys), so that ia + window never overflows int.
+  static inline MaskRules make(int seqlen_q, int seqlen_k, bool causal, int window_left, int window_right,
+                               int global_tokens, bool global_queries) {
+    const long long cap = static_cast<long long>(seqlen_q) + seqlen_k;
+    auto clamp = [cap](int w) { return w < 0 ? -1 : static_cast<int>(w > cap ? cap : w); };
+    return MaskRules{seqlen_q, seqlen_k, causal, clamp(window_left), clamp(window_right), global_tokens,
+                     global_queries};
+  }
+
   FC_HD int offset() const { return seqlen_k - seqlen_q; }
   FC_HD bool is_global_query(int i) const {
     return global_queries && i + offset() < global_tokens;

@@ -311,8 +311,8 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
     c.rows = std::min(t.br, len_q - c.i0);
   }
   if (c.rows <= 0) return;  // varlen: this sequence is shorter than the grid
-  c.rules = MaskRules{len_q, len_k, m.causal, m.window_left, m.window_right, m.global_tokens,
-                      m.global_queries};
+  c.rules = MaskRules::make(len_q, len_k, m.causal, m.window_left, m.window_right, m.global_tokens,
+                            m.global_queries);
   c.logits = Logits::make(p, b, h);
   const int dim = c.dim, i0 = c.i0, i1 = c.i0 + c.rows;
 

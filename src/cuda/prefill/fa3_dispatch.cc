@@ -109,11 +109,8 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
   p.heads_q = a.heads_q;
   p.group = a.heads_q / a.heads_kv;
   p.scale_log2 = a.effective_scale() * kLog2e;
-  p.rules.seqlen_q = a.seqlen_q;
-  p.rules.seqlen_k = a.seqlen_k;
-  p.rules.causal = a.mask.causal;
-  p.rules.window_left = a.mask.window_left;
-  p.rules.window_right = a.mask.window_right;
+  p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
+                            a.mask.global_tokens, a.mask.global_queries);
   const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);
 }
