@@ -368,7 +368,7 @@ Status upload_problem(const Case& c, HostProblem& hp, DeviceProblem* dp, Pointer
   return Status::Ok();
 }
 
-RunOutcome run_cuda(const Case& c, HostProblem& hp, DeviceProblem& dp, AttnParams* p_dev) {
+RunOutcome run_cuda(const Case& c, const RunConfig& cfg, HostProblem& hp, DeviceProblem& dp, AttnParams* p_dev) {
   RunOutcome r;
   cuda::DeviceInfo dev;
   r.status = cuda::current_device(&dev);
@@ -530,7 +530,7 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
 #endif
   if (cfg.backend == Backend::kCuda) {
 #if FLASHCPP_WITH_CUDA
-    run = run_cuda(c, hp, dp, &p_dev);
+    run = run_cuda(c, cfg, hp, dp, &p_dev);
     const double pairs = static_cast<double>(c.batch) * c.heads_q * c.seqlen_q * c.seqlen_k;
     gpu_truth = pairs > cfg.gpu_reference_threshold && !c.mask.is_block_sparse();
 #else
