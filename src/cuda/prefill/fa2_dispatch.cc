@@ -7,12 +7,9 @@
 #include "cuda/cuda_api.h"
 #include "cuda/prefill/fa2_registry.h"
 #include "cuda/prefill/fa2_tuning.h"
+#include "cuda/prefill/prefill_common.h"
 
 namespace flashcpp::cuda {
-
-namespace {
-constexpr float kLog2e = 1.4426950408889634f;
-}
 
 std::string fa2_config_name(const Fa2Entry& e) {
   return "m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "w" + std::to_string(e.warps) + "s" +
@@ -60,29 +57,16 @@ Status prefill_sm80(const AttnParams& a, const std::string& config, Stream strea
   p.q = a.q.data;
   p.k = a.k.data;
   p.v = a.v.data;
-  p.o = a.o.data;
-  p.lse = a.lse;
   p.q_batch_stride = a.q.batch_stride;
   p.k_batch_stride = a.k.batch_stride;
   p.v_batch_stride = a.v.batch_stride;
-  p.o_batch_stride = a.o.batch_stride;
-  // validate() guarantees in-sequence offsets fit in int32.
   p.q_seq_stride = static_cast<std::int32_t>(a.q.seq_stride);
   p.k_seq_stride = static_cast<std::int32_t>(a.k.seq_stride);
   p.v_seq_stride = static_cast<std::int32_t>(a.v.seq_stride);
-  p.o_seq_stride = static_cast<std::int32_t>(a.o.seq_stride);
   p.q_head_stride = static_cast<std::int32_t>(a.q.head_stride);
   p.k_head_stride = static_cast<std::int32_t>(a.k.head_stride);
   p.v_head_stride = static_cast<std::int32_t>(a.v.head_stride);
-  p.o_head_stride = static_cast<std::int32_t>(a.o.head_stride);
-  p.batch = a.batch;
-  p.seqlen_q = a.seqlen_q;
-  p.seqlen_k = a.seqlen_k;
-  p.heads_q = a.heads_q;
-  p.group = a.heads_q / a.heads_kv;
-  p.scale_log2 = a.effective_scale() * kLog2e;
-  p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
-                            a.mask.global_tokens, a.mask.global_queries);
+  fill_prefill_common(p, a);
   const Fa2RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);
 }

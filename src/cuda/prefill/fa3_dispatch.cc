@@ -8,6 +8,7 @@
 
 #include "cuda/cuda_api.h"
 #include "cuda/prefill/fa3_registry.h"
+#include "cuda/prefill/prefill_common.h"
 
 namespace flashcpp::cuda {
 
@@ -16,8 +17,6 @@ std::span<const Fa3Entry> fa3_entries_hd128();
 std::span<const Fa3Entry> fa3_entries_hd256();
 
 namespace {
-
-constexpr float kLog2e = 1.4426950408889634f;
 
 /// cuTensorMapEncodeTiled through the runtime's driver entry point (no libcuda link needed).
 Status get_encode_fn(PFN_cuTensorMapEncodeTiled_v12000* out) {
@@ -98,19 +97,7 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
   FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, entry->block_m));
   FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n));
   FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n));
-  p.o = a.o.data;
-  p.lse = a.lse;
-  p.o_batch_stride = a.o.batch_stride;
-  p.o_seq_stride = static_cast<std::int32_t>(a.o.seq_stride);
-  p.o_head_stride = static_cast<std::int32_t>(a.o.head_stride);
-  p.batch = a.batch;
-  p.seqlen_q = a.seqlen_q;
-  p.seqlen_k = a.seqlen_k;
-  p.heads_q = a.heads_q;
-  p.group = a.heads_q / a.heads_kv;
-  p.scale_log2 = a.effective_scale() * kLog2e;
-  p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
-                            a.mask.global_tokens, a.mask.global_queries);
+  fill_prefill_common(p, a);
   const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);
 }
