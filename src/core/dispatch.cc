@@ -38,7 +38,7 @@ Status select_cuda(const AttnParams& p, const RunOptions& opt, KernelChoice* out
 #if FLASHCPP_HAS_SM90
   const auto sm90 = cuda::prefill_sm90_configs(p.head_dim);
   const bool named_sm90 = std::find(sm90.begin(), sm90.end(), want) != sm90.end();
-  if (want == "sm90" && dev.sm_major != 9)
+  if ((want == "sm90" || named_sm90) && dev.sm_major != 9)
     return Status::Unsupported("the sm90 kernel family needs a Hopper (sm_90) device; '" + dev.name + "' is not one");
   if (dev.sm_major == 9 && !sm90.empty() && (want.empty() || want == "sm90" || named_sm90)) {
     out->id = KernelId::kCudaSm90;
