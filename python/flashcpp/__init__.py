@@ -29,3 +29,10 @@ __all__ = [
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary",
     "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "__version__",
 ]
+
+# masks (flashcpp/masks.py): ALiBi slopes and block-sparse masks
+from .masks import (BlockSparse, alibi_slopes, block_sparse_from_mask, block_sparse_from_rules,
+                    causal_block_sparse, document_block_sparse)
+
+__all__ += ["BlockSparse", "alibi_slopes", "block_sparse_from_mask", "block_sparse_from_rules",
+            "causal_block_sparse", "document_block_sparse"]

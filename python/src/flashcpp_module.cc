@@ -12,12 +12,17 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "cpu/cpu_backend.h"
 #include "flashcpp/attention.h"
+#include "flashcpp/masks.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -159,6 +164,114 @@ void merge_by_lse(const RowsIn& o_a, const LseIn& lse_a, const RowsIn& o_b, cons
 
 }  // namespace
 
+// ---- masks (include/flashcpp/masks.h): ALiBi slopes and block-sparse builders -------------------
+// A built mask is handed to Python without a copy: the BlockMask moves to the heap, a capsule
+// owns it, and every returned array (row_ptr, col_idx, partial, element_masks) is a numpy view
+// into it that keeps the capsule alive.
+namespace masks_binding {
+
+using flashcpp::BlockMask;
+using flashcpp::BlockSparseOptions;
+using flashcpp::BlockSparseShape;
+
+template <class T, class... Dims>
+nb::object view_of(const T* data, nb::handle owner, Dims... dims) {
+  const std::size_t shape[] = {static_cast<std::size_t>(dims)...};
+  return nb::cast(nb::ndarray<nb::numpy, const T>(data, sizeof...(Dims), shape, owner));
+}
+
+/// The built mask as a dict of scalars and numpy arrays (see flashcpp/masks.py).
+nb::dict to_python(BlockMask&& built) {
+  auto* bm = new BlockMask(std::move(built));
+  nb::capsule owner(bm, [](void* p) noexcept { delete static_cast<BlockMask*>(p); });
+  const flashcpp::BlockSparseMask& v = bm->view();
+  const int words = (v.block_n + 63) / 64;
+  nb::dict d;
+  d["block_m"] = v.block_m;
+  d["block_n"] = v.block_n;
+  d["num_batch"] = v.num_batch;
+  d["num_heads"] = v.num_heads;
+  d["num_q_blocks"] = v.num_q_blocks;
+  d["num_k_blocks"] = v.num_k_blocks;
+  d["seqlen_q"] = bm->seqlen_q();
+  d["seqlen_k"] = bm->seqlen_k();
+  d["num_full_blocks"] = bm->num_full_blocks();
+  d["visible_pairs"] = bm->visible_pairs();
+  d["row_ptr"] = view_of(v.row_ptr, owner, bm->row_ptr().size());
+  d["col_idx"] = view_of(v.col_idx, owner, bm->col_idx().size());
+  d["partial"] = view_of(v.partial, owner, bm->partial().size());
+  static const std::uint64_t kNone[1] = {0};  // numpy wants a pointer even for 0 elements
+  d["element_masks"] = view_of(v.element_masks ? v.element_masks : kNone, owner, v.num_partial, v.block_m, words);
+  return d;
+}
+
+template <class Build>
+nb::dict build_and_return(Build&& build) {
+  BlockMask bm;
+  Status st;
+  {
+    nb::gil_scoped_release release;  // pure C++ (the dense / rules routes call no Python)
+    st = build(&bm);
+  }
+  if (!st.ok()) raise_status(st);
+  return to_python(std::move(bm));
+}
+
+using DenseMask = nb::ndarray<const std::uint8_t, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+using CuSeqlens = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+nb::dict from_dense(const DenseMask& dense, int block_m, int block_n, bool share) {
+  for (std::size_t a = 0; a < 4; ++a)
+    if (dense.shape(a) > static_cast<std::size_t>(INT32_MAX))
+      raise_value_error("block_sparse_from_dense: the dense mask has a dimension above 2^31-1");
+  const BlockSparseShape s{static_cast<int>(dense.shape(2)), static_cast<int>(dense.shape(3)), block_m,
+                           block_n, static_cast<int>(dense.shape(0)), static_cast<int>(dense.shape(1))};
+  const std::uint8_t* data = dense.data();
+  return build_and_return([&](BlockMask* out) {
+    return flashcpp::build_block_sparse_from_dense(s, data, out, BlockSparseOptions{share});
+  });
+}
+
+flashcpp::MaskParams rules(bool causal, int window_left, int window_right, int global_tokens,
+                           bool global_queries) {
+  flashcpp::MaskParams m;
+  m.causal = causal;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  m.global_tokens = global_tokens;
+  m.global_queries = global_queries;
+  return m;
+}
+
+nb::dict from_rules(int seqlen_q, int seqlen_k, int block_m, int block_n, bool causal, int window_left,
+                    int window_right, int global_tokens, bool global_queries, int num_batch, int num_heads,
+                    bool share) {
+  const BlockSparseShape s{seqlen_q, seqlen_k, block_m, block_n, num_batch, num_heads};
+  const flashcpp::MaskParams m = rules(causal, window_left, window_right, global_tokens, global_queries);
+  return build_and_return(
+      [&](BlockMask* out) { return flashcpp::block_mask_from_rules(s, m, out, BlockSparseOptions{share}); });
+}
+
+nb::dict document(const CuSeqlens& cu_q, const CuSeqlens& cu_k, int block_m, int block_n, bool causal,
+                  int window_left, int window_right, int global_tokens, bool global_queries, int num_batch,
+                  int num_heads, bool share) {
+  const BlockSparseShape s{0, 0, block_m, block_n, num_batch, num_heads};
+  const flashcpp::MaskParams m = rules(causal, window_left, window_right, global_tokens, global_queries);
+  const std::span<const std::int32_t> q(cu_q.data(), cu_q.shape(0)), k(cu_k.data(), cu_k.shape(0));
+  return build_and_return(
+      [&](BlockMask* out) { return flashcpp::document_block_mask(s, q, k, m, out, BlockSparseOptions{share}); });
+}
+
+nb::object alibi(int num_heads) {
+  auto* slopes = new std::vector<float>(static_cast<std::size_t>(std::max(num_heads, 0)));
+  nb::capsule owner(slopes, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+  const Status st = flashcpp::alibi_slopes(num_heads, slopes->data());
+  if (!st.ok()) raise_status(st);  // the capsule frees the vector
+  return view_of(slopes->data(), owner, slopes->size());
+}
+
+}  // namespace masks_binding
+
 NB_MODULE(_flashcpp, m) {
   m.doc() = "flashcpp C++ binding (raw pointers, element strides, dtype codes, stream as int)";
   m.attr("WITH_CUDA") = bool(FLASHCPP_WITH_CUDA);
@@ -184,4 +297,19 @@ NB_MODULE(_flashcpp, m) {
         "lse"_a.noconvert(),
         "Row-wise merge of two normalized partial attention outputs by their natural-log LSEs "
         "(fp32, C-contiguous host arrays; writes o and lse).");
+
+  // masks (flashcpp/masks.py wraps these)
+  m.def("alibi_slopes", &masks_binding::alibi, "num_heads"_a,
+        "BLOOM's ALiBi slopes for num_heads heads (float32 numpy array), flashcpp::alibi_slopes.");
+  m.def("block_sparse_from_dense", &masks_binding::from_dense, "dense"_a, "block_m"_a, "block_n"_a,
+        "share_identical_partials"_a,
+        "Block-sparse CSR arrays (a dict) of a dense uint8 (num_batch, num_heads, seqlen_q, seqlen_k) mask.");
+  m.def("block_sparse_from_rules", &masks_binding::from_rules, "seqlen_q"_a, "seqlen_k"_a, "block_m"_a,
+        "block_n"_a, "causal"_a, "window_left"_a, "window_right"_a, "global_tokens"_a, "global_queries"_a,
+        "num_batch"_a, "num_heads"_a, "share_identical_partials"_a,
+        "Block-sparse CSR arrays (a dict) of the causal/window/global rules, flashcpp::block_mask_from_rules.");
+  m.def("block_sparse_document", &masks_binding::document, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "block_m"_a,
+        "block_n"_a, "causal"_a, "window_left"_a, "window_right"_a, "global_tokens"_a, "global_queries"_a,
+        "num_batch"_a, "num_heads"_a, "share_identical_partials"_a,
+        "Block-sparse CSR arrays (a dict) of a document (packed varlen) mask, flashcpp::document_block_mask.");
 }

@@ -1,0 +1,304 @@
+"""Mask builders: ALiBi slopes and block-sparse masks (the CSR ``BlockSparseMask`` of
+``include/flashcpp/attention.h``), built on the host by ``include/flashcpp/masks.h``.
+
+A block-sparse mask cuts the (seqlen_q, seqlen_k) mask into ``block_m x block_n`` blocks and
+lists, per query block, the key blocks that have any visible pair: ``partial == -1`` marks a
+block whose pairs are all visible (no bits needed), ``partial == p >= 0`` points at element
+mask ``p`` of ``element_masks`` (bit ``c % 64`` of word ``c // 64`` in row ``r`` says key
+``block_n*kb + c`` is visible to query ``block_m*qb + r``). Blocks with no visible pair are not
+listed, so a kernel's work is proportional to ``num_blocks`` (FlexAttention's BlockMask idea).
+docs/masks.md has the semantics of every mask kind and the cost model.
+
+    >>> import flashcpp
+    >>> slopes = flashcpp.alibi_slopes(12)                     # float32 (12,)
+    >>> bs = flashcpp.block_sparse_from_mask(lambda q, k: k <= q, 128, 128,
+    ...                                      seqlen_q=1000, seqlen_k=1000)
+    >>> bs.num_blocks, bs.block_density                        # (36, 0.5625)
+    >>> bool((bs.to_dense()[0, 0] == np.tri(1000, dtype=bool)).all())
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple, Union
+
+import numpy as np
+
+from . import _core
+from . import _flashcpp as _C
+from ._core import torch
+
+__all__ = ["BlockSparse", "alibi_slopes", "block_sparse_from_mask", "block_sparse_from_rules",
+           "causal_block_sparse", "document_block_sparse"]
+
+
+def alibi_slopes(num_heads: int, *, device: Any = None) -> Any:
+    """The standard ALiBi slopes for ``num_heads`` heads (BLOOM / Press et al.), float32.
+
+    With n the largest power of two <= num_heads, heads 0..n-1 get 2^(-8 (h+1) / n) and the
+    remaining heads take every other slope of the 2n-head sequence, 2^(-8 (2k+1) / (2n)).
+    Returns a numpy array of shape (num_heads,), or a torch tensor on ``device`` when given
+    (pass it as ``alibi_slopes=`` to the attention functions).
+    """
+    n = int(num_heads)
+    if n <= 0:
+        raise ValueError(f"alibi_slopes: num_heads must be > 0; got {num_heads}")
+    slopes = np.array(_C.alibi_slopes(n), dtype=np.float32)  # a copy: the result owns its memory
+    if device is None:
+        return slopes
+    if torch is None:
+        raise ImportError("alibi_slopes(device=...) returns a torch tensor, but torch is not installed")
+    return torch.from_numpy(slopes).to(device)
+
+
+@dataclass(frozen=True)
+class BlockSparse:
+    """A block-sparse mask in CSR form over (mask_batch, mask_head, query_block) rows.
+
+    Row r = (b * num_heads + h) * num_q_blocks + qb lists key blocks
+    ``col_idx[row_ptr[r]:row_ptr[r+1]]`` (ascending) with ``partial`` entries (-1 = full block,
+    p >= 0 = element mask p). num_batch / num_heads are 1 when one mask serves every sequence /
+    head. Arrays are numpy (int32, int32, int32, uint64 of shape (num_partial, block_m,
+    ceil(block_n / 64))) unless converted with :meth:`to`.
+    """
+
+    block_m: int
+    block_n: int
+    num_batch: int
+    num_heads: int
+    num_q_blocks: int
+    num_k_blocks: int
+    seqlen_q: int
+    seqlen_k: int
+    row_ptr: Any
+    col_idx: Any
+    partial: Any
+    element_masks: Any
+    num_full_blocks: int
+    visible_pairs: int
+
+    @property
+    def num_partial(self) -> int:
+        """Number of stored element masks (identical partial blocks may share one)."""
+        return int(self.element_masks.shape[0])
+
+    @property
+    def num_blocks(self) -> int:
+        """Listed blocks over all rows: the work a block-sparse kernel does."""
+        return int(self.col_idx.shape[0])
+
+    @property
+    def block_density(self) -> float:
+        """Listed blocks / all blocks of the grid (0 for an empty grid)."""
+        grid = self.num_batch * self.num_heads * self.num_q_blocks * self.num_k_blocks
+        return self.num_blocks / grid if grid else 0.0
+
+    def to_dense(self) -> np.ndarray:
+        """Expands to a bool (num_batch, num_heads, seqlen_q, seqlen_k) mask (numpy)."""
+        bm, bn = self.block_m, self.block_n
+        row_ptr, col_idx, partial = (_to_numpy(a) for a in (self.row_ptr, self.col_idx, self.partial))
+        masks = _to_numpy(self.element_masks)
+        if masks.dtype == np.int64:  # after .to(device): the same 64 bits, stored signed
+            masks = masks.view(np.uint64)
+        words = (bn + 63) // 64
+        # uint64 words -> bits, little-endian within each word: column c is bit c % 64 of word c // 64.
+        as_bytes = np.ascontiguousarray(masks, dtype="<u8").view(np.uint8).reshape(masks.shape[0], bm, words * 8)
+        bits = np.unpackbits(as_bytes, axis=2, bitorder="little").astype(bool)[:, :, :bn]
+        out = np.zeros((self.num_batch, self.num_heads, self.num_q_blocks * bm, self.num_k_blocks * bn),
+                       dtype=bool)
+        rows_per_head = self.num_q_blocks
+        for r in range(row_ptr.shape[0] - 1):
+            plane, qb = divmod(r, rows_per_head)
+            b, h = divmod(plane, self.num_heads)
+            for e in range(int(row_ptr[r]), int(row_ptr[r + 1])):
+                kb, p = int(col_idx[e]), int(partial[e])
+                out[b, h, qb * bm:(qb + 1) * bm, kb * bn:(kb + 1) * bn] = True if p < 0 else bits[p]
+        return out[:, :, :self.seqlen_q, :self.seqlen_k]
+
+    def to(self, device: Any) -> "BlockSparse":
+        """The same mask with its arrays as torch tensors on ``device`` (e.g. for a CUDA kernel)."""
+        if torch is None:
+            raise ImportError("BlockSparse.to(device) makes torch tensors, but torch is not installed")
+
+        def conv(a):
+            a = np.array(_to_numpy(a), copy=True)  # writable and owned, as torch.from_numpy wants
+            if a.dtype == np.uint64:  # torch has no general uint64 arithmetic; the bits are what matter
+                a = a.view(np.int64)
+            return torch.from_numpy(a).to(device)
+
+        return dataclasses.replace(self, row_ptr=conv(self.row_ptr), col_idx=conv(self.col_idx),
+                                   partial=conv(self.partial), element_masks=conv(self.element_masks))
+
+
+def _to_numpy(a: Any) -> np.ndarray:
+    if _core.is_torch(a):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)
+
+
+def _from_dict(d: dict) -> BlockSparse:
+    return BlockSparse(**d)
+
+
+def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
+    bm, bn = int(block_m), int(block_n)
+    if bm <= 0 or bn <= 0:
+        raise ValueError(f"block_m and block_n must be > 0; got {block_m} and {block_n}")
+    return bm, bn
+
+
+def _arity(fn: Callable) -> int:
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):  # builtins without a signature: assume FlexAttention's 4
+        return 4
+    return len(params)
+
+
+def _evaluate(fn: Callable, shape: Tuple[int, int, int, int], vectorized: bool) -> np.ndarray:
+    """The mask function on every (b, h, q, k) of `shape`, as a C-contiguous uint8 array."""
+    nb_, nh, nq, nk = shape
+    arity = _arity(fn)
+    if arity not in (2, 4):
+        raise TypeError(f"mask_fn must take (q_idx, kv_idx) or (b, h, q_idx, kv_idx); it takes {arity} "
+                        "required positional arguments")
+    if arity == 2 and (nb_ != 1 or nh != 1):
+        raise ValueError(f"a (q_idx, kv_idx) mask function is shared by every batch and head: num_batch "
+                         f"({nb_}) and num_heads ({nh}) must be 1; use a (b, h, q_idx, kv_idx) function")
+    if not vectorized:
+        out = np.empty(shape, dtype=np.uint8)
+        for idx in np.ndindex(*shape):
+            out[idx] = bool(fn(*idx[2:]) if arity == 2 else fn(*idx))
+        return out
+
+    def index_arrays(arange):
+        b = arange(nb_).reshape(nb_, 1, 1, 1)
+        h = arange(nh).reshape(1, nh, 1, 1)
+        q = arange(nq).reshape(1, 1, nq, 1)
+        k = arange(nk).reshape(1, 1, 1, nk)
+        return (q[0, 0], k[0, 0]) if arity == 2 else (b, h, q, k)
+
+    try:
+        res = fn(*index_arrays(np.arange))
+    except Exception as numpy_error:  # e.g. a FlexAttention mask_mod that calls torch functions
+        if torch is None:
+            raise TypeError("mask_fn must work on broadcastable integer index arrays (numpy); it raised "
+                            f"{type(numpy_error).__name__}: {numpy_error}. Pass vectorized=False to call "
+                            "it once per element") from numpy_error
+        try:
+            res = fn(*index_arrays(lambda n: torch.arange(n)))
+        except Exception as torch_error:
+            raise TypeError("mask_fn must work on broadcastable integer index arrays (numpy or torch); "
+                            f"it raised {type(torch_error).__name__}: {torch_error}. Pass vectorized=False "
+                            "to call it once per element") from torch_error
+    res = _to_numpy(res)
+    try:
+        res = np.broadcast_to(res, (nq, nk) if arity == 2 else shape)
+    except ValueError:
+        raise ValueError(f"mask_fn returned shape {res.shape}, which does not broadcast to "
+                         f"{(nq, nk) if arity == 2 else shape}") from None
+    return np.ascontiguousarray(res.reshape(shape) != 0, dtype=np.uint8)
+
+
+def block_sparse_from_mask(mask: Union[Callable, Any], block_m: int, block_n: int, *,
+                           seqlen_q: Optional[int] = None, seqlen_k: Optional[int] = None,
+                           num_batch: int = 1, num_heads: int = 1, vectorized: bool = True,
+                           share_identical_partials: bool = True) -> BlockSparse:
+    """Builds the block-sparse form of a mask given as a function or as a dense bool array.
+
+    mask:
+        * a function ``mask_fn(q_idx, kv_idx)`` (one mask for every batch and head) or
+          ``mask_fn(b, h, q_idx, kv_idx)`` (FlexAttention's mask_mod signature) returning True
+          where the key is visible. It is called once with broadcastable index arrays
+          (numpy; torch tensors if numpy fails and torch is installed), so write it with
+          operators (``(k <= q) & (doc[q] == doc[k])``); ``vectorized=False`` calls it per
+          element instead (slow). Needs ``seqlen_q``/``seqlen_k``; ``num_batch``/``num_heads``
+          (1 or the problem's batch / heads_q) size the b and h ranges.
+        * a dense bool array (numpy or torch) of shape (seqlen_q, seqlen_k) or
+          (num_batch, num_heads, seqlen_q, seqlen_k).
+    block_m, block_n: query rows and key columns per block (any positive sizes; the last block
+        of each axis may be ragged).
+
+    The dense mask is materialized (num_batch * num_heads * seqlen_q * seqlen_k bytes), then cut
+    into blocks in C++ (``build_block_sparse_from_dense``): empty blocks dropped, full ones
+    listed without bits, partial ones with bits. ``share_identical_partials`` stores identical
+    element masks once. The result expands back to exactly the mask (:meth:`BlockSparse.to_dense`).
+    """
+    bm, bn = _check_blocks(block_m, block_n)
+    if callable(mask):
+        if seqlen_q is None or seqlen_k is None:
+            raise ValueError("block_sparse_from_mask with a mask function needs seqlen_q and seqlen_k")
+        shape = (int(num_batch), int(num_heads), int(seqlen_q), int(seqlen_k))
+        if min(shape[2:]) < 0 or min(shape[:2]) < 1:
+            raise ValueError(f"seqlen_q/seqlen_k must be >= 0 and num_batch/num_heads >= 1; got "
+                             f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, num_batch={num_batch}, "
+                             f"num_heads={num_heads}")
+        dense = _evaluate(mask, shape, vectorized)
+    else:
+        arr = _to_numpy(mask)
+        if arr.ndim == 2:
+            arr = arr[None, None]
+        if arr.ndim != 4:
+            raise ValueError("a dense mask must have shape (seqlen_q, seqlen_k) or (num_batch, num_heads, "
+                             f"seqlen_q, seqlen_k); got {arr.shape}")
+        if arr.dtype != np.bool_:
+            raise TypeError(f"a dense mask must hold bools; got {arr.dtype}")
+        for name, want, got in (("seqlen_q", seqlen_q, arr.shape[2]), ("seqlen_k", seqlen_k, arr.shape[3]),
+                                ("num_batch", None if num_batch == 1 else num_batch, arr.shape[0]),
+                                ("num_heads", None if num_heads == 1 else num_heads, arr.shape[1])):
+            if want is not None and int(want) != got:
+                raise ValueError(f"{name}={want} disagrees with the dense mask's shape {arr.shape}")
+        dense = np.ascontiguousarray(arr).view(np.uint8)
+    return _from_dict(_C.block_sparse_from_dense(dense, bm, bn, bool(share_identical_partials)))
+
+
+def block_sparse_from_rules(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, *,
+                            causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                            global_tokens: int = 0, global_queries: bool = False, num_batch: int = 1,
+                            num_heads: int = 1, share_identical_partials: bool = True) -> BlockSparse:
+    """The causal / sliding-window / global-token mask of the attention functions as block-sparse.
+
+    Same visibility as passing ``causal``, ``window_size``, ``global_tokens``, ``global_queries``
+    to :func:`flashcpp.attention` (bottom-right aligned: ia = i + seqlen_k - seqlen_q; keys in
+    [ia - left, ia + right]; the first ``global_tokens`` keys ignore the left bound; with
+    ``global_queries`` rows with ia < global_tokens ignore the window). Built from the window
+    arithmetic, evaluating elements only in blocks on a boundary: cheap at any length.
+    """
+    bm, bn = _check_blocks(block_m, block_n)
+    left, right = _core.check_window(window_size)
+    return _from_dict(_C.block_sparse_from_rules(int(seqlen_q), int(seqlen_k), bm, bn, bool(causal), left,
+                                                 right, int(global_tokens), bool(global_queries),
+                                                 int(num_batch), int(num_heads), bool(share_identical_partials)))
+
+
+def causal_block_sparse(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, **kw) -> BlockSparse:
+    """Bottom-right aligned causal mask (query i sees keys j <= i + seqlen_k - seqlen_q)."""
+    return block_sparse_from_rules(seqlen_q, seqlen_k, block_m, block_n, causal=True, **kw)
+
+
+def document_block_sparse(cu_seqlens_q: Any, cu_seqlens_k: Any, block_m: int, block_n: int, *,
+                          causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
+                          global_tokens: int = 0, global_queries: bool = False, num_batch: int = 1,
+                          num_heads: int = 1, share_identical_partials: bool = True) -> BlockSparse:
+    """Document mask over packed sequences: one problem of cu_seqlens_q[-1] queries and
+    cu_seqlens_k[-1] keys in which query i of document d sees only keys of document d, by the
+    given rules aligned per document (as ``flash_attn_varlen_func`` does). Attention over the
+    packed tensors (batch 1) with this mask equals the varlen call over the same cu_seqlens.
+    """
+    bm, bn = _check_blocks(block_m, block_n)
+    left, right = _core.check_window(window_size)
+    cu = []
+    for name, a in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        a = _to_numpy(a)
+        if a.ndim != 1 or a.dtype.kind not in "iu":
+            raise ValueError(f"{name} must be a 1-D integer array; got shape {a.shape}, dtype {a.dtype}")
+        if a.size and (a.min() < 0 or a.max() > _core._INT32_MAX):
+            raise ValueError(f"{name} values must lie in [0, 2**31-1]")
+        cu.append(np.ascontiguousarray(a, dtype=np.int32))
+    cu_q, cu_k = cu
+    return _from_dict(_C.block_sparse_document(cu_q, cu_k, bm, bn, bool(causal), left, right,
+                                               int(global_tokens), bool(global_queries), int(num_batch),
+                                               int(num_heads), bool(share_identical_partials)))
