@@ -1,5 +1,6 @@
 // FA3-style attention forward for sm_90a: TMA loads into a multi-stage shared-memory ring
-// synchronized by mbarriers, one producer warp, two consumer warpgroups with register
+// synchronized by mbarriers, a producer warpgroup (one thread issues the TMA copies), two consumer
+// warpgroups with register
 // reallocation (setmaxnreg), wgmma for S = Q K^T (both operands in shared memory) and
 // O += P V (P from registers, V read MN-major from shared memory).
 //
