@@ -1,8 +1,7 @@
 // FA3-style attention forward for sm_90a: TMA loads into a multi-stage shared-memory ring
 // synchronized by mbarriers, a producer warpgroup (one thread issues the TMA copies), two consumer
-// warpgroups with register
-// reallocation (setmaxnreg), wgmma for S = Q K^T (both operands in shared memory) and
-// O += P V (P from registers, V read MN-major from shared memory).
+// warpgroups with register reallocation (setmaxnreg), wgmma for S = Q K^T (both operands in
+// shared memory) and O += P V (P from registers, V read MN-major from shared memory).
 //
 // A CTA owns kBlockM = 128 query rows of one (batch, head): consumer warpgroup c computes rows
 // [64c, 64c + 64). Per key block, per consumer warpgroup:
