@@ -1,0 +1,439 @@
+// Validation of decode (DecodeParams) and of merge_attention_states (MergeStatesParams):
+// everything that can be checked on the host without touching device memory. Every failure is
+// one sentence that names the field and its value, as in validate.cc.
+//
+// Order (the first failure is reported):
+//   1. scalars (validate_decode_shape, all that decode_plan needs): backend, shape, dtypes, cache
+//      geometry, append, rotary, mask;
+//   2. each tensor: null, alignment, strides (sign, CUDA vector width, 64-bit span, injective map);
+//   3. the small arrays: cache_seqlens, block table, rotary tables, lse, ALiBi slopes;
+//   4. aliasing: what the step writes (o, lse and, with append, the cache) must not overlap what
+//      it reads;
+//   5. CPU backends only (host memory): the values of cache_seqlens, of the block-table entries
+//      in use and the rotary positions.
+// On the CUDA backend the values of step 5 live on the device; the kernels clamp them instead
+// (decode.h, "Safety").
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "cuda/decode/decode_backends.h"
+#include "flashcpp/decode.h"
+
+namespace flashcpp {
+namespace {
+
+// ---- one-sentence messages -------------------------------------------------------------
+
+void put(std::string& s, const char* v) { s += v; }
+void put(std::string& s, const std::string& v) { s += v; }
+template <class T>
+requires std::is_integral_v<T>
+void put(std::string& s, T v) { s += std::to_string(v); }
+void put(std::string& s, double v) {
+  char b[48];
+  std::snprintf(b, sizeof b, "%g", v);
+  s += b;
+}
+void put(std::string& s, const void* p) {
+  char b[32];
+  std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p)));
+  s += b;
+}
+template <class... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (put(s, a), ...);
+  return s;
+}
+
+std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+bool known_dtype(DType t) { return t == DType::kF16 || t == DType::kBF16 || t == DType::kF32; }
+bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+constexpr std::int64_t kCudaVectorBytes = 16;
+constexpr std::int64_t kCudaVectorElems = 8;
+
+/// Decode runs on the CPU backend or CUDA; kAuto is checked permissively (no host arrays read).
+struct Rules {
+  bool cuda = false;        ///< 16-byte vector loads, no fp32
+  bool host_arrays = false;  ///< cache_seqlens / block table / positions are host memory
+};
+Status decode_rules(Backend b, Rules* r) {
+  switch (b) {
+    case Backend::kAuto: *r = {false, false}; return Status::Ok();
+    case Backend::kCpu: *r = {false, true}; return Status::Ok();
+    case Backend::kCuda: *r = {true, false}; return Status::Ok();
+    case Backend::kCpuReference:
+      return Status::Unsupported(
+          "decode has no fp64 reference backend (use Backend::kCpu; tests compare against "
+          "cpu::reference_attention on a dense copy of the cache)");
+  }
+  return Status::Invalid(cat("backend ", static_cast<int>(b), " is not a known backend"));
+}
+
+// ---- tensors ------------------------------------------------------------------------------
+
+struct Span {
+  const char* name = "";
+  std::uintptr_t lo = 0, hi = 0;
+  bool used() const { return hi > lo; }
+  bool overlaps(const Span& o) const { return used() && o.used() && lo < o.hi && o.lo < hi; }
+  bool same(const Span& o) const { return lo == o.lo && hi == o.hi; }
+};
+
+struct Dim {
+  const char* name = "";
+  std::int64_t stride = 0, extent = 0;
+  bool is_dim = false;
+};
+
+/// Checks a strided view of (e0, e1, e2, head_dim) with strides (batch, seq, head, 1): null,
+/// alignment, strides, span, injectivity. `names` name the three strided dims.
+Status check_view(const char* name, const TensorView& t, std::int64_t e0, std::int64_t e1, std::int64_t e2,
+                  std::int64_t dim, const Rules& r, Span* span, const char* stride0 = "batch_stride") {
+  span->name = name;
+  if (t.data == nullptr) return Status::Invalid(cat(name, ".data is null"));
+  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
+  if (addr(t.data) % elem != 0)
+    return Status::Invalid(cat(name, ".data ", static_cast<const void*>(t.data), " is not aligned to its ", elem,
+                               "-byte ", dtype_name(t.dtype), " elements"));
+  if (r.cuda && addr(t.data) % kCudaVectorBytes != 0)
+    return Status::Invalid(cat(name, ".data ", static_cast<const void*>(t.data),
+                               " is not 16-byte aligned (the CUDA kernels use 16-byte vector loads)"));
+  std::array<Dim, 4> d = {{{stride0, t.batch_stride, e0, false},
+                           {"seq_stride", t.seq_stride, e1, false},
+                           {"head_stride", t.head_stride, e2, false},
+                           {"head_dim", 1, dim, true}}};
+  for (int i = 0; i < 3; ++i) {
+    if (d[i].stride < 0)
+      return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride, " is negative (strides must be >= 0)"));
+    if (r.cuda && d[i].extent > 1 && d[i].stride % kCudaVectorElems != 0)
+      return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride,
+                                 " is not a multiple of 8 elements (the CUDA kernels use 16-byte vector loads)"));
+  }
+  std::int64_t end = 1;  // largest offset + 1
+  for (const Dim& x : d) {
+    std::int64_t step = 0;
+    if (x.extent <= 0) continue;
+    if (__builtin_mul_overflow(x.extent - 1, x.stride, &step) || __builtin_add_overflow(end, step, &end))
+      return Status::Invalid(cat(name, "'s largest element offset overflows int64"));
+  }
+  std::int64_t bytes = 0;
+  std::uintptr_t hi = 0;
+  if (__builtin_mul_overflow(end, elem, &bytes) ||
+      __builtin_add_overflow(addr(t.data), static_cast<std::uintptr_t>(bytes), &hi))
+    return Status::Invalid(cat(name, "'s byte span (", end, " elements from ", static_cast<const void*>(t.data),
+                               ") wraps around the address space"));
+  // Injective index map: sorted by stride, each dim in use must step past all smaller ones.
+  std::array<Dim, 4> used;
+  int n = 0;
+  for (const Dim& x : d)
+    if (x.is_dim || x.extent > 1) used[n++] = x;
+  auto before = [](const Dim& a, const Dim& b) {
+    return a.stride != b.stride ? a.stride < b.stride : (a.is_dim && !b.is_dim);
+  };
+  for (int i = 1; i < n; ++i)  // insertion sort of at most 4 dims
+    for (int j = i; j > 0 && before(used[j], used[j - 1]); --j) std::swap(used[j], used[j - 1]);
+  std::int64_t reach = 0;
+  for (int i = 0; i < n; ++i) {
+    if (used[i].stride <= reach)
+      return Status::Invalid(cat(name, ".", used[i].name, " ", used[i].stride,
+                                 " makes two indices share one element: it must be at least ", reach + 1,
+                                 ", the elements spanned by the dims with smaller strides"));
+    reach += (std::max<std::int64_t>(used[i].extent, 1) - 1) * used[i].stride;
+  }
+  span->lo = addr(t.data);
+  span->hi = hi;
+  return Status::Ok();
+}
+
+/// A small contiguous array of `count` elements of `elem` bytes.
+Status check_array(const char* name, const void* p, std::int64_t count, std::size_t elem, const char* type,
+                   Span* span) {
+  span->name = name;
+  if (p == nullptr) return Status::Invalid(cat(name, " is null"));
+  if (addr(p) % elem != 0)
+    return Status::Invalid(cat(name, " ", p, " is not ", static_cast<std::int64_t>(elem), "-byte aligned (", type, ")"));
+  span->lo = addr(p);
+  span->hi = addr(p) + static_cast<std::uintptr_t>(count) * elem;
+  return Status::Ok();
+}
+
+std::string head_dim_set() {
+  std::string set;
+  for (int d : kSupportedHeadDims) set += cat(set.empty() ? "" : ", ", d);
+  return set;
+}
+
+}  // namespace
+
+const char* rotary_style_name(RotaryStyle s) noexcept {
+  switch (s) {
+    case RotaryStyle::kNone: return "none";
+    case RotaryStyle::kNeox: return "neox";
+    case RotaryStyle::kInterleaved: return "interleaved";
+  }
+  return "unknown";
+}
+
+float DecodeParams::effective_scale() const noexcept {
+  if (softmax_scale != 0.f) return softmax_scale;
+  return head_dim > 0 ? 1.f / std::sqrt(static_cast<float>(head_dim)) : 0.f;
+}
+
+namespace decode {
+
+Status validate_decode_shape(const DecodeParams& p, Backend backend) {
+  Rules r;
+  FLASHCPP_RETURN_IF_ERROR(decode_rules(backend, &r));
+  // shape
+  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
+  if (p.seqlen_q < 1 || p.seqlen_q > kDecodeMaxSeqlenQ)
+    return Status::Invalid(cat("seqlen_q ", p.seqlen_q, " is outside the decode range 1..", kDecodeMaxSeqlenQ,
+                               " (longer query blocks go through attention_forward)"));
+  if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
+  if (p.heads_kv < 1) return Status::Invalid(cat("heads_kv ", p.heads_kv, " must be >= 1"));
+  if (p.heads_q % p.heads_kv != 0)
+    return Status::Invalid(cat("heads_q ", p.heads_q, " is not a multiple of heads_kv ", p.heads_kv));
+  if (std::find(std::begin(kSupportedHeadDims), std::end(kSupportedHeadDims), p.head_dim) ==
+      std::end(kSupportedHeadDims))
+    return Status::Invalid(cat("head_dim ", p.head_dim, " is not supported (supported: ", head_dim_set(), ")"));
+  // dtypes
+  const bool append = p.has_append();
+  std::array<std::pair<const char*, DType>, 6> ts = {{{"q", p.q.dtype},
+                                                       {"o", p.o.dtype},
+                                                       {"cache.k", p.cache.k.dtype},
+                                                       {"cache.v", p.cache.v.dtype},
+                                                       {"k_new", p.k_new.dtype},
+                                                       {"v_new", p.v_new.dtype}}};
+  const std::size_t nts = append ? 6 : 4;
+  for (std::size_t i = 0; i < nts; ++i)
+    if (!known_dtype(ts[i].second))
+      return Status::Invalid(cat(ts[i].first, ".dtype ", static_cast<int>(ts[i].second),
+                                 " is not a known dtype (fp16, bf16 or fp32)"));
+  for (std::size_t i = 1; i < nts; ++i)
+    if (ts[i].second != p.q.dtype)
+      return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
+                                 dtype_name(p.q.dtype), " (q, o, the cache and k_new/v_new share one dtype)"));
+  if (r.cuda && p.q.dtype == DType::kF32)
+    return Status::Unsupported("fp32 decode runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
+  // cache geometry
+  const KVCacheView& c = p.cache;
+  if (c.paged()) {
+    if (!is_pow2(c.page_size) || c.page_size > kDecodeMaxPageSize)
+      return Status::Invalid(cat("cache.page_size ", c.page_size, " is not a power of two in [1, ",
+                                 kDecodeMaxPageSize, "]"));
+    if (c.num_pages < 1) return Status::Invalid(cat("cache.num_pages ", c.num_pages, " must be >= 1 for a paged cache"));
+    if (c.pages_per_seq < 1)
+      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " must be >= 1 for a paged cache"));
+    if (c.slots() > std::numeric_limits<std::int32_t>::max())
+      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " * page_size ", c.page_size,
+                                 " slots do not fit in int32"));
+    if (p.batch > 1 && c.block_table_stride < c.pages_per_seq)
+      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride,
+                                 " is less than cache.pages_per_seq ", c.pages_per_seq,
+                                 " (rows of the block table would overlap)"));
+  } else {
+    if (c.page_size < 0)
+      return Status::Invalid(cat("cache.page_size ", c.page_size, " is negative (0 = contiguous cache)"));
+    if (c.capacity < 0) return Status::Invalid(cat("cache.capacity ", c.capacity, " is negative (must be >= 0)"));
+    if (c.block_table != nullptr)
+      return Status::Invalid("cache.block_table is set but cache.page_size is 0 (set page_size for a paged cache)");
+  }
+  if (append && (p.k_new.data == nullptr || p.v_new.data == nullptr))
+    return Status::Invalid(p.k_new.data ? "v_new is null but k_new is set (append needs both)"
+                                        : "k_new is null but v_new is set (append needs both)");
+  if (append && c.slots() < p.seqlen_q)
+    return Status::Invalid(cat("the cache has ", c.slots(), " key slots per sequence, fewer than the seqlen_q ",
+                               p.seqlen_q, " tokens an append writes"));
+  // rotary
+  const RotaryParams& ro = p.rotary;
+  if (ro.style != RotaryStyle::kNone && ro.style != RotaryStyle::kNeox && ro.style != RotaryStyle::kInterleaved)
+    return Status::Invalid(cat("rotary.style ", static_cast<int>(ro.style), " is not none, neox or interleaved"));
+  if (ro.enabled()) {
+    const int rd = ro.rotary_dim == 0 ? p.head_dim : ro.rotary_dim;
+    if (rd < 2 || rd > p.head_dim || rd % 2 != 0)
+      return Status::Invalid(cat("rotary.rotary_dim ", ro.rotary_dim, " must be even and in [2, head_dim ",
+                                 p.head_dim, "] (0 = head_dim)"));
+    if ((ro.cos == nullptr) != (ro.sin == nullptr))
+      return Status::Invalid(ro.cos ? "rotary.sin is null but rotary.cos is set (tables come in pairs)"
+                                    : "rotary.cos is null but rotary.sin is set (tables come in pairs)");
+    if (ro.has_tables() && ro.max_position < 1)
+      return Status::Invalid(cat("rotary.max_position ", ro.max_position, " must be >= 1 with cos/sin tables"));
+    if (!ro.has_tables() && !(std::isfinite(ro.theta) && ro.theta > 0.f))
+      return Status::Invalid(cat("rotary.theta ", static_cast<double>(ro.theta),
+                                 " must be finite and > 0 (or pass cos/sin tables)"));
+  }
+  // mask
+  const MaskParams& m = p.mask;
+  if (!std::isfinite(p.softmax_scale))
+    return Status::Invalid(cat("softmax_scale ", static_cast<double>(p.softmax_scale),
+                               " is not finite (0 selects 1/sqrt(head_dim))"));
+  if (!std::isfinite(m.softcap) || m.softcap < 0.f)
+    return Status::Invalid(cat("mask.softcap ", static_cast<double>(m.softcap), " must be finite and >= 0 (0 = off)"));
+  if (m.window_left < -1)
+    return Status::Invalid(cat("mask.window_left ", m.window_left, " must be >= -1 (-1 = unbounded)"));
+  if (m.window_right < -1)
+    return Status::Invalid(cat("mask.window_right ", m.window_right, " must be >= -1 (-1 = unbounded)"));
+  if (m.alibi_slopes && m.alibi_batch_stride != 0 && m.alibi_batch_stride != p.heads_q)
+    return Status::Invalid(cat("mask.alibi_batch_stride ", m.alibi_batch_stride, " must be 0 or heads_q ", p.heads_q));
+  if (m.is_varlen())
+    return Status::Unsupported("decode takes per-sequence lengths in cache_seqlens, not mask.cu_seqlens_q/k");
+  if (m.global_tokens != 0 || m.global_queries)
+    return Status::Unsupported("global tokens are not supported by decode (mask.global_tokens must be 0)");
+  if (m.block_sparse) return Status::Unsupported("block-sparse masks are not supported by decode");
+  return Status::Ok();
+}
+
+}  // namespace decode
+
+Status validate(const DecodeParams& p, Backend backend) {
+  FLASHCPP_RETURN_IF_ERROR(decode::validate_decode_shape(p, backend));
+  Rules r;
+  FLASHCPP_RETURN_IF_ERROR(decode_rules(backend, &r));
+  if (p.batch == 0) return Status::Ok();  // writes nothing, so needs no pointers
+  const bool append = p.has_append();
+  const KVCacheView& c = p.cache;
+
+  // 2. tensors
+  Span sq, so, sk, sv, skn, svn;
+  FLASHCPP_RETURN_IF_ERROR(check_view("q", p.q, p.batch, p.seqlen_q, p.heads_q, p.head_dim, r, &sq));
+  FLASHCPP_RETURN_IF_ERROR(check_view("o", p.o, p.batch, p.seqlen_q, p.heads_q, p.head_dim, r, &so));
+  const std::int64_t c0 = c.paged() ? c.num_pages : p.batch, c1 = c.paged() ? c.page_size : c.capacity;
+  const char* s0 = c.paged() ? "batch_stride (page stride)" : "batch_stride";
+  if (c.slots() > 0) {
+    FLASHCPP_RETURN_IF_ERROR(check_view("cache.k", c.k, c0, c1, p.heads_kv, p.head_dim, r, &sk, s0));
+    FLASHCPP_RETURN_IF_ERROR(check_view("cache.v", c.v, c0, c1, p.heads_kv, p.head_dim, r, &sv, s0));
+  }
+  if (append) {
+    FLASHCPP_RETURN_IF_ERROR(check_view("k_new", p.k_new, p.batch, p.seqlen_q, p.heads_kv, p.head_dim, r, &skn));
+    FLASHCPP_RETURN_IF_ERROR(check_view("v_new", p.v_new, p.batch, p.seqlen_q, p.heads_kv, p.head_dim, r, &svn));
+  }
+
+  // 3. small arrays
+  Span sl, sbt, slse, sal, scos, ssin;
+  FLASHCPP_RETURN_IF_ERROR(check_array("cache_seqlens", p.cache_seqlens, p.batch, 4, "int32", &sl));
+  if (c.paged()) {
+    if (c.block_table == nullptr)
+      return Status::Invalid(cat("cache.block_table is null but cache.page_size is ", c.page_size,
+                                 " (a paged cache needs a block table)"));
+    const std::int64_t n = (p.batch - 1) * c.block_table_stride + c.pages_per_seq;
+    FLASHCPP_RETURN_IF_ERROR(check_array("cache.block_table", c.block_table, n, 4, "int32", &sbt));
+  }
+  if (p.lse)
+    FLASHCPP_RETURN_IF_ERROR(check_array("lse", p.lse, static_cast<std::int64_t>(p.batch) * p.heads_q * p.seqlen_q,
+                                         4, "fp32", &slse));
+  if (p.mask.alibi_slopes)
+    FLASHCPP_RETURN_IF_ERROR(check_array("mask.alibi_slopes", p.mask.alibi_slopes,
+                                         p.mask.alibi_batch_stride ? static_cast<std::int64_t>(p.batch) * p.heads_q
+                                                                   : p.heads_q,
+                                         4, "fp32", &sal));
+  const RotaryParams& ro = p.rotary;
+  const int rd = ro.rotary_dim == 0 ? p.head_dim : ro.rotary_dim;
+  if (ro.enabled() && ro.has_tables()) {
+    const std::int64_t n = static_cast<std::int64_t>(ro.max_position) * (rd / 2);
+    FLASHCPP_RETURN_IF_ERROR(check_array("rotary.cos", ro.cos, n, 4, "fp32", &scos));
+    FLASHCPP_RETURN_IF_ERROR(check_array("rotary.sin", ro.sin, n, 4, "fp32", &ssin));
+  }
+
+  // 4. aliasing. Written: o, lse, and with append the cache. cache.k and cache.v may share one
+  // buffer (FlashInfer's (pages, 2, page_size, heads, dim) layout interleaves them), so the pair
+  // is not compared; every other pair is, conservatively by byte range.
+  std::array<const Span*, 12> all = {&sq, &so, &sk, &sv, &skn, &svn, &sl, &sbt, &slse, &sal, &scos, &ssin};
+  std::array<const Span*, 4> written = {&so, &slse, append ? &sk : nullptr, append ? &sv : nullptr};
+  for (const Span* w : written) {
+    if (w == nullptr) continue;
+    for (const Span* x : all) {
+      if (x == w || ((w == &sk && x == &sv) || (w == &sv && x == &sk))) continue;
+      if (w->overlaps(*x))
+        return Status::Invalid(cat(w->name, " overlaps ", x->name, ": bytes [", reinterpret_cast<const void*>(w->lo), ", ",
+                                   reinterpret_cast<const void*>(w->hi), ") meet [",
+                                   reinterpret_cast<const void*>(x->lo), ", ", reinterpret_cast<const void*>(x->hi),
+                                   ") (what a decode step writes must not alias what it reads)"));
+    }
+  }
+
+  // 5. host values (CPU backend)
+  if (!r.host_arrays) return Status::Ok();
+  const std::int64_t slots = c.slots();
+  for (int b = 0; b < p.batch; ++b) {
+    const std::int64_t cl = p.cache_seqlens[b];
+    if (cl < 0) return Status::Invalid(cat("cache_seqlens[", b, "] ", cl, " is negative"));
+    const std::int64_t total = cl + (append ? p.seqlen_q : 0);
+    if (total > slots)
+      return Status::Invalid(cat("cache_seqlens[", b, "] ", cl, append ? cat(" + seqlen_q ", p.seqlen_q) : std::string(),
+                                 " = ", total, " keys exceed the cache's ", slots, " slots per sequence"));
+    if (c.paged()) {
+      const std::int64_t pages = (total + c.page_size - 1) / c.page_size;
+      for (std::int64_t i = 0; i < pages; ++i) {
+        const std::int32_t pg = c.block_table[b * c.block_table_stride + i];
+        if (pg < 0 || pg >= c.num_pages)
+          return Status::Invalid(cat("cache.block_table[", b, "][", i, "] ", pg, " is outside [0, num_pages ",
+                                     c.num_pages, ")"));
+      }
+    }
+    if (ro.enabled() && ro.has_tables()) {
+      const std::int64_t first = total - p.seqlen_q, last = total - 1;  // positions of rows 0 and seqlen_q-1
+      if (first < 0 || last >= ro.max_position)
+        return Status::Invalid(cat("rotary positions [", first, ", ", last, "] of sequence ", b,
+                                   " are outside the cos/sin tables' rows [0, ", ro.max_position, ")"));
+    }
+  }
+  return Status::Ok();
+}
+
+Status validate(const MergeStatesParams& p, Backend backend) {
+  if (backend == Backend::kCpuReference)
+    return Status::Unsupported("merge_attention_states has no fp64 reference backend (use Backend::kCpu)");
+  Rules r;
+  FLASHCPP_RETURN_IF_ERROR(decode_rules(backend, &r));
+  r.cuda = false;  // the merge kernel reads element by element: no 16-byte rule
+  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
+  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
+  if (p.heads < 1) return Status::Invalid(cat("heads ", p.heads, " must be >= 1"));
+  if (p.head_dim < 1) return Status::Invalid(cat("head_dim ", p.head_dim, " must be >= 1"));
+  for (const auto& [name, t] : {std::pair<const char*, const TensorView&>{"o_a", p.o_a}, {"o_b", p.o_b}, {"o", p.o}}) {
+    if (!known_dtype(t.dtype))
+      return Status::Invalid(cat(name, ".dtype ", static_cast<int>(t.dtype), " is not a known dtype (fp16, bf16 or fp32)"));
+    if (t.dtype != p.o_a.dtype)
+      return Status::Invalid(cat(name, ".dtype ", dtype_name(t.dtype), " differs from o_a.dtype ",
+                                 dtype_name(p.o_a.dtype), " (o_a, o_b and o share one dtype)"));
+  }
+  if (p.batch == 0 || p.seqlen == 0) return Status::Ok();
+  Span sa, sb, so, sla, slb, sl;
+  FLASHCPP_RETURN_IF_ERROR(check_view("o_a", p.o_a, p.batch, p.seqlen, p.heads, p.head_dim, r, &sa));
+  FLASHCPP_RETURN_IF_ERROR(check_view("o_b", p.o_b, p.batch, p.seqlen, p.heads, p.head_dim, r, &sb));
+  FLASHCPP_RETURN_IF_ERROR(check_view("o", p.o, p.batch, p.seqlen, p.heads, p.head_dim, r, &so));
+  const std::int64_t rows = static_cast<std::int64_t>(p.batch) * p.heads * p.seqlen;
+  FLASHCPP_RETURN_IF_ERROR(check_array("lse_a", p.lse_a, rows, 4, "fp32", &sla));
+  FLASHCPP_RETURN_IF_ERROR(check_array("lse_b", p.lse_b, rows, 4, "fp32", &slb));
+  if (p.lse) FLASHCPP_RETURN_IF_ERROR(check_array("lse", p.lse, rows, 4, "fp32", &sl));
+  auto same_view = [](const TensorView& x, const TensorView& y) {
+    return x.data == y.data && x.batch_stride == y.batch_stride && x.seq_stride == y.seq_stride &&
+           x.head_stride == y.head_stride;
+  };
+  // In place is fine (each element is read before it is written, by the same thread); any other
+  // overlap of an output with an input is refused.
+  for (const Span* x : {&sa, &sb, &sla, &slb, &sl}) {
+    if (x == &sa && same_view(p.o, p.o_a)) continue;
+    if (x == &sb && same_view(p.o, p.o_b)) continue;
+    if (so.overlaps(*x))
+      return Status::Invalid(cat("o overlaps ", x->name, " (the output may be exactly o_a or o_b, or disjoint)"));
+  }
+  if (p.lse)
+    for (const Span* x : {&sa, &sb, &so, &sla, &slb}) {
+      if ((x == &sla || x == &slb) && x->same(sl)) continue;
+      if (sl.overlaps(*x))
+        return Status::Invalid(cat("lse overlaps ", x->name, " (the merged lse may be exactly lse_a or lse_b, or disjoint)"));
+    }
+  return Status::Ok();
+}
+
+}  // namespace flashcpp

@@ -1,0 +1,307 @@
+// CPU backend of decode: the GPU algorithm on host memory, one step at a time.
+//
+//   1. append: new K (rotated) and V of token t go to cache slot c_b + t, through the same paged
+//      addressing as the kernels (page = block_table[b][j / page_size], slot j % page_size);
+//   2. split-KV: for every work item of the plan (sequence b, split s of n_b) and KV head, the
+//      split's 64-key tiles (decode::split_tiles over the rows' visible range) are folded into an
+//      online-softmax state (m, l, acc) per query row, in the exp2 domain, fp32; a sequence with
+//      n_b = 1 writes O and the LSE directly, else the normalized partial O and its LSE go to the
+//      float workspace;
+//   3. merge: the n_b partials of each row combined by their LSEs, in split order.
+// Step 2 reads only tiles and keys that the CUDA kernel reads, and steps 2-3 use the same
+// workspace layout, so a bug in a split boundary, the paged addressing or the merge shows up here
+// on CI, without a GPU. (The kernel additionally splits each tile over warps and merges those
+// in-CTA; that changes the fp32 rounding only.)
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#include "common/half.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/decode/decode_backends.h"
+#include "cuda/decode/decode_common.h"
+
+namespace flashcpp::cpu {
+namespace {
+
+using decode::kLn2;
+using decode::kLog2e;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <class F>
+void parallel_for(int n, int threads, F&& f) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  threads = std::max(1, std::min(threads, n));
+  std::atomic<int> next{0};
+  auto worker = [&] {
+    for (int i = next.fetch_add(1); i < n; i = next.fetch_add(1)) f(i);
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+}
+
+float round_to(DType dt, float x) {
+  std::uint32_t buf = 0;
+  store_from_float(&buf, dt, 0, x);
+  return load_as_float(&buf, dt, 0);
+}
+
+/// Element offset of (sequence b, key j, KV head hk, dim 0) in a cache view.
+std::int64_t kv_offset(const KVCacheView& c, const TensorView& t, int b, int j, int hk) {
+  if (c.paged()) {
+    const std::int32_t page = c.block_table[b * c.block_table_stride + j / c.page_size];  // validated
+    return page * t.batch_stride + static_cast<std::int64_t>(j % c.page_size) * t.seq_stride + hk * t.head_stride;
+  }
+  return b * t.batch_stride + static_cast<std::int64_t>(j) * t.seq_stride + hk * t.head_stride;
+}
+
+/// The rotary rule of decode.h for one row of x (fp32, in place; the caller rounds to the dtype).
+class Rotary {
+ public:
+  Rotary(const RotaryParams& ro, int head_dim) : ro_(ro), rd_(ro.rotary_dim == 0 ? head_dim : ro.rotary_dim) {
+    if (ro.enabled() && !ro.has_tables())
+      for (int i = 0; i < rd_ / 2; ++i) inv_freq_.push_back(decode::rotary_inv_freq_host(i, rd_, ro.theta));
+  }
+  void apply(float* x, int pos) const {
+    if (!ro_.enabled()) return;
+    for (int i = 0; i < rd_ / 2; ++i) {
+      float c, s;
+      if (ro_.has_tables()) {
+        c = ro_.cos[static_cast<std::int64_t>(pos) * (rd_ / 2) + i];
+        s = ro_.sin[static_cast<std::int64_t>(pos) * (rd_ / 2) + i];
+      } else {
+        const float angle = static_cast<float>(pos) * inv_freq_[i];
+        c = static_cast<float>(std::cos(static_cast<double>(angle)));
+        s = static_cast<float>(std::sin(static_cast<double>(angle)));
+      }
+      int a, b;
+      decode::rotary_pair(ro_.style, i, rd_, &a, &b);
+      const float x1 = x[a], x2 = x[b];
+      x[a] = std::fma(x1, c, -(x2 * s));
+      x[b] = std::fma(x2, c, x1 * s);
+    }
+  }
+
+ private:
+  const RotaryParams& ro_;
+  int rd_;
+  std::vector<float> inv_freq_;
+};
+
+void load_row(const TensorView& t, std::int64_t off, int d, float* dst) {
+  for (int i = 0; i < d; ++i) dst[i] = load_as_float(t.data, t.dtype, off + i);
+}
+
+/// Step 1: new K (rotated) and V into the cache.
+void append(const DecodeParams& p, const Rotary& rot) {
+  const int D = p.head_dim;
+  std::vector<float> row(static_cast<std::size_t>(D));
+  const int slots = static_cast<int>(p.cache.slots());
+  for (int b = 0; b < p.batch; ++b) {
+    const int len = decode::total_len(p.cache_seqlens[b], slots, p.seqlen_q, true);
+    for (int t = 0; t < p.seqlen_q; ++t) {
+      const int pos = len - p.seqlen_q + t;  // = cache_seqlens[b] + t
+      for (int hk = 0; hk < p.heads_kv; ++hk) {
+        load_row(p.k_new, b * p.k_new.batch_stride + t * p.k_new.seq_stride + hk * p.k_new.head_stride, D, row.data());
+        rot.apply(row.data(), pos);
+        const std::int64_t ko = kv_offset(p.cache, p.cache.k, b, pos, hk);
+        for (int d = 0; d < D; ++d) store_from_float(p.cache.k.data, p.cache.k.dtype, ko + d, row[d]);
+        load_row(p.v_new, b * p.v_new.batch_stride + t * p.v_new.seq_stride + hk * p.v_new.head_stride, D, row.data());
+        const std::int64_t vo = kv_offset(p.cache, p.cache.v, b, pos, hk);
+        for (int d = 0; d < D; ++d) store_from_float(p.cache.v.data, p.cache.v.dtype, vo + d, row[d]);
+      }
+    }
+  }
+}
+
+struct Step {
+  const DecodeParams& p;
+  const DecodePlan& plan;
+  decode::WorkList wl;
+  decode::ScoreRule score;
+  int slots = 0, wl_left = -1, wl_right = -1, group = 1;
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+};
+
+/// Step 2 for one (work item, KV head): every query row of the KV head over the split's tiles.
+void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
+  const DecodeParams& p = st.p;
+  const int D = p.head_dim, Sq = p.seqlen_q, rows = st.plan.rows_per_kv, BN = kDecodeBlockN;
+  const int b = st.wl.item_batch[item], s = st.wl.item_split[item], n = st.wl.num_splits[b];
+  const bool append = p.has_append();
+  const int len = decode::total_len(p.cache_seqlens[b], st.slots, Sq, append);
+  const MaskRules rules = decode::sequence_rules(Sq, len, p.mask.causal, st.wl_left, st.wl_right);
+  int lo = 0, hi = 0, t_begin = 0, t_end = 0;
+  rules.key_range(0, Sq, &lo, &hi);
+  decode::split_tiles(lo, hi, s, n, BN, &t_begin, &t_end);
+
+  // Query rows (rotated at ia, rounded to the dtype as the kernel's shared-memory copy is).
+  std::vector<float> q(static_cast<std::size_t>(rows) * D), slope(static_cast<std::size_t>(rows), 0.f);
+  for (int r = 0; r < rows; ++r) {
+    const int h = hk * st.group + r / Sq, t = r % Sq;
+    float* qr = &q[static_cast<std::size_t>(r) * D];
+    load_row(p.q, b * p.q.batch_stride + t * p.q.seq_stride + h * p.q.head_stride, D, qr);
+    if (p.rotary.enabled()) {
+      rot.apply(qr, len - Sq + t);
+      for (int d = 0; d < D; ++d) qr[d] = round_to(p.q.dtype, qr[d]);
+    }
+    if (p.mask.alibi_slopes) slope[r] = p.mask.alibi_slopes[b * p.mask.alibi_batch_stride + h] * kLog2e;
+  }
+  std::vector<float> m(static_cast<std::size_t>(rows), kNegInf), l(static_cast<std::size_t>(rows), 0.f);
+  std::vector<float> acc(static_cast<std::size_t>(rows) * D, 0.f);
+  std::vector<float> kt(static_cast<std::size_t>(BN) * D), vt(kt.size()), y(static_cast<std::size_t>(BN));
+
+  for (int tile = t_begin; tile < t_end; ++tile) {
+    const int j0 = tile * BN, jn = std::min(BN, hi - j0);  // keys at or past hi are never loaded
+    for (int jj = 0; jj < jn; ++jj) {
+      load_row(p.cache.k, kv_offset(p.cache, p.cache.k, b, j0 + jj, hk), D, &kt[static_cast<std::size_t>(jj) * D]);
+      load_row(p.cache.v, kv_offset(p.cache, p.cache.v, b, j0 + jj, hk), D, &vt[static_cast<std::size_t>(jj) * D]);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int t = r % Sq;
+      const float* qr = &q[static_cast<std::size_t>(r) * D];
+      const int ia = t + len - Sq;
+      float tile_max = kNegInf;
+      for (int jj = 0; jj < jn; ++jj) {
+        const int j = j0 + jj;
+        if (!rules.visible(t, j)) {
+          y[jj] = kNegInf;
+          continue;
+        }
+        const float* kr = &kt[static_cast<std::size_t>(jj) * D];
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot = std::fma(qr[d], kr[d], dot);
+        float v = st.score.cap_log2 > 0.f ? st.score.cap_log2 * std::tanh(dot * st.score.scale_over_cap)
+                                          : dot * st.score.scale_log2;
+        if (p.mask.alibi_slopes) v += slope[r] * static_cast<float>(j - ia);
+        y[jj] = v;
+        tile_max = std::max(tile_max, v);
+      }
+      if (tile_max == kNegInf) continue;  // the row sees no key of this tile
+      const float m_new = std::max(m[r], tile_max);
+      const float corr = std::exp2(m[r] - m_new);  // m = -inf: 0, and l, acc are 0
+      float* ar = &acc[static_cast<std::size_t>(r) * D];
+      for (int d = 0; d < D; ++d) ar[d] *= corr;
+      float sum = 0.f;
+      for (int jj = 0; jj < jn; ++jj) {
+        if (y[jj] == kNegInf) continue;
+        const float w = std::exp2(y[jj] - m_new);
+        sum += w;
+        const float* vr = &vt[static_cast<std::size_t>(jj) * D];
+        for (int d = 0; d < D; ++d) ar[d] = std::fma(w, vr[d], ar[d]);
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = m_new;
+    }
+  }
+
+  // Epilogue: O = acc / l and LSE = (m + log2 l) ln 2; to the output (n = 1) or the workspace.
+  for (int r = 0; r < rows; ++r) {
+    const int h = hk * st.group + r / Sq, t = r % Sq;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float lse = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+    const float* ar = &acc[static_cast<std::size_t>(r) * D];
+    if (n == 1) {
+      const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
+      for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, ar[d] * inv);
+      if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = lse;
+    } else {
+      const std::size_t idx = (static_cast<std::size_t>(item) * p.heads_kv + hk) * rows + r;
+      for (int d = 0; d < D; ++d) st.part_o[idx * D + d] = ar[d] * inv;
+      st.part_lse[idx] = lse;
+    }
+  }
+}
+
+/// Step 3 for one sequence with n > 1 splits: every (token, head) row merged by LSE.
+void merge_sequence(const Step& st, int b) {
+  const DecodeParams& p = st.p;
+  const int D = p.head_dim, Sq = p.seqlen_q, rows = st.plan.rows_per_kv;
+  const int first = st.wl.first_item[b], n = st.wl.num_splits[b];
+  std::vector<float> o(static_cast<std::size_t>(D));
+  for (int h = 0; h < p.heads_q; ++h) {
+    const int hk = h / st.group;
+    for (int t = 0; t < Sq; ++t) {
+      const int r = (h % st.group) * Sq + t;
+      auto at = [&](int i) { return (static_cast<std::size_t>(first + i) * p.heads_kv + hk) * rows + r; };
+      float lse_max = kNegInf;
+      for (int i = 0; i < n; ++i) lse_max = std::max(lse_max, st.part_lse[at(i)]);
+      std::fill(o.begin(), o.end(), 0.f);
+      float lse = kNegInf;
+      if (lse_max != kNegInf) {
+        float sum = 0.f;
+        for (int i = 0; i < n; ++i) {
+          const float li = st.part_lse[at(i)];
+          if (li == kNegInf) continue;  // an empty split contributes nothing
+          const float w = std::exp2((li - lse_max) * kLog2e);
+          sum += w;
+          for (int d = 0; d < D; ++d) o[d] = std::fma(w, st.part_o[at(i) * D + d], o[d]);
+        }
+        const float inv = 1.f / sum;
+        for (int d = 0; d < D; ++d) o[d] *= inv;
+        lse = lse_max + std::log(sum);
+      }
+      const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
+      for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, o[d]);
+      if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = lse;
+    }
+  }
+}
+
+}  // namespace
+
+Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOptions& opt) {
+  const Rotary rot(p.rotary, p.head_dim);
+  if (p.has_append()) append(p, rot);
+
+  Step st{p, plan, decode::worklist_view(plan.int_workspace, p.batch, plan.num_items), {}, 0, -1, -1, 1, nullptr, nullptr};
+  st.slots = static_cast<int>(p.cache.slots());
+  st.wl_left = decode::clamp_window(p.mask.window_left, st.slots);
+  st.wl_right = decode::clamp_window(p.mask.window_right, st.slots);
+  st.group = p.heads_q / p.heads_kv;
+  const float scale = p.effective_scale();
+  st.score.scale_log2 = scale * kLog2e;
+  if (p.mask.softcap > 0.f) {
+    st.score.cap_log2 = p.mask.softcap * kLog2e;
+    st.score.scale_over_cap = scale / p.mask.softcap;
+  }
+  if (plan.needs_merge) {
+    st.part_o = static_cast<float*>(plan.float_workspace);
+    st.part_lse = st.part_o + decode::partial_lse_offset(plan.num_items, p.heads_kv, plan.rows_per_kv, p.head_dim);
+  }
+  parallel_for(plan.num_items * p.heads_kv, opt.cpu_threads,
+               [&](int task) { split_partial(st, rot, task / p.heads_kv, task % p.heads_kv); });
+  if (plan.needs_merge)
+    parallel_for(p.batch, opt.cpu_threads, [&](int b) {
+      if (st.wl.num_splits[b] > 1) merge_sequence(st, b);
+    });
+  return Status::Ok();
+}
+
+Status merge_attention_states(const MergeStatesParams& p) {
+  const int D = p.head_dim;
+  std::vector<float> a(static_cast<std::size_t>(D)), bb(a.size()), o(a.size());
+  for (int b = 0; b < p.batch; ++b)
+    for (int s = 0; s < p.seqlen; ++s)
+      for (int h = 0; h < p.heads; ++h) {
+        auto off = [&](const TensorView& t) { return b * t.batch_stride + s * t.seq_stride + h * t.head_stride; };
+        const std::int64_t li = (static_cast<std::int64_t>(b) * p.heads + h) * p.seqlen + s;
+        load_row(p.o_a, off(p.o_a), D, a.data());
+        load_row(p.o_b, off(p.o_b), D, bb.data());
+        float lse = 0.f;
+        merge_by_lse(a.data(), p.lse_a[li], bb.data(), p.lse_b[li], D, o.data(), &lse);
+        const std::int64_t oo = off(p.o);
+        for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, o[d]);
+        if (p.lse) p.lse[li] = lse;
+      }
+  return Status::Ok();
+}
+
+}  // namespace flashcpp::cpu

@@ -1,0 +1,211 @@
+// The small decode kernels: append (+ rotary) into the cache, the merge of split partials, and
+// merge_attention_states; plus the work-list upload. All three kernels are one warp per row
+// (token-head), memory-bound and tiny next to the split-KV kernel: append moves
+// batch*seqlen_q*heads_kv*D*2 elements, the merge reads n_b partial rows per output row.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "cuda/cuda_api.h"
+#include "cuda/decode/decode_backends.h"
+#include "cuda/decode/decode_kernel.cuh"
+#include "cuda/decode/decode_launch.h"
+
+namespace flashcpp::cuda {
+namespace {
+
+using decode_dev::from_float;
+using decode_dev::to_float;
+using flashcpp::decode::kLog2e;
+
+constexpr int kWarpsPerBlock = 4;
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+/// One warp per (sequence b, token t, KV head hk): K rotated at c_b + t, V copied, both into the
+/// cache slot c_b + t (lengths and pages clamped as in decode.h).
+template <typename T>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(const __grid_constant__ DecodeKernelParams p) {
+  const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (w >= p.batch * p.seqlen_q * p.heads_kv) return;
+  const int hk = w % p.heads_kv, t = (w / p.heads_kv) % p.seqlen_q, b = w / (p.heads_kv * p.seqlen_q);
+  const int pos = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, p.seqlen_q, true) - p.seqlen_q + t;
+  const T* kn = static_cast<const T*>(p.k_new) + b * p.kn_batch_stride + t * p.kn_seq_stride + hk * p.kn_head_stride;
+  const T* vn = static_cast<const T*>(p.v_new) + b * p.vn_batch_stride + t * p.vn_seq_stride + hk * p.vn_head_stride;
+  std::int64_t ko, vo;
+  decode_dev::kv_rows(p, b, pos, &ko, &vo);
+  T* kc = static_cast<T*>(p.k_cache_w) + ko + hk * p.k_head_stride;
+  T* vc = static_cast<T*>(p.v_cache_w) + vo + hk * p.v_head_stride;
+  const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
+  for (int e = lane; e < D; e += 32) {
+    vc[e] = vn[e];
+    if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
+  }
+  if (rd > 0) {
+    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
+    for (int i = lane; i < rd / 2; i += 32) {
+      float c, s;
+      decode_dev::rotary_cos_sin(p, pos, i, &c, &s);
+      int ea, eb;
+      flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
+      const float x1 = to_float(kn[ea]), x2 = to_float(kn[eb]);
+      kc[ea] = from_float<T>(fmaf(x1, c, -(x2 * s)));
+      kc[eb] = from_float<T>(fmaf(x2, c, x1 * s));
+    }
+  }
+}
+
+/// One warp per (sequence b, token t, query head h) of a sequence with n_b > 1 splits:
+///   w_i = exp(lse_i - max lse),  O = sum_i w_i O_i / sum_i w_i,  LSE = max lse + log(sum_i w_i).
+/// Empty splits (LSE = -inf) contribute nothing; all empty: O = 0, LSE = -inf.
+template <typename T>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_merge_kernel(const __grid_constant__ DecodeKernelParams p) {
+  const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (w >= p.batch * p.seqlen_q * p.heads_q) return;
+  const int h = w % p.heads_q, t = (w / p.heads_q) % p.seqlen_q, b = w / (p.heads_q * p.seqlen_q);
+  const int n = p.num_splits[b];
+  if (n <= 1) return;  // written by the split-KV kernel directly
+  const int first = p.first_item[b], hk = h / p.group, r = (h % p.group) * p.seqlen_q + t, D = p.head_dim;
+  auto at = [&](int i) { return (static_cast<std::int64_t>(first + i) * p.heads_kv + hk) * p.rows + r; };
+  float mx = -INFINITY;
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, p.part_lse[at(i)]);
+  mx = warp_max(mx);
+  float sum = 0.f;
+  if (mx != -INFINITY)
+    for (int i = lane; i < n; i += 32) {
+      const float li = p.part_lse[at(i)];
+      sum += li == -INFINITY ? 0.f : exp2f((li - mx) * kLog2e);
+    }
+  sum = warp_sum(sum);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride;
+  for (int d = lane * 4; d < D; d += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx != -INFINITY)
+      for (int i = 0; i < n; ++i) {
+        const float li = p.part_lse[at(i)];
+        if (li == -INFINITY) continue;
+        const float wi = exp2f((li - mx) * kLog2e);
+        const float4 v = *reinterpret_cast<const float4*>(p.part_o + at(i) * D + d);
+        acc.x = fmaf(wi, v.x, acc.x);
+        acc.y = fmaf(wi, v.y, acc.y);
+        acc.z = fmaf(wi, v.z, acc.z);
+        acc.w = fmaf(wi, v.w, acc.w);
+      }
+    uint2 packed;
+    packed.x = ptx::pack2<T>(acc.x * inv, acc.y * inv);
+    packed.y = ptx::pack2<T>(acc.z * inv, acc.w * inv);
+    *reinterpret_cast<uint2*>(dst + d) = packed;
+  }
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] =
+        mx == -INFINITY ? -INFINITY : mx + logf(sum);
+}
+
+/// merge_attention_states: one warp per (batch, position, head); the rule of cpu::merge_by_lse.
+template <typename T>
+__global__ void __launch_bounds__(32 * kWarpsPerBlock) merge_states_kernel(const __grid_constant__ MergeStatesKernelParams p) {
+  const std::int64_t w = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (w >= static_cast<std::int64_t>(p.batch) * p.seqlen * p.heads) return;
+  const int h = static_cast<int>(w % p.heads), s = static_cast<int>((w / p.heads) % p.seqlen);
+  const int b = static_cast<int>(w / (static_cast<std::int64_t>(p.heads) * p.seqlen));
+  const std::int64_t li = (static_cast<std::int64_t>(b) * p.heads + h) * p.seqlen + s;
+  const float la = p.lse_a[li], lb = p.lse_b[li];
+  const T* a = static_cast<const T*>(p.o_a) + b * p.a_batch_stride + s * p.a_seq_stride + h * p.a_head_stride;
+  const T* bb = static_cast<const T*>(p.o_b) + b * p.b_batch_stride + s * p.b_seq_stride + h * p.b_head_stride;
+  T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + s * p.o_seq_stride + h * p.o_head_stride;
+  // An empty side is skipped outright (its o may hold anything); both empty: 0 and -inf.
+  float wa = 0.f, wb = 0.f, merged = -INFINITY;
+  if (la != -INFINITY && lb != -INFINITY) {
+    const float hi = fmaxf(la, lb), lo = fminf(la, lb);
+    merged = hi + log1pf(expf(lo - hi));
+    wa = expf(la - merged);
+    wb = expf(lb - merged);
+  } else if (la != -INFINITY) {
+    wa = 1.f;
+    merged = la;
+  } else if (lb != -INFINITY) {
+    wb = 1.f;
+    merged = lb;
+  }
+  for (int d = lane; d < p.head_dim; d += 32) {
+    float v = 0.f;
+    if (wa != 0.f) v = to_float(a[d]) * wa;
+    if (wb != 0.f) v = fmaf(to_float(bb[d]), wb, v);
+    o[d] = from_float<T>(v);  // in place is fine: this lane read a[d] / bb[d] just above
+  }
+  if (lane == 0 && p.lse != nullptr) p.lse[li] = merged;
+}
+
+Status check_launch(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::Cuda(std::string(what) + " launch failed: " + cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+unsigned blocks_for(std::int64_t warps) {
+  return static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+}  // namespace
+
+Status decode_append_launch(const DecodeKernelParams& p, DType dt, Stream stream) {
+  const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_kv;
+  if (warps == 0) return Status::Ok();
+  if (dt == DType::kBF16)
+    decode_append_kernel<__nv_bfloat16><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
+  else
+    decode_append_kernel<__half><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
+  return check_launch("decode append kernel");
+}
+
+Status decode_merge_launch(const DecodeKernelParams& p, DType dt, Stream stream) {
+  const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_q;
+  if (warps == 0) return Status::Ok();
+  if (dt == DType::kBF16)
+    decode_merge_kernel<__nv_bfloat16><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
+  else
+    decode_merge_kernel<__half><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
+  return check_launch("decode merge kernel");
+}
+
+Status merge_states_launch(const MergeStatesKernelParams& p, DType dt, Stream stream) {
+  const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen * p.heads;
+  if (warps == 0) return Status::Ok();
+  if (blocks_for(warps) > 0x7fffffffu) return Status::Unsupported("merge_attention_states: too many rows for one grid");
+  switch (dt) {
+    case DType::kBF16: merge_states_kernel<__nv_bfloat16><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p); break;
+    case DType::kF16: merge_states_kernel<__half><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p); break;
+    case DType::kF32: merge_states_kernel<float><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p); break;
+  }
+  return check_launch("merge_attention_states kernel");
+}
+
+Status decode_upload_worklist(void* dst, const std::int32_t* host, std::size_t count, Stream stream) {
+  // From pageable memory cudaMemcpyAsync returns once the source is staged, so the caller may
+  // free `host` right away; the copy is ordered before later work on `stream`.
+  const cudaError_t e = cudaMemcpyAsync(dst, host, count * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream);
+  if (e != cudaSuccess) return Status::Cuda(std::string("decode_plan: work-list upload failed: ") + cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+Status decode_num_sms(int* num_sms) {
+  DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  *num_sms = dev.num_sms;
+  return Status::Ok();
+}
+
+}  // namespace flashcpp::cuda

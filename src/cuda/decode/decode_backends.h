@@ -1,0 +1,48 @@
+// Internal entry points of decode, shared by the public API (src/cpu/decode_plan.cc), the CPU
+// backend (src/cpu/decode.cc) and the CUDA backend (src/cuda/decode/). Host-only, no CUDA types.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "flashcpp/decode.h"
+
+namespace flashcpp::decode {
+
+/// The split decision of the planner, before it becomes a work list.
+struct SplitDecision {
+  std::vector<std::int32_t> splits;  ///< n_b per sequence
+  int num_items = 0;
+  int max_splits = 0;
+  bool needs_merge = false;
+};
+
+/// The split heuristic (documented in docs/decode.md and at its definition). `lengths` are the
+/// host lengths in the meaning of cache_seqlens (nullptr: full caches).
+Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
+                   SplitDecision* out);
+
+/// Only the scalar checks of validate(DecodeParams) (what plan needs: no pointer is read).
+Status validate_decode_shape(const DecodeParams& p, Backend backend);
+
+}  // namespace flashcpp::decode
+
+namespace flashcpp::cpu {
+/// CPU backend of decode_run (host memory; validated by the caller).
+Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOptions& opt);
+/// CPU backend of merge_attention_states (validated by the caller).
+Status merge_attention_states(const MergeStatesParams& p);
+}  // namespace flashcpp::cpu
+
+#if FLASHCPP_WITH_CUDA
+namespace flashcpp::cuda {
+/// Uploads the work list (stream-ordered; the host buffer may be freed on return).
+Status decode_upload_worklist(void* dst, const std::int32_t* host, std::size_t count, Stream stream);
+/// SM count of the current device.
+Status decode_num_sms(int* num_sms);
+/// CUDA backend of decode_run: append (+ rotary), split-KV kernel, merge. Asynchronous.
+Status decode_run(const DecodeParams& p, const DecodePlan& plan, Stream stream);
+/// CUDA backend of merge_attention_states. Asynchronous.
+Status merge_attention_states(const MergeStatesParams& p, Stream stream);
+}  // namespace flashcpp::cuda
+#endif

@@ -1,0 +1,8 @@
+// Split-KV decode kernel, head_dim 128 (bf16 + fp16). See decode_launch.h for the instantiation list.
+#include "cuda/decode/decode_launch.cuh"
+
+namespace flashcpp::cuda {
+Status decode_split_launch_hd128(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device) {
+  return decode_split_dispatch<128>(p, dt, ctas, stream, device);
+}
+}  // namespace flashcpp::cuda

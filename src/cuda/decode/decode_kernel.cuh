@@ -1,0 +1,370 @@
+// Split-KV decode kernel for sm80+ (mma.sync m16n8k16, ldmatrix, cp.async), contiguous or paged
+// KV cache, GQA packed into the rows of one CTA.
+//
+// One CTA = one (work item, KV head, row block). A work item is (sequence b, split s of n_b) from
+// the plan; the split owns a contiguous run of 64-key tiles of the keys its rows can see. All
+// heads_q / heads_kv query heads x seqlen_q tokens of the KV head are the rows of the CTA
+// (row r = head offset r / seqlen_q, token r % seqlen_q), so every K/V byte is read from DRAM once
+// per split. Four warps: warp_rows of them along the rows (16 rows each), the other
+// 4 / warp_rows split each tile's four 16-key chunks between them. Per warp and 16-key chunk:
+//   S = Q K^T               (mma.sync, fp32)        y = transform(S)  (scale, softcap, ALiBi, mask; exp2 domain)
+//   m' = max(m, rowmax y)   P = exp2(y - m')        l = l 2^(m-m') + rowsum P,  O = O 2^(m-m') + P V
+// then the warps that shared a row block merge their (m, l, O) through shared memory, and the CTA
+// writes either the final O and LSE (n_b = 1) or the normalized partial O and LSE of its split
+// (fp32, float workspace) for decode_merge_kernel.
+//
+// Napkin math (H200, bf16, D = 128), and why mma.sync rather than FMA. Per KV head and key the
+// kernel reads 2*D*2 = 512 bytes of K/V and does 4*D*rows FLOPs, rows = group * seqlen_q:
+// arithmetic intensity = rows FLOP/byte (GQA 32/8 decode: 4; 8 heads x 16 speculative tokens:
+// 128). At the 4.2 TB/s read ceiling that asks for 4.2 * rows TFLOP/s: 17 TFLOP/s at rows = 4,
+// ~540 at rows = 128. FP32 FMA tops out near 60 TFLOP/s (and the bf16 -> fp32 conversions cost as
+// much again), so FMA would turn compute-bound beyond rows ~ 8; mma.sync reaches ~700 (dense)
+// even though rows < 16 wastes most of each m16 tile (rows = 4: 4x waste, still 68 TFLOP/s of
+// tensor work, a tenth of what is there). So one code path, tensor cores, memory-bound for every
+// rows <= 64 per CTA. The exp2/max work per key is rows * (1 ex2 + 3 FP ops), small next to that.
+//
+// Bytes in flight (what decides the speed of a memory-bound kernel): a stage is 64 keys of K and
+// V (16/32/64 KB for D = 64/128/256), kStages - 1 stages are in flight per CTA while one is being
+// consumed, and Config::kCtasPerSm CTAs share an SM: >= 64 KB in flight per SM against the ~32 KB
+// Little's law asks for. Where it falls off: a split shorter than kStages tiles leaves the
+// pipeline part empty (the planner keeps splits >= 4 tiles); rows > 64 (MQA with > 64 heads x
+// tokens) re-read K/V once per row block (from L2: the row blocks of a split run side by side).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/mask_rules.h"
+#include "cuda/common/ptx.cuh"
+#include "cuda/decode/decode_common.h"
+#include "cuda/decode/decode_params.h"
+
+namespace flashcpp::cuda::decode_dev {
+
+using flashcpp::decode::Config;
+using flashcpp::decode::kLn2;
+using flashcpp::decode::kLog2e;
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
+  else if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+  else return x;
+}
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return __float2bfloat16_rn(x);
+  else if constexpr (std::is_same_v<T, __half>) return __float2half_rn(x);
+  else return x;
+}
+
+/// Element offset of 16-byte chunk `chunk` of row `row` in a swizzled [rows][D] tile
+/// (chunk ^ row % 8: the 8 rows of an ldmatrix phase hit 8 distinct bank groups).
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+/// Element offsets of key j of sequence b in the K and the V cache: contiguous, or through the
+/// block table with the page clamped to the pool (device values are unchecked). One load for both.
+__device__ __forceinline__ void kv_rows(const DecodeKernelParams& p, int b, int j, std::int64_t* ko, std::int64_t* vo) {
+  std::int64_t base, slot;
+  if (p.paged) {
+    int page = __ldg(p.block_table + b * p.block_table_stride + (j >> p.page_shift));
+    base = min(max(page, 0), p.num_pages - 1);
+    slot = j & p.page_mask;
+  } else {
+    base = b;
+    slot = j;
+  }
+  *ko = base * p.k_batch_stride + slot * p.k_seq_stride;
+  *vo = base * p.v_batch_stride + slot * p.v_seq_stride;
+}
+
+/// (cos, sin) of rotary pair i at position pos (decode.h). Tables: row clamped to the table.
+/// Theta: the fp32 angle of decode.h (inv_freq from the host), reduced to [-pi, pi] with a three-part 2*pi (Cody-Waite,
+/// exact products in the FMAs) and evaluated with MUFU sin/cos (abs error ~4e-7 there). sincosf
+/// itself would pull in the Payne-Hanek path and a local-memory stack frame.
+__device__ __forceinline__ void rotary_cos_sin(const DecodeKernelParams& p, int pos, int i, float* c, float* s) {
+  if (p.rot_cos != nullptr) {
+    pos = min(max(pos, 0), p.rot_max_pos - 1);
+    const std::int64_t at = static_cast<std::int64_t>(pos) * (p.rot_dim / 2) + i;
+    *c = __ldg(p.rot_cos + at);
+    *s = __ldg(p.rot_sin + at);
+    return;
+  }
+  const float angle = static_cast<float>(pos) * p.rot_inv_freq[i];
+  constexpr float kInv2Pi = 0.15915494309189535f;
+  constexpr float k2PiHi = 6.2831854820251465f;         // float(2 pi)
+  constexpr float k2PiMid = -1.7484555314695172e-07f;   // float(2 pi - k2PiHi)
+  constexpr float k2PiLo = -6.8604980400235275e-15f;    // float(2 pi - k2PiHi - k2PiMid)
+  const float k = rintf(angle * kInv2Pi);
+  float r = fmaf(-k, k2PiHi, angle);
+  r = fmaf(-k, k2PiMid, r);
+  r = fmaf(-k, k2PiLo, r);
+  __sincosf(r, s, c);
+}
+
+/// Rotates one pair in fp32 and returns the rounded results (decode.h's rule).
+template <typename T>
+__device__ __forceinline__ void rotate_pair(T* a, T* b, float c, float s) {
+  const float x1 = to_float(*a), x2 = to_float(*b);
+  *a = from_float<T>(fmaf(x1, c, -(x2 * s)));
+  *b = from_float<T>(fmaf(x2, c, x1 * s));
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
+    decode_split_kernel(const __grid_constant__ DecodeKernelParams p) {
+  using Cfg = Config<D>;
+  constexpr int BN = Cfg::kBlockN, S = Cfg::kStages, DT = D / 8, KT = D / 16;
+  constexpr int kRowChunks = D / 8;  // 16-byte chunks per row
+  constexpr std::uint32_t kRowBytes = D * 2;
+  constexpr int kORowStride = D + 4;  // epilogue fp32 rows, padded against bank conflicts
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = reinterpret_cast<T*>(smem_raw + Cfg::kQBytes);
+  T* sV = sK + S * BN * D;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, t4 = lane % 4;
+
+  // ---- which work: (item, KV head, row block) ------------------------------------------------
+  int bid = blockIdx.x;
+  const int rb = bid % p.row_blocks;
+  bid /= p.row_blocks;
+  const int hk = bid % p.heads_kv;
+  const int item = bid / p.heads_kv;
+  const int b = p.item_batch[item], split = p.item_split[item], nsplit = p.num_splits[b];
+  const int Sq = p.seqlen_q;
+  const int len = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, Sq, p.append != 0);
+  const MaskRules rules = flashcpp::decode::sequence_rules(Sq, len, p.causal != 0, p.window_left, p.window_right);
+  int key_lo, key_hi, tile_begin, tile_end;
+  rules.key_range(0, Sq, &key_lo, &key_hi);
+  flashcpp::decode::split_tiles(key_lo, key_hi, split, nsplit, BN, &tile_begin, &tile_end);
+  const int n_iters = tile_end - tile_begin;
+
+  const int WR = p.warp_rows, WK = Cfg::kWarps / WR;
+  const int wr = warp / WK, wk = warp % WK;
+  const int cta_rows = 16 * WR, row0 = rb * cta_rows;
+
+  // ---- K/V tiles: cp.async, 16 bytes per thread and row, paged addressing per row ------------
+  const T* gK = static_cast<const T*>(p.k_cache) + hk * p.k_head_stride;
+  const T* gV = static_cast<const T*>(p.v_cache) + hk * p.v_head_stride;
+  auto load_tile = [&](int stage, int tile) {
+    constexpr int kRowsPerPass = Cfg::kThreads / kRowChunks;
+    const int c = tid % kRowChunks, r0 = tid / kRowChunks;
+    T* dK = sK + stage * BN * D;
+    T* dV = sV + stage * BN * D;
+#pragma unroll
+    for (int it = 0; it < BN / kRowsPerPass; ++it) {
+      const int r = r0 + it * kRowsPerPass, j = tile * BN + r;
+      const bool ok = j < key_hi;  // keys at or past the visible end are zero-filled, never read
+      std::int64_t ko = 0, vo = 0;
+      if (ok) kv_rows(p, b, j, &ko, &vo);
+      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, c)), gK + ko + c * 8, ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + vo + c * 8, ok ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < n_iters) load_tile(s, tile_begin + s);
+    ptx::cp_async_commit();
+  }
+
+  // ---- Q: the CTA's rows, rotated at their positions, into swizzled shared memory -------------
+  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride;
+  for (int idx = tid; idx < cta_rows * kRowChunks; idx += Cfg::kThreads) {
+    const int rr = idx / kRowChunks, c = idx % kRowChunks, gr = row0 + rr;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (gr < p.rows) {
+      const int h = hk * p.group + gr / Sq, t = gr % Sq;
+      val = __ldg(reinterpret_cast<const uint4*>(gQ + t * p.q_seq_stride + h * p.q_head_stride + c * 8));
+    }
+    *reinterpret_cast<uint4*>(sQ + swz<D>(rr, c)) = val;
+  }
+  if (p.rot_style != 0) {
+    __syncthreads();
+    const int half = p.rot_dim / 2;
+    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
+    for (int idx = tid; idx < cta_rows * half; idx += Cfg::kThreads) {
+      const int rr = idx / half, i = idx % half, gr = row0 + rr;
+      if (gr >= p.rows) continue;
+      float c, s;
+      rotary_cos_sin(p, len - Sq + gr % Sq, i, &c, &s);
+      int ea, eb;
+      flashcpp::decode::rotary_pair(style, i, p.rot_dim, &ea, &eb);
+      rotate_pair(sQ + swz<D>(rr, ea >> 3) + (ea & 7), sQ + swz<D>(rr, eb >> 3) + (eb & 7), c, s);
+    }
+  }
+
+  // ---- per-lane row constants: rows g and g + 8 of this warp's m16 tile ------------------------
+  int row_t[2], row_ia[2];
+  float row_slope[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int gr = min(row0 + wr * 16 + g + 8 * r, p.rows - 1);  // padding rows borrow a real row's constants
+    row_t[r] = gr % Sq;
+    row_ia[r] = row_t[r] + len - Sq;
+    row_slope[r] = p.alibi != nullptr
+                       ? __ldg(p.alibi + b * p.alibi_batch_stride + hk * p.group + gr / Sq) * kLog2e
+                       : 0.f;
+  }
+
+  float acc_o[DT][4];
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+  // ldmatrix row addresses (see fa2_kernel.cuh): chunk 2*kk + c of a lane's row sits at
+  // (row_base | ((c ^ row%8) << 4)) ^ (kk << 5); tiles and stages start on multiples of a row.
+  const std::uint32_t r7 = lane & 7;
+  const std::uint32_t q_base =
+      ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * kRowBytes + (((lane >> 4) ^ r7) << 4);
+  const std::uint32_t k_base =
+      ptx::smem_u32(sK) + ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + ((((lane >> 3) & 1) ^ r7) << 4);
+  const std::uint32_t v_base = ptx::smem_u32(sV) + (lane & 15) * kRowBytes + (((lane >> 4) ^ r7) << 4);
+
+  for (int it = 0; it < n_iters; ++it) {
+    ptx::cp_async_wait<S - 2>();
+    __syncthreads();
+    if (it + S - 1 < n_iters) load_tile((it + S - 1) % S, tile_begin + it + S - 1);
+    ptx::cp_async_commit();
+    const std::uint32_t stage_off = (it % S) * BN * kRowBytes;
+    const int j_tile = (tile_begin + it) * BN;
+    const bool full = rules.tile_fully_visible(0, Sq, j_tile, j_tile + BN);
+
+    for (int ch = wk; ch < Cfg::kChunks; ch += WK) {
+      const std::uint32_t chunk_off = stage_off + ch * 16 * kRowBytes;
+      // ---- S = Q K^T for 16 rows x 16 keys ----
+      float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < KT; ++kk) {
+        std::uint32_t a[4], bk[4];
+        ptx::ldmatrix_x4(a, q_base ^ (kk << 5));
+        ptx::ldmatrix_x4(bk, (k_base + chunk_off) ^ (kk << 5));
+        ptx::mma_16816<T>(s_acc[0], a, bk[0], bk[1]);
+        ptx::mma_16816<T>(s_acc[1], a, bk[2], bk[3]);
+      }
+      // ---- scores in the exp2 domain, mask ----
+      const int j_chunk = j_tile + ch * 16;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1, j = j_chunk + nt * 8 + 2 * t4 + (e & 1);
+          const float x = s_acc[nt][e];
+          float y = p.cap_log2 > 0.f ? p.cap_log2 * tanhf(x * p.scale_over_cap) : x * p.scale_log2;
+          if (p.alibi != nullptr) y = fmaf(row_slope[r], static_cast<float>(j - row_ia[r]), y);
+          if (!full && !rules.visible(row_t[r], j)) y = -INFINITY;
+          s_acc[nt][e] = y;
+        }
+      // ---- online softmax ----
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = fmaxf(fmaxf(s_acc[0][2 * r], s_acc[0][2 * r + 1]), fmaxf(s_acc[1][2 * r], s_acc[1][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_run[r], mx);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: exp2(-inf - 0) = 0
+        const float corr = ptx::exp2_approx(m_run[r] - m_use);
+        m_run[r] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          s_acc[nt][2 * r] = ptx::exp2_approx(s_acc[nt][2 * r] - m_use);
+          s_acc[nt][2 * r + 1] = ptx::exp2_approx(s_acc[nt][2 * r + 1] - m_use);
+          sum += s_acc[nt][2 * r] + s_acc[nt][2 * r + 1];
+        }
+        l_run[r] = l_run[r] * corr + sum;  // per-thread partial; quad-reduced in the epilogue
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          acc_o[dt][2 * r] *= corr;
+          acc_o[dt][2 * r + 1] *= corr;
+        }
+      }
+      // ---- O += P V (P straight from the S fragments) ----
+      std::uint32_t a[4];
+      a[0] = ptx::pack2<T>(s_acc[0][0], s_acc[0][1]);
+      a[1] = ptx::pack2<T>(s_acc[0][2], s_acc[0][3]);
+      a[2] = ptx::pack2<T>(s_acc[1][0], s_acc[1][1]);
+      a[3] = ptx::pack2<T>(s_acc[1][2], s_acc[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        std::uint32_t bv[4];
+        ptx::ldmatrix_x4_trans(bv, (v_base + chunk_off) ^ (dp << 5));
+        ptx::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
+        ptx::mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
+      }
+    }
+  }
+  ptx::cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: they become the epilogue scratch
+
+  // ---- epilogue 1: each warp's (m, l, O) of its 16 rows into shared memory ---------------------
+  float* sO = reinterpret_cast<float*>(smem_raw + Cfg::kQBytes);
+  float* sM = sO + Cfg::kWarps * 16 * kORowStride;
+  float* sL = sM + Cfg::kWarps * 16;
+  static_assert(Cfg::kWarps * 16 * (kORowStride + 2) * 4 <= S * Cfg::kStageBytes, "epilogue scratch fits");
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row16 = g + 8 * r;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(sO + (warp * 16 + row16) * kORowStride + dt * 8 + 2 * t4) =
+          make_float2(acc_o[dt][2 * r], acc_o[dt][2 * r + 1]);
+    if (t4 == 0) {
+      sM[warp * 16 + row16] = m_run[r];
+      sL[warp * 16 + row16] = l;
+    }
+  }
+  __syncthreads();
+
+  // ---- epilogue 2: merge the key-splitting warps of each row, write O/LSE or the partial -------
+  const int Dq = D / 4;
+  for (int idx = tid; idx < cta_rows * Dq; idx += Cfg::kThreads) {
+    const int rr = idx / Dq, d = (idx % Dq) * 4, gr = row0 + rr;
+    if (gr >= p.rows) continue;
+    const int w0 = (rr / 16) * WK, r16 = rr % 16;
+    float m = -INFINITY;
+    for (int k = 0; k < WK; ++k) m = fmaxf(m, sM[(w0 + k) * 16 + r16]);
+    float l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (m != -INFINITY) {
+      for (int k = 0; k < WK; ++k) {
+        const float w = ptx::exp2_approx(sM[(w0 + k) * 16 + r16] - m);
+        const float4 v = *reinterpret_cast<const float4*>(sO + ((w0 + k) * 16 + r16) * kORowStride + d);
+        l = fmaf(sL[(w0 + k) * 16 + r16], w, l);
+        o.x = fmaf(w, v.x, o.x);
+        o.y = fmaf(w, v.y, o.y);
+        o.z = fmaf(w, v.z, o.z);
+        o.w = fmaf(w, v.w, o.w);
+      }
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no visible key: O = 0, LSE = -inf
+    const float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
+    const int h = hk * p.group + gr / Sq, t = gr % Sq;
+    if (nsplit == 1) {
+      T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride + d;
+      uint2 packed;
+      packed.x = ptx::pack2<T>(o.x * inv, o.y * inv);
+      packed.y = ptx::pack2<T>(o.z * inv, o.w * inv);
+      *reinterpret_cast<uint2*>(dst) = packed;
+      if (d == 0 && p.lse != nullptr) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = lse;
+    } else {
+      const std::int64_t pi = (static_cast<std::int64_t>(item) * p.heads_kv + hk) * p.rows + gr;
+      *reinterpret_cast<float4*>(p.part_o + pi * D + d) = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
+      if (d == 0) p.part_lse[pi] = lse;
+    }
+  }
+}
+
+}  // namespace flashcpp::cuda::decode_dev

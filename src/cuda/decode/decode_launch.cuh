@@ -1,0 +1,42 @@
+// Launch of one instantiation of the split-KV decode kernel. Included only by decode_hd<D>.cu.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <string>
+
+#include "cuda/decode/decode_kernel.cuh"
+#include "cuda/decode/decode_launch.h"
+
+namespace flashcpp::cuda {
+
+template <int D, typename T>
+Status decode_split_run(const DecodeKernelParams& p, int ctas, Stream stream, int device) {
+  using Cfg = flashcpp::decode::Config<D>;
+  auto* kernel = &decode_dev::decode_split_kernel<D, T>;
+  // Opt in to > 48 KB of dynamic shared memory once per device (not a stream operation: safe
+  // while a graph is being captured).
+  static std::atomic<unsigned long long> opted_in{0};
+  const unsigned long long bit = 1ull << (device & 63);
+  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (e != cudaSuccess)
+      return Status::Cuda(std::string("decode: cudaFuncSetAttribute(max dynamic smem) failed: ") + cudaGetErrorString(e));
+    opted_in.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  if (ctas <= 0) return Status::Ok();
+  kernel<<<static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::Cuda(std::string("decode split-KV kernel launch failed: ") + cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+template <int D>
+Status decode_split_dispatch(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device) {
+  if (dt == DType::kBF16) return decode_split_run<D, __nv_bfloat16>(p, ctas, stream, device);
+  if (dt == DType::kF16) return decode_split_run<D, __half>(p, ctas, stream, device);
+  return Status::Unsupported("the CUDA decode kernels take fp16 or bf16");
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,85 @@
+// Kernel parameters of the decode kernels (split-KV, merge, append+rotary): one plain struct,
+// passed as __grid_constant__. Filled on the host by decode_dispatch.cc from DecodeParams and
+// the plan; nothing here is a framework type.
+#pragma once
+
+#include <cstdint>
+
+namespace flashcpp::cuda {
+
+struct DecodeKernelParams {
+  // query and output (batch, seqlen_q, heads_q, D); strides in elements
+  const void* q;
+  void* o;
+  float* lse;  ///< (batch, heads_q, seqlen_q) or nullptr
+  std::int64_t q_batch_stride, q_seq_stride, q_head_stride;
+  std::int64_t o_batch_stride, o_seq_stride, o_head_stride;
+
+  // KV cache: contiguous (batch_stride per sequence) or paged (batch_stride per page)
+  const void* k_cache;
+  const void* v_cache;
+  void* k_cache_w;  ///< same as k_cache, writable (append)
+  void* v_cache_w;
+  std::int64_t k_batch_stride, k_seq_stride, k_head_stride;
+  std::int64_t v_batch_stride, v_seq_stride, v_head_stride;
+  const std::int32_t* block_table;  ///< paged only
+  std::int64_t block_table_stride;
+  int paged;       ///< 0 / 1
+  int page_shift;  ///< log2(page_size)
+  int page_mask;   ///< page_size - 1
+  int num_pages;
+  int slots;       ///< key slots per sequence (capacity, or pages_per_seq * page_size)
+  const std::int32_t* cache_seqlens;
+
+  // append: new K/V (batch, seqlen_q, heads_kv, D)
+  int append;
+  const void* k_new;
+  const void* v_new;
+  std::int64_t kn_batch_stride, kn_seq_stride, kn_head_stride;
+  std::int64_t vn_batch_stride, vn_seq_stride, vn_head_stride;
+
+  // rotary (style 0 = off, 1 = neox, 2 = interleaved; see decode.h)
+  int rot_style, rot_dim;
+  const float* rot_cos;
+  const float* rot_sin;
+  int rot_max_pos;
+  /// Without tables: inv_freq[i] = 1 / powf(theta, 2i / rot_dim), computed on the host with the
+  /// CPU backend's very expression, so both backends rotate by bit-identical fp32 angles.
+  float rot_inv_freq[128];
+
+  // shape
+  int batch, seqlen_q, heads_q, heads_kv, head_dim, group;
+  int rows;        ///< group * seqlen_q: query rows per KV head
+  int row_blocks;  ///< CTAs along the rows
+  int warp_rows;   ///< warps along the rows in a CTA (1, 2, 4); 4 / warp_rows split the keys
+
+  // scores (decode::ScoreRule) and mask
+  float scale_log2, cap_log2, scale_over_cap;
+  const float* alibi;  ///< slopes or nullptr
+  std::int64_t alibi_batch_stride;
+  int causal, window_left, window_right;  ///< windows pre-clamped (decode::clamp_window)
+
+  // plan: work list (int workspace) and partials (float workspace)
+  const std::int32_t* first_item;
+  const std::int32_t* num_splits;
+  const std::int32_t* item_batch;
+  const std::int32_t* item_split;
+  float* part_o;    ///< [items][heads_kv][rows][D], normalized
+  float* part_lse;  ///< [items][heads_kv][rows], natural log
+};
+
+/// merge_attention_states: (batch, seqlen, heads, D) views, LSE (batch, heads, seqlen).
+struct MergeStatesKernelParams {
+  const void* o_a;
+  const void* o_b;
+  void* o;
+  const float* lse_a;
+  const float* lse_b;
+  float* lse;
+  std::int64_t a_batch_stride, a_seq_stride, a_head_stride;
+  std::int64_t b_batch_stride, b_seq_stride, b_head_stride;
+  std::int64_t o_batch_stride, o_seq_stride, o_head_stride;
+  int batch, seqlen, heads, head_dim;
+};
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,938 @@
+// Decode on the CPU backend (src/cpu/decode.cc, planner src/cpu/decode_plan.cc) against the fp64
+// reference (cpu::reference_attention on a dense, packed copy of the cache after the append).
+//
+// What is checked, per case:
+//   - O and LSE vs fp64 over every (sequence, token, head), outputs poisoned with NaN first;
+//   - the whole cache after the step vs a straightforward append (+ rotary) written here from the
+//     rule in decode.h, bit for bit: every new token lands in its slot, nothing else changes;
+//   - cache slots past each sequence's length hold NaN, so a read past the length poisons O.
+// Tolerances: fp32 inputs 2e-5 abs (fp32 dot products of length <= 256 and softmax sums over
+// <= ~1100 keys with O(1) logits); fp16/bf16 outputs add half an ulp of the output dtype
+// (u * |O_ref|), the rounding of the stored result. LSE (always fp32): 2e-5 + 2^-24 |LSE|.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/half.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/decode/decode_backends.h"
+#include "cuda/decode/decode_common.h"
+#include "flashcpp/decode.h"
+#include "test_util.h"
+
+namespace flashcpp {
+namespace {
+
+using testing::HostBuffer;
+
+constexpr double kAtol = 2e-5;
+
+struct DCase {
+  std::string name;
+  int batch = 1, hq = 1, hkv = 1, d = 64, sq = 1;
+  DType dt = DType::kF32;
+  std::vector<int> lens;  ///< cache_seqlens before the step (size batch)
+  int extra_slots = 5;    ///< slots beyond the largest total length (NaN-filled)
+  int page_size = 0;      ///< 0 = contiguous
+  bool shuffle_pages = true;
+  bool append = false;
+  RotaryStyle rot = RotaryStyle::kNone;
+  int rotary_dim = 0;
+  bool tables = false;
+  bool causal = true;
+  int wl = -1, wr = -1;
+  float softcap = 0.f, scale = 0.f;
+  bool alibi = false, alibi_per_batch = false;
+  int num_splits = 0;     ///< forced split count (0 = heuristic)
+  int num_sms = 0;        ///< planner SM count (0 = default 132)
+  bool sdpa_cache = false;  ///< contiguous cache as (batch, heads, slots, dim) through strides
+};
+
+std::int64_t max_total(const DCase& c) {
+  int m = 0;
+  for (int l : c.lens) m = std::max(m, l + (c.append ? c.sq : 0));
+  return m;
+}
+
+/// Every buffer of one decode step; DecodeParams points into them (never copied or moved).
+struct Problem {
+  DCase c;
+  DecodeParams p;
+  HostBuffer q, o, knew, vnew, kc, vc;
+  std::vector<float> lse, cos_t, sin_t, slopes;
+  std::vector<std::int32_t> lens, block_table;
+  std::int64_t slots = 0;
+
+  Problem(const Problem&) = delete;
+  Problem& operator=(const Problem&) = delete;
+  Problem(const DCase& cs, std::uint64_t salt) : c(cs) {
+    auto g = testing::rng(salt);
+    const int B = c.batch, D = c.d;
+    lens.assign(c.lens.begin(), c.lens.end());
+    const std::int64_t need = max_total(c) + c.extra_slots;
+    p.batch = B;
+    p.seqlen_q = c.sq;
+    p.heads_q = c.hq;
+    p.heads_kv = c.hkv;
+    p.head_dim = D;
+    p.softmax_scale = c.scale;
+    q = HostBuffer(c.dt, static_cast<std::int64_t>(B) * c.sq * c.hq * D);
+    q.fill_normal(g);
+    o = HostBuffer(c.dt, q.size());
+    o.poison();
+    p.q = bshd_view(q.data(), c.dt, c.sq, c.hq, D);
+    p.o = bshd_view(o.data(), c.dt, c.sq, c.hq, D);
+    lse.assign(static_cast<std::size_t>(B) * c.hq * c.sq, NAN);
+    p.lse = lse.data();
+    if (c.page_size > 0) {
+      const int pps = static_cast<int>((need + c.page_size - 1) / c.page_size);
+      const int num_pages = B * pps + 3;  // a few pages no sequence uses
+      slots = static_cast<std::int64_t>(pps) * c.page_size;
+      std::vector<std::int32_t> order(static_cast<std::size_t>(num_pages));
+      std::iota(order.begin(), order.end(), 0);
+      auto gp = testing::rng(salt ^ 0x5eed);  // its own stream: same cache contents as a contiguous twin
+      if (c.shuffle_pages) std::shuffle(order.begin(), order.end(), gp);
+      const int stride = pps + 2;  // padded rows: the table's row stride is honored
+      block_table.assign(static_cast<std::size_t>(B) * stride, -7);
+      for (int b = 0; b < B; ++b)
+        for (int i = 0; i < pps; ++i) block_table[b * stride + i] = order[b * pps + i];
+      kc = HostBuffer(c.dt, static_cast<std::int64_t>(num_pages) * c.page_size * c.hkv * D);
+      vc = HostBuffer(c.dt, kc.size());
+      p.cache.k = bshd_view(kc.data(), c.dt, c.page_size, c.hkv, D);
+      p.cache.v = bshd_view(vc.data(), c.dt, c.page_size, c.hkv, D);
+      p.cache.page_size = c.page_size;
+      p.cache.num_pages = num_pages;
+      p.cache.block_table = block_table.data();
+      p.cache.block_table_stride = stride;
+      p.cache.pages_per_seq = pps;
+    } else {
+      slots = need;
+      kc = HostBuffer(c.dt, static_cast<std::int64_t>(B) * slots * c.hkv * D);
+      vc = HostBuffer(c.dt, kc.size());
+      auto view = [&](HostBuffer& h) {
+        return c.sdpa_cache ? bhsd_view(h.data(), c.dt, slots, c.hkv, D) : bshd_view(h.data(), c.dt, slots, c.hkv, D);
+      };
+      p.cache.k = view(kc);
+      p.cache.v = view(vc);
+      p.cache.capacity = static_cast<int>(slots);
+    }
+    // Cache contents: N(0,1) where a sequence has keys before the step, NaN everywhere else.
+    kc.poison();
+    vc.poison();
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (int b = 0; b < B; ++b)
+      for (int j = 0; j < lens[b]; ++j)
+        for (int h = 0; h < c.hkv; ++h) {
+          const std::int64_t ko = offset(p.cache.k, b, j, h), vo = offset(p.cache.v, b, j, h);
+          for (int d = 0; d < D; ++d) {
+            kc.set(ko + d, nd(g));
+            vc.set(vo + d, nd(g));
+          }
+        }
+    p.cache_seqlens = lens.data();
+    if (c.append) {
+      knew = HostBuffer(c.dt, static_cast<std::int64_t>(B) * c.sq * c.hkv * D);
+      vnew = HostBuffer(c.dt, knew.size());
+      knew.fill_normal(g);
+      vnew.fill_normal(g);
+      p.k_new = bshd_view(knew.data(), c.dt, c.sq, c.hkv, D);
+      p.v_new = bshd_view(vnew.data(), c.dt, c.sq, c.hkv, D);
+    }
+    p.rotary.style = c.rot;
+    p.rotary.rotary_dim = c.rotary_dim;
+    if (c.rot != RotaryStyle::kNone && c.tables) {
+      const int rd = c.rotary_dim ? c.rotary_dim : D;
+      const int maxpos = static_cast<int>(slots) + 3;
+      std::uniform_real_distribution<float> ang(-3.14159f, 3.14159f);
+      for (int pos = 0; pos < maxpos; ++pos)
+        for (int i = 0; i < rd / 2; ++i) {
+          const float a = ang(g);
+          cos_t.push_back(std::cos(a));
+          sin_t.push_back(std::sin(a));
+        }
+      p.rotary.cos = cos_t.data();
+      p.rotary.sin = sin_t.data();
+      p.rotary.max_position = maxpos;
+    }
+    p.mask.causal = c.causal;
+    p.mask.window_left = c.wl;
+    p.mask.window_right = c.wr;
+    p.mask.softcap = c.softcap;
+    if (c.alibi) {
+      std::uniform_real_distribution<float> u(0.02f, 0.3f);
+      const int nb = c.alibi_per_batch ? B : 1;
+      for (int i = 0; i < nb * c.hq; ++i) slopes.push_back(u(g));
+      p.mask.alibi_slopes = slopes.data();
+      p.mask.alibi_batch_stride = c.alibi_per_batch ? c.hq : 0;
+    }
+  }
+
+  /// Element offset of (sequence b, key j, KV head h) in a cache view (paged or not).
+  std::int64_t offset(const TensorView& t, int b, int j, int h) const {
+    if (p.cache.paged()) {
+      const std::int32_t page = block_table[b * p.cache.block_table_stride + j / p.cache.page_size];
+      return page * t.batch_stride + static_cast<std::int64_t>(j % p.cache.page_size) * t.seq_stride + h * t.head_stride;
+    }
+    return b * t.batch_stride + j * t.seq_stride + h * t.head_stride;
+  }
+  int total(int b) const { return lens[b] + (c.append ? c.sq : 0); }
+};
+
+// ---- the straightforward model of a step ------------------------------------------------------
+
+/// The rotary rule of decode.h, written out once more from the header comment.
+void rotate(const RotaryParams& ro, int head_dim, int pos, float* x) {
+  if (ro.style == RotaryStyle::kNone) return;
+  const int rd = ro.rotary_dim ? ro.rotary_dim : head_dim, half = rd / 2;
+  for (int i = 0; i < half; ++i) {
+    float c, s;
+    if (ro.cos) {
+      c = ro.cos[pos * half + i];
+      s = ro.sin[pos * half + i];
+    } else {
+      const float inv_freq = 1.f / std::pow(ro.theta, static_cast<float>(2 * i) / static_cast<float>(rd));
+      const float angle = static_cast<float>(pos) * inv_freq;
+      c = static_cast<float>(std::cos(static_cast<double>(angle)));
+      s = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+    const int a = ro.style == RotaryStyle::kNeox ? i : 2 * i;
+    const int b = ro.style == RotaryStyle::kNeox ? i + half : 2 * i + 1;
+    const float x1 = x[a], x2 = x[b];
+    x[a] = std::fma(x1, c, -(x2 * s));
+    x[b] = std::fma(x2, c, x1 * s);
+  }
+}
+
+struct Expected {
+  HostBuffer kc, vc;  ///< the whole cache after the step
+  cpu::RefOutput ref;
+};
+
+/// Appends on copies of the cache, gathers a dense packed (sum L_b, heads_kv, D) K/V and rotated
+/// q, and runs the fp64 reference with per-sequence lengths (varlen) for the bottom-right mask.
+void expected(const Problem& pr, Expected* e) {
+  const DCase& c = pr.c;
+  const DecodeParams& p = pr.p;
+  const int D = c.d;
+  e->kc = pr.kc;
+  e->vc = pr.vc;
+  std::vector<float> row(static_cast<std::size_t>(D));
+  if (c.append)
+    for (int b = 0; b < c.batch; ++b)
+      for (int t = 0; t < c.sq; ++t)
+        for (int h = 0; h < c.hkv; ++h) {
+          const int pos = pr.lens[b] + t;
+          for (int d = 0; d < D; ++d) row[d] = pr.knew.get(((b * c.sq + t) * c.hkv + h) * D + d);
+          rotate(p.rotary, D, pos, row.data());
+          const std::int64_t ko = pr.offset(p.cache.k, b, pos, h), vo = pr.offset(p.cache.v, b, pos, h);
+          for (int d = 0; d < D; ++d) {
+            e->kc.set(ko + d, row[d]);
+            e->vc.set(vo + d, pr.vnew.get(((b * c.sq + t) * c.hkv + h) * D + d));
+          }
+        }
+  std::vector<std::int32_t> cu_q{0}, cu_k{0};
+  int max_k = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    cu_q.push_back(cu_q.back() + c.sq);
+    cu_k.push_back(cu_k.back() + pr.total(b));
+    max_k = std::max(max_k, pr.total(b));
+  }
+  const std::int64_t tk = std::max(cu_k.back(), 1);
+  HostBuffer qd(c.dt, static_cast<std::int64_t>(c.batch) * c.sq * c.hq * D);
+  HostBuffer kd(c.dt, tk * c.hkv * D), vd(c.dt, tk * c.hkv * D);
+  for (int b = 0; b < c.batch; ++b) {
+    for (int t = 0; t < c.sq; ++t)
+      for (int h = 0; h < c.hq; ++h) {
+        for (int d = 0; d < D; ++d) row[d] = pr.q.get(((b * c.sq + t) * c.hq + h) * D + d);
+        rotate(p.rotary, D, pr.total(b) - c.sq + t, row.data());
+        for (int d = 0; d < D; ++d) qd.set(((b * c.sq + t) * c.hq + h) * D + d, row[d]);  // rounded like the kernel
+      }
+    for (int j = 0; j < pr.total(b); ++j)
+      for (int h = 0; h < c.hkv; ++h) {
+        const std::int64_t dst = ((cu_k[b] + j) * c.hkv + h) * D;
+        const std::int64_t ko = pr.offset(p.cache.k, b, j, h), vo = pr.offset(p.cache.v, b, j, h);
+        for (int d = 0; d < D; ++d) {
+          kd.set(dst + d, e->kc.get(ko + d));
+          vd.set(dst + d, e->vc.get(vo + d));
+        }
+      }
+  }
+  AttnParams a;
+  a.batch = c.batch;
+  a.seqlen_q = c.sq;
+  a.seqlen_k = max_k;
+  a.heads_q = c.hq;
+  a.heads_kv = c.hkv;
+  a.head_dim = D;
+  a.q = TensorView{qd.data(), c.dt, 0, static_cast<std::int64_t>(c.hq) * D, D};
+  a.k = TensorView{kd.data(), c.dt, 0, static_cast<std::int64_t>(c.hkv) * D, D};
+  a.v = TensorView{vd.data(), c.dt, 0, static_cast<std::int64_t>(c.hkv) * D, D};
+  a.softmax_scale = c.scale;
+  a.mask.causal = c.causal;
+  a.mask.window_left = c.wl;
+  a.mask.window_right = c.wr;
+  a.mask.softcap = c.softcap;
+  a.mask.alibi_slopes = p.mask.alibi_slopes;
+  a.mask.alibi_batch_stride = p.mask.alibi_batch_stride;
+  a.mask.cu_seqlens_q = cu_q.data();
+  a.mask.cu_seqlens_k = cu_k.data();
+  const Status st = cpu::reference_attention(a, &e->ref);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+}
+
+// ---- running a step -------------------------------------------------------------------------
+
+/// 16-byte aligned host workspace.
+struct Workspace {
+  std::vector<std::uint8_t> raw;
+  void* ptr = nullptr;
+  std::size_t bytes = 0;
+  explicit Workspace(std::size_t n) : raw(n + 32), bytes(n) {
+    const auto a = reinterpret_cast<std::uintptr_t>(raw.data());
+    ptr = raw.data() + ((16 - a % 16) % 16);
+    std::memset(ptr, 0xFF, n);  // NaN / -1: a partial that is never written shows up
+  }
+};
+
+struct RunResult {
+  DecodePlan plan;
+};
+
+Status plan_and_run(Problem& pr, RunResult* rr, const std::int32_t* plan_lens = nullptr,
+                    std::unique_ptr<Workspace>* iw_out = nullptr, std::unique_ptr<Workspace>* fw_out = nullptr) {
+  DecodePlanOptions po;
+  po.backend = Backend::kCpu;
+  po.host_cache_seqlens = plan_lens ? plan_lens : pr.lens.data();
+  po.num_splits = pr.c.num_splits;
+  po.num_sms = pr.c.num_sms;
+  DecodeWorkspaceSize ws;
+  FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(pr.p, po, &ws));
+  auto iw = std::make_unique<Workspace>(ws.int_bytes), fw = std::make_unique<Workspace>(ws.float_bytes);
+  FLASHCPP_RETURN_IF_ERROR(decode_plan(pr.p, po, iw->ptr, iw->bytes, fw->ptr, fw->bytes, &rr->plan));
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  ro.cpu_threads = 2;
+  FLASHCPP_RETURN_IF_ERROR(decode_run(pr.p, rr->plan, ro));
+  if (iw_out) *iw_out = std::move(iw);
+  if (fw_out) *fw_out = std::move(fw);
+  return Status::Ok();
+}
+
+double unit_roundoff(DType dt) {
+  return dt == DType::kBF16 ? 1.0 / 256 : dt == DType::kF16 ? 1.0 / 2048 : 0.0;
+}
+
+/// Compares O, LSE and the cache against the model; returns max |O - O_ref|.
+double compare(const Problem& pr, const Expected& e) {
+  const DCase& c = pr.c;
+  const int D = c.d;
+  const std::int64_t total_q = static_cast<std::int64_t>(c.batch) * c.sq;
+  const double u = unit_roundoff(c.dt);
+  double max_err = 0;
+  std::int64_t bad = 0, nan = 0, lse_bad = 0;
+  for (int b = 0; b < c.batch; ++b)
+    for (int t = 0; t < c.sq; ++t)
+      for (int h = 0; h < c.hq; ++h) {
+        const std::int64_t row = b * c.sq + t;
+        for (int d = 0; d < D; ++d) {
+          const double out = pr.o.get(((b * c.sq + t) * c.hq + h) * D + d);
+          const double ref = e.ref.o[static_cast<std::size_t>((row * c.hq + h) * D + d)];
+          if (std::isnan(out)) {
+            ++nan;
+            continue;
+          }
+          const double err = std::fabs(out - ref);
+          max_err = std::max(max_err, err);
+          bad += err > kAtol + u * std::fabs(ref);
+        }
+        const double lo = pr.lse[static_cast<std::size_t>((b * c.hq + h) * c.sq + t)];
+        const double lr = e.ref.lse[static_cast<std::size_t>(h * total_q + row)];
+        if (std::isinf(lr)) {
+          lse_bad += !(std::isinf(lo) && lo < 0);
+        } else {
+          lse_bad += !(std::fabs(lo - lr) <= kAtol + std::fabs(lr) / 16777216.0);
+        }
+      }
+  EXPECT_EQ(nan, 0) << "NaN in O (unwritten, or a read past a sequence's length)";
+  EXPECT_EQ(bad, 0) << "O elements over tolerance; max |err| " << max_err;
+  EXPECT_EQ(lse_bad, 0) << "LSE rows over tolerance";
+  if (c.append) {
+    std::int64_t diff = 0;
+    diff += std::memcmp(pr.kc.bytes.data(), e.kc.bytes.data(), pr.kc.bytes.size()) != 0;
+    diff += std::memcmp(pr.vc.bytes.data(), e.vc.bytes.data(), pr.vc.bytes.size()) != 0;
+    EXPECT_EQ(diff, 0) << "the cache after the append differs from the model (bit for bit, NaN slots included)";
+  }
+  return max_err;
+}
+
+void run_and_check(const DCase& c, std::uint64_t salt, DecodePlan* plan_out = nullptr) {
+  SCOPED_TRACE(c.name);
+  Problem pr(c, salt);
+  const HostBuffer kc0 = pr.kc, vc0 = pr.vc;
+  Expected e;
+  expected(pr, &e);
+  RunResult rr;
+  const Status st = plan_and_run(pr, &rr);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  compare(pr, e);
+  if (!c.append) {
+    EXPECT_EQ(std::memcmp(pr.kc.bytes.data(), kc0.bytes.data(), kc0.bytes.size()), 0) << "the cache was written";
+    EXPECT_EQ(std::memcmp(pr.vc.bytes.data(), vc0.bytes.data(), vc0.bytes.size()), 0) << "the cache was written";
+  }
+  if (plan_out) *plan_out = rr.plan;
+}
+
+std::uint64_t salt_of(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (char ch : s) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  return h;
+}
+
+// ---- split + merge ---------------------------------------------------------------------------
+
+TEST(DecodeCpu, SplitCountsAgainstFp64) {
+  // 1 split (no merge), 2, 7, more splits than tiles (empty splits), and the heuristic.
+  for (int splits : {1, 2, 7, 40, 0}) {
+    DCase c;
+    c.name = "splits" + std::to_string(splits);
+    c.batch = 4;
+    c.hq = 8;
+    c.hkv = 2;
+    c.d = 64;
+    c.lens = {517, 1, 130, 64};
+    c.num_splits = splits;
+    c.num_sms = 4;  // a small "GPU" so the heuristic splits too
+    DecodePlan plan;
+    run_and_check(c, salt_of(c.name), &plan);
+    if (splits > 0) {
+      EXPECT_EQ(plan.max_splits, splits);
+      EXPECT_EQ(plan.num_items, 4 * splits);
+    }
+    EXPECT_EQ(plan.needs_merge, plan.max_splits > 1);
+  }
+}
+
+TEST(DecodeCpu, SplitsOfOneSequenceCoverItsTiles) {
+  // split_tiles deals a range's tiles out in order, without gaps or overlaps, for any count.
+  for (int lo : {0, 5, 64, 130})
+    for (int hi : {lo, lo + 1, lo + 63, lo + 64, lo + 1000})
+      for (int n : {1, 2, 3, 7, 16, 100}) {
+        int prev_end = -1, total = 0;
+        for (int s = 0; s < n; ++s) {
+          int b0, b1;
+          decode::split_tiles(lo, hi, s, n, kDecodeBlockN, &b0, &b1);
+          ASSERT_LE(b0, b1);
+          if (prev_end >= 0) ASSERT_EQ(b0, prev_end);
+          prev_end = b1;
+          total += b1 - b0;
+        }
+        const int tiles = hi > lo ? (hi + 63) / 64 - lo / 64 : 0;
+        ASSERT_EQ(total, tiles) << lo << " " << hi << " " << n;
+      }
+}
+
+// ---- paged addressing --------------------------------------------------------------------------
+
+TEST(DecodeCpu, PagedEveryPageSizeMatchesContiguousBitForBit) {
+  // The paged and the contiguous run read the same keys in the same order, so the outputs are
+  // identical bit for bit, not just close; and both match fp64.
+  DCase base;
+  base.batch = 3;
+  base.hq = 4;
+  base.hkv = 2;
+  base.d = 64;
+  base.dt = DType::kBF16;
+  base.lens = {300, 1, 77};
+  base.append = true;
+  base.sq = 2;
+  base.rot = RotaryStyle::kNeox;
+  base.num_splits = 3;
+  base.name = "contiguous";
+  Problem ref_pr(base, 11);
+  Expected e;
+  expected(ref_pr, &e);
+  RunResult rr;
+  ASSERT_TRUE(plan_and_run(ref_pr, &rr).ok());
+  compare(ref_pr, e);
+  for (int ps = 1; ps <= 256; ps *= 2) {
+    DCase c = base;
+    c.page_size = ps;
+    c.name = "page" + std::to_string(ps);
+    SCOPED_TRACE(c.name);
+    Problem pr(c, 11);  // same salt: same q, k_new, v_new and cache contents
+    ASSERT_EQ(std::memcmp(pr.q.bytes.data(), ref_pr.q.bytes.data(), pr.q.bytes.size()), 0);
+    Expected pe;
+    expected(pr, &pe);
+    RunResult prr;
+    const Status st = plan_and_run(pr, &prr);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    compare(pr, pe);
+    EXPECT_EQ(std::memcmp(pr.o.bytes.data(), ref_pr.o.bytes.data(), pr.o.bytes.size()), 0)
+        << "paged output differs from the contiguous one";
+    EXPECT_EQ(std::memcmp(pr.lse.data(), ref_pr.lse.data(), pr.lse.size() * sizeof(float)), 0);
+  }
+}
+
+TEST(DecodeCpu, PagedShuffledPagesAllSizesAgainstFp64) {
+  for (int ps : {1, 2, 4, 8, 16, 32, 64, 128, 256}) {
+    DCase c;
+    c.name = "paged" + std::to_string(ps);
+    c.batch = 3;
+    c.hq = 4;
+    c.hkv = 1;
+    c.d = 128;
+    c.lens = {ps * 2 + 3, 0, 200};
+    c.page_size = ps;
+    c.num_splits = ps % 3 + 1;
+    run_and_check(c, salt_of(c.name));
+  }
+}
+
+// ---- ragged lengths, GQA, q_len ------------------------------------------------------------------
+
+TEST(DecodeCpu, RaggedLengthsIncludingZeroAndOne) {
+  for (bool append : {false, true}) {
+    DCase c;
+    c.name = append ? "ragged_append" : "ragged";
+    c.batch = 7;
+    c.hq = 4;
+    c.hkv = 2;
+    c.d = 64;
+    c.lens = {0, 1, 2, 63, 64, 65, 333};
+    c.append = append;
+    c.num_sms = 2;
+    run_and_check(c, salt_of(c.name));
+  }
+}
+
+TEST(DecodeCpu, GqaAndMqa) {
+  struct G {
+    int hq, hkv, sq;
+  };
+  for (G gq : {G{4, 4, 1}, G{8, 2, 1}, G{8, 1, 3}, G{32, 1, 4}, G{12, 3, 7}}) {  // 32x4 = 128 rows: 2 row blocks
+    DCase c;
+    c.name = "gqa" + std::to_string(gq.hq) + "_" + std::to_string(gq.hkv) + "_sq" + std::to_string(gq.sq);
+    c.batch = 2;
+    c.hq = gq.hq;
+    c.hkv = gq.hkv;
+    c.sq = gq.sq;
+    c.d = 64;
+    c.lens = {150, 40};
+    c.append = true;
+    c.num_splits = 2;
+    DecodePlan plan;
+    run_and_check(c, salt_of(c.name), &plan);
+    EXPECT_EQ(plan.rows_per_kv, gq.hq / gq.hkv * gq.sq);
+  }
+}
+
+TEST(DecodeCpu, QueryLengths1To16Causal) {
+  for (int sq = 1; sq <= kDecodeMaxSeqlenQ; ++sq) {
+    DCase c;
+    c.name = "sq" + std::to_string(sq);
+    c.batch = 2;
+    c.hq = 2;
+    c.hkv = 1;
+    c.sq = sq;
+    c.d = 64;
+    c.lens = {sq % 2 ? 0 : 3, 90};  // an empty cache: the new tokens see only each other
+    c.append = true;
+    c.num_splits = sq % 3 + 1;
+    run_and_check(c, salt_of(c.name));
+  }
+  // Without append a cache shorter than seqlen_q leaves the first rows with no key (O = 0, LSE = -inf).
+  DCase c;
+  c.name = "sq8_short_cache";
+  c.sq = 8;
+  c.lens = {5};
+  c.hq = 2;
+  run_and_check(c, salt_of(c.name));
+}
+
+// ---- masks -----------------------------------------------------------------------------------------
+
+TEST(DecodeCpu, WindowAlibiSoftcap) {
+  std::vector<DCase> cs;
+  auto add = [&](const std::string& n, auto f) {
+    DCase c;
+    c.name = n;
+    c.batch = 3;
+    c.hq = 4;
+    c.hkv = 2;
+    c.sq = 4;
+    c.d = 64;
+    c.lens = {400, 3, 129};
+    c.append = true;
+    c.num_splits = 0;
+    c.num_sms = 2;
+    f(c);
+    cs.push_back(c);
+  };
+  add("window100", [](DCase& c) { c.wl = 100; });
+  add("window0", [](DCase& c) { c.wl = 0; });
+  add("window70_split5", [](DCase& c) { c.wl = 70; c.num_splits = 5; });
+  add("noncausal_window_right", [](DCase& c) { c.causal = false; c.wl = 30; c.wr = 1; });
+  add("noncausal", [](DCase& c) { c.causal = false; });
+  add("alibi", [](DCase& c) { c.alibi = true; });
+  add("alibi_per_batch_window", [](DCase& c) { c.alibi = true; c.alibi_per_batch = true; c.wl = 50; });
+  add("softcap", [](DCase& c) { c.softcap = 2.f; });
+  add("softcap_alibi_scale", [](DCase& c) { c.softcap = 5.f; c.alibi = true; c.scale = 0.3f; });
+  add("negative_scale", [](DCase& c) { c.scale = -0.125f; });
+  for (const DCase& c : cs) run_and_check(c, salt_of(c.name));
+}
+
+// ---- append + rotary ----------------------------------------------------------------------------------
+
+TEST(DecodeCpu, AppendRotaryBothStyles) {
+  for (RotaryStyle st : {RotaryStyle::kNeox, RotaryStyle::kInterleaved})
+    for (bool tables : {false, true})
+      for (int rd : {0, 32}) {
+        for (int ps : {0, 16}) {
+          DCase c;
+          c.name = std::string(rotary_style_name(st)) + (tables ? "_tables" : "_theta") + "_rd" + std::to_string(rd) +
+                   "_page" + std::to_string(ps);
+          c.batch = 2;
+          c.hq = 4;
+          c.hkv = 2;
+          c.sq = 3;
+          c.d = 64;
+          c.lens = {1000, 17};
+          c.append = true;
+          c.rot = st;
+          c.rotary_dim = rd;
+          c.tables = tables;
+          c.page_size = ps;
+          c.dt = DType::kBF16;
+          run_and_check(c, salt_of(c.name));
+        }
+      }
+}
+
+TEST(DecodeCpu, RotaryRuleIsARotation) {
+  // The fp32 rule of decode.h vs exact fp64 rotation: a rotation by pos * theta^(-2i/d), with
+  // pairs (i, i + d/2) for neox and (2i, 2i+1) for interleaved. fp32 angles lose ~pos * 2^-24.
+  RotaryParams ro;
+  ro.theta = 10000.f;
+  for (RotaryStyle st : {RotaryStyle::kNeox, RotaryStyle::kInterleaved}) {
+    ro.style = st;
+    for (int pos : {0, 1, 17, 4096}) {
+      std::vector<float> x(64);
+      for (int i = 0; i < 64; ++i) x[i] = std::sin(0.37f * i + 1.f);
+      std::vector<float> y = x;
+      rotate(ro, 64, pos, y.data());
+      for (int i = 0; i < 32; ++i) {
+        const int a = st == RotaryStyle::kNeox ? i : 2 * i, b = st == RotaryStyle::kNeox ? i + 32 : 2 * i + 1;
+        const double ang = pos * std::pow(10000.0, -2.0 * i / 64);
+        const double ea = x[a] * std::cos(ang) - x[b] * std::sin(ang);
+        const double eb = x[b] * std::cos(ang) + x[a] * std::sin(ang);
+        EXPECT_NEAR(y[a], ea, 1e-6 + pos * 2e-7) << "pos " << pos << " pair " << i;
+        EXPECT_NEAR(y[b], eb, 1e-6 + pos * 2e-7) << "pos " << pos << " pair " << i;
+      }
+    }
+  }
+}
+
+TEST(DecodeCpu, DtypesAndLayouts) {
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (int d : {64, 128, 256}) {
+      DCase c;
+      c.name = std::string(dtype_name(dt)) + "_d" + std::to_string(d);
+      c.batch = 2;
+      c.hq = 4;
+      c.hkv = 1;
+      c.sq = 2;
+      c.d = d;
+      c.dt = dt;
+      c.lens = {97, 54};
+      c.append = true;
+      c.num_splits = 2;
+      c.rot = RotaryStyle::kInterleaved;
+      c.sdpa_cache = d == 128;
+      run_and_check(c, salt_of(c.name));
+    }
+}
+
+// ---- plan / run ----------------------------------------------------------------------------------------
+
+TEST(DecodeCpu, ReplayWithNewLengthsUnderOnePlan) {
+  // What a CUDA graph does: plan once (for bound lengths), then run with other lengths.
+  DCase c;
+  c.name = "replay";
+  c.batch = 3;
+  c.hq = 4;
+  c.hkv = 2;
+  c.d = 64;
+  c.sq = 2;
+  c.append = true;
+  c.lens = {500, 260, 9};
+  c.num_sms = 2;
+  c.extra_slots = 610 - static_cast<int>(max_total(c));
+  Problem pr(c, 5);
+  const std::vector<std::int32_t> bound = {600, 600, 600};
+  DecodePlanOptions po;
+  po.backend = Backend::kCpu;
+  po.host_cache_seqlens = bound.data();
+  po.num_sms = 4;  // 12 CTAs a wave vs 6 unsplit: the plan splits (2 per sequence)
+  DecodeWorkspaceSize ws;
+  ASSERT_TRUE(decode_workspace_size(pr.p, po, &ws).ok());
+  Workspace iw(ws.int_bytes), fw(ws.float_bytes);
+  DecodePlan plan;
+  ASSERT_TRUE(decode_plan(pr.p, po, iw.ptr, iw.bytes, fw.ptr, fw.bytes, &plan).ok());
+  EXPECT_TRUE(plan.needs_merge);
+  for (const std::vector<int>& lens : {std::vector<int>{500, 260, 9}, {3, 0, 200}, {120, 598, 1}}) {
+    DCase cl = c;
+    cl.lens = lens;
+    cl.extra_slots = 610 - static_cast<int>(max_total(cl));  // one cache geometry for every step
+    Problem step(cl, 5);
+    Expected e;
+    expected(step, &e);
+    RunOptions ro;
+    ro.backend = Backend::kCpu;
+    const Status st = decode_run(step.p, plan, ro);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    compare(step, e);
+  }
+}
+
+TEST(DecodeCpu, SplitHeuristic) {
+  // The documented examples (docs/decode.md).
+  auto splits = [](int batch, int hq, int hkv, int d, int len, int sq = 1, int sms = 132) {
+    DecodeParams p;
+    p.batch = batch;
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    p.head_dim = d;
+    p.seqlen_q = sq;
+    p.cache.capacity = len;
+    decode::SplitDecision s;
+    std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
+    EXPECT_TRUE(decode::plan_splits(p, lens.data(), 0, 0, sms, &s).ok());
+    return s;
+  };
+  // B=1, Hq=32, Hkv=8, N=8192, D=128: 8 CTAs unsplit; one wave is 132*2 = 264 CTAs;
+  // 1024 tiles of work -> chunk max(4, ceil(1024/264)) = 4 tiles -> 32 splits, 256 CTAs.
+  EXPECT_EQ(splits(1, 32, 8, 128, 8192).max_splits, 32);
+  // MHA 32/32: 4096 tiles -> chunk 16 -> 8 splits (256 CTAs).
+  EXPECT_EQ(splits(1, 32, 32, 128, 8192).max_splits, 8);
+  // B=64 GQA: 512 CTAs unsplit already fill the GPU.
+  EXPECT_EQ(splits(64, 32, 8, 128, 8192).max_splits, 1);
+  // Short caches never split below 256 keys.
+  EXPECT_EQ(splits(1, 32, 8, 128, 300).max_splits, 2);
+  EXPECT_EQ(splits(1, 32, 8, 128, 200).max_splits, 1);
+  // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
+  // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.
+  DecodeParams p;
+  p.batch = 2;
+  p.heads_q = 8;
+  p.heads_kv = 8;
+  p.head_dim = 128;
+  p.cache.capacity = 16384;
+  const std::vector<std::int32_t> lens = {16384, 1024};
+  decode::SplitDecision s;
+  ASSERT_TRUE(decode::plan_splits(p, lens.data(), 0, 0, 132, &s).ok());
+  EXPECT_EQ(s.splits[0], 29);
+  EXPECT_EQ(s.splits[1], 2);
+}
+
+TEST(DecodeCpu, EmptyBatchAndWorkspaceChecks) {
+  DCase c;
+  c.batch = 2;
+  c.hq = 2;
+  c.lens = {100, 5};
+  c.num_splits = 3;
+  Problem pr(c, 3);
+  DecodePlanOptions po;
+  po.backend = Backend::kCpu;
+  po.num_splits = 3;
+  DecodeWorkspaceSize ws;
+  ASSERT_TRUE(decode_workspace_size(pr.p, po, &ws).ok());
+  EXPECT_EQ(ws.int_bytes, (2u * 2 + 2u * 6) * 4);
+  EXPECT_GT(ws.float_bytes, 0u);
+  Workspace iw(ws.int_bytes), fw(ws.float_bytes);
+  DecodePlan plan;
+  Status st = decode_plan(pr.p, po, iw.ptr, iw.bytes, fw.ptr, fw.bytes - 4, &plan);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("float workspace has"), std::string::npos) << st.message();
+  st = decode_plan(pr.p, po, nullptr, 0, fw.ptr, fw.bytes, &plan);
+  EXPECT_NE(st.message().find("int workspace is null"), std::string::npos) << st.message();
+  st = decode_plan(pr.p, po, static_cast<char*>(iw.ptr) + 4, iw.bytes, fw.ptr, fw.bytes, &plan);
+  EXPECT_NE(st.message().find("16-byte aligned"), std::string::npos) << st.message();
+  ASSERT_TRUE(decode_plan(pr.p, po, iw.ptr, iw.bytes, fw.ptr, fw.bytes, &plan).ok());
+  // run with a shape the plan was not made for
+  DecodeParams p2 = pr.p;
+  p2.batch = 1;
+  st = decode_run(p2, plan, {});
+  EXPECT_NE(st.message().find("batch 1 differs from the plan's 2"), std::string::npos) << st.message();
+  // an unplanned plan
+  st = decode_run(pr.p, DecodePlan{}, {});
+  EXPECT_NE(st.message().find("call decode_plan first"), std::string::npos) << st.message();
+  // batch 0: nothing to do, no pointers needed
+  DecodeParams e;
+  e.batch = 0;
+  e.heads_q = e.heads_kv = 1;
+  e.head_dim = 64;
+  DecodePlan ep;
+  ASSERT_TRUE(decode_plan(e, po, nullptr, 0, nullptr, 0, &ep).ok());
+  EXPECT_TRUE(decode_run(e, ep, {}).ok());
+}
+
+// ---- validation --------------------------------------------------------------------------------------
+
+TEST(DecodeValidate, Messages) {
+  DCase c;
+  c.batch = 2;
+  c.hq = 4;
+  c.hkv = 2;
+  c.lens = {10, 20};
+  c.page_size = 16;
+  c.append = true;
+  Problem pr(c, 1);
+  auto msg = [&](auto mutate, Backend be = Backend::kCpu) {
+    DecodeParams p = pr.p;
+    mutate(p);
+    const Status st = validate(p, be);
+    return st.ok() ? std::string("ok") : st.message();
+  };
+  auto has = [](const std::string& m, const char* part) {
+    return m.find(part) != std::string::npos ? ::testing::AssertionSuccess()
+                                              : ::testing::AssertionFailure() << "message: " << m;
+  };
+  EXPECT_EQ(msg([](DecodeParams&) {}), "ok");
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.seqlen_q = 17; }), "seqlen_q 17 is outside the decode range 1..16"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.head_dim = 80; }), "head_dim 80 is not supported (supported: 64, 128, 256)"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.page_size = 48; }), "cache.page_size 48 is not a power of two in [1, 256]"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.page_size = 512; }), "cache.page_size 512 is not a power of two"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.block_table = nullptr; }), "cache.block_table is null but cache.page_size is 16"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.heads_kv = 3; }), "heads_q 4 is not a multiple of heads_kv 3"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.v_new.data = nullptr; }), "v_new is null but k_new is set"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache_seqlens = nullptr; }), "cache_seqlens is null"));
+  EXPECT_TRUE(has(msg([&](DecodeParams& p) { static std::int32_t big[2] = {10, 1000}; p.cache_seqlens = big; }),
+                  "cache_seqlens[1] 1000 + seqlen_q 1 = 1001 keys exceed the cache's"));
+  EXPECT_TRUE(has(msg([&](DecodeParams& p) { static std::int32_t neg[2] = {-1, 3}; p.cache_seqlens = neg; }),
+                  "cache_seqlens[0] -1 is negative"));
+  EXPECT_TRUE(has(msg([&](DecodeParams& p) {
+                    static std::vector<std::int32_t> bt;
+                    bt.assign(pr.block_table.begin(), pr.block_table.end());
+                    bt[0] = 9999;
+                    p.cache.block_table = bt.data();
+                  }),
+                  "cache.block_table[0][0] 9999 is outside [0, num_pages"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.rotary.style = RotaryStyle::kNeox; p.rotary.rotary_dim = 7; }),
+                  "rotary.rotary_dim 7 must be even"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) {
+                    static float t[4];
+                    p.rotary.style = RotaryStyle::kNeox;
+                    p.rotary.cos = t;
+                  }),
+                  "rotary.sin is null but rotary.cos is set"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) {
+                    static std::vector<float> t(32 * 4);
+                    p.rotary.style = RotaryStyle::kNeox;
+                    p.rotary.cos = p.rotary.sin = t.data();
+                    p.rotary.max_position = 4;
+                  }),
+                  "rotary positions [10, 10] of sequence 0 are outside the cos/sin tables' rows [0, 4)"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.mask.softcap = -1.f; }), "mask.softcap -1 must be finite and >= 0"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.mask.window_left = -5; }), "mask.window_left -5 must be >= -1"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { static float s[4]; p.mask.alibi_slopes = s; p.mask.alibi_batch_stride = 3; }),
+                  "mask.alibi_batch_stride 3 must be 0 or heads_q 4"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.mask.global_tokens = 4; }), "global tokens are not supported by decode"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.o.dtype = DType::kBF16; }), "o.dtype bf16 differs from q.dtype fp32"));
+  EXPECT_TRUE(has(msg([](DecodeParams&) {}, Backend::kCuda), "fp32 decode runs on the CPU backend only"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.o = p.q; }), "o overlaps q"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.k_new = p.cache.k; }), "cache.k overlaps k_new"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.block_table_stride = 1; }),
+                  "cache.block_table_stride 1 is less than cache.pages_per_seq"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.q.seq_stride = -64; }), "q.seq_stride -64 is negative"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.pages_per_seq = 0; }), "cache.pages_per_seq 0 must be >= 1"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.page_size = 0; p.cache.capacity = 10; }),
+                  "cache.block_table is set but cache.page_size is 0"));
+  EXPECT_TRUE(has(msg([](DecodeParams&) {}, Backend::kCpuReference), "no fp64 reference backend"));
+}
+
+TEST(DecodeValidate, CudaAlignmentRules) {
+  DCase c;
+  c.batch = 1;
+  c.hq = 2;
+  c.hkv = 1;
+  c.dt = DType::kBF16;
+  c.lens = {10};
+  Problem pr(c, 2);
+  DecodeParams p = pr.p;
+  p.q.seq_stride = 132;  // heads 2 * 64 + 4: not a multiple of 8 elements
+  p.q.batch_stride = 2 * 132;
+  // seq extent is 1 for seqlen_q 1, so seq_stride does not matter; head_stride does.
+  p.q.head_stride = 68;
+  const Status st = validate(p, Backend::kAuto);  // element rules only
+  EXPECT_TRUE(st.ok() || st.message().find("share one element") != std::string::npos) << st.message();
+  const Status sc = validate(p, Backend::kCuda);
+  EXPECT_NE(sc.message().find("not a multiple of 8 elements"), std::string::npos) << sc.message();
+}
+
+// ---- merge_attention_states -------------------------------------------------------------------------
+
+TEST(DecodeCpu, MergeAttentionStatesOfTwoKeyHalves) {
+  // Attention over keys [0, 40) and [40, 97) merged = attention over [0, 97).
+  const int B = 2, Nq = 3, Nk = 97, H = 4, D = 64, cut = 40;
+  auto g = testing::rng(77);
+  HostBuffer q(DType::kF32, B * Nq * H * D), k(DType::kF32, B * Nk * H * D), v(DType::kF32, B * Nk * H * D);
+  q.fill_normal(g);
+  k.fill_normal(g);
+  v.fill_normal(g);
+  auto run = [&](int k0, int k1, HostBuffer* o, std::vector<float>* lse) {
+    AttnParams a;
+    a.batch = B;
+    a.seqlen_q = Nq;
+    a.seqlen_k = k1 - k0;
+    a.heads_q = a.heads_kv = H;
+    a.head_dim = D;
+    a.q = bshd_view(q.data(), DType::kF32, Nq, H, D);
+    a.k = bshd_view(static_cast<float*>(k.data()) + static_cast<std::int64_t>(k0) * H * D, DType::kF32, Nk, H, D);
+    a.v = bshd_view(static_cast<float*>(v.data()) + static_cast<std::int64_t>(k0) * H * D, DType::kF32, Nk, H, D);
+    *o = HostBuffer(DType::kF32, B * Nq * H * D);
+    a.o = bshd_view(o->data(), DType::kF32, Nq, H, D);
+    lse->assign(B * H * Nq, NAN);
+    a.lse = lse->data();
+    RunOptions ro;
+    ro.backend = Backend::kCpuReference;
+    ASSERT_TRUE(attention_forward(a, ro).ok());
+  };
+  HostBuffer oa, ob, of;
+  std::vector<float> la, lb, lf;
+  run(0, cut, &oa, &la);
+  run(cut, Nk, &ob, &lb);
+  run(0, Nk, &of, &lf);
+  MergeStatesParams m;
+  m.batch = B;
+  m.seqlen = Nq;
+  m.heads = H;
+  m.head_dim = D;
+  m.o_a = bshd_view(oa.data(), DType::kF32, Nq, H, D);
+  m.o_b = bshd_view(ob.data(), DType::kF32, Nq, H, D);
+  m.o = m.o_a;  // in place
+  m.lse_a = la.data();
+  m.lse_b = lb.data();
+  m.lse = la.data();
+  const Status st = merge_attention_states(m);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  for (std::int64_t i = 0; i < oa.size(); ++i) ASSERT_NEAR(oa.get(i), of.get(i), 2e-6) << i;
+  for (std::size_t i = 0; i < la.size(); ++i) ASSERT_NEAR(la[i], lf[i], 2e-6) << i;
+  // Errors: partial overlap, dtype mismatch.
+  MergeStatesParams bad = m;
+  bad.o = bshd_view(static_cast<float*>(oa.data()) + 1, DType::kF32, Nq, H, D);
+  EXPECT_NE(merge_attention_states(bad).message().find("o overlaps o_a"), std::string::npos);
+  bad = m;
+  bad.o_b.dtype = DType::kBF16;
+  EXPECT_NE(merge_attention_states(bad).message().find("o_b.dtype bf16 differs from o_a.dtype fp32"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace flashcpp

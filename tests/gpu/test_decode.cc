@@ -1,0 +1,773 @@
+// GPU tests of decode (src/cuda/decode/): the split-KV kernel, the merge, append + rotary, paged
+// addressing and plan/run under CUDA-graph capture, against
+//   - the fp64 reference (cpu::reference_attention on a dense, packed copy of the cache after the
+//     append, q rotated by the rule of decode.h): O within atol = rtol = 1e-2, LSE within 1e-3
+//     (docs/tolerances.md, the prefill bands);
+//   - the CPU decode backend run on a host mirror of the same step: the cache after the append
+//     must match it to one ulp of the dtype (the rotation's cos/sin differ by < 1e-6 between
+//     double on the host and MUFU on the device, which can flip a rounding), V exactly.
+// Fresh random inputs each run (seed printed), O/LSE poisoned with NaN, cache slots past every
+// sequence's length poisoned with NaN (a read past the length would poison O).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/cpu_backend.h"
+#include "flashcpp/decode.h"
+#include "gpu_util.h"
+
+namespace flashcpp::testing {
+namespace {
+
+constexpr double kAtol = 1e-2, kRtol = 1e-2, kLseAtol = 1e-3;
+
+struct GCase {
+  std::string name;
+  int batch = 1, hq = 32, hkv = 8, d = 128, sq = 1;
+  DType dt = DType::kBF16;
+  std::vector<int> lens;  ///< cache_seqlens before the step
+  int page_size = 0;      ///< 0 = contiguous
+  bool append = false;
+  RotaryStyle rot = RotaryStyle::kNone;
+  bool tables = false;
+  int rotary_dim = 0;
+  bool causal = true;
+  int wl = -1;
+  float softcap = 0.f;
+  bool alibi = false;
+  int num_splits = 0;
+  int extra_slots = 17;
+};
+
+std::string describe(const GCase& c) {
+  std::string s = c.name + ": b" + std::to_string(c.batch) + " hq" + std::to_string(c.hq) + " hkv" +
+                  std::to_string(c.hkv) + " d" + std::to_string(c.d) + " sq" + std::to_string(c.sq) +
+                  (c.dt == DType::kBF16 ? " bf16" : " fp16") + " page" + std::to_string(c.page_size);
+  if (c.append) s += " append";
+  if (c.rot != RotaryStyle::kNone) s += std::string(" rot-") + rotary_style_name(c.rot) + (c.tables ? "-tables" : "");
+  if (c.wl >= 0) s += " wl" + std::to_string(c.wl);
+  if (c.softcap > 0) s += " softcap";
+  if (c.alibi) s += " alibi";
+  if (c.num_splits) s += " splits" + std::to_string(c.num_splits);
+  return s;
+}
+
+/// Device memory that can be moved (gpu_util's DeviceBuffer cannot).
+struct DevMem {
+  void* ptr = nullptr;
+  DevMem() = default;
+  explicit DevMem(std::size_t n) {
+    if (cudaMalloc(&ptr, std::max<std::size_t>(n, 16)) != cudaSuccess) ptr = nullptr;
+  }
+  ~DevMem() { cudaFree(ptr); }
+  DevMem(DevMem&& o) noexcept : ptr(o.ptr) { o.ptr = nullptr; }
+  DevMem& operator=(DevMem&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    return *this;
+  }
+};
+
+/// Host buffer of 16-bit elements with a device twin.
+struct Twin {
+  std::vector<std::uint16_t> h;
+  DevMem d;
+  explicit Twin(std::size_t n) : h(std::max<std::size_t>(n, 1)), d(std::max<std::size_t>(n, 1) * 2) {}
+  void upload() { cudaMemcpy(d.ptr, h.data(), h.size() * 2, cudaMemcpyHostToDevice); }
+  void download() { cudaMemcpy(h.data(), d.ptr, h.size() * 2, cudaMemcpyDeviceToHost); }
+};
+template <class T>
+struct TwinOf {
+  std::vector<T> h;
+  DevMem d;
+  explicit TwinOf(std::vector<T> v) : h(std::move(v)) {
+    if (h.empty()) h.resize(1);
+    d = DevMem(h.size() * sizeof(T));
+  }
+  void upload() { cudaMemcpy(d.ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice); }
+  void download() { cudaMemcpy(h.data(), d.ptr, h.size() * sizeof(T), cudaMemcpyDeviceToHost); }
+};
+
+std::uint16_t to_bits(float x, DType dt) { return dt == DType::kBF16 ? float_to_bf16_bits(x) : float_to_half_bits(x); }
+
+/// One decode step with host and device copies of everything. `hp` points at host memory (for
+/// the CPU backend), `dp` at device memory; both describe the same step.
+struct Step {
+  GCase c;
+  std::int64_t slots = 0;
+  int pps = 0, num_pages = 0, bt_stride = 0;
+  Twin q, o, knew, vnew, kc, vc;
+  TwinOf<std::int32_t> lens, block_table;
+  TwinOf<float> lse, cos_t, sin_t, slopes;
+  std::vector<std::uint16_t> o_cpu;
+  std::vector<float> lse_cpu;
+  DecodeParams hp, dp;
+
+  static std::int64_t need(const GCase& c) {
+    int m = 0;
+    for (int l : c.lens) m = std::max(m, l + (c.append ? c.sq : 0));
+    return m + c.extra_slots;
+  }
+  static std::int64_t cache_elems(const GCase& c) {
+    const std::int64_t n = need(c);
+    if (c.page_size == 0) return c.batch * n * c.hkv * c.d;
+    const std::int64_t pps = (n + c.page_size - 1) / c.page_size;
+    return (c.batch * pps + 5) * c.page_size * c.hkv * c.d;
+  }
+
+  Step(const GCase& cs, std::mt19937_64& g)
+      : c(cs),
+        q(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hq * cs.d),
+        o(q.h.size()),
+        knew(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hkv * cs.d),
+        vnew(knew.h.size()),
+        kc(static_cast<std::size_t>(cache_elems(cs))),
+        vc(kc.h.size()),
+        lens(std::vector<std::int32_t>(cs.lens.begin(), cs.lens.end())),
+        block_table(std::vector<std::int32_t>{}),
+        lse(std::vector<float>(static_cast<std::size_t>(cs.batch) * cs.hq * cs.sq, NAN)),
+        cos_t(std::vector<float>{}),
+        sin_t(std::vector<float>{}),
+        slopes(std::vector<float>{}) {
+    const int D = c.d;
+    const std::int64_t n = need(c);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& x : q.h) x = to_bits(nd(g), c.dt);
+    for (auto& x : knew.h) x = to_bits(nd(g), c.dt);
+    for (auto& x : vnew.h) x = to_bits(nd(g), c.dt);
+    std::fill(kc.h.begin(), kc.h.end(), 0xFFFF);  // NaN: slots no sequence has yet
+    std::fill(vc.h.begin(), vc.h.end(), 0xFFFF);
+    std::fill(o.h.begin(), o.h.end(), 0xFFFF);
+    DecodeParams p;
+    p.batch = c.batch;
+    p.seqlen_q = c.sq;
+    p.heads_q = c.hq;
+    p.heads_kv = c.hkv;
+    p.head_dim = D;
+    p.mask.causal = c.causal;
+    p.mask.window_left = c.wl;
+    p.mask.softcap = c.softcap;
+    p.rotary.style = c.rot;
+    p.rotary.rotary_dim = c.rotary_dim;
+    if (c.page_size > 0) {
+      pps = static_cast<int>((n + c.page_size - 1) / c.page_size);
+      num_pages = c.batch * pps + 5;
+      bt_stride = pps + 1;
+      slots = static_cast<std::int64_t>(pps) * c.page_size;
+      std::vector<std::int32_t> order(static_cast<std::size_t>(num_pages));
+      std::iota(order.begin(), order.end(), 0);
+      std::shuffle(order.begin(), order.end(), g);  // random page order
+      block_table.h.assign(static_cast<std::size_t>(c.batch) * bt_stride, -1);
+      for (int b = 0; b < c.batch; ++b)
+        for (int i = 0; i < pps; ++i) block_table.h[b * bt_stride + i] = order[b * pps + i];
+      block_table.d = DevMem(block_table.h.size() * 4);
+      p.cache.page_size = c.page_size;
+      p.cache.num_pages = num_pages;
+      p.cache.block_table_stride = bt_stride;
+      p.cache.pages_per_seq = pps;
+      p.cache.k = bshd_view(nullptr, c.dt, c.page_size, c.hkv, D);
+    } else {
+      slots = n;
+      p.cache.capacity = static_cast<int>(n);
+      p.cache.k = bshd_view(nullptr, c.dt, n, c.hkv, D);
+    }
+    p.cache.v = p.cache.k;
+    for (int b = 0; b < c.batch; ++b)
+      for (int j = 0; j < c.lens[b]; ++j)
+        for (int h = 0; h < c.hkv; ++h) {
+          const std::int64_t off = offset(p.cache.k, b, j, h);
+          for (int d = 0; d < D; ++d) {
+            kc.h[off + d] = to_bits(nd(g), c.dt);
+            vc.h[off + d] = to_bits(nd(g), c.dt);
+          }
+        }
+    if (c.rot != RotaryStyle::kNone && c.tables) {
+      const int rd = c.rotary_dim ? c.rotary_dim : D;
+      const int maxpos = static_cast<int>(slots) + 1;
+      std::uniform_real_distribution<float> ang(-3.14159f, 3.14159f);
+      std::vector<float> cs_, sn_;
+      for (int i = 0; i < maxpos * (rd / 2); ++i) {
+        const float a = ang(g);
+        cs_.push_back(std::cos(a));
+        sn_.push_back(std::sin(a));
+      }
+      cos_t = TwinOf<float>(cs_);
+      sin_t = TwinOf<float>(sn_);
+      p.rotary.max_position = maxpos;
+    }
+    if (c.alibi) {
+      std::uniform_real_distribution<float> u(0.02f, 0.3f);
+      std::vector<float> s_(static_cast<std::size_t>(c.hq));
+      for (auto& x : s_) x = u(g);
+      slopes = TwinOf<float>(s_);
+    }
+    // Host and device views of the same step.
+    hp = p;
+    dp = p;
+    auto bind = [&](DecodeParams& x, bool dev) {
+      auto ptr = [&](auto& twin) -> void* { return dev ? twin.d.ptr : static_cast<void*>(twin.h.data()); };
+      x.q = bshd_view(ptr(q), c.dt, c.sq, c.hq, D);
+      x.o = bshd_view(ptr(o), c.dt, c.sq, c.hq, D);
+      x.lse = static_cast<float*>(ptr(lse));
+      x.cache.k.data = ptr(kc);
+      x.cache.v.data = ptr(vc);
+      x.cache_seqlens = static_cast<const std::int32_t*>(ptr(lens));
+      if (c.page_size > 0) x.cache.block_table = static_cast<const std::int32_t*>(ptr(block_table));
+      if (c.append) {
+        x.k_new = bshd_view(ptr(knew), c.dt, c.sq, c.hkv, D);
+        x.v_new = bshd_view(ptr(vnew), c.dt, c.sq, c.hkv, D);
+      }
+      if (c.rot != RotaryStyle::kNone && c.tables) {
+        x.rotary.cos = static_cast<const float*>(ptr(cos_t));
+        x.rotary.sin = static_cast<const float*>(ptr(sin_t));
+      }
+      if (c.alibi) x.mask.alibi_slopes = static_cast<const float*>(ptr(slopes));
+    };
+    bind(hp, false);
+    bind(dp, true);
+    upload_all();
+  }
+
+  void upload_all() {
+    for (Twin* t : {&q, &o, &knew, &vnew, &kc, &vc}) t->upload();
+    lens.upload();
+    block_table.upload();
+    lse.upload();
+    cos_t.upload();
+    sin_t.upload();
+    slopes.upload();
+  }
+
+  std::int64_t offset(const TensorView& t, int b, int j, int h) const {
+    if (c.page_size > 0) {
+      const std::int32_t page = block_table.h[b * bt_stride + j / c.page_size];
+      return page * t.batch_stride + static_cast<std::int64_t>(j % c.page_size) * t.seq_stride + h * t.head_stride;
+    }
+    return b * t.batch_stride + j * t.seq_stride + h * t.head_stride;
+  }
+  int total(int b) const { return lens.h[b] + (c.append ? c.sq : 0); }
+};
+
+/// Device workspaces + plan for a step.
+struct GpuPlan {
+  DevMem iw, fw;
+  DecodePlan plan;
+};
+
+Status plan_gpu(const Step& st, GpuPlan* gp, const std::vector<std::int32_t>* plan_lens = nullptr,
+                cudaStream_t stream = nullptr) {
+  DecodePlanOptions po;
+  po.backend = Backend::kCuda;
+  po.host_cache_seqlens = plan_lens ? plan_lens->data() : st.lens.h.data();
+  po.num_splits = st.c.num_splits;
+  po.stream = stream;
+  DecodeWorkspaceSize ws;
+  FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(st.dp, po, &ws));
+  gp->iw = DevMem(ws.int_bytes);
+  gp->fw = DevMem(ws.float_bytes);
+  return decode_plan(st.dp, po, gp->iw.ptr, ws.int_bytes, gp->fw.ptr, ws.float_bytes, &gp->plan);
+}
+
+/// The step on the CPU backend (host mirror): writes st.o_cpu / lse_cpu and appends to st.kc.h / vc.h.
+void run_cpu(Step& st) {
+  std::vector<std::uint16_t> o_save = st.o.h;
+  std::vector<float> lse_save = st.lse.h;
+  DecodePlanOptions po;
+  po.backend = Backend::kCpu;
+  po.num_splits = st.c.num_splits;
+  DecodeWorkspaceSize ws;
+  ASSERT_TRUE(decode_workspace_size(st.hp, po, &ws).ok());
+  std::vector<float> iw(ws.int_bytes / 4 + 4), fw(ws.float_bytes / 4 + 4);
+  DecodePlan plan;
+  Status s = decode_plan(st.hp, po, iw.data(), ws.int_bytes, fw.data(), ws.float_bytes, &plan);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  s = decode_run(st.hp, plan, ro);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  st.o_cpu = st.o.h;
+  st.lse_cpu = st.lse.h;
+  st.o.h = o_save;
+  st.lse.h = lse_save;
+}
+
+void rotate(const GCase& c, const float* cos_t, const float* sin_t, int pos, float* x) {
+  if (c.rot == RotaryStyle::kNone) return;
+  const int rd = c.rotary_dim ? c.rotary_dim : c.d, half = rd / 2;
+  for (int i = 0; i < half; ++i) {
+    float cs, sn;
+    if (c.tables) {
+      cs = cos_t[pos * half + i];
+      sn = sin_t[pos * half + i];
+    } else {
+      const float angle = static_cast<float>(pos) * (1.f / std::pow(10000.f, static_cast<float>(2 * i) / rd));
+      cs = static_cast<float>(std::cos(static_cast<double>(angle)));
+      sn = static_cast<float>(std::sin(static_cast<double>(angle)));
+    }
+    const int a = c.rot == RotaryStyle::kNeox ? i : 2 * i, b = c.rot == RotaryStyle::kNeox ? i + half : 2 * i + 1;
+    const float x1 = x[a], x2 = x[b];
+    x[a] = std::fma(x1, cs, -(x2 * sn));
+    x[b] = std::fma(x2, cs, x1 * sn);
+  }
+}
+
+/// fp64 reference over the host mirror's cache (after the CPU append).
+void reference(const Step& st, cpu::RefOutput* ref) {
+  const GCase& c = st.c;
+  const int D = c.d;
+  std::vector<std::int32_t> cu_q{0}, cu_k{0};
+  int max_k = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    cu_q.push_back(cu_q.back() + c.sq);
+    cu_k.push_back(cu_k.back() + st.total(b));
+    max_k = std::max(max_k, st.total(b));
+  }
+  const std::int64_t tk = std::max<std::int64_t>(cu_k.back(), 1);
+  std::vector<float> qd(st.q.h.size()), kd(tk * c.hkv * D), vd(kd.size());
+  std::vector<float> row(D);
+  for (int b = 0; b < c.batch; ++b) {
+    for (int t = 0; t < c.sq; ++t)
+      for (int h = 0; h < c.hq; ++h) {
+        const std::int64_t at = ((static_cast<std::int64_t>(b) * c.sq + t) * c.hq + h) * D;
+        for (int d = 0; d < D; ++d) row[d] = bits_to_float(st.q.h[at + d], c.dt);
+        rotate(c, st.cos_t.h.data(), st.sin_t.h.data(), st.total(b) - c.sq + t, row.data());
+        for (int d = 0; d < D; ++d) qd[at + d] = bits_to_float(to_bits(row[d], c.dt), c.dt);
+      }
+    for (int j = 0; j < st.total(b); ++j)
+      for (int h = 0; h < c.hkv; ++h) {
+        const std::int64_t dst = ((cu_k[b] + j) * static_cast<std::int64_t>(c.hkv) + h) * D;
+        const std::int64_t src = st.offset(st.hp.cache.k, b, j, h);
+        for (int d = 0; d < D; ++d) {
+          kd[dst + d] = bits_to_float(st.kc.h[src + d], c.dt);
+          vd[dst + d] = bits_to_float(st.vc.h[src + d], c.dt);
+        }
+      }
+  }
+  AttnParams a;
+  a.batch = c.batch;
+  a.seqlen_q = c.sq;
+  a.seqlen_k = max_k;
+  a.heads_q = c.hq;
+  a.heads_kv = c.hkv;
+  a.head_dim = D;
+  a.q = TensorView{qd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hq) * D, D};
+  a.k = TensorView{kd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hkv) * D, D};
+  a.v = TensorView{vd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hkv) * D, D};
+  a.mask.causal = c.causal;
+  a.mask.window_left = c.wl;
+  a.mask.softcap = c.softcap;
+  a.mask.alibi_slopes = c.alibi ? st.slopes.h.data() : nullptr;
+  a.mask.cu_seqlens_q = cu_q.data();
+  a.mask.cu_seqlens_k = cu_k.data();
+  const Status s = cpu::reference_attention(a, ref);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+struct Errors {
+  double max_abs = 0, cpu_max_abs = 0, lse_max = 0;
+  std::int64_t bad = 0, nan = 0, lse_bad = 0;
+};
+
+/// Compares the device outputs (already downloaded into st.o.h / st.lse.h) with fp64.
+Errors compare_outputs(const Step& st, const cpu::RefOutput& ref) {
+  const GCase& c = st.c;
+  const int D = c.d;
+  const std::int64_t total_q = static_cast<std::int64_t>(c.batch) * c.sq;
+  Errors e;
+  for (int b = 0; b < c.batch; ++b)
+    for (int t = 0; t < c.sq; ++t)
+      for (int h = 0; h < c.hq; ++h) {
+        const std::int64_t row = static_cast<std::int64_t>(b) * c.sq + t;
+        for (int d = 0; d < D; ++d) {
+          const std::int64_t at = (row * c.hq + h) * D + d;
+          const double out = bits_to_float(st.o.h[at], c.dt), r = ref.o[at];
+          if (std::isnan(out)) {
+            ++e.nan;
+            continue;
+          }
+          const double err = std::fabs(out - r);
+          e.max_abs = std::max(e.max_abs, err);
+          e.bad += err > kAtol + kRtol * std::fabs(r);
+          if (!st.o_cpu.empty()) e.cpu_max_abs = std::max(e.cpu_max_abs, std::fabs(bits_to_float(st.o_cpu[at], c.dt) - r));
+        }
+        const double lo = st.lse.h[(static_cast<std::int64_t>(b) * c.hq + h) * c.sq + t];
+        const double lr = ref.lse[h * total_q + row];
+        if (std::isinf(lr)) {
+          e.lse_bad += !(std::isinf(lo) && lo < 0);
+        } else {
+          const double le = std::fabs(lo - lr);
+          if (!(le <= kLseAtol)) ++e.lse_bad;
+          if (!std::isnan(le)) e.lse_max = std::max(e.lse_max, le);
+        }
+      }
+  return e;
+}
+
+/// Cache after the step: device vs the CPU backend's append, to one ulp of the dtype.
+std::int64_t cache_mismatches(const Step& st, const std::vector<std::uint16_t>& dev_k,
+                              const std::vector<std::uint16_t>& dev_v) {
+  const double u = st.c.dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024;  // one ulp relative
+  std::int64_t bad = 0;
+  for (std::size_t i = 0; i < dev_k.size(); ++i) {
+    if (dev_v[i] != st.vc.h[i]) ++bad;
+    if (dev_k[i] == st.kc.h[i]) continue;
+    const double a = bits_to_float(dev_k[i], st.c.dt), b = bits_to_float(st.kc.h[i], st.c.dt);
+    if (!(std::fabs(a - b) <= u * std::fabs(b) + 1e-6)) ++bad;
+  }
+  return bad;
+}
+
+/// Runs one case on the GPU (plan + run), the CPU backend and fp64; checks everything.
+void run_case(const GCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+  Step st(c, g);
+  GpuPlan gp;
+  Status s = plan_gpu(st, &gp);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  RunOptions ro;
+  ro.backend = Backend::kCuda;
+  s = decode_run(st.dp, gp.plan, ro);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  std::vector<std::uint16_t> dev_k(st.kc.h.size()), dev_v(st.vc.h.size());
+  CUDA_OK(cudaMemcpy(dev_k.data(), st.kc.d.ptr, dev_k.size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(dev_v.data(), st.vc.d.ptr, dev_v.size() * 2, cudaMemcpyDeviceToHost));
+  run_cpu(st);  // host mirror: appends into st.kc.h / vc.h, writes o_cpu
+  cpu::RefOutput ref;
+  reference(st, &ref);
+  st.o.download();
+  st.lse.download();
+  const Errors e = compare_outputs(st, ref);
+  EXPECT_EQ(e.nan, 0) << "NaN in O (unwritten, or a read past a sequence's length)";
+  EXPECT_EQ(e.bad, 0) << "O elements over tolerance; max_abs_err " << e.max_abs;
+  EXPECT_EQ(e.lse_bad, 0) << "LSE rows over " << kLseAtol << "; max " << e.lse_max;
+  if (c.append) EXPECT_EQ(cache_mismatches(st, dev_k, dev_v), 0) << "cache after the append differs from the CPU backend's";
+  else EXPECT_EQ(std::memcmp(dev_k.data(), st.kc.h.data(), dev_k.size() * 2), 0) << "the cache was written without append";
+  std::printf("    %-78s splits<=%-3d ctas %-5d max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
+              gp.plan.max_splits, gp.plan.ctas, e.max_abs, e.cpu_max_abs, e.lse_max);
+}
+
+std::uint64_t salt_of(const std::string& s) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (char ch : s) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  return h;
+}
+
+std::vector<int> ragged(int batch, int max_len, std::uint64_t salt) {
+  std::mt19937_64 g(gpu_seed() ^ salt);
+  std::uniform_int_distribution<int> u(0, max_len);
+  std::vector<int> v(static_cast<std::size_t>(batch));
+  for (auto& x : v) x = u(g);
+  if (batch > 2) {
+    v[0] = 0;
+    v[1] = 1;
+  }
+  return v;
+}
+
+// ---- the cases --------------------------------------------------------------------------------------
+
+TEST(DecodeGpu, CourseShapes) {
+  // q (1, 32, 1, 128) against 8192 cached keys: MHA 32/32 and GQA 32/8, heuristic and forced splits.
+  for (int hkv : {32, 8})
+    for (int splits : {0, 1, 7})
+      for (DType dt : {DType::kBF16, DType::kF16}) {
+        GCase c;
+        c.name = "course";
+        c.hq = 32;
+        c.hkv = hkv;
+        c.lens = {8192};
+        c.num_splits = splits;
+        c.dt = dt;
+        run_case(c, salt_of(describe(c)));
+      }
+}
+
+TEST(DecodeGpu, RaggedBatchesGqa) {
+  for (int batch : {1, 2, 7, 33, 64}) {
+    GCase c;
+    c.name = "ragged";
+    c.batch = batch;
+    c.lens = ragged(batch, batch > 16 ? 2048 : 4097, 17 + batch);
+    run_case(c, salt_of(describe(c)));
+  }
+}
+
+TEST(DecodeGpu, PagedRandomPageOrder) {
+  for (int ps : {1, 16, 64, 256}) {
+    GCase c;
+    c.name = "paged";
+    c.batch = 5;
+    c.page_size = ps;
+    c.lens = ragged(5, 3000, 100 + ps);
+    run_case(c, salt_of(describe(c)));
+  }
+  for (int ps = 1; ps <= 256; ps *= 2) {  // every power of two, with append, small
+    GCase c;
+    c.name = "paged_all";
+    c.batch = 3;
+    c.hq = 8;
+    c.hkv = 2;
+    c.d = 64;
+    c.sq = 2;
+    c.page_size = ps;
+    c.append = true;
+    c.lens = {ps + 3, 0, 517};
+    c.num_splits = 3;
+    run_case(c, salt_of(describe(c)));
+  }
+}
+
+TEST(DecodeGpu, SlidingWindowAlibiSoftcap) {
+  std::vector<GCase> cs;
+  for (int wl : {0, 100, 1000}) {
+    GCase c;
+    c.name = "window";
+    c.batch = 3;
+    c.lens = {5000, 64, 1500};
+    c.wl = wl;
+    cs.push_back(c);
+  }
+  GCase a;
+  a.name = "alibi";
+  a.batch = 2;
+  a.lens = {3000, 77};
+  a.alibi = true;
+  cs.push_back(a);
+  GCase s = a;
+  s.name = "softcap";
+  s.alibi = false;
+  s.softcap = 30.f;
+  cs.push_back(s);
+  for (const GCase& c : cs) run_case(c, salt_of(describe(c)));
+}
+
+TEST(DecodeGpu, SpeculativeQueryLengthsCausal) {
+  for (int sq : {2, 4, 7, 16}) {
+    GCase c;
+    c.name = "qlen";
+    c.batch = 3;
+    c.sq = sq;
+    c.append = true;
+    c.lens = {2000, 0, 333};
+    run_case(c, salt_of(describe(c)));
+  }
+  GCase m;  // MQA: 32 query heads x 4 tokens = 128 rows per KV head -> two row blocks
+  m.name = "mqa_rows128";
+  m.batch = 2;
+  m.hq = 32;
+  m.hkv = 1;
+  m.sq = 4;
+  m.append = true;
+  m.lens = {1000, 5};
+  run_case(m, salt_of(describe(m)));
+}
+
+TEST(DecodeGpu, AppendRotary) {
+  for (RotaryStyle rot : {RotaryStyle::kNeox, RotaryStyle::kInterleaved})
+    for (bool tables : {false, true})
+      for (int page : {0, 16}) {
+        GCase c;
+        c.name = "rotary";
+        c.batch = 4;
+        c.sq = 4;
+        c.append = true;
+        c.rot = rot;
+        c.tables = tables;
+        c.page_size = page;
+        c.rotary_dim = tables ? 64 : 0;
+        c.lens = {4000, 1, 250, 0};
+        run_case(c, salt_of(describe(c)));
+      }
+}
+
+TEST(DecodeGpu, HeadDimsAndDtypes) {
+  for (int d : {64, 128, 256})
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      GCase c;
+      c.name = "dims";
+      c.batch = 3;
+      c.d = d;
+      c.dt = dt;
+      c.sq = 2;
+      c.append = true;
+      c.rot = RotaryStyle::kNeox;
+      c.lens = {1234, 97, 4097};
+      run_case(c, salt_of(describe(c)));
+    }
+}
+
+TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
+  // Plan once for bound lengths, capture run() in a CUDA graph, replay with new cache_seqlens and
+  // new q / k_new / v_new each step; the host mirror runs the same steps on the CPU backend.
+  GCase c;
+  c.name = "graph";
+  c.batch = 4;
+  c.sq = 1;
+  c.append = true;
+  c.rot = RotaryStyle::kNeox;
+  c.page_size = 16;
+  c.lens = {3000, 3000, 3000, 3000};  // sets the cache geometry (slots >= 3001 + 17)
+  std::mt19937_64 g(gpu_seed() ^ 0xD1CE);
+  Step st(c, g);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  const std::vector<std::int32_t> bound = {3000, 3000, 3000, 3000};
+  GpuPlan gp;
+  Status s = plan_gpu(st, &gp, &bound, stream);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  RunOptions ro;
+  ro.backend = Backend::kCuda;
+  ro.stream = stream;
+  // The first lengths: the cache holds random keys below each length (Step filled up to 3000).
+  st.lens.h = {2000, 0, 17, 2999};
+  st.lens.upload();
+  s = decode_run(st.dp, gp.plan, ro);  // warm-up (first launch opts in to large shared memory)
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  CUDA_OK(cudaStreamSynchronize(stream));
+  run_cpu(st);  // mirror the warm-up step on the host
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  s = decode_run(st.dp, gp.plan, ro);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const std::vector<std::vector<std::int32_t>> steps = {{2001, 1, 18, 1000}, {5, 2002, 2500, 0}, {2999, 7, 64, 65}};
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (const auto& lens : steps) {
+    SCOPED_TRACE("replay lens " + std::to_string(lens[0]) + "," + std::to_string(lens[1]) + "," +
+                 std::to_string(lens[2]) + "," + std::to_string(lens[3]));
+    st.lens.h = lens;
+    for (auto& x : st.q.h) x = to_bits(nd(g), c.dt);
+    for (auto& x : st.knew.h) x = to_bits(nd(g), c.dt);
+    for (auto& x : st.vnew.h) x = to_bits(nd(g), c.dt);
+    // Keys below each new length that no earlier step wrote are still NaN in the cache: fill
+    // both mirrors with the same random rows so the step is well defined.
+    for (int b = 0; b < c.batch; ++b)
+      for (int j = 0; j < lens[b]; ++j)
+        for (int h = 0; h < c.hkv; ++h) {
+          const std::int64_t off = st.offset(st.hp.cache.k, b, j, h);
+          if (!std::isnan(bits_to_float(st.kc.h[off], c.dt))) continue;
+          for (int d = 0; d < c.d; ++d) {
+            st.kc.h[off + d] = to_bits(nd(g), c.dt);
+            st.vc.h[off + d] = to_bits(nd(g), c.dt);
+          }
+        }
+    std::fill(st.o.h.begin(), st.o.h.end(), 0xFFFF);
+    std::fill(st.lse.h.begin(), st.lse.h.end(), NAN);
+    st.upload_all();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<std::uint16_t> dev_k(st.kc.h.size()), dev_v(st.vc.h.size());
+    CUDA_OK(cudaMemcpy(dev_k.data(), st.kc.d.ptr, dev_k.size() * 2, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(dev_v.data(), st.vc.d.ptr, dev_v.size() * 2, cudaMemcpyDeviceToHost));
+    run_cpu(st);
+    cpu::RefOutput ref;
+    reference(st, &ref);
+    st.o.download();
+    st.lse.download();
+    const Errors e = compare_outputs(st, ref);
+    EXPECT_EQ(e.nan, 0);
+    EXPECT_EQ(e.bad, 0) << "max_abs_err " << e.max_abs;
+    EXPECT_EQ(e.lse_bad, 0) << "lse max " << e.lse_max;
+    EXPECT_EQ(cache_mismatches(st, dev_k, dev_v), 0);
+    st.kc.h = dev_k;  // continue from the device's cache (equal up to rotation ulps)
+    st.vc.h = dev_v;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(DecodeGpu, MergeAttentionStates) {
+  const int B = 3, N = 5, H = 8, D = 128;
+  std::mt19937_64 g(gpu_seed() ^ 0x3E7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    const std::size_t n = static_cast<std::size_t>(B) * N * H * D, rows = static_cast<std::size_t>(B) * H * N;
+    const std::size_t es = dtype_size(dt);
+    std::vector<std::uint8_t> a(n * es), b(n * es), o_cpu(n * es), o_gpu(n * es);
+    for (std::size_t i = 0; i < n; ++i) {
+      store_from_float(a.data(), dt, static_cast<std::int64_t>(i), nd(g));
+      store_from_float(b.data(), dt, static_cast<std::int64_t>(i), nd(g));
+    }
+    std::vector<float> la(rows), lb(rows), l_cpu(rows), l_gpu(rows);
+    for (std::size_t r = 0; r < rows; ++r) {
+      la[r] = r % 7 == 0 ? -INFINITY : 3.f * nd(g);
+      lb[r] = r % 11 == 0 ? -INFINITY : 3.f * nd(g);
+    }
+    DeviceBuffer da(a.size()), db(b.size()), dout(a.size()), dla(rows * 4), dlb(rows * 4), dl(rows * 4);
+    CUDA_OK(cudaMemcpy(da.ptr, a.data(), a.size(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(db.ptr, b.data(), b.size(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dla.ptr, la.data(), rows * 4, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemcpy(dlb.ptr, lb.data(), rows * 4, cudaMemcpyHostToDevice));
+    MergeStatesParams m;
+    m.batch = B;
+    m.seqlen = N;
+    m.heads = H;
+    m.head_dim = D;
+    m.o_a = bshd_view(a.data(), dt, N, H, D);
+    m.o_b = bshd_view(b.data(), dt, N, H, D);
+    m.o = bshd_view(o_cpu.data(), dt, N, H, D);
+    m.lse_a = la.data();
+    m.lse_b = lb.data();
+    m.lse = l_cpu.data();
+    ASSERT_TRUE(merge_attention_states(m).ok());
+    m.o_a.data = da.ptr;
+    m.o_b.data = db.ptr;
+    m.o.data = dout.ptr;
+    m.lse_a = static_cast<float*>(dla.ptr);
+    m.lse_b = static_cast<float*>(dlb.ptr);
+    m.lse = static_cast<float*>(dl.ptr);
+    RunOptions ro;
+    ro.backend = Backend::kCuda;
+    const Status s = merge_attention_states(m, ro);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    CUDA_OK(cudaMemcpy(o_gpu.data(), dout.ptr, o_gpu.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(l_gpu.data(), dl.ptr, rows * 4, cudaMemcpyDeviceToHost));
+    // Both round the same fp32 merge (FMA on the device, mul+add on the host) to the dtype: at
+    // most one ulp apart.
+    const double ulp = dt == DType::kF32 ? 1e-6 : dt == DType::kF16 ? 1.0 / 1024 : 1.0 / 128;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double ref = load_as_float(o_cpu.data(), dt, static_cast<std::int64_t>(i));
+      ASSERT_NEAR(load_as_float(o_gpu.data(), dt, static_cast<std::int64_t>(i)), ref, ulp * std::max(1.0, std::fabs(ref)))
+          << i;
+    }
+    for (std::size_t r = 0; r < rows; ++r) {
+      if (std::isinf(l_cpu[r])) ASSERT_TRUE(std::isinf(l_gpu[r]) && l_gpu[r] < 0) << r;
+      else ASSERT_NEAR(l_gpu[r], l_cpu[r], 1e-5) << r;
+    }
+  }
+}
+
+TEST(DecodeGpu, ValidationReachesNoKernel) {
+  GCase c;
+  c.batch = 2;
+  c.lens = {10, 20};
+  c.page_size = 16;
+  std::mt19937_64 g(1);
+  Step st(c, g);
+  DecodeParams p = st.dp;
+  p.cache.page_size = 48;
+  GpuPlan gp;
+  DecodePlanOptions po;
+  po.backend = Backend::kCuda;
+  DecodeWorkspaceSize ws;
+  Status s = decode_workspace_size(p, po, &ws);
+  EXPECT_NE(s.message().find("cache.page_size 48 is not a power of two"), std::string::npos) << s.message();
+  p = st.dp;
+  p.q.data = static_cast<char*>(p.q.data) + 2;  // misaligned for 16-byte loads
+  ASSERT_TRUE(plan_gpu(st, &gp).ok());
+  s = decode_run(p, gp.plan, {});
+  EXPECT_NE(s.message().find("not 16-byte aligned"), std::string::npos) << s.message();
+}
+
+}  // namespace
+}  // namespace flashcpp::testing

@@ -1,0 +1,175 @@
+"""flash_attn_with_kvcache and BatchDecodeWithPagedKVCache on host arrays (numpy), against the
+fp64 reference of attn_reference.py on a dense copy of the cache, and the rotary rule of
+include/flashcpp/decode.h written out independently here."""
+import numpy as np
+import pytest
+
+import flashcpp
+from attn_reference import alibi_slopes, attention_ref, tolerance
+
+
+def rotate_ref(x, pos, rotary_dim, interleaved, theta=10000.0, cos=None, sin=None):
+    """x (T, H, D) rotated at positions pos (T,) in float64 (the exact rotation)."""
+    x = np.asarray(x, dtype=np.float64).copy()
+    half = rotary_dim // 2
+    if cos is None:
+        inv = theta ** (-np.arange(half) * 2.0 / rotary_dim)
+        ang = np.asarray(pos, dtype=np.float64)[:, None] * inv[None, :]
+        c, s = np.cos(ang), np.sin(ang)
+    else:
+        c, s = np.asarray(cos, np.float64)[pos], np.asarray(sin, np.float64)[pos]
+    c, s = c[:, None, :], s[:, None, :]
+    if interleaved:
+        a, b = x[..., 0:rotary_dim:2].copy(), x[..., 1:rotary_dim:2].copy()
+        x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., :half].copy(), x[..., half:rotary_dim].copy()
+        x[..., :half], x[..., half:rotary_dim] = a * c - b * s, b * c + a * s
+    return x
+
+
+def make_cache(rng, batch, lens, slots, hkv, d, dtype, page_size=0):
+    """Random keys below each length, NaN above; contiguous or paged with shuffled pages."""
+    k = np.full((batch, slots, hkv, d), np.nan, dtype=dtype)
+    v = np.full_like(k, np.nan)
+    for b, n in enumerate(lens):
+        k[b, :n] = rng.standard_normal((n, hkv, d))
+        v[b, :n] = rng.standard_normal((n, hkv, d))
+    if not page_size:
+        return k, v, None
+    pps = (slots + page_size - 1) // page_size
+    pages = rng.permutation(batch * pps + 3).astype(np.int32)
+    table = pages[:batch * pps].reshape(batch, pps)
+    kp = np.full((batch * pps + 3, page_size, hkv, d), np.nan, dtype=dtype)
+    vp = np.full_like(kp, np.nan)
+    for b in range(batch):
+        for j in range(slots):
+            kp[table[b, j // page_size], j % page_size] = k[b, j]
+            vp[table[b, j // page_size], j % page_size] = v[b, j]
+    return kp, vp, table
+
+
+def dense(k, table, b, n, page_size):
+    if table is None:
+        return k[b, :n]
+    j = np.arange(n)
+    return k[table[b, j // page_size], j % page_size]
+
+
+@pytest.mark.parametrize("page_size", [0, 1, 16, 256])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_decode_matches_reference(rng, page_size, dtype):
+    B, Hq, Hkv, D, slots = 3, 8, 2, 64, 300
+    lens = [0, 1, 257]
+    kc, vc, table = make_cache(rng, B, lens, slots, Hkv, D, dtype, page_size)
+    q = rng.standard_normal((B, 1, Hq, D)).astype(dtype)
+    out, lse = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.array(lens, np.int32),
+                                                block_table=table, causal=True, return_softmax_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (B, Hq, 1)
+    ps = page_size or 1
+    for b, n in enumerate(lens):
+        ro, rl = attention_ref(q[b:b + 1], dense(kc, table, b, n, ps)[None], dense(vc, table, b, n, ps)[None],
+                               causal=True)
+        assert np.abs(out[b] - ro[0]).max() <= tolerance(dtype)
+        if n == 0:
+            assert np.all(out[b] == 0) and np.all(np.isneginf(lse[b]))
+        else:
+            assert np.abs(lse[b] - rl[0]).max() < 1e-4
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("tables", [False, True])
+def test_append_with_rotary_updates_the_cache(rng, interleaved, tables):
+    B, Sq, Hq, Hkv, D, slots = 2, 4, 4, 2, 64, 200
+    lens = [100, 0]
+    kc, vc, table = make_cache(rng, B, lens, slots, Hkv, D, np.float32, 16)
+    q = rng.standard_normal((B, Sq, Hq, D)).astype(np.float32)
+    kn = rng.standard_normal((B, Sq, Hkv, D)).astype(np.float32)
+    vn = rng.standard_normal((B, Sq, Hkv, D)).astype(np.float32)
+    rd = 32 if tables else D
+    cos = sin = None
+    if tables:
+        ang = rng.uniform(-np.pi, np.pi, (slots, rd // 2))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    k0 = kc.copy()
+    out = flashcpp.flash_attn_with_kvcache(q, kc, vc, kn, vn, rotary_cos=cos, rotary_sin=sin,
+                                           rope_theta=None if tables else 10000.0,
+                                           cache_seqlens=np.array(lens, np.int32), block_table=table,
+                                           causal=True, rotary_interleaved=interleaved)
+    for b, c in enumerate(lens):
+        pos = c + np.arange(Sq)
+        want_k = rotate_ref(kn[b], pos, rd, interleaved, cos=cos, sin=sin)
+        got_k = dense(kc, table, b, c + Sq, 16)[c:]
+        assert np.abs(got_k - want_k).max() < 1e-5 * (1 + pos.max())  # fp32 angles
+        assert np.array_equal(dense(vc, table, b, c + Sq, 16)[c:], vn[b])
+        assert np.array_equal(dense(kc, table, b, c, 16), dense(k0, table, b, c, 16))  # old keys untouched
+        qr = rotate_ref(q[b], pos, rd, interleaved, cos=cos, sin=sin)
+        ro, _ = attention_ref(qr[None], dense(kc, table, b, c + Sq, 16)[None], dense(vc, table, b, c + Sq, 16)[None],
+                              causal=True)
+        assert np.abs(out[b] - ro[0]).max() < 1e-4
+
+
+def test_gqa_masks_and_query_lengths(rng):
+    B, Hq, Hkv, D, slots = 2, 8, 1, 128, 500
+    lens = [400, 33]
+    kc, vc, _ = make_cache(rng, B, lens, slots, Hkv, D, np.float32)
+    for sq in (1, 3, 16):
+        for kw in (dict(window_size=(50, -1)), dict(softcap=3.0), dict(alibi_slopes=alibi_slopes(Hq)),
+                   dict(softmax_scale=0.05)):
+            q = rng.standard_normal((B, sq, Hq, D)).astype(np.float32)
+            lq = [n + 0 for n in lens]
+            out = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=np.array(lq, np.int32), causal=True, **kw)
+            ref_kw = dict(kw)
+            if "window_size" in ref_kw:
+                ref_kw["window"] = ref_kw.pop("window_size")
+            for b, n in enumerate(lq):
+                ro, _ = attention_ref(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], causal=True, **ref_kw)
+                assert np.abs(out[b] - ro[0]).max() < 2e-5, (sq, kw)
+
+
+def test_batch_decode_wrapper_plan_run(rng):
+    B, Hq, Hkv, D, ps = 3, 4, 2, 64, 16
+    lens = [33, 16, 1]
+    n_pages = [(n + ps - 1) // ps for n in lens]
+    total = sum(n_pages)
+    pages = rng.permutation(total + 2).astype(np.int32)[:total]
+    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
+    last = np.array([n - (p - 1) * ps for n, p in zip(lens, n_pages)], np.int32)
+    kc = rng.standard_normal((total + 2, ps, Hkv, D)).astype(np.float32)
+    vc = rng.standard_normal((total + 2, ps, Hkv, D)).astype(np.float32)
+    w = flashcpp.BatchDecodeWithPagedKVCache(None, "NHD")
+    w.plan(indptr, pages, last, Hq, Hkv, D, ps)
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    o, lse = w.run(q, (kc, vc), return_lse=True)
+    assert o.shape == (B, Hq, D) and lse.shape == (B, Hq)
+    for b, n in enumerate(lens):
+        pg = pages[indptr[b]:indptr[b + 1]]
+        j = np.arange(n)
+        k = kc[pg[j // ps], j % ps]
+        v = vc[pg[j // ps], j % ps]
+        ro, rl = attention_ref(q[b][None, None], k[None], v[None])
+        assert np.abs(o[b] - ro[0, 0]).max() < 2e-5
+        assert np.abs(lse[b] - rl[0, :, 0]).max() < 1e-4
+
+
+def test_decode_errors(rng):
+    kc = np.zeros((2, 64, 2, 64), np.float32)
+    q = np.zeros((2, 17, 4, 64), np.float32)
+    with pytest.raises(ValueError, match="seqlen_q 17 is outside the decode range 1..16"):
+        flashcpp.flash_attn_with_kvcache(q, kc, kc)
+    q = np.zeros((2, 1, 4, 64), np.float32)
+    with pytest.raises(ValueError, match="page_size 48 .* not a power of two"):
+        flashcpp.flash_attn_with_kvcache(q, np.zeros((4, 48, 2, 64), np.float32), np.zeros((4, 48, 2, 64), np.float32),
+                                         block_table=np.zeros((2, 2), np.int32), cache_seqlens=1)
+    with pytest.raises(ValueError, match="exceed the cache's 64 slots"):
+        flashcpp.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=np.array([64, 65], np.int32))
+    with pytest.raises(ValueError, match="block_table\\[0\\] holds page 9"):
+        flashcpp.flash_attn_with_kvcache(q, np.zeros((4, 16, 2, 64), np.float32), np.zeros((4, 16, 2, 64), np.float32),
+                                         block_table=np.array([[9], [0]], np.int32), cache_seqlens=3)
+    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
+        flashcpp.flash_attn_with_kvcache(q, kc, kc, cache_batch_idx=np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="k and v come together"):
+        flashcpp.flash_attn_with_kvcache(q, kc, kc, k=np.zeros((2, 1, 2, 64), np.float32), cache_seqlens=0)
+    with pytest.raises(NotImplementedError, match="pos_encoding_mode"):
+        flashcpp.BatchDecodeWithPagedKVCache().plan(np.array([0, 1]), np.array([0]), np.array([1]), 4, 2, 64, 16,
+                                                    pos_encoding_mode="ROPE_LLAMA")
