@@ -1,32 +1,356 @@
-"""Fused LLM kernels: RMSNorm (+ residual), SwiGLU, rotary embedding. The names exist so callers
-can be written against them; the kernels (src/cuda/fused/) have not landed, so each raises
-NotImplementedError naming the feature.
+"""Fused LLM kernels: RMSNorm (plain and with the residual add), SwiGLU, rotary embedding.
+
+Semantics are those of ``include/flashcpp/fused.h``; in short, with fp32 math and one rounding
+into the tensors' dtype:
+
+* ``rms_norm(x, w)``: ``y = x * rsqrt(mean(x**2, -1) + eps) * w``;
+* ``fused_add_rms_norm(x, r, w)``: ``h = x + r`` (rounded to the dtype), ``r <- h``,
+  ``x <- rms_norm(h) * w`` -- in place by default, as vLLM's and FlashInfer's functions;
+* ``silu_and_mul(x)``: ``silu(x[..., :d]) * x[..., d:]`` (or ``silu(gate) * up``);
+* ``apply_rotary(q, k, positions)``: neox (half split) or interleaved pairs, partial
+  ``rotary_dim``, base ``theta`` with Llama-3 frequency scaling, angles formed in fp64 (accurate
+  at any position), or cos/sin from an fp32 ``cos_sin_cache`` (max_position, rotary_dim) holding
+  ``[cos | sin]`` per row (vLLM's layout).
+
+Inputs are numpy arrays (CPU backend; float32 or float16) or torch tensors (CPU tensors on the
+CPU backend, CUDA tensors on the CUDA kernels: float16/bfloat16). Strides are passed as they
+are (no copy of an input): the last dimension must be contiguous, and for the norms and SwiGLU
+the leading dimensions must flatten into rows of one stride. Torch tensors run eagerly (these
+functions are not torch.library ops yet: inside ``torch.compile`` they break the graph).
+
+Errors: wrong or mixed dtypes -> TypeError; device mismatch, bad shapes or strides, and what the
+C++ validator refuses -> ValueError; unsupported combinations (fp32 on CUDA) -> NotImplementedError.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from . import _flashcpp as _C
+from ._core import torch
+
+_STYLES = {"neox": _C.ROPE_NEOX, "interleaved": _C.ROPE_INTERLEAVED}
 
 
-def _missing(feature: str) -> NotImplementedError:
-    return NotImplementedError(f"{feature} is not implemented in flashcpp yet "
-                               "(the fused kernels have not landed)")
+# ---- plumbing ------------------------------------------------------------------------------
+
+def _check_dtype(m: _core.Meta, op: str) -> None:
+    if m.dtype not in _core._DTYPE_CODES:
+        raise TypeError(f"{m.name} has dtype {m.dtype}; flashcpp {op} takes float16, bfloat16 or float32")
 
 
-def rms_norm(x: Any, weight: Any, eps: float = 1e-6) -> Any:
-    """y = x / sqrt(mean(x^2) + eps) * weight over the last dim."""
-    raise _missing("rms_norm")
+def _check_same(ms, op: str) -> None:
+    _core._same_library(", ".join(m.name for m in ms), *ms)
+    first = ms[0]
+    for m in ms[1:]:
+        if m.dtype != first.dtype:
+            raise TypeError(f"{m.name} has dtype {m.dtype} but {first.name} has {first.dtype} "
+                            f"(the tensors of {op} share one dtype)")
+        if m.device != first.device:
+            raise ValueError(f"{m.name} is on {m.device} but {first.name} is on {first.device} "
+                             f"(the tensors of {op} live on one device)")
 
 
-def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6) -> Any:
-    """residual += x; x = rms_norm(residual) * weight, in place."""
-    raise _missing("fused_add_rms_norm (RMSNorm with residual add)")
+def _rows(m: _core.Meta) -> Tuple[int, int, int]:
+    """(rows, row_stride, cols) of an array (..., cols) whose leading dims flatten into rows."""
+    if len(m.shape) < 1:
+        raise ValueError(f"{m.name} must have at least one dimension; got a scalar")
+    cols = m.shape[-1]
+    rows = int(np.prod(m.shape[:-1], dtype=np.int64)) if len(m.shape) > 1 else 1
+    if rows == 0 or cols == 0:
+        return rows, cols, cols
+    if cols > 1 and m.strides[-1] != 1:
+        raise ValueError(f"{m.name}: the last dimension must be contiguous (stride 1); got strides {m.strides}")
+    lead = [(n, s) for n, s in zip(m.shape[:-1], m.strides[:-1]) if n != 1]
+    if not lead:
+        return rows, cols, cols
+    if any(s < 0 for _, s in lead):
+        raise ValueError(f"{m.name} has a negative stride {m.strides}; pass a contiguous copy")
+    for (_, s_out), (n_in, s_in) in zip(lead, lead[1:]):
+        if s_out != s_in * n_in:
+            raise ValueError(f"{m.name}'s leading dimensions {m.shape[:-1]} (strides {m.strides[:-1]}) do "
+                             "not flatten into rows of one stride; pass a contiguous copy")
+    return rows, lead[-1][1], cols
 
 
-def silu_and_mul(x: Any) -> Any:
-    """SwiGLU: silu(x[..., :d]) * x[..., d:] for x (..., 2d)."""
-    raise _missing("silu_and_mul (SwiGLU)")
+def _empty(like: Any, shape, dtype=None) -> Any:
+    if _core.is_torch(like):
+        return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+    return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
 
 
-def apply_rotary(q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
-    """Rotary position embedding applied to q and k."""
-    raise _missing("apply_rotary (rotary position embedding)")
+def _check_out(out: Any, name: str, shape, like: _core.Meta) -> _core.Meta:
+    m = _core.meta(out, name)
+    if m.lib != like.lib:
+        raise TypeError(f"{name} must be a {like.lib} array like {like.name}; got {m.lib}")
+    if tuple(m.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {m.shape}")
+    if m.dtype != like.dtype:
+        raise TypeError(f"{name} must have {like.name}'s dtype {like.dtype}; got {m.dtype}")
+    if m.device != like.device:
+        raise ValueError(f"{name} must be on {like.name}'s device ({like.device}); got {m.device}")
+    return m
+
+
+def _stream(x: Any, m: _core.Meta, stream: Optional[int]) -> int:
+    if stream is not None:
+        return int(stream)
+    if m.is_cuda:
+        return torch.cuda.current_stream(x.device).cuda_stream
+    return 0
+
+
+def _call(like: Any, m: _core.Meta, fn, /, **kwargs) -> None:
+    """Runs a binding on `like`'s device (the C++ launch uses the current CUDA device)."""
+    if m.is_cuda and like.device.index is not None and like.device.index != torch.cuda.current_device():
+        with torch.cuda.device(like.device):
+            fn(**kwargs)
+    else:
+        fn(**kwargs)
+
+
+def _common(backend: str, cpu_threads: int, cuda_config: str, x: Any, m: _core.Meta,
+            stream: Optional[int]) -> dict:
+    return dict(stream=_stream(x, m, stream), backend=_core.resolve_backend(backend, m),
+                cpu_threads=int(cpu_threads), cuda_config=str(cuda_config))
+
+
+# ---- RMSNorm -------------------------------------------------------------------------------
+
+def _norm(x, residual, weight, eps, out, residual_out, backend, cpu_threads, cuda_config, stream):
+    op = "fused_add_rms_norm" if residual is not None else "rms_norm"
+    mx, mw = _core.meta(x, "x"), _core.meta(weight, "weight")
+    ms = [mx, mw]
+    if residual is not None:
+        mr = _core.meta(residual, "residual")
+        if tuple(mr.shape) != tuple(mx.shape):
+            raise ValueError(f"residual must have x's shape {mx.shape}; got {mr.shape}")
+        ms.append(mr)
+    for m in ms:
+        _check_dtype(m, op)
+    _check_same(ms, op)
+    rows, x_rs, hidden = _rows(mx)
+    if tuple(mw.shape) != (hidden,):
+        raise ValueError(f"weight must have shape (hidden,) = ({hidden},); got {mw.shape}")
+    if hidden > 1 and mw.strides[0] != 1:
+        raise ValueError(f"weight must be contiguous; got stride {mw.strides}")
+    mo = _check_out(out, "out", mx.shape, mx)
+    _, y_rs, _ = _rows(mo)
+    kw = dict(x=(_core.data_ptr(x), x_rs), residual=(0, 0), residual_out=(0, 0), weight=_core.data_ptr(weight),
+              y=(_core.data_ptr(out), y_rs), dtype=_core._DTYPE_CODES[mx.dtype], rows=rows, hidden=hidden,
+              eps=float(eps), with_residual=residual is not None)
+    if residual is not None:
+        _, r_rs, _ = _rows(mr)
+        mro = _check_out(residual_out, "residual_out", mx.shape, mx)
+        _, ro_rs, _ = _rows(mro)
+        kw.update(residual=(_core.data_ptr(residual), r_rs), residual_out=(_core.data_ptr(residual_out), ro_rs))
+    kw.update(_common(backend, cpu_threads, cuda_config, x, mx, stream))
+    if rows == 0 or hidden == 0:
+        return
+    _call(x, mx, _C.rms_norm, **kw)
+
+
+def rms_norm(x: Any, weight: Any, eps: float = 1e-6, *, out: Any = None, backend: str = "auto",
+             cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None) -> Any:
+    """``y = x * rsqrt(mean(x**2, -1) + eps) * weight`` over the last dimension.
+
+    x: (..., hidden); weight: (hidden,), x's dtype. ``out`` (default: a new array) may be x
+    itself (in place). ``backend``: "auto", "cpu" or "cuda"; ``cuda_config``: "" or
+    "scalar"/"two_pass" to force a kernel path (tests, tuning). Returns out.
+    """
+    if out is None:
+        out = _empty(x, tuple(_core.meta(x, "x").shape))
+    _norm(x, None, weight, eps, out, None, backend, cpu_threads, cuda_config, stream)
+    return out
+
+
+def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *, out: Any = None,
+                       residual_out: Any = None, backend: str = "auto", cpu_threads: int = 0,
+                       cuda_config: str = "", stream: Optional[int] = None) -> Tuple[Any, Any]:
+    """``h = x + residual`` (rounded to the dtype); ``residual_out = h``;
+    ``out = h * rsqrt(mean(h**2, -1) + eps) * weight``.
+
+    In place by default, as vLLM/FlashInfer: ``residual`` receives h and ``x`` the normalized
+    output. Pass ``out`` / ``residual_out`` to keep the inputs. Returns ``(out, residual_out)``.
+    """
+    out = x if out is None else out
+    residual_out = residual if residual_out is None else residual_out
+    _norm(x, residual, weight, eps, out, residual_out, backend, cpu_threads, cuda_config, stream)
+    return out, residual_out
+
+
+# ---- SwiGLU --------------------------------------------------------------------------------
+
+def silu_and_mul(x: Any, up: Any = None, *, out: Any = None, backend: str = "auto", cpu_threads: int = 0,
+                 cuda_config: str = "", stream: Optional[int] = None) -> Any:
+    """SwiGLU: ``silu(gate) * up`` with ``silu(g) = g / (1 + exp(-g))``.
+
+    One argument: x is the fused projection output (..., 2d) = [gate | up] and the result is
+    (..., d). Two arguments: ``silu_and_mul(gate, up)`` with equal shapes (..., d). ``out`` may be
+    the gate (or up) array itself, e.g. ``x[..., :d]`` for an in-place fused call.
+    """
+    mg = _core.meta(x, "x" if up is None else "gate")
+    _check_dtype(mg, "silu_and_mul")
+    rows, g_rs, cols = _rows(mg)
+    itemsize = 2 if mg.dtype in ("float16", "bfloat16") else 4
+    if up is None:
+        if cols % 2:
+            raise ValueError(f"x's last dimension ({cols}) must be even: [gate | up] halves of d each")
+        d = cols // 2
+        gate_ptr, up_ptr, u_rs = _core.data_ptr(x), _core.data_ptr(x) + d * itemsize, g_rs
+    else:
+        mu = _core.meta(up, "up")
+        _check_dtype(mu, "silu_and_mul")
+        _check_same([mg, mu], "silu_and_mul")
+        if tuple(mu.shape) != tuple(mg.shape):
+            raise ValueError(f"gate and up must have the same shape; got {mg.shape} and {mu.shape}")
+        _, u_rs, _ = _rows(mu)
+        d = cols
+        gate_ptr, up_ptr = _core.data_ptr(x), _core.data_ptr(up)
+    shape_out = tuple(mg.shape[:-1]) + (d,)
+    if out is None:
+        out = _empty(x, shape_out)
+    mo = _check_out(out, "out", shape_out, mg)
+    _, o_rs, _ = _rows(mo)
+    if rows == 0 or d == 0:
+        return out
+    kw = dict(gate=(gate_ptr, g_rs), up=(up_ptr, u_rs), out=(_core.data_ptr(out), o_rs),
+              dtype=_core._DTYPE_CODES[mg.dtype], rows=rows, d=d)
+    kw.update(_common(backend, cpu_threads, cuda_config, x, mg, stream))
+    _call(x, mg, _C.silu_and_mul, **kw)
+    return out
+
+
+# ---- rotary --------------------------------------------------------------------------------
+
+def _llama3(llama3: Optional[Mapping[str, Any]]) -> Tuple[float, float, float, int]:
+    """(factor, low_freq_factor, high_freq_factor, original_max_position) from a Hugging Face
+    ``rope_scaling`` dict (rope_type "llama3"); factor 0 = off."""
+    if llama3 is None:
+        return 0.0, 1.0, 4.0, 8192
+    try:
+        orig = llama3.get("original_max_position_embeddings", llama3.get("original_max_position"))
+        return (float(llama3["factor"]), float(llama3.get("low_freq_factor", 1.0)),
+                float(llama3.get("high_freq_factor", 4.0)), int(orig if orig is not None else 8192))
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise ValueError("llama3 must be a mapping with 'factor' and optionally 'low_freq_factor', "
+                         "'high_freq_factor', 'original_max_position_embeddings' (a Hugging Face "
+                         f"rope_scaling dict); got {llama3!r}") from None
+
+
+def _rope_view(m: _core.Meta) -> Tuple[int, int, int]:
+    for s in m.strides:
+        if s < 0:
+            raise ValueError(f"{m.name} has a negative stride {m.strides}; pass a contiguous copy")
+    if m.shape[-1] > 1 and 0 not in m.shape and m.strides[-1] != 1:
+        raise ValueError(f"{m.name}: the last dimension (head_dim) must be contiguous; got strides {m.strides}")
+    return _core._view(m, varlen=len(m.shape) == 3)
+
+
+def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "neox",
+                 rotary_dim: Optional[int] = None, theta: float = 10000.0,
+                 llama3: Optional[Mapping[str, Any]] = None, cos_sin_cache: Any = None,
+                 inplace: bool = False, q_out: Any = None, k_out: Any = None, backend: str = "auto",
+                 cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None) -> Tuple[Any, Any]:
+    """Rotary position embedding of q (and k).
+
+    q: (tokens, heads_q, head_dim) or (batch, seqlen, heads_q, head_dim), any strides but a
+    contiguous head_dim; k (optional) the same with heads_k heads (q and k may be views of one
+    packed qkv buffer). positions: int32 per token, (tokens,) or (batch, seqlen); None means
+    0..seqlen-1 in every sequence. style "neox" (pairs i, i + rotary_dim/2) or "interleaved"
+    (pairs 2i, 2i+1); rotary_dim (default head_dim) rotates the leading dims only.
+    llama3: a Hugging Face rope_scaling dict with factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings. cos_sin_cache: float32 (max_position, rotary_dim) with
+    [cos | sin] per row, used instead of theta/llama3.
+    Returns (q_out, k_out): new arrays, or q and k themselves with ``inplace=True``
+    (k_out is None without k).
+    """
+    mq = _core.meta(q, "q")
+    _check_dtype(mq, "apply_rotary")
+    if len(mq.shape) not in (3, 4):
+        raise ValueError(f"q must be 3-D (tokens, heads, head_dim) or 4-D (batch, seqlen, heads, head_dim); "
+                         f"got shape {mq.shape}")
+    lead = tuple(mq.shape[:-2])
+    batch, seqlen = (1, mq.shape[0]) if len(lead) == 1 else lead
+    heads_q, head_dim = mq.shape[-2], mq.shape[-1]
+    ms = [mq]
+    heads_k = 0
+    if k is not None:
+        mk = _core.meta(k, "k")
+        _check_dtype(mk, "apply_rotary")
+        if len(mk.shape) != len(mq.shape) or tuple(mk.shape[:-2]) != lead or mk.shape[-1] != head_dim:
+            raise ValueError(f"k must have q's leading dims {lead} and head_dim {head_dim}; got shape {mk.shape}")
+        heads_k = mk.shape[-2]
+        ms.append(mk)
+    _check_same(ms, "apply_rotary")
+    if style not in _STYLES:
+        raise ValueError(f"style must be one of {', '.join(_STYLES)}; got {style!r}")
+    rot = head_dim if rotary_dim is None else int(rotary_dim)
+    tokens = batch * seqlen
+    if inplace and (q_out is not None or k_out is not None):
+        raise ValueError("inplace=True writes into q and k: do not pass q_out / k_out too")
+    if not inplace:
+        q_out = _empty(q, mq.shape) if q_out is None else q_out
+        if k is not None and k_out is None:
+            k_out = _empty(k, ms[1].shape)
+    views = {"q": _rope_view(mq), "k": _rope_view(ms[1]) if k is not None else (0, 0, 0),
+             "q_out": (0, 0, 0), "k_out": (0, 0, 0)}
+    ptrs = {"q": _core.data_ptr(q), "k": _core.data_ptr(k), "q_out": 0, "k_out": 0}
+    if not inplace:
+        views["q_out"] = _rope_view(_check_out(q_out, "q_out", mq.shape, mq))
+        ptrs["q_out"] = _core.data_ptr(q_out)
+        if k is not None:
+            views["k_out"] = _rope_view(_check_out(k_out, "k_out", ms[1].shape, ms[1]))
+            ptrs["k_out"] = _core.data_ptr(k_out)
+    torch_in = _core.is_torch(q)
+
+    pos = positions
+    if pos is not None:
+        if torch_in:
+            if not isinstance(pos, torch.Tensor):
+                pos = torch.as_tensor(pos, device=q.device)
+            if pos.device != q.device:
+                raise ValueError(f"positions must be on q's device ({q.device}); got {pos.device}")
+            if pos.dtype != torch.int32 or not pos.is_contiguous():
+                pos = pos.to(torch.int32).contiguous()
+        else:
+            pos = np.asarray(pos)
+            if pos.dtype.kind not in "iu":
+                raise TypeError(f"positions must hold integers; got {pos.dtype}")
+            if pos.size and (pos.min() < -2**31 or pos.max() > 2**31 - 1):
+                raise ValueError("positions must fit int32")
+            pos = np.ascontiguousarray(pos, dtype=np.int32)
+        if tuple(pos.shape) not in ((tokens,), (batch, seqlen)):
+            raise ValueError(f"positions must have shape ({tokens},) or ({batch}, {seqlen}); got {tuple(pos.shape)}")
+    cache = cos_sin_cache
+    max_position = 0
+    if cache is not None:
+        if torch_in:
+            if not isinstance(cache, torch.Tensor) or cache.device != q.device:
+                raise ValueError(f"cos_sin_cache must be a float32 tensor on q's device ({q.device})")
+            if cache.dtype != torch.float32:
+                raise TypeError(f"cos_sin_cache must be float32; got {cache.dtype}")
+            cache = cache.contiguous()
+        else:
+            cache = np.ascontiguousarray(cache, dtype=np.float32)
+        if len(cache.shape) != 2 or cache.shape[1] != rot:
+            raise ValueError(f"cos_sin_cache must have shape (max_position, rotary_dim={rot}); "
+                             f"got {tuple(cache.shape)}")
+        max_position = int(cache.shape[0])
+    factor, low, high, orig = _llama3(llama3)
+
+    if tokens > 0 and heads_q > 0:
+        kw = dict(q=(ptrs["q"], *views["q"]), k=(ptrs["k"], *views["k"]), q_out=(ptrs["q_out"], *views["q_out"]),
+                  k_out=(ptrs["k_out"], *views["k_out"]), dtype=_core._DTYPE_CODES[mq.dtype], batch=int(batch),
+                  seqlen=int(seqlen), heads_q=int(heads_q), heads_k=int(heads_k), head_dim=int(head_dim),
+                  rotary_dim=rot, positions=_core.data_ptr(pos), style=_STYLES[style], theta=float(theta),
+                  llama3_factor=factor, llama3_low_freq_factor=low, llama3_high_freq_factor=high,
+                  llama3_original_max_position=orig, cos_sin_cache=_core.data_ptr(cache),
+                  max_position=max_position)
+        kw.update(_common(backend, cpu_threads, cuda_config, q, mq, stream))
+        _call(q, mq, _C.apply_rotary, **kw)
+    if inplace:
+        return q, k
+    return q_out, k_out

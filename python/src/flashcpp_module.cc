@@ -22,6 +22,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "flashcpp/attention.h"
+#include "flashcpp/fused.h"
 #include "flashcpp/masks.h"
 
 namespace nb = nanobind;
@@ -312,4 +313,112 @@ NB_MODULE(_flashcpp, m) {
         "block_n"_a, "causal"_a, "window_left"_a, "window_right"_a, "global_tokens"_a, "global_queries"_a,
         "num_batch"_a, "num_heads"_a, "share_identical_partials"_a,
         "Block-sparse CSR arrays (a dict) of a document (packed varlen) mask, flashcpp::document_block_mask.");
+  // ---- fused kernels (include/flashcpp/fused.h): RMSNorm (+ residual), SwiGLU, rotary ----------
+  // Matrices arrive as (data_ptr, row_stride), 4-D views as TensorArg; flashcpp/fused.py checks
+  // shapes and allocates outputs. Same Status -> exception mapping as attention().
+  using FusedMatrix = std::tuple<std::uintptr_t, std::int64_t>;
+  static auto to_matrix = [](const FusedMatrix& t, DType dt) {
+    return flashcpp::MatrixView{reinterpret_cast<void*>(std::get<0>(t)), dt, std::get<1>(t)};
+  };
+  static auto fused_options = [](std::uintptr_t stream, const std::string& backend, int cpu_threads,
+                                 const std::string& cuda_config) {
+    RunOptions opt;
+    opt.backend = to_backend(backend);
+    opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
+    opt.cpu_threads = cpu_threads;
+    opt.cuda_config = cuda_config;
+    return opt;
+  };
+  m.def(
+      "rms_norm",
+      [](const FusedMatrix& x, const FusedMatrix& residual, const FusedMatrix& residual_out, std::uintptr_t weight,
+         const FusedMatrix& y, int dtype, std::int64_t rows, std::int64_t hidden, float eps, bool with_residual,
+         std::uintptr_t stream, const std::string& backend, int cpu_threads, const std::string& cuda_config) {
+        const DType dt = to_dtype(dtype);
+        flashcpp::RmsNormParams p;
+        p.rows = rows;
+        p.hidden = hidden;
+        p.x = to_matrix(x, dt);
+        if (with_residual) {
+          p.residual = to_matrix(residual, dt);
+          p.residual_out = to_matrix(residual_out, dt);
+        }
+        p.weight = reinterpret_cast<const void*>(weight);
+        p.y = to_matrix(y, dt);
+        p.eps = eps;
+        const RunOptions opt = fused_options(stream, backend, cpu_threads, cuda_config);
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = with_residual ? flashcpp::fused_add_rms_norm(p, opt) : flashcpp::rms_norm(p, opt);
+        }
+        if (!st.ok()) raise_status(st);
+      },
+      "x"_a, "residual"_a, "residual_out"_a, "weight"_a, "y"_a, "dtype"_a, "rows"_a, "hidden"_a, "eps"_a,
+      "with_residual"_a, "stream"_a, "backend"_a, "cpu_threads"_a, "cuda_config"_a,
+      "flashcpp::rms_norm / fused_add_rms_norm on (data_ptr, row_stride) matrices.");
+  m.def(
+      "silu_and_mul",
+      [](const FusedMatrix& gate, const FusedMatrix& up, const FusedMatrix& out, int dtype, std::int64_t rows,
+         std::int64_t d, std::uintptr_t stream, const std::string& backend, int cpu_threads,
+         const std::string& cuda_config) {
+        const DType dt = to_dtype(dtype);
+        flashcpp::SiluMulParams p;
+        p.rows = rows;
+        p.d = d;
+        p.gate = to_matrix(gate, dt);
+        p.up = to_matrix(up, dt);
+        p.out = to_matrix(out, dt);
+        const RunOptions opt = fused_options(stream, backend, cpu_threads, cuda_config);
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = flashcpp::silu_and_mul(p, opt);
+        }
+        if (!st.ok()) raise_status(st);
+      },
+      "gate"_a, "up"_a, "out"_a, "dtype"_a, "rows"_a, "d"_a, "stream"_a, "backend"_a, "cpu_threads"_a,
+      "cuda_config"_a, "flashcpp::silu_and_mul on (data_ptr, row_stride) matrices.");
+  m.def(
+      "apply_rotary",
+      [](const TensorArg& q, const TensorArg& k, const TensorArg& q_out, const TensorArg& k_out, int dtype, int batch,
+         int seqlen, int heads_q, int heads_k, int head_dim, int rotary_dim, std::uintptr_t positions, int style,
+         double theta, float llama3_factor, float llama3_low_freq_factor, float llama3_high_freq_factor,
+         int llama3_original_max_position, std::uintptr_t cos_sin_cache, int max_position, std::uintptr_t stream,
+         const std::string& backend, int cpu_threads, const std::string& cuda_config) {
+        const DType dt = to_dtype(dtype);
+        flashcpp::RopeParams p;
+        p.batch = batch;
+        p.seqlen = seqlen;
+        p.heads_q = heads_q;
+        p.heads_k = heads_k;
+        p.head_dim = head_dim;
+        p.rotary_dim = rotary_dim;
+        p.q = to_view(q, dt);
+        p.k = to_view(k, dt);
+        p.q_out = to_view(q_out, dt);
+        p.k_out = to_view(k_out, dt);
+        p.positions = reinterpret_cast<const std::int32_t*>(positions);
+        p.style = static_cast<flashcpp::RopeStyle>(style);
+        p.theta = theta;
+        p.llama3 = flashcpp::Llama3Scaling{llama3_factor, llama3_low_freq_factor, llama3_high_freq_factor,
+                                           llama3_original_max_position};
+        p.cos_sin_cache = reinterpret_cast<const float*>(cos_sin_cache);
+        p.max_position = max_position;
+        const RunOptions opt = fused_options(stream, backend, cpu_threads, cuda_config);
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = flashcpp::apply_rotary(p, opt);
+        }
+        if (!st.ok()) raise_status(st);
+      },
+      "q"_a, "k"_a, "q_out"_a, "k_out"_a, "dtype"_a, "batch"_a, "seqlen"_a, "heads_q"_a, "heads_k"_a,
+      "head_dim"_a, "rotary_dim"_a, "positions"_a, "style"_a, "theta"_a, "llama3_factor"_a,
+      "llama3_low_freq_factor"_a, "llama3_high_freq_factor"_a, "llama3_original_max_position"_a,
+      "cos_sin_cache"_a, "max_position"_a, "stream"_a, "backend"_a, "cpu_threads"_a, "cuda_config"_a,
+      "flashcpp::apply_rotary; tensors are (data_ptr, batch_stride, seq_stride, head_stride), a null "
+      "q_out/k_out data pointer rotates in place.");
+  m.attr("ROPE_NEOX") = static_cast<int>(flashcpp::RopeStyle::kNeox);
+  m.attr("ROPE_INTERLEAVED") = static_cast<int>(flashcpp::RopeStyle::kInterleaved);
 }

@@ -50,17 +50,3 @@ def test_merge_errors():
         flashcpp.merge_attention_states(v, s.astype(np.float16), v, s)
     with pytest.raises(TypeError, match="same dtype"):
         flashcpp.merge_attention_states(v, s, v.astype(np.float16), s)
-
-
-@pytest.mark.parametrize("call,feature", [
-    (lambda: flashcpp.flash_attn_with_kvcache(None, None, None), "flash_attn_with_kvcache"),
-    (lambda: flashcpp.BatchDecodeWithPagedKVCache(None).plan(), "BatchDecodeWithPagedKVCache.plan"),
-    (lambda: flashcpp.BatchDecodeWithPagedKVCache(None).run(None), "BatchDecodeWithPagedKVCache.run"),
-    (lambda: flashcpp.rms_norm(None, None), "rms_norm"),
-    (lambda: flashcpp.fused_add_rms_norm(None, None, None), "fused_add_rms_norm"),
-    (lambda: flashcpp.silu_and_mul(None), "silu_and_mul"),
-    (lambda: flashcpp.apply_rotary(None, None, None, None), "apply_rotary"),
-])
-def test_unlanded_features_raise_not_implemented(call, feature):
-    with pytest.raises(NotImplementedError, match=feature):
-        call()

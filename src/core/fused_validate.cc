@@ -1,0 +1,563 @@
+// Validation and dispatch of the fused kernels (RMSNorm +- residual, SwiGLU, rotary): everything
+// that can be checked on the host without touching tensor memory, one sentence per failure that
+// names the field and its value, then the one place that routes a problem to the CPU backend or
+// to a CUDA kernel.
+//
+// Order of the checks (the first failure is reported):
+//   1. backend; scalars (sizes, eps, theta, scaling, rotary dims); an empty problem (no rows,
+//      no columns, no tokens) writes nothing and is accepted without looking at pointers;
+//   2. each tensor: null, element alignment, non-negative strides, strides that keep distinct
+//      indices on distinct elements, a byte span that does not wrap; one shared dtype (fp16 or
+//      bf16 on CUDA, fp32 too on the CPU backend);
+//   3. aliasing: an output may be exactly one of its inputs (same pointer and strides: the
+//      in-place forms), anything else that overlaps an output is refused;
+//   4. host-memory values (CPU backend only): rotary positions inside the cos/sin cache.
+//
+// Vector alignment is not a validation rule: the CUDA launchers pick 16-byte accesses when every
+// pointer and stride allows them and element-wise accesses otherwise (fused.h).
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <limits>
+#include <string>
+#include <type_traits>
+
+#include "flashcpp/fused.h"
+#if FLASHCPP_WITH_CUDA
+#include "cuda/cuda_api.h"
+#include "cuda/fused/fused_launch.h"
+#endif
+
+namespace flashcpp {
+
+// The CPU backend (src/cpu/fused.cc). No header of its own: only this dispatch calls it.
+namespace cpu {
+Status fused_rms_norm(const RmsNormParams& p, bool with_residual, int threads);
+Status fused_silu_and_mul(const SiluMulParams& p, int threads);
+Status fused_apply_rotary(const RopeParams& p, int threads);
+}  // namespace cpu
+
+namespace {
+
+// ---- one-sentence messages -------------------------------------------------------------
+
+void put(std::string& s, const char* v) { s += v; }
+[[maybe_unused]] void put(std::string& s, const std::string& v) { s += v; }
+template <class T>
+requires std::is_integral_v<T>
+void put(std::string& s, T v) { s += std::to_string(v); }
+void put(std::string& s, double v) {
+  char b[48];
+  std::snprintf(b, sizeof b, "%g", v);
+  s += b;
+}
+void put(std::string& s, const void* p) {
+  char b[32];
+  std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p)));
+  s += b;
+}
+template <class... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (put(s, a), ...);
+  return s;
+}
+
+constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+constexpr int kMaxHeadDim = 1024;  // rotary: the per-token cos/sin table lives in shared memory
+
+std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+bool known_dtype(DType t) { return t == DType::kF16 || t == DType::kBF16 || t == DType::kF32; }
+
+/// cuda: the backend runs CUDA kernels (no fp32). Fails for an unknown backend value.
+Status check_backend(Backend b, bool* cuda) {
+  switch (b) {
+    case Backend::kAuto:
+    case Backend::kCpu:
+    case Backend::kCpuReference: *cuda = false; return Status::Ok();
+    case Backend::kCuda: *cuda = true; return Status::Ok();
+  }
+  return Status::Invalid(cat("backend ", static_cast<int>(b), " is not a known backend"));
+}
+
+Status check_dtype(const char* name, DType t, DType want, const char* want_name, const char* op, bool cuda) {
+  if (!known_dtype(t))
+    return Status::Invalid(cat(name, ".dtype ", static_cast<int>(t), " is not a known dtype (fp16, bf16 or fp32)"));
+  if (t != want)
+    return Status::Invalid(cat(name, ".dtype ", dtype_name(t), " differs from ", want_name, ".dtype ", dtype_name(want),
+                               " (the tensors of ", op, " share one dtype)"));
+  if (cuda && t == DType::kF32)
+    return Status::Unsupported(
+        cat("fp32 ", op, " runs on the CPU backend only (the CUDA kernels take fp16 or bf16)"));
+  return Status::Ok();
+}
+
+// ---- byte spans and aliasing -------------------------------------------------------------
+
+/// The byte range [lo, hi) a tensor can touch; empty when the tensor is unused.
+struct Span {
+  const char* name = "";
+  std::uintptr_t lo = 0, hi = 0;
+  bool used() const { return hi > lo; }
+  bool overlaps(const Span& o) const { return used() && o.used() && lo < o.hi && o.lo < hi; }
+};
+
+Status overlap_error(const Span& out, const Span& other) {
+  return Status::Invalid(cat(out.name, " overlaps ", other.name, ": bytes [", reinterpret_cast<const void*>(out.lo), ", ",
+                             reinterpret_cast<const void*>(out.hi), ") meet [", reinterpret_cast<const void*>(other.lo),
+                             ", ", reinterpret_cast<const void*>(other.hi),
+                             ") (an output may only be exactly its input, for the in-place form)"));
+}
+
+Status span_of(const char* name, const void* data, std::int64_t elems, std::int64_t elem_bytes, Span* span) {
+  std::int64_t bytes = 0;
+  std::uintptr_t hi = 0;
+  if (__builtin_mul_overflow(elems, elem_bytes, &bytes) ||
+      __builtin_add_overflow(addr(data), static_cast<std::uintptr_t>(bytes), &hi))
+    return Status::Invalid(cat(name, "'s byte span (", elems, " elements from ", data, ") wraps around the address space"));
+  span->name = name;
+  span->lo = addr(data);
+  span->hi = hi;
+  return Status::Ok();
+}
+
+Status check_pointer(const char* name, const void* data, std::int64_t elem_bytes, const char* what) {
+  if (data == nullptr) return Status::Invalid(cat(name, " is null"));
+  if (addr(data) % static_cast<std::uintptr_t>(elem_bytes) != 0)
+    return Status::Invalid(cat(name, " ", data, " is not aligned to its ", elem_bytes, "-byte ", what, " elements"));
+  return Status::Ok();
+}
+
+// ---- matrices (norms, SwiGLU) ------------------------------------------------------------
+
+/// A (rows, cols) matrix view: pointer, alignment, row stride, byte span.
+Status check_matrix(const char* name, const MatrixView& m, std::int64_t rows, std::int64_t cols,
+                    const char* cols_name, Span* span) {
+  const std::string data_name = cat(name, ".data");
+  FLASHCPP_RETURN_IF_ERROR(check_pointer(data_name.c_str(), m.data, dtype_size(m.dtype), dtype_name(m.dtype)));
+  if (m.row_stride < 0)
+    return Status::Invalid(cat(name, ".row_stride ", m.row_stride, " is negative (must be >= 0)"));
+  if (rows > 1 && m.row_stride < cols)
+    return Status::Invalid(cat(name, ".row_stride ", m.row_stride, " is less than ", cols_name, " ", cols,
+                               " (consecutive rows would share elements)"));
+  std::int64_t end = 0;  // (rows-1)*row_stride + cols
+  if (__builtin_mul_overflow(rows - 1, m.row_stride, &end) || __builtin_add_overflow(end, cols, &end))
+    return Status::Invalid(cat(name, "'s extent (rows-1)*row_stride + ", cols_name, " = (", rows, "-1)*", m.row_stride,
+                               " + ", cols, " overflows int64"));
+  return span_of(name, m.data, end, static_cast<std::int64_t>(dtype_size(m.dtype)), span);
+}
+
+bool same_matrix(const MatrixView& a, const MatrixView& b, std::int64_t rows) {
+  return a.data == b.data && a.dtype == b.dtype && (rows <= 1 || a.row_stride == b.row_stride);
+}
+
+Status check_rows_cols(const char* rows_name, std::int64_t rows, const char* cols_name, std::int64_t cols) {
+  if (rows < 0) return Status::Invalid(cat(rows_name, " ", rows, " is negative (must be >= 0)"));
+  if (cols < 0) return Status::Invalid(cat(cols_name, " ", cols, " is negative (must be >= 0)"));
+  if (rows > kInt32Max)
+    return Status::Invalid(cat(rows_name, " ", rows, " is more than 2^31-1"));
+  if (cols > kInt32Max) return Status::Invalid(cat(cols_name, " ", cols, " is more than 2^31-1"));
+  return Status::Ok();
+}
+
+// ---- strided (batch, seq, heads, dim) views (rotary) ------------------------------------
+
+struct Dim {
+  const char* name;
+  std::int64_t stride, extent;
+};
+
+/// Null, alignment, strides and span of a (batch, seqlen, heads, dim) view with unit dim stride.
+/// Injectivity: sorted by stride, each used dim must step past everything the smaller ones
+/// reach (sufficient: every slice or permutation of a dense tensor passes).
+Status check_view(const char* name, const TensorView& t, std::int64_t batch, std::int64_t seqlen, std::int64_t heads,
+                  std::int64_t dim, Span* span) {
+  const std::string data_name = cat(name, ".data");
+  FLASHCPP_RETURN_IF_ERROR(check_pointer(data_name.c_str(), t.data, dtype_size(t.dtype), dtype_name(t.dtype)));
+  // head_dim first: among equal strides the outer dim is the one reported.
+  std::array<Dim, 4> dims = {{{"head_dim", 1, dim},
+                              {"batch_stride", t.batch_stride, batch},
+                              {"seq_stride", t.seq_stride, seqlen},
+                              {"head_stride", t.head_stride, heads}}};
+  std::int64_t end = 1;  // largest reachable offset + 1
+  for (const Dim& d : dims) {
+    if (d.extent <= 1) continue;
+    if (d.stride < 0) return Status::Invalid(cat(name, ".", d.name, " ", d.stride, " is negative (must be >= 0)"));
+    std::int64_t step = 0;
+    if (__builtin_mul_overflow(d.extent - 1, d.stride, &step) || __builtin_add_overflow(end, step, &end))
+      return Status::Invalid(cat(name, "'s extent overflows int64 (", d.name, " ", d.stride, " over ", d.extent, ")"));
+  }
+  std::array<Dim, 4> used;
+  int n = 0;
+  for (const Dim& d : dims)
+    if (d.extent > 1) used[n++] = d;
+  std::stable_sort(used.begin(), used.begin() + n, [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  std::int64_t reach = 0;
+  for (int i = 0; i < n; ++i) {
+    if (used[i].stride <= reach)
+      return Status::Invalid(cat(name, ".", used[i].name, " ", used[i].stride,
+                                 " makes two (batch, seq, head, dim) indices share one element: it must be at least ",
+                                 reach + 1, ", the elements spanned by the dims with smaller strides"));
+    reach += (used[i].extent - 1) * used[i].stride;
+  }
+  return span_of(name, t.data, end, static_cast<std::int64_t>(dtype_size(t.dtype)), span);
+}
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  return a.data == b.data && a.dtype == b.dtype && a.batch_stride == b.batch_stride &&
+         a.seq_stride == b.seq_stride && a.head_stride == b.head_stride;
+}
+
+/// Whether two strided regions whose byte spans overlap still touch disjoint elements because
+/// they interleave row by row (the gate and up halves of a fused projection, q and k of a packed
+/// qkv buffer). Both step by the same `step` elements; each step's footprint is [0, ext_a) and
+/// [0, ext_b) from its base. Disjoint when, modulo step, b's footprint starts after a's ends and
+/// ends before the next row's begins. Sufficient, not necessary.
+bool interleaved_disjoint(const void* a, std::int64_t ext_a, const void* b, std::int64_t ext_b, std::int64_t step,
+                          std::int64_t elem) {
+  if (step <= 0 || ext_a > step || ext_b > step) return false;
+  const std::int64_t delta_bytes = static_cast<std::int64_t>(addr(b) - addr(a));
+  if (delta_bytes % elem != 0) return false;
+  const std::int64_t r = ((delta_bytes / elem) % step + step) % step;
+  return ext_a <= r && r + ext_b <= step;
+}
+
+/// Row-interleaved matrices: same row stride, each row's columns inside it.
+bool matrices_disjoint(const MatrixView& a, const MatrixView& b, std::int64_t cols) {
+  return a.dtype == b.dtype && a.row_stride == b.row_stride &&
+         (interleaved_disjoint(a.data, cols, b.data, cols, a.row_stride, dtype_size(a.dtype)) ||
+          interleaved_disjoint(b.data, cols, a.data, cols, a.row_stride, dtype_size(a.dtype)));
+}
+
+/// Token-interleaved views: both step tokens by one seq_stride s (and batches by seqlen * s), and
+/// each token's heads fit inside s.
+bool views_disjoint(const TensorView& a, int heads_a, const TensorView& b, int heads_b, std::int64_t batch,
+                    std::int64_t seqlen, std::int64_t dim) {
+  if (a.dtype != b.dtype) return false;
+  const std::int64_t s = a.seq_stride;
+  if (s <= 0 || b.seq_stride != s) return false;
+  if (batch > 1 && (a.batch_stride != seqlen * s || b.batch_stride != seqlen * s)) return false;
+  const std::int64_t ext_a = (heads_a - 1) * a.head_stride + dim, ext_b = (heads_b - 1) * b.head_stride + dim;
+  const auto elem = static_cast<std::int64_t>(dtype_size(a.dtype));
+  return interleaved_disjoint(a.data, ext_a, b.data, ext_b, s, elem) ||
+         interleaved_disjoint(b.data, ext_b, a.data, ext_a, s, elem);
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------
+
+Status validate_norm(const RmsNormParams& p, bool with_residual, Backend backend) {
+  bool cuda = false;
+  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_rows_cols("rows", p.rows, "hidden", p.hidden));
+  if (!std::isfinite(p.eps) || p.eps < 0.f)
+    return Status::Invalid(cat("eps ", static_cast<double>(p.eps), " must be finite and >= 0"));
+  const char* op = with_residual ? "fused_add_rms_norm" : "rms_norm";
+  if (!with_residual && (p.residual.data || p.residual_out.data))
+    return Status::Invalid(cat(p.residual.data ? "residual" : "residual_out",
+                               ".data is set, but rms_norm has no residual (call fused_add_rms_norm)"));
+  if (p.rows == 0 || p.hidden == 0) return Status::Ok();  // writes nothing
+
+  Span sx, sr, sro, sw, sy;
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("x", p.x.dtype, p.x.dtype, "x", op, cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_matrix("x", p.x, p.rows, p.hidden, "hidden", &sx));
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("y", p.y.dtype, p.x.dtype, "x", op, cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_matrix("y", p.y, p.rows, p.hidden, "hidden", &sy));
+  FLASHCPP_RETURN_IF_ERROR(check_pointer("weight", p.weight, dtype_size(p.x.dtype), dtype_name(p.x.dtype)));
+  FLASHCPP_RETURN_IF_ERROR(span_of("weight", p.weight, p.hidden, dtype_size(p.x.dtype), &sw));
+  if (with_residual) {
+    FLASHCPP_RETURN_IF_ERROR(check_dtype("residual", p.residual.dtype, p.x.dtype, "x", op, cuda));
+    FLASHCPP_RETURN_IF_ERROR(check_matrix("residual", p.residual, p.rows, p.hidden, "hidden", &sr));
+    FLASHCPP_RETURN_IF_ERROR(check_dtype("residual_out", p.residual_out.dtype, p.x.dtype, "x", op, cuda));
+    FLASHCPP_RETURN_IF_ERROR(check_matrix("residual_out", p.residual_out, p.rows, p.hidden, "hidden", &sro));
+  }
+  // Outputs vs inputs: exactly equal is the in-place form (each element is read before it is
+  // written, by the same thread); any other overlap is refused. The outputs never meet each
+  // other, and nothing may write the weight, which every row reads.
+  struct In {
+    const Span* span;
+    const MatrixView* view;
+  };
+  const In inputs[] = {{&sx, &p.x}, {&sr, &p.residual}, {&sw, nullptr}};
+  const In outputs[] = {{&sy, &p.y}, {&sro, &p.residual_out}};
+  for (const In& o : outputs)
+    for (const In& i : inputs)
+      if (o.span->overlaps(*i.span) && !(i.view && (same_matrix(*o.view, *i.view, p.rows) ||
+                                                    matrices_disjoint(*o.view, *i.view, p.hidden))))
+        return overlap_error(*o.span, *i.span);
+  if (sy.overlaps(sro) && !matrices_disjoint(p.y, p.residual_out, p.hidden)) return overlap_error(sy, sro);
+  return Status::Ok();
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------
+
+Status validate_silu(const SiluMulParams& p, Backend backend) {
+  bool cuda = false;
+  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_rows_cols("rows", p.rows, "d", p.d));
+  if (p.rows == 0 || p.d == 0) return Status::Ok();
+  Span sg, su, so;
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("gate", p.gate.dtype, p.gate.dtype, "gate", "silu_and_mul", cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_matrix("gate", p.gate, p.rows, p.d, "d", &sg));
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("up", p.up.dtype, p.gate.dtype, "gate", "silu_and_mul", cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_matrix("up", p.up, p.rows, p.d, "d", &su));
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("out", p.out.dtype, p.gate.dtype, "gate", "silu_and_mul", cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_matrix("out", p.out, p.rows, p.d, "d", &so));
+  // out may be exactly gate or up, or interleave with them row by row (in place into one half
+  // of a fused [gate | up] buffer): the other half is then untouched.
+  if (so.overlaps(sg) && !same_matrix(p.out, p.gate, p.rows) && !matrices_disjoint(p.out, p.gate, p.d))
+    return overlap_error(so, sg);
+  if (so.overlaps(su) && !same_matrix(p.out, p.up, p.rows) && !matrices_disjoint(p.out, p.up, p.d))
+    return overlap_error(so, su);
+  return Status::Ok();
+}
+
+// ---- rotary ------------------------------------------------------------------------------
+
+Status validate_rotary(const RopeParams& p, Backend backend) {
+  bool cuda = false;
+  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
+  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
+  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
+    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
+  if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
+  if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim)
+    return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kMaxHeadDim, "]"));
+  const int rot = p.effective_rotary_dim();
+  if (p.rotary_dim < 0 || rot % 2 != 0 || rot > p.head_dim)
+    return Status::Invalid(cat("rotary_dim ", p.rotary_dim, " must be even and in [2, head_dim ", p.head_dim,
+                               "] (0 = head_dim)"));
+  if (p.style != RopeStyle::kNeox && p.style != RopeStyle::kInterleaved)
+    return Status::Invalid(cat("style ", static_cast<int>(p.style), " is not a rotary style (1 = neox, 2 = interleaved)"));
+  if (p.cos_sin_cache) {
+    if (p.max_position < 1)
+      return Status::Invalid(cat("max_position ", p.max_position, " must be >= 1 with a cos_sin_cache"));
+    if (addr(p.cos_sin_cache) % alignof(float) != 0)
+      return Status::Invalid(cat("cos_sin_cache ", static_cast<const void*>(p.cos_sin_cache),
+                                 " is not 4-byte aligned (fp32)"));
+  } else {
+    if (!std::isfinite(p.theta) || p.theta <= 0.0)
+      return Status::Invalid(cat("theta ", p.theta, " must be finite and > 0"));
+    const Llama3Scaling& s = p.llama3;
+    if (s.enabled()) {
+      if (!std::isfinite(s.factor) || s.factor < 1.f)
+        return Status::Invalid(cat("llama3.factor ", static_cast<double>(s.factor), " must be >= 1 (0 = off)"));
+      if (!std::isfinite(s.low_freq_factor) || s.low_freq_factor <= 0.f)
+        return Status::Invalid(cat("llama3.low_freq_factor ", static_cast<double>(s.low_freq_factor), " must be > 0"));
+      if (!std::isfinite(s.high_freq_factor) || s.high_freq_factor <= s.low_freq_factor)
+        return Status::Invalid(cat("llama3.high_freq_factor ", static_cast<double>(s.high_freq_factor),
+                                   " must be greater than low_freq_factor ", static_cast<double>(s.low_freq_factor)));
+      if (s.original_max_position < 1)
+        return Status::Invalid(cat("llama3.original_max_position ", s.original_max_position, " must be >= 1"));
+    }
+  }
+  if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
+    return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  if (tokens == 0) return Status::Ok();
+
+  const bool has_k = p.heads_k > 0;
+  const TensorView q_out = p.q_out.data ? p.q_out : p.q;
+  const TensorView k_out = p.k_out.data ? p.k_out : p.k;
+  Span sq, sk, sqo, sko, spos, scache;
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("q", p.q.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_view("q", p.q, p.batch, p.seqlen, p.heads_q, p.head_dim, &sq));
+  if (p.q_out.data) {
+    FLASHCPP_RETURN_IF_ERROR(check_dtype("q_out", p.q_out.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+    FLASHCPP_RETURN_IF_ERROR(check_view("q_out", p.q_out, p.batch, p.seqlen, p.heads_q, p.head_dim, &sqo));
+  } else {
+    sqo = sq;
+    sqo.name = "q (rotated in place)";
+  }
+  if (has_k) {
+    FLASHCPP_RETURN_IF_ERROR(check_dtype("k", p.k.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+    FLASHCPP_RETURN_IF_ERROR(check_view("k", p.k, p.batch, p.seqlen, p.heads_k, p.head_dim, &sk));
+    if (p.k_out.data) {
+      FLASHCPP_RETURN_IF_ERROR(check_dtype("k_out", p.k_out.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+      FLASHCPP_RETURN_IF_ERROR(check_view("k_out", p.k_out, p.batch, p.seqlen, p.heads_k, p.head_dim, &sko));
+    } else {
+      sko = sk;
+      sko.name = "k (rotated in place)";
+    }
+  } else if (p.k_out.data) {
+    return Status::Invalid("k_out.data is set but heads_k is 0 (no k to rotate)");
+  }
+  if (p.positions) FLASHCPP_RETURN_IF_ERROR(span_of("positions", p.positions, tokens, 4, &spos));
+  if (p.cos_sin_cache) {
+    std::int64_t n = 0;
+    if (__builtin_mul_overflow(static_cast<std::int64_t>(p.max_position), rot, &n))
+      return Status::Invalid(cat("cos_sin_cache size max_position*rotary_dim overflows int64"));
+    FLASHCPP_RETURN_IF_ERROR(span_of("cos_sin_cache", p.cos_sin_cache, n, 4, &scache));
+  }
+
+  // Aliasing. Each output may be exactly its own input. q's and k's outputs are written by
+  // different threads, so they must be element-disjoint from each other and from the other
+  // input; a packed qkv buffer (q and k interleaved token by token) is recognized as disjoint.
+  auto disjoint = [&](const Span& a, const TensorView& va, int ha, const Span& b, const TensorView& vb, int hb) {
+    return !a.overlaps(b) || views_disjoint(va, ha, vb, hb, p.batch, p.seqlen, p.head_dim);
+  };
+  if (p.q_out.data && sqo.overlaps(sq) && !same_view(p.q_out, p.q)) return overlap_error(sqo, sq);
+  if (has_k) {
+    if (p.k_out.data && sko.overlaps(sk) && !same_view(p.k_out, p.k)) return overlap_error(sko, sk);
+    if (!disjoint(sqo, q_out, p.heads_q, sk, p.k, p.heads_k)) return overlap_error(sqo, sk);
+    if (!disjoint(sko, k_out, p.heads_k, sq, p.q, p.heads_q)) return overlap_error(sko, sq);
+    if (!disjoint(sqo, q_out, p.heads_q, sko, k_out, p.heads_k)) return overlap_error(sqo, sko);
+  }
+  for (const Span* out : {&sqo, &sko})
+    for (const Span* arr : {&spos, &scache})
+      if (out->overlaps(*arr)) return overlap_error(*out, *arr);
+  return Status::Ok();
+}
+
+/// Host-memory checks of the CPU backend: positions must index the cache.
+Status check_positions_host(const RopeParams& p) {
+  if (!p.cos_sin_cache) return Status::Ok();
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int64_t pos = p.positions ? p.positions[t] : t % p.seqlen;
+    if (pos < 0 || pos >= p.max_position)
+      return Status::Invalid(cat("position ", pos, " of token ", t, " is outside the cos_sin_cache [0, max_position ",
+                                 p.max_position, ")"));
+  }
+  return Status::Ok();
+}
+
+// ---- dispatch ----------------------------------------------------------------------------
+
+/// kAuto -> CUDA for device memory, else the CPU backend.
+Backend resolve(Backend b, const void* probe) {
+  if (b != Backend::kAuto) return b;
+#if FLASHCPP_WITH_CUDA
+  return cuda::is_device_pointer(probe) ? Backend::kCuda : Backend::kCpu;
+#else
+  (void)probe;
+  return Backend::kCpu;
+#endif
+}
+
+Status no_reference(const char* op) {
+  return Status::Unsupported(cat(op, " has no fp64 reference backend (the fp64 references live in the tests); use the "
+                                     "cpu backend"));
+}
+
+#if FLASHCPP_WITH_CUDA
+/// RunOptions::cuda_config for the fused kernels: "" or a comma-separated list of "scalar",
+/// "two_pass" and "streaming". Also checks that a usable sm_80+ device is current.
+Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
+  std::size_t at = 0;
+  while (at < config.size()) {
+    std::size_t comma = config.find(',', at);
+    if (comma == std::string::npos) comma = config.size();
+    const std::string tok = config.substr(at, comma - at);
+    if (tok == "scalar") force->scalar = true;
+    else if (tok == "two_pass") force->two_pass = true;
+    else if (tok == "streaming") force->streaming = true;
+    else if (!tok.empty())
+      return Status::Invalid(
+          cat("cuda_config token '", tok, "' is not known to the fused kernels (known: scalar, two_pass, streaming)"));
+    at = comma + 1;
+  }
+  cuda::DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
+  if (dev.sm_major < 8)
+    return Status::Unsupported(cat("the fused CUDA kernels need compute capability 8.0 or newer; device '", dev.name.c_str(),
+                                   "' is ", dev.sm_major, ".", dev.sm_minor));
+  return Status::Ok();
+}
+#else
+Status no_cuda() {
+  return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+}
+#endif
+
+Status run_norm(const RmsNormParams& p, bool with_residual, const RunOptions& opt) {
+  const Backend b = resolve(opt.backend, p.x.data);
+  FLASHCPP_RETURN_IF_ERROR(validate_norm(p, with_residual, b));
+  if (p.rows == 0 || p.hidden == 0) return Status::Ok();
+  switch (b) {
+    case Backend::kCpu: return cpu::fused_rms_norm(p, with_residual, opt.cpu_threads);
+    case Backend::kCpuReference: return no_reference(with_residual ? "fused_add_rms_norm" : "rms_norm");
+    case Backend::kCuda: {
+#if FLASHCPP_WITH_CUDA
+      cuda::FusedForce force;
+      FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
+      return cuda::rms_norm(p, with_residual, force, opt.stream);
+#else
+      return no_cuda();
+#endif
+    }
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("fused backend selection fell through");
+}
+
+}  // namespace
+
+const char* rope_style_name(RopeStyle s) noexcept {
+  switch (s) {
+    case RopeStyle::kNeox: return "neox";
+    case RopeStyle::kInterleaved: return "interleaved";
+  }
+  return "unknown";
+}
+
+Status validate(const RmsNormParams& p, bool with_residual, Backend backend) {
+  return validate_norm(p, with_residual, backend);
+}
+Status validate(const SiluMulParams& p, Backend backend) { return validate_silu(p, backend); }
+Status validate(const RopeParams& p, Backend backend) {
+  FLASHCPP_RETURN_IF_ERROR(validate_rotary(p, backend));
+  if (backend == Backend::kCpu || backend == Backend::kCpuReference) return check_positions_host(p);
+  return Status::Ok();
+}
+
+Status rms_norm(const RmsNormParams& p, const RunOptions& opt) { return run_norm(p, false, opt); }
+Status fused_add_rms_norm(const RmsNormParams& p, const RunOptions& opt) { return run_norm(p, true, opt); }
+
+Status silu_and_mul(const SiluMulParams& p, const RunOptions& opt) {
+  const Backend b = resolve(opt.backend, p.gate.data);
+  FLASHCPP_RETURN_IF_ERROR(validate_silu(p, b));
+  if (p.rows == 0 || p.d == 0) return Status::Ok();
+  switch (b) {
+    case Backend::kCpu: return cpu::fused_silu_and_mul(p, opt.cpu_threads);
+    case Backend::kCpuReference: return no_reference("silu_and_mul");
+    case Backend::kCuda: {
+#if FLASHCPP_WITH_CUDA
+      cuda::FusedForce force;
+      FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
+      return cuda::silu_and_mul(p, force, opt.stream);
+#else
+      return no_cuda();
+#endif
+    }
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("fused backend selection fell through");
+}
+
+Status apply_rotary(const RopeParams& p, const RunOptions& opt) {
+  const Backend b = resolve(opt.backend, p.q.data);
+  FLASHCPP_RETURN_IF_ERROR(validate(p, b));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen == 0) return Status::Ok();
+  switch (b) {
+    case Backend::kCpu: return cpu::fused_apply_rotary(p, opt.cpu_threads);
+    case Backend::kCpuReference: return no_reference("apply_rotary");
+    case Backend::kCuda: {
+#if FLASHCPP_WITH_CUDA
+      cuda::FusedForce force;
+      FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
+      return cuda::apply_rotary(p, force, opt.stream);
+#else
+      return no_cuda();
+#endif
+    }
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("fused backend selection fell through");
+}
+
+}  // namespace flashcpp

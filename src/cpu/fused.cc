@@ -1,0 +1,222 @@
+// CPU backend of the fused kernels: RMSNorm (+ residual), SwiGLU, rotary. fp32 math on host
+// memory, the formulas of include/flashcpp/fused.h evaluated in the same order as the CUDA
+// kernels (src/cuda/fused/), multithreaded over rows / tokens. Called by the dispatch in
+// src/core/fused_validate.cc after validation, so every pointer and stride here is known good.
+//
+// Numerics shared with the GPU: h = round_T(x + residual) is formed first and everything after
+// reads the rounded h; the sum of squares is kept in 8 partial sums (the GPU sums per thread,
+// then over a tree), so it is far below the 1e-3 tolerance for any hidden size; y is rounded
+// once from (h * rstd) * w. Rotary angles come from fused::reduced_angle (fp64 product and
+// reduction, then fp32 cos/sin), as on the GPU.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include "common/half.h"
+#include "cuda/fused/fused_math.h"
+#include "flashcpp/fused.h"
+
+namespace flashcpp {
+
+double rotary_inv_freq(int i, int rotary_dim, double theta, const Llama3Scaling& s) noexcept {
+  return fused::inv_freq(i, rotary_dim, theta, s.factor, s.low_freq_factor, s.high_freq_factor,
+                         s.original_max_position);
+}
+
+namespace cpu {
+namespace {
+
+// ---- element types -----------------------------------------------------------------------
+
+struct Bf16 {
+  using S = std::uint16_t;
+  static float ld(S v) { return bf16_bits_to_float(v); }
+  static S st(float f) { return float_to_bf16_bits(f); }
+};
+struct F16 {
+  using S = std::uint16_t;
+  static float ld(S v) { return half_bits_to_float(v); }
+  static S st(float f) { return float_to_half_bits(f); }
+};
+struct F32 {
+  using S = float;
+  static float ld(S v) { return v; }
+  static S st(float f) { return f; }
+};
+
+/// Runs f(E{}) with E the element type of dt.
+template <class F>
+Status with_dtype(DType dt, F&& f) {
+  switch (dt) {
+    case DType::kBF16: return f(Bf16{});
+    case DType::kF16: return f(F16{});
+    case DType::kF32: return f(F32{});
+  }
+  return Status::Internal("unknown dtype reached the fused CPU backend");
+}
+
+/// Runs body(begin, end) over [0, n) in contiguous chunks on up to `threads` threads (0 = all
+/// cores), using fewer when there is little work: about 64k elements per thread at least.
+template <class F>
+void parallel_chunks(std::int64_t n, std::int64_t elems_per_item, int threads, F&& body) {
+  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  constexpr std::int64_t kMinElemsPerThread = 1 << 16;
+  const std::int64_t by_work = std::max<std::int64_t>(1, n * std::max<std::int64_t>(elems_per_item, 1) / kMinElemsPerThread);
+  const int t = static_cast<int>(std::min<std::int64_t>({threads, n, by_work}));
+  if (t <= 1) {
+    body(std::int64_t{0}, n);
+    return;
+  }
+  // Small chunks pulled from a shared counter balance uneven thread speeds.
+  const std::int64_t chunk = std::max<std::int64_t>(1, n / (8 * t));
+  std::atomic<std::int64_t> next{0};
+  auto worker = [&] {
+    for (;;) {
+      const std::int64_t b = next.fetch_add(chunk);
+      if (b >= n) return;
+      body(b, std::min(n, b + chunk));
+    }
+  };
+  std::vector<std::thread> pool;
+  pool.reserve(t - 1);
+  for (int i = 1; i < t; ++i) pool.emplace_back(worker);
+  worker();
+  for (auto& th : pool) th.join();
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------
+
+template <class E>
+void norm_row(const typename E::S* x, const typename E::S* r, typename E::S* ro, const typename E::S* w,
+              typename E::S* y, std::int64_t hidden, float eps, float inv_hidden) {
+  constexpr int kLanes = 8;
+  float acc[kLanes] = {};
+  // Pass 1: h (rounded, written to residual_out when there is a residual) and sum of h^2. Each
+  // element is read before it is written, so residual_out may be residual or x itself.
+  for (std::int64_t j = 0; j < hidden; ++j) {
+    float h = E::ld(x[j]);
+    if (r) {
+      const typename E::S hs = E::st(h + E::ld(r[j]));
+      ro[j] = hs;
+      h = E::ld(hs);
+    }
+    acc[j % kLanes] += h * h;
+  }
+  for (int s = kLanes / 2; s > 0; s /= 2)
+    for (int l = 0; l < s; ++l) acc[l] += acc[l + s];
+  const float rstd = 1.f / std::sqrt(acc[0] * inv_hidden + eps);
+  // Pass 2: y from the rounded h (read back from residual_out, or x).
+  const typename E::S* h_src = r ? ro : x;
+  for (std::int64_t j = 0; j < hidden; ++j) y[j] = E::st(E::ld(h_src[j]) * rstd * E::ld(w[j]));
+}
+
+// ---- rotary ------------------------------------------------------------------------------
+
+struct RotaryTables {
+  int half = 0;
+  std::vector<double> inv_freq;  // empty with a cache
+};
+
+/// Rotates (or copies) one head of one token: in -> out (out may be in).
+template <class E>
+void rotate_head(const typename E::S* in, typename E::S* out, const float* cs, const float* sn, int half,
+                 int head_dim, RopeStyle style, bool copy_tail) {
+  for (int i = 0; i < half; ++i) {
+    const int ia = style == RopeStyle::kNeox ? i : 2 * i;
+    const int ib = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
+    const float a = E::ld(in[ia]), b = E::ld(in[ib]);
+    out[ia] = E::st(a * cs[i] - b * sn[i]);
+    out[ib] = E::st(b * cs[i] + a * sn[i]);
+  }
+  if (copy_tail)
+    for (int j = 2 * half; j < head_dim; ++j) out[j] = in[j];
+}
+
+}  // namespace
+
+Status fused_rms_norm(const RmsNormParams& p, bool with_residual, int threads) {
+  return with_dtype(p.x.dtype, [&](auto e) {
+    using E = decltype(e);
+    using S = typename E::S;
+    const float inv_hidden = static_cast<float>(1.0 / static_cast<double>(p.hidden));
+    parallel_chunks(p.rows, p.hidden, threads, [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const S* x = static_cast<const S*>(p.x.data) + r * p.x.row_stride;
+        const S* res = with_residual ? static_cast<const S*>(p.residual.data) + r * p.residual.row_stride : nullptr;
+        S* ro = with_residual ? static_cast<S*>(p.residual_out.data) + r * p.residual_out.row_stride : nullptr;
+        S* y = static_cast<S*>(p.y.data) + r * p.y.row_stride;
+        norm_row<E>(x, res, ro, static_cast<const S*>(p.weight), y, p.hidden, p.eps, inv_hidden);
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+Status fused_silu_and_mul(const SiluMulParams& p, int threads) {
+  return with_dtype(p.gate.dtype, [&](auto e) {
+    using E = decltype(e);
+    using S = typename E::S;
+    parallel_chunks(p.rows, p.d, threads, [&](std::int64_t r0, std::int64_t r1) {
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const S* g = static_cast<const S*>(p.gate.data) + r * p.gate.row_stride;
+        const S* u = static_cast<const S*>(p.up.data) + r * p.up.row_stride;
+        S* o = static_cast<S*>(p.out.data) + r * p.out.row_stride;
+        for (std::int64_t j = 0; j < p.d; ++j) o[j] = E::st(fused::silu_mul(E::ld(g[j]), E::ld(u[j])));
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+Status fused_apply_rotary(const RopeParams& p, int threads) {
+  const int rot = p.effective_rotary_dim(), half = rot / 2;
+  std::vector<double> inv_freq;
+  if (!p.cos_sin_cache) {
+    inv_freq.resize(static_cast<std::size_t>(half));
+    for (int i = 0; i < half; ++i) inv_freq[i] = rotary_inv_freq(i, rot, p.theta, p.llama3);
+  }
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  const int heads = p.heads_q + p.heads_k;
+  return with_dtype(p.q.dtype, [&](auto e) {
+    using E = decltype(e);
+    using S = typename E::S;
+    parallel_chunks(tokens, static_cast<std::int64_t>(heads) * p.head_dim, threads,
+                    [&](std::int64_t t0, std::int64_t t1) {
+      std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
+      for (std::int64_t t = t0; t < t1; ++t) {
+        const std::int64_t b = t / p.seqlen, s = t % p.seqlen;
+        const std::int32_t pos = p.positions ? p.positions[t] : static_cast<std::int32_t>(s);
+        for (int i = 0; i < half; ++i) {
+          if (p.cos_sin_cache) {  // validated: 0 <= pos < max_position
+            const float* row = p.cos_sin_cache + static_cast<std::int64_t>(pos) * rot;
+            cs[i] = row[i];
+            sn[i] = row[half + i];
+          } else {
+            const float a = fused::reduced_angle(pos, inv_freq[i]);
+            cs[i] = std::cos(a);
+            sn[i] = std::sin(a);
+          }
+        }
+        for (int which = 0; which < 2; ++which) {
+          const TensorView& in = which == 0 ? p.q : p.k;
+          const TensorView& out_v = which == 0 ? p.q_out : p.k_out;
+          const TensorView& out = out_v.data ? out_v : in;
+          const int nh = which == 0 ? p.heads_q : p.heads_k;
+          const bool copy_tail = out_v.data != nullptr && rot < p.head_dim;
+          for (int h = 0; h < nh; ++h) {
+            const S* src = static_cast<const S*>(in.data) + b * in.batch_stride + s * in.seq_stride + h * in.head_stride;
+            S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
+            rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.style, copy_tail);
+          }
+        }
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+}  // namespace cpu
+}  // namespace flashcpp

@@ -1,0 +1,130 @@
+// Device helpers of the fused kernels: element conversion, N-element register vectors loaded
+// and stored with one instruction (16 bytes for N = 8), masked tails, reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+
+#include "flashcpp/status.h"
+#include "flashcpp/types.h"
+
+namespace flashcpp::cuda::fused {
+
+/// Elements per 16-byte access of a 2-byte type, and the scalar width.
+constexpr int kVec16 = 8;
+constexpr int kScalar = 1;
+
+template <class T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+/// N consecutive elements in registers; N * sizeof(T) bytes, one load/store instruction when the
+/// address is aligned to that size (ld.global.v4.b32 for N = 8).
+template <class T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+/// Loads the n valid elements of a vector at p (n <= N), zero-filling the rest. Full vectors
+/// (n == N) take one aligned access; a row's tail is read element by element, so nothing past
+/// the last element is ever touched. `streaming` marks full 16-byte loads ld.global.cs (evict
+/// first: data read once), a tuning switch (RunOptions::cuda_config "streaming").
+template <class T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p, int n, bool streaming = false) {
+  Vec<T, N> r;
+  if (n >= N) {
+    if constexpr (sizeof(Vec<T, N>) == 16) {
+      if (streaming) {
+        const uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
+        *reinterpret_cast<uint4*>(&r) = u;
+        return r;
+      }
+    }
+    r = *reinterpret_cast<const Vec<T, N>*>(p);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) r.v[i] = i < n ? p[i] : from_float<T>(0.f);
+  }
+  return r;
+}
+
+/// Stores the first n elements of v at p (n <= N); `streaming`: st.global.cs for full vectors.
+template <class T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v, int n, bool streaming = false) {
+  if (n >= N) {
+    if constexpr (sizeof(Vec<T, N>) == 16) {
+      if (streaming) {
+        __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+        return;
+      }
+    }
+    *reinterpret_cast<Vec<T, N>*>(p) = v;
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+      if (i < n) p[i] = v.v[i];
+  }
+}
+
+/// Sum over groups of `width` consecutive lanes (a power of two <= 32); every lane gets its
+/// group's sum. All 32 lanes of the warp must call it.
+__device__ __forceinline__ float group_sum(float v, int width) {
+  for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+/// Sum over the whole block; every thread gets the result. `scratch` holds 32 floats; the
+/// function ends with the scratch still being read, so a caller that reuses it must sync first.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = group_sum(v, 32);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + 31) >> 5;
+  v = lane < warps ? scratch[lane] : 0.f;
+  return group_sum(v, 32);  // every warp reduces the partials itself: no broadcast barrier
+}
+
+/// Type tag for the dispatch below.
+template <class T>
+struct TypeTag {
+  using type = T;
+};
+
+/// Runs f(TypeTag<T>{}) with T the CUDA type of a 16-bit dtype: the one place where the runtime
+/// dtype becomes a template argument of the fused kernels. fp32 never gets here (validation).
+template <class F>
+Status with_half_type(DType dt, F&& f) {
+  switch (dt) {
+    case DType::kBF16: return f(TypeTag<__nv_bfloat16>{});
+    case DType::kF16: return f(TypeTag<__half>{});
+    case DType::kF32: break;
+  }
+  return Status::Internal("the fused CUDA kernels got a dtype other than fp16/bf16");
+}
+
+/// True when p is aligned to `bytes`.
+inline bool aligned(const void* p, std::uintptr_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+/// Status of the launch just made (cudaGetLastError: no synchronization).
+inline Status launch_status(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return Status::Ok();
+  return Status::Cuda(std::string(what) + " launch failed: " + cudaGetErrorString(e));
+}
+
+}  // namespace flashcpp::cuda::fused

@@ -1,0 +1,39 @@
+// Host-side entry points of the fused CUDA kernels (src/cuda/fused/*.cu), called by the one
+// dispatch in src/core/fused_validate.cc after validation. Only defined when
+// FLASHCPP_WITH_CUDA=1. Each launches on `stream`, allocates nothing and never synchronizes.
+#pragma once
+
+#include <string>
+
+#include "flashcpp/fused.h"
+
+namespace flashcpp::cuda {
+
+/// Paths and switches the caller may force (RunOptions::cuda_config tokens "scalar",
+/// "two_pass", "streaming"). They change speed only, never results.
+struct FusedForce {
+  bool scalar = false;     ///< element-wise accesses even when 16-byte vectors would fit
+  bool two_pass = false;   ///< norms: re-read the row instead of keeping it in registers
+  bool streaming = false;  ///< evict-first hints (ld/st.global.cs) on the 16-byte streams
+};
+
+/// The path a launch takes, as a name for tests and `flashcpp info`-style printing, e.g.
+/// "rms_norm vec8 register group=128" or "rotary scalar".
+struct FusedPath {
+  bool vector = false;        ///< 16-byte accesses
+  bool register_row = false;  ///< norms: row held in registers (else two passes)
+  int threads = 0;            ///< threads per block
+  int group = 0;              ///< norms: threads per row
+  std::string name;
+};
+
+FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedForce& force);
+Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& force, Stream stream);
+
+FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force);
+Status silu_and_mul(const SiluMulParams& p, const FusedForce& force, Stream stream);
+
+FusedPath rotary_path(const RopeParams& p, const FusedForce& force);
+Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream);
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,283 @@
+// RMSNorm and fused residual-add + RMSNorm (semantics in include/flashcpp/fused.h).
+//
+// Napkin math (H200, 4.3 TB/s HBM; bytes that must move, bf16):
+//   fused_add_rms_norm 8192 x 4096: read x + read residual + write residual + write y
+//     = 4 * 8192 * 4096 * 2 B = 268.4 MB -> floor 62.4 us (weight: 8 KB, L2-resident)
+//     anchors: eager PyTorch 497 us, torch.compile 72.3 us. Bar: <= 72.3 us (1.0x compile,
+//     also 86% of the floor), 1.8x eager = 276 us is then met with room.
+//   rms_norm 8192 x 4096: read x + write y = 134.2 MB -> floor 31.2 us.
+//   FLOPs are ~5 per element: nothing here is compute bound; the work is keeping enough
+//   16-byte loads in flight (Little: ~16 B/cycle/SM x ~1000 cycles of latency = ~16 KB/SM).
+//
+// Two kernels, each instantiated for {bf16, fp16} x {16-byte vectors, scalar} (8 in all):
+//   register   hidden <= kRegisterMaxHidden (8192). The row lives in registers between the load
+//              and the store: each thread holds kSlots vectors (4 x 8 elements, or 8 scalars),
+//              kept as the packed, ROUNDED h (what residual_out receives, and what y is computed
+//              from). Small rows (<= 32 threads' worth, e.g. per-head QK-norm at 128) are given
+//              a power-of-two group of lanes inside a warp and reduce with shuffles; bigger rows
+//              get a block per row and a two-level (shuffle + shared memory) reduction.
+//   two_pass   any hidden: a block per row; pass 1 forms h (writing residual_out) and the sum of
+//              squares, pass 2 re-reads h (from residual_out, or x) and writes y. The re-read
+//              hits L1/L2 (a row is at most a few hundred KB), so DRAM traffic stays at the floor;
+//              the cost is the second round of load latency.
+// Every thread touches the same elements in both halves of the work, so the in-place forms
+// (y == x, residual_out == residual) are safe: each element is read before it is written, by
+// the thread that writes it.
+//
+// Where it falls off: rows whose start is not 16-byte aligned (odd hidden with a contiguous
+// layout, e.g. 4097) take the scalar kernels, 8x more memory instructions; expect roughly half
+// the bandwidth there. hidden > 8192 takes two_pass.
+#include <algorithm>
+
+#include "cuda/fused/fused_common.cuh"
+#include "cuda/fused/fused_launch.h"
+
+namespace flashcpp::cuda {
+namespace fused {
+namespace {
+
+constexpr int kRegisterMaxHidden = 8192;
+constexpr int kGroupBlockThreads = 128;  // register kernel, rows of <= 32 threads: rows per block = 128 / group
+constexpr int kTwoPassThreads = 512;
+
+/// Register slots per thread and the block size bound of the register kernel, per width.
+template <int VEC>
+struct RegisterConfig {
+  static constexpr int kSlots = VEC == kVec16 ? 4 : 8;
+  static constexpr int kMaxThreads = kRegisterMaxHidden / (VEC * kSlots);  // 256 or 1024
+  static_assert(kMaxThreads % 32 == 0 && kMaxThreads <= 1024, "one block must hold the largest register row");
+};
+
+/// Kernel arguments (passed as one __grid_constant__ struct).
+struct NormArgs {
+  const void* x = nullptr;
+  const void* residual = nullptr;  ///< null: plain rms_norm
+  void* residual_out = nullptr;
+  const void* weight = nullptr;
+  void* y = nullptr;
+  std::int64_t x_stride = 0, r_stride = 0, ro_stride = 0, y_stride = 0;
+  int rows = 0, hidden = 0;
+  int nvec = 0;   ///< ceil(hidden / VEC)
+  int group = 0;  ///< register kernel: threads per row, a power of two <= 32, or > 32 = the whole block
+  float eps = 0.f, inv_hidden = 0.f;
+  bool streaming = false;  ///< evict-first hints on data touched once (not on weight or re-read rows)
+};
+
+/// Elements of vector v inside a row of `hidden` elements (VEC, or fewer for the tail).
+template <int VEC>
+__device__ __forceinline__ int valid_in(int v, int hidden) {
+  return min(VEC, hidden - v * VEC);
+}
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(RegisterConfig<VEC>::kMaxThreads)
+    rms_norm_register_kernel(const __grid_constant__ NormArgs a) {
+  constexpr int kSlots = RegisterConfig<VEC>::kSlots;
+  __shared__ float scratch[32];
+  const bool whole_block = a.group > 32;  // uniform over the block
+  const int lane = whole_block ? threadIdx.x : (threadIdx.x & (a.group - 1));
+  const int step = whole_block ? blockDim.x : a.group;  // vectors between a thread's slots
+  const std::int64_t row =
+      whole_block ? blockIdx.x : static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / a.group) + threadIdx.x / a.group;
+  // A group past the last row still runs the shuffles (all 32 lanes must), with no memory access.
+  const bool live = row < a.rows;
+  const bool has_res = a.residual != nullptr;
+  const T* x = static_cast<const T*>(a.x) + (live ? row * a.x_stride : 0);
+  const T* res = static_cast<const T*>(a.residual) + (live && has_res ? row * a.r_stride : 0);
+
+  // 1. Issue every load of the row (x and residual) before any arithmetic.
+  Vec<T, VEC> xv[kSlots], rv[kSlots];
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int v = lane + k * step;
+    const int n = live && v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+    if (n > 0) {
+      xv[k] = load_vec<T, VEC>(x + v * VEC, n, a.streaming);
+      if (has_res) rv[k] = load_vec<T, VEC>(res + v * VEC, n, a.streaming);
+    }
+  }
+  // 2. h = round(x + r), kept packed; sum of squares of the rounded values.
+  Vec<T, VEC> h[kSlots];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int v = lane + k * step;
+    const int n = live && v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float f = 0.f;
+      if (n > 0) {
+        f = to_float(xv[k].v[i]);
+        if (has_res) {
+          h[k].v[i] = from_float<T>(f + to_float(rv[k].v[i]));
+          f = to_float(h[k].v[i]);
+        } else {
+          h[k].v[i] = xv[k].v[i];
+        }
+      } else {
+        h[k].v[i] = from_float<T>(0.f);
+      }
+      ss += f * f;  // zero-filled tail elements add nothing
+    }
+  }
+  // 3. residual_out, then the weight loads (L1/L2 hits), whose latency overlaps the reduction.
+  //    After the stores, so x/r/w are never all live at once (fewer registers).
+  if (has_res && live) {
+    T* ro = static_cast<T*>(a.residual_out) + row * a.ro_stride;
+#pragma unroll
+    for (int k = 0; k < kSlots; ++k) {
+      const int v = lane + k * step;
+      const int n = v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+      if (n > 0) store_vec<T, VEC>(ro + v * VEC, h[k], n, a.streaming);
+    }
+  }
+  Vec<T, VEC> w[kSlots];
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int v = lane + k * step;
+    const int n = live && v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+    if (n > 0) w[k] = load_vec<T, VEC>(static_cast<const T*>(a.weight) + v * VEC, n);
+  }
+  // 4. Reduce, then y = (h * rstd) * w.
+  ss = whole_block ? block_sum(ss, scratch) : group_sum(ss, a.group);
+  const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
+  if (!live) return;
+  T* y = static_cast<T*>(a.y) + row * a.y_stride;
+#pragma unroll
+  for (int k = 0; k < kSlots; ++k) {
+    const int v = lane + k * step;
+    const int n = v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+    if (n > 0) {
+      Vec<T, VEC> o;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h[k].v[i]) * rstd * to_float(w[k].v[i]));
+      store_vec<T, VEC>(y + v * VEC, o, n, a.streaming);
+    }
+  }
+}
+
+template <class T, int VEC>
+__global__ void __launch_bounds__(kTwoPassThreads) rms_norm_two_pass_kernel(const __grid_constant__ NormArgs a) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const bool has_res = a.residual != nullptr;
+  const T* x = static_cast<const T*>(a.x) + row * a.x_stride;
+  const T* res = has_res ? static_cast<const T*>(a.residual) + row * a.r_stride : nullptr;
+  T* ro = has_res ? static_cast<T*>(a.residual_out) + row * a.ro_stride : nullptr;
+  // Pass 1: h and the sum of squares (h written to residual_out).
+  float ss = 0.f;
+  for (int v = threadIdx.x; v < a.nvec; v += blockDim.x) {
+    const int n = valid_in<VEC>(v, a.hidden);
+    Vec<T, VEC> h = load_vec<T, VEC>(x + v * VEC, n);
+    if (has_res) {
+      const Vec<T, VEC> r = load_vec<T, VEC>(res + v * VEC, n, a.streaming);  // read once
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) h.v[i] = from_float<T>(to_float(h.v[i]) + to_float(r.v[i]));
+      store_vec<T, VEC>(ro + v * VEC, h, n);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ss += to_float(h.v[i]) * to_float(h.v[i]);  // tail lanes are 0
+  }
+  ss = block_sum(ss, scratch);
+  const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
+  // Pass 2: re-read h (this thread's own elements: program order makes its writes visible).
+  const T* hsrc = has_res ? ro : x;
+  T* y = static_cast<T*>(a.y) + row * a.y_stride;
+  for (int v = threadIdx.x; v < a.nvec; v += blockDim.x) {
+    const int n = valid_in<VEC>(v, a.hidden);
+    const Vec<T, VEC> h = load_vec<T, VEC>(hsrc + v * VEC, n);
+    const Vec<T, VEC> w = load_vec<T, VEC>(static_cast<const T*>(a.weight) + v * VEC, n);
+    Vec<T, VEC> o;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * rstd * to_float(w.v[i]));
+    store_vec<T, VEC>(y + v * VEC, o, n, a.streaming);
+  }
+}
+
+int round_up(int a, int b) { return (a + b - 1) / b * b; }
+int next_pow2(int a) {
+  int p = 1;
+  while (p < a) p <<= 1;
+  return p;
+}
+
+/// 16-byte accesses need every pointer 16-byte aligned and every row stride a multiple of 8.
+bool vector_ok(const RmsNormParams& p, bool with_residual) {
+  auto ok = [&](const void* ptr, std::int64_t stride) {
+    return aligned(ptr, 16) && (p.rows <= 1 || stride % kVec16 == 0);
+  };
+  return ok(p.x.data, p.x.row_stride) && ok(p.y.data, p.y.row_stride) && aligned(p.weight, 16) &&
+         (!with_residual || (ok(p.residual.data, p.residual.row_stride) &&
+                             ok(p.residual_out.data, p.residual_out.row_stride)));
+}
+
+}  // namespace
+}  // namespace fused
+
+FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedForce& force) {
+  using namespace fused;
+  FusedPath path;
+  path.vector = !force.scalar && vector_ok(p, with_residual);
+  const int vec = path.vector ? kVec16 : kScalar;
+  const int nvec = static_cast<int>((p.hidden + vec - 1) / vec);
+  path.register_row = !force.two_pass && p.hidden <= kRegisterMaxHidden;
+  if (path.register_row) {
+    const int slots = path.vector ? RegisterConfig<kVec16>::kSlots : RegisterConfig<kScalar>::kSlots;
+    const int need = (nvec + slots - 1) / slots;  // threads per row
+    if (need <= 32) {
+      path.group = next_pow2(need);
+      path.threads = kGroupBlockThreads;
+    } else {
+      path.threads = path.group = round_up(need, 32);
+    }
+  } else {
+    path.threads = std::min(kTwoPassThreads, round_up(nvec, 32));
+    path.group = path.threads;
+  }
+  path.name = std::string(with_residual ? "fused_add_rms_norm" : "rms_norm") + (path.vector ? " vec8" : " scalar") +
+              (path.register_row ? " register" : " two_pass") + " threads=" + std::to_string(path.threads) +
+              " group=" + std::to_string(path.group) + (force.streaming ? " streaming" : "");
+  return path;
+}
+
+Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& force, Stream stream) {
+  using namespace fused;
+  const FusedPath path = rms_norm_path(p, with_residual, force);
+  const int vec = path.vector ? kVec16 : kScalar;
+  NormArgs a;
+  a.x = p.x.data;
+  a.residual = with_residual ? p.residual.data : nullptr;
+  a.residual_out = with_residual ? p.residual_out.data : nullptr;
+  a.weight = p.weight;
+  a.y = p.y.data;
+  a.x_stride = p.x.row_stride;
+  a.r_stride = with_residual ? p.residual.row_stride : 0;
+  a.ro_stride = with_residual ? p.residual_out.row_stride : 0;
+  a.y_stride = p.y.row_stride;
+  a.rows = static_cast<int>(p.rows);
+  a.hidden = static_cast<int>(p.hidden);
+  a.nvec = static_cast<int>((p.hidden + vec - 1) / vec);
+  a.group = path.group;
+  a.eps = p.eps;
+  a.inv_hidden = static_cast<float>(1.0 / static_cast<double>(p.hidden));
+  a.streaming = force.streaming;
+  const int rows_per_block = path.register_row && path.group <= 32 ? path.threads / path.group : 1;
+  const unsigned grid = static_cast<unsigned>((p.rows + rows_per_block - 1) / rows_per_block);
+  return with_half_type(p.x.dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (path.register_row) {
+      if (path.vector)
+        rms_norm_register_kernel<T, kVec16><<<grid, path.threads, 0, stream>>>(a);
+      else
+        rms_norm_register_kernel<T, kScalar><<<grid, path.threads, 0, stream>>>(a);
+    } else {
+      if (path.vector)
+        rms_norm_two_pass_kernel<T, kVec16><<<grid, path.threads, 0, stream>>>(a);
+      else
+        rms_norm_two_pass_kernel<T, kScalar><<<grid, path.threads, 0, stream>>>(a);
+    }
+    return launch_status("rms_norm");
+  });
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,602 @@
+// GPU tests of the fused kernels (src/cuda/fused/) against fp64 references computed on the host
+// from the same inputs, at the DESIGN sizes and odd ones, on every path (16-byte vectors,
+// scalar, register row, two-pass), with misaligned and strided views. Every device buffer has
+// guard elements around the view and is poisoned with NaN (0xFFFF) before the call: an element
+// the kernel forgets to write stays NaN, and an element it writes outside the view (padding
+// between rows, the guards) changes and fails the test.
+//
+// Tolerance as in tests/cpu/test_fused.cc: |out - ref| <= 1e-3 + 1e-3 |ref| + half an ulp of the
+// output dtype at |ref|; the updated residual is compared bit for bit with round_T(x + r).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/fused/fused_launch.h"
+#include "flashcpp/fused.h"
+#include "gpu_util.h"
+
+namespace flashcpp::testing {
+namespace {
+
+constexpr std::uint16_t kPoison = 0xFFFF;  // NaN in fp16 and bf16
+constexpr std::int64_t kGuard = 64;        // elements before and after every view
+
+double half_ulp(DType dt, double ref) {
+  return std::ldexp(std::fabs(ref), dt == DType::kBF16 ? -8 : -11);
+}
+
+float round_to(DType dt, float v) {
+  return dt == DType::kBF16 ? bf16_bits_to_float(float_to_bf16_bits(v)) : half_bits_to_float(float_to_half_bits(v));
+}
+
+std::uint16_t to_bits(DType dt, float v) { return dt == DType::kBF16 ? float_to_bf16_bits(v) : float_to_half_bits(v); }
+
+/// A device buffer of 16-bit elements with kGuard poisoned elements on each side of `n` elements
+/// that start `offset` elements after a 256-byte aligned address (offset 1 misaligns vectors).
+struct Guarded {
+  std::int64_t n, offset;
+  DeviceBuffer buf;
+  std::vector<std::uint16_t> host;  // the whole buffer, guards included
+  Guarded(std::int64_t n_, std::int64_t offset_ = 0)
+      : n(n_), offset(offset_), buf(static_cast<std::size_t>(n_ + 2 * kGuard + offset_) * 2),
+        host(static_cast<std::size_t>(n_ + 2 * kGuard + offset_), kPoison) {}
+  std::int64_t base() const { return kGuard + offset; }
+  void* data() { return static_cast<std::uint16_t*>(buf.ptr) + base(); }
+  std::uint16_t& at(std::int64_t i) { return host[static_cast<std::size_t>(base() + i)]; }
+  float get(DType dt, std::int64_t i) const { return bits_to_float(host[static_cast<std::size_t>(base() + i)], dt); }
+  void fill_random(DType dt, std::mt19937_64& g, float stddev = 1.f) {
+    std::normal_distribution<float> d(0.f, stddev);
+    for (std::int64_t i = 0; i < n; ++i) at(i) = to_bits(dt, d(g));
+  }
+  bool upload() { return cudaMemcpy(buf.ptr, host.data(), host.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess; }
+  bool download() { return cudaMemcpy(host.data(), buf.ptr, host.size() * 2, cudaMemcpyDeviceToHost) == cudaSuccess; }
+  /// Elements outside the view (and outside `written`) that are not the poison any more.
+  std::int64_t guards_changed() const {
+    std::int64_t c = 0;
+    for (std::int64_t i = 0; i < base(); ++i) c += host[static_cast<std::size_t>(i)] != kPoison;
+    for (std::size_t i = static_cast<std::size_t>(base() + n); i < host.size(); ++i) c += host[i] != kPoison;
+    return c;
+  }
+};
+
+/// Host copy of a Guarded buffer's contents (the inputs before the call).
+struct Snap {
+  std::vector<std::uint16_t> host;
+  std::int64_t base = 0;
+  explicit Snap(const Guarded& g) : host(g.host), base(g.base()) {}
+  std::uint16_t at(std::int64_t i) const { return host[static_cast<std::size_t>(base + i)]; }
+  float get(DType dt, std::int64_t i) const { return bits_to_float(at(i), dt); }
+};
+
+struct Compare {
+  DType dt;
+  double max_abs = 0, worst_ratio = 0;
+  std::int64_t bad = 0, nan = 0, n = 0, first_bad = -1;
+  void add(std::int64_t idx, double got, double ref) {
+    ++n;
+    if (std::isnan(got) != std::isnan(ref)) {
+      ++nan;
+      if (first_bad < 0) first_bad = idx;
+      return;
+    }
+    if (std::isnan(ref)) return;
+    const double err = std::fabs(got - ref), tol = 1e-3 + 1e-3 * std::fabs(ref) + half_ulp(dt, ref);
+    max_abs = std::max(max_abs, err);
+    worst_ratio = std::max(worst_ratio, err / tol);
+    if (err > tol) {
+      ++bad;
+      if (first_bad < 0) first_bad = idx;
+    }
+  }
+  ::testing::AssertionResult ok() const {
+    if (bad == 0 && nan == 0) return ::testing::AssertionSuccess() << "max abs err " << max_abs;
+    return ::testing::AssertionFailure() << bad << " of " << n << " out of tolerance, " << nan
+                                         << " NaN mismatches (first at " << first_bad << "), max abs err " << max_abs
+                                         << ", worst err/tol " << worst_ratio;
+  }
+};
+
+RunOptions cuda_opt(const std::string& config, Stream stream = nullptr) {
+  RunOptions o;
+  o.backend = Backend::kCuda;
+  o.cuda_config = config;
+  o.stream = stream;
+  return o;
+}
+
+// ---- RMSNorm -----------------------------------------------------------------------------
+
+struct NormCase {
+  std::int64_t rows, hidden;
+  DType dt = DType::kBF16;
+  bool residual = true;
+  std::int64_t pad = 0;       // row_stride = hidden + pad
+  std::int64_t misalign = 0;  // element offset of every tensor from a 16-byte boundary
+  bool in_place = false;
+  std::string config;  // "", "scalar", "two_pass", "scalar,two_pass"
+};
+
+std::string describe(const NormCase& c) {
+  return std::to_string(c.rows) + "x" + std::to_string(c.hidden) + " " + dtype_name(c.dt) +
+         (c.residual ? " +res" : "") + " pad" + std::to_string(c.pad) + " mis" + std::to_string(c.misalign) +
+         (c.in_place ? " in-place" : "") + " cfg '" + c.config + "'";
+}
+
+void run_norm(const NormCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+  const std::int64_t ld = c.hidden + c.pad, n = (c.rows - 1) * ld + c.hidden;
+  Guarded x(n, c.misalign), r(n, c.misalign), ro(n, c.misalign), y(n, c.misalign), w(c.hidden, c.misalign);
+  x.fill_random(c.dt, g, 2.f);
+  r.fill_random(c.dt, g, 2.f);
+  w.fill_random(c.dt, g);
+  const Snap x0h(x), r0h(r);
+  ASSERT_TRUE(x.upload() && r.upload() && ro.upload() && y.upload() && w.upload());
+  RmsNormParams p;
+  p.rows = c.rows;
+  p.hidden = c.hidden;
+  p.eps = 1e-6f;
+  p.x = MatrixView{x.data(), c.dt, ld};
+  p.y = c.in_place ? p.x : MatrixView{y.data(), c.dt, ld};
+  p.weight = w.data();
+  if (c.residual) {
+    p.residual = MatrixView{r.data(), c.dt, ld};
+    p.residual_out = c.in_place ? p.residual : MatrixView{ro.data(), c.dt, ld};
+  }
+  const RunOptions opt = cuda_opt(c.config);
+  const Status st = c.residual ? fused_add_rms_norm(p, opt) : rms_norm(p, opt);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(x.download() && r.download() && ro.download() && y.download());
+  Guarded& yb = c.in_place ? x : y;
+  Guarded& hb = c.in_place ? r : ro;
+  Compare cmp{c.dt};
+  std::int64_t h_bad = 0;
+  std::vector<double> h(static_cast<std::size_t>(c.hidden));
+  for (std::int64_t row = 0; row < c.rows; ++row) {
+    double ss = 0;
+    for (std::int64_t j = 0; j < c.hidden; ++j) {
+      const std::int64_t i = row * ld + j;
+      h[j] = c.residual ? round_to(c.dt, x0h.get(c.dt, i) + r0h.get(c.dt, i)) : x0h.get(c.dt, i);
+      ss += h[j] * h[j];
+      if (c.residual && hb.get(c.dt, i) != static_cast<float>(h[j])) ++h_bad;
+    }
+    const double rstd = 1.0 / std::sqrt(ss / c.hidden + 1e-6);
+    for (std::int64_t j = 0; j < c.hidden; ++j) cmp.add(row * ld + j, yb.get(c.dt, row * ld + j), h[j] * rstd * w.get(c.dt, j));
+  }
+  EXPECT_TRUE(cmp.ok());
+  EXPECT_EQ(h_bad, 0) << "residual_out differs from round(x + residual)";
+  if (!c.in_place) {
+    EXPECT_EQ(y.guards_changed(), 0);
+    if (c.residual) EXPECT_EQ(ro.guards_changed(), 0);
+    std::int64_t pad_written = 0;
+    for (std::int64_t row = 0; row + 1 < c.rows; ++row)
+      for (std::int64_t j = c.hidden; j < ld; ++j) pad_written += y.at(row * ld + j) != kPoison;
+    EXPECT_EQ(pad_written, 0);
+  }
+}
+
+TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
+  std::uint64_t salt = 1;
+  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass"}) run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
+  run_norm({8192, 4096, DType::kF16, true}, salt++);
+  run_norm({8192, 4096, DType::kBF16, false}, salt++);
+}
+
+TEST(FusedGpuRmsNorm, OddSizes) {
+  std::uint64_t salt = 100;
+  const std::int64_t shapes[][2] = {{1, 1}, {3, 8}, {5, 127}, {17, 4097}, {7, 128}, {1000, 64}, {33, 8192},
+                                    {4, 8193}, {2, 20000}, {3, 24}, {9, 40}};
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (const auto& s : shapes)
+      for (bool res : {false, true})
+        for (const char* cfg : {"", "two_pass"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
+}
+
+TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
+  std::uint64_t salt = 300;
+  run_norm({64, 4096, DType::kBF16, true, 8}, salt++);     // aligned padding: vector path
+  run_norm({64, 4096, DType::kBF16, true, 3}, salt++);     // odd row stride: scalar path
+  run_norm({64, 4096, DType::kBF16, true, 0, 1}, salt++);  // pointers 2 bytes off
+  run_norm({64, 1000, DType::kF16, false, 5, 3}, salt++);
+  run_norm({64, 4096, DType::kBF16, true, 0, 0, true}, salt++);  // y == x, residual_out == residual
+  run_norm({64, 4097, DType::kBF16, true, 0, 0, true, "two_pass"}, salt++);
+  run_norm({64, 12000, DType::kF16, false, 16, 0, true}, salt++);
+}
+
+// ---- SwiGLU ------------------------------------------------------------------------------
+
+struct SiluCase {
+  std::int64_t rows, d;
+  DType dt = DType::kBF16;
+  bool fused = true;
+  std::int64_t misalign = 0;
+  bool in_place = false;  // out = gate
+  std::string config;
+};
+
+void run_silu(const SiluCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(std::to_string(c.rows) + "x" + std::to_string(c.d) + " " + dtype_name(c.dt) +
+               (c.fused ? " fused" : " two") + " mis" + std::to_string(c.misalign) + (c.in_place ? " in-place" : "") +
+               " cfg '" + c.config + "'");
+  std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+  const std::int64_t nin = c.rows * c.d;
+  Guarded x(c.fused ? 2 * nin : 0, c.misalign), gate(c.fused ? 0 : nin, c.misalign), up(c.fused ? 0 : nin, c.misalign);
+  Guarded out(nin, c.misalign);
+  x.fill_random(c.dt, g, 3.f);
+  gate.fill_random(c.dt, g, 3.f);
+  up.fill_random(c.dt, g, 3.f);
+  const Snap x0(x), g0(gate), u0(up);
+  ASSERT_TRUE(x.upload() && gate.upload() && up.upload() && out.upload());
+  SiluMulParams p;
+  if (c.fused) {
+    const MatrixView o = c.in_place ? MatrixView{x.data(), c.dt, 2 * c.d} : contiguous_matrix(out.data(), c.dt, c.d);
+    p = SiluMulParams::from_fused(x.data(), c.dt, c.rows, c.d, 2 * c.d, o);
+  } else {
+    p.rows = c.rows;
+    p.d = c.d;
+    p.gate = contiguous_matrix(gate.data(), c.dt, c.d);
+    p.up = contiguous_matrix(up.data(), c.dt, c.d);
+    p.out = c.in_place ? p.gate : contiguous_matrix(out.data(), c.dt, c.d);
+  }
+  const Status st = silu_and_mul(p, cuda_opt(c.config));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(x.download() && gate.download() && out.download());
+  Compare cmp{c.dt};
+  std::int64_t up_changed = 0;
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    for (std::int64_t j = 0; j < c.d; ++j) {
+      const double gv = c.fused ? x0.get(c.dt, r * 2 * c.d + j) : g0.get(c.dt, r * c.d + j);
+      const double uv = c.fused ? x0.get(c.dt, r * 2 * c.d + c.d + j) : u0.get(c.dt, r * c.d + j);
+      double got;
+      if (c.in_place) got = c.fused ? x.get(c.dt, r * 2 * c.d + j) : gate.get(c.dt, r * c.d + j);
+      else got = out.get(c.dt, r * c.d + j);
+      cmp.add(r * c.d + j, got, gv / (1.0 + std::exp(-gv)) * uv);
+      if (c.fused) up_changed += x.at(r * 2 * c.d + c.d + j) != x0.at(r * 2 * c.d + c.d + j);
+    }
+  EXPECT_TRUE(cmp.ok());
+  EXPECT_EQ(up_changed, 0);
+  if (!c.in_place) EXPECT_EQ(out.guards_changed(), 0);
+}
+
+TEST(FusedGpuSwiglu, DesignSizeBothForms) {
+  run_silu({8192, 14336, DType::kBF16, true}, 1);
+  run_silu({8192, 14336, DType::kBF16, false}, 2);
+  run_silu({8192, 14336, DType::kF16, true, 0, false, "scalar"}, 3);
+}
+
+TEST(FusedGpuSwiglu, OddSizesMisalignedInPlace) {
+  std::uint64_t salt = 100;
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (std::int64_t d : {1, 8, 13, 4097, 14336})
+      for (bool fused : {false, true}) run_silu({5, d, dt, fused}, salt++);
+  run_silu({70000, 8, DType::kBF16, true}, salt++);  // more rows than gridDim.y: grid-stride
+  run_silu({64, 4096, DType::kBF16, false, 1}, salt++);
+  run_silu({64, 4096, DType::kBF16, true, 0, true}, salt++);
+  run_silu({64, 4100, DType::kF16, false, 0, true}, salt++);
+}
+
+// ---- rotary ------------------------------------------------------------------------------
+
+struct RopeCase {
+  int batch = 4, seqlen = 4096, hq = 32, hk = 0, head_dim = 128, rot = 0;
+  RopeStyle style = RopeStyle::kNeox;
+  DType dt = DType::kBF16;
+  bool positions = false;
+  int max_pos = 131072;
+  bool out_of_place = false;
+  bool packed_qkv = false;
+  bool cache = false;
+  bool out_of_range = false;  // with a cache: make some positions invalid (expect NaN)
+  Llama3Scaling llama3{};
+  double theta = 10000.0;
+  std::int64_t misalign = 0;
+  std::string config;
+};
+
+std::string describe(const RopeCase& c) {
+  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seqlen) + " hq" + std::to_string(c.hq) + " hk" +
+         std::to_string(c.hk) + " d" + std::to_string(c.head_dim) + " rot" + std::to_string(c.rot) + " " +
+         rope_style_name(c.style) + " " + dtype_name(c.dt) + (c.positions ? " pos" : " arange") +
+         (c.out_of_place ? " out" : "") + (c.packed_qkv ? " qkv" : "") + (c.cache ? " cache" : "") +
+         (c.llama3.enabled() ? " llama3" : "") + " mis" + std::to_string(c.misalign) + " cfg '" + c.config + "'";
+}
+
+double inv_freq_direct(int i, int rot, double theta, const Llama3Scaling& s) {
+  double f = 1.0 / std::pow(theta, 2.0 * i / rot);
+  if (!s.enabled()) return f;
+  const double pi = 3.14159265358979323846, wavelen = 2 * pi / f;
+  const double low = s.original_max_position / static_cast<double>(s.low_freq_factor);
+  const double high = s.original_max_position / static_cast<double>(s.high_freq_factor);
+  if (wavelen < high) return f;
+  if (wavelen > low) return f / s.factor;
+  const double a = (s.original_max_position / wavelen - s.low_freq_factor) /
+                   (static_cast<double>(s.high_freq_factor) - s.low_freq_factor);
+  return (1 - a) * f / s.factor + a * f;
+}
+
+void run_rope(const RopeCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+  const int d = c.head_dim, rot = c.rot ? c.rot : d, half = rot / 2;
+  const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen;
+  const int hqkv = c.hq + 2 * c.hk;
+  Guarded qkv(c.packed_qkv ? tokens * hqkv * d : 0, c.misalign);
+  Guarded q(c.packed_qkv ? 0 : tokens * c.hq * d, c.misalign), k(c.packed_qkv ? 0 : tokens * c.hk * d, c.misalign);
+  Guarded qo(c.out_of_place ? tokens * c.hq * d : 0, c.misalign), ko(c.out_of_place ? tokens * c.hk * d : 0, c.misalign);
+  qkv.fill_random(c.dt, g);
+  q.fill_random(c.dt, g);
+  k.fill_random(c.dt, g);
+  const Snap qkv0(qkv), q0(q), k0(k);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens));
+  std::uniform_int_distribution<std::int32_t> pd(0, c.max_pos - 1);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    pos[t] = c.positions ? pd(g) : static_cast<std::int32_t>(t % c.seqlen);
+    if (c.out_of_range && t % 5 == 3) pos[t] = (t % 2) ? c.max_pos + static_cast<std::int32_t>(t) : -1 - static_cast<std::int32_t>(t);
+  }
+  std::vector<float> cache;
+  if (c.cache) {
+    cache.resize(static_cast<std::size_t>(c.max_pos) * rot);
+    for (int p = 0; p < c.max_pos; ++p)
+      for (int i = 0; i < half; ++i) {
+        const double a = p * inv_freq_direct(i, rot, c.theta, c.llama3);
+        cache[static_cast<std::size_t>(p) * rot + i] = static_cast<float>(std::cos(a));
+        cache[static_cast<std::size_t>(p) * rot + half + i] = static_cast<float>(std::sin(a));
+      }
+  }
+  DeviceBuffer dpos(pos.size() * 4), dcache(cache.size() * 4);
+  CUDA_OK(cudaMemcpy(dpos.ptr, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+  if (c.cache) CUDA_OK(cudaMemcpy(dcache.ptr, cache.data(), cache.size() * 4, cudaMemcpyHostToDevice));
+  ASSERT_TRUE(qkv.upload() && q.upload() && k.upload() && qo.upload() && ko.upload());
+
+  RopeParams p;
+  p.batch = c.batch;
+  p.seqlen = c.seqlen;
+  p.heads_q = c.hq;
+  p.heads_k = c.hk;
+  p.head_dim = d;
+  p.rotary_dim = c.rot;
+  p.style = c.style;
+  p.theta = c.theta;
+  p.llama3 = c.llama3;
+  p.positions = (c.positions || c.out_of_range) ? static_cast<const std::int32_t*>(dpos.ptr) : nullptr;
+  if (c.cache) {
+    p.cos_sin_cache = static_cast<const float*>(dcache.ptr);
+    p.max_position = c.max_pos;
+  }
+  if (c.packed_qkv) {
+    p.q = TensorView{qkv.data(), c.dt, c.seqlen * hqkv * d, hqkv * d, d};
+    p.k = TensorView{static_cast<std::uint16_t*>(qkv.data()) + c.hq * d, c.dt, c.seqlen * hqkv * d, hqkv * d, d};
+  } else {
+    p.q = bshd_view(q.data(), c.dt, c.seqlen, c.hq, d);
+    p.k = bshd_view(k.data(), c.dt, c.seqlen, c.hk, d);
+  }
+  if (c.out_of_place) {
+    p.q_out = bshd_view(qo.data(), c.dt, c.seqlen, c.hq, d);
+    p.k_out = bshd_view(ko.data(), c.dt, c.seqlen, c.hk, d);
+  }
+  const Status st = apply_rotary(p, cuda_opt(c.config));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(qkv.download() && q.download() && k.download() && qo.download() && ko.download());
+
+  Compare cmp{c.dt};
+  std::int64_t v_changed = 0;
+  std::vector<double> cs(half), sn(half), ref(d);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const std::int32_t pp = pos[t];
+    const bool bad_pos = c.cache && (pp < 0 || pp >= c.max_pos);
+    for (int i = 0; i < half; ++i) {
+      if (bad_pos) {
+        cs[i] = sn[i] = NAN;
+      } else if (c.cache) {
+        cs[i] = cache[static_cast<std::size_t>(pp) * rot + i];
+        sn[i] = cache[static_cast<std::size_t>(pp) * rot + half + i];
+      } else {
+        const double a = pp * inv_freq_direct(i, rot, c.theta, c.llama3);
+        cs[i] = std::cos(a);
+        sn[i] = std::sin(a);
+      }
+    }
+    for (int w = 0; w < 2; ++w) {
+      const int nh = w == 0 ? c.hq : c.hk;
+      for (int h = 0; h < nh; ++h) {
+        const std::int64_t in_idx = c.packed_qkv ? (t * hqkv + (w == 0 ? h : c.hq + h)) * d : (t * nh + h) * d;
+        const Snap& in0 = c.packed_qkv ? qkv0 : (w == 0 ? q0 : k0);
+        const Guarded& outb = c.out_of_place ? (w == 0 ? qo : ko) : (c.packed_qkv ? qkv : (w == 0 ? q : k));
+        const std::int64_t out_idx = c.out_of_place ? (t * nh + h) * d : in_idx;
+        for (int j = 0; j < d; ++j) ref[j] = in0.get(c.dt, in_idx + j);
+        for (int i = 0; i < half; ++i) {
+          const int ia = c.style == RopeStyle::kNeox ? i : 2 * i, ib = c.style == RopeStyle::kNeox ? i + half : 2 * i + 1;
+          const double a0 = in0.get(c.dt, in_idx + ia), b0 = in0.get(c.dt, in_idx + ib);
+          ref[ia] = a0 * cs[i] - b0 * sn[i];
+          ref[ib] = b0 * cs[i] + a0 * sn[i];
+        }
+        for (int j = 0; j < d; ++j) cmp.add(out_idx + j, outb.get(c.dt, out_idx + j), ref[j]);
+      }
+    }
+    if (c.packed_qkv)
+      for (int h = c.hq + c.hk; h < hqkv; ++h)
+        for (int j = 0; j < d; ++j) {
+          const std::int64_t i = (t * hqkv + h) * d + j;
+          v_changed += qkv.at(i) != qkv0.at(i);
+        }
+  }
+  EXPECT_TRUE(cmp.ok());
+  EXPECT_EQ(v_changed, 0);
+  EXPECT_EQ(qkv.guards_changed() + q.guards_changed() + k.guards_changed() + qo.guards_changed() + ko.guards_changed(), 0);
+}
+
+TEST(FusedGpuRotary, DesignSize) {
+  run_rope({}, 1);  // (4, 4096, 32, 128) q only, neox, arange positions
+  RopeCase c;
+  c.hk = 8;
+  c.positions = true;
+  c.theta = 500000.0;
+  c.llama3 = Llama3Scaling{8.f, 1.f, 4.f, 8192};
+  run_rope(c, 2);
+  c.style = RopeStyle::kInterleaved;
+  c.out_of_place = true;
+  c.config = "scalar";
+  run_rope(c, 3);
+}
+
+TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
+  std::uint64_t salt = 100;
+  for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
+    for (DType dt : {DType::kBF16, DType::kF16})
+      for (int rot : {0, 64, 32, 24, 2})
+        for (bool oop : {false, true}) {
+          RopeCase c;
+          c.batch = 2;
+          c.seqlen = 37;
+          c.hq = 6;
+          c.hk = 2;
+          c.style = st;
+          c.dt = dt;
+          c.rot = rot;
+          c.positions = true;
+          c.out_of_place = oop;
+          run_rope(c, salt++);
+        }
+  RopeCase c;
+  c.batch = 3;
+  c.seqlen = 11;
+  c.hq = 5;
+  c.hk = 1;
+  c.head_dim = 10;
+  c.rot = 6;
+  run_rope(c, salt++);
+  c.head_dim = 80;
+  c.rot = 32;
+  c.out_of_place = true;
+  run_rope(c, salt++);
+  c = RopeCase{};
+  c.batch = 2;
+  c.seqlen = 100;
+  c.hq = 8;
+  c.hk = 2;
+  c.packed_qkv = true;
+  c.positions = true;
+  run_rope(c, salt++);
+  c.misalign = 1;  // scalar path
+  run_rope(c, salt++);
+}
+
+TEST(FusedGpuRotary, CacheAndOutOfRangePositions) {
+  RopeCase c;
+  c.batch = 2;
+  c.seqlen = 64;
+  c.hq = 4;
+  c.hk = 2;
+  c.cache = true;
+  c.max_pos = 2048;
+  c.positions = true;
+  run_rope(c, 1);
+  c.out_of_range = true;  // rotated dims NaN, nothing read outside the cache
+  c.rot = 64;
+  run_rope(c, 2);
+  c.style = RopeStyle::kInterleaved;
+  c.out_of_place = true;
+  run_rope(c, 3);
+}
+
+// ---- path choices (host logic only; named so a regression in dispatch is visible) -------
+
+TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
+  alignas(16) static char buf[64];
+  auto norm = [&](std::int64_t hidden, std::int64_t stride, cuda::FusedForce f = {}) {
+    RmsNormParams p;
+    p.rows = 8192;
+    p.hidden = hidden;
+    p.x = MatrixView{buf, DType::kBF16, stride};
+    p.y = p.residual = p.residual_out = p.x;
+    p.weight = buf;
+    return cuda::rms_norm_path(p, true, f).name;
+  };
+  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 register threads=128 group=128");
+  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 register threads=256 group=256");
+  EXPECT_EQ(norm(128, 128), "fused_add_rms_norm vec8 register threads=128 group=4");  // QK-norm: 32 rows/block
+  EXPECT_EQ(norm(4097, 4097), "fused_add_rms_norm scalar register threads=544 group=544");
+  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 register threads=160 group=160");  // padded rows: vector + tail
+  EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
+  EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
+  EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
+  const SiluMulParams sp = SiluMulParams::from_fused(buf, DType::kBF16, 8192, 14336, 2 * 14336,
+                                                     MatrixView{buf, DType::kBF16, 14336});
+  EXPECT_EQ(cuda::silu_and_mul_path(sp, {}).name, "silu_and_mul vec8 threads=256");
+  const SiluMulParams odd = SiluMulParams::from_fused(buf, DType::kBF16, 8, 4097, 2 * 4097, MatrixView{buf, DType::kBF16, 4097});
+  EXPECT_EQ(cuda::silu_and_mul_path(odd, {}).name, "silu_and_mul scalar threads=256");
+  RopeParams rp;
+  rp.batch = 4;
+  rp.seqlen = 4096;
+  rp.heads_q = 32;
+  rp.head_dim = 128;
+  rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
+  rp.rotary_dim = 24;
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox scalar sincos");
+}
+
+// ---- CUDA graphs: launches are capturable (no sync, no allocation) ----------------------
+
+TEST(FusedGpu, CapturedInCudaGraph) {
+  const DType dt = DType::kBF16;
+  const std::int64_t rows = 256, hidden = 4096, d = 1024;
+  std::mt19937_64 g(gpu_seed());
+  Guarded x(rows * hidden), r(rows * hidden), w(hidden), y(rows * hidden), gu(rows * 2 * d), o(rows * d), q(rows * 8 * 128);
+  for (Guarded* b : {&x, &r, &w, &gu, &q}) b->fill_random(dt, g);
+  ASSERT_TRUE(x.upload() && r.upload() && w.upload() && y.upload() && gu.upload() && o.upload() && q.upload());
+  RmsNormParams np;
+  np.rows = rows;
+  np.hidden = hidden;
+  np.x = contiguous_matrix(x.data(), dt, hidden);
+  np.residual = contiguous_matrix(r.data(), dt, hidden);
+  np.residual_out = np.residual;
+  np.weight = w.data();
+  np.y = contiguous_matrix(y.data(), dt, hidden);
+  const SiluMulParams sp = SiluMulParams::from_fused(gu.data(), dt, rows, d, 2 * d, contiguous_matrix(o.data(), dt, d));
+  RopeParams rp;
+  rp.seqlen = static_cast<int>(rows);
+  rp.heads_q = 8;
+  rp.head_dim = 128;
+  rp.q = bshd_view(q.data(), dt, rows, 8, 128);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // A direct run first (also warms the device-property cache), kept for comparison: SwiGLU's
+  // inputs are not modified, so the replay must reproduce its output bit for bit.
+  ASSERT_TRUE(silu_and_mul(sp, cuda_opt("", s)).ok());
+  CUDA_OK(cudaStreamSynchronize(s));
+  ASSERT_TRUE(o.download());
+  const std::vector<std::uint16_t> o_direct = o.host;
+  CUDA_OK(cudaMemset(o.buf.ptr, 0xFF, o.buf.bytes));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const Status a = fused_add_rms_norm(np, cuda_opt("", s));
+  const Status b = silu_and_mul(sp, cuda_opt("", s));
+  const Status c = apply_rotary(rp, cuda_opt("", s));
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok()) << a.to_string() << b.to_string() << c.to_string();
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  ASSERT_TRUE(y.download() && o.download());
+  std::int64_t nan = 0;
+  for (std::int64_t i = 0; i < rows * hidden; ++i) nan += std::isnan(y.get(dt, i));
+  for (std::int64_t i = 0; i < rows * d; ++i) nan += std::isnan(o.get(dt, i));
+  EXPECT_EQ(nan, 0);
+  EXPECT_TRUE(o.host == o_direct) << "graph replay differs from the direct launch";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+}  // namespace
+}  // namespace flashcpp::testing

@@ -1,0 +1,308 @@
+"""Fused kernels from Python: RMSNorm (+ residual), SwiGLU, rotary, on the CPU backend (numpy;
+torch CPU tensors when torch imports) against float64 references written here, and on CUDA
+tensors when a GPU and a CUDA build are present (skipped otherwise).
+
+Tolerance (include/flashcpp/fused.h, tests/cpu/test_fused.cc): |out - ref| <= 1e-3 + 1e-3 |ref|
+plus half an ulp of the output dtype (storing into bf16 alone costs up to 2^-8 relative).
+"""
+import math
+
+import numpy as np
+import pytest
+
+import flashcpp
+
+HALF_ULP = {"float32": 0.0, "float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+
+
+def assert_close(got, ref, dtype_name):
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    tol = 1e-3 + (1e-3 + HALF_ULP[dtype_name]) * np.abs(ref)
+    err = np.abs(got - ref)
+    bad = ~(err <= tol)
+    assert not bad.any(), (f"{bad.sum()} of {bad.size} out of tolerance, max err {np.nanmax(err):.3e} "
+                           f"at {np.unravel_index(np.nanargmax(err / tol), err.shape)}")
+
+
+# ---- float64 references -------------------------------------------------------------------
+
+def rms_norm_ref(x, w, eps, residual=None, dtype=None):
+    """Returns (y, h) in float64; h = round_dtype(fp32(x) + fp32(residual)) as fused.h defines."""
+    if residual is not None:
+        h = (x.astype(np.float32) + residual.astype(np.float32)).astype(dtype).astype(np.float64)
+    else:
+        h = x.astype(np.float64)
+    rstd = 1.0 / np.sqrt((h * h).mean(-1, keepdims=True) + eps)
+    return h * rstd * w.astype(np.float64), h
+
+
+def silu_mul_ref(g, u):
+    g = g.astype(np.float64)
+    return g / (1.0 + np.exp(-g)) * u.astype(np.float64)
+
+
+def inv_freq_ref(rot, theta, llama3=None):
+    f = 1.0 / theta ** (np.arange(0, rot, 2, dtype=np.float64) / rot)
+    if llama3 is None:
+        return f
+    factor, low, high = llama3["factor"], llama3["low_freq_factor"], llama3["high_freq_factor"]
+    old = llama3["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / f
+    scaled = np.where(wavelen > old / low, f / factor, f)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_ref(x, pos, rot, style, theta=10000.0, llama3=None, cache=None):
+    """x (tokens, heads, d) float64, pos (tokens,) -> rotated float64."""
+    x = x.astype(np.float64).copy()
+    half = rot // 2
+    if cache is not None:
+        c, s = cache[pos, :half].astype(np.float64), cache[pos, half:].astype(np.float64)
+    else:
+        ang = pos.astype(np.float64)[:, None] * inv_freq_ref(rot, theta, llama3)[None, :]
+        c, s = np.cos(ang), np.sin(ang)
+    c, s = c[:, None, :], s[:, None, :]
+    if style == "neox":
+        a, b = x[..., :half].copy(), x[..., half:rot].copy()
+        x[..., :half], x[..., half:rot] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., 0:rot:2].copy(), x[..., 1:rot:2].copy()
+        x[..., 0:rot:2], x[..., 1:rot:2] = a * c - b * s, b * c + a * s
+    return x
+
+
+# ---- RMSNorm ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("hidden", [1, 8, 4097])
+def test_rms_norm_numpy(rng, dtype, hidden):
+    x = rng.standard_normal((2, 3, hidden)).astype(dtype)
+    w = rng.standard_normal(hidden).astype(dtype)
+    y = flashcpp.rms_norm(x, w, eps=1e-5)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_close(y, rms_norm_ref(x, w, 1e-5)[0], np.dtype(dtype).name)
+
+
+def test_rms_norm_strided_rows_and_in_place(rng):
+    big = rng.standard_normal((5, 300)).astype(np.float32)
+    big0 = big.copy()
+    x = big[:, 10:138]  # row stride 300, offset 10
+    w = rng.standard_normal(128).astype(np.float32)
+    ref = rms_norm_ref(x, w, 1e-6)[0]
+    y = flashcpp.rms_norm(x, w)
+    assert_close(y, ref, "float32")
+    out = flashcpp.rms_norm(x, w, out=x)  # in place into the strided view
+    assert out is x
+    assert_close(x, ref, "float32")
+    assert np.array_equal(big[:, :10], big0[:, :10]) and np.array_equal(big[:, 138:], big0[:, 138:])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("hidden", [1, 8, 4097])
+def test_fused_add_rms_norm_in_place(rng, dtype, hidden):
+    x = rng.standard_normal((7, hidden)).astype(dtype)
+    r = rng.standard_normal((7, hidden)).astype(dtype)
+    w = rng.standard_normal(hidden).astype(dtype)
+    y_ref, h_ref = rms_norm_ref(x, w, 1e-6, residual=r, dtype=dtype)
+    out, res = flashcpp.fused_add_rms_norm(x, r, w)
+    assert out is x and res is r  # in place by default
+    assert np.array_equal(r.astype(np.float64), h_ref)  # the updated residual is exact
+    assert_close(x, y_ref, np.dtype(dtype).name)
+
+
+def test_fused_add_rms_norm_out_of_place(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    r = rng.standard_normal((4, 64)).astype(np.float32)
+    w = np.ones(64, dtype=np.float32)
+    x0, r0 = x.copy(), r.copy()
+    out, res = np.empty_like(x), np.empty_like(r)
+    flashcpp.fused_add_rms_norm(x, r, w, out=out, residual_out=res)
+    assert np.array_equal(x, x0) and np.array_equal(r, r0)
+    y_ref, h_ref = rms_norm_ref(x, w, 1e-6, residual=r, dtype=np.float32)
+    assert np.array_equal(res.astype(np.float64), h_ref)
+    assert_close(out, y_ref, "float32")
+
+
+def test_norm_errors(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = np.ones(64, dtype=np.float32)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        flashcpp.rms_norm(x, w[:32])
+    with pytest.raises(TypeError, match="dtype"):
+        flashcpp.rms_norm(x, w.astype(np.float16))
+    with pytest.raises(ValueError, match="eps"):
+        flashcpp.rms_norm(x, w, eps=-1.0)
+    with pytest.raises(ValueError, match="overlaps"):  # out shifted by one row over x
+        big = np.zeros((5, 64), dtype=np.float32)
+        flashcpp.rms_norm(big[:4], w, out=big[1:])
+    with pytest.raises(ValueError, match="cuda"):
+        flashcpp.rms_norm(x, w, backend="cuda")
+    with pytest.raises(ValueError, match="residual must have"):
+        flashcpp.fused_add_rms_norm(x, x[:2], w)
+
+
+# ---- SwiGLU -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("d", [1, 8, 4097])
+def test_silu_and_mul_both_forms(rng, dtype, d):
+    x = (3 * rng.standard_normal((2, 3, 2 * d))).astype(dtype)
+    out = flashcpp.silu_and_mul(x)
+    assert out.shape == (2, 3, d) and out.dtype == x.dtype
+    assert_close(out, silu_mul_ref(x[..., :d], x[..., d:]), np.dtype(dtype).name)
+    g, u = x[..., :d].copy(), x[..., d:].copy()
+    assert_close(flashcpp.silu_and_mul(g, u), silu_mul_ref(g, u), np.dtype(dtype).name)
+
+
+def test_silu_and_mul_in_place_into_gate(rng):
+    x = (3 * rng.standard_normal((5, 2 * 100))).astype(np.float32)
+    x0 = x.copy()
+    gate = x[:, :100]
+    out = flashcpp.silu_and_mul(x, out=gate)
+    assert out is gate
+    assert_close(x[:, :100], silu_mul_ref(x0[:, :100], x0[:, 100:]), "float32")
+    assert np.array_equal(x[:, 100:], x0[:, 100:])
+
+
+def test_silu_errors(rng):
+    x = rng.standard_normal((4, 7)).astype(np.float32)
+    with pytest.raises(ValueError, match="even"):
+        flashcpp.silu_and_mul(x)
+    with pytest.raises(ValueError, match="same shape"):
+        flashcpp.silu_and_mul(x, x[:, :6])
+    with pytest.raises(TypeError, match="dtype"):
+        flashcpp.silu_and_mul(x.astype(np.int32))
+
+
+# ---- rotary -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("rot", [None, 32, 2])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rotary_styles_partial(rng, style, rot, dtype):
+    T, Hq, Hk, D = 9, 4, 2, 64
+    q = rng.standard_normal((T, Hq, D)).astype(dtype)
+    k = rng.standard_normal((T, Hk, D)).astype(dtype)
+    pos = rng.integers(0, 100000, size=T).astype(np.int32)
+    qo, ko = flashcpp.apply_rotary(q, k, pos, style=style, rotary_dim=rot)
+    r = D if rot is None else rot
+    assert_close(qo, rope_ref(q, pos, r, style), np.dtype(dtype).name)
+    assert_close(ko, rope_ref(k, pos, r, style), np.dtype(dtype).name)
+
+
+def test_rotary_batched_arange_llama3_and_inplace(rng):
+    B, S, H, D = 2, 6, 3, 128
+    q = rng.standard_normal((B, S, H, D)).astype(np.float32)
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    ref = np.stack([rope_ref(q[b], np.arange(S), D, "neox", 500000.0, llama3) for b in range(B)])
+    q2 = q.copy()
+    qo, ko = flashcpp.apply_rotary(q2, theta=500000.0, llama3=llama3, inplace=True)
+    assert qo is q2 and ko is None
+    assert_close(q2, ref, "float32")
+
+
+def test_rotary_packed_qkv_views_in_place(rng):
+    T, Hq, Hk, D = 5, 4, 2, 16
+    qkv = rng.standard_normal((T, Hq + 2 * Hk, D)).astype(np.float32)
+    qkv0 = qkv.copy()
+    pos = np.arange(10, 10 + T, dtype=np.int32)
+    q, k = qkv[:, :Hq], qkv[:, Hq:Hq + Hk]
+    flashcpp.apply_rotary(q, k, pos, style="interleaved", inplace=True)
+    assert_close(qkv[:, :Hq], rope_ref(qkv0[:, :Hq], pos, D, "interleaved"), "float32")
+    assert_close(qkv[:, Hq:Hq + Hk], rope_ref(qkv0[:, Hq:Hq + Hk], pos, D, "interleaved"), "float32")
+    assert np.array_equal(qkv[:, Hq + Hk:], qkv0[:, Hq + Hk:])  # v untouched
+
+
+def test_rotary_cos_sin_cache(rng):
+    T, H, D, rot, P = 8, 2, 64, 32, 50
+    ang = np.arange(P)[:, None] * inv_freq_ref(rot, 10000.0)[None, :]
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    q = rng.standard_normal((T, H, D)).astype(np.float32)
+    pos = rng.integers(0, P, size=T)
+    qo, _ = flashcpp.apply_rotary(q, None, pos, rotary_dim=rot, cos_sin_cache=cache)
+    assert_close(qo, rope_ref(q, pos, rot, "neox", cache=cache), "float32")
+    with pytest.raises(ValueError, match="outside the cos_sin_cache"):
+        flashcpp.apply_rotary(q, None, np.full(T, P), rotary_dim=rot, cos_sin_cache=cache)
+
+
+def test_rotary_errors(rng):
+    q = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        flashcpp.apply_rotary(q, rotary_dim=33)
+    with pytest.raises(ValueError, match="style"):
+        flashcpp.apply_rotary(q, style="gptj")
+    with pytest.raises(ValueError, match="positions must have shape"):
+        flashcpp.apply_rotary(q, positions=np.arange(3))
+    with pytest.raises(ValueError, match="3-D"):
+        flashcpp.apply_rotary(q[0])
+    with pytest.raises(ValueError, match="llama3"):
+        flashcpp.apply_rotary(q, llama3={"low_freq_factor": 1.0})
+
+
+# ---- torch ----------------------------------------------------------------------------------
+
+def _torch():
+    return pytest.importorskip("torch", reason="torch tests need torch")
+
+
+def test_torch_cpu_bf16(rng):
+    torch = _torch()
+    x = torch.from_numpy(rng.standard_normal((6, 4097)).astype(np.float32)).to(torch.bfloat16)
+    r = torch.from_numpy(rng.standard_normal((6, 4097)).astype(np.float32)).to(torch.bfloat16)
+    w = torch.from_numpy(rng.standard_normal(4097).astype(np.float32)).to(torch.bfloat16)
+    h = (x.float() + r.float()).to(torch.bfloat16).double()
+    ref = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6) * w.double()
+    out, res = flashcpp.fused_add_rms_norm(x.clone(), r.clone(), w)
+    assert torch.equal(res.double(), h)
+    assert_close(out.double().numpy(), ref.numpy(), "bfloat16")
+    g = torch.from_numpy(3 * rng.standard_normal((6, 2 * 100)).astype(np.float32)).to(torch.bfloat16)
+    assert_close(flashcpp.silu_and_mul(g).double().numpy(), silu_mul_ref(g[:, :100].double().numpy(),
+                                                                          g[:, 100:].double().numpy()), "bfloat16")
+
+
+def _cuda_or_skip():
+    torch = _torch()
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not flashcpp.WITH_CUDA:
+        pytest.skip("this build has no CUDA kernels (FLASHCPP_CUDA=OFF)")
+    return torch
+
+
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+def test_cuda_kernels_vs_float64(rng, dtype_name):
+    torch = _cuda_or_skip()
+    dt = getattr(torch, dtype_name)
+    t = lambda a: torch.from_numpy(a.astype(np.float32)).to("cuda", dt)  # noqa: E731
+    x, r = t(rng.standard_normal((64, 4096))), t(rng.standard_normal((64, 4096)))
+    w = t(rng.standard_normal(4096))
+    h = (x.float() + r.float()).to(dt).double()
+    ref = h * torch.rsqrt((h * h).mean(-1, keepdim=True) + 1e-6) * w.double()
+    out, res = flashcpp.fused_add_rms_norm(x.clone(), r.clone(), w)
+    torch.cuda.synchronize()
+    assert torch.equal(res.double(), h)
+    assert_close(out.double().cpu().numpy(), ref.cpu().numpy(), dtype_name)
+    g = t(3 * rng.standard_normal((64, 2 * 1000)))
+    o = flashcpp.silu_and_mul(g)
+    ref = silu_mul_ref(g[:, :1000].double().cpu().numpy(), g[:, 1000:].double().cpu().numpy())
+    assert_close(o.double().cpu().numpy(), ref, dtype_name)
+    q = t(rng.standard_normal((2, 33, 8, 128)))
+    pos = torch.randint(0, 100000, (2, 33), device="cuda", dtype=torch.int32)
+    qo, _ = flashcpp.apply_rotary(q, positions=pos, style="interleaved", rotary_dim=64)
+    ref = np.stack([rope_ref(q[b].double().cpu().numpy(), pos[b].cpu().numpy(), 64, "interleaved")
+                    for b in range(2)])
+    assert_close(qo.double().cpu().numpy(), ref, dtype_name)
+
+
+def test_cuda_rejects_fp32_and_host_backend_mismatch(rng):
+    torch = _cuda_or_skip()
+    x = torch.randn(4, 64, device="cuda")
+    with pytest.raises(NotImplementedError, match="fp32"):
+        flashcpp.rms_norm(x, torch.ones(64, device="cuda"))
+    with pytest.raises(ValueError, match="host"):
+        flashcpp.rms_norm(x.half(), torch.ones(64, device="cuda").half(), backend="cpu")
