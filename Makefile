@@ -59,10 +59,11 @@ endif
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	cd /tmp && $(PYTHON) -m pytest -q -p no:cacheprovider $(CURDIR)/tests/python
 
-# Peers vs flashcpp in one process; writes reports/prefill and reports/hopper.
+# Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused}.
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill --out $(CURDIR)/reports/prefill
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused --out $(CURDIR)/reports/fused
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
