@@ -26,32 +26,14 @@
 #include "cuda/decode/decode_backends.h"
 #include "flashcpp/decode.h"
 
+#include "core/message.h"
+
 namespace flashcpp {
 namespace {
 
-// ---- one-sentence messages -------------------------------------------------------------
+// ---- one-sentence messages (src/core/message.h) ----------------------------------------
 
-void put(std::string& s, const char* v) { s += v; }
-void put(std::string& s, const std::string& v) { s += v; }
-template <class T>
-requires std::is_integral_v<T>
-void put(std::string& s, T v) { s += std::to_string(v); }
-void put(std::string& s, double v) {
-  char b[48];
-  std::snprintf(b, sizeof b, "%g", v);
-  s += b;
-}
-void put(std::string& s, const void* p) {
-  char b[32];
-  std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p)));
-  s += b;
-}
-template <class... A>
-std::string cat(const A&... a) {
-  std::string s;
-  (put(s, a), ...);
-  return s;
-}
+using detail::cat;
 
 std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 bool known_dtype(DType t) { return t == DType::kF16 || t == DType::kBF16 || t == DType::kF32; }

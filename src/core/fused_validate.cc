@@ -24,6 +24,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/message.h"
 #include "flashcpp/fused.h"
 #if FLASHCPP_WITH_CUDA
 #include "cuda/cuda_api.h"
@@ -41,29 +42,9 @@ Status fused_apply_rotary(const RopeParams& p, int threads);
 
 namespace {
 
-// ---- one-sentence messages -------------------------------------------------------------
+// ---- one-sentence messages (src/core/message.h) ----------------------------------------
 
-void put(std::string& s, const char* v) { s += v; }
-[[maybe_unused]] void put(std::string& s, const std::string& v) { s += v; }
-template <class T>
-requires std::is_integral_v<T>
-void put(std::string& s, T v) { s += std::to_string(v); }
-void put(std::string& s, double v) {
-  char b[48];
-  std::snprintf(b, sizeof b, "%g", v);
-  s += b;
-}
-void put(std::string& s, const void* p) {
-  char b[32];
-  std::snprintf(b, sizeof b, "0x%llx", static_cast<unsigned long long>(reinterpret_cast<std::uintptr_t>(p)));
-  s += b;
-}
-template <class... A>
-std::string cat(const A&... a) {
-  std::string s;
-  (put(s, a), ...);
-  return s;
-}
+using detail::cat;
 
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 constexpr int kMaxHeadDim = 1024;  // rotary: the per-token cos/sin table lives in shared memory
