@@ -3,7 +3,8 @@
 //   flashcpp info  [shape options]   build, devices, supported head dims, the kernel choice for a shape
 //   flashcpp check [--backend ...]   the correctness harness (tools/harness/), JSON report
 //   flashcpp bench | tune            time / tune the CUDA prefill kernels (tools/tune.cc)
-//   flashcpp audit | decode          (placeholders in this version)
+//   flashcpp audit [--quick ...]     numerics under stress inputs, per-row error CDFs (tools/audit.h)
+//   flashcpp decode                  (placeholder in this version)
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "audit.h"
 #include "flashcpp/attention.h"
 #include "harness/harness.h"
 #include "tune.h"
@@ -265,7 +267,41 @@ int main(int argc, char** argv) {
   tune->add_option("--head-dims", tune_opt.head_dims, "head dims to tune")->delimiter(',')->capture_default_str();
   tune->add_option("--warmup", tune_opt.warmup, "warm-up runs per config")->capture_default_str();
   tune->add_option("--iters", tune_opt.iters, "timed runs per config")->capture_default_str();
-  auto* audit = app.add_subcommand("audit", "Numerics audit of the kernels")->allow_extras();
+  flashcpp::audit::AuditOptions audit_opt;
+  std::string audit_backend = "auto";
+  std::vector<std::string> audit_dtypes, audit_families, audit_masks;
+  std::uint64_t audit_seed = 0;
+  std::vector<std::string> family_names, mask_names;
+  for (auto f : flashcpp::audit::kAllFamilies) family_names.push_back(flashcpp::audit::family_name(f));
+  for (auto m : flashcpp::audit::kAllMasks) mask_names.push_back(flashcpp::audit::mask_kind_name(m));
+  auto* audit = app.add_subcommand(
+      "audit", "Numerics audit: stress inputs vs an fp64 truth, per-row error CDFs, first N over the dtype band");
+  audit->add_option("--backend", audit_backend, "cpu, cuda (the sm80 and sm90 kernels), or auto")
+      ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
+      ->capture_default_str();
+  audit->add_flag("--quick", audit_opt.quick, "small N preset (CPU: N 128,512, 2 heads, head_dim 64; seconds)");
+  audit->add_option("--n", audit_opt.seqlens, "sequence lengths (default: the backend's preset)")->delimiter(',');
+  audit->add_option("--dtypes", audit_dtypes, "bf16, fp16, fp32 (default: bf16,fp16 on cuda, all three on cpu)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
+  audit->add_option("--families", audit_families, "input families (default: all; see --list)")
+      ->delimiter(',')
+      ->check(CLI::IsMember(family_names));
+  audit->add_option("--masks", audit_masks, "none, causal, window (default: all)")
+      ->delimiter(',')
+      ->check(CLI::IsMember(mask_names));
+  audit->add_option("--kernels", audit_opt.kernels, "cuda kernel families (default: sm80,sm90)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"sm80", "sm90"}));
+  audit->add_option("--heads", audit_opt.heads, "heads (default: 4 on cuda, 2 on cpu)");
+  audit->add_option("--head-dim", audit_opt.head_dim, "head dim (default: 128; 64 with --quick on cpu)");
+  audit->add_option("--window", audit_opt.window, "window mask: causal with window_left = this");
+  auto* audit_seed_opt = audit->add_option("--seed", audit_seed, "input seed (default: fresh each run, printed)");
+  audit->add_option("--threads", audit_opt.cpu_threads, "CPU threads (0: all)")->capture_default_str();
+  audit->add_option("--json", audit_opt.json_path, "write the audit JSON here (e.g. reports/numerics/audit.json)");
+  audit->add_option("--dump-inputs", audit_opt.dump_dir,
+                    "write each problem's inputs and a manifest here (python -m flashcpp.bench.audit) and exit");
+  audit->add_flag("--list", audit_opt.list_only, "print the families and the planned problems and exit");
   auto* decode = app.add_subcommand("decode", "Llama decode engine: end-to-end tokens/s")->allow_extras();
 
   CLI11_PARSE(app, argc, argv);
@@ -282,7 +318,16 @@ int main(int argc, char** argv) {
   }
   if (*bench) return flashcpp::tools::bench_main(bench_opt);
   if (*tune) return flashcpp::tools::tune_main(tune_opt);
-  if (*audit) return not_built("audit");
+  if (*audit) {
+    audit_opt.backend = audit_backend == "cpu"    ? Backend::kCpu
+                        : audit_backend == "cuda" ? Backend::kCuda
+                                                  : Backend::kAuto;
+    for (const auto& d : audit_dtypes) audit_opt.dtypes.push_back(parse_dtype(d));
+    for (const auto& f : audit_families) flashcpp::audit::parse_family(f, &audit_opt.families.emplace_back());
+    for (const auto& m : audit_masks) flashcpp::audit::parse_mask_kind(m, &audit_opt.masks.emplace_back());
+    if (audit_seed_opt->count() > 0) audit_opt.seed = audit_seed;
+    return flashcpp::audit::run_audit(audit_opt, std::cout, std::cerr);
+  }
   if (*decode) return not_built("decode");
   return 2;
 }
