@@ -585,8 +585,6 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return s;
 }
 
-/// 12080 -> "12.8" (the CUDA API's integer version encoding).
-std::string cuda_version(int v) { return v > 0 ? fmt::format("{}.{}", v / 1000, (v % 1000) / 10) : "unknown"; }
 
 }  // namespace
 
@@ -697,20 +695,6 @@ nlohmann::json mask_effect_json(const nlohmann::json& first_exceed) {
   return out;
 }
 
-nlohmann::json environment_json(const harness::Environment& env) {
-  nlohmann::json e;
-  e["device"] = env.device;
-  e["backend"] = env.backend;
-  e["git_commit"] = env.git_commit;
-  e["seed"] = env.seed;
-  e["build"] = {{"cuda", env.cuda_build}};
-  if (env.cuda_build) {
-    e["cuda_driver"] = cuda_version(env.cuda_driver);
-    e["cuda_runtime"] = cuda_version(env.cuda_runtime);
-  }
-  e["timestamp"] = env.timestamp;
-  return e;
-}
 
 harness::Summary summarize(const std::vector<Result>& results) {
   harness::Summary s;
@@ -894,7 +878,7 @@ nlohmann::json report_json(const harness::Environment& env, const AuditOptions& 
   const Plan pl = resolve_plan(opt, backend);
   nlohmann::json j;
   j["tool"] = "flashcpp audit";
-  j["environment"] = environment_json(env);
+  j["environment"] = harness::environment_json(env);
   std::vector<std::string> fams, masks, kernels;
   for (Family f : pl.families) fams.push_back(family_name(f));
   for (MaskKind m : pl.masks) masks.push_back(mask_kind_name(m));

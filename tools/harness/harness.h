@@ -198,6 +198,8 @@ struct Environment {
   bool cuda_build = false;
   int cuda_driver = 0, cuda_runtime = 0;  ///< 0 when unknown or no CUDA build
 };
+/// The "environment" object of the JSON reports (device, backend, commit, seed, CUDA versions).
+nlohmann::json environment_json(const Environment& env);
 /// Describes the machine and build a run happens on (device = CPU model or GPU name).
 Environment describe_environment(Backend backend, std::uint64_t seed);
 

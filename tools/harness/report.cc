@@ -151,9 +151,8 @@ nlohmann::json case_json(const CaseResult& r) {
   return j;
 }
 
-nlohmann::json report_json(const Environment& env, const std::vector<CaseResult>& results) {
-  nlohmann::json j;
-  auto& e = j["environment"];
+nlohmann::json environment_json(const Environment& env) {
+  nlohmann::json e;
   e["device"] = env.device;
   e["backend"] = env.backend;
   e["git_commit"] = env.git_commit;
@@ -164,6 +163,12 @@ nlohmann::json report_json(const Environment& env, const std::vector<CaseResult>
     e["cuda_runtime"] = cuda_version(env.cuda_runtime);
   }
   e["timestamp"] = env.timestamp;
+  return e;
+}
+
+nlohmann::json report_json(const Environment& env, const std::vector<CaseResult>& results) {
+  nlohmann::json j;
+  j["environment"] = environment_json(env);
   j["tolerance_policy"] = tolerance_policy_json();
   const Summary s = summarize(results);
   j["summary"] = {{"passed", s.passed}, {"failed", s.failed}, {"unsupported", s.unsupported}};
