@@ -237,6 +237,7 @@ int main(int argc, char** argv) {
   std::string backend = "auto";
   bool quick = false, full = false;
   std::uint64_t seed = 0;
+  std::string check_area = "attention";
   auto* check = app.add_subcommand("check", "Correctness harness: every case against an fp64 reference");
   check->add_option("--backend", backend, "cpu, cpu-reference, cuda, or auto (cuda when a device is present)")
       ->check(CLI::IsMember({"cpu", "cpu-reference", "cuda", "auto"}))
@@ -251,6 +252,11 @@ int main(int argc, char** argv) {
   check->add_option("--cuda-config", check_opt.cuda_config,
                     "cuda backend: kernel family (sm80, sm90) or config name; default automatic");
   check->add_flag("--list", check_opt.list_only, "print the selected case names and exit");
+  check->add_option("--area", check_area,
+                    "what to check: attention (prefill, default), decode (KV cache, paged), fused (norms, SwiGLU, "
+                    "rotary) or all")
+      ->check(CLI::IsMember({"attention", "decode", "fused", "all"}))
+      ->capture_default_str();
 
   flashcpp::tools::BenchOptions bench_opt;
   auto* bench = app.add_subcommand("bench", "Time flashcpp's CUDA prefill kernels from C++ (peers: python -m flashcpp.bench)");
@@ -314,6 +320,7 @@ int main(int argc, char** argv) {
                                                      : Backend::kAuto;
     check_opt.table = full ? flashcpp::harness::TableKind::kFull : flashcpp::harness::TableKind::kQuick;
     if (seed_opt->count() > 0) check_opt.seed = seed;
+    flashcpp::harness::parse_check_area(check_area, &check_opt.area);  // CLI11 checked the value
     return flashcpp::harness::run_check(check_opt, std::cout, std::cerr);
   }
   if (*bench) return flashcpp::tools::bench_main(bench_opt);

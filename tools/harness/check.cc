@@ -58,15 +58,27 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     return 2;
   }
   const Backend backend = resolve_backend(opt.backend);
-  std::vector<Case> cases;
-  for (const Case& c : make_table(opt.table, backend))
-    if (opt.filter.empty() || c.name().find(opt.filter) != std::string::npos) cases.push_back(c);
+  // The selected areas' cases, in order: attention, decode, fused.
+  std::vector<AreaCase> cases;
+  const bool all = opt.area == CheckArea::kAll;
+  auto keep = [&](const std::string& name) { return opt.filter.empty() || name.find(opt.filter) != std::string::npos; };
+  if (all || opt.area == CheckArea::kAttention)
+    for (const Case& c : make_table(opt.table, backend))
+      if (keep(c.name())) cases.push_back({c.name(), [c](const RunConfig& cfg) { return run_case(c, cfg); }});
+  if (all || opt.area == CheckArea::kDecode)
+    for (AreaCase& a : make_decode_table(opt.table, backend))
+      if (keep(a.name)) cases.push_back(std::move(a));
+  if (all || opt.area == CheckArea::kFused)
+    for (AreaCase& a : make_fused_table(opt.table, backend))
+      if (keep(a.name)) cases.push_back(std::move(a));
   if (cases.empty()) {
-    err << "flashcpp check: no case of the " << table_name(opt.table) << " table matches '" << opt.filter << "'\n";
+    err << "flashcpp check: no case of the " << table_name(opt.table) << " table"
+        << (opt.area == CheckArea::kAttention ? std::string() : fmt::format(" (area {})", check_area_name(opt.area)))
+        << " matches '" << opt.filter << "'\n";
     return 2;
   }
   if (opt.list_only) {
-    for (const Case& c : cases) out << c.name() << "\n";
+    for (const AreaCase& c : cases) out << c.name << "\n";
     return 0;
   }
 
@@ -78,10 +90,12 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
   cfg.perturb_output = opt.perturb_output;
   const Environment env = describe_environment(backend, cfg.seed);
 
-  out << fmt::format("flashcpp check: backend {} on {}, {} table, {} cases, seed {} (replay with --seed {})\n",
-                     backend_name(backend), env.device, table_name(opt.table), cases.size(), cfg.seed, cfg.seed);
+  out << fmt::format("flashcpp check: backend {} on {}, {} table, {}{} cases, seed {} (replay with --seed {})\n",
+                     backend_name(backend), env.device, table_name(opt.table),
+                     opt.area == CheckArea::kAttention ? std::string() : fmt::format("area {}, ", check_area_name(opt.area)),
+                     cases.size(), cfg.seed, cfg.seed);
   std::size_t wname = 4;
-  for (const Case& c : cases) wname = std::max(wname, c.name().size());
+  for (const AreaCase& c : cases) wname = std::max(wname, c.name.size());
   const std::string header =
       fmt::format("{:<{}}  {:<28}  {:>11}  {:>11}  {:>9}  {:>9}  {:>13}  {:>9}  {}", "case", wname, "kernel",
                   "max_abs_err", "p99_row_err", "lse_err", "floor", "atol/rtol", "ms", "status");
@@ -89,8 +103,8 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
 
   std::vector<CaseResult> results;
   std::map<std::string, int> unsupported_reasons;
-  for (const Case& c : cases) {
-    CaseResult r = run_case(c, cfg);
+  for (const AreaCase& c : cases) {
+    CaseResult r = c.run(cfg);
     std::string kernel = r.kernel;
     if (!r.config.empty()) kernel += " " + r.config;
     out << fmt::format("{:<{}}  {:<28}  {:>11}  {:>11}  {:>9}  {:>9}  {:>13}  {:>9}  {}\n", r.name, wname, kernel,

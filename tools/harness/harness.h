@@ -15,7 +15,10 @@
 //                to the output dtype, which no kernel can beat.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <iosfwd>
 #include <optional>
@@ -168,6 +171,11 @@ struct CaseResult {
   std::int64_t lse_violations = 0;    ///< finite LSE values further than lse_atol from the truth
   double ms = NAN;      ///< wall time of attention_forward (CUDA: launch to synchronize)
   double ref_ms = NAN;  ///< wall time of the ground truth
+  /// "attention" (the prefill table), "decode" or "fused". Non-attention cases also carry
+  /// `area`, `page_size` (decode; 0 = contiguous, -1 = n/a) and `num_splits` in their JSON.
+  std::string area = "attention";
+  int page_size = -1;   ///< decode: 0 contiguous, else the page size; -1 = not a decode case
+  int num_splits = -1;  ///< decode: the forced split count; -1 = not a decode case
 
   bool pass() const noexcept { return status == CaseStatus::kPass; }
 };
@@ -219,9 +227,83 @@ Backend resolve_backend(Backend b);
 /// Fresh random seed (std::random_device).
 std::uint64_t random_seed();
 
+// ---- decode and fused areas (check_decode.cc, check_fused.cc) ------------------------------
+
+/// What `flashcpp check --area` covers: prefill attention (the default and the original table),
+/// decode against a contiguous or paged KV cache, the fused LLM kernels, or all three in order.
+enum class CheckArea : std::uint8_t { kAttention, kDecode, kFused, kAll };
+const char* check_area_name(CheckArea a) noexcept;  // "attention", "decode", "fused", "all"
+/// Parses "attention", "decode", "fused" or "all"; false for anything else.
+bool parse_check_area(const std::string& s, CheckArea* out);
+
+/// One case of the decode or fused area: its name and how to run it. The runner fills a
+/// CaseResult with the same metrics as run_case (area, page_size and num_splits too).
+struct AreaCase {
+  std::string name;
+  std::function<CaseResult(const RunConfig&)> run;
+};
+/// decode: contiguous and paged caches (page sizes 1..256, shuffled pages), ragged lengths,
+/// GQA and MHA, q_len 1 and 4 causal, append with rotary, forced split counts; fp64 truth.
+std::vector<AreaCase> make_decode_table(TableKind kind, Backend backend);
+/// fused: rms_norm, fused_add_rms_norm, silu_and_mul (both forms), apply_rotary; fp64 truth.
+std::vector<AreaCase> make_fused_table(TableKind kind, Backend backend);
+
+/// Host (and, for Backend::kCuda, device) copies of the buffers of one decode or fused case.
+/// Every buffer has `guard` bytes of 0xFF (NaN) before and after it; outputs are poisoned with
+/// 0xFF too. materialize() uploads for kCuda; fetch() downloads the buffers marked as outputs.
+class BufferSpace {
+ public:
+  BufferSpace() = default;
+  BufferSpace(const BufferSpace&) = delete;
+  BufferSpace& operator=(const BufferSpace&) = delete;
+  ~BufferSpace();
+  /// A buffer of `bytes` bytes, every byte 0xFF; returns its id. output: fetched after the run.
+  int add(std::size_t bytes, bool output, std::size_t guard = 1024);
+  /// Host payload (what the harness fills before materialize and reads after fetch).
+  std::uint8_t* host(int id) { return bufs_[id].bytes.data() + bufs_[id].guard; }
+  std::size_t bytes(int id) const { return bufs_[id].bytes.size() - 2 * bufs_[id].guard; }
+  /// The pointer the backend gets: host payload (CPU) or device payload (CUDA).
+  void* ptr(int id);
+  Status materialize(Backend b);
+  Status fetch();
+  /// Guard bytes of buffer id that are no longer 0xFF (host copy, after fetch()).
+  std::int64_t guard_violations(int id) const;
+
+ private:
+  struct Buf {
+    std::vector<std::uint8_t> bytes;
+    std::size_t guard = 0;
+    bool output = false;
+    void* dev = nullptr;
+  };
+  std::vector<Buf> bufs_;
+  bool device_ = false;
+};
+
+/// Element errors against an fp64 truth with a per-element bound atol + rtol*|ref|: fills the
+/// CaseResult metrics of the decode and fused areas exactly as compare() does for attention.
+struct ErrorStats {
+  DType dtype = DType::kF32;
+  double atol = 0, rtol = 0;
+  double sum = 0, max_err = 0, max_rel = 0, ratio = 0, floor_max = 0, floor_sum = 0, row_max = 0;
+  std::int64_t count = 0;
+  std::vector<double> rows;
+  /// One element; `where` (called only for the first problem) names it, e.g. "O[b=0,t=1,h=3,d=7]".
+  template <class Where>
+  void add(CaseResult* r, double got, double want, Where&& where);
+  void end_row() {
+    rows.push_back(row_max);
+    row_max = 0;
+  }
+  /// Writes max/mean/percentiles/ratio/floor into r.
+  void finish(CaseResult* r);
+  static double round_to(DType t, double x);
+};
+
 /// Options of `flashcpp check`.
 struct CheckOptions {
   Backend backend = Backend::kAuto;
+  CheckArea area = CheckArea::kAttention;
   TableKind table = TableKind::kQuick;
   std::string json_path;  ///< empty: no JSON written
   std::string filter;     ///< substring of the case name; empty: all
@@ -236,5 +318,29 @@ struct CheckOptions {
 /// `out` (diagnostics to `err`), writes the JSON if asked. Returns the process exit status:
 /// 0 all supported cases passed, 1 a case failed, 2 a usage or I/O problem.
 int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err);
+
+template <class Where>
+void ErrorStats::add(CaseResult* r, double got, double want, Where&& where) {
+  ++count;
+  const double fl = std::fabs(round_to(dtype, want) - want);
+  floor_max = std::max(floor_max, fl);
+  floor_sum += fl;
+  if (!std::isfinite(got)) {
+    if (r->nan_count++ == 0 && r->message.empty())
+      r->message = where() + " is " + std::to_string(got) + " (ref " + std::to_string(want) + ")";
+    return;
+  }
+  const double err = std::fabs(got - want), allowed = atol + rtol * std::fabs(want);
+  sum += err;
+  max_err = std::max(max_err, err);
+  row_max = std::max(row_max, err);
+  max_rel = std::max(max_rel, err / std::max(std::fabs(want), atol));
+  ratio = std::max(ratio, err / allowed);
+  if (err > allowed && r->violations++ == 0 && r->message.empty()) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, " = %.6g vs ref %.6g: |err| %.3g > tol %.3g", got, want, err, allowed);
+    r->message = where() + buf;
+  }
+}
 
 }  // namespace flashcpp::harness

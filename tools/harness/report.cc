@@ -148,6 +148,11 @@ nlohmann::json case_json(const CaseResult& r) {
   j["lse_violations"] = r.lse_violations;
   j["ms"] = num(r.ms);
   j["ref_ms"] = num(r.ref_ms);
+  if (r.area != "attention") {  // attention cases keep their original fields
+    j["area"] = r.area;
+    j["page_size"] = r.page_size;
+    j["num_splits"] = r.num_splits;
+  }
   return j;
 }
 

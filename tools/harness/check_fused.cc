@@ -1,0 +1,340 @@
+// `flashcpp check --area fused`: the fused LLM kernels of include/flashcpp/fused.h against fp64
+// evaluations of the formulas in that header, written here.
+//
+// Tolerance (as tests/cpu/test_fused.cc and the fused issue): per element
+//   |out - ref| <= 1e-3 + (1e-3 + h_T) * |ref|,
+// where h_T is half an ulp of the output dtype relative to |ref| (2^-8 bf16, 2^-11 fp16, 0 fp32):
+// storing the result costs that much by itself, and bf16's half ulp already exceeds the issue's
+// 1e-3 relative, so atol = rtol = 1e-3 applies on top of it (docs/tolerances.md explains the
+// same floor argument for attention). The updated residual of fused_add_rms_norm,
+// h = round_T(x + residual) in fp32, must match bit for bit.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "common/half.h"
+#include "flashcpp/fused.h"
+#include "harness/harness.h"
+#if FLASHCPP_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace flashcpp::harness {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Op : std::uint8_t { kRmsNorm, kAddRmsNorm, kSilu, kSiluFused, kRotary };
+
+struct FusedCase {
+  Op op = Op::kRmsNorm;
+  DType dt = DType::kBF16;
+  std::int64_t rows = 7, hidden = 8;  ///< norms / SwiGLU: (rows, hidden); rotary: tokens = rows
+  RopeStyle style = RopeStyle::kNeox;
+  int heads_q = 4, heads_k = 2, head_dim = 128, rotary_dim = 0;
+
+  std::string name() const {
+    const char* t = dtype_name(dt);
+    switch (op) {
+      case Op::kRmsNorm: return fmt::format("rms_norm_r{}_h{}_{}", rows, hidden, t);
+      case Op::kAddRmsNorm: return fmt::format("fused_add_rms_norm_r{}_h{}_{}", rows, hidden, t);
+      case Op::kSilu: return fmt::format("silu_and_mul_r{}_d{}_{}", rows, hidden, t);
+      case Op::kSiluFused: return fmt::format("silu_and_mul_fused_r{}_d{}_{}", rows, hidden, t);
+      case Op::kRotary:
+        return fmt::format("rotary_{}_t{}_h{}kv{}_d{}{}_{}", rope_style_name(style), rows, heads_q, heads_k, head_dim,
+                           rotary_dim ? fmt::format("_rot{}", rotary_dim) : "", t);
+    }
+    return "?";
+  }
+  const char* op_name() const {
+    switch (op) {
+      case Op::kRmsNorm: return "rms_norm";
+      case Op::kAddRmsNorm: return "fused_add_rms_norm";
+      case Op::kSilu: return "silu_and_mul";
+      case Op::kSiluFused: return "silu_and_mul_fused";
+      case Op::kRotary: return "apply_rotary";
+    }
+    return "?";
+  }
+};
+
+std::vector<FusedCase> fused_cases(TableKind kind) {
+  std::vector<FusedCase> v;
+  const std::int64_t rows = kind == TableKind::kFull ? 33 : 7;
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    for (Op op : {Op::kRmsNorm, Op::kAddRmsNorm, Op::kSilu, Op::kSiluFused})
+      for (std::int64_t h : {1, 8, 4097, 8192}) {
+        FusedCase c;
+        c.op = op;
+        c.dt = dt;
+        c.rows = rows;
+        c.hidden = h;
+        v.push_back(c);
+      }
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
+      for (auto [d, rd] : {std::pair{128, 0}, std::pair{64, 32}}) {
+        FusedCase c;
+        c.op = Op::kRotary;
+        c.dt = dt;
+        c.rows = kind == TableKind::kFull ? 257 : 13;
+        c.style = st;
+        c.head_dim = d;
+        c.rotary_dim = rd;
+        v.push_back(c);
+      }
+  }
+  return v;
+}
+
+double half_ulp(DType dt) {
+  return dt == DType::kBF16 ? std::ldexp(1.0, -8) : dt == DType::kF16 ? std::ldexp(1.0, -11) : 0.0;
+}
+
+void fill(std::uint8_t* p, DType dt, std::int64_t n, std::mt19937_64& rng, float sd) {
+  std::normal_distribution<float> nd(0.f, sd);
+  for (std::int64_t i = 0; i < n; ++i) store_from_float(p, dt, i, nd(rng));
+}
+
+void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
+  const DType dt = c.dt;
+  const std::size_t es = dtype_size(dt);
+  std::mt19937_64 rng(r->seed);
+  BufferSpace sp;
+  RunOptions ro;
+  ro.backend = cfg.backend == Backend::kCuda ? Backend::kCuda : Backend::kCpu;
+  ro.cpu_threads = cfg.cpu_threads;
+  r->kernel = fmt::format("{}_{}", cfg.backend == Backend::kCuda ? "cuda" : "cpu", c.op_name());
+  r->reference = "cpu_fp64";
+  ErrorStats stats{dt, r->tol.atol, r->tol.rtol};
+  std::vector<double> ref;  // expected output, in the output's element order
+  std::int64_t n_out = 0;
+  int iout = -1, ires = -1;
+  std::vector<float> h_model;  // fused_add_rms_norm: the residual_out model
+  Status st;
+  double ms = NAN;
+  auto timed = [&](auto&& f) {
+    const auto t0 = Clock::now();
+    Status s = f();
+#if FLASHCPP_WITH_CUDA
+    if (s.ok() && cfg.backend == Backend::kCuda && cudaDeviceSynchronize() != cudaSuccess)
+      s = Status::Cuda(cudaGetErrorString(cudaGetLastError()));
+#endif
+    ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+    return s;
+  };
+
+  if (c.op == Op::kRmsNorm || c.op == Op::kAddRmsNorm) {
+    const bool add = c.op == Op::kAddRmsNorm;
+    const std::int64_t n = c.rows * c.hidden;
+    const int ix = sp.add(n * es, false), iw = sp.add(c.hidden * es, false);
+    const int irin = add ? sp.add(n * es, false) : -1;
+    iout = sp.add(n * es, true);
+    ires = add ? sp.add(n * es, true) : -1;
+    fill(sp.host(ix), dt, n, rng, 2.f);
+    fill(sp.host(iw), dt, c.hidden, rng, 1.f);
+    if (add) fill(sp.host(irin), dt, n, rng, 2.f);
+    const float eps = 1e-5f;
+    // fp64 truth from the (rounded) inputs.
+    ref.resize(static_cast<std::size_t>(n));
+    h_model.resize(static_cast<std::size_t>(n));
+    for (std::int64_t row = 0; row < c.rows; ++row) {
+      double ss = 0;
+      for (std::int64_t j = 0; j < c.hidden; ++j) {
+        const std::int64_t i = row * c.hidden + j;
+        const float x = load_as_float(sp.host(ix), dt, i);
+        // h = round_T(fp32 sum), as fused.h defines it.
+        const double h = add ? ErrorStats::round_to(dt, x + load_as_float(sp.host(irin), dt, i)) : x;
+        h_model[static_cast<std::size_t>(i)] = static_cast<float>(h);
+        ss += h * h;
+      }
+      const double rstd = 1.0 / std::sqrt(ss / static_cast<double>(c.hidden) + static_cast<double>(eps));
+      for (std::int64_t j = 0; j < c.hidden; ++j)
+        ref[static_cast<std::size_t>(row * c.hidden + j)] =
+            h_model[static_cast<std::size_t>(row * c.hidden + j)] * rstd * load_as_float(sp.host(iw), dt, j);
+    }
+    st = sp.materialize(cfg.backend);
+    if (st.ok()) {
+      RmsNormParams p;
+      p.rows = c.rows;
+      p.hidden = c.hidden;
+      p.eps = eps;
+      p.x = contiguous_matrix(sp.ptr(ix), dt, c.hidden);
+      p.weight = sp.ptr(iw);
+      p.y = contiguous_matrix(sp.ptr(iout), dt, c.hidden);
+      if (add) {
+        p.residual = contiguous_matrix(sp.ptr(irin), dt, c.hidden);
+        p.residual_out = contiguous_matrix(sp.ptr(ires), dt, c.hidden);
+      }
+      st = timed([&] { return add ? fused_add_rms_norm(p, ro) : rms_norm(p, ro); });
+    }
+    n_out = n;
+  } else if (c.op == Op::kSilu || c.op == Op::kSiluFused) {
+    const bool fused = c.op == Op::kSiluFused;
+    const std::int64_t d = c.hidden, n = c.rows * d;
+    const int ix = sp.add((fused ? 2 * n : n) * es, false), iu = fused ? -1 : sp.add(n * es, false);
+    iout = sp.add(n * es, true);
+    fill(sp.host(ix), dt, fused ? 2 * n : n, rng, 3.f);
+    if (!fused) fill(sp.host(iu), dt, n, rng, 3.f);
+    ref.resize(static_cast<std::size_t>(n));
+    for (std::int64_t row = 0; row < c.rows; ++row)
+      for (std::int64_t j = 0; j < d; ++j) {
+        const double g = fused ? load_as_float(sp.host(ix), dt, row * 2 * d + j) : load_as_float(sp.host(ix), dt, row * d + j);
+        const double u = fused ? load_as_float(sp.host(ix), dt, row * 2 * d + d + j) : load_as_float(sp.host(iu), dt, row * d + j);
+        ref[static_cast<std::size_t>(row * d + j)] = g / (1.0 + std::exp(-g)) * u;
+      }
+    st = sp.materialize(cfg.backend);
+    if (st.ok()) {
+      SiluMulParams p;
+      const MatrixView out = contiguous_matrix(sp.ptr(iout), dt, d);
+      if (fused) {
+        p = SiluMulParams::from_fused(sp.ptr(ix), dt, c.rows, d, 2 * d, out);
+      } else {
+        p.rows = c.rows;
+        p.d = d;
+        p.gate = contiguous_matrix(sp.ptr(ix), dt, d);
+        p.up = contiguous_matrix(sp.ptr(iu), dt, d);
+        p.out = out;
+      }
+      st = timed([&] { return silu_and_mul(p, ro); });
+    }
+    n_out = n;
+  } else {  // rotary: q (tokens, heads_q, d) and k (tokens, heads_k, d), out of place
+    const int d = c.head_dim, rot = c.rotary_dim ? c.rotary_dim : d, half = rot / 2;
+    const std::int64_t t = c.rows, nq = t * c.heads_q * d, nk = t * c.heads_k * d;
+    const int iq = sp.add(nq * es, false), ik = sp.add(nk * es, false);
+    const int ipos = sp.add(static_cast<std::size_t>(t) * sizeof(std::int32_t), false);
+    iout = sp.add((nq + nk) * es, true);  // q_out then k_out in one buffer
+    fill(sp.host(iq), dt, nq, rng, 1.f);
+    fill(sp.host(ik), dt, nk, rng, 1.f);
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(t));
+    std::uniform_int_distribution<std::int32_t> pd(0, 32767);
+    for (auto& x : pos) x = pd(rng);
+    std::memcpy(sp.host(ipos), pos.data(), pos.size() * sizeof(std::int32_t));
+    ref.resize(static_cast<std::size_t>(nq + nk));
+    for (int w = 0; w < 2; ++w) {
+      const int heads = w == 0 ? c.heads_q : c.heads_k;
+      const std::uint8_t* in = sp.host(w == 0 ? iq : ik);
+      double* out = ref.data() + (w == 0 ? 0 : nq);
+      for (std::int64_t tok = 0; tok < t; ++tok)
+        for (int h = 0; h < heads; ++h) {
+          const std::int64_t base = (tok * heads + h) * d;
+          for (int j = 0; j < d; ++j) out[base + j] = load_as_float(in, dt, base + j);
+          for (int i = 0; i < half; ++i) {
+            const double a = pos[static_cast<std::size_t>(tok)] * std::pow(10000.0, -2.0 * i / rot);
+            const double cs = std::cos(a), sn = std::sin(a);
+            const int ia = c.style == RopeStyle::kNeox ? i : 2 * i;
+            const int ib = c.style == RopeStyle::kNeox ? i + half : 2 * i + 1;
+            const double a0 = load_as_float(in, dt, base + ia), b0 = load_as_float(in, dt, base + ib);
+            out[base + ia] = a0 * cs - b0 * sn;
+            out[base + ib] = b0 * cs + a0 * sn;
+          }
+        }
+    }
+    st = sp.materialize(cfg.backend);
+    if (st.ok()) {
+      RopeParams p;
+      p.batch = 1;
+      p.seqlen = static_cast<int>(t);
+      p.heads_q = c.heads_q;
+      p.heads_k = c.heads_k;
+      p.head_dim = d;
+      p.rotary_dim = c.rotary_dim;
+      p.style = c.style;
+      p.q = bshd_view(sp.ptr(iq), dt, p.seqlen, c.heads_q, d);
+      p.k = bshd_view(sp.ptr(ik), dt, p.seqlen, c.heads_k, d);
+      p.q_out = bshd_view(sp.ptr(iout), dt, p.seqlen, c.heads_q, d);
+      p.k_out = bshd_view(static_cast<std::uint8_t*>(sp.ptr(iout)) + nq * es, dt, p.seqlen, c.heads_k, d);
+      p.positions = static_cast<const std::int32_t*>(sp.ptr(ipos));
+      st = timed([&] { return apply_rotary(p, ro); });
+    }
+    n_out = nq + nk;
+  }
+  r->ms = ms;
+  if (st.ok()) st = sp.fetch();
+  if (st.code() == StatusCode::kUnsupported) {
+    r->status = CaseStatus::kUnsupported;
+    r->message = st.message();
+    return;
+  }
+  if (!st.ok()) {
+    r->status = CaseStatus::kFail;
+    r->message = st.to_string();
+    return;
+  }
+  r->guard_violations = sp.guard_violations(iout) + (ires >= 0 ? sp.guard_violations(ires) : 0);
+  if (r->guard_violations)
+    r->message = fmt::format("{} byte(s) written outside the output buffers", r->guard_violations);
+  HostTensor out(dt, n_out);
+  std::memcpy(out.data(), sp.host(iout), out.bytes.size());
+  std::vector<float> no_lse;
+  if (cfg.perturb_output) {
+    Case pc;
+    pc.batch = 1;
+    pc.seqlen_q = static_cast<int>(c.rows);
+    pc.dtype = dt;
+    pc.return_lse = false;
+    cfg.perturb_output(pc, out, no_lse);
+  }
+  const std::int64_t row_len = c.op == Op::kRotary ? c.head_dim : c.hidden;
+  for (std::int64_t i = 0; i < n_out; ++i) {
+    stats.add(r, out.get(i), ref[static_cast<std::size_t>(i)],
+              [&] { return fmt::format("out[row={},j={}]", i / row_len, i % row_len); });
+    if ((i + 1) % row_len == 0) stats.end_row();
+  }
+  stats.finish(r);
+  if (ires >= 0) {  // residual_out must be round_T(x + residual), bit for bit
+    std::int64_t diff = 0;
+    for (std::int64_t i = 0; i < n_out; ++i) {
+      const float got = load_as_float(sp.host(ires), dt, i), want = h_model[static_cast<std::size_t>(i)];
+      if (!(got == want) && diff++ == 0 && r->message.empty())
+        r->message = fmt::format("residual_out[row={},j={}] = {:.8g} vs round(x + residual) = {:.8g}", i / c.hidden,
+                                 i % c.hidden, got, want);
+    }
+    r->violations += diff;
+  }
+  const bool ok = r->nan_count == 0 && r->guard_violations == 0 && r->violations == 0;
+  r->status = ok ? CaseStatus::kPass : CaseStatus::kFail;
+}
+
+}  // namespace
+
+std::vector<AreaCase> make_fused_table(TableKind kind, Backend /*backend*/) {
+  std::vector<AreaCase> table;
+  for (const FusedCase& c : fused_cases(kind)) {
+    table.push_back({c.name(), [c](const RunConfig& cfg) {
+                       CaseResult r;
+                       r.area = "fused";
+                       r.name = c.name();
+                       r.seed = case_seed(cfg.seed, r.name);
+                       r.c.batch = 1;
+                       r.c.seqlen_q = static_cast<int>(c.rows);
+                       r.c.seqlen_k = 0;
+                       r.c.heads_q = c.op == Op::kRotary ? c.heads_q : 1;
+                       r.c.heads_kv = c.op == Op::kRotary ? c.heads_k : 1;
+                       r.c.head_dim = static_cast<int>(c.op == Op::kRotary ? c.head_dim : c.hidden);
+                       r.c.dtype = c.dt;
+                       r.c.return_lse = false;
+                       r.tol.atol = 1e-3;
+                       r.tol.rtol = 1e-3 + half_ulp(c.dt);
+                       r.effective_atol = r.tol.atol;
+                       try {
+                         run_fused_case(c, cfg, &r);
+                       } catch (const std::exception& e) {
+                         r.status = CaseStatus::kFail;
+                         r.message = std::string("exception: ") + e.what();
+                       }
+                       return r;
+                     }});
+  }
+  return table;
+}
+
+}  // namespace flashcpp::harness
