@@ -35,7 +35,7 @@ build: configure
 
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
-	./$(BUILD)/flashcpp check --backend cpu --quick --json $(BUILD)/cpu_correctness_report.json
+	./$(BUILD)/flashcpp check --backend cpu --quick --area all --json $(BUILD)/cpu_correctness_report.json
 	bash scripts/check_install.sh $(BUILD)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
 	bash python/ci_test.sh
