@@ -56,6 +56,9 @@ gpu-test: build
 ifeq ($(IS_HOPPER),yes)
 	./$(BUILD)/flashcpp check --backend cuda --full --cuda-config sm90 --json reports/hopper/correctness_report.json
 endif
+	mkdir -p reports/decode reports/fused
+	./$(BUILD)/flashcpp check --backend cuda --full --area decode --json reports/decode/correctness_report.json
+	./$(BUILD)/flashcpp check --backend cuda --full --area fused --json reports/fused/correctness_report.json
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	cd /tmp && $(PYTHON) -m pytest -q -p no:cacheprovider $(CURDIR)/tests/python
 
