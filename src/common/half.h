@@ -68,6 +68,16 @@ inline std::uint16_t float_to_half_bits(float f) {
   return static_cast<std::uint16_t>(sign | h);
 }
 
+/// x rounded to the nearest value of dtype t (through float), as a kernel storing x would.
+inline float round_to_dtype(DType t, float x) {
+  switch (t) {
+    case DType::kF32: return x;
+    case DType::kBF16: return bf16_bits_to_float(float_to_bf16_bits(x));
+    case DType::kF16: return half_bits_to_float(float_to_half_bits(x));
+  }
+  return x;
+}
+
 /// Load element `idx` of a host buffer of dtype `t` as float.
 inline float load_as_float(const void* base, DType t, std::int64_t idx) {
   switch (t) {

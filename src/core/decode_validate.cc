@@ -62,13 +62,7 @@ Status decode_rules(Backend b, Rules* r) {
 
 // ---- tensors ------------------------------------------------------------------------------
 
-struct Span {
-  const char* name = "";
-  std::uintptr_t lo = 0, hi = 0;
-  bool used() const { return hi > lo; }
-  bool overlaps(const Span& o) const { return used() && o.used() && lo < o.hi && o.lo < hi; }
-  bool same(const Span& o) const { return lo == o.lo && hi == o.hi; }
-};
+using detail::Span;
 
 struct Dim {
   const char* name = "";

@@ -78,13 +78,7 @@ Status check_dtype(const char* name, DType t, DType want, const char* want_name,
 
 // ---- byte spans and aliasing -------------------------------------------------------------
 
-/// The byte range [lo, hi) a tensor can touch; empty when the tensor is unused.
-struct Span {
-  const char* name = "";
-  std::uintptr_t lo = 0, hi = 0;
-  bool used() const { return hi > lo; }
-  bool overlaps(const Span& o) const { return used() && o.used() && lo < o.hi && o.lo < hi; }
-};
+using detail::Span;
 
 Status overlap_error(const Span& out, const Span& other) {
   return Status::Invalid(cat(out.name, " overlaps ", other.name, ": bytes [", reinterpret_cast<const void*>(out.lo), ", ",

@@ -1,5 +1,5 @@
-// cat(...): builds the one-sentence messages of Status from strings, integers, doubles and
-// pointers. Shared by the validators in src/core.
+// Pieces the validators in src/core share: cat(...) builds the one-sentence messages of Status
+// from strings, integers, doubles and pointers; Span is the byte range a tensor can touch.
 #pragma once
 
 #include <cstdint>
@@ -30,5 +30,14 @@ std::string cat(const A&... a) {
   (put(s, a), ...);
   return s;
 }
+
+/// A byte range [lo, hi) that a tensor can touch. Empty (lo == hi) when the tensor is unused.
+struct Span {
+  const char* name = "";
+  std::uintptr_t lo = 0, hi = 0;
+  bool used() const { return hi > lo; }
+  bool overlaps(const Span& o) const { return used() && o.used() && lo < o.hi && o.lo < hi; }
+  bool same(const Span& o) const { return lo == o.lo && hi == o.hi; }
+};
 
 }  // namespace flashcpp::detail

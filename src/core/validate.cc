@@ -191,13 +191,7 @@ Status check_cu_seqlens(const char* which, const std::int32_t* cu, int batch, in
 
 // ---- 3. tensors ------------------------------------------------------------------------
 
-/// A byte range [lo, hi) that a tensor can touch. Empty (lo == hi) when the tensor is unused.
-struct Span {
-  const char* name = "";
-  std::uintptr_t lo = 0, hi = 0;
-  bool used() const { return hi > lo; }
-  bool overlaps(const Span& o) const { return used() && o.used() && lo < o.hi && o.lo < hi; }
-};
+using detail::Span;
 
 /// Extents of one tensor's (batch, seq, head, dim) index map.
 struct Extents {

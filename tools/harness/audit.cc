@@ -110,19 +110,6 @@ Quantiles quantiles_of_sorted(const std::vector<double>& v) {
   return q;
 }
 
-double round_to(DType t, double x) {
-  const float f = static_cast<float>(x);
-  switch (t) {
-    case DType::kF32:
-      return f;
-    case DType::kBF16:
-      return bf16_bits_to_float(float_to_bf16_bits(f));
-    case DType::kF16:
-      return half_bits_to_float(float_to_half_bits(f));
-  }
-  return x;
-}
-
 /// A float tensor whose values are representable in `t` (the generators round them) as `t`.
 harness::HostTensor to_dtype(DType t, const std::vector<float>& x, bool abs = false) {
   harness::HostTensor out(t, static_cast<std::int64_t>(x.size()));
@@ -388,7 +375,7 @@ void measure(const Problem& p, const HostProblem& hp, const Truth& t, const harn
       for (int e = 0; e < d; ++e) {
         const double want = t.o[base + e], got = out.get(base + e);
         ref_inf = std::max(ref_inf, std::fabs(want));
-        floor_inf = std::max(floor_inf, std::fabs(round_to(p.dtype, want) - want));
+        floor_inf = std::max(floor_inf, std::fabs(round_to_dtype(p.dtype, want) - want));
         if (!std::isfinite(got)) {
           if (!w.nonfinite) w.first_bad = e;
           w.nonfinite = true;

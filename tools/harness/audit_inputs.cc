@@ -264,18 +264,6 @@ void fill_normal(const Gen& g, std::vector<float>& t, std::uint64_t salt, double
   });
 }
 
-float round_to(DType t, float x) {
-  switch (t) {
-    case DType::kF32:
-      return x;
-    case DType::kBF16:
-      return bf16_bits_to_float(float_to_bf16_bits(x));
-    case DType::kF16:
-      return half_bits_to_float(float_to_half_bits(x));
-  }
-  return x;
-}
-
 // Family parameters (docs/audit.md gives the arithmetic behind each).
 constexpr double kSubnormalAMin = 150, kSubnormalAMax = 400;  // |a|: s - m spans up to 2|a| nats
 constexpr double kSubnormalNoise = 0.05;
@@ -440,7 +428,7 @@ Inputs generate(const Problem& p, std::uint64_t seed, int threads) {
     }
   }
   for (auto* t : {&in.q, &in.k, &in.v})
-    for (float& x : *t) x = round_to(p.dtype, x);
+    for (float& x : *t) x = round_to_dtype(p.dtype, x);
   return in;
 }
 

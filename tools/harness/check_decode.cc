@@ -112,16 +112,6 @@ std::int64_t BufferSpace::guard_violations(int id) const {
   return bad;
 }
 
-double ErrorStats::round_to(DType t, double x) {
-  const float f = static_cast<float>(x);
-  switch (t) {
-    case DType::kF32: return f;
-    case DType::kBF16: return bf16_bits_to_float(float_to_bf16_bits(f));
-    case DType::kF16: return half_bits_to_float(float_to_half_bits(f));
-  }
-  return x;
-}
-
 void ErrorStats::finish(CaseResult* r) {
   r->max_abs_err = max_err;
   r->mean_abs_err = count > r->nan_count ? sum / static_cast<double>(count - r->nan_count) : 0.0;
@@ -401,7 +391,7 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
         const std::int64_t qo = ((static_cast<std::int64_t>(b) * c.sq + t) * c.hq + h) * D;
         for (int e = 0; e < D; ++e) buf[e] = load_as_float(sp.host(iq), dt, qo + e);
         rotate(c.rot, D, L - c.sq + t, buf.data());  // q rotated in fp32, rounded to the dtype
-        for (int e = 0; e < D; ++e) qd[e] = ErrorStats::round_to(dt, buf[e]);
+        for (int e = 0; e < D; ++e) qd[e] = round_to_dtype(dt, buf[e]);
         const int ia = t + L - c.sq;
         const int nk = c.causal ? std::min(L, ia + 1) : L;
         sc.assign(static_cast<std::size_t>(std::max(nk, 0)), 0.0);
@@ -524,12 +514,7 @@ std::vector<AreaCase> make_decode_table(TableKind kind, Backend /*backend*/) {
                        }
                        r.effective_atol = r.tol.atol;
                        r.effective_lse_atol = r.tol.lse_atol;
-                       try {
-                         run_decode_case(c, cfg, &r);
-                       } catch (const std::exception& e) {
-                         r.status = CaseStatus::kFail;
-                         r.message = std::string("exception: ") + e.what();
-                       }
+                       run_guarded(&r, [&] { run_decode_case(c, cfg, &r); });
                        return r;
                      }});
   }

@@ -151,7 +151,7 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
         const std::int64_t i = row * c.hidden + j;
         const float x = load_as_float(sp.host(ix), dt, i);
         // h = round_T(fp32 sum), as fused.h defines it.
-        const double h = add ? ErrorStats::round_to(dt, x + load_as_float(sp.host(irin), dt, i)) : x;
+        const double h = add ? round_to_dtype(dt, x + load_as_float(sp.host(irin), dt, i)) : x;
         h_model[static_cast<std::size_t>(i)] = static_cast<float>(h);
         ss += h * h;
       }
@@ -325,12 +325,7 @@ std::vector<AreaCase> make_fused_table(TableKind kind, Backend /*backend*/) {
                        r.tol.atol = 1e-3;
                        r.tol.rtol = 1e-3 + half_ulp(c.dt);
                        r.effective_atol = r.tol.atol;
-                       try {
-                         run_fused_case(c, cfg, &r);
-                       } catch (const std::exception& e) {
-                         r.status = CaseStatus::kFail;
-                         r.message = std::string("exception: ") + e.what();
-                       }
+                       run_guarded(&r, [&] { run_fused_case(c, cfg, &r); });
                        return r;
                      }});
   }

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <cstdio>
 #include <functional>
 #include <iosfwd>
@@ -27,6 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/half.h"
 #include "flashcpp/attention.h"
 
 namespace flashcpp::harness {
@@ -190,6 +192,18 @@ struct RunConfig {
   OutputHook perturb_output;  ///< tests only
 };
 
+/// Calls fn(); an exception becomes a failed case carrying its message, never an abort of the
+/// whole check.
+template <class Fn>
+void run_guarded(CaseResult* r, Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    r->status = CaseStatus::kFail;
+    r->message = std::string("exception: ") + e.what();
+  }
+}
+
 /// Runs one case. Never throws for a failing kernel: the result says what went wrong.
 CaseResult run_case(const Case& c, const RunConfig& cfg);
 
@@ -297,7 +311,6 @@ struct ErrorStats {
   }
   /// Writes max/mean/percentiles/ratio/floor into r.
   void finish(CaseResult* r);
-  static double round_to(DType t, double x);
 };
 
 /// Options of `flashcpp check`.
@@ -322,7 +335,7 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err);
 template <class Where>
 void ErrorStats::add(CaseResult* r, double got, double want, Where&& where) {
   ++count;
-  const double fl = std::fabs(round_to(dtype, want) - want);
+  const double fl = std::fabs(round_to_dtype(dtype, static_cast<float>(want)) - want);
   floor_max = std::max(floor_max, fl);
   floor_sum += fl;
   if (!std::isfinite(got)) {

@@ -419,16 +419,6 @@ Status gpu_reference(const Case& c, const AttnParams& p_dev, cpu::RefOutput* ref
 
 #endif  // FLASHCPP_WITH_CUDA
 
-double round_to(DType t, double x) {
-  const float f = static_cast<float>(x);
-  switch (t) {
-    case DType::kF32: return f;
-    case DType::kBF16: return bf16_bits_to_float(float_to_bf16_bits(f));
-    case DType::kF16: return half_bits_to_float(float_to_half_bits(f));
-  }
-  return x;
-}
-
 double percentile(std::vector<double>& v, double q) {
   if (v.empty()) return 0.0;
   const std::size_t k = std::min(v.size() - 1, static_cast<std::size_t>(q * (v.size() - 1) + 0.5));
@@ -463,7 +453,7 @@ void compare(const Case& c, const HostProblem& hp, const HostTensor& out, const 
         double rmax = 0;
         for (int e = 0; e < d; ++e) {
           const double o = out.get(base + e), want = rf[e];
-          const double fl = std::fabs(round_to(c.dtype, want) - want);
+          const double fl = std::fabs(round_to_dtype(c.dtype, want) - want);
           floor_max = std::max(floor_max, fl);
           floor_sum += fl;
           ++count;
@@ -632,12 +622,7 @@ CaseResult run_case(const Case& c, const RunConfig& cfg) {
   r.name = c.name();
   r.seed = case_seed(cfg.seed, r.name);
   r.tol = tolerance_for(c.dtype);
-  try {
-    run_case_impl(c, cfg, &r);
-  } catch (const std::exception& e) {
-    r.status = CaseStatus::kFail;
-    r.message = std::string("exception: ") + e.what();
-  }
+  run_guarded(&r, [&] { run_case_impl(c, cfg, &r); });
   return r;
 }
 
