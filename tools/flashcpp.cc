@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "audit.h"
+#include "decode_cmd.h"
 #include "flashcpp/attention.h"
 #include "harness/harness.h"
 #include "tune.h"
@@ -206,11 +207,6 @@ int cmd_info(ShapeOptions s) {
   return 0;
 }
 
-int not_built(const char* cmd) {
-  std::fprintf(stderr, "flashcpp %s: not built in this version yet\n", cmd);
-  return 2;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -308,7 +304,9 @@ int main(int argc, char** argv) {
   audit->add_option("--dump-inputs", audit_opt.dump_dir,
                     "write each problem's inputs and a manifest here (python -m flashcpp.bench.audit) and exit");
   audit->add_flag("--list", audit_opt.list_only, "print the families and the planned problems and exit");
-  auto* decode = app.add_subcommand("decode", "Llama decode engine: end-to-end tokens/s")->allow_extras();
+  flashcpp::tools::DecodeCliOptions decode_opt;
+  auto* decode = app.add_subcommand("decode", "Llama decode engine: prompts in, tokens out, end-to-end tokens/s");
+  flashcpp::tools::add_decode_options(decode, &decode_opt);
 
   CLI11_PARSE(app, argc, argv);
 
@@ -335,6 +333,6 @@ int main(int argc, char** argv) {
     if (audit_seed_opt->count() > 0) audit_opt.seed = audit_seed;
     return flashcpp::audit::run_audit(audit_opt, std::cout, std::cerr);
   }
-  if (*decode) return not_built("decode");
+  if (*decode) return flashcpp::tools::decode_main(decode_opt);
   return 2;
 }

@@ -1,0 +1,202 @@
+// generate(): prefill every prompt, then decode step by step (CUDA graph replays or eager
+// launches), timing the decode loop and, on CUDA, the kernel time of a step.
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace flashcpp::engine {
+namespace {
+
+int bucket_of(int batch) {
+  int b = 1;
+  while (b < batch) b *= 2;
+  return b;
+}
+
+double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Status parse_token_ids(const std::string& text, int vocab, std::vector<std::int32_t>* out) {
+  out->clear();
+  std::size_t i = 0;
+  while (i < text.size()) {
+    const char ch = text[i];
+    if (ch == ',' || ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') { ++i; continue; }
+    if (ch < '0' || ch > '9') return Status::Invalid(std::string("token ids must be non-negative integers; found '") + ch + "'");
+    long long v = 0;
+    while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
+      v = v * 10 + (text[i] - '0');
+      if (v > INT32_MAX) return Status::Invalid("token id too large");
+      ++i;
+    }
+    if (vocab > 0 && v >= vocab)
+      return Status::Invalid("token id " + std::to_string(v) + " is outside the vocabulary (size " +
+                             std::to_string(vocab) + ")");
+    out->push_back(static_cast<std::int32_t>(v));
+  }
+  return Status::Ok();
+}
+
+Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateResult* out) {
+  Ops* ops = model.ops();
+  const LlamaConfig& c = model.config();
+  *out = GenerateResult{};
+  const bool ctx_mode = opt.context > 0;
+  if (ctx_mode && !opt.prompts.empty()) return Status::Invalid("--context and a prompt exclude each other");
+  if (!ctx_mode && opt.prompts.empty()) return Status::Invalid("no prompt: give token ids or a context length");
+  const int B = ctx_mode ? opt.batch : static_cast<int>(opt.prompts.size());
+  if (B < 1 || B > 256) return Status::Invalid("batch " + std::to_string(B) + " is out of range [1, 256]");
+  if (opt.max_new_tokens < 1) return Status::Invalid("max_new_tokens must be >= 1");
+  if (opt.eager == false && !ops->cuda()) return Status::Unsupported("CUDA graphs need the CUDA backend (use --eager)");
+  if (opt.dump_logits && ctx_mode) return Status::Invalid("logits dumps need a prompt (not --context)");
+  int prompt_len = 0;
+  for (const auto& p : opt.prompts) {
+    if (p.empty()) return Status::Invalid("an empty prompt: every sequence needs at least one token");
+    for (int t : p)
+      if (t < 0 || t >= c.vocab_size) return Status::Invalid("token id " + std::to_string(t) + " is outside the vocabulary");
+    prompt_len = std::max(prompt_len, static_cast<int>(p.size()));
+  }
+  const int steps = ctx_mode ? opt.max_new_tokens : opt.max_new_tokens - 1;  // decode steps after the prefill
+  const int margin = opt.warmup_steps + 8;
+  const int start_len = ctx_mode ? opt.context : prompt_len;
+  const std::int64_t cap64 = static_cast<std::int64_t>(start_len) + steps + margin + 1;
+  if (cap64 > c.max_position_embeddings && cap64 > 1 << 20)
+    return Status::Invalid("context + new tokens exceed what the engine plans for");
+  const int bucket = bucket_of(B);
+  SessionOptions so;
+  so.batch = bucket;
+  so.capacity = static_cast<int>(cap64);
+  so.page_size = opt.page_size;
+  so.max_prompt = std::max(prompt_len, 1);
+  so.logits_rows = opt.dump_logits ? prompt_len : 1;
+  so.max_steps = opt.max_new_tokens + margin + 1;
+  if (opt.dump_logits && static_cast<double>(prompt_len) * c.vocab_size * 4 > 4e9)
+    return Status::Invalid("the prompt's logits dump would exceed 4 GB; use a shorter prompt");
+  Session s;
+  FLASHCPP_RETURN_IF_ERROR(s.init(&model, so));
+  out->bucket = bucket;
+  out->prompt_len = prompt_len;
+  out->mode = opt.eager ? "eager" : "graph";
+  const std::int64_t V = c.vocab_size;
+
+  // ---- prefill (or a simulated context) ----
+  std::vector<std::int32_t> lens(bucket, 0), toks(bucket, 0);
+  const double t0 = now_ms();
+  if (ctx_mode) {
+    FLASHCPP_RETURN_IF_ERROR(s.fill_cache_random(opt.sampling.seed + 17));
+    for (int b = 0; b < bucket; ++b) {
+      lens[b] = b < B ? opt.context : 0;
+      toks[b] = static_cast<std::int32_t>(sample_uniform(opt.sampling.seed, 0xffffu, b) * static_cast<float>(V - 1));
+    }
+    FLASHCPP_RETURN_IF_ERROR(ops->upload(s.tokens(), toks.data(), toks.size() * 4));
+  } else {
+    for (int b = 0; b < B; ++b) {
+      const int n = static_cast<int>(opt.prompts[b].size());
+      const int rows = (opt.dump_logits && b == 0) ? n : 1;
+      FLASHCPP_RETURN_IF_ERROR(s.prefill(b, opt.prompts[b].data(), n, 0, rows));
+      if (opt.dump_logits && b == 0) {
+        out->logits.resize(static_cast<std::size_t>(n) * V);
+        FLASHCPP_RETURN_IF_ERROR(ops->download(out->logits.data(), s.prefill_logits(), out->logits.size() * 4));
+      }
+      SampleArgs sa = opt.sampling;
+      sa.row_offset = b;
+      FLASHCPP_RETURN_IF_ERROR(ops->sample(s.prefill_logits() + static_cast<std::int64_t>(rows - 1) * V, 1,
+                                           c.vocab_size, sa, s.tokens() + b, nullptr, s.step_counter()));
+      lens[b] = n;
+    }
+  }
+  FLASHCPP_RETURN_IF_ERROR(ops->upload(s.seqlens(), lens.data(), lens.size() * 4));
+  FLASHCPP_RETURN_IF_ERROR(ops->copy(s.history(), s.tokens(), static_cast<std::size_t>(bucket) * 4));
+  const std::int32_t one = 1;
+  FLASHCPP_RETURN_IF_ERROR(ops->upload(s.step_counter(), &one, 4));
+  FLASHCPP_RETURN_IF_ERROR(ops->sync());
+  out->prefill_ms = ctx_mode ? 0.0 : now_ms() - t0;
+
+  // ---- plan for the lengths this run reaches, then warm up (and capture) ----
+  std::vector<std::int32_t> final_lens(lens);
+  for (auto& v : final_lens) v += steps + margin;
+  FLASHCPP_RETURN_IF_ERROR(s.plan(final_lens));
+  out->plan = s.decode_plan();
+  std::vector<std::int32_t> tok_save(bucket);
+  FLASHCPP_RETURN_IF_ERROR(ops->download(tok_save.data(), s.tokens(), tok_save.size() * 4));
+  auto restore = [&]() -> Status {
+    FLASHCPP_RETURN_IF_ERROR(ops->upload(s.seqlens(), lens.data(), lens.size() * 4));
+    FLASHCPP_RETURN_IF_ERROR(ops->upload(s.tokens(), tok_save.data(), tok_save.size() * 4));
+    return ops->upload(s.step_counter(), &one, 4);
+  };
+  const int graph_id = bucket;
+  if (steps > 0) {
+    for (int w = 0; w < opt.warmup_steps; ++w) FLASHCPP_RETURN_IF_ERROR(s.decode_step(opt.sampling));
+    if (!opt.eager) {
+      FLASHCPP_RETURN_IF_ERROR(ops->begin_capture());
+      Status st = s.decode_step(opt.sampling);
+      Status st2 = ops->end_capture(graph_id);
+      FLASHCPP_RETURN_IF_ERROR(st);
+      FLASHCPP_RETURN_IF_ERROR(st2);
+      for (int w = 0; w < opt.warmup_steps; ++w) FLASHCPP_RETURN_IF_ERROR(ops->replay(graph_id));
+    }
+    FLASHCPP_RETURN_IF_ERROR(ops->sync());
+    FLASHCPP_RETURN_IF_ERROR(restore());
+    FLASHCPP_RETURN_IF_ERROR(ops->sync());
+  }
+
+  // ---- the timed decode loop ----
+  const double t1 = now_ms();
+  for (int i = 0; i < steps; ++i) {
+    if (opt.eager) {
+      FLASHCPP_RETURN_IF_ERROR(s.decode_step(opt.sampling));
+    } else {
+      FLASHCPP_RETURN_IF_ERROR(ops->replay(graph_id));
+    }
+    if (opt.dump_logits) {
+      const std::size_t at = out->logits.size();
+      out->logits.resize(at + V);
+      FLASHCPP_RETURN_IF_ERROR(ops->download(out->logits.data() + at, s.step_logits(), V * 4));
+    }
+  }
+  FLASHCPP_RETURN_IF_ERROR(ops->sync());
+  out->decode_ms = now_ms() - t1;
+  out->decode_steps = steps;
+  if (steps > 0) {
+    out->wall_us_per_step = 1e3 * out->decode_ms / steps;
+    out->decode_tok_s = 1e3 * B * steps / out->decode_ms;
+  }
+  std::vector<std::int32_t> hist(static_cast<std::size_t>(opt.max_new_tokens) * bucket);
+  FLASHCPP_RETURN_IF_ERROR(ops->download(hist.data(), s.history(), hist.size() * 4));
+  out->tokens.assign(B, {});
+  for (int b = 0; b < B; ++b)
+    for (int t = 0; t < opt.max_new_tokens; ++t) out->tokens[b].push_back(hist[static_cast<std::size_t>(t) * bucket + b]);
+
+  // ---- kernel time of a step: every op alone; and the device time of a graph replay ----
+  if (ops->cuda() && opt.profile && steps > 0) {
+    std::vector<OpTiming> t;
+    FLASHCPP_RETURN_IF_ERROR(s.profile_decode(opt.sampling, 10, &t));
+    for (const auto& o : t) {
+      out->kernel_us_per_step += o.us;
+      (o.category == std::string("gemm")        ? out->gemm_us
+       : o.category == std::string("attention") ? out->attention_us
+       : o.category == std::string("norm")      ? out->norm_us
+                                                : out->other_us) += o.us;
+      auto it = std::find_if(out->op_times.begin(), out->op_times.end(), [&](const OpTiming& x) { return x.name == o.name; });
+      if (it == out->op_times.end()) out->op_times.push_back(o); else it->us += o.us;
+    }
+    if (!opt.eager) {
+      FLASHCPP_RETURN_IF_ERROR(restore());
+      FLASHCPP_RETURN_IF_ERROR(ops->spin(2000));
+      FLASHCPP_RETURN_IF_ERROR(ops->record_event(0));
+      constexpr int kReplays = 5;
+      for (int i = 0; i < kReplays; ++i) FLASHCPP_RETURN_IF_ERROR(ops->replay(graph_id));
+      FLASHCPP_RETURN_IF_ERROR(ops->record_event(1));
+      FLASHCPP_RETURN_IF_ERROR(ops->sync());
+      out->graph_gpu_us_per_step = 1e3 * ops->event_ms(0, 1) / kReplays;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace flashcpp::engine

@@ -1,0 +1,216 @@
+// The Llama engine on the CPU backend against an independent fp64 Llama written here from the
+// raw weights: a tiny random checkpoint is written to a temp dir (never downloaded), loaded,
+// prefilled and decoded; every logit row (prompt positions and decode steps) is compared.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/half.h"
+#include "engine/engine.h"
+#include "engine/safetensors.h"
+#include "engine/sampling.h"
+#include "engine_tiny.h"
+
+namespace fs = std::filesystem;
+using namespace flashcpp;
+using namespace flashcpp::engine;
+using namespace flashcpp::engine::testing;
+
+namespace {
+
+struct Loaded {
+  std::unique_ptr<Ops> ops;
+  std::unique_ptr<LlamaModel> model;
+};
+Loaded load(const fs::path& dir) {
+  Loaded l;
+  l.ops = make_cpu_ops(2);
+  Status s = LlamaModel::load(dir.string(), l.ops.get(), &l.model);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return l;
+}
+
+void expect_matches_reference(const Tiny& t, const fs::path& dir, const std::vector<int>& prompt, int new_tokens,
+                              double tol) {
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  GenerateOptions g;
+  g.prompts = {std::vector<std::int32_t>(prompt.begin(), prompt.end())};
+  g.max_new_tokens = new_tokens;
+  g.eager = true;
+  g.dump_logits = true;
+  g.page_size = 4;  // several pages per sequence: the paged addressing is exercised
+  GenerateResult r;
+  Status s = generate(*l.model, g, &r);
+  ASSERT_TRUE(s.ok()) << s.message();
+  const int P = static_cast<int>(prompt.size());
+  ASSERT_EQ(r.logits.size(), static_cast<std::size_t>(P + new_tokens - 1) * t.vocab);
+  ASSERT_EQ(r.tokens[0].size(), static_cast<std::size_t>(new_tokens));
+  std::vector<int> seq(prompt);
+  for (int i = 0; i + 1 < new_tokens; ++i) seq.push_back(r.tokens[0][i]);
+  const auto ref = reference_logits(t, seq);
+  double worst = 0, scale = 0;
+  for (std::size_t row = 0; row < ref.size(); ++row)
+    for (int v = 0; v < t.vocab; ++v) {
+      const double ours = r.logits[row * t.vocab + v];
+      ASSERT_FALSE(std::isnan(ours)) << "row " << row << " vocab " << v;
+      worst = std::max(worst, std::abs(ours - ref[row][v]));
+      scale = std::max(scale, std::abs(ref[row][v]));
+    }
+  EXPECT_LE(worst, tol * std::max(1.0, scale)) << "max |logit - fp64| over " << ref.size() << " rows";
+  EXPECT_GT(scale, 0.5) << "degenerate logits: the test could not see an error";
+  // Greedy tokens: generated token s comes from row P - 1 + s of the reference.
+  for (int s2 = 0; s2 < new_tokens; ++s2) {
+    if (static_cast<std::size_t>(P - 1 + s2) >= ref.size()) break;
+    EXPECT_EQ(r.tokens[0][s2], argmax(ref[P - 1 + s2])) << "step " << s2;
+  }
+}
+
+}  // namespace
+
+TEST(EngineModelCpu, MatchesFp64LlamaPromptAndDecode) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "f32", false, 1);
+  expect_matches_reference(t, dir, {3, 14, 15, 92, 65, 35, 89}, 9, 2e-4);
+  fs::remove_all(dir);
+}
+
+TEST(EngineModelCpu, TiedEmbeddingsBf16CheckpointGqa4) {
+  Tiny t;
+  t.tied = true;
+  t.heads = 4;
+  t.kv_heads = 1;
+  t.hidden = 256;
+  t.llama3 = false;
+  const fs::path dir = write_tiny(&t, "bf16", true, 2);
+  expect_matches_reference(t, dir, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}, 6, 2e-4);
+  fs::remove_all(dir);
+}
+
+TEST(EngineModelCpu, BatchOfRaggedPromptsEqualsSingleRuns) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "batch", false, 3);
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  const std::vector<std::vector<std::int32_t>> prompts = {{5, 6, 7}, {8}, {9, 10, 11, 12, 13, 14, 15, 16, 17}};
+  GenerateOptions g;
+  g.prompts = prompts;
+  g.max_new_tokens = 7;
+  g.eager = true;
+  g.sampling.temperature = 0.8f;
+  g.sampling.top_p = 0.9f;
+  g.sampling.seed = 42;
+  GenerateResult all;
+  Status s = generate(*l.model, g, &all);
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(all.bucket, 4);
+  ASSERT_EQ(all.tokens.size(), 3u);
+  // Greedy: each sequence of the batch generates what it generates alone (batch invariance of
+  // the paged cache, the padded graph bucket and the ragged lengths).
+  GenerateOptions greedy_all = g;
+  greedy_all.sampling.temperature = 0.f;
+  GenerateResult ga;
+  ASSERT_TRUE(generate(*l.model, greedy_all, &ga).ok());
+  for (std::size_t b = 0; b < prompts.size(); ++b) {
+    GenerateOptions one = greedy_all;
+    one.prompts = {prompts[b]};
+    GenerateResult r;
+    ASSERT_TRUE(generate(*l.model, one, &r).ok());
+    EXPECT_EQ(r.tokens[0], ga.tokens[b]) << "sequence " << b;
+  }
+  GenerateResult again;
+  ASSERT_TRUE(generate(*l.model, g, &again).ok());
+  EXPECT_EQ(again.tokens, all.tokens) << "sampling with a fixed seed must repeat";
+  for (const auto& seq : all.tokens)
+    for (int tok : seq) EXPECT_TRUE(tok >= 0 && tok < t.vocab);
+  fs::remove_all(dir);
+}
+
+TEST(EngineModelCpu, TinyTopPIsGreedy) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "topp", false, 4);
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  GenerateOptions g;
+  g.prompts = {{1, 2, 3}};
+  g.max_new_tokens = 5;
+  g.eager = true;
+  GenerateResult greedy, nucleus;
+  ASSERT_TRUE(generate(*l.model, g, &greedy).ok());
+  g.sampling.temperature = 1.0f;
+  g.sampling.top_p = 1e-6f;  // only the most likely token survives
+  ASSERT_TRUE(generate(*l.model, g, &nucleus).ok());
+  EXPECT_EQ(greedy.tokens, nucleus.tokens);
+  fs::remove_all(dir);
+}
+
+TEST(EngineModelCpu, SampledTokensFollowTheDistribution) {
+  // sample_row_host against frequencies: logits log(p) for p = (0.5, 0.3, 0.2).
+  const float logits[3] = {std::log(0.5f), std::log(0.3f), std::log(0.2f)};
+  SampleArgs a;
+  a.temperature = 1.f;
+  int count[3] = {0, 0, 0};
+  const int n = 20000;
+  for (int i = 0; i < n; ++i) ++count[sample_row_host(logits, 3, a, sample_uniform(7, i, 0))];
+  EXPECT_NEAR(count[0] / double(n), 0.5, 0.02);
+  EXPECT_NEAR(count[1] / double(n), 0.3, 0.02);
+  EXPECT_NEAR(count[2] / double(n), 0.2, 0.02);
+  a.top_p = 0.7f;  // keeps 0.5 and 0.3 (mass 0.8 >= 0.7), renormalized to 5/8 and 3/8
+  count[0] = count[1] = count[2] = 0;
+  for (int i = 0; i < n; ++i) ++count[sample_row_host(logits, 3, a, sample_uniform(9, i, 1))];
+  EXPECT_EQ(count[2], 0);
+  EXPECT_NEAR(count[0] / double(n), 0.625, 0.02);
+}
+
+TEST(EngineModelCpu, ClearErrors) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "err", false, 5);
+  auto ops = make_cpu_ops(1);
+  std::unique_ptr<LlamaModel> m;
+  // A missing tensor.
+  {
+    Tiny t2 = t;
+    t2.w.erase("model.layers.1.mlp.up_proj.weight");
+    std::vector<StWriteTensor> ts;
+    for (auto& [name, v] : t2.w) ts.push_back(StWriteTensor{name, StDType::kF32, t2.shape[name], v.data()});
+    ASSERT_TRUE(write_safetensors((dir / "model.safetensors").string(), ts).ok());
+    Status s = LlamaModel::load(dir.string(), ops.get(), &m);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << s.message();
+  }
+  // A tensor of the wrong shape.
+  {
+    Tiny t2 = t;
+    t2.shape["model.norm.weight"] = {t.hidden / 2};
+    t2.w["model.norm.weight"].resize(t.hidden / 2);
+    std::vector<StWriteTensor> ts;
+    for (auto& [name, v] : t2.w) ts.push_back(StWriteTensor{name, StDType::kF32, t2.shape[name], v.data()});
+    ASSERT_TRUE(write_safetensors((dir / "model.safetensors").string(), ts).ok());
+    Status s = LlamaModel::load(dir.string(), ops.get(), &m);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("model.norm.weight"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("shape"), std::string::npos) << s.message();
+  }
+  // An unsupported head dim.
+  {
+    Tiny t3 = t;
+    t3.head_dim = 32;
+    std::ofstream(dir / "config.json") << config_json(t3);
+    Status s = LlamaModel::load(dir.string(), ops.get(), &m);
+    EXPECT_FALSE(s.ok());
+    EXPECT_NE(s.message().find("head_dim 32"), std::string::npos) << s.message();
+  }
+  // Token ids outside the vocabulary; a bad id list.
+  std::vector<std::int32_t> ids;
+  EXPECT_FALSE(parse_token_ids("1, 2, 97", 97, &ids).ok());
+  EXPECT_FALSE(parse_token_ids("1 -2", 97, &ids).ok());
+  ASSERT_TRUE(parse_token_ids("1, 2 3\n4", 97, &ids).ok());
+  EXPECT_EQ(ids, (std::vector<std::int32_t>{1, 2, 3, 4}));
+  fs::remove_all(dir);
+}

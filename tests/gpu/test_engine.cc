@@ -1,0 +1,125 @@
+// The Llama engine on CUDA (bf16, GEMV/cuBLASLt, paged decode, CUDA graphs) against the
+// independent fp64 Llama of tests/cpu/engine_tiny.h, and against itself across modes.
+#include <gtest/gtest.h>
+
+#include "../cpu/engine_tiny.h"
+#include "engine/engine.h"
+
+using namespace flashcpp;
+using namespace flashcpp::engine;
+using namespace flashcpp::engine::testing;
+
+namespace {
+
+std::unique_ptr<Ops> cuda_ops() {
+  std::unique_ptr<Ops> ops;
+  Status s = make_cuda_ops(&ops);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return ops;
+}
+
+GenerateResult run(const LlamaModel& m, const std::vector<std::vector<std::int32_t>>& prompts, int new_tokens, bool eager,
+                   bool dump, int page_size = 16) {
+  GenerateOptions g;
+  g.prompts = prompts;
+  g.max_new_tokens = new_tokens;
+  g.eager = eager;
+  g.dump_logits = dump;
+  g.page_size = page_size;
+  GenerateResult r;
+  Status s = generate(m, g, &r);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return r;
+}
+
+}  // namespace
+
+// bf16 weights and activations: the logits of the fp64 model on the same (bf16-rounded)
+// weights differ by rounding of the activations; 0.05 of the logit scale bounds a 2-layer
+// model comfortably while a wrong rotary, mask or GEMM is off by O(1).
+TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
+  for (const char* gemm : {"auto", "cublaslt"}) {
+    for (int heads : {2, 4}) {
+      Tiny t;
+      t.heads = heads;
+      t.hidden = heads * 64;
+      t.kv_heads = 1;
+      const fs::path dir = write_tiny(&t, std::string("gpu") + gemm + std::to_string(heads), true, 11 + heads);
+      auto ops = cuda_ops();
+      ASSERT_TRUE(ops);
+      ASSERT_TRUE(ops->set_gemm_mode(gemm).ok());
+      std::unique_ptr<LlamaModel> m;
+      Status s = LlamaModel::load(dir.string(), ops.get(), &m);
+      ASSERT_TRUE(s.ok()) << s.message();
+      const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46};
+      for (bool eager : {true, false}) {
+        GenerateResult r = run(*m, {prompt}, 12, eager, true, 4);
+        const int P = static_cast<int>(prompt.size());
+        std::vector<int> seq(prompt.begin(), prompt.end());
+        for (int i = 0; i + 1 < 12; ++i) seq.push_back(r.tokens[0][i]);
+        const auto ref = reference_logits(t, seq);
+        ASSERT_EQ(r.logits.size(), ref.size() * t.vocab);
+        double worst = 0, scale = 0;
+        for (std::size_t row = 0; row < ref.size(); ++row)
+          for (int v = 0; v < t.vocab; ++v) {
+            const double ours = r.logits[row * t.vocab + v];
+            ASSERT_FALSE(std::isnan(ours));
+            worst = std::max(worst, std::abs(ours - ref[row][v]));
+            scale = std::max(scale, std::abs(ref[row][v]));
+          }
+        EXPECT_LE(worst, 0.05 * scale) << gemm << " heads " << heads << (eager ? " eager" : " graph");
+        EXPECT_GT(scale, 0.5);
+        int agree = 0;
+        for (int s2 = 0; s2 < 12; ++s2) agree += r.tokens[0][s2] == argmax(ref[P - 1 + s2]);
+        EXPECT_GE(agree, 11) << "greedy tokens vs the fp64 model";
+      }
+      fs::remove_all(dir);
+    }
+  }
+}
+
+TEST(EngineGpu, GraphEqualsEagerAndBatchEqualsSingle) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "gpubatch", true, 21);
+  auto ops = cuda_ops();
+  ASSERT_TRUE(ops);
+  std::unique_ptr<LlamaModel> m;
+  ASSERT_TRUE(LlamaModel::load(dir.string(), ops.get(), &m).ok());
+  const std::vector<std::vector<std::int32_t>> prompts = {{5, 6, 7}, {8}, {9, 10, 11, 12, 13, 14, 15, 16, 17}, {1, 2}, {3}};
+  GenerateResult eager = run(*m, prompts, 20, true, false, 1);
+  GenerateResult graph = run(*m, prompts, 20, false, false, 1);
+  EXPECT_EQ(graph.bucket, 8);
+  EXPECT_EQ(eager.tokens, graph.tokens);
+  for (std::size_t b = 0; b < prompts.size(); ++b) {
+    GenerateResult one = run(*m, {prompts[b]}, 20, false, false, 16);
+    EXPECT_EQ(one.tokens[0], graph.tokens[b]) << "sequence " << b;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(EngineGpu, SamplingMatchesTheHostRule) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "gpusample", true, 31);
+  auto ops = cuda_ops();
+  ASSERT_TRUE(ops);
+  std::unique_ptr<LlamaModel> m;
+  ASSERT_TRUE(LlamaModel::load(dir.string(), ops.get(), &m).ok());
+  GenerateOptions g;
+  g.prompts = {{1, 2, 3}, {4, 5}};
+  g.max_new_tokens = 16;
+  g.sampling.temperature = 0.9f;
+  g.sampling.top_p = 0.8f;
+  g.sampling.seed = 5;
+  GenerateResult a, b;
+  ASSERT_TRUE(generate(*m, g, &a).ok());
+  ASSERT_TRUE(generate(*m, g, &b).ok());
+  EXPECT_EQ(a.tokens, b.tokens) << "a fixed seed repeats";
+  g.sampling.top_p = 1e-6f;
+  GenerateResult nucleus;
+  ASSERT_TRUE(generate(*m, g, &nucleus).ok());
+  g.sampling.temperature = 0.f;
+  GenerateResult greedy;
+  ASSERT_TRUE(generate(*m, g, &greedy).ok());
+  EXPECT_EQ(nucleus.tokens, greedy.tokens) << "top_p -> 0 is greedy";
+  fs::remove_all(dir);
+}

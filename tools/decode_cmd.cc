@@ -1,0 +1,180 @@
+// `flashcpp decode`: load a Hugging Face Llama checkpoint, prefill the prompts, decode, report.
+#include "decode_cmd.h"
+
+#include <CLI/CLI.hpp>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/engine.h"
+
+#ifndef FLASHCPP_GIT_COMMIT
+#define FLASHCPP_GIT_COMMIT "unknown"
+#endif
+
+namespace flashcpp::tools {
+
+void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
+  sub->add_option("--model", o->model, "checkpoint directory (config.json + model.safetensors[.index.json])")->required();
+  sub->add_option("--prompt-ids", o->prompt_ids, "one prompt as token ids (\"1,2,3\"), used for every sequence");
+  sub->add_option("--prompt-file", o->prompt_file, "one prompt per line (ids separated by spaces or commas)");
+  sub->add_option("--prompt-len", o->prompt_len, "random prompt ids of this length (seeded) when no ids are given");
+  sub->add_option("--batch", o->batch, "sequences (with --prompt-ids, --prompt-len or --context)")->capture_default_str();
+  sub->add_option("--context", o->context,
+                  "start as if this many tokens were cached (random K/V, no prefill): long-context decode speed");
+  sub->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate per sequence")->capture_default_str();
+  sub->add_flag("--eager", o->eager, "launch op by op instead of replaying a CUDA graph");
+  sub->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
+  sub->add_option("--top-p", o->top_p, "nucleus sampling mass (with --temperature > 0)")->capture_default_str();
+  sub->add_option("--seed", o->seed, "sampling / random-prompt seed")->capture_default_str();
+  sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")->capture_default_str();
+  sub->add_option("--dump-logits", o->dump_logits,
+                  "write sequence 0's fp32 logits (prompt positions, then each step) as raw little-endian floats");
+  sub->add_option("--json", o->json, "write tokens and timings here");
+  sub->add_option("--backend", o->backend, "cuda, cpu or auto")
+      ->check(CLI::IsMember({"cuda", "cpu", "auto"}))
+      ->capture_default_str();
+  sub->add_option("--gemm", o->gemm,
+                  "cuda GEMMs: auto (fused GEMV for <= 8 rows, PDL on Hopper), cublaslt, gemv, gemv-nopdl")
+      ->check(CLI::IsMember({"auto", "cublaslt", "gemv", "gemv-nopdl"}))
+      ->capture_default_str();
+  sub->add_option("--threads", o->threads, "CPU backend threads (0: all)");
+  sub->add_flag("--no-profile", o->no_profile, "skip the per-step kernel-time measurement");
+}
+
+namespace {
+
+int fail(const Status& s) {
+  std::cerr << "flashcpp decode: " << s.message() << "\n";
+  return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
+}
+
+}  // namespace
+
+int decode_main(const DecodeCliOptions& o) {
+  using namespace flashcpp::engine;
+  std::unique_ptr<Ops> ops;
+  if (o.backend == "cpu") {
+    ops = make_cpu_ops(o.threads);
+  } else {
+    Status s = make_cuda_ops(&ops);
+    if (!s.ok()) {
+      if (o.backend == "cuda") return fail(s);
+      ops = make_cpu_ops(o.threads);
+    }
+  }
+  if (Status s = ops->set_gemm_mode(o.gemm); !s.ok()) return fail(s);
+  std::unique_ptr<LlamaModel> model;
+  if (Status s = LlamaModel::load(o.model, ops.get(), &model); !s.ok()) return fail(s);
+  const LlamaConfig& c = model->config();
+
+  GenerateOptions g;
+  g.max_new_tokens = o.max_new_tokens;
+  g.eager = o.eager || !ops->cuda();
+  g.sampling.temperature = o.temperature;
+  g.sampling.top_p = o.top_p;
+  g.sampling.seed = o.seed;
+  g.page_size = o.page_size;
+  g.profile = !o.no_profile;
+  g.dump_logits = !o.dump_logits.empty();
+  const int sources = !o.prompt_ids.empty() + !o.prompt_file.empty() + (o.prompt_len > 0) + (o.context > 0);
+  if (sources != 1) {
+    std::cerr << "flashcpp decode: give exactly one of --prompt-ids, --prompt-file, --prompt-len, --context\n";
+    return 2;
+  }
+  if (o.batch < 1) { std::cerr << "flashcpp decode: --batch must be >= 1\n"; return 2; }
+  if (!o.prompt_ids.empty()) {
+    std::vector<std::int32_t> ids;
+    if (Status s = parse_token_ids(o.prompt_ids, c.vocab_size, &ids); !s.ok()) return fail(s);
+    g.prompts.assign(o.batch, ids);
+  } else if (!o.prompt_file.empty()) {
+    std::ifstream f(o.prompt_file);
+    if (!f) { std::cerr << "flashcpp decode: cannot open " << o.prompt_file << "\n"; return 2; }
+    std::string line;
+    while (std::getline(f, line)) {
+      std::vector<std::int32_t> ids;
+      if (Status s = parse_token_ids(line, c.vocab_size, &ids); !s.ok()) return fail(s);
+      if (!ids.empty()) g.prompts.push_back(std::move(ids));
+    }
+    if (g.prompts.empty()) { std::cerr << "flashcpp decode: " << o.prompt_file << " holds no prompt\n"; return 2; }
+  } else if (o.prompt_len > 0) {
+    for (int b = 0; b < o.batch; ++b) {
+      std::vector<std::int32_t> ids;
+      for (int i = 0; i < o.prompt_len; ++i)
+        ids.push_back(static_cast<std::int32_t>(sample_uniform(o.seed, i, b) * static_cast<float>(c.vocab_size - 1)));
+      g.prompts.push_back(std::move(ids));
+    }
+  } else {
+    g.context = o.context;
+    g.batch = o.batch;
+  }
+
+  GenerateResult r;
+  if (Status s = generate(*model, g, &r); !s.ok()) return fail(s);
+
+  const int B = static_cast<int>(r.tokens.size());
+  std::cout << "model: " << c.num_hidden_layers << " layers, hidden " << c.hidden_size << ", heads " << c.num_attention_heads
+            << "/" << c.num_key_value_heads << ", vocab " << c.vocab_size << ", " << model->weight_bytes() / 1e9
+            << " GB on " << ops->describe() << "\n";
+  std::cout << "batch " << B << " (graph bucket " << r.bucket << "), " << (g.context ? "context " : "prompt ")
+            << (g.context ? g.context : r.prompt_len) << ", " << r.decode_steps << " decode steps, " << r.mode << "\n";
+  std::cout << "prefill " << r.prefill_ms << " ms; decode " << r.decode_ms << " ms = " << r.wall_us_per_step
+            << " us/step, " << r.decode_tok_s << " tok/s\n";
+  if (r.kernel_us_per_step > 0)
+    std::cout << "kernel time (sum of ops alone) " << r.kernel_us_per_step << " us/step (gemm " << r.gemm_us << ", attention "
+              << r.attention_us << ", norm " << r.norm_us << ", other " << r.other_us << ")"
+              << (r.graph_gpu_us_per_step > 0 ? "; graph replay " + std::to_string(r.graph_gpu_us_per_step) + " us/step" : "")
+              << "\n";
+  if (!r.op_times.empty()) {
+    std::cout << "per op (us/step, alone):";
+    for (const auto& t : r.op_times) std::cout << " " << t.name << " " << t.us;
+    std::cout << "\n";
+  }
+  std::cout << "seq 0:";
+  for (std::size_t i = 0; i < std::min<std::size_t>(r.tokens[0].size(), 16); ++i) std::cout << " " << r.tokens[0][i];
+  std::cout << (r.tokens[0].size() > 16 ? " ..." : "") << "\n";
+
+  if (!o.dump_logits.empty()) {
+    std::ofstream f(o.dump_logits, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(r.logits.data()), static_cast<std::streamsize>(r.logits.size() * 4));
+    if (!f) { std::cerr << "flashcpp decode: cannot write " << o.dump_logits << "\n"; return 1; }
+  }
+  if (!o.json.empty()) {
+    nlohmann::json j;
+    j["tokens"] = r.tokens;
+    j["batch"] = B;
+    j["bucket"] = r.bucket;
+    j["prompt_len"] = r.prompt_len;
+    j["context"] = g.context;
+    j["max_new_tokens"] = g.max_new_tokens;
+    j["decode_steps"] = r.decode_steps;
+    j["mode"] = r.mode;
+    j["prefill_ms"] = r.prefill_ms;
+    j["decode_ms"] = r.decode_ms;
+    j["decode_tok_s"] = r.decode_tok_s;
+    j["wall_us_per_step"] = r.wall_us_per_step;
+    j["kernel_us_per_step"] = r.kernel_us_per_step;
+    j["graph_gpu_us_per_step"] = r.graph_gpu_us_per_step;
+    j["kernel_split_us"] = {{"gemm", r.gemm_us}, {"attention", r.attention_us}, {"norm", r.norm_us},
+                            {"other", r.other_us}};
+    nlohmann::json ops_j = nlohmann::json::object();
+    for (const auto& t : r.op_times) ops_j[t.name] = t.us;
+    j["op_us_per_step"] = ops_j;
+    j["decode_plan"] = {{"num_items", r.plan.num_items}, {"max_splits", r.plan.max_splits}, {"ctas", r.plan.ctas},
+                        {"needs_merge", r.plan.needs_merge}};
+    j["page_size"] = g.page_size;
+    j["gemm"] = o.gemm;
+    j["weight_bytes"] = model->weight_bytes();
+    j["step_weight_bytes"] = model->step_weight_bytes();
+    j["gpu"] = ops->describe();
+    j["git_commit"] = FLASHCPP_GIT_COMMIT;
+    j["vocab"] = c.vocab_size;
+    std::ofstream f(o.json);
+    f << j.dump(1) << "\n";
+    if (!f) { std::cerr << "flashcpp decode: cannot write " << o.json << "\n"; return 1; }
+  }
+  return 0;
+}
+
+}  // namespace flashcpp::tools

@@ -1,0 +1,27 @@
+// `flashcpp decode`: the Llama engine from the command line.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace CLI { class App; }
+
+namespace flashcpp::tools {
+
+struct DecodeCliOptions {
+  std::string model;
+  std::string prompt_ids, prompt_file;
+  int batch = 1, prompt_len = 0, context = 0, max_new_tokens = 32;
+  bool eager = false;
+  float temperature = 0.f, top_p = 1.f;
+  std::uint64_t seed = 0;
+  int page_size = 16;
+  std::string dump_logits, json, backend = "auto", gemm = "auto";
+  int threads = 0;
+  bool no_profile = false;
+};
+
+void add_decode_options(CLI::App* sub, DecodeCliOptions* o);
+int decode_main(const DecodeCliOptions& o);
+
+}  // namespace flashcpp::tools
