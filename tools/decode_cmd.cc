@@ -36,7 +36,7 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
       ->check(CLI::IsMember({"cuda", "cpu", "auto"}))
       ->capture_default_str();
   sub->add_option("--gemm", o->gemm,
-                  "cuda GEMMs: auto (fused GEMV for <= 8 rows, PDL on Hopper), cublaslt, gemv, gemv-nopdl")
+                  "cuda GEMMs: auto (fused GEMV for <= 4 rows, PDL on Hopper; cuBLASLt above), cublaslt, gemv (<= 8 rows), gemv-nopdl")
       ->check(CLI::IsMember({"auto", "cublaslt", "gemv", "gemv-nopdl"}))
       ->capture_default_str();
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all)");

@@ -1,7 +1,7 @@
 // Ops on CUDA: bf16 device buffers on one stream, cuBLASLt GEMMs, a batch-small GEMV, the engine's
 // small kernels (embedding, KV scatter, sampling, counters) and CUDA-graph capture/replay.
 //
-// GEMV (M <= 8 rows, what batch-1..8 decode runs): every weight is read exactly once, so the
+// GEMV (M <= 4 rows by default, what batch-1..4 decode runs): every weight is read exactly once, so the
 // step is bound by HBM: 2.47 GB for Llama-3.2-1B -> 0.58 ms at 4.3 TB/s. One warp owns kRows
 // consecutive output rows; each lane streams 16-byte chunks of those weight rows (evict-first,
 // they are never reused) and dots them with the M input rows (L1-resident); a warp shuffle
@@ -54,6 +54,7 @@ constexpr int kGemvRows = 4;  // output rows per CTA iteration (the 8 warps spli
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr std::size_t kGemvMaxSmem = 160 * 1024;
+constexpr int kGemvAutoRows = 4;
 
 struct GemvArgs {
   const bf16* x;
@@ -97,32 +98,58 @@ __device__ float gemv_block_sum(float v, float* red) {
   return t;
 }
 
-/// Row m of prologue(x) into xs (K bf16). Every thread of the CTA takes part.
+union Bf16x8 {
+  uint4 u;
+  __nv_bfloat16 h[8];
+};
+
+/// Row m of prologue(x) into xs (K bf16), 8 elements (16 bytes) per access; K % 8 == 0 and
+/// every row start is 16-byte aligned (gemv_ok checks). Every thread of the CTA takes part.
 __device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red) {
   using Kind = GemvPrologue::Kind;
   const Kind kind = static_cast<Kind>(a.kind);
-  const int K = a.K;
-  const bf16* xr = a.x + m * a.ldx;
+  const int K = a.K, kvec = K / 8;
+  const uint4* xr = reinterpret_cast<const uint4*>(a.x + m * a.ldx);
+  const uint4* rr = reinterpret_cast<const uint4*>(a.residual + static_cast<std::int64_t>(m) * K);
+  uint4* ro = reinterpret_cast<uint4*>(a.residual_out + static_cast<std::int64_t>(m) * K);
+  uint4* xs4 = reinterpret_cast<uint4*>(xs);
   float ss = 0.f;
-  for (int k = threadIdx.x; k < K; k += kGemvThreads) {
-    float v;
+  for (int v = threadIdx.x; v < kvec; v += kGemvThreads) {
+    Bf16x8 in, out;
+    in.u = xr[v];
     if (kind == Kind::kSiluMul) {
-      v = flashcpp::fused::silu_mul(__bfloat162float(xr[k]), __bfloat162float(xr[K + k]));
+      Bf16x8 up;
+      up.u = xr[kvec + v];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        out.h[i] = __float2bfloat16_rn(flashcpp::fused::silu_mul(__bfloat162float(in.h[i]), __bfloat162float(up.h[i])));
     } else if (kind == Kind::kAddRmsNorm) {
-      v = __bfloat162float(xr[k]) + __bfloat162float(a.residual[static_cast<std::int64_t>(m) * K + k]);
+      Bf16x8 res;
+      res.u = rr[v];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out.h[i] = __float2bfloat16_rn(__bfloat162float(in.h[i]) + __bfloat162float(res.h[i]));
+      if (blockIdx.x == 0) ro[v] = out.u;
     } else {
-      v = __bfloat162float(xr[k]);
+      out.u = in.u;
     }
-    const bf16 h = __float2bfloat16_rn(v);
-    xs[k] = h;
-    const float hf = __bfloat162float(h);
-    ss = fmaf(hf, hf, ss);
-    if (kind == Kind::kAddRmsNorm && blockIdx.x == 0) a.residual_out[static_cast<std::int64_t>(m) * K + k] = h;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float f = __bfloat162float(out.h[i]);
+      ss = fmaf(f, f, ss);
+    }
+    xs4[v] = out.u;
   }
   if (kind != Kind::kRmsNorm && kind != Kind::kAddRmsNorm) return;
   const float rstd = rsqrtf(gemv_block_sum(ss, red) / static_cast<float>(K) + a.eps);
-  for (int k = threadIdx.x; k < K; k += kGemvThreads)
-    xs[k] = __float2bfloat16_rn(__bfloat162float(xs[k]) * rstd * __bfloat162float(a.norm_w[k]));
+  const uint4* w4 = reinterpret_cast<const uint4*>(a.norm_w);
+  for (int v = threadIdx.x; v < kvec; v += kGemvThreads) {
+    Bf16x8 h, g;
+    h.u = xs4[v];
+    g.u = w4[v];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) h.h[i] = __float2bfloat16_rn(__bfloat162float(h.h[i]) * rstd * __bfloat162float(g.h[i]));
+    xs4[v] = h.u;
+  }
 }
 
 template <int M, class OutT>
@@ -569,7 +596,10 @@ class CudaOps final : public Ops {
   };
   bool gemv_ok(int M, int K, const void* x, std::int64_t ldx, const void* w) const {
     const int m_pad = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8;
-    return gemm_mode_ != "cublaslt" && M <= 8 && K % 8 == 0 && ldx % 8 == 0 &&
+    // auto: the GEMV up to kGemvAutoRows rows, where it beats cuBLASLt (measured: batch 1 and 4);
+    // from 8 rows on cuBLASLt's tensor-core GEMM wins (the GEMV at 8 rows ran 2x slower).
+    const int limit = gemm_mode_ == "auto" ? kGemvAutoRows : 8;
+    return gemm_mode_ != "cublaslt" && M <= limit && K % 8 == 0 && ldx % 8 == 0 &&
            static_cast<std::size_t>(m_pad) * K * 2 <= kGemvMaxSmem && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
            reinterpret_cast<std::uintptr_t>(w) % 16 == 0;
   }
