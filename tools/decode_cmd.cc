@@ -29,6 +29,8 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
   sub->add_option("--top-p", o->top_p, "nucleus sampling mass (with --temperature > 0)")->capture_default_str();
   sub->add_option("--seed", o->seed, "sampling / random-prompt seed")->capture_default_str();
   sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")->capture_default_str();
+  sub->add_option("--decode-splits", o->decode_splits, "force the decode attention's key splits (0: heuristic)");
+  sub->add_option("--decode-max-splits", o->decode_max_splits, "cap the heuristic's key splits (0: none)");
   sub->add_option("--dump-logits", o->dump_logits,
                   "write sequence 0's fp32 logits (prompt positions, then each step) as raw little-endian floats");
   sub->add_option("--json", o->json, "write tokens and timings here");
@@ -36,7 +38,7 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
       ->check(CLI::IsMember({"cuda", "cpu", "auto"}))
       ->capture_default_str();
   sub->add_option("--gemm", o->gemm,
-                  "cuda GEMMs: auto (fused GEMV for <= 4 rows, PDL on Hopper; cuBLASLt above), cublaslt, gemv (<= 8 rows), gemv-nopdl")
+                  "cuda GEMMs: auto (fused GEMV for <= 2 rows, PDL on Hopper; cuBLASLt above), cublaslt, gemv (<= 8 rows), gemv-nopdl")
       ->check(CLI::IsMember({"auto", "cublaslt", "gemv", "gemv-nopdl"}))
       ->capture_default_str();
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all)");
@@ -76,6 +78,8 @@ int decode_main(const DecodeCliOptions& o) {
   g.sampling.top_p = o.top_p;
   g.sampling.seed = o.seed;
   g.page_size = o.page_size;
+  g.decode_splits = o.decode_splits;
+  g.decode_max_splits = o.decode_max_splits;
   g.profile = !o.no_profile;
   g.dump_logits = !o.dump_logits.empty();
   const int sources = !o.prompt_ids.empty() + !o.prompt_file.empty() + (o.prompt_len > 0) + (o.context > 0);

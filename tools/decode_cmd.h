@@ -15,7 +15,7 @@ struct DecodeCliOptions {
   bool eager = false;
   float temperature = 0.f, top_p = 1.f;
   std::uint64_t seed = 0;
-  int page_size = 16;
+  int page_size = 16, decode_splits = 0, decode_max_splits = 0;
   std::string dump_logits, json, backend = "auto", gemm = "auto";
   int threads = 0;
   bool no_profile = false;

@@ -20,6 +20,8 @@ struct GenerateOptions {
   bool eager = false;            ///< launch op by op instead of replaying a CUDA graph
   SampleArgs sampling;
   int page_size = 16;
+  int decode_splits = 0;         ///< > 0: force the decode attention's key splits (0: the planner's heuristic)
+  int decode_max_splits = 0;     ///< > 0: cap the heuristic
   int warmup_steps = 2;
   bool profile = true;           ///< CUDA: measure kernel time per step after the timed run
   bool dump_logits = false;      ///< keep seq 0's logits (prompt positions, then every step)

@@ -341,7 +341,7 @@ DecodeParams Session::layer_decode_params(int layer) const {
   return p;
 }
 
-Status Session::plan(const std::vector<std::int32_t>& host_final_lengths) {
+Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int num_splits, int max_splits) {
   if (static_cast<int>(host_final_lengths.size()) != opt_.batch) return Status::Internal("plan: one length per sequence");
   std::vector<std::int32_t> lens(host_final_lengths);
   for (auto& v : lens) v = std::clamp(v, 0, opt_.capacity - 1);
@@ -349,6 +349,8 @@ Status Session::plan(const std::vector<std::int32_t>& host_final_lengths) {
   DecodePlanOptions o;
   o.backend = ops_->cuda() ? Backend::kCuda : Backend::kCpu;
   o.host_cache_seqlens = lens.data();
+  o.num_splits = num_splits;
+  o.max_splits = max_splits;
   o.stream = ops_->stream();
   DecodeWorkspaceSize ws;
   FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(p, o, &ws));

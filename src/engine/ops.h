@@ -112,7 +112,7 @@ class Ops {
   // ---- CUDA only (the CPU versions succeed and do nothing) ----
   /// Keeps the device busy for about `us` microseconds (so the host can queue work ahead of it).
   virtual Status spin(int us) { (void)us; return Status::Ok(); }
-  /// Which GEMM implementation gemm() uses: "auto" (GEMV for M <= 4, cuBLASLt above), "cublaslt",
+  /// Which GEMM implementation gemm() uses: "auto" (GEMV for M <= 2, cuBLASLt above), "cublaslt",
   /// "gemv" (GEMV up to M = 8), "gemv-nopdl" (the same without programmatic dependent launch).
   virtual Status set_gemm_mode(const std::string& mode) { (void)mode; return Status::Ok(); }
   /// Timing events (CUDA): record event `slot` (0..kMaxEvents-1) on the stream; the ms between two

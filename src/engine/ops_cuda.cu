@@ -1,7 +1,7 @@
 // Ops on CUDA: bf16 device buffers on one stream, cuBLASLt GEMMs, a batch-small GEMV, the engine's
 // small kernels (embedding, KV scatter, sampling, counters) and CUDA-graph capture/replay.
 //
-// GEMV (M <= 4 rows by default, what batch-1..4 decode runs): every weight is read exactly once, so the
+// GEMV (up to two rows by default: batch-1 and -2 decode; up to 8 when forced): every weight is read exactly once, so the
 // step is bound by HBM: 2.47 GB for Llama-3.2-1B -> 0.58 ms at 4.3 TB/s. One warp owns kRows
 // consecutive output rows; each lane streams 16-byte chunks of those weight rows (evict-first,
 // they are never reused) and dots them with the M input rows (L1-resident); a warp shuffle
@@ -54,7 +54,7 @@ constexpr int kGemvRows = 4;  // output rows per CTA iteration (the 8 warps spli
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr std::size_t kGemvMaxSmem = 160 * 1024;
-constexpr int kGemvAutoRows = 4;
+constexpr int kGemvAutoRows = 2;
 
 struct GemvArgs {
   const bf16* x;
@@ -596,8 +596,8 @@ class CudaOps final : public Ops {
   };
   bool gemv_ok(int M, int K, const void* x, std::int64_t ldx, const void* w) const {
     const int m_pad = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8;
-    // auto: the GEMV up to kGemvAutoRows rows, where it beats cuBLASLt (measured: batch 1 and 4);
-    // from 8 rows on cuBLASLt's tensor-core GEMM wins (the GEMV at 8 rows ran 2x slower).
+    // auto: the GEMV up to two rows, where it beats cuBLASLt (H200, Llama-3.2-1B step: 1078 vs
+    // 1234 us at 1 row, 1260 vs 1321 at 2); at 4 rows cuBLASLt wins (1321 vs 1658 us), at 8 by 2x.
     const int limit = gemm_mode_ == "auto" ? kGemvAutoRows : 8;
     return gemm_mode_ != "cublaslt" && M <= limit && K % 8 == 0 && ldx % 8 == 0 &&
            static_cast<std::size_t>(m_pad) * K * 2 <= kGemvMaxSmem && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&

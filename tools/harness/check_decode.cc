@@ -468,15 +468,32 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
       }
   es_.finish(r);
   r->lse_max_abs_err = lse_max;
-  // The cache after an append must be the model's, bit for bit (NaN slots included).
+  // The cache after an append must be the model's: V bit for bit (a copy), K (rotated) within
+  // one unit in the last place of the dtype. The kernel's fp32 sincos and the host's differ by
+  // an ulp or two of fp32, which now and then moves the rounded bf16/fp16 value by one step
+  // (seen on the H200: 2 of ~10^5 elements). NaN slots must match exactly.
   if (c.append) {
     std::int64_t diff = 0;
-    for (std::size_t i = 0; i < km.size(); ++i) diff += km[i] != sp.host(ik)[i];
+    const std::size_t es = dtype_size(dt);
+    auto element = [&](const std::uint8_t* p, std::size_t i) {
+      std::uint32_t u = 0;
+      std::memcpy(&u, p + i * es, es);
+      return u;
+    };
+    const std::uint8_t* kc = sp.host(ik);
+    for (std::size_t i = 0; i < km.size() / es; ++i) {
+      const std::uint32_t want = element(km.data(), i), got = element(kc, i);
+      const std::uint32_t sign = es == 2 ? 0x8000u : 0x80000000u;
+      const bool same_sign = (want & sign) == (got & sign);
+      const std::uint32_t d = want > got ? want - got : got - want;
+      diff += !(want == got || (same_sign && d == 1));
+    }
     for (std::size_t i = 0; i < vm.size(); ++i) diff += vm[i] != sp.host(iv)[i];
     if (diff > 0) {
       r->violations += diff;
       if (r->message.empty())
-        r->message = fmt::format("the cache after the append differs from the model in {} byte(s)", diff);
+        r->message = fmt::format("the cache after the append differs from the model in {} element(s) (K beyond one "
+                                 "ulp or V at all)", diff);
     }
   }
   const bool ok = r->nan_count == 0 && r->lse_nan_count == 0 && r->guard_violations == 0 && r->violations == 0 &&
