@@ -266,7 +266,11 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     to back; cu_seqlens_q/k: int32 (batch + 1,) prefix sums starting at 0; max_seqlen_q/k: the
     longest sequence. Each sequence is its own problem (causal alignment per sequence).
     Returns out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
-    Runs on the CPU backend; the CUDA kernels do not take varlen yet (NotImplementedError).
+    Runs on both backends; on CUDA tensors the kernels read cu_seqlens on the device (no
+    synchronization), size the grid by max_seqlen_q and fuse every mask keyword (causal,
+    window_size, softcap, alibi_slopes) per sequence. Packed rows past cu_seqlens_q[-1] are left
+    as they are on CUDA (flash-attn's behaviour; reading the device array would synchronize) and
+    set to 0 / -inf on the CPU.
     """
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)

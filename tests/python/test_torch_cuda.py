@@ -6,6 +6,8 @@ Needs torch, a CUDA device and a build with FLASHCPP_CUDA=ON (runs on the H200 m
 Tolerance (flash-attn's rule): max error vs fp64 <= 2 * (error of PyTorch's own SDPA in the
 same dtype vs fp64) + 1e-3.
 """
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="GPU tests need torch")
@@ -202,18 +204,69 @@ def test_errors(gen):
         flashcpp.flash_attn_func(q, q, q, alibi_slopes=torch.ones(4))
 
 
-def test_varlen_on_cuda_is_not_implemented_yet(gen):
-    q = rand((10, 4, 64), torch.bfloat16, gen)
-    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEV)
-    with pytest.raises(NotImplementedError, match="varlen"):
-        flashcpp.flash_attn_varlen_func(q, q, q, cu, cu, 6, 6)
+def masked_reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
+    """Attention of (N, H, D) tensors of one sequence, in q's dtype math or fp64 (upcast q first):
+    scores, softcap, ALiBi bias slope * (j - ia), bottom-right mask, softmax (empty rows -> 0)."""
+    nq, nk, d = q.shape[0], k.shape[0], q.shape[-1]
+    g = q.shape[1] // k.shape[1]
+    k, v = k.to(q.dtype).repeat_interleave(g, 1), v.to(q.dtype).repeat_interleave(g, 1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * (scale if scale is not None else d ** -0.5)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        i = torch.arange(nq, device=q.device)[:, None] + nk - nq
+        j = torch.arange(nk, device=q.device)[None, :]
+        s = s + slopes.to(s.dtype)[:, None, None] * (j - i).to(s.dtype)
+    vis = bottom_right_mask(nq, nk, causal, window, device=q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(s.dtype)
+    return torch.einsum("hij,jhd->ihd", p, v)
 
 
-def test_merge_on_cuda_is_not_implemented_yet(gen):
-    v = rand((4, 2, 64), torch.float32, gen)
-    s = rand((4, 2), torch.float32, gen)
-    with pytest.raises(NotImplementedError, match="merge_attention_states on CUDA"):
-        flashcpp.merge_attention_states(v, s, v, s)
+@pytest.mark.parametrize("config", ["", "sm80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_varlen_matches_per_sequence_attention(gen, config, dtype):
+    lq, lk = [1, 7, 300, 1000, 1], [1, 7, 300, 1000, 9]
+    H, Hkv, D = 4, 2, 128
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lq)), dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lk)), dtype=torch.int32, device=DEV)
+    q = rand((sum(lq), H, D), dtype, gen)
+    k, v = rand((sum(lk), Hkv, D), dtype, gen), rand((sum(lk), Hkv, D), dtype, gen)
+    slopes = flashcpp.alibi_slopes(H, device=DEV)
+    kw = dict(causal=True, window_size=(256, 0), softcap=30.0, alibi_slopes=slopes)
+    if config:
+        out, lse = flashcpp.attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                      max_seqlen_k=max(lk), return_lse=True, backend="cuda", cuda_config=config, **kw)
+    else:
+        out, lse = flashcpp.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), return_lse=True, **kw)
+    assert lse.shape == (H, sum(lq))
+    for b in range(len(lq)):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        ref = masked_reference(q[qs].double(), k[ks].double(), v[ks].double(), True, (256, 0), 30.0, slopes)
+        peer = masked_reference(q[qs], k[ks], v[ks], True, (256, 0), 30.0, slopes)
+        err = (out[qs].double() - ref).abs().max().item()
+        err_peer = (peer.double() - ref).abs().max().item()
+        assert err <= 2 * err_peer + 1e-3, f"sequence {b}: max err {err:.3g} vs same-dtype math {err_peer:.3g}"
+        assert torch.isfinite(lse[:, qs]).all()
+
+
+@pytest.mark.parametrize("config", ["", "sm80"])
+def test_mask_kwargs_on_cuda(gen, config):
+    B, Nq, Nk, H, Hkv, D = 2, 515, 700, 6, 3, 64
+    q = rand((B, Nq, H, D), torch.bfloat16, gen)
+    k, v = rand((B, Nk, Hkv, D), torch.bfloat16, gen), rand((B, Nk, Hkv, D), torch.bfloat16, gen)
+    slopes = flashcpp.alibi_slopes(H, device=DEV)  # 6 heads: BLOOM's non-power-of-two rule
+    for kw in (dict(causal=True, window_size=(128, 0)), dict(window_size=(64, 64), softcap=5.0),
+               dict(causal=True, alibi_slopes=slopes), dict(causal=True, softcap=50.0, alibi_slopes=slopes)):
+        out = flashcpp.attention(q, k, v, backend="cuda", cuda_config=config, **kw)[0]
+        for b in range(B):
+            args = (kw.get("causal", False), kw.get("window_size", (-1, -1)), kw.get("softcap", 0.0),
+                    kw.get("alibi_slopes"))
+            ref = masked_reference(q[b].double(), k[b].double(), v[b].double(), *args)
+            peer = masked_reference(q[b], k[b], v[b], *args)
+            err = (out[b].double() - ref).abs().max().item()
+            err_peer = (peer.double() - ref).abs().max().item()
+            assert err <= 2 * err_peer + 1e-3, f"{kw}: max err {err:.3g} vs same-dtype math {err_peer:.3g}"
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -243,6 +243,10 @@ void add_quick(Table& t) {
     t.add(sparse(shape(1, 127, 127, 2, 2, d, dt, false), 32, 32, false));
     t.add(sparse(shape(2, 300, 300, 2, 1, d, dt, true), 64, 32, true));
     if (dt != kF16) t.add(sparse(shape(1, n, n, 2, 2, d, dt, false), 16, 128, false));
+    // Block-sparse with blocks the CUDA kernels' tiles divide (128x128, FlexAttention's default;
+    // the blocks above are refused on CUDA with a sentence).
+    t.add(sparse(shape(1, n, n, 2, 2, d, dt, false), 128, 128, false));
+    t.add(sparse(shape(2, 300, 300, 2, 1, d, dt, true), 128, 128, true));
   }
   t.add(global(window(shape(1, 1000, 1000, 2, 2, 64, kF16, true), 64, 0), 4, false));  // sinks, fp16 d64
   // SDPA layout (batch, heads, seqlen, dim) through strides alone.

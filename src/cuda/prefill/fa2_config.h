@@ -2,6 +2,8 @@
 // pressure and shared memory only, never results (up to fp32 summation order).
 #pragma once
 
+#include "cuda/prefill/prefill_mask.h"
+
 namespace flashcpp::cuda {
 
 template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, bool QInRegs, int MinBlocks = 1>
@@ -24,7 +26,7 @@ struct Fa2Config {
   static constexpr int kChunks = kHeadDim / 8;    ///< 16-byte chunks per row
   static constexpr int kSmemQ = kBlockM * kHeadDim * 2;
   static constexpr int kSmemKV = kBlockN * kHeadDim * 2;
-  static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV;
+  static constexpr int kSmemBytes = kSmemQ + 2 * kStages * kSmemKV + kCtaWorkBytes;  ///< + the CTA's work record
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256);
   static_assert(kRowsPerWarp % 16 == 0 && (kMT == 1 || kMT == 2), "each warp owns 16 or 32 rows");

@@ -8,8 +8,14 @@
 //   P  = exp2(S * c - m' * c)         (one FFMA + ex2.approx per element: scale folded in)
 //   l  = l * exp2((m - m') c) + rowsum(P);  O = O * exp2((m - m') c) + P V   (P reused as A operand)
 // then O / l and LSE = (m + log2 l) * ln 2. Key blocks are walked from the last visible one
-// down (MaskRules::key_range), so a causal CTA does only the blocks its rows can see and
-// only boundary blocks pay for the element mask.
+// down (MaskRules::key_range), then the attention-sink blocks below the window, or the listed
+// blocks of a block-sparse mask (CtaWork, prefill_mask.cuh), so a CTA does only the blocks its
+// rows can see and only boundary or partial blocks pay for the element mask.
+//
+// Optional features are runtime flags (p.mask.flags, uniform over the launch): softcap and ALiBi
+// rewrite S in raw q.k units right after Q K^T (before the mask, as attention.h orders them),
+// varlen reads each sequence's rows from cu_seqlens, block-sparse changes the walk. With every
+// flag off the loop body is the plain kernel's plus two not-taken uniform branches.
 //
 // Napkin math (H200): 4*Nq*Nk*D FLOPs per (batch, head) at ~700 TFLOP/s of mma.sync-reachable
 // peak vs reading Q,K,V,O once: at N=4096, D=128 the intensity is ~1000 FLOP/byte, far above
@@ -25,6 +31,7 @@
 #include "cuda/common/ptx.cuh"
 #include "cuda/prefill/fa2_config.h"
 #include "cuda/prefill/fa2_params.h"
+#include "cuda/prefill/prefill_mask.cuh"
 
 namespace flashcpp::cuda {
 
@@ -74,30 +81,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // row blocks of one head run together (K/V stay in L2); heaviest causal first
   const int m0 = m_block * BM;
-  const int m_end = min(m0 + BM, p.seqlen_q);
+  // The CTA's work (sequence, key walk) lives in shared memory (after the K/V ring): the main loop
+  // re-reads the few fields it needs after each barrier instead of holding ~15 registers that the
+  // 255-register configs do not have. Every thread computes it (the exit must be uniform); thread
+  // 0 stores it, and the loop's first __syncthreads (or the epilogue's, when there is no key tile)
+  // publishes it.
+  CtaWork& cta = *reinterpret_cast<CtaWork*>(smem_raw + Cfg::kSmemQ + 2 * S * Cfg::kSmemKV);
+  const T* gK;
+  const T* gV;
+  const bool varlen = p.mask.flags & PrefillMask::kVarlen;
+  int n_iters;
+  {
+    CtaWork w;
+    if (!make_cta_work<BM, BN>(p, b, h, m0, &w)) return;  // varlen: past this sequence's end (whole CTA)
+    if (tid == 0) cta = w;
+    n_iters = w.n_iters;
+    // Sequence starts: batch strides, or the packed rows of cu_seqlens (varlen).
+    const T* gQ = static_cast<const T*>(p.q) + (varlen ? w.q_row0 * p.q_seq_stride : b * p.q_batch_stride) +
+                  h * p.q_head_stride;
+    gK = static_cast<const T*>(p.k) + (varlen ? w.k_row0 * p.k_seq_stride : b * p.k_batch_stride) +
+         hk * p.k_head_stride;
+    gV = static_cast<const T*>(p.v) + (varlen ? w.k_row0 * p.v_seq_stride : b * p.v_batch_stride) +
+         hk * p.v_head_stride;
 
-  const T* gQ = static_cast<const T*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const T* gK = static_cast<const T*>(p.k) + b * p.k_batch_stride + hk * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v) + b * p.v_batch_stride + hk * p.v_head_stride;
-  T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
-
-  int key_lo, key_hi;
-  p.rules.key_range(m0, m_end, &key_lo, &key_hi);
-  const int n_first = key_lo / BN;
-  const int n_iters = key_hi > key_lo ? (key_hi + BN - 1) / BN - n_first : 0;
-  const int n_last = n_first + n_iters - 1;
-
-  // ---- prologue: Q and the first S-1 K/V stages ----------------------------------------
-  load_tile<Cfg, BM>(sQ, gQ + static_cast<std::int64_t>(0), p.q_seq_stride, m0, p.seqlen_q, tid);
+    // ---- prologue: Q and the first S-1 K/V stages ----------------------------------------
+    load_tile<Cfg, BM>(sQ, gQ, p.q_seq_stride, m0, w.rules.seqlen_q, tid);
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < n_iters) {
-      const int n0 = (n_last - s) * BN;
-      load_tile<Cfg, BN>(sK + s * BN * D, gK, p.k_seq_stride, n0, p.seqlen_k, tid);
-      load_tile<Cfg, BN>(sV + s * BN * D, gV, p.v_seq_stride, n0, p.seqlen_k, tid);
+    for (int s = 0; s < S - 1; ++s) {
+      if (s < n_iters) {
+        const int n0 = w.key_n0<BN>(s);
+        load_tile<Cfg, BN>(sK + s * BN * D, gK, p.k_seq_stride, n0, w.rules.seqlen_k, tid);
+        load_tile<Cfg, BN>(sV + s * BN * D, gV, p.v_seq_stride, n0, w.rules.seqlen_k, tid);
+      }
+      ptx::cp_async_commit();
     }
-    ptx::cp_async_commit();
   }
+  const MaskRules& rules = cta.rules;  // read only after a __syncthreads
 
   const int warp_row0 = warp * Cfg::kRowsPerWarp;  // first row of this warp inside the tile
   float acc_o[MT][DT][4];
@@ -133,9 +152,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     __syncthreads();
     if (it + S - 1 < n_iters) {  // refill the stage consumed in iteration it-1
       const int st = (it + S - 1) % S;
-      const int n0 = (n_last - it - (S - 1)) * BN;
-      load_tile<Cfg, BN>(sK + st * BN * D, gK, p.k_seq_stride, n0, p.seqlen_k, tid);
-      load_tile<Cfg, BN>(sV + st * BN * D, gV, p.v_seq_stride, n0, p.seqlen_k, tid);
+      const int n0 = cta.key_n0<BN>(it + S - 1);
+      load_tile<Cfg, BN>(sK + st * BN * D, gK, p.k_seq_stride, n0, rules.seqlen_k, tid);
+      load_tile<Cfg, BN>(sV + st * BN * D, gV, p.v_seq_stride, n0, rules.seqlen_k, tid);
     }
     ptx::cp_async_commit();
     if constexpr (Cfg::kQInRegs) {
@@ -147,7 +166,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
     const std::uint32_t stage_off = (it % S) * BN * kRowBytes;
-    const int n0 = (n_last - it) * BN;
+    const KeyTile kt = cta.key_tile<BN>(it);  // issued here, used after the MMAs (latency hidden)
+    const int n0 = kt.n0;
 
     // ---- S = Q K^T ----------------------------------------------------------------------
     float acc_s[MT][NT][4];
@@ -181,18 +201,56 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
 
-    // ---- mask boundary tiles ------------------------------------------------------------------
-    if (!p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) {
+    // ---- score modifiers (raw units): softcap, then ALiBi slope' * (j - ia) -----------------
+    if (p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi)) {
+      const bool softcap = p.mask.flags & PrefillMask::kSoftcap;
+      const float slope = alibi_slope_raw(p, b, h);  // 0 when ALiBi is off
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int r = 0; r < 2; ++r) {
+          // j - ia = (n0 + nt*8 + 2t + e1) - ia: an exact small integer in fp32.
+          const int ia = m0 + warp_row0 + mt * 16 + g + 8 * r + rules.offset();
+          const float dist0 = static_cast<float>(n0 + 2 * t - ia);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = m0 + warp_row0 + mt * 16 + g + (e >= 2 ? 8 : 0);
-            const int j = n0 + nt * 8 + 2 * t + (e & 1);
-            if (!p.rules.visible(i, j)) acc_s[mt][nt][e] = -INFINITY;
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+              float& s = acc_s[mt][nt][2 * r + e1];
+              if (softcap) s = softcap_raw(s, p.mask.softcap_raw, p.mask.softcap_k);
+              s = fmaf(slope, dist0 + static_cast<float>(nt * 8 + e1), s);
+            }
+        }
+    }
+
+    // ---- mask boundary and partial tiles ---------------------------------------------------
+    if (kt.partial >= 0 || !rules.tile_fully_visible(m0, cta.m_end, n0, n0 + BN)) {
+      constexpr int kWords = BN >= 64 ? BN / 64 : 1;  // element-mask words a tile row spans
+      static_assert(BN % 64 == 0 || 64 % BN == 0, "a key tile covers whole 64-bit words or lies in one");
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + warp_row0 + mt * 16 + g + 8 * r;
+          const int hi = rules.key_hi(i), lo = rules.key_lo(i);
+          std::uint64_t bits[kWords];
+#pragma unroll
+          for (int wd = 0; wd < kWords; ++wd) bits[wd] = ~0ull;
+          if (kt.partial >= 0) {
+            const std::uint64_t* rb = sparse_row_bits(p.mask, kt.partial, i - cta.bs_q0, kt.c0);
+#pragma unroll
+            for (int wd = 0; wd < kWords; ++wd) bits[wd] = __ldg(rb + wd);
           }
+          const int bit0 = (kt.c0 & 63) + 2 * t;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+              const int j = n0 + nt * 8 + 2 * t + e1;
+              const bool bit = (bits[nt * 8 / 64] >> (bit0 + (nt * 8) % 64 + e1)) & 1u;
+              if (!(j < hi && (j >= lo || j < rules.global_tokens) && bit)) acc_s[mt][nt][2 * r + e1] = -INFINITY;
+            }
+        }
     }
 
     // ---- online softmax ------------------------------------------------------------------
@@ -257,7 +315,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   // ---- epilogue: O / l through this warp's rows of sQ, 16-byte coalesced stores ---------------
   if constexpr (!Cfg::kQInRegs) __syncwarp();  // this warp's Q rows are no longer read
-  if (n_iters == 0) __syncthreads();           // prologue Q copy must land before we overwrite
+  if (n_iters == 0) __syncthreads();           // prologue Q copy must land before we overwrite (and cta is published)
+  const int m_end = cta.m_end;
+  T* gO = static_cast<T*>(p.o) + (varlen ? cta.q_row0 * p.o_seq_stride : b * p.o_batch_stride) + h * p.o_head_stride;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -272,9 +332,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         *reinterpret_cast<std::uint32_t*>(sQ + swz<D>(row, dt) + 2 * t) =
             ptx::pack2<T>(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
       }
-      if (p.lse != nullptr && t == 0 && m0 + row < p.seqlen_q) {
+      if (p.lse != nullptr && t == 0 && m0 + row < m_end) {
         const float lse = l > 0.f ? (row_max[mt][r] * p.scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
-        p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + m0 + row] = lse;
+        p.lse[cta.lse_row0 + m0 + row] = lse;
       }
     }
   }
@@ -284,7 +344,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   for (int it = 0; it < kWarpChunks / 32; ++it) {
     const int idx = lane + it * 32;
     const int r = warp_row0 + idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-    if (m0 + r < p.seqlen_q) {
+    if (m0 + r < m_end) {
       const uint4 val = *reinterpret_cast<const uint4*>(sQ + swz<D>(r, c));
       *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + r) * p.o_seq_stride + c * 8) = val;
     }

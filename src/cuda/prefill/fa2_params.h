@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "common/mask_rules.h"
+#include "cuda/prefill/prefill_mask.h"
 
 namespace flashcpp::cuda {
 
@@ -12,13 +13,14 @@ struct Fa2Params {
   const void* k;
   const void* v;
   void* o;
-  float* lse;  ///< (batch, heads_q, seqlen_q) or nullptr
-  std::int64_t q_batch_stride, k_batch_stride, v_batch_stride, o_batch_stride;  ///< elements
+  float* lse;  ///< (batch, heads_q, seqlen_q), (heads_q, total_q) when varlen, or nullptr
+  std::int64_t q_batch_stride, k_batch_stride, v_batch_stride, o_batch_stride;  ///< elements (unused when varlen)
   std::int32_t q_seq_stride, k_seq_stride, v_seq_stride, o_seq_stride;          ///< elements
   std::int32_t q_head_stride, k_head_stride, v_head_stride, o_head_stride;      ///< elements
-  int batch, seqlen_q, seqlen_k, heads_q, group;  ///< group = heads_q / heads_kv
+  int batch, seqlen_q, seqlen_k, heads_q, group;  ///< group = heads_q / heads_kv; seqlens: maxima when varlen
   float scale_log2;                               ///< softmax_scale * log2(e)
-  MaskRules rules;                                ///< causal / window, seqlens filled in
+  MaskRules rules;                                ///< causal / window / global tokens (max seqlens)
+  PrefillMask mask;                               ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
 };
 
 }  // namespace flashcpp::cuda

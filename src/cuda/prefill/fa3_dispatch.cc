@@ -3,12 +3,15 @@
 #include <cuda_runtime_api.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
+#include <climits>
 #include <mutex>
 #include <string>
 
 #include "cuda/cuda_api.h"
 #include "cuda/prefill/fa3_registry.h"
 #include "cuda/prefill/prefill_common.h"
+#include "cuda/prefill/prefill_select.h"
 
 namespace flashcpp::cuda {
 
@@ -36,26 +39,46 @@ Status get_encode_fn(PFN_cuTensorMapEncodeTiled_v12000* out) {
 
 /// Rank-4 map over (head_dim, seqlen, heads, batch) of a 16-bit tensor view, box (64, rows, 1, 1),
 /// 128-byte swizzle. Rows past seqlen read as zeros (TMA out-of-bounds fill).
-Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, int batch, int head_dim, int box_rows) {
+///
+/// Varlen (packed (total, heads, head_dim) with sequences at unknown device-side offsets): the
+/// map is (head_dim, x, heads, e) with extents (head_dim, max_len, heads, batch * max_len + 1),
+/// strides (seq, head, seq) and its origin max_len rows BEFORE the data. Coordinate (x, e)
+/// addresses packed row x + e - max_len, so the kernel loads row r of the sequence that starts
+/// at row `first` and has `len` rows with x = max_len - len + r, e = first + len; x < max_len
+/// holds exactly for r < len, so TMA zero-fills the rows past this sequence's end (never another
+/// sequence's rows), and e <= total <= batch * max_len stays in range. The shifted origin is
+/// only an address the hardware adds offsets to; every row it reads lies inside the tensor.
+Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, int batch, int head_dim, int box_rows,
+                  bool varlen) {
   PFN_cuTensorMapEncodeTiled_v12000 encode;
   FLASHCPP_RETURN_IF_ERROR(get_encode_fn(&encode));
   const CUtensorMapDataType dt = t.dtype == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   // A stride of an extent-1 dimension is never used; TMA still wants a multiple of 16 bytes.
-  auto stride = [](std::int64_t s_elems, int extent, std::int64_t fallback) -> cuuint64_t {
+  auto stride = [](std::int64_t s_elems, std::int64_t extent, std::int64_t fallback) -> cuuint64_t {
     const std::int64_t bytes = s_elems * 2;
     return static_cast<cuuint64_t>(extent == 1 || bytes <= 0 ? fallback : bytes);
   };
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
-                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(batch)};
   const std::int64_t row_bytes = static_cast<std::int64_t>(head_dim) * 2;
+  void* origin = t.data;
+  std::int64_t outer_extent = batch, outer_stride = t.batch_stride;
+  if (varlen) {
+    origin = static_cast<char*>(t.data) - static_cast<std::int64_t>(seqlen) * t.seq_stride * 2;
+    // Coordinates are int32; a larger extent would only allow coordinates the kernel never uses.
+    outer_extent = std::min<std::int64_t>(static_cast<std::int64_t>(batch) * seqlen + 1, INT32_MAX);
+    outer_stride = t.seq_stride;
+  }
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(seqlen),
+                              static_cast<cuuint64_t>(heads), static_cast<cuuint64_t>(outer_extent)};
   const cuuint64_t strides[3] = {stride(t.seq_stride, seqlen, row_bytes), stride(t.head_stride, heads, row_bytes),
-                                 stride(t.batch_stride, batch, row_bytes)};
+                                 stride(outer_stride, outer_extent, row_bytes)};
   const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(box_rows), 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, dt, 4, t.data, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  const CUresult r = encode(map, dt, 4, origin, dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) return Status::Cuda("cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r));
+  if (r != CUDA_SUCCESS)
+    return Status::Cuda("cuTensorMapEncodeTiled failed with CUresult " + std::to_string(r) +
+                        (varlen ? " (varlen map with a shifted origin)" : ""));
   return Status::Ok();
 }
 
@@ -75,6 +98,44 @@ std::span<const Fa3Entry> fa3_entries(int head_dim) {
   }
 }
 
+namespace {
+/// Whether a config can run the problem's block-sparse mask (always true without one). The
+/// ping-pong consumers do not read element bits (no registers left for it; fa3_kernel.cuh).
+bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
+  return a.mask.block_sparse == nullptr ||
+         (!e.ping_pong && tiles_fit_block_sparse(*a.mask.block_sparse, e.block_m, e.block_n));
+}
+}  // namespace
+
+std::string prefill_sm90_pick(const AttnParams& a) {
+  for (const auto& e : fa3_entries(a.head_dim))
+    if (fa3_fits(e, a)) return fa3_config_name(e);
+  return {};
+}
+
+std::string prefill_sm90_misfit(const AttnParams& a, const std::string& config) {
+  for (const auto& e : fa3_entries(a.head_dim))
+    if (fa3_config_name(e) == config) {
+      if (fa3_fits(e, a)) return {};
+      if (e.ping_pong)
+        return "sm90 config " + config + " (ping-pong consumers) does not run block-sparse masks; its plain twin " +
+               config.substr(0, config.size() - 1) + " does";
+      return "sm90 config " + config + " has " + std::to_string(e.block_m) + "x" + std::to_string(e.block_n) +
+             " tiles, which do not divide the " + std::to_string(a.mask.block_sparse->block_m) + "x" +
+             std::to_string(a.mask.block_sparse->block_n) + " block-sparse blocks";
+    }
+  return "no sm90 prefill config '" + config + "' for head_dim " + std::to_string(a.head_dim);
+}
+
+std::string prefill_sm90_tiles(int head_dim) {
+  std::string out;
+  for (const auto& e : fa3_entries(head_dim)) {
+    const std::string t = std::to_string(e.block_m) + "x" + std::to_string(e.block_n);
+    if (out.find(t) == std::string::npos) out += (out.empty() ? "" : ", ") + t;
+  }
+  return out;
+}
+
 std::vector<std::string> prefill_sm90_configs(int head_dim) {
   std::vector<std::string> out;
   for (const auto& e : fa3_entries(head_dim)) out.push_back(fa3_config_name(e));
@@ -87,16 +148,23 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
   if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
   const Fa3Entry* entry = nullptr;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (config.empty() || fa3_config_name(e) == config) {
+    if (config.empty() ? fa3_fits(e, a) : fa3_config_name(e) == config) {
       entry = &e;
       break;
     }
   if (entry == nullptr)
-    return Status::Invalid("no sm90 prefill config '" + config + "' for head_dim " + std::to_string(a.head_dim));
+    return Status::Invalid(config.empty() ? "no sm90 prefill config for head_dim " + std::to_string(a.head_dim) +
+                                                " has tiles that divide the block-sparse blocks"
+                                          : "no sm90 prefill config '" + config + "' for head_dim " +
+                                                std::to_string(a.head_dim));
+  if (!fa3_fits(*entry, a)) return Status::Unsupported(prefill_sm90_misfit(a, config));
+  const bool varlen = a.mask.is_varlen();
   Fa3Params p{};
-  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, entry->block_m));
-  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n));
-  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n));
+  FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, entry->block_m, varlen));
+  if (a.seqlen_k > 0) {  // no keys: every row is empty, K/V are never loaded (and may be null)
+    FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n, varlen));
+    FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n, varlen));
+  }
   fill_prefill_common(p, a);
   const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);

@@ -9,6 +9,14 @@
 //   (same recurrence as the sm80 kernel, exp2 with the scale folded in) -> P to 16-bit A fragments
 //   -> wait V full -> O = O * corr + P V (wgmma.rs, BlockN/16 k-steps) -> release the stage.
 // The producer thread refills a stage as soon as both consumers released it.
+//
+// Masks: the same CtaWork as the sm80 kernel (prefill_mask.cuh): the producer and the consumers
+// walk the same key tiles (window range, then attention sinks, or the listed blocks of a
+// block-sparse mask); softcap and ALiBi rewrite S in raw units before the element mask (runtime
+// flags, uniform branches). Varlen loads each sequence through the same rank-4 tensor maps with
+// a shifted origin (fa3_dispatch.cc, encode_map): coordinate (x, seq_end) addresses
+// packed row x + seq_end - max_len, and x >= max_len is out of bounds, so TMA zero-fills exactly
+// the rows past this sequence's end, as it does past seqlen without varlen.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,6 +28,7 @@
 #include "cuda/common/hopper.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/prefill/fa3_params.h"
+#include "cuda/prefill/prefill_mask.cuh"
 
 namespace flashcpp::cuda {
 inline constexpr float kLn2Fa3 = 0.6931471805599453f;
@@ -41,9 +50,10 @@ struct Fa3Config {
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kKVBytes = BlockN * HeadDim * 2;
-  static constexpr int kSmemBytes = kQBytes + 2 * Stages * kKVBytes + 1024 /*align*/ + 256 /*barriers*/;
+  static constexpr int kSmemBytes = kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + 128 /*barriers*/;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
+  static_assert(8 * (1 + 3 * Stages) <= 128, "the mbarriers fit their 128 bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
 
@@ -53,9 +63,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
   constexpr int NC = BN / 8;   // n8 column chunks of S per row
   constexpr int DC = D / 8;    // n8 column chunks of O per row
-  extern __shared__ unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   // 1024-byte alignment for the 128B-swizzle atoms (TMA writes them, wgmma reads them).
-  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023));
+  // The CtaWork record sits first, at a fixed address (no register holds its base).
+  unsigned char* base = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<std::uintptr_t>(smem_raw + kCtaWorkBytes) + 1023) & ~std::uintptr_t(1023));
   T* sQ = reinterpret_cast<T*>(base);                       // [panel][BM][64]
   T* sK = reinterpret_cast<T*>(base + Cfg::kQBytes);        // [stage][panel][BN][64]
   T* sV = reinterpret_cast<T*>(base + Cfg::kQBytes + S * Cfg::kKVBytes);
@@ -69,12 +81,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
   const int m_block = gridDim.x - 1 - blockIdx.x;  // row blocks of one head run together (K/V stay in L2); heaviest causal first
   const int m0 = m_block * BM;
-  const int m_end = min(m0 + BM, p.seqlen_q);
-  int key_lo, key_hi;
-  p.rules.key_range(m0, m_end, &key_lo, &key_hi);
-  const int n_first = key_lo / BN;
-  const int n_iters = key_hi > key_lo ? (key_hi + BN - 1) / BN - n_first : 0;
-  const int n_last = n_first + n_iters - 1;
+  // The CTA's work (sequence, key walk) in shared memory, published by the barrier-init
+  // __syncthreads: the producer (40 registers) and the consumers re-read what they need.
+  CtaWork& cta = *reinterpret_cast<CtaWork*>(smem_raw);
+  const bool varlen = p.mask.flags & PrefillMask::kVarlen;
+  int n_iters;
+  {
+    CtaWork w;
+    if (!make_cta_work<BM, BN>(p, b, h, m0, &w)) return;  // varlen: past this sequence's end (whole CTA)
+    if (tid == 0) cta = w;
+    n_iters = w.n_iters;
+  }
 
   if (tid == 0) {
     sm90::mbar_init(q_full, 1);
@@ -91,23 +108,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     // ---------------------------------------------------------------- producer
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
     if (tid == 0) {
+      // Tensor-map coordinates (row, outer) of this sequence's first row: (0, b), or with varlen
+      // (max_len - len, first_row + len) of the shifted maps (see the header comment).
+      const int q_x0 = varlen ? p.seqlen_q - cta.rules.seqlen_q : 0;
+      const int q_c3 = varlen ? static_cast<int>(cta.q_row0) + cta.rules.seqlen_q : b;
+      const int k_x0 = varlen ? p.seqlen_k - cta.rules.seqlen_k : 0;
+      const int k_c3 = varlen ? static_cast<int>(cta.k_row0) + cta.rules.seqlen_k : b;
       sm90::mbar_expect_tx(q_full, Cfg::kQBytes);
 #pragma unroll
       for (int pn = 0; pn < Cfg::kPanels; ++pn)
-        sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, m0, h, b, q_full);
+        sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, h, q_c3, q_full);
       for (int it = 0; it < n_iters; ++it) {
         const int s = it % S;
         const std::uint32_t phase = (it / S) & 1;
         sm90::mbar_wait(&kv_empty[s], phase ^ 1);  // first pass: the "previous" phase counts as done
-        const int n0 = (n_last - it) * BN;
+        const int n0 = cta.key_n0<BN>(it);
         sm90::mbar_expect_tx(&k_full[s], Cfg::kKVBytes);
 #pragma unroll
         for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, n0, hk, b, &k_full[s]);
+          sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, &k_full[s]);
         sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
 #pragma unroll
         for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          sm90::tma_load_4d(sV + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, n0, hk, b, &v_full[s]);
+          sm90::tma_load_4d(sV + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, k_x0 + n0, hk, k_c3, &v_full[s]);
       }
     }
     return;
@@ -148,17 +171,60 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     for (int kk = 0; kk < BN / 16; ++kk)
       sm90::wgmma_rs<D, T>(acc_o, pa[kk], sm90::make_desc(v_addr + kk * 16 * 128, BN * 128, 1024), 1);
   };
-  // Element mask of a boundary tile (interior tiles skip it).
-  auto mask = [&](float (&acc_s)[BN / 2], int n0) {
-    if (p.rules.tile_fully_visible(m0, m_end, n0, n0 + BN)) return;
+  // Score modifiers (raw units: softcap, then ALiBi), then the element mask of a boundary or
+  // partial tile (interior tiles skip it). acc_s[4j + 2r + e1] is row row_base + 8r, key
+  // n0 + 8j + 2t + e1.
+  auto mask = [&](float (&acc_s)[BN / 2], int it) {
+    const KeyTile kt = cta.key_tile<BN>(it);
+    const int n0 = kt.n0;
+    const MaskRules& rules = cta.rules;
+    if (p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi)) {
+      const bool softcap = p.mask.flags & PrefillMask::kSoftcap;
+      const float slope = alibi_slope_raw(p, b, h);  // 0 when ALiBi is off
 #pragma unroll
-    for (int j = 0; j < NC; ++j)
+      for (int r = 0; r < 2; ++r) {
+        const int ia = row_base + 8 * r + rules.offset();
+        const float dist0 = static_cast<float>(n0 + 2 * t - ia);  // j - ia, exact in fp32
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = row_base + (e >= 2 ? 8 : 0);
-        const int col = n0 + 8 * j + 2 * t + (e & 1);
-        if (!p.rules.visible(i, col)) acc_s[4 * j + e] = -INFINITY;
+        for (int j = 0; j < NC; ++j)
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            float& sc = acc_s[4 * j + 2 * r + e1];
+            if (softcap) sc = softcap_raw(sc, p.mask.softcap_raw, p.mask.softcap_k);
+            sc = fmaf(slope, dist0 + static_cast<float>(8 * j + e1), sc);
+          }
       }
+    }
+    if (kt.partial < 0 && rules.tile_fully_visible(m0, cta.m_end, n0, n0 + BN)) return;
+    static_assert(BN % 64 == 0 || 64 % BN == 0, "a key tile covers whole 64-bit words or lies in one");
+    constexpr int kWords = BN >= 64 ? BN / 64 : 1;  // element-mask words a tile row spans
+    constexpr int kChunksPerWord = NC / kWords;     // n8 chunks of S per word
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = row_base + 8 * r;
+      const int hi = rules.key_hi(i), lo = rules.key_lo(i);
+      // Block-sparse element bits: plain consumers only. The ping-pong consumer runs this while
+      // P V of the previous block holds its accumulators and A fragments, and the bit lookup
+      // spilled there (108 bytes at hdim 128); dispatch gives block-sparse masks a plain config.
+      const std::uint64_t* rb = nullptr;
+      if constexpr (!Cfg::kPingPong)
+        if (kt.partial >= 0) rb = sparse_row_bits(p.mask, kt.partial, i - cta.bs_q0, kt.c0);
+      const int bit0 = (kt.c0 & 63) + 2 * t;
+#pragma unroll
+      for (int wd = 0; wd < kWords; ++wd) {
+        // One word at a time, loaded next to its use: the ping-pong consumer has no registers to spare.
+        const std::uint64_t bits = rb != nullptr ? __ldg(rb + wd) : ~0ull;
+#pragma unroll
+        for (int jj = 0; jj < kChunksPerWord; ++jj)
+#pragma unroll
+          for (int e1 = 0; e1 < 2; ++e1) {
+            const int j = wd * kChunksPerWord + jj;
+            const int col = n0 + 8 * j + 2 * t + e1;
+            const bool bit = (bits >> (bit0 + 8 * jj + e1)) & 1u;
+            if (!(col < hi && (col >= lo || col < rules.global_tokens) && bit)) acc_s[4 * j + 2 * r + e1] = -INFINITY;
+          }
+      }
+    }
   };
   // Online softmax of one block (raw-score max, exp2 with the scale folded in): S becomes P in
   // place, row stats update, corr[r] = exp2((m_old - m_new) * c) is returned for the O rescale.
@@ -214,7 +280,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       issue_qk(acc_s, s);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
-      mask(acc_s, (n_last - it) * BN);
+      mask(acc_s, it);
       softmax(acc_s, corr);
       rescale_o(corr);
       pack_p(acc_s, pa);
@@ -243,7 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     sm90::wgmma_commit();
     window_end(false);
     sm90::wgmma_wait<0>();
-    mask(acc_s, n_last * BN);
+    mask(acc_s, 0);
     softmax(acc_s, corr);
     pack_p(acc_s, pa);
     // Steady state: Q K^T of block it and P V of block it-1 in flight together.
@@ -259,7 +325,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       sm90::wgmma_commit();
       window_end(false);
       sm90::wgmma_wait<1>();  // S of block it is ready; P V of it-1 may still run
-      mask(acc_s, (n_last - it) * BN);
+      mask(acc_s, it);
       softmax(acc_s, corr);
       sm90::wgmma_wait<0>();  // P V of it-1 done: its stage is free, O can be rescaled
       release(sp);
@@ -288,9 +354,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     inv[r] = l > 0.f ? 1.f / l : 0.f;
     const int i = row_base + 8 * r;
-    if (p.lse != nullptr && t == 0 && i < p.seqlen_q)
-      p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i] =
-          l > 0.f ? (row_max[r] * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
+    if (p.lse != nullptr && t == 0 && i < cta.m_end)
+      p.lse[cta.lse_row0 + i] = l > 0.f ? (row_max[r] * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
   }
   unsigned char* sO = base;  // this warpgroup reads only its own Q rows, all S GEMMs are done
 #pragma unroll
@@ -303,13 +368,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
           ptx::pack2<T>(acc_o[4 * j + 2 * r] * inv[r], acc_o[4 * j + 2 * r + 1] * inv[r]);
     }
   sm90::named_barrier_sync(1 + c, 128);
-  T* gO = static_cast<T*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  T* gO = static_cast<T*>(p.o) + (varlen ? cta.q_row0 * p.o_seq_stride : b * p.o_batch_stride) + h * p.o_head_stride;
+  const int m_end = cta.m_end;
 #pragma unroll
   for (int it = 0; it < 64 * DC / 128; ++it) {
     const int idx = ct + it * 128;
     const int row = 64 * c + idx / DC, j = idx % DC;
     const int pn = j / 8, chunk = j % 8;
-    if (m0 + row < p.seqlen_q) {
+    if (m0 + row < m_end) {
       const uint4 val = *reinterpret_cast<const uint4*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4));
       *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + row) * p.o_seq_stride + j * 8) = val;
     }

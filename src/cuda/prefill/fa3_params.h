@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/mask_rules.h"
+#include "cuda/prefill/prefill_mask.h"
 
 namespace flashcpp::cuda {
 
@@ -14,12 +15,13 @@ struct Fa3Params {
   CUtensorMap tmap_k;  ///< rank 4 (D, seqlen_k, heads_kv, batch), box (64, BlockN, 1, 1)
   CUtensorMap tmap_v;
   void* o;
-  float* lse;  ///< (batch, heads_q, seqlen_q) or nullptr
+  float* lse;  ///< (batch, heads_q, seqlen_q), (heads_q, total_q) when varlen, or nullptr
   std::int64_t o_batch_stride;
   std::int32_t o_seq_stride, o_head_stride;
   int batch, seqlen_q, seqlen_k, heads_q, group;
   float scale_log2;
   MaskRules rules;
+  PrefillMask mask;  ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
 };
 
 }  // namespace flashcpp::cuda

@@ -4,15 +4,67 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
+#include <climits>
+#include <cstdint>
 #include <string>
 
 #include "common/mask_rules.h"
+#include "cuda/prefill/prefill_mask.h"
 #include "flashcpp/attention.h"
 
 namespace flashcpp::cuda {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
+
+/// The optional mask features (prefill_mask.h) of a validated problem whose scale is > 0 (the
+/// dispatcher refuses the rest). The block-sparse struct is host memory pointing at device arrays.
+inline PrefillMask make_prefill_mask(const AttnParams& a) {
+  const MaskParams& m = a.mask;
+  const float scale = a.effective_scale();
+  PrefillMask k;
+  if (m.softcap > 0.f) {
+    k.flags |= PrefillMask::kSoftcap;
+    k.softcap_raw = m.softcap / scale;
+    k.softcap_k = 2.f * kLog2e / k.softcap_raw;
+  }
+  if (m.alibi_slopes != nullptr) {
+    k.flags |= PrefillMask::kAlibi;
+    k.alibi_slopes = m.alibi_slopes;
+    k.alibi_batch_stride = m.alibi_batch_stride;
+    k.inv_scale = 1.f / scale;
+  }
+  if (m.is_varlen()) {
+    k.flags |= PrefillMask::kVarlen;
+    k.cu_seqlens_q = m.cu_seqlens_q;
+    k.cu_seqlens_k = m.cu_seqlens_k;
+  }
+  if (const BlockSparseMask* bs = m.block_sparse) {
+    k.flags |= PrefillMask::kSparse;
+    k.bs_row_ptr = bs->row_ptr;
+    k.bs_col_idx = bs->col_idx;
+    k.bs_partial = bs->partial;
+    k.bs_bits = bs->element_masks;
+    // partial[] entries are int32, so no index reaches past 2^31-1 masks whatever num_partial says.
+    k.bs_num_partial = static_cast<int>(std::min<std::int64_t>(bs->num_partial, INT32_MAX));
+    k.bs_block_m = bs->block_m;
+    k.bs_block_n = bs->block_n;
+    k.bs_per_batch = bs->num_batch == 1 ? 0 : 1;
+    k.bs_num_heads = bs->num_heads;
+    k.bs_num_q_blocks = bs->num_q_blocks;
+    k.bs_num_k_blocks = bs->num_k_blocks;
+    k.bs_words = (bs->block_n + 63) / 64;
+  }
+  return k;
+}
+
+/// Whether a kernel with BlockM x BlockN tiles can walk `bs` (the sparse block sizes are whole
+/// multiples of the tile, so a CTA lies in one mask row and a mask block is whole tiles) and read
+/// its element bits (a tile never straddles a 64-bit word boundary unevenly).
+inline bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n) {
+  return bs.block_m % block_m == 0 && bs.block_n % block_n == 0 && (block_n % 64 == 0 || 64 % block_n == 0);
+}
 
 /// Output, LSE, sizes, scale and mask rules: the fields Fa2Params and Fa3Params share by name.
 template <class P>
@@ -31,6 +83,7 @@ void fill_prefill_common(P& p, const AttnParams& a) {
   p.scale_log2 = a.effective_scale() * kLog2e;
   p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
                             a.mask.global_tokens, a.mask.global_queries);
+  p.mask = make_prefill_mask(a);
 }
 
 /// Launches `kernel` on grid (ceil(seqlen_q / block_m), heads_q, batch): the row blocks of one

@@ -1,0 +1,165 @@
+// Device side of the prefill masks, shared by the sm80 (fa2) and sm90 (fa3) kernels:
+//   - CtaWork: one CTA's (sequence, head) problem: the sequence's lengths and first rows (varlen),
+//     its LSE row, and the key tiles it visits, in order;
+//   - the score modifiers (softcap, ALiBi) in raw q.k units (prefill_mask.h says why);
+//   - the element bits of a partial block-sparse block.
+// Each kernel keeps its own fragment loops (their register layouts differ) and calls these.
+//
+// Key tiles a CTA visits (work proportional to the unmasked blocks):
+//   window walk (no block-sparse mask): the tiles of MaskRules::key_range, last to first (the
+//     diagonal tiles that need masking come first), then the attention-sink tiles (global keys)
+//     that lie entirely below the window, again last to first. Same walk as the tiled CPU
+//     backend (src/cpu/tiled.cc), so both visit exactly the same tiles.
+//   block-sparse walk: the listed key blocks of the CTA's mask row, last to first, each split
+//     into bs_block_n / BlockN tiles. MaskRules still applies element by element (the mask
+//     kinds AND together), so causal/window flags combine with a block-sparse mask.
+// A tile needs the element mask only when it holds a boundary of the rules or is a partial
+// block; every other tile skips it.
+#pragma once
+
+#include <cstdint>
+
+#include "common/mask_rules.h"
+#include "cuda/prefill/prefill_mask.h"
+
+namespace flashcpp::cuda {
+
+/// 1 / x, approximate (MUFU.RCP, ~1 ulp); 1 / inf = 0.
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float ex2_approx_mask(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/// cap * tanh(s / cap) as cap - 2 cap / (1 + exp2(s * k)), k = 2 log2(e) / cap: two MUFU ops and
+/// an absolute error of a few ulp of cap (tanh.approx.f32 would be one MUFU op but has a relative
+/// error of 2^-11, i.e. up to cap * 5e-4 on the logit: too coarse for fp16 outputs). Saturates
+/// correctly: exp2 -> inf gives cap, exp2 -> 0 gives -cap.
+__device__ __forceinline__ float softcap_raw(float s, float cap, float k) {
+  return fmaf(-2.f * cap, rcp_approx(1.f + ex2_approx_mask(s * k)), cap);
+}
+
+/// One key tile of a CTA's walk.
+struct KeyTile {
+  int n0;       ///< first key (sequence-local) of the tile
+  int partial;  ///< block-sparse element mask index, -1 = none (full block or no sparse mask)
+  int c0;       ///< column of n0 inside its block-sparse block (0 without a sparse mask)
+};
+
+/// What one CTA computes: rows [m0, m_end) of one (sequence, head), over n_iters key tiles.
+struct CtaWork {
+  MaskRules rules;             ///< the rules with this sequence's lengths
+  std::int64_t q_row0 = 0;     ///< varlen: packed row of the sequence's first query (else 0)
+  std::int64_t k_row0 = 0;     ///< varlen: packed row of the sequence's first key (else 0)
+  std::int64_t lse_row0 = 0;   ///< index in lse of query row 0 of this (sequence, head)
+  int m_end = 0;               ///< min(m0 + BlockM, len_q)
+  int n_iters = 0;             ///< key tiles to visit
+  int n_window = 0, n_last = 0, sink_last = 0;  ///< window walk: see key_tile()
+  const std::int32_t* bs_cols = nullptr;     ///< block-sparse: this CTA's listed key blocks
+  const std::int32_t* bs_partial = nullptr;  ///< ... and their element-mask indices
+  int bs_sub = 1;              ///< key tiles per block-sparse block
+  int bs_q0 = 0;               ///< first query row of the CTA's block-sparse block
+  int bs_last_block = 0;       ///< num_k_blocks - 1 (device arrays are clamped to the grid)
+  int bs_last_partial = -1;    ///< num_partial - 1
+
+  /// The it-th key tile (0 <= it < n_iters).
+  template <int BN>
+  __device__ __forceinline__ KeyTile key_tile(int it) const {
+    if (bs_cols != nullptr) {
+      const int x = n_iters - 1 - it;
+      const int e = x / bs_sub, sub = x - e * bs_sub;
+      const int kb = min(max(__ldg(bs_cols + e), 0), bs_last_block);
+      const int partial = min(max(__ldg(bs_partial + e), -1), bs_last_partial);
+      return KeyTile{(kb * bs_sub + sub) * BN, partial, sub * BN};
+    }
+    const int tile = it < n_window ? n_last - it : sink_last - (it - n_window);
+    return KeyTile{tile * BN, -1, 0};
+  }
+  /// Only the first key of the it-th tile (no element-mask lookups): for the loads.
+  template <int BN>
+  __device__ __forceinline__ int key_n0(int it) const {
+    if (bs_cols != nullptr) {
+      const int x = n_iters - 1 - it;
+      const int e = x / bs_sub;
+      const int kb = min(max(__ldg(bs_cols + e), 0), bs_last_block);
+      return (kb * bs_sub + (x - e * bs_sub)) * BN;
+    }
+    return (it < n_window ? n_last - it : sink_last - (it - n_window)) * BN;
+  }
+};
+
+static_assert(sizeof(CtaWork) <= kCtaWorkBytes && alignof(CtaWork) <= 16, "CtaWork fits its shared-memory slot");
+
+/// Fills *w for the CTA of query rows [m0, m0 + BM) of (batch b, head h). Returns false when the
+/// CTA lies past its sequence's end (varlen: the grid is sized by the longest sequence); the
+/// whole CTA then exits before touching memory. P is Fa2Params or Fa3Params (same field names).
+template <int BM, int BN, class P>
+__device__ __forceinline__ bool make_cta_work(const P& p, int b, int h, int m0, CtaWork* w) {
+  const PrefillMask& mk = p.mask;
+  w->rules = p.rules;
+  if (mk.flags & PrefillMask::kVarlen) {
+    const int q0 = __ldg(mk.cu_seqlens_q + b), q1 = __ldg(mk.cu_seqlens_q + b + 1);
+    const int k0 = __ldg(mk.cu_seqlens_k + b), k1 = __ldg(mk.cu_seqlens_k + b + 1);
+    w->rules.seqlen_q = min(max(q1 - q0, 0), p.seqlen_q);
+    w->rules.seqlen_k = min(max(k1 - k0, 0), p.seqlen_k);
+    w->q_row0 = q0;
+    w->k_row0 = k0;
+    // LSE of varlen is (heads_q, total_q), total_q = cu_seqlens_q[batch] (attention.h).
+    w->lse_row0 = static_cast<std::int64_t>(h) * __ldg(mk.cu_seqlens_q + p.batch) + q0;
+  } else {
+    w->lse_row0 = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q;
+  }
+  if (m0 >= w->rules.seqlen_q) return false;
+  w->m_end = min(m0 + BM, w->rules.seqlen_q);
+
+  if (mk.flags & PrefillMask::kSparse) {
+    const int qb = m0 / mk.bs_block_m;  // BM divides bs_block_m: the CTA lies in one mask row
+    const std::int64_t row =
+        (static_cast<std::int64_t>(mk.bs_per_batch ? b : 0) * mk.bs_num_heads + (mk.bs_num_heads == 1 ? 0 : h)) *
+            mk.bs_num_q_blocks + qb;
+    const int e0 = __ldg(mk.bs_row_ptr + row), e1 = __ldg(mk.bs_row_ptr + row + 1);
+    w->bs_cols = mk.bs_col_idx + e0;
+    w->bs_partial = mk.bs_partial + e0;
+    w->bs_sub = mk.bs_block_n / BN;
+    w->bs_q0 = qb * mk.bs_block_m;
+    w->bs_last_block = mk.bs_num_k_blocks - 1;
+    w->bs_last_partial = mk.bs_num_partial - 1;
+    w->n_iters = e1 > e0 ? (e1 - e0) * w->bs_sub : 0;
+    return true;
+  }
+  int lo, hi;
+  w->rules.key_range(m0, w->m_end, &lo, &hi);
+  const int first = lo / BN;
+  w->n_window = hi > lo ? (hi + BN - 1) / BN - first : 0;
+  w->n_last = first + w->n_window - 1;
+  // Sink tiles: the global keys below the window. A tile that also holds window keys is already
+  // a window tile (so the sink walk stops below `first`), unless the window is empty.
+  const int sink_hi = w->rules.sink_hi(m0, w->m_end, lo);
+  int n_sink = (sink_hi + BN - 1) / BN;
+  if (w->n_window > 0 && n_sink > first) n_sink = first;
+  w->sink_last = n_sink - 1;
+  w->n_iters = w->n_window + n_sink;
+  return true;
+}
+
+/// Element-mask words of query row `r` (inside its block-sparse block) for the key tile that
+/// starts at column c0 of the block: bit (c0 % 64 + c) of word (c / 64) is key c of the tile.
+/// Needs BN % 64 == 0 (c0 % 64 == 0) or 64 % BN == 0 (the tile lies in one word).
+__device__ __forceinline__ const std::uint64_t* sparse_row_bits(const PrefillMask& mk, int partial, int r, int c0) {
+  return mk.bs_bits + (static_cast<std::int64_t>(partial) * mk.bs_block_m + r) * mk.bs_words + (c0 >> 6);
+}
+
+/// ALiBi slope of (b, h) in raw q.k units (0 when ALiBi is off).
+template <class P>
+__device__ __forceinline__ float alibi_slope_raw(const P& p, int b, int h) {
+  const PrefillMask& mk = p.mask;
+  if (!(mk.flags & PrefillMask::kAlibi)) return 0.f;
+  return __ldg(mk.alibi_slopes + b * mk.alibi_batch_stride + h) * mk.inv_scale;
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,546 @@
+// GPU tests of the fused masks (softcap, ALiBi, sliding window + global tokens, varlen,
+// block-sparse) on both prefill kernel families, forced with RunOptions::cuda_config "sm80" and
+// "sm90" (the latter only on a Hopper device). Every case is compared element by element with an
+// fp64 reference that reads the same rounded inputs: the GPU fp64 reference
+// (cuda::reference_attention_f64, masks evaluated from attention.h, not through MaskRules) or,
+// for block-sparse masks, the CPU fp64 reference (cpu::reference_attention, which walks the CSR
+// itself). Outputs start as NaN (0xFF) with NaN guard rows after O and the LSE: an unwritten
+// element, a NaN and a write past the packed rows all fail. Tolerances are those of
+// docs/tolerances.md: |O - ref| <= 1e-2 + 1e-2 |ref|, |LSE - ref| <= 1e-3, and a row that sees
+// no key must give exactly O = 0 and LSE = -inf. Fresh random inputs each run (FLASHCPP_SEED).
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <numeric>
+
+#include "cpu/cpu_backend.h"
+#include "flashcpp/masks.h"
+#include "gpu_util.h"
+
+namespace flashcpp::testing {
+namespace {
+
+constexpr double kAtol = 1e-2, kRtol = 1e-2, kLseAtol = 1e-3;
+constexpr int kGuardRows = 16;  // NaN rows after O (and 64 NaN floats after the LSE) that must stay NaN
+constexpr DType kBf16 = DType::kBF16, kF16 = DType::kF16;
+
+using BsFn = std::function<bool(int b, int h, int i, int j)>;
+
+struct MaskCase {
+  int b = 1, sq = 0, sk = 0, hq = 2, hkv = 2, d = 64;
+  DType dt = kBf16;
+  std::vector<int> lq, lk;  ///< varlen lengths (lq non-empty = varlen; lk empty = lq)
+  int max_pad = 0;          ///< varlen: max_seqlen passed = true maximum + this (grid CTAs past every sequence)
+  bool causal = false;
+  int wl = -1, wr = -1, g = 0;
+  bool gq = false;
+  float softcap = 0.f, scale = 0.f;
+  int alibi = 0;            ///< 0 off, 1 per-head BLOOM slopes, 2 per-(batch, head) slopes
+  int bsm = 0, bsn = 0;     ///< block-sparse block sizes (0 = no block-sparse mask)
+  bool bs_per_head = false; ///< one mask per (batch, head) instead of one shared mask
+  BsFn bs_fn;               ///< visibility of the block-sparse mask
+  std::string bs_name;
+};
+
+bool varlen(const MaskCase& c) { return !c.lq.empty(); }
+
+std::string join(const std::vector<int>& v) {
+  std::string s;
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  return s;
+}
+
+std::string describe(const MaskCase& c) {
+  std::string s = varlen(c) ? "varlen[" + join(c.lq) + (c.lk.empty() ? "" : "|" + join(c.lk)) + "]" +
+                                  (c.max_pad ? "+pad" + std::to_string(c.max_pad) : "")
+                            : "b" + std::to_string(c.b) + " sq" + std::to_string(c.sq) + " sk" + std::to_string(c.sk);
+  s += " hq" + std::to_string(c.hq) + " hkv" + std::to_string(c.hkv) + " d" + std::to_string(c.d) +
+       (c.dt == kBf16 ? " bf16" : " fp16");
+  if (c.causal) s += " causal";
+  if (c.wl >= 0 || c.wr >= 0) s += " w(" + std::to_string(c.wl) + "," + std::to_string(c.wr) + ")";
+  if (c.g > 0) s += std::string(c.gq ? " gq" : " sink") + std::to_string(c.g);
+  if (c.softcap > 0.f) s += " softcap" + std::to_string(static_cast<int>(c.softcap));
+  if (c.scale > 0.f) s += " scale" + std::to_string(c.scale).substr(0, 4);
+  if (c.alibi) s += c.alibi == 2 ? " alibi/b" : " alibi";
+  if (c.bsm) s += " bs" + std::to_string(c.bsm) + "x" + std::to_string(c.bsn) + (c.bs_per_head ? "/h " : " ") + c.bs_name;
+  return s;
+}
+
+/// Kernel families to force: "sm80" always, "sm90" on a Hopper device of an sm_90a build.
+std::vector<std::string> families() {
+  std::vector<std::string> f = {"sm80"};
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  if (cuda::current_device(&dev).ok() && dev.sm_major == 9) f.push_back("sm90");
+#endif
+  return f;
+}
+
+struct Outcome {
+  Status status;  ///< of attention_forward (or select_kernel)
+  KernelChoice choice;
+  std::vector<std::uint16_t> o_bits;  ///< O as written (for determinism checks)
+};
+
+template <class T>
+void upload(DeviceBuffer& d, const std::vector<T>& h) {
+  ASSERT_TRUE(d.ptr != nullptr);
+  if (!h.empty()) CUDA_OK(cudaMemcpy(d.ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+}
+
+/// Runs one case on `family` and checks it; *out gets the status and O (for callers that expect a
+/// refusal or compare runs). expect_ok = false: only the refusal is returned, nothing is checked.
+void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t salt, Outcome* out,
+                   bool expect_ok = true) {
+  SCOPED_TRACE(describe(c) + " [" + family + "]");
+  std::mt19937_64 gen(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
+  const bool vl = varlen(c);
+  const std::vector<int>& lk = c.lk.empty() ? c.lq : c.lk;
+  const int batch = vl ? static_cast<int>(c.lq.size()) : c.b;
+  std::vector<std::int32_t> cu_q(batch + 1, 0), cu_k(batch + 1, 0);
+  int max_q = c.sq, max_k = c.sk;
+  if (vl) {
+    for (int i = 0; i < batch; ++i) cu_q[i + 1] = cu_q[i] + c.lq[i], cu_k[i + 1] = cu_k[i] + lk[i];
+    max_q = *std::max_element(c.lq.begin(), c.lq.end()) + c.max_pad;
+    max_k = *std::max_element(lk.begin(), lk.end()) + c.max_pad;
+  }
+  const std::int64_t rows_q = vl ? cu_q[batch] : static_cast<std::int64_t>(batch) * c.sq;
+  const std::int64_t rows_k = vl ? cu_k[batch] : static_cast<std::int64_t>(batch) * c.sk;
+  const std::int64_t nq = rows_q * c.hq * c.d, nk = std::max<std::int64_t>(rows_k * c.hkv * c.d, 8);
+  const std::int64_t n_lse = rows_q * c.hq;
+
+  auto hq_bits = random_half_bits(nq, c.dt, gen), hk_bits = random_half_bits(nk, c.dt, gen),
+       hv_bits = random_half_bits(nk, c.dt, gen);
+  const std::int64_t o_elems = nq + static_cast<std::int64_t>(kGuardRows) * c.hq * c.d;
+  DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(o_elems * 2), lse(sizeof(float) * (n_lse + 64));
+  ASSERT_TRUE(q.ptr && k.ptr && v.ptr && o.ptr && lse.ptr);
+  upload(q, hq_bits);
+  upload(k, hk_bits);
+  upload(v, hv_bits);
+  CUDA_OK(cudaMemset(o.ptr, 0xFF, o.bytes));  // NaN in fp16 and bf16, guards included
+  CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
+
+  AttnParams p;
+  p.batch = batch;
+  p.seqlen_q = max_q;
+  p.seqlen_k = max_k;
+  p.heads_q = c.hq;
+  p.heads_kv = c.hkv;
+  p.head_dim = c.d;
+  auto view = [&](void* ptr, int seqlen, int heads) {
+    return vl ? TensorView{ptr, c.dt, 0, static_cast<std::int64_t>(heads) * c.d, c.d}
+              : bshd_view(ptr, c.dt, seqlen, heads, c.d);
+  };
+  p.q = view(q.ptr, max_q, c.hq);
+  p.k = view(k.ptr, max_k, c.hkv);
+  p.v = view(v.ptr, max_k, c.hkv);
+  p.o = view(o.ptr, max_q, c.hq);
+  p.lse = static_cast<float*>(lse.ptr);
+  p.softmax_scale = c.scale;
+  p.mask.causal = c.causal;
+  p.mask.window_left = c.wl;
+  p.mask.window_right = c.wr;
+  p.mask.global_tokens = c.g;
+  p.mask.global_queries = c.gq;
+  p.mask.softcap = c.softcap;
+
+  DeviceBuffer d_cu_q(sizeof(std::int32_t) * cu_q.size()), d_cu_k(sizeof(std::int32_t) * cu_k.size());
+  if (vl) {
+    upload(d_cu_q, cu_q);
+    upload(d_cu_k, cu_k);
+    p.mask.cu_seqlens_q = static_cast<const std::int32_t*>(d_cu_q.ptr);
+    p.mask.cu_seqlens_k = static_cast<const std::int32_t*>(d_cu_k.ptr);
+  }
+  std::vector<float> slopes;
+  if (c.alibi) {
+    const std::vector<float> bloom = alibi_slopes(c.hq);  // BLOOM's slopes, any head count
+    slopes = bloom;
+    if (c.alibi == 2) {  // per (batch, head): scaled copies, so a wrong batch index shows
+      slopes.clear();
+      for (int b = 0; b < batch; ++b)
+        for (int h = 0; h < c.hq; ++h) slopes.push_back(bloom[h] * (1.f + 0.5f * static_cast<float>(b)));
+    }
+  }
+  DeviceBuffer d_slopes(sizeof(float) * std::max<std::size_t>(slopes.size(), 1));
+  if (c.alibi) {
+    upload(d_slopes, slopes);
+    p.mask.alibi_slopes = static_cast<const float*>(d_slopes.ptr);
+    p.mask.alibi_batch_stride = c.alibi == 2 ? c.hq : 0;
+  }
+  BlockMask bm;
+  BlockSparseMask dev_bs;
+  std::unique_ptr<DeviceBuffer> rp, ci, pa, em;
+  if (c.bsm) {
+    BlockSparseShape shape{max_q, max_k, c.bsm, c.bsn, c.bs_per_head ? batch : 1, c.bs_per_head ? c.hq : 1};
+    const Status bst = build_block_sparse(shape, MaskFn(c.bs_fn), &bm);
+    ASSERT_TRUE(bst.ok()) << bst.to_string();
+    auto up = [&](std::unique_ptr<DeviceBuffer>& d, auto span) {
+      d = std::make_unique<DeviceBuffer>(std::max<std::size_t>(span.size_bytes(), 8));
+      ASSERT_TRUE(d->ptr != nullptr);
+      if (!span.empty()) CUDA_OK(cudaMemcpy(d->ptr, span.data(), span.size_bytes(), cudaMemcpyHostToDevice));
+    };
+    up(rp, bm.row_ptr());
+    up(ci, bm.col_idx());
+    up(pa, bm.partial());
+    up(em, bm.element_masks());
+    dev_bs = bm.view();
+    dev_bs.row_ptr = static_cast<const std::int32_t*>(rp->ptr);
+    dev_bs.col_idx = static_cast<const std::int32_t*>(ci->ptr);
+    dev_bs.partial = static_cast<const std::int32_t*>(pa->ptr);
+    dev_bs.element_masks = bm.view().num_partial ? static_cast<const std::uint64_t*>(em->ptr) : nullptr;
+    p.mask.block_sparse = &dev_bs;
+  }
+
+  RunOptions opt;
+  opt.backend = Backend::kCuda;
+  opt.cuda_config = family;
+  out->status = select_kernel(p, opt, &out->choice);
+  if (!expect_ok) return;
+  ASSERT_TRUE(out->status.ok()) << out->status.to_string();
+  out->status = attention_forward(p, opt);
+  ASSERT_TRUE(out->status.ok()) << out->status.to_string();
+  CUDA_OK(cudaGetLastError());
+  CUDA_OK(cudaDeviceSynchronize());
+
+  // ---- reference (packed rows: o (rows_q, hq, d), lse (hq, rows_q)) ------------------------
+  std::vector<double> ro(nq), rlse(n_lse);
+  if (c.bsm) {  // the GPU reference does not evaluate block-sparse masks
+    AttnParams hp = p;
+    hp.q = view(hq_bits.data(), max_q, c.hq);
+    hp.k = view(hk_bits.data(), max_k, c.hkv);
+    hp.v = view(hv_bits.data(), max_k, c.hkv);
+    hp.o = TensorView{};
+    hp.lse = nullptr;
+    hp.mask.alibi_slopes = c.alibi ? slopes.data() : nullptr;
+    hp.mask.cu_seqlens_q = vl ? cu_q.data() : nullptr;
+    hp.mask.cu_seqlens_k = vl ? cu_k.data() : nullptr;
+    hp.mask.block_sparse = bm.get();
+    cpu::RefOutput ref;
+    const Status rs = cpu::reference_attention(hp, &ref);
+    ASSERT_TRUE(rs.ok()) << rs.to_string();
+    ro = ref.o;
+    rlse = ref.lse;
+  } else {
+    DeviceBuffer oref(sizeof(double) * nq), lseref(sizeof(double) * std::max<std::int64_t>(n_lse, 1));
+    ASSERT_TRUE(oref.ptr && lseref.ptr);
+    const Status rs =
+        cuda::reference_attention_f64(p, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr);
+    ASSERT_TRUE(rs.ok()) << rs.to_string();
+    CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, sizeof(double) * nq, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(rlse.data(), lseref.ptr, sizeof(double) * n_lse, cudaMemcpyDeviceToHost));
+  }
+
+  // ---- compare ------------------------------------------------------------------------------
+  std::vector<std::uint16_t> ho(o_elems);
+  std::vector<float> hlse(n_lse + 64);
+  CUDA_OK(cudaMemcpy(ho.data(), o.ptr, o.bytes, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(hlse.data(), lse.ptr, lse.bytes, cudaMemcpyDeviceToHost));
+  std::int64_t guard_bad = 0;
+  for (std::int64_t x = nq; x < o_elems; ++x) guard_bad += ho[x] != 0xFFFF;
+  for (std::int64_t x = n_lse; x < n_lse + 64; ++x) {
+    std::uint32_t u;
+    std::memcpy(&u, &hlse[x], 4);
+    guard_bad += u != 0xFFFFFFFFu;
+  }
+  // Kernel LSE index of packed row `row` (sequence b, local row i) and head h.
+  auto lse_at = [&](std::int64_t row, int b, int i, int h) -> std::int64_t {
+    return vl ? h * rows_q + row : (static_cast<std::int64_t>(b) * c.hq + h) * c.sq + i;
+  };
+  double max_abs = 0, lse_err = 0;
+  std::int64_t nan = 0, bad = 0, lse_bad = 0, empty_rows = 0;
+  std::vector<double> row_err;
+  row_err.reserve(static_cast<std::size_t>(rows_q * c.hq));
+  for (int b = 0; b < batch; ++b) {
+    const int len = vl ? c.lq[b] : c.sq;
+    for (int i = 0; i < len; ++i) {
+      const std::int64_t row = (vl ? cu_q[b] : static_cast<std::int64_t>(b) * c.sq) + i;
+      for (int h = 0; h < c.hq; ++h) {
+        const double rl = rlse[h * rows_q + row];
+        const double kl = hlse[lse_at(row, b, i, h)];
+        const bool empty = std::isinf(rl) && rl < 0;
+        empty_rows += empty;
+        double rerr = 0;
+        for (int dd = 0; dd < c.d; ++dd) {
+          const std::int64_t idx = (row * c.hq + h) * c.d + dd;
+          const double o_val = bits_to_float(ho[idx], c.dt), ref = ro[idx];
+          if (std::isnan(o_val) || std::isinf(o_val)) {
+            ++nan;
+            continue;
+          }
+          const double err = std::fabs(o_val - ref);
+          rerr = std::max(rerr, err);
+          bad += empty ? o_val != 0.0 : err > kAtol + kRtol * std::fabs(ref);
+        }
+        max_abs = std::max(max_abs, rerr);
+        row_err.push_back(rerr);
+        if (empty) {
+          lse_bad += !(std::isinf(kl) && kl < 0);
+        } else {
+          const double e = std::fabs(kl - rl);
+          lse_bad += std::isnan(kl) || !(e <= kLseAtol);
+          if (!std::isnan(e)) lse_err = std::max(lse_err, e);
+        }
+      }
+    }
+  }
+  std::sort(row_err.begin(), row_err.end());
+  const double p50 = row_err.empty() ? 0 : row_err[row_err.size() / 2];
+  EXPECT_EQ(nan, 0) << "NaN/Inf (unwritten or poisoned) outputs";
+  EXPECT_EQ(bad, 0) << "elements over tolerance (or non-zero O in a row that sees no key); max_abs_err " << max_abs;
+  EXPECT_EQ(lse_bad, 0) << "LSE rows over " << kLseAtol << " (or not -inf for a row that sees no key); max " << lse_err;
+  EXPECT_EQ(guard_bad, 0) << "writes past the packed rows of O or the LSE";
+  if (family == "sm90" && !c.bsm) EXPECT_EQ(out->choice.id, KernelId::kCudaSm90) << out->choice.reason;
+  std::printf("    %-88s %-5s %-14s max_abs %.2e p50_row %.2e lse %.2e%s\n", describe(c).c_str(), family.c_str(),
+              out->choice.config.c_str(), max_abs, p50, lse_err,
+              empty_rows ? (" (" + std::to_string(empty_rows) + " empty rows)").c_str() : "");
+  out->o_bits = std::move(ho);
+}
+
+/// Runs a case on every family.
+void run_all(const MaskCase& c, std::uint64_t salt) {
+  for (const auto& f : families()) {
+    Outcome out;
+    run_mask_case(c, f, salt, &out);
+  }
+}
+
+MaskCase dense(int b, int sq, int sk, int hq, int hkv, int d, DType dt = kBf16, bool causal = false) {
+  MaskCase c;
+  c.b = b, c.sq = sq, c.sk = sk, c.hq = hq, c.hkv = hkv, c.d = d, c.dt = dt, c.causal = causal;
+  return c;
+}
+MaskCase window(MaskCase c, int wl, int wr) {
+  c.wl = wl, c.wr = wr;
+  return c;
+}
+MaskCase global(MaskCase c, int g, bool gq) {
+  c.g = g, c.gq = gq;
+  return c;
+}
+MaskCase packed(std::vector<int> lq, std::vector<int> lk, int hq, int hkv, int d, DType dt = kBf16, bool causal = false) {
+  MaskCase c;
+  c.lq = std::move(lq), c.lk = std::move(lk), c.hq = hq, c.hkv = hkv, c.d = d, c.dt = dt, c.causal = causal;
+  return c;
+}
+
+// ---- sliding windows ------------------------------------------------------------------------
+
+TEST(MasksGpuWindow, OddLengthsWindowZeroAndWide) {
+  std::uint64_t salt = 1000;
+  for (int n : {1, 7, 127, 1000}) {
+    run_all(window(dense(2, n, n, 2, 2, 64), 0, 0), salt++);                    // window 0: the diagonal only
+    run_all(window(dense(1, n, n, 2, 1, 128, kF16, true), 0, 0), salt++);      // causal + window 0
+    run_all(window(dense(1, n, n, 2, 2, 128), 5000, 5000), salt++);            // wider than the sequence
+    run_all(window(dense(1, n, n, 4, 2, 64, kF16, true), 100, -1), salt++);    // Mistral: causal, left window
+  }
+}
+
+TEST(MasksGpuWindow, HeadDimsDtypesAndUnequalLengths) {
+  std::uint64_t salt = 1100;
+  for (int d : {64, 128, 256})
+    for (DType dt : {kBf16, kF16}) {
+      run_all(window(dense(1, 1000, 1000, 4, 2, d, dt, true), 200, 0), salt++);   // causal sliding window
+      run_all(window(dense(1, 777, 777, 2, 2, d, dt), 64, 33), salt++);           // two-sided, non-causal
+    }
+  for (bool causal : {false, true}) {
+    run_all(window(dense(1, 300, 1000, 4, 2, 128, kBf16, causal), 128, 16), salt++);  // sq < sk
+    run_all(window(dense(1, 1000, 300, 4, 2, 128, kF16, causal), 128, 16), salt++);   // sq > sk: rows see nothing
+    run_all(window(dense(2, 1, 2049, 8, 8, 64, kBf16, causal), 1024, -1), salt++);    // decode-like row
+  }
+}
+
+// ---- global tokens -----------------------------------------------------------------------
+
+TEST(MasksGpuGlobal, SinksAndGlobalQueries) {
+  std::uint64_t salt = 1200;
+  for (int g : {0, 1, 4, 64, 100, 300}) {
+    run_all(global(window(dense(1, 1000, 1000, 2, 2, 64, kBf16, true), 128, 0), g, false), salt++);
+    if (g > 0) run_all(global(window(dense(1, 1000, 1000, 2, 2, 128, kF16, false), 50, 50), g, true), salt++);
+  }
+  run_all(global(window(dense(1, 2047, 2047, 4, 1, 128, kBf16, true), 512, 0), 64, false), salt++);
+  run_all(global(window(dense(1, 300, 1200, 2, 2, 256, kBf16, true), 100, 0), 40, true), salt++);   // sq < sk
+  run_all(global(window(dense(1, 1200, 300, 2, 2, 64, kF16, true), 100, 0), 40, false), salt++);    // sq > sk
+  run_all(global(window(dense(2, 127, 127, 2, 2, 256, kF16), 0, 0), 7, true), salt++);
+}
+
+// ---- score modifiers -----------------------------------------------------------------------
+
+TEST(MasksGpuSoftcap, CappedScoresAllHeadDims) {
+  std::uint64_t salt = 1300;
+  for (int d : {64, 128, 256})
+    for (DType dt : {kBf16, kF16}) {
+      MaskCase c = dense(1, 1000, 1000, 2, 2, d, dt, true);
+      c.softcap = 50.f, c.scale = 1.f;  // Gemma-2's cap with scores of spread ~sqrt(d): the cap bends them
+      run_all(c, salt++);
+      MaskCase s = dense(2, 127, 127, 2, 1, d, dt, false);
+      s.softcap = 1.f;  // a small cap bends every score
+      run_all(s, salt++);
+    }
+  MaskCase u = dense(1, 7, 1000, 4, 2, 128, kBf16, true);  // sq != sk with softcap
+  u.softcap = 30.f;
+  run_all(u, salt++);
+}
+
+TEST(MasksGpuAlibi, BloomSlopesNonPowerOfTwoHeads) {
+  std::uint64_t salt = 1400;
+  for (bool causal : {false, true})
+    for (int d : {64, 128, 256}) {
+      MaskCase c = dense(1, 1000, 1000, 12, 4, d, d == 128 ? kF16 : kBf16, causal);  // 12 heads: 8 + 4 interleaved
+      c.alibi = 1;
+      run_all(c, salt++);
+    }
+  MaskCase pb = dense(3, 127, 300, 6, 6, 64, kBf16, true);  // per-(batch, head) slopes, sq != sk
+  pb.alibi = 2;
+  run_all(pb, salt++);
+  MaskCase odd = dense(2, 1, 7, 3, 1, 128, kF16);
+  odd.alibi = 1;
+  run_all(odd, salt++);
+}
+
+TEST(MasksGpuCombined, SoftcapAlibiWindowSinks) {
+  std::uint64_t salt = 1500;
+  MaskCase c = global(window(dense(2, 1000, 1000, 6, 2, 128, kBf16, true), 256, 0), 16, false);
+  c.softcap = 20.f;
+  c.alibi = 2;
+  run_all(c, salt++);
+  MaskCase f = global(window(dense(1, 777, 777, 4, 4, 64, kF16), 64, 64), 8, true);
+  f.softcap = 5.f;
+  f.alibi = 1;
+  run_all(f, salt++);
+}
+
+// ---- varlen ----------------------------------------------------------------------------------
+
+TEST(MasksGpuVarlen, DocumentsOfOddLengths) {
+  std::uint64_t salt = 1600;
+  for (int d : {64, 128, 256})
+    for (bool causal : {false, true}) {
+      run_all(packed({1, 7, 127, 1000, 1, 300}, {}, 4, 2, d, causal ? kBf16 : kF16, causal), salt++);
+    }
+  run_all(packed({1, 7, 50}, {10, 7, 127}, 2, 2, 128, kBf16, true), salt++);  // q shorter than k (chunked prefill)
+  run_all(packed({10, 7, 127}, {1, 7, 50}, 2, 2, 64, kF16, true), salt++);    // q longer than k: rows see nothing
+  run_all(packed({0, 5, 0, 300, 1}, {3, 5, 0, 300, 1}, 2, 1, 64, kBf16, false), salt++);  // empty documents
+  MaskCase pad = packed({200, 513, 64}, {}, 2, 2, 128, kBf16, true);  // max_seqlen above every length
+  pad.max_pad = 150;
+  run_all(pad, salt++);
+}
+
+TEST(MasksGpuVarlen, WithEveryOtherMask) {
+  std::uint64_t salt = 1700;
+  MaskCase w = window(packed({1000, 1, 523, 64}, {}, 4, 2, 128, kBf16, true), 100, 0);
+  run_all(w, salt++);
+  MaskCase g = global(window(packed({700, 9, 300}, {}, 2, 2, 64, kF16, true), 64, 0), 8, true);
+  run_all(g, salt++);
+  MaskCase a = packed({257, 1, 800}, {300, 5, 800}, 6, 3, 128, kBf16, true);
+  a.alibi = 2;
+  run_all(a, salt++);
+  MaskCase s = packed({129, 1000, 2}, {}, 2, 2, 256, kF16, false);
+  s.softcap = 10.f;
+  run_all(s, salt++);
+}
+
+// ---- block-sparse --------------------------------------------------------------------------
+
+/// A strided/local pattern with per-head variation: many full, empty and partial blocks.
+bool dilated(int, int h, int i, int j) { return ((i / 48 + j / 48 + h) % 3 != 0) || std::abs(i - j) < 40; }
+/// Element-level pseudo-random visibility inside block-level pseudo-random blocks: almost every
+/// listed block is partial, so the element bits carry the mask.
+bool speckled(int b, int h, int i, int j) {
+  const std::uint32_t blk = static_cast<std::uint32_t>((i / 128) * 7919 + (j / 128) * 104729 + h * 31 + b * 17);
+  const std::uint32_t el = static_cast<std::uint32_t>(i * 2654435761u ^ (j * 40503u + 0x9E37u));
+  return (blk * 2654435761u >> 29) != 0 && ((el >> 13) % 5) != 0;
+}
+
+MaskCase sparse(MaskCase c, int bm, int bn, bool per_head, BsFn fn, std::string name) {
+  c.bsm = bm, c.bsn = bn, c.bs_per_head = per_head, c.bs_fn = std::move(fn), c.bs_name = std::move(name);
+  return c;
+}
+
+TEST(MasksGpuBlockSparse, FromMaskFunctions) {
+  std::uint64_t salt = 1800;
+  for (int d : {64, 128, 256}) {
+    run_all(sparse(dense(1, 1000, 1000, 2, 2, d, d == 128 ? kF16 : kBf16), 128, 128, true, dilated, "dilated"), salt++);
+    run_all(sparse(dense(2, 777, 1025, 2, 1, d, kBf16), 128, 128, true, speckled, "speckled"), salt++);
+  }
+  // Combined with the causal flag (the visibility conditions AND together).
+  run_all(sparse(dense(1, 1000, 1000, 2, 2, 128, kBf16, true), 128, 128, false, dilated, "dilated"), salt++);
+  // Mask blocks larger than the tiles (several key tiles per listed block) and odd sizes.
+  run_all(sparse(dense(1, 1000, 1000, 2, 2, 64, kF16), 256, 256, false, speckled, "speckled"), salt++);
+  run_all(sparse(dense(1, 127, 1, 2, 2, 128, kBf16), 128, 128, false, dilated, "dilated"), salt++);
+  // A document mask built as block-sparse: the same visibility as varlen over the same documents.
+  std::vector<int> doc(1000);
+  for (int i = 0; i < 1000; ++i) doc[i] = i < 300 ? 0 : (i < 301 ? 1 : (i < 777 ? 2 : 3));
+  run_all(sparse(dense(1, 1000, 1000, 4, 2, 128, kBf16), 128, 128, false,
+                 [doc](int, int, int i, int j) { return doc[i] == doc[j] && j <= i; }, "documents"),
+          salt++);
+}
+
+TEST(MasksGpuBlockSparse, SmallBlocksOnTheSm80Kernel) {
+  // 64x64 blocks: only 64-row sm80 tiles divide them (head_dim 128 has m64n64 configs). On Hopper
+  // the automatic choice falls back to sm80 and says so; forcing sm90 is refused with a sentence.
+  const MaskCase c = sparse(dense(1, 1000, 1000, 2, 2, 128, kBf16), 64, 64, true, speckled, "speckled");
+  Outcome o;
+  run_mask_case(c, "sm80", 1900, &o);
+  EXPECT_EQ(o.choice.id, KernelId::kCudaSm80);
+  for (const auto& f : families())
+    if (f == "sm90") {
+      Outcome refused;
+      run_mask_case(c, "sm90", 1900, &refused, /*expect_ok=*/false);
+      EXPECT_EQ(refused.status.code(), StatusCode::kUnsupported) << refused.status.to_string();
+      EXPECT_NE(refused.status.message().find("block-sparse"), std::string::npos) << refused.status.message();
+      Outcome automatic;
+      run_mask_case(c, "", 1900, &automatic);
+      EXPECT_EQ(automatic.choice.id, KernelId::kCudaSm80);
+      EXPECT_NE(automatic.choice.reason.find("sm80 kernel"), std::string::npos) << automatic.choice.reason;
+    }
+}
+
+TEST(MasksGpuBlockSparse, BlocksNoTileDividesAreRefusedWithASentence) {
+  const MaskCase c = sparse(dense(1, 256, 256, 2, 2, 64, kBf16), 32, 32, false, dilated, "dilated");
+  for (const auto& f : families()) {
+    Outcome o;
+    run_mask_case(c, f, 1950, &o, /*expect_ok=*/false);
+    EXPECT_EQ(o.status.code(), StatusCode::kUnsupported) << o.status.to_string();
+    EXPECT_NE(o.status.message().find("32x32"), std::string::npos) << o.status.message();
+  }
+}
+
+// ---- races and choices -------------------------------------------------------------------------
+
+TEST(MasksGpuDeterminism, SameInputsSameBits) {
+  MaskCase c = global(window(packed({1000, 3, 517}, {}, 4, 2, 128, kBf16, true), 200, 0), 16, false);
+  c.alibi = 1;
+  c.softcap = 30.f;
+  const MaskCase bs = sparse(dense(1, 1000, 1000, 2, 2, 128, kBf16), 128, 128, true, speckled, "speckled");
+  for (const MaskCase* m : std::initializer_list<const MaskCase*>{&c, &bs})
+    for (const auto& f : families()) {
+      Outcome first, again;
+      run_mask_case(*m, f, 2000, &first);
+      for (int r = 0; r < 3; ++r) {
+        run_mask_case(*m, f, 2000, &again);
+        ASSERT_EQ(first.o_bits, again.o_bits) << "run " << r << " differs";
+      }
+    }
+}
+
+TEST(MasksGpuDispatch, HopperRunsEveryMaskOnTheSm90Kernel) {
+  bool hopper = false;
+  for (const auto& f : families()) hopper |= f == "sm90";
+  if (!hopper) GTEST_SKIP() << "not a Hopper device (or no sm_90a kernels in this build)";
+  MaskCase c = global(window(packed({100, 200}, {}, 4, 2, 128, kBf16, true), 64, 0), 4, false);
+  c.softcap = 30.f;
+  c.alibi = 1;
+  Outcome o;
+  run_mask_case(c, "", 2100, &o);
+  EXPECT_EQ(o.choice.id, KernelId::kCudaSm90) << o.choice.reason;
+  EXPECT_NE(o.choice.reason.find("masks fused"), std::string::npos) << o.choice.reason;
+  const MaskCase bs = sparse(dense(1, 512, 512, 2, 2, 64, kBf16), 128, 128, false, dilated, "dilated");
+  Outcome ob;
+  run_mask_case(bs, "", 2101, &ob);
+  EXPECT_EQ(ob.choice.id, KernelId::kCudaSm90) << ob.choice.reason;  // the plain (not ping-pong) config
+  EXPECT_NE(ob.choice.config.back(), 'p') << ob.choice.config;  // ping-pong consumers do not read element bits
+}
+
+}  // namespace
+}  // namespace flashcpp::testing
