@@ -11,7 +11,7 @@ if _torch is not None:
 
 from .attention import (KernelChoice, attention, flash_attn_func, flash_attn_varlen_func,
                         select_kernel)
-from .decode import BatchDecodeWithPagedKVCache, flash_attn_with_kvcache
+from .decode import BatchDecodeWithKVCache, BatchDecodeWithPagedKVCache, flash_attn_with_kvcache
 from .fused import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
 from .merge import merge_attention_states
 
@@ -25,7 +25,7 @@ SUPPORTED_HEAD_DIMS = _C.SUPPORTED_HEAD_DIMS
 
 __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "attention", "select_kernel", "KernelChoice",
-    "merge_attention_states", "flash_attn_with_kvcache", "BatchDecodeWithPagedKVCache",
+    "merge_attention_states", "flash_attn_with_kvcache", "BatchDecodeWithKVCache", "BatchDecodeWithPagedKVCache",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary",
     "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "__version__",
 ]

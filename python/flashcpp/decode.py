@@ -1,5 +1,5 @@
-"""Decode against a KV cache (flash-attn's ``flash_attn_with_kvcache``, FlashInfer's paged
-plan/run wrapper), with the semantics of ``include/flashcpp/decode.h``:
+"""Decode against a KV cache (flash-attn's ``flash_attn_with_kvcache``, FlashInfer's plan/run
+wrappers), with the semantics of ``include/flashcpp/decode.h``:
 
 * the cache is contiguous ``(batch, capacity, heads_kv, head_dim)`` or paged
   ``(num_pages, page_size, heads_kv, head_dim)`` with ``block_table`` (batch, pages_per_seq),
@@ -12,14 +12,27 @@ plan/run wrapper), with the semantics of ``include/flashcpp/decode.h``:
   at ``cache_seqlens`` for every token instead);
 * 1 <= seqlen_q <= 16; GQA/MQA; sliding window, softcap and ALiBi as in ``flash_attn_func``.
 
-Where it runs. numpy arrays and CPU torch tensors run on the host here, in numpy: the step is
-computed in float64 from the rounded inputs (the rotary rule in float32, as decode.h fixes it), so
-it is a reference-quality CPU path. CUDA tensors need the ``_flashcpp.decode`` binding of
-``flashcpp::decode_plan`` / ``decode_run``; until it lands they raise NotImplementedError. When the
-binding is present every input goes through it (the C++ CPU backend for host memory).
+Three entry points, one C++ path (``flashcpp::decode_plan`` / ``decode_run`` through the
+``_flashcpp`` binding; CUDA tensors run the CUDA kernels, numpy arrays and CPU tensors the CPU
+backend, which walks the same work list):
+
+* :class:`BatchDecodeWithKVCache` -- plan once on the host (shapes, lengths to plan for, split
+  counts, workspaces), then ``run()`` as often as wanted. ``run()`` only launches: no allocation
+  when ``out`` (and ``lse``) are given, no host synchronization, so it can be captured in a CUDA
+  graph and replayed with new ``cache_seqlens`` and new tensor contents.
+* :func:`flash_attn_with_kvcache` -- plan + run in one call. On CUDA the plan is cached per shape
+  (planned for full caches, as flash-attn sizes its splits by the cache capacity), so after a
+  first call for a shape the call is capturable too.
+* :class:`BatchDecodeWithPagedKVCache` -- FlashInfer's page description (indptr, indices,
+  last_page_len) on top of the first.
+
+Values that only the device holds (cache_seqlens, block-table entries) are not read on CUDA (that
+would synchronize): the kernels clamp them into the views instead (decode.h, "Safety"). On the
+host they are checked, with a sentence naming the bad entry.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -27,9 +40,14 @@ import numpy as np
 from . import _core
 from . import _flashcpp as _C
 
-MAX_SEQLEN_Q = 16
-MAX_PAGE_SIZE = 256
+MAX_SEQLEN_Q = _C.DECODE_MAX_SEQLEN_Q
+MAX_PAGE_SIZE = _C.DECODE_MAX_PAGE_SIZE
+MAX_SPLITS = _C.DECODE_MAX_SPLITS
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_ROTARY = {None: _C.ROTARY_NONE, "none": _C.ROTARY_NONE, "neox": _C.ROTARY_NEOX,
+           "interleaved": _C.ROTARY_INTERLEAVED}
+_NO_TENSOR = (0, 0, 0, 0)
+_WS_ALIGN = 256  # workspace offsets (the C++ API needs 16)
 
 
 # ---- inputs ---------------------------------------------------------------------------------
@@ -38,24 +56,8 @@ def _is_torch(x: Any) -> bool:
     return _core.is_torch(x)
 
 
-def _f32(x: Any) -> np.ndarray:
-    """A float32 numpy copy of an array or tensor (bfloat16 torch tensors included)."""
-    if _is_torch(x):
-        return x.detach().to(_core.torch.float32).cpu().numpy()
-    return np.asarray(x, dtype=np.float32)
-
-
-def _round_like(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 -> the storage dtype -> float32 (round to nearest even), as a kernel stores it."""
-    if dtype == "float32":
-        return x.astype(np.float32)
-    if dtype == "float16":
-        return x.astype(np.float16).astype(np.float32)
-    t = _core.torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    return t.to(_core.torch.bfloat16).to(_core.torch.float32).numpy()
-
-
 def _ints(x: Any, name: str) -> np.ndarray:
+    """Host copy of an integer array (reads a CUDA tensor: only for host-side steps such as plans)."""
     if _is_torch(x):
         x = x.detach().cpu().numpy()
     a = np.asarray(x)
@@ -68,8 +70,452 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _dtype_name(dtype: Any) -> str:
+    """'float16' / 'bfloat16' / 'float32' of a torch dtype, numpy dtype or name."""
+    if _core.torch is not None and isinstance(dtype, _core.torch.dtype):
+        name = _core._TORCH_DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+    elif isinstance(dtype, str):
+        name = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+                "float": "float32"}.get(dtype, dtype)
+    else:
+        name = np.dtype(dtype).name
+    if name not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype {dtype!r} is not one of float16, bfloat16, float32")
+    return name
+
+
+def _device_of(x: Any) -> Tuple[bool, Any]:
+    """(is_cuda, torch device or 'cpu')."""
+    if _is_torch(x):
+        return x.device.type == "cuda", x.device
+    return False, "cpu"
+
+
+class _DeviceGuard:
+    """Makes x's CUDA device current for the C++ calls (they use the current device)."""
+
+    def __init__(self, device: Any) -> None:
+        self._ctx = None
+        torch = _core.torch
+        if (torch is not None and isinstance(device, torch.device) and device.type == "cuda"
+                and device.index is not None and device.index != torch.cuda.current_device()):
+            self._ctx = torch.cuda.device(device)
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _stream(device: Any) -> int:
+    torch = _core.torch
+    if torch is not None and isinstance(device, torch.device) and device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+def _capturing(device: Any) -> bool:
+    torch = _core.torch
+    return (torch is not None and isinstance(device, torch.device) and device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing())
+
+
+def _tensor(x: Any, m: _core.Meta) -> Tuple[int, int, int, int]:
+    """(data_ptr, batch_stride, seq_stride, head_stride) of a 4-D view, for the binding."""
+    return (_core.data_ptr(x), *_core._view(m, False))
+
+
+def _check_4d(m: _core.Meta, shape: Tuple[int, ...], what: str) -> None:
+    if tuple(m.shape) != tuple(shape):
+        raise ValueError(f"{m.name} must be {what} = {tuple(shape)}; got {m.shape}")
+    if 0 not in m.shape:
+        if m.shape[-1] > 1 and m.strides[-1] != 1:
+            raise ValueError(f"{m.name}: the last dimension (head_dim) must be contiguous (stride 1); "
+                             f"got strides {m.strides}")
+        if any(s < 0 for s in m.strides):
+            raise ValueError(f"{m.name} has a negative stride {m.strides}")
+
+
+def _small(x: Any, name: str, kind: str, like: Any, is_cuda: bool, device: Any) -> Any:
+    """A small array (lengths, block table, slopes, rotary tables) as the binding wants it: int32 or
+    float32, contiguous, where the step runs. No copy when it already is; a copy otherwise (outside
+    a CUDA graph capture: the run of a captured graph must be handed the right tensors)."""
+    if x is None:
+        return None
+    torch = _core.torch
+    want_np = np.int32 if kind == "int32" else np.float32
+    if is_cuda:
+        want = torch.int32 if kind == "int32" else torch.float32
+        if isinstance(x, torch.Tensor):
+            if kind == "int32" and (x.dtype.is_floating_point or x.dtype.is_complex):
+                raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+            if x.device != device:
+                if x.device.type == "cuda":
+                    raise ValueError(f"{name} must be on q's device ({device}); got {x.device}")
+            elif x.dtype == want and x.is_contiguous():
+                return x
+            if _capturing(device):
+                raise ValueError(f"{name} must already be a contiguous {kind} tensor on {device} inside a CUDA "
+                                 f"graph capture (got {x.dtype} on {x.device}); converting it would copy")
+            return x.to(device=device, dtype=want).contiguous()
+        if _capturing(device):
+            raise ValueError(f"{name} must be a {kind} tensor on {device} inside a CUDA graph capture")
+        a = np.asarray(x)
+        if kind == "int32" and a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        return torch.as_tensor(np.ascontiguousarray(a, dtype=want_np), device=device)
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host like q; got {x.device}")
+        if kind == "int32" and (x.dtype.is_floating_point or x.dtype.is_complex):
+            raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+        x = x.detach().numpy() if x.dtype != torch.bfloat16 else x.detach().float().numpy()
+    a = np.asarray(x)
+    if kind == "int32":
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name} values must fit int32")
+    return np.ascontiguousarray(a, dtype=want_np)
+
+
+# ---- workspaces -----------------------------------------------------------------------------------
+
+class _Workspace:
+    """The int32 work list and the fp32 partials of a plan, carved from one byte buffer: a torch
+    uint8 tensor on the CUDA device, or an aligned numpy array for the CPU backend. The buffer is
+    either the caller's (never replaced: a plan that needs more raises) or ours (grown when a plan
+    needs more; a CUDA graph captured before the growth must be captured again)."""
+
+    def __init__(self, buffer: Any = None) -> None:
+        self._user = buffer is not None
+        self._buf = buffer
+        if buffer is not None:
+            m = _core.meta(buffer, "workspace_buffer")
+            if len(m.shape) != 1 or (m.shape[0] > 1 and m.strides[0] != 1):
+                raise ValueError(f"workspace_buffer must be a contiguous 1-D buffer; got shape {m.shape}, "
+                                 f"strides {m.strides}")
+            self._bytes = m.shape[0] * (buffer.element_size() if _is_torch(buffer) else buffer.itemsize)
+            self._is_cuda = m.is_cuda
+            self._device = m.device
+        else:
+            self._bytes = 0
+            self._is_cuda = False
+            self._device = None
+
+    def carve(self, int_bytes: int, float_bytes: int, is_cuda: bool, device: Any) -> Tuple[int, int]:
+        """(int_ptr, float_ptr) for a plan needing these bytes on this device (0 for an empty part)."""
+        float_off = -(-int_bytes // _WS_ALIGN) * _WS_ALIGN
+        need = float_off + float_bytes + _WS_ALIGN  # + slack to align the start
+        if self._user:
+            if self._is_cuda != is_cuda or (is_cuda and self._device != device):
+                raise ValueError(f"workspace_buffer is on {self._device}; the step runs on {device}")
+            if self._bytes < need:
+                raise ValueError(f"workspace_buffer has {self._bytes} bytes; this plan needs {need} "
+                                 "(pass a larger buffer, e.g. 128 MiB)")
+        elif self._buf is None or self._is_cuda != is_cuda or self._device != device or self._bytes < need:
+            size = max(need, 2 * self._bytes if self._device == device else 0, 1 << 16)
+            if is_cuda:
+                self._buf = _core.torch.empty(size, dtype=_core.torch.uint8, device=device)
+            else:
+                self._buf = np.empty(size, dtype=np.uint8)
+            self._bytes, self._is_cuda, self._device = size, is_cuda, device
+        base = _core.data_ptr(self._buf)
+        base = -(-base // _WS_ALIGN) * _WS_ALIGN
+        return (base if int_bytes else 0), (base + float_off if float_bytes else 0)
+
+
+# ---- plan / run -----------------------------------------------------------------------------------
+
+class BatchDecodeWithKVCache:
+    """Plan/run decode over a contiguous or paged KV cache (flash-attn cache layout), the way
+    FlashInfer's wrappers work: ``plan()`` decides on the host how every sequence's keys are split
+    over CTAs and writes the work list into the workspace; ``run()`` launches only.
+
+    ``run()`` is CUDA-graph capturable: capture it after ``plan()`` (and after one warm-up run) and
+    replay with new cache_seqlens / tensor contents; plan again (and capture again) when batch,
+    seqlen_q, heads, head_dim, dtype, the cache kind or append change, or when the lengths outgrow
+    what was planned for (still correct then, but split for shorter sequences).
+
+    Example::
+
+        w = flashcpp.decode.BatchDecodeWithKVCache()
+        w.plan(batch, heads_q, heads_kv, 128, kv_capacity=k_cache.shape[1], cache_seqlens=lens_host,
+               dtype=torch.bfloat16, device="cuda", causal=True)
+        out = w.run(q, k_cache, v_cache, lens_dev)               # q (batch, 1, heads_q, 128)
+
+    Args of the constructor:
+        workspace_buffer: optional 1-D uint8 buffer (torch on the device, or numpy for the CPU
+            backend) to carve the workspaces from; by default the wrapper allocates and grows its own.
+    """
+
+    def __init__(self, workspace_buffer: Any = None) -> None:
+        self._ws = _Workspace(workspace_buffer)
+        self._plan: Optional[Any] = None
+        self._cfg: Optional[dict] = None
+
+    @property
+    def plan_info(self) -> Any:
+        """The C++ DecodePlan (backend, num_items, max_splits, needs_merge, ctas, ...), or None."""
+        return self._plan
+
+    def plan(self, batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+             seqlen_q: int = 1, kv_capacity: Optional[int] = None, page_size: int = 0,
+             cache_seqlens: Any = None, append: bool = False, causal: bool = False,
+             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, sm_scale: Optional[float] = None,
+             rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
+             dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
+             num_sms: int = 0, non_blocking: bool = False) -> Any:
+        """Plans the steps that ``run()`` will compute.
+
+        Args:
+            batch_size, num_qo_heads, num_kv_heads, head_dim, seqlen_q: the step's shape
+                (q is (batch_size, seqlen_q, num_qo_heads, head_dim), 1 <= seqlen_q <= 16).
+            kv_capacity: key slots per sequence: k_cache.shape[1] (contiguous), or
+                pages_per_seq * page_size (paged). Default: the largest planned length (+ seqlen_q
+                with append); required when cache_seqlens is None.
+            page_size: 0 for a contiguous cache, else the page size of the paged cache.
+            cache_seqlens: host lengths to plan for (the meaning of run's cache_seqlens: keys
+                before the step). For a CUDA graph replayed with growing lengths pass the largest
+                it will see. None: every sequence planned at its full capacity.
+            append: run() will get k/v (new tokens written into the cache).
+            causal, window_size, softcap, sm_scale: the mask (as flash_attn_with_kvcache).
+            rotary: None, "neox" or "interleaved" (q and the appended keys rotated in the kernel);
+                rotary_dim (0 = head_dim) and rope_theta when run() gets no cos/sin tables.
+            dtype, device: of q and the cache; device "cpu" plans for the CPU backend.
+            num_splits: force this many key splits per sequence (0 = heuristic); max_splits caps
+                the heuristic (0 = 256); num_sms: plan for this many SMs (0 = the device's).
+            non_blocking: CUDA: the work list is uploaded on the current stream; by default plan()
+                then waits for that stream, so run() may be called on any stream. True skips the
+                wait (run() must then be ordered after the current stream).
+        Returns:
+            the C++ DecodePlan (also ``self.plan_info``).
+        """
+        torch = _core.torch
+        dt = _dtype_name(dtype)
+        if str(device) != "cpu":
+            if torch is None:
+                raise ValueError(f"device {device!r} needs torch; without it decode runs on the CPU (device='cpu')")
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(f"device must be 'cpu' or a CUDA device; got {device}")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            is_cuda = True
+        else:
+            device, is_cuda = "cpu", False
+        if is_cuda and _capturing(device):
+            raise RuntimeError("plan() runs on the host and uploads the work list: call it before the CUDA "
+                               "graph capture, and capture run() only")
+        for name, val, lo in (("batch_size", batch_size, 0), ("num_qo_heads", num_qo_heads, 1),
+                              ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1),
+                              ("seqlen_q", seqlen_q, 1), ("num_splits", num_splits, 0),
+                              ("max_splits", max_splits, 0), ("num_sms", num_sms, 0), ("page_size", page_size, 0)):
+            if not isinstance(val, (int, np.integer)) or val < lo:
+                raise ValueError(f"{name} must be an int >= {lo}; got {val!r}")
+        window = _core.check_window(window_size)
+        if rotary not in _ROTARY:
+            raise ValueError(f"rotary must be None, 'neox' or 'interleaved'; got {rotary!r}")
+        batch = int(batch_size)
+        add = int(seqlen_q) if append else 0
+        lens = None
+        if cache_seqlens is not None:
+            if isinstance(cache_seqlens, (int, np.integer)):
+                lens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+            else:
+                lens = _ints(cache_seqlens, "cache_seqlens").reshape(-1)
+            if lens.shape != (batch,):
+                raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({batch},); got {lens.shape}")
+            if lens.size and lens.min() < 0:
+                raise ValueError(f"cache_seqlens[{int(np.argmin(lens))}] {int(lens.min())} is negative")
+        if kv_capacity is None:
+            if lens is None:
+                raise ValueError("plan() needs kv_capacity (key slots per sequence) or cache_seqlens")
+            kv_capacity = int(lens.max()) + add if lens.size else add
+        kv_capacity = int(kv_capacity)
+        if lens is not None and lens.size and int(lens.max()) + add > kv_capacity:
+            b = int(np.argmax(lens))
+            raise ValueError(f"cache_seqlens[{b}] {int(lens[b])}" + (f" + seqlen_q {add}" if add else "") +
+                             f" = {int(lens[b]) + add} keys exceed the cache's {kv_capacity} slots per sequence")
+        if page_size:
+            if not _is_pow2(int(page_size)) or page_size > MAX_PAGE_SIZE:
+                raise ValueError(f"page_size {page_size} is not a power of two in [1, {MAX_PAGE_SIZE}]")
+            pages_per_seq = max(1, -(-kv_capacity // int(page_size)))
+            capacity = 0
+        else:
+            pages_per_seq, capacity = 0, kv_capacity
+        scale = _core.default_scale(sm_scale, int(head_dim))
+        cfg = dict(batch=batch, seqlen_q=int(seqlen_q), heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
+                   head_dim=int(head_dim), dtype=dt, device=device, is_cuda=is_cuda, page_size=int(page_size),
+                   append=bool(append), causal=bool(causal), window=window, softcap=float(softcap), scale=scale,
+                   rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
+        params = _C.decode_params(
+            q=_NO_TENSOR, o=_NO_TENSOR, lse=0, dtype=_core._DTYPE_CODES[dt], batch=batch, seqlen_q=cfg["seqlen_q"],
+            heads_q=cfg["heads_q"], heads_kv=cfg["heads_kv"], head_dim=cfg["head_dim"], k_cache=_NO_TENSOR,
+            v_cache=_NO_TENSOR, capacity=capacity, page_size=cfg["page_size"], num_pages=1 if page_size else 0,
+            block_table=0, block_table_stride=pages_per_seq, pages_per_seq=pages_per_seq, cache_seqlens=0,
+            k_new=_NO_TENSOR, v_new=_NO_TENSOR, rotary_style=cfg["rotary"], rotary_dim=cfg["rotary_dim"],
+            rotary_cos=0, rotary_sin=0, max_position=0, rope_theta=cfg["rope_theta"], softmax_scale=scale,
+            causal=cfg["causal"], window_left=window[0], window_right=window[1], softcap=cfg["softcap"],
+            alibi_slopes=0, alibi_batch_stride=0)
+        backend = "cuda" if is_cuda else "cpu"
+        host_lens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
+        with _DeviceGuard(device):
+            ib, fb = _C.decode_workspace_size(params, bool(append), backend, host_lens, int(num_splits),
+                                              int(max_splits), int(num_sms))
+            iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
+            self._plan = _C.decode_plan(params, bool(append), backend, host_lens, int(num_splits), int(max_splits),
+                                        int(num_sms), _stream(device), iptr, ib, fptr, fb)
+            if is_cuda and not non_blocking:
+                torch.cuda.current_stream(device).synchronize()
+        self._cfg = cfg
+        return self._plan
+
+    def run(self, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, block_table: Any = None,
+            k: Any = None, v: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
+            alibi_slopes: Any = None, out: Any = None, lse: Any = None, return_lse: bool = False,
+            cpu_threads: int = 0) -> Any:
+        """One decode step as planned.
+
+        Args:
+            q: (batch, seqlen_q, heads_q, head_dim), head_dim contiguous, other strides free.
+            k_cache, v_cache: (batch, capacity, heads_kv, head_dim), or paged (num_pages, page_size,
+                heads_kv, head_dim) with block_table (batch, pages_per_seq) int32.
+            cache_seqlens: (batch,) int32 keys in the cache before the step, on q's device (read by
+                the kernels at run time: a replayed CUDA graph picks up new values).
+            k, v: the new tokens (batch, seqlen_q, heads_kv, head_dim) when planned with append.
+            rotary_cos, rotary_sin: optional fp32 tables (max_position, rotary_dim / 2) when planned
+                with rotary; without them the angles come from rope_theta.
+            alibi_slopes: optional fp32 (heads_q,) or (batch, heads_q).
+            out, lse: optional outputs (q's shape and dtype; fp32 (batch, heads_q, seqlen_q)); pass
+                them to run without allocating (CUDA graphs with static outputs).
+        Returns:
+            out, or (out, lse) when return_lse or lse is given.
+        """
+        c = self._cfg
+        if c is None:
+            raise RuntimeError("call plan() before run()")
+        mq, mk, mv = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
+        for m in (mq, mk, mv):
+            if m.dtype != c["dtype"]:
+                raise TypeError(f"{m.name} has dtype {m.dtype}; the plan is for {c['dtype']}")
+            if m.is_cuda != c["is_cuda"] or (m.is_cuda and m.device != c["device"]):
+                raise ValueError(f"{m.name} is on {m.device}; the plan is for {c['device']}")
+        B, Sq, Hq, Hkv, D = c["batch"], c["seqlen_q"], c["heads_q"], c["heads_kv"], c["head_dim"]
+        _check_4d(mq, (B, Sq, Hq, D), "(batch, seqlen_q, heads_q, head_dim) as planned")
+        if len(mk.shape) != 4 or tuple(mk.shape) != tuple(mv.shape):
+            raise ValueError(f"k_cache and v_cache must be 4-D and of one shape; got {mk.shape} and {mv.shape}")
+        ps = c["page_size"]
+        if ps:
+            if block_table is None:
+                raise ValueError(f"the plan is for a paged cache (page_size {ps}): pass block_table")
+            _check_4d(mk, (mk.shape[0], ps, Hkv, D), "(num_pages, page_size, heads_kv, head_dim)")
+            _check_4d(mv, (mv.shape[0], ps, Hkv, D), "(num_pages, page_size, heads_kv, head_dim)")
+        else:
+            if block_table is not None:
+                raise ValueError("block_table given but the plan is for a contiguous cache (plan with page_size)")
+            _check_4d(mk, (B, mk.shape[1], Hkv, D), "(batch, capacity, heads_kv, head_dim)")
+            _check_4d(mv, (B, mv.shape[1], Hkv, D), "(batch, capacity, heads_kv, head_dim)")
+        if (k is None) != (v is None):
+            raise ValueError("k and v come together (the new tokens' keys and values)")
+        if (k is not None) != c["append"]:
+            raise ValueError("k/v given but the plan has append=False" if k is not None else
+                             "the plan has append=True: pass k and v (the new tokens)")
+        mkn = mvn = None
+        if k is not None:
+            mkn, mvn = _core.meta(k, "k"), _core.meta(v, "v")
+            for m in (mkn, mvn):
+                if m.dtype != c["dtype"] or m.device != mq.device:
+                    raise ValueError(f"{m.name} must be {c['dtype']} on {mq.device}; got {m.dtype} on {m.device}")
+                _check_4d(m, (B, Sq, Hkv, D), "(batch, seqlen_q, heads_kv, head_dim)")
+        return self._launch(q, mq, k_cache, mk, v_cache, mv, cache_seqlens, block_table, k, mkn, v, mvn,
+                            rotary_cos, rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads)
+
+    def _launch(self, q, mq, k_cache, mk, v_cache, mv, cache_seqlens, block_table, k, mkn, v, mvn, rotary_cos,
+                rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads):
+        c = self._cfg
+        is_cuda, device = c["is_cuda"], c["device"]
+        B, Sq, Hq, D = c["batch"], c["seqlen_q"], c["heads_q"], c["head_dim"]
+        torch = _core.torch
+        lens = _small(cache_seqlens, "cache_seqlens", "int32", q, is_cuda, device)
+        if lens is None:
+            raise ValueError("cache_seqlens is required by run() (keys in the cache before the step)")
+        if tuple(lens.shape) != (B,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({B},); got {tuple(lens.shape)}")
+        table = _small(block_table, "block_table", "int32", q, is_cuda, device)
+        if table is not None and (table.ndim != 2 or table.shape[0] != B or table.shape[1] < 1):
+            raise ValueError(f"block_table must be (batch, pages_per_seq) = ({B}, n >= 1); got {tuple(table.shape)}")
+        rot = c["rotary"]
+        cos = sin = None
+        rd, max_pos = c["rotary_dim"], 0
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin come together")
+        if rotary_cos is not None:
+            if rot == _C.ROTARY_NONE:
+                raise ValueError("rotary_cos/rotary_sin given but the plan has rotary=None")
+            cos = _small(rotary_cos, "rotary_cos", "float32", q, is_cuda, device)
+            sin = _small(rotary_sin, "rotary_sin", "float32", q, is_cuda, device)
+            if cos.ndim != 2 or tuple(cos.shape) != tuple(sin.shape):
+                raise ValueError(f"rotary_cos and rotary_sin must be 2-D (max_position, rotary_dim / 2) of one shape; "
+                                 f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+            if rd and rd != 2 * cos.shape[1]:
+                raise ValueError(f"rotary_cos has {cos.shape[1]} columns but the plan has rotary_dim {rd}")
+            rd, max_pos = 2 * cos.shape[1], cos.shape[0]
+            if not 2 <= rd <= D:
+                raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {D}]")
+        alibi = _small(alibi_slopes, "alibi_slopes", "float32", q, is_cuda, device)
+        alibi_bs = 0
+        if alibi is not None:
+            if tuple(alibi.shape) == (B, Hq):
+                alibi_bs = Hq
+            elif tuple(alibi.shape) != (Hq,):
+                raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {tuple(alibi.shape)}")
+        if out is None:
+            out = torch.empty(mq.shape, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(mq.shape, q.dtype)
+        mo = _core.meta(out, "out")
+        if mo.dtype != mq.dtype or mo.device != mq.device:
+            raise ValueError(f"out must be {mq.dtype} on {mq.device}; got {mo.dtype} on {mo.device}")
+        _check_4d(mo, tuple(mq.shape), "q's shape")
+        want_lse = return_lse or lse is not None
+        if lse is None and return_lse:
+            shape = (B, Hq, Sq)
+            lse = (torch.empty(shape, dtype=torch.float32, device=q.device) if _is_torch(q)
+                   else np.empty(shape, np.float32))
+        if lse is not None:
+            ml = _core.meta(lse, "lse")
+            if ml.shape != (B, Hq, Sq) or ml.dtype != "float32" or ml.device != mq.device:
+                raise ValueError(f"lse must be float32 (batch, heads_q, seqlen_q) = {(B, Hq, Sq)} on {mq.device}; "
+                                 f"got {ml.dtype} {ml.shape} on {ml.device}")
+            if not (lse.is_contiguous() if _is_torch(lse) else lse.flags.c_contiguous):
+                raise ValueError("lse must be contiguous")
+        if B == 0:
+            return (out, lse) if want_lse else out
+        slots_cache = mk.shape[1] if not c["page_size"] else 0
+        params = _C.decode_params(
+            q=_tensor(q, mq), o=_tensor(out, mo), lse=_core.data_ptr(lse), dtype=_core._DTYPE_CODES[c["dtype"]],
+            batch=B, seqlen_q=Sq, heads_q=Hq, heads_kv=c["heads_kv"], head_dim=D, k_cache=_tensor(k_cache, mk),
+            v_cache=_tensor(v_cache, mv), capacity=slots_cache, page_size=c["page_size"],
+            num_pages=mk.shape[0] if c["page_size"] else 0, block_table=_core.data_ptr(table),
+            block_table_stride=table.shape[1] if table is not None else 0,
+            pages_per_seq=table.shape[1] if table is not None else 0, cache_seqlens=_core.data_ptr(lens),
+            k_new=_tensor(k, mkn) if k is not None else _NO_TENSOR,
+            v_new=_tensor(v, mvn) if v is not None else _NO_TENSOR, rotary_style=rot, rotary_dim=rd,
+            rotary_cos=_core.data_ptr(cos), rotary_sin=_core.data_ptr(sin), max_position=max_pos,
+            rope_theta=c["rope_theta"], softmax_scale=c["scale"], causal=c["causal"], window_left=c["window"][0],
+            window_right=c["window"][1], softcap=c["softcap"], alibi_slopes=_core.data_ptr(alibi),
+            alibi_batch_stride=alibi_bs)
+        with _DeviceGuard(device):
+            _C.decode_run(params, self._plan, _stream(device), "cuda" if is_cuda else "cpu", int(cpu_threads))
+        return (out, lse) if want_lse else out
+
+
+# ---- flash-attn's flash_attn_with_kvcache ------------------------------------------------------------
+
 class _Step:
-    """Checked shapes of one decode step."""
+    """Checked shapes of one flash_attn_with_kvcache call (values too, for host memory)."""
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
                  alibi_slopes):
@@ -85,7 +531,9 @@ class _Step:
         if not (mq.device == mkc.device == mvc.device):
             raise ValueError(f"q, k_cache and v_cache must be on one device (got {mq.device}, {mkc.device}, "
                              f"{mvc.device})")
+        self.mq, self.mk, self.mv = mq, mkc, mvc
         self.is_cuda = mq.is_cuda
+        self.device = mq.device
         self.dtype = mq.dtype
         if len(mq.shape) != 4:
             raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim); got shape {mq.shape}")
@@ -105,6 +553,7 @@ class _Step:
             raise ValueError(f"heads of q ({self.heads_q}) must be a multiple of heads of the cache "
                              f"({self.heads_kv}) (GQA/MQA)")
         self.paged = block_table is not None
+        self.page_size = 0
         if self.paged:
             self.num_pages, self.page_size = mkc.shape[0], mkc.shape[1]
             if not _is_pow2(self.page_size) or self.page_size > MAX_PAGE_SIZE:
@@ -131,11 +580,31 @@ class _Step:
                     raise ValueError(f"{n} must be (batch, seqlen_q, heads_kv, head_dim) = {want}; got {m.shape}")
                 if m.dtype != self.dtype:
                     raise TypeError(f"{n} has dtype {m.dtype}; the cache's is {self.dtype}")
+                if m.device != self.device:
+                    raise ValueError(f"{n} is on {m.device}; the cache is on {self.device}")
             if self.slots < self.seqlen_q:
                 raise ValueError(f"the cache has {self.slots} slots per sequence, fewer than the {self.seqlen_q} "
                                  "tokens an append writes")
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin come together")
+        add = self.seqlen_q if self.append else 0
+        self.lens = None  # host values (None on CUDA, where only the device holds them)
+        if self.is_cuda:  # the values live on the device: shapes only (the kernels clamp the values)
+            if isinstance(cache_seqlens, (int, np.integer)):
+                if cache_seqlens < 0:
+                    raise ValueError(f"cache_seqlens {int(cache_seqlens)} is negative")
+                if cache_seqlens + add > self.slots:
+                    raise ValueError(f"cache_seqlens {int(cache_seqlens)}" + (f" + seqlen_q {add}" if add else "") +
+                                     f" = {int(cache_seqlens) + add} keys exceed the cache's {self.slots} slots "
+                                     "per sequence")
+            elif cache_seqlens is not None:
+                n = tuple(cache_seqlens.shape) if hasattr(cache_seqlens, "shape") else (len(cache_seqlens),)
+                if n != (self.batch,):
+                    raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({self.batch},); "
+                                     f"got {n}")
+            return
         if cache_seqlens is None:
-            lens = np.full(self.batch, self.slots - (self.seqlen_q if self.append else 0), dtype=np.int64)
+            lens = np.full(self.batch, self.slots - add, dtype=np.int64)
         elif isinstance(cache_seqlens, (int, np.integer)):
             lens = np.full(self.batch, int(cache_seqlens), dtype=np.int64)
         else:
@@ -143,7 +612,6 @@ class _Step:
             if lens.shape != (self.batch,):
                 raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({self.batch},); "
                                  f"got {lens.shape}")
-        add = self.seqlen_q if self.append else 0
         for b, c in enumerate(lens):
             if c < 0:
                 raise ValueError(f"cache_seqlens[{b}] {int(c)} is negative")
@@ -159,144 +627,27 @@ class _Step:
                 if row.size and (row.min() < 0 or row.max() >= self.num_pages):
                     bad = int(row[(row < 0) | (row >= self.num_pages)][0])
                     raise ValueError(f"block_table[{b}] holds page {bad}, outside [0, num_pages {self.num_pages})")
-            self.table = table
-        if (rotary_cos is None) != (rotary_sin is None):
-            raise ValueError("rotary_cos and rotary_sin come together")
         if alibi_slopes is not None:
-            a = _f32(alibi_slopes)
+            a = np.asarray(alibi_slopes.detach().float().cpu() if _is_torch(alibi_slopes) else alibi_slopes)
             if a.shape not in ((self.heads_q,), (self.batch, self.heads_q)):
                 raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {a.shape}")
-            self.alibi = np.broadcast_to(a, (self.batch, self.heads_q))
-        else:
-            self.alibi = None
-
-    def slot_index(self, b: int, j: np.ndarray) -> Tuple[Any, np.ndarray]:
-        """(page or sequence index, slot) arrays that address keys j of sequence b."""
-        if self.paged:
-            return self.table[b, j // self.page_size], j % self.page_size
-        return np.full_like(j, b), j
 
 
-# ---- the rules of decode.h ----------------------------------------------------------------------
-
-def _rotate(x: np.ndarray, pos: np.ndarray, rotary_dim: int, interleaved: bool, cos: Optional[np.ndarray],
-            sin: Optional[np.ndarray], theta: float) -> np.ndarray:
-    """x (T, H, D) float32 rotated at positions pos (T,), in float32 (decode.h's rule)."""
-    half = rotary_dim // 2
-    if cos is not None:
-        if pos.size and (pos.min() < 0 or pos.max() >= cos.shape[0]):
-            raise ValueError(f"rotary positions [{int(pos.min())}, {int(pos.max())}] are outside the cos/sin "
-                             f"tables' rows [0, {cos.shape[0]})")
-        c, s = cos[pos][:, None, :half], sin[pos][:, None, :half]
-    else:
-        i = np.arange(half, dtype=np.float32)
-        inv = (np.float32(1.0) / np.power(np.float32(theta), (2 * i) / np.float32(rotary_dim))).astype(np.float32)
-        ang = (pos.astype(np.float32)[:, None] * inv[None, :]).astype(np.float32)
-        c = np.cos(ang.astype(np.float64)).astype(np.float32)[:, None, :]
-        s = np.sin(ang.astype(np.float64)).astype(np.float32)[:, None, :]
-    y = x.copy()
-    ia = np.arange(0, rotary_dim, 2) if interleaved else np.arange(half)
-    ib = ia + 1 if interleaved else ia + half
-    x1, x2 = x[..., ia].astype(np.float64), x[..., ib].astype(np.float64)
-    c64, s64 = c.astype(np.float64), s.astype(np.float64)
-    # fma(x1, c, -(x2*s)): the product x2*s rounded to float32 first, as in the kernels
-    y[..., ia] = (x1 * c64 - (x2 * s64).astype(np.float32)).astype(np.float32)
-    y[..., ib] = (x2 * c64 + (x1 * s64).astype(np.float32)).astype(np.float32)
-    return y
+_PLAN_CACHE: "collections.OrderedDict[tuple, BatchDecodeWithKVCache]" = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 32
 
 
-def _attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, causal: bool, window: Tuple[int, int],
-            softcap: float, slopes: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
-    """One sequence in float64: q (Sq, Hq, D), k/v (L, Hkv, D) -> o (Sq, Hq, D), lse (Hq, Sq)."""
-    sq, hq, _ = q.shape
-    L, hkv = k.shape[0], k.shape[1]
-    group = hq // hkv
-    kk = np.repeat(k, group, axis=1)
-    vv = np.repeat(v, group, axis=1)
-    s = np.einsum("ihd,jhd->hij", q, kk) * scale
-    if softcap > 0:
-        s = softcap * np.tanh(s / softcap)
-    ia = np.arange(sq)[:, None] + L - sq
-    j = np.arange(L)[None, :]
-    if slopes is not None:
-        s = s + slopes[:, None, None] * (j - ia)[None]
-    vis = np.ones((sq, L), dtype=bool)
-    if causal:
-        vis &= j <= ia
-    if window[0] >= 0:
-        vis &= j >= ia - window[0]
-    if window[1] >= 0:
-        vis &= j <= ia + window[1]
-    s = np.where(vis[None], s, -np.inf)
-    m = s.max(axis=-1, keepdims=True) if L else np.full((hq, sq, 1), -np.inf)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    den = p.sum(axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        lse = np.where(den > 0, np.log(den) + m, -np.inf)[..., 0]
-        p = np.where(den > 0, p / np.where(den > 0, den, 1.0), 0.0)
-    return np.einsum("hij,jhd->ihd", p, vv), lse
+def _cached_plan(key: tuple, make: Any) -> BatchDecodeWithKVCache:
+    w = _PLAN_CACHE.get(key)
+    if w is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return w
+    w = make()
+    _PLAN_CACHE[key] = w
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return w
 
-
-def _write(cache: Any, idx: Tuple[np.ndarray, np.ndarray], values: np.ndarray) -> None:
-    """cache[idx] = values (float32, rounded to the cache's dtype), in place."""
-    if _is_torch(cache):
-        t = _core.torch
-        i0, i1 = (t.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in idx)
-        cache[i0, i1] = t.from_numpy(np.ascontiguousarray(values)).to(cache.dtype)
-    else:
-        cache[idx] = values.astype(cache.dtype)
-
-
-def _host_decode(st: _Step, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, rope_theta,
-                 scale, causal, window, softcap):
-    qf = _f32(q)
-    kn = _f32(k) if st.append else None
-    vn = _f32(v) if st.append else None
-    rot = rotary_cos is not None or rope_theta is not None
-    cos = _f32(rotary_cos) if rotary_cos is not None else None
-    sin = _f32(rotary_sin) if rotary_sin is not None else None
-    rd = 2 * cos.shape[1] if cos is not None else st.head_dim
-    if rot and not (2 <= rd <= st.head_dim):
-        raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {st.head_dim}]")
-    theta = float(rope_theta) if rope_theta is not None else 10000.0
-    out = np.zeros((st.batch, st.seqlen_q, st.heads_q, st.head_dim), dtype=np.float32)
-    lse = np.full((st.batch, st.heads_q, st.seqlen_q), -np.inf, dtype=np.float32)
-    sq = st.seqlen_q
-    for b in range(st.batch):
-        c = int(st.lens[b])
-        L = c + (sq if st.append else 0)
-        if st.append:
-            pos = c + np.arange(sq)
-            kr = kn[b]
-            if rot:
-                kr = _rotate(kr, pos, rd, rotary_interleaved, cos, sin, theta)
-            idx = st.slot_index(b, pos)
-            _write(k_cache, idx, kr)
-            _write(v_cache, idx, vn[b])
-        j = np.arange(L)
-        idx = st.slot_index(b, j)
-        kb = _f32(k_cache[idx] if not _is_torch(k_cache) else
-                  k_cache[tuple(_core.torch.from_numpy(np.ascontiguousarray(a)) for a in idx)])
-        vb = _f32(v_cache[idx] if not _is_torch(v_cache) else
-                  v_cache[tuple(_core.torch.from_numpy(np.ascontiguousarray(a)) for a in idx)])
-        qb = qf[b]
-        if rot:
-            qb = _round_like(_rotate(qb, L - sq + np.arange(sq), rd, rotary_interleaved, cos, sin, theta), st.dtype)
-        o, l = _attend(qb.astype(np.float64), kb.astype(np.float64), vb.astype(np.float64), scale, causal, window,
-                       softcap, None if st.alibi is None else st.alibi[b].astype(np.float64))
-        out[b] = o
-        lse[b] = l
-    return out, lse
-
-
-def _result(out32: np.ndarray, like: Any, dtype: str) -> Any:
-    if _is_torch(like):
-        return _core.torch.from_numpy(out32).to(like.dtype)
-    return out32.astype(dtype)
-
-
-# ---- public API ---------------------------------------------------------------------------------
 
 def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
                             rotary_cos: Any = None, rotary_sin: Any = None, cache_seqlens: Any = None,
@@ -316,61 +667,110 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         rope_theta: instead of tables, rotate all of head_dim by angles pos * theta^(-2i/head_dim).
         rotary_interleaved: True = GPT-J pairs (2i, 2i+1), False = GPT-NeoX halves (i, i + d/2).
         cache_seqlens: int or (batch,) int32: keys in the cache before the step (None: full caches).
-        num_splits: the split count of the C++ planner (0 = heuristic); the host path does not split.
+            On CUDA pass an int32 tensor on q's device to stay capturable in a CUDA graph.
+        num_splits: key splits per sequence (0 = the planner's heuristic).
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, and with ``return_softmax_lse`` the
         fp32 natural-log LSE (batch, heads_q, seqlen_q).
+
+    On CUDA the plan is made once per shape (planned for full caches, as flash-attn does) and cached;
+    the first call of a shape must happen outside a CUDA graph capture (a warm-up), later calls are
+    capturable. Use :class:`BatchDecodeWithKVCache` to plan for the actual lengths.
     """
     if cache_batch_idx is not None:
         raise NotImplementedError("cache_batch_idx is not built in flashcpp decode (index the cache instead)")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not built in flashcpp decode")
-    if not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
-        raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic); got {num_splits!r}")
+    if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic); got {num_splits!r}")
     window = _core.check_window(window_size)
     if softcap < 0 or not np.isfinite(softcap):
         raise ValueError(f"softcap must be finite and >= 0; got {softcap}")
     if rotary_cos is not None and rope_theta is not None:
         raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")
     st = _Step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes)
-    scale = _core.default_scale(softmax_scale, st.head_dim)
+    if rotary_cos is not None:
+        cols = _core.meta(rotary_cos, "rotary_cos").shape
+        rd = 2 * cols[1] if len(cols) == 2 else 0
+        if not 2 <= rd <= st.head_dim:
+            raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {st.head_dim}]")
+    rotary = None
+    if rotary_cos is not None or rope_theta is not None:
+        rotary = "interleaved" if rotary_interleaved else "neox"
+    device = st.device if st.is_cuda else "cpu"
+    cfg = dict(seqlen_q=st.seqlen_q, kv_capacity=st.slots, page_size=st.page_size, append=st.append,
+               causal=bool(causal), window_size=window, softcap=float(softcap), sm_scale=softmax_scale,
+               rotary=rotary, rope_theta=float(rope_theta) if rope_theta is not None else 10000.0,
+               dtype=st.dtype, device=device, num_splits=int(num_splits))
+    shape = (st.batch, st.heads_q, st.heads_kv, st.head_dim)
     if st.is_cuda:
-        raise NotImplementedError("flash_attn_with_kvcache on CUDA tensors needs the _flashcpp.decode binding "
-                                  "of flashcpp::decode_plan/decode_run, which has not landed (the C++ API "
-                                  "runs the CUDA decode kernels)")
-    out, lse = _host_decode(st, q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_interleaved, rope_theta,
-                            scale, causal, window, float(softcap))
-    o = _result(out, q, st.dtype)
-    if not return_softmax_lse:
-        return o
-    return o, (_core.torch.from_numpy(lse) if _is_torch(q) else lse)
+        if isinstance(cache_seqlens, (int, np.integer)):
+            cache_seqlens = _core.torch.full((st.batch,), int(cache_seqlens), dtype=_core.torch.int32, device=device)
+        elif cache_seqlens is None:
+            cache_seqlens = _core.torch.full((st.batch,), st.slots - (st.seqlen_q if st.append else 0),
+                                             dtype=_core.torch.int32, device=device)
+        key = (str(device), shape, tuple(sorted((n, str(x)) for n, x in cfg.items())))
 
+        def make() -> BatchDecodeWithKVCache:
+            if _capturing(device):
+                raise RuntimeError("flash_attn_with_kvcache: no plan for this shape yet and a CUDA graph is being "
+                                   "captured; call it once before the capture (warm-up), or capture "
+                                   "BatchDecodeWithKVCache.run() after its plan()")
+            w = BatchDecodeWithKVCache()
+            w.plan(*shape, **cfg)  # waits for the work-list upload: later calls may use any stream
+            return w
+
+        w = _cached_plan(key, make)
+    else:
+        w = BatchDecodeWithKVCache()
+        w.plan(*shape, cache_seqlens=st.lens, **cfg)
+        cache_seqlens = np.ascontiguousarray(st.lens, dtype=np.int32)
+    return w.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, k=k, v=v, rotary_cos=rotary_cos,
+                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, return_lse=return_softmax_lse)
+
+
+# ---- FlashInfer's paged wrapper ---------------------------------------------------------------------
 
 class BatchDecodeWithPagedKVCache:
     """Plan/run decode over a paged KV cache (FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``).
 
     ``plan()`` takes FlashInfer's page description on the host (``indptr``, ``indices``,
-    ``last_page_len``) and fixes the shapes; ``run()`` computes one step for every sequence.
+    ``last_page_len``), builds the block table and lengths (on the workspace's device) and plans;
+    ``run()`` computes one step for every sequence and is CUDA-graph capturable.
     ``kv_layout`` "NHD" caches are (pages, page_size, heads_kv, head_dim), "HND" (pages, heads_kv,
     page_size, head_dim); ``paged_kv_cache`` is a (k, v) pair or one (pages, 2, ...) array. The LSE
     is the natural log (FlashInfer's is base 2). Keys are expected already rotated (flashcpp rotates
     at append time), so ``pos_encoding_mode`` must be "NONE".
+
+    Where it runs: on ``device``, else on ``workspace_buffer``'s CUDA device, else where ``indptr``
+    lives (host arrays: the CPU backend). plan() needs the dtype (``q_data_type`` or ``data_type``)
+    to plan right away; without it the first run() plans (outside a CUDA graph capture), and a
+    run() with another dtype or device than planned plans again.
     """
 
-    def __init__(self, workspace_buffer: Any = None, kv_layout: str = "NHD") -> None:
+    def __init__(self, workspace_buffer: Any = None, kv_layout: str = "NHD", device: Any = None) -> None:
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND'; got {kv_layout!r}")
         self._layout = kv_layout
+        self._inner = BatchDecodeWithKVCache(workspace_buffer)
+        self._device = device
+        if device is None and _is_torch(workspace_buffer) and workspace_buffer.device.type == "cuda":
+            self._device = workspace_buffer.device
         self._plan: Optional[dict] = None
 
     def plan(self, indptr: Any, indices: Any, last_page_len: Any, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
-             logits_soft_cap: float = 0.0, sm_scale: Optional[float] = None, num_splits: int = 0,
-             **unused: Any) -> None:
+             logits_soft_cap: Optional[float] = 0.0, q_data_type: Any = None, kv_data_type: Any = None,
+             data_type: Any = None, sm_scale: Optional[float] = None, num_splits: int = 0, **unused: Any) -> None:
         if pos_encoding_mode != "NONE":
             raise NotImplementedError(f"pos_encoding_mode {pos_encoding_mode!r} is not built: flashcpp rotates keys "
                                       "when they are appended (flash_attn_with_kvcache with rotary), so the cache "
                                       "holds rotated keys and decode reads them as they are")
+        if _capturing(self._device if self._device is not None else "cpu"):
+            raise RuntimeError("plan() runs on the host: call it before the CUDA graph capture")
+        device = self._device
+        if device is None and _is_torch(indptr) and indptr.device.type == "cuda":
+            device = indptr.device
         indptr, indices, last = (_ints(x, n) for x, n in ((indptr, "indptr"), (indices, "indices"),
                                                            (last_page_len, "last_page_len")))
         batch = indptr.size - 1
@@ -390,13 +790,36 @@ class BatchDecodeWithPagedKVCache:
             if n and not 1 <= last[b] <= page_size:
                 raise ValueError(f"last_page_len[{b}] {int(last[b])} must be in [1, page_size {page_size}]")
             lens[b] = (n - 1) * page_size + int(last[b]) if n else 0
-        if num_qo_heads % num_kv_heads:
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        self._plan = dict(table=table, lens=lens, heads_q=num_qo_heads, heads_kv=num_kv_heads, head_dim=head_dim,
-                          page_size=int(page_size), window=(int(window_left), -1), softcap=float(logits_soft_cap),
-                          scale=sm_scale, num_splits=num_splits)
+        dtype = q_data_type if q_data_type is not None else data_type
+        self._plan = dict(table=table, lens=lens, heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
+                          head_dim=int(head_dim), page_size=int(page_size), window=(int(window_left), -1),
+                          softcap=float(logits_soft_cap or 0.0), scale=sm_scale, num_splits=int(num_splits),
+                          device=device, dtype=None, table_dev=table, lens_dev=lens)
+        if dtype is not None:
+            self._plan_for(_dtype_name(dtype), device)
 
-    def run(self, q: Any, paged_kv_cache: Any, return_lse: bool = False) -> Any:
+    def _plan_for(self, dtype: str, device: Any) -> None:
+        p = self._plan
+        is_cuda = device is not None and str(device) != "cpu"
+        torch = _core.torch
+        if is_cuda:
+            device = torch.device(device)
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            p["table_dev"] = torch.as_tensor(p["table"], device=device)
+            p["lens_dev"] = torch.as_tensor(p["lens"], device=device)
+        else:
+            device = "cpu"
+            p["table_dev"], p["lens_dev"] = p["table"], p["lens"]
+        self._inner.plan(p["lens"].size, p["heads_q"], p["heads_kv"], p["head_dim"],
+                         kv_capacity=p["table"].shape[1] * p["page_size"], page_size=p["page_size"],
+                         cache_seqlens=p["lens"], causal=True, window_size=p["window"], softcap=p["softcap"],
+                         sm_scale=p["scale"], dtype=dtype, device=device, num_splits=p["num_splits"])
+        p["dtype"], p["device"] = dtype, device
+
+    def run(self, q: Any, paged_kv_cache: Any, return_lse: bool = False, out: Any = None, lse: Any = None) -> Any:
         if self._plan is None:
             raise RuntimeError("call plan() before run()")
         p = self._plan
@@ -407,20 +830,29 @@ class BatchDecodeWithPagedKVCache:
         if self._layout == "HND":
             k_cache, v_cache = (x.transpose(0, 2, 1, 3) if isinstance(x, np.ndarray) else x.transpose(1, 2)
                                 for x in (k_cache, v_cache))
-        shape = tuple(_core.meta(q, "q").shape)
+        mq = _core.meta(q, "q")
+        shape = tuple(mq.shape)
         if shape != (p["lens"].size, p["heads_q"], p["head_dim"]):
             raise ValueError(f"q must be (batch, num_qo_heads, head_dim) = ({p['lens'].size}, {p['heads_q']}, "
                              f"{p['head_dim']}) as planned; got {shape}")
         if _core.meta(k_cache, "k_cache").shape[1] != p["page_size"]:
             raise ValueError(f"the cache's page size {_core.meta(k_cache, 'k_cache').shape[1]} differs from the "
                              f"planned {p['page_size']}")
+        is_cuda, device = _device_of(q)
+        want_dev = device if is_cuda else "cpu"
+        if p["dtype"] != mq.dtype or str(p["device"]) != str(want_dev):
+            if mq.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"q has dtype {mq.dtype}; decode takes float16, bfloat16 or float32")
+            if _capturing(want_dev):
+                raise RuntimeError("run() inside a CUDA graph capture needs a plan for q's dtype and device: pass "
+                                   "q_data_type to plan() or run once before the capture")
+            self._plan_for(mq.dtype, want_dev)
         q4 = q[:, None]
-        table = p["table"] if not _is_torch(q) else _core.torch.from_numpy(p["table"])
-        res = flash_attn_with_kvcache(q4, k_cache, v_cache, cache_seqlens=p["lens"], block_table=table,
-                                      softmax_scale=p["scale"], causal=True, window_size=p["window"],
-                                      softcap=p["softcap"], num_splits=p["num_splits"],
-                                      return_softmax_lse=return_lse)
-        if not return_lse:
+        o4 = None if out is None else out[:, None]
+        l3 = None if lse is None else lse[:, :, None]
+        res = self._inner.run(q4, k_cache, v_cache, p["lens_dev"], block_table=p["table_dev"], out=o4, lse=l3,
+                              return_lse=return_lse)
+        if not (return_lse or lse is not None):
             return res[:, 0]
-        o, lse = res
-        return o[:, 0], lse[:, :, 0]
+        o, l = res
+        return o[:, 0], l[:, :, 0]

@@ -54,6 +54,49 @@ def merge_host(v_a: np.ndarray, s_a: np.ndarray, v_b: np.ndarray, s_b: np.ndarra
     return o.reshape(v_a.shape), lse.reshape(s_a.shape)
 
 
+def merge_cuda(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any = None, out_lse: Any = None) -> Tuple[Any, Any]:
+    """CUDA tensors of matching shapes -> (v, s) through flashcpp::merge_attention_states, on the
+    current stream: no synchronization, and no allocation when ``out``/``out_lse`` are given
+    (contiguous, v_a's shape and dtype / s_a's shape in fp32), so it can be captured in a CUDA graph.
+    ``out`` may be ``v_a`` or ``v_b`` itself (in place)."""
+    torch = _core.torch
+    dim = v_a.shape[-1] if v_a.dim() else 1
+    rows = v_a.numel() // dim if dim else 0
+    if out is None:
+        out = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
+    if out_lse is None:
+        out_lse = torch.empty(s_a.shape, dtype=torch.float32, device=v_a.device)
+    for x, n, shape, dt in ((out, "out", v_a.shape, v_a.dtype), (out_lse, "out_lse", s_a.shape, torch.float32)):
+        if x.shape != shape or x.dtype != dt or x.device != v_a.device or not x.is_contiguous():
+            raise ValueError(f"{n} must be a contiguous {dt} tensor of shape {tuple(shape)} on {v_a.device}; got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if rows == 0 or dim == 0:
+        return out, out_lse
+    if rows > 2**31 - 1:
+        raise ValueError(f"merge_attention_states: {rows} rows exceed 2**31-1")
+    # (rows, dim) views when the layout allows it, else copies (kept alive until the launch is queued)
+    va, vb = (x.reshape(rows, dim) for x in (v_a, v_b))
+    va, vb = (x if dim == 1 or x.stride(1) == 1 else x.contiguous() for x in (va, vb))
+    sa, sb = s_a.reshape(rows).contiguous(), s_b.reshape(rows).contiguous()
+    o2 = out.view(rows, dim)
+
+    def view(t: Any) -> Tuple[int, int, int, int]:
+        # (batch = rows, seqlen = 1, heads = 1, head_dim): only the row stride is ever stepped
+        return t.data_ptr(), (t.stride(0) if rows > 1 else dim), 0, 0
+
+    dev = v_a.device
+    kwargs = dict(o_a=view(va), lse_a=sa.data_ptr(), o_b=view(vb), lse_b=sb.data_ptr(), o=view(o2),
+                  lse=out_lse.data_ptr(), dtype=_core._DTYPE_CODES[_core.meta(v_a, "v_a").dtype], batch=rows,
+                  seqlen=1, heads=1, head_dim=dim, stream=torch.cuda.current_stream(dev).cuda_stream,
+                  backend="cuda")
+    if dev.index is not None and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            _C.merge_attention_states(**kwargs)
+    else:
+        _C.merge_attention_states(**kwargs)
+    return out, out_lse
+
+
 def merge_attention_states(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> Tuple[Any, Any]:
     """Merges two partial attention states (FlashInfer's ``merge_state``, natural-log LSE).
 
@@ -62,10 +105,31 @@ def merge_attention_states(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> Tuple[Any,
         s_a, s_b: their LSEs (...), fp32, natural log.
     Returns:
         (v, s): the merged output in v_a's dtype and the merged fp32 LSE.
-    numpy arrays and CPU torch tensors run on the host; CUDA tensors raise NotImplementedError.
+    numpy arrays and CPU torch tensors run on the host (cpu::merge_by_lse); CUDA tensors run the
+    CUDA merge kernel on the current stream (no synchronization: capturable in a CUDA graph).
     """
     check_merge(v_a, s_a, v_b, s_b)
     if _core.is_torch(v_a):
-        return _core.torch.ops.flashcpp.merge_attention_states(v_a, s_a, v_b, s_b)
+        torch = _core.torch
+        if v_a.device.type == "cuda" and not torch.compiler.is_compiling():
+            return merge_cuda(v_a, s_a, v_b, s_b)  # eager: skip the dispatcher (same body as the op's)
+        return torch.ops.flashcpp.merge_attention_states(v_a, s_a, v_b, s_b)
     o, lse = merge_host(v_a, s_a, v_b, s_b)
     return o.astype(v_a.dtype, copy=False), lse
+
+
+def _register_cuda_kernel() -> None:
+    """The torch op flashcpp::merge_attention_states (``_torch_ops``) merges host tensors; its CUDA
+    kernel is this module's merge_cuda (registered here, next to the code it runs)."""
+    if _core.torch is None:
+        return
+    from ._torch_ops import merge_attention_states_op
+
+    def cuda_kernel(v_a, s_a, v_b, s_b):
+        check_merge(v_a, s_a, v_b, s_b)
+        return merge_cuda(v_a, s_a, v_b, s_b)
+
+    merge_attention_states_op.register_kernel("cuda", cuda_kernel)
+
+
+_register_cuda_kernel()

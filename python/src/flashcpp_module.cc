@@ -9,11 +9,13 @@
 //   kInvalidArgument -> ValueError, kUnsupported -> NotImplementedError, else RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <tuple>
@@ -22,6 +24,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "flashcpp/attention.h"
+#include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "flashcpp/masks.h"
 
@@ -273,6 +276,249 @@ nb::object alibi(int num_heads) {
 
 }  // namespace masks_binding
 
+// ---- decode (include/flashcpp/decode.h): plan/run over a KV cache, and merge of partial states ----
+// Python (flashcpp/decode.py) checks shapes and devices, owns the workspaces (torch or numpy
+// buffers) and keeps the DecodePlan; this layer only fills DecodeParams from raw pointers and
+// strides and maps a non-ok Status to an exception, like attention() above. decode_run never
+// allocates or synchronizes, so a run can be captured in a CUDA graph.
+namespace decode_binding {
+
+using flashcpp::DecodeParams;
+using flashcpp::DecodePlan;
+using flashcpp::DecodePlanOptions;
+
+using HostInt32 = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+flashcpp::RotaryStyle to_rotary(int style) {
+  switch (style) {
+    case static_cast<int>(flashcpp::RotaryStyle::kNone): return flashcpp::RotaryStyle::kNone;
+    case static_cast<int>(flashcpp::RotaryStyle::kNeox): return flashcpp::RotaryStyle::kNeox;
+    case static_cast<int>(flashcpp::RotaryStyle::kInterleaved): return flashcpp::RotaryStyle::kInterleaved;
+    default:
+      raise_value_error("rotary style code " + std::to_string(style) + " is not 0 (none), 1 (neox) or 2 (interleaved)");
+  }
+}
+
+/// One decode step's DecodeParams. Tensors are (data_ptr, batch_stride, seq_stride, head_stride);
+/// for a paged cache batch_stride is the page stride. A zero pointer means "absent".
+DecodeParams make_params(const TensorArg& q, const TensorArg& o, std::uintptr_t lse, int dtype, int batch,
+                         int seqlen_q, int heads_q, int heads_kv, int head_dim, const TensorArg& k_cache,
+                         const TensorArg& v_cache, int capacity, int page_size, int num_pages,
+                         std::uintptr_t block_table, std::int64_t block_table_stride, int pages_per_seq,
+                         std::uintptr_t cache_seqlens, const TensorArg& k_new, const TensorArg& v_new,
+                         int rotary_style, int rotary_dim, std::uintptr_t rotary_cos, std::uintptr_t rotary_sin,
+                         int max_position, float rope_theta, float softmax_scale, bool causal, int window_left,
+                         int window_right, float softcap, std::uintptr_t alibi_slopes,
+                         std::int64_t alibi_batch_stride) {
+  const DType dt = to_dtype(dtype);
+  DecodeParams p;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.head_dim = head_dim;
+  p.q = to_view(q, dt);
+  p.o = to_view(o, dt);
+  p.lse = reinterpret_cast<float*>(lse);
+  p.cache.k = to_view(k_cache, dt);
+  p.cache.v = to_view(v_cache, dt);
+  p.cache.capacity = capacity;
+  p.cache.page_size = page_size;
+  p.cache.num_pages = num_pages;
+  p.cache.block_table = reinterpret_cast<const std::int32_t*>(block_table);
+  p.cache.block_table_stride = block_table_stride;
+  p.cache.pages_per_seq = pages_per_seq;
+  p.cache_seqlens = reinterpret_cast<const std::int32_t*>(cache_seqlens);
+  if (std::get<0>(k_new) != 0 || std::get<0>(v_new) != 0) {
+    p.k_new = to_view(k_new, dt);
+    p.v_new = to_view(v_new, dt);
+  }
+  p.rotary.style = to_rotary(rotary_style);
+  p.rotary.rotary_dim = rotary_dim;
+  p.rotary.cos = reinterpret_cast<const float*>(rotary_cos);
+  p.rotary.sin = reinterpret_cast<const float*>(rotary_sin);
+  p.rotary.max_position = max_position;
+  p.rotary.theta = rope_theta;
+  p.softmax_scale = softmax_scale;
+  p.mask.causal = causal;
+  p.mask.window_left = window_left;
+  p.mask.window_right = window_right;
+  p.mask.softcap = softcap;
+  p.mask.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  p.mask.alibi_batch_stride = alibi_batch_stride;
+  return p;
+}
+
+/// Plan options, with the checked host lengths (one int32 per sequence).
+DecodePlanOptions plan_options(const DecodeParams& p, const std::string& backend,
+                               const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits,
+                               int num_sms, std::uintptr_t stream) {
+  DecodePlanOptions opt;
+  opt.backend = to_backend(backend);
+  if (host_cache_seqlens) {
+    if (host_cache_seqlens->shape(0) != static_cast<std::size_t>(std::max(p.batch, 0)))
+      raise_value_error("host_cache_seqlens has " + std::to_string(host_cache_seqlens->shape(0)) +
+                        " entries; the plan is for batch " + std::to_string(p.batch));
+    opt.host_cache_seqlens = host_cache_seqlens->data();
+  }
+  opt.num_splits = num_splits;
+  opt.max_splits = max_splits;
+  opt.num_sms = num_sms;
+  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
+  return opt;
+}
+
+/// decode_plan reads only the scalar fields of DecodeParams, and "is there an append" is "are
+/// k_new/v_new set": at plan time the new tokens may not exist yet, so `append` stands in for them
+/// with a non-null address that is never read.
+DecodeParams for_plan(DecodeParams p, bool append) {
+  static const std::uint64_t kNeverRead[2] = {0, 0};
+  if (append && !p.has_append()) {
+    p.k_new.data = const_cast<std::uint64_t*>(kNeverRead);
+    p.v_new.data = const_cast<std::uint64_t*>(kNeverRead);
+    p.k_new.dtype = p.v_new.dtype = p.q.dtype;
+  }
+  return p;
+}
+
+std::tuple<std::size_t, std::size_t> workspace_size(const DecodeParams& params, bool append,
+                                                    const std::string& backend,
+                                                    const std::optional<HostInt32>& host_cache_seqlens,
+                                                    int num_splits, int max_splits, int num_sms) {
+  const DecodeParams p = for_plan(params, append);
+  const DecodePlanOptions opt = plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, 0);
+  flashcpp::DecodeWorkspaceSize ws;
+  Status st;
+  {
+    nb::gil_scoped_release release;  // the CUDA backend asks the driver for the SM count
+    st = flashcpp::decode_workspace_size(p, opt, &ws);
+  }
+  if (!st.ok()) raise_status(st);
+  return {ws.int_bytes, ws.float_bytes};
+}
+
+DecodePlan plan(const DecodeParams& params, bool append, const std::string& backend,
+                const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits, int num_sms,
+                std::uintptr_t stream, std::uintptr_t int_workspace, std::size_t int_bytes,
+                std::uintptr_t float_workspace, std::size_t float_bytes) {
+  const DecodeParams p = for_plan(params, append);
+  const DecodePlanOptions opt =
+      plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, stream);
+  DecodePlan out;
+  Status st;
+  {
+    nb::gil_scoped_release release;  // uploads the work list (may wait for the stream)
+    st = flashcpp::decode_plan(p, opt, reinterpret_cast<void*>(int_workspace), int_bytes,
+                               reinterpret_cast<void*>(float_workspace), float_bytes, &out);
+  }
+  if (!st.ok()) raise_status(st);
+  return out;
+}
+
+void run(const DecodeParams& p, const DecodePlan& plan, std::uintptr_t stream, const std::string& backend,
+         int cpu_threads) {
+  RunOptions opt;
+  opt.backend = to_backend(backend);
+  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
+  opt.cpu_threads = cpu_threads;
+  Status st;
+  {
+    nb::gil_scoped_release release;  // launches only (CUDA), or computes a while (CPU)
+    st = flashcpp::decode_run(p, plan, opt);
+  }
+  if (!st.ok()) raise_status(st);
+}
+
+void merge_states(const TensorArg& o_a, std::uintptr_t lse_a, const TensorArg& o_b, std::uintptr_t lse_b,
+                  const TensorArg& o, std::uintptr_t lse, int dtype, int batch, int seqlen, int heads, int head_dim,
+                  std::uintptr_t stream, const std::string& backend) {
+  const DType dt = to_dtype(dtype);
+  flashcpp::MergeStatesParams p;
+  p.batch = batch;
+  p.seqlen = seqlen;
+  p.heads = heads;
+  p.head_dim = head_dim;
+  p.o_a = to_view(o_a, dt);
+  p.o_b = to_view(o_b, dt);
+  p.o = to_view(o, dt);
+  p.lse_a = reinterpret_cast<const float*>(lse_a);
+  p.lse_b = reinterpret_cast<const float*>(lse_b);
+  p.lse = reinterpret_cast<float*>(lse);
+  RunOptions opt;
+  opt.backend = to_backend(backend);
+  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = flashcpp::merge_attention_states(p, opt);
+  }
+  if (!st.ok()) raise_status(st);
+}
+
+void bind(nb::module_& m) {
+  nb::class_<DecodeParams>(m, "DecodeParams",
+                           "flashcpp::DecodeParams of one decode step (opaque; made by decode_params)");
+  nb::class_<DecodePlan>(m, "DecodePlan", "flashcpp::DecodePlan: the decisions decode_plan made (read-only)")
+      .def_ro("planned", &DecodePlan::planned)
+      .def_prop_ro("backend", [](const DecodePlan& p) { return std::string(flashcpp::backend_name(p.backend)); })
+      .def_ro("batch", &DecodePlan::batch)
+      .def_ro("seqlen_q", &DecodePlan::seqlen_q)
+      .def_ro("heads_q", &DecodePlan::heads_q)
+      .def_ro("heads_kv", &DecodePlan::heads_kv)
+      .def_ro("head_dim", &DecodePlan::head_dim)
+      .def_prop_ro("dtype", [](const DecodePlan& p) { return static_cast<int>(p.dtype); })
+      .def_ro("paged", &DecodePlan::paged)
+      .def_ro("append", &DecodePlan::append)
+      .def_ro("rows_per_kv", &DecodePlan::rows_per_kv)
+      .def_ro("row_blocks", &DecodePlan::row_blocks)
+      .def_ro("warp_rows", &DecodePlan::warp_rows)
+      .def_ro("num_items", &DecodePlan::num_items)
+      .def_ro("max_splits", &DecodePlan::max_splits)
+      .def_ro("num_sms", &DecodePlan::num_sms)
+      .def_ro("needs_merge", &DecodePlan::needs_merge)
+      .def_ro("ctas", &DecodePlan::ctas)
+      .def_ro("int_bytes", &DecodePlan::int_bytes)
+      .def_ro("float_bytes", &DecodePlan::float_bytes)
+      .def("__repr__", [](const DecodePlan& p) {
+        return "DecodePlan(backend=" + std::string(flashcpp::backend_name(p.backend)) +
+               ", batch=" + std::to_string(p.batch) + ", seqlen_q=" + std::to_string(p.seqlen_q) +
+               ", heads=" + std::to_string(p.heads_q) + "/" + std::to_string(p.heads_kv) +
+               ", head_dim=" + std::to_string(p.head_dim) + ", paged=" + (p.paged ? "True" : "False") +
+               ", append=" + (p.append ? "True" : "False") + ", num_items=" + std::to_string(p.num_items) +
+               ", max_splits=" + std::to_string(p.max_splits) + ", ctas=" + std::to_string(p.ctas) + ")";
+      });
+  m.def("decode_params", &make_params, "q"_a, "o"_a, "lse"_a, "dtype"_a, "batch"_a, "seqlen_q"_a, "heads_q"_a,
+        "heads_kv"_a, "head_dim"_a, "k_cache"_a, "v_cache"_a, "capacity"_a, "page_size"_a, "num_pages"_a,
+        "block_table"_a, "block_table_stride"_a, "pages_per_seq"_a, "cache_seqlens"_a, "k_new"_a, "v_new"_a,
+        "rotary_style"_a, "rotary_dim"_a, "rotary_cos"_a, "rotary_sin"_a, "max_position"_a, "rope_theta"_a,
+        "softmax_scale"_a, "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a, "alibi_slopes"_a,
+        "alibi_batch_stride"_a,
+        "flashcpp::DecodeParams from raw pointers; tensors are (data_ptr, batch_stride, seq_stride, head_stride) "
+        "in elements (page stride first for a paged cache), 0 = absent.");
+  m.def("decode_workspace_size", &workspace_size, "params"_a, "append"_a, "backend"_a,
+        "host_cache_seqlens"_a.none(), "num_splits"_a, "max_splits"_a, "num_sms"_a,
+        "flashcpp::decode_workspace_size: (int_bytes, float_bytes) of a plan for these scalars.");
+  m.def("decode_plan", &plan, "params"_a, "append"_a, "backend"_a, "host_cache_seqlens"_a.none(), "num_splits"_a,
+        "max_splits"_a, "num_sms"_a, "stream"_a, "int_workspace"_a, "int_bytes"_a, "float_workspace"_a,
+        "float_bytes"_a,
+        "flashcpp::decode_plan into caller-owned workspaces (16-byte aligned, on the run's device); "
+        "returns the DecodePlan.");
+  m.def("decode_run", &run, "params"_a, "plan"_a, "stream"_a, "backend"_a, "cpu_threads"_a,
+        "flashcpp::decode_run: launches the step (CUDA: asynchronous on stream, no allocation, no sync).");
+  m.def("merge_attention_states", &merge_states, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a, "lse"_a,
+        "dtype"_a, "batch"_a, "seqlen"_a, "heads"_a, "head_dim"_a, "stream"_a, "backend"_a,
+        "flashcpp::merge_attention_states on (batch, seqlen, heads, head_dim) views and contiguous "
+        "(batch, heads, seqlen) fp32 LSEs; o may be exactly o_a or o_b; lse 0 = not wanted.");
+  m.attr("ROTARY_NONE") = static_cast<int>(flashcpp::RotaryStyle::kNone);
+  m.attr("ROTARY_NEOX") = static_cast<int>(flashcpp::RotaryStyle::kNeox);
+  m.attr("ROTARY_INTERLEAVED") = static_cast<int>(flashcpp::RotaryStyle::kInterleaved);
+  m.attr("DECODE_MAX_SEQLEN_Q") = flashcpp::kDecodeMaxSeqlenQ;
+  m.attr("DECODE_MAX_PAGE_SIZE") = flashcpp::kDecodeMaxPageSize;
+  m.attr("DECODE_MAX_SPLITS") = flashcpp::kDecodeMaxSplits;
+}
+
+}  // namespace decode_binding
+
 NB_MODULE(_flashcpp, m) {
   m.doc() = "flashcpp C++ binding (raw pointers, element strides, dtype codes, stream as int)";
   m.attr("WITH_CUDA") = bool(FLASHCPP_WITH_CUDA);
@@ -419,6 +665,8 @@ NB_MODULE(_flashcpp, m) {
       "cos_sin_cache"_a, "max_position"_a, "stream"_a, "backend"_a, "cpu_threads"_a, "cuda_config"_a,
       "flashcpp::apply_rotary; tensors are (data_ptr, batch_stride, seq_stride, head_stride), a null "
       "q_out/k_out data pointer rotates in place.");
+  // ---- decode and merge (flashcpp/decode.py, flashcpp/merge.py wrap these) ---------------------
+  decode_binding::bind(m);
   m.attr("ROPE_NEOX") = static_cast<int>(flashcpp::RopeStyle::kNeox);
   m.attr("ROPE_INTERLEAVED") = static_cast<int>(flashcpp::RopeStyle::kInterleaved);
 }

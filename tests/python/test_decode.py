@@ -173,3 +173,106 @@ def test_decode_errors(rng):
     with pytest.raises(NotImplementedError, match="pos_encoding_mode"):
         flashcpp.BatchDecodeWithPagedKVCache().plan(np.array([0, 1]), np.array([0]), np.array([1]), 4, 2, 64, 16,
                                                     pos_encoding_mode="ROPE_LLAMA")
+
+
+# ---- BatchDecodeWithKVCache: plan once, run many (the CPU backend walks the GPU's work list) ----------
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+def test_plan_run_wrapper(rng, page_size, num_splits):
+    from flashcpp.decode import BatchDecodeWithKVCache
+    B, Hq, Hkv, D, slots = 3, 8, 2, 128, 400
+    lens = [399, 0, 130]
+    kc, vc, table = make_cache(rng, B, [399, 5, 130], slots, Hkv, D, np.float32, page_size)  # NaN past these
+    w = BatchDecodeWithKVCache()
+    cap = table.shape[1] * page_size if page_size else slots
+    plan = w.plan(B, Hq, Hkv, D, kv_capacity=cap, page_size=page_size, cache_seqlens=lens, causal=True,
+                  dtype=np.float32, device="cpu", num_splits=num_splits)
+    assert plan.backend == "cpu" and plan.paged == bool(page_size) and w.plan_info is plan
+    if num_splits:
+        assert plan.max_splits == num_splits
+    out = np.full((B, 1, Hq, D), np.nan, np.float32)
+    lse = np.full((B, Hq, 1), np.nan, np.float32)
+    for _ in range(2):  # one plan, several steps with new queries and lengths
+        q = rng.standard_normal((B, 1, Hq, D)).astype(np.float32)
+        o, l = w.run(q, kc, vc, np.array(lens, np.int32), block_table=table, out=out, lse=lse)
+        assert o is out and l is lse
+        for b, n in enumerate(lens):
+            ro, rl = attention_ref(q[b:b + 1], dense(kc, table, b, n, page_size or 1)[None],
+                                   dense(vc, table, b, n, page_size or 1)[None], causal=True)
+            assert np.abs(out[b] - ro[0]).max() < 2e-5
+            if n:
+                assert np.abs(lse[b] - rl[0]).max() < 1e-4
+            else:
+                assert np.all(out[b] == 0) and np.all(np.isneginf(lse[b]))
+        lens = [130, 5, 0]
+
+
+def test_plan_run_wrapper_torch_cpu_bf16():
+    torch = pytest.importorskip("torch")
+    from flashcpp.decode import BatchDecodeWithKVCache
+    g = torch.Generator().manual_seed(3)
+    B, Sq, Hq, Hkv, D, S = 2, 4, 8, 8, 64, 256
+    kc = torch.randn(B, S, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(B, S, Hkv, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, Sq, Hq, D, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([256, 9], dtype=torch.int32)
+    w = BatchDecodeWithKVCache()
+    w.plan(B, Hq, Hkv, D, seqlen_q=Sq, kv_capacity=S, cache_seqlens=lens, causal=True, dtype=torch.bfloat16,
+           device="cpu")
+    out = w.run(q, kc, vc, lens)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    for b, n in enumerate(lens.tolist()):
+        ro, _ = attention_ref(q[b:b + 1].float().numpy(), kc[b:b + 1, :n].float().numpy(),
+                              vc[b:b + 1, :n].float().numpy(), causal=True)
+        assert np.abs(out[b].float().numpy() - ro[0]).max() <= tolerance("bfloat16")
+
+
+def test_plan_run_wrapper_errors(rng):
+    from flashcpp.decode import BatchDecodeWithKVCache
+    w = BatchDecodeWithKVCache()
+    kc = np.zeros((2, 64, 2, 64), np.float32)
+    q = np.zeros((2, 1, 4, 64), np.float32)
+    lens = np.array([3, 64], np.int32)
+    with pytest.raises(RuntimeError, match="call plan\\(\\) before run\\(\\)"):
+        w.run(q, kc, kc.copy(), lens)
+    with pytest.raises(ValueError, match="num_splits 300 is outside \\[0, 256\\]"):  # the C++ sentence
+        w.plan(2, 4, 2, 64, kv_capacity=64, dtype=np.float32, device="cpu", num_splits=300)
+    with pytest.raises(ValueError, match="head_dim 80 is not supported \\(supported: 64, 128, 256\\)"):
+        w.plan(2, 4, 2, 80, kv_capacity=64, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match="needs kv_capacity"):
+        w.plan(2, 4, 2, 64, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match="exceed the cache's 64 slots"):
+        w.plan(2, 4, 2, 64, kv_capacity=64, cache_seqlens=[64, 64], append=True, dtype=np.float32, device="cpu")
+    w.plan(2, 4, 2, 64, kv_capacity=64, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match="as planned"):
+        w.run(q[:1], kc, kc.copy(), lens)
+    with pytest.raises(TypeError, match="the plan is for float32"):
+        w.run(q.astype(np.float16), kc, kc.copy(), lens)
+    with pytest.raises(ValueError, match="plan has append=False"):
+        w.run(q, kc, kc.copy(), lens, k=np.zeros((2, 1, 2, 64), np.float32), v=np.zeros((2, 1, 2, 64), np.float32))
+    with pytest.raises(ValueError, match="plan is for a contiguous cache"):
+        w.run(q, kc, kc.copy(), lens, block_table=np.zeros((2, 4), np.int32))
+    with pytest.raises(ValueError, match="cache_seqlens\\[1\\] 65 = 65 keys exceed"):  # C++, host values
+        w.run(q, kc, kc.copy(), np.array([3, 65], np.int32))
+    with pytest.raises(ValueError, match="o overlaps"):  # C++: the output aliases an input
+        w.run(q, kc, kc.copy(), lens, out=q)
+    small = BatchDecodeWithKVCache(np.zeros(64, np.uint8))
+    with pytest.raises(ValueError, match="workspace_buffer has 64 bytes"):
+        small.plan(2, 4, 2, 64, kv_capacity=64, dtype=np.float32, device="cpu")
+
+
+def test_plan_run_wrapper_user_workspace(rng):
+    from flashcpp.decode import BatchDecodeWithKVCache
+    B, Hq, Hkv, D, slots = 2, 4, 4, 64, 2000
+    lens = [2000, 1500]
+    kc, vc, _ = make_cache(rng, B, lens, slots, Hkv, D, np.float32)
+    w = BatchDecodeWithKVCache(np.zeros(1 << 20, np.uint8))
+    plan = w.plan(B, Hq, Hkv, D, kv_capacity=slots, cache_seqlens=lens, dtype="float32", device="cpu",
+                  num_splits=8)
+    assert plan.needs_merge and plan.float_bytes > 0
+    q = rng.standard_normal((B, 1, Hq, D)).astype(np.float32)
+    out = w.run(q, kc, vc, np.array(lens, np.int32))
+    for b, n in enumerate(lens):
+        ro, _ = attention_ref(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n])
+        assert np.abs(out[b] - ro[0]).max() < 2e-5

@@ -1,20 +1,34 @@
-"""python -m flashcpp.bench {prefill} [--quick] [--out reports/<area>]"""
+"""python -m flashcpp.bench {prefill,fused,decode,engine,masks} [--quick] [--out reports/<area>]
+                           [--flashcpp-bin build/flashcpp] [--model-dir /tmp/llama1b]   (engine only)"""
 import argparse
 import sys
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashcpp.bench", description=__doc__)
-    ap.add_argument("area", choices=["prefill", "fused"], help="which kernels to compare")
+    ap.add_argument("area", choices=["prefill", "fused", "decode", "engine", "masks"], help="which kernels to compare")
     ap.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
     ap.add_argument("--out", default=None, help="report folder (default reports/<area>)")
+    ap.add_argument("--flashcpp-bin", default="build/flashcpp", help="engine: the flashcpp CLI to run")
+    ap.add_argument("--model-dir", default="/tmp/llama1b",
+                    help="engine: a Llama checkpoint (a random Llama-3.2-1B-shaped one is made if absent)")
     args = ap.parse_args(argv)
     if args.area == "prefill":
         from . import prefill
         return prefill.run(quick=args.quick, out=args.out or "reports/prefill")
+    if args.area == "masks":
+        from . import masks
+        return masks.run(quick=args.quick, out=args.out or "reports/masks")
     if args.area == "fused":
         from . import fused
         return fused.run(quick=args.quick, out=args.out or "reports/fused")
+    if args.area == "decode":
+        from . import decode
+        return decode.run(quick=args.quick, out=args.out or "reports/decode")
+    if args.area == "engine":
+        from . import engine
+        return engine.run(quick=args.quick, out=args.out or "reports/engine", flashcpp_bin=args.flashcpp_bin,
+                          model_dir=args.model_dir)
     return 2
 
 
