@@ -475,8 +475,12 @@ def timed(fn: Callable[[], None], sync: Callable[[], None]) -> float:
 # driver
 # ---------------------------------------------------------------------------------------------
 
-def cases_for(quick: bool) -> List[Tuple[int, int]]:
-    """(batch, context), grouped by batch so torch.compile works once per batch size."""
+def cases_for(quick: bool, spec: Optional[str] = None) -> List[Tuple[int, int]]:
+    """(batch, context), grouped by batch so torch.compile works once per batch size.
+    `spec` ("1x512,1x16384,8x512") overrides the preset."""
+    if spec:
+        pairs = [tuple(int(v) for v in item.split("x")) for item in spec.split(",") if item]
+        return sorted(pairs, key=lambda bc: (bc[0], bc[1]))
     if quick:
         return [(1, 512), (8, 512)]
     return [(1, 512), (1, 16384), (1, 32768), (8, 512), (8, 16384), (32, 512)]
@@ -660,7 +664,7 @@ def table(rows: List[Dict[str, object]]) -> str:
 def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", model_dir: str = "/tmp/llama1b",
         steps: Optional[int] = None, repeats: Optional[int] = None, modes: Sequence[str] = TORCH_MODES,
         device: str = "cuda", skip_speed: bool = False, skip_correctness: bool = False,
-        shape: Optional[dict] = None) -> int:
+        shape: Optional[dict] = None, cases: Optional[str] = None) -> int:
     import torch
 
     from .engine_model import Llama
@@ -719,7 +723,7 @@ def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", m
     rows: List[Dict[str, object]] = []
     if not skip_speed:
         with torch.no_grad():
-            rows = speed(model, binary, model_dir, workdir, cases_for(quick), steps or (32 if quick else 128),
+            rows = speed(model, binary, model_dir, workdir, cases_for(quick, cases), steps or (32 if quick else 128),
                          repeats or (1 if quick else 3), modes, device, env, errors)
         write_csv(os.path.join(out, "benchmark.csv"), rows)
         env_out = dict(env, errors=errors, total_seconds=round(time.perf_counter() - t_start, 1))
@@ -747,11 +751,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="decode steps per measurement (128; 32 quick)")
     ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3; 1 quick)")
     ap.add_argument("--modes", default=",".join(TORCH_MODES), help="PyTorch modes to time")
+    ap.add_argument("--cases", default=None, help="batch x context list, e.g. 1x512,1x16384,8x512,32x512")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
     a = ap.parse_args(argv)
     return run(a.quick, a.out, a.flashcpp_bin, a.model_dir, a.steps, a.repeats,
-               [m for m in a.modes.split(",") if m], skip_speed=a.skip_speed, skip_correctness=a.skip_correctness)
+               [m for m in a.modes.split(",") if m], skip_speed=a.skip_speed, skip_correctness=a.skip_correctness,
+               cases=a.cases)
 
 
 if __name__ == "__main__":
