@@ -56,17 +56,23 @@ gpu-test: build
 ifeq ($(IS_HOPPER),yes)
 	./$(BUILD)/flashcpp check --backend cuda --full --cuda-config sm90 --json reports/hopper/correctness_report.json
 endif
-	mkdir -p reports/decode reports/fused
+	mkdir -p reports/decode reports/fused reports/masks reports/numerics
+	./$(BUILD)/flashcpp check --backend cuda --quick --json reports/masks/correctness_report.json
 	./$(BUILD)/flashcpp check --backend cuda --full --area decode --json reports/decode/correctness_report.json
 	./$(BUILD)/flashcpp check --backend cuda --full --area fused --json reports/fused/correctness_report.json
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	cd /tmp && $(PYTHON) -m pytest -q -p no:cacheprovider $(CURDIR)/tests/python
 
-# Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused}.
+# Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused,decode,masks,engine,numerics}.
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill --out $(CURDIR)/reports/prefill
 	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused --out $(CURDIR)/reports/fused
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode --out $(CURDIR)/reports/decode
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks --out $(CURDIR)/reports/masks
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(CURDIR)/reports/engine
+	./$(BUILD)/flashcpp audit --backend cuda --json reports/numerics/audit.json
+	$(PYTHON) -m flashcpp.bench.audit_plot reports/numerics/audit.json --out reports/numerics
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
