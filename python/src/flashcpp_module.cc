@@ -88,6 +88,19 @@ flashcpp::TensorView to_view(const TensorArg& t, DType dt) {
   return v;
 }
 
+/// The mask fields attention and decode share (Python passes the slopes as a data pointer).
+flashcpp::MaskParams element_mask(bool causal, int window_left, int window_right, float softcap,
+                                  std::uintptr_t alibi_slopes, std::int64_t alibi_batch_stride) {
+  flashcpp::MaskParams m;
+  m.causal = causal;
+  m.window_left = window_left;
+  m.window_right = window_right;
+  m.softcap = softcap;
+  m.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
+  m.alibi_batch_stride = alibi_batch_stride;
+  return m;
+}
+
 /// One entry point for both "run" and "select only", so the two can never disagree on how
 /// the arguments map to AttnParams.
 nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
@@ -112,14 +125,9 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
   p.o = to_view(o, dt);
   p.lse = reinterpret_cast<float*>(lse);
   p.softmax_scale = softmax_scale;
-  p.mask.causal = causal;
-  p.mask.window_left = window_left;
-  p.mask.window_right = window_right;
+  p.mask = element_mask(causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
   p.mask.global_tokens = global_tokens;
   p.mask.global_queries = global_queries;
-  p.mask.softcap = softcap;
-  p.mask.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
-  p.mask.alibi_batch_stride = alibi_batch_stride;
   p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_seqlens_q);
   p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_seqlens_k);
 
@@ -340,12 +348,7 @@ DecodeParams make_params(const TensorArg& q, const TensorArg& o, std::uintptr_t 
   p.rotary.max_position = max_position;
   p.rotary.theta = rope_theta;
   p.softmax_scale = softmax_scale;
-  p.mask.causal = causal;
-  p.mask.window_left = window_left;
-  p.mask.window_right = window_right;
-  p.mask.softcap = softcap;
-  p.mask.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
-  p.mask.alibi_batch_stride = alibi_batch_stride;
+  p.mask = element_mask(causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
   return p;
 }
 

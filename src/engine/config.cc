@@ -2,6 +2,8 @@
 // process, so every field is checked for its JSON type and range before it is converted.
 #include "engine/config.h"
 
+#include "flashcpp/fused.h"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -9,7 +11,6 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <numbers>
 
 namespace flashcpp::engine {
 
@@ -323,28 +324,15 @@ std::string llama_config_to_json(const LlamaConfig& c) {
 }
 
 void rope_inv_freq(const LlamaConfig& c, double* inv_freq) {
-  const int half = c.head_dim / 2;
-  const auto& s = c.rope_scaling;
-  const bool llama3 = s.type == "llama3";
-  const double low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
-  const double high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
-  for (int i = 0; i < half; ++i) {
-    const double inv = 1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / c.head_dim);
-    double out = inv;
-    if (llama3) {
-      const double wavelen = 2.0 * std::numbers::pi / inv;
-      if (wavelen < high_freq_wavelen) {
-        out = inv;  // high frequencies: unchanged
-      } else if (wavelen > low_freq_wavelen) {
-        out = inv / s.factor;  // low frequencies: interpolated by the full factor
-      } else {
-        const double smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) /
-                              (s.high_freq_factor - s.low_freq_factor);
-        out = (1.0 - smooth) * inv / s.factor + smooth * inv;
-      }
-    }
-    inv_freq[i] = out;
+  // The formula lives once, in flashcpp::rotary_inv_freq (fused.h), which the rotary kernels use.
+  Llama3Scaling l3;
+  if (c.rope_scaling.type == "llama3") {
+    l3.factor = static_cast<float>(c.rope_scaling.factor);
+    l3.low_freq_factor = static_cast<float>(c.rope_scaling.low_freq_factor);
+    l3.high_freq_factor = static_cast<float>(c.rope_scaling.high_freq_factor);
+    l3.original_max_position = c.rope_scaling.original_max_position_embeddings;
   }
+  for (int i = 0; i < c.head_dim / 2; ++i) inv_freq[i] = rotary_inv_freq(i, c.head_dim, c.rope_theta, l3);
 }
 
 }  // namespace flashcpp::engine

@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <numeric>
 #include <vector>
 
@@ -198,8 +197,9 @@ char* off(const Buffer& b, std::int64_t elems, std::size_t es) { return b.as<cha
 
 }  // namespace
 
-// The layer body shared by prefill and decode: `attend` runs the attention of layer l from qkv_
-// into attn_ (and whatever the variant does with K/V); n = rows of the activations.
+// The prefill's layer body (decode builds its own op list, with the norms fused into the GEMVs:
+// decode_ops): `attend` runs the attention of layer l from qkv_ into attn_ and stores K/V;
+// n = rows of the activations.
 template <class Attend>
 static Status run_layers(const LlamaModel& m, Ops* ops, int n, const Buffer& x, const Buffer& y, const Buffer& residual,
                          const Buffer& qkv, const Buffer& attn, const Buffer& gate_up, const Buffer& act,
@@ -269,8 +269,6 @@ Status Session::prefill(int seq, const std::int32_t* host_tokens, int n, int sta
   FLASHCPP_RETURN_IF_ERROR(ops_->upload(prompt_tokens_.get(), host_tokens, static_cast<std::size_t>(n) * 4));
   FLASHCPP_RETURN_IF_ERROR(
       ops_->embed(prompt_tokens_.as<std::int32_t>(), n, m_->embed.get(), c.vocab_size, c.hidden_size, residual_.get()));
-  const int layer_count = c.num_hidden_layers;
-  (void)layer_count;
   auto attend = [&](int l, const RunOptions& ro) -> Status {
     TensorView q{qkv_.get(), dt, n * d.QKV, d.QKV, d.D};
     TensorView k{off(qkv_, d.Hq * d.D, es), dt, n * d.QKV, d.QKV, d.D};

@@ -320,6 +320,7 @@ __global__ void spin_kernel(std::uint64_t ns) {
 
 // ---- sampling (one block per row; the rule of ops.h / sampling.h) ------------------------
 constexpr int kSampleThreads = 1024;
+static_assert(kSampleThreads == 32 * 32, "block_reduce reduces 32 warp partials in one warp");
 
 struct ArgMax { float v; int i; };
 __device__ __forceinline__ bool better(const ArgMax& a, const ArgMax& b) {
@@ -329,34 +330,24 @@ __device__ __forceinline__ bool better(const ArgMax& a, const ArgMax& b) {
   return a.i < b.i;
 }
 
+__device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ int shfl_xor(int v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ ArgMax shfl_xor(const ArgMax& v, int o) { return {shfl_xor(v.v, o), shfl_xor(v.i, o)}; }
+
+/// op-reduction over the CTA (kSampleThreads); every thread gets the result.
 template <class T, class Op>
 __device__ T block_reduce(T v, Op op, T* smem) {
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-  __syncthreads();
-  for (int o = 16; o > 0; o >>= 1) {
-    T other;
-    if constexpr (sizeof(T) == 8 && !std::is_same_v<T, double>) {
-      other.v = __shfl_xor_sync(0xffffffffu, v.v, o);
-      other.i = __shfl_xor_sync(0xffffffffu, v.i, o);
-    } else {
-      other = __shfl_xor_sync(0xffffffffu, v, o);
-    }
-    v = op(v, other);
-  }
+  auto warp_reduce = [&](T x) {
+    for (int o = 16; o > 0; o >>= 1) x = op(x, shfl_xor(x, o));
+    return x;
+  };
+  __syncthreads();  // smem may still be read by the previous call
+  v = warp_reduce(v);
   if (lane == 0) smem[wid] = v;
   __syncthreads();
   if (wid == 0) {
-    v = lane < kSampleThreads / 32 ? smem[lane] : smem[0];
-    for (int o = 16; o > 0; o >>= 1) {
-      T other;
-      if constexpr (sizeof(T) == 8 && !std::is_same_v<T, double>) {
-        other.v = __shfl_xor_sync(0xffffffffu, v.v, o);
-        other.i = __shfl_xor_sync(0xffffffffu, v.i, o);
-      } else {
-        other = __shfl_xor_sync(0xffffffffu, v, o);
-      }
-      v = op(v, other);
-    }
+    v = warp_reduce(smem[lane]);  // kSampleThreads / 32 == 32 partials
     if (lane == 0) smem[0] = v;
   }
   __syncthreads();
@@ -438,11 +429,10 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const float* __r
       }
       atomicMin(&s_pick, pick);
     }
-    __syncthreads();
     // Rounding can leave the target past every chunk: take the last kept token then.
-    int fallback = last_kept;
-    fallback = block_reduce(static_cast<float>(fallback), [](float a, float b) { return fmaxf(a, b); }, s_f) ;
-    if (s_pick != INT32_MAX) token = s_pick; else if (fallback >= 0) token = static_cast<int>(fallback);
+    __shared__ int s_i[32];
+    const int fallback = block_reduce(last_kept, [](int a, int b) { return max(a, b); }, s_i);  // its barriers publish s_pick
+    if (s_pick != INT32_MAX) token = s_pick; else if (fallback >= 0) token = fallback;
   }
   if (threadIdx.x == 0) {
     tokens_out[r] = token;
@@ -509,7 +499,8 @@ class CudaOps final : public Ops {
   Status set_gemm_mode(const std::string& mode) override {
     if (mode != "auto" && mode != "cublaslt" && mode != "gemv" && mode != "gemv-nopdl")
       return Status::Invalid("gemm mode '" + mode + "' is not one of auto, cublaslt, gemv, gemv-nopdl");
-    gemm_mode_ = mode;
+    // Decided here once, so gemm() compares integers, not strings.
+    gemv_max_rows_ = mode == "auto" ? kGemvAutoRows : mode == "cublaslt" ? 0 : 8;
     pdl_ = sm_major_ >= 9 && mode != "gemv-nopdl";
     return Status::Ok();
   }
@@ -598,8 +589,7 @@ class CudaOps final : public Ops {
     const int m_pad = M <= 1 ? 1 : M <= 2 ? 2 : M <= 4 ? 4 : 8;
     // auto: the GEMV up to two rows, where it beats cuBLASLt (H200, Llama-3.2-1B step: 1078 vs
     // 1234 us at 1 row, 1260 vs 1321 at 2); at 4 rows cuBLASLt wins (1321 vs 1658 us), at 8 by 2x.
-    const int limit = gemm_mode_ == "auto" ? kGemvAutoRows : 8;
-    return gemm_mode_ != "cublaslt" && M <= limit && K % 8 == 0 && ldx % 8 == 0 &&
+    return M <= gemv_max_rows_ && K % 8 == 0 && ldx % 8 == 0 &&
            static_cast<std::size_t>(m_pad) * K * 2 <= kGemvMaxSmem && reinterpret_cast<std::uintptr_t>(x) % 16 == 0 &&
            reinterpret_cast<std::uintptr_t>(w) % 16 == 0;
   }
@@ -653,7 +643,7 @@ class CudaOps final : public Ops {
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   std::string name_;
-  std::string gemm_mode_ = "auto";
+  int gemv_max_rows_ = kGemvAutoRows;  ///< rows up to which gemm() takes the GEMV (0: never)
   bool pdl_ = true;
   int sm_major_ = 0, num_sms_ = 1, smem_per_sm_ = 0;
   std::vector<cudaEvent_t> events_;

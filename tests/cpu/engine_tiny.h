@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 
 #include "common/half.h"
+#include "engine/model.h"
 #include "engine/safetensors.h"
 
 namespace flashcpp::engine::testing {
@@ -203,6 +204,38 @@ inline std::vector<std::vector<double>> reference_logits(const Tiny& t, const st
 
 inline int argmax(const std::vector<double>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+/// A model loaded onto `ops` (the load's status is checked with EXPECT; model is null on failure).
+struct Loaded {
+  std::unique_ptr<Ops> ops;
+  std::unique_ptr<LlamaModel> model;
+};
+inline Loaded load_tiny(const fs::path& dir, std::unique_ptr<Ops> ops) {
+  Loaded l;
+  l.ops = std::move(ops);
+  if (!l.ops) return l;
+  Status s = LlamaModel::load(dir.string(), l.ops.get(), &l.model);
+  EXPECT_TRUE(s.ok()) << s.message();
+  return l;
+}
+
+/// Logits dumped by generate() (rows x vocab) against the fp64 model's rows: the largest
+/// |ours - fp64| and the largest |fp64| (the scale the tolerance is relative to). Fails the
+/// test (ASSERT) on the first NaN.
+struct LogitError {
+  double worst = 0, scale = 0;
+};
+inline void logit_error(const Tiny& t, const std::vector<std::vector<double>>& ref, const std::vector<float>& logits,
+                        LogitError* e) {
+  ASSERT_EQ(logits.size(), ref.size() * t.vocab);
+  for (std::size_t row = 0; row < ref.size(); ++row)
+    for (int v = 0; v < t.vocab; ++v) {
+      const double ours = logits[row * t.vocab + v];
+      ASSERT_FALSE(std::isnan(ours)) << "row " << row << " vocab " << v;
+      e->worst = std::max(e->worst, std::abs(ours - ref[row][v]));
+      e->scale = std::max(e->scale, std::abs(ref[row][v]));
+    }
 }
 
 }  // namespace flashcpp::engine::testing

@@ -24,17 +24,7 @@ using namespace flashcpp::engine::testing;
 
 namespace {
 
-struct Loaded {
-  std::unique_ptr<Ops> ops;
-  std::unique_ptr<LlamaModel> model;
-};
-Loaded load(const fs::path& dir) {
-  Loaded l;
-  l.ops = make_cpu_ops(2);
-  Status s = LlamaModel::load(dir.string(), l.ops.get(), &l.model);
-  EXPECT_TRUE(s.ok()) << s.message();
-  return l;
-}
+Loaded load(const fs::path& dir) { return load_tiny(dir, make_cpu_ops(2)); }
 
 void expect_matches_reference(const Tiny& t, const fs::path& dir, const std::vector<int>& prompt, int new_tokens,
                               double tol) {
@@ -55,14 +45,10 @@ void expect_matches_reference(const Tiny& t, const fs::path& dir, const std::vec
   std::vector<int> seq(prompt);
   for (int i = 0; i + 1 < new_tokens; ++i) seq.push_back(r.tokens[0][i]);
   const auto ref = reference_logits(t, seq);
-  double worst = 0, scale = 0;
-  for (std::size_t row = 0; row < ref.size(); ++row)
-    for (int v = 0; v < t.vocab; ++v) {
-      const double ours = r.logits[row * t.vocab + v];
-      ASSERT_FALSE(std::isnan(ours)) << "row " << row << " vocab " << v;
-      worst = std::max(worst, std::abs(ours - ref[row][v]));
-      scale = std::max(scale, std::abs(ref[row][v]));
-    }
+  LogitError e;
+  logit_error(t, ref, r.logits, &e);
+  if (::testing::Test::HasFatalFailure()) return;
+  const double worst = e.worst, scale = e.scale;
   EXPECT_LE(worst, tol * std::max(1.0, scale)) << "max |logit - fp64| over " << ref.size() << " rows";
   EXPECT_GT(scale, 0.5) << "degenerate logits: the test could not see an error";
   // Greedy tokens: generated token s comes from row P - 1 + s of the reference.

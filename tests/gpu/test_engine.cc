@@ -45,12 +45,10 @@ TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
       t.hidden = heads * 64;
       t.kv_heads = 1;
       const fs::path dir = write_tiny(&t, std::string("gpu") + gemm + std::to_string(heads), true, 11 + heads);
-      auto ops = cuda_ops();
-      ASSERT_TRUE(ops);
-      ASSERT_TRUE(ops->set_gemm_mode(gemm).ok());
-      std::unique_ptr<LlamaModel> m;
-      Status s = LlamaModel::load(dir.string(), ops.get(), &m);
-      ASSERT_TRUE(s.ok()) << s.message();
+      Loaded l = load_tiny(dir, cuda_ops());
+      ASSERT_TRUE(l.model);
+      ASSERT_TRUE(l.ops->set_gemm_mode(gemm).ok());
+      const LlamaModel* m = l.model.get();
       const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46};
       for (bool eager : {true, false}) {
         GenerateResult r = run(*m, {prompt}, 12, eager, true, 4);
@@ -58,15 +56,10 @@ TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
         std::vector<int> seq(prompt.begin(), prompt.end());
         for (int i = 0; i + 1 < 12; ++i) seq.push_back(r.tokens[0][i]);
         const auto ref = reference_logits(t, seq);
-        ASSERT_EQ(r.logits.size(), ref.size() * t.vocab);
-        double worst = 0, scale = 0;
-        for (std::size_t row = 0; row < ref.size(); ++row)
-          for (int v = 0; v < t.vocab; ++v) {
-            const double ours = r.logits[row * t.vocab + v];
-            ASSERT_FALSE(std::isnan(ours));
-            worst = std::max(worst, std::abs(ours - ref[row][v]));
-            scale = std::max(scale, std::abs(ref[row][v]));
-          }
+        LogitError e;
+        logit_error(t, ref, r.logits, &e);
+        if (::testing::Test::HasFatalFailure()) return;
+        const double worst = e.worst, scale = e.scale;
         EXPECT_LE(worst, 0.05 * scale) << gemm << " heads " << heads << (eager ? " eager" : " graph");
         EXPECT_GT(scale, 0.5);
         int agree = 0;
@@ -81,10 +74,9 @@ TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
 TEST(EngineGpu, GraphEqualsEagerAndBatchEqualsSingle) {
   Tiny t;
   const fs::path dir = write_tiny(&t, "gpubatch", true, 21);
-  auto ops = cuda_ops();
-  ASSERT_TRUE(ops);
-  std::unique_ptr<LlamaModel> m;
-  ASSERT_TRUE(LlamaModel::load(dir.string(), ops.get(), &m).ok());
+  Loaded l = load_tiny(dir, cuda_ops());
+  ASSERT_TRUE(l.model);
+  const LlamaModel* m = l.model.get();
   const std::vector<std::vector<std::int32_t>> prompts = {{5, 6, 7}, {8}, {9, 10, 11, 12, 13, 14, 15, 16, 17}, {1, 2}, {3}};
   GenerateResult eager = run(*m, prompts, 20, true, false, 1);
   GenerateResult graph = run(*m, prompts, 20, false, false, 1);
@@ -100,10 +92,9 @@ TEST(EngineGpu, GraphEqualsEagerAndBatchEqualsSingle) {
 TEST(EngineGpu, SamplingMatchesTheHostRule) {
   Tiny t;
   const fs::path dir = write_tiny(&t, "gpusample", true, 31);
-  auto ops = cuda_ops();
-  ASSERT_TRUE(ops);
-  std::unique_ptr<LlamaModel> m;
-  ASSERT_TRUE(LlamaModel::load(dir.string(), ops.get(), &m).ok());
+  Loaded l = load_tiny(dir, cuda_ops());
+  ASSERT_TRUE(l.model);
+  const LlamaModel* m = l.model.get();
   GenerateOptions g;
   g.prompts = {{1, 2, 3}, {4, 5}};
   g.max_new_tokens = 16;
