@@ -2,7 +2,7 @@
 // process, so every field is checked for its JSON type and range before it is converted.
 #include "engine/config.h"
 
-#include "flashcpp/fused.h"
+#include "cuda/fused/fused_math.h"
 
 #include <fmt/format.h>
 
@@ -324,15 +324,14 @@ std::string llama_config_to_json(const LlamaConfig& c) {
 }
 
 void rope_inv_freq(const LlamaConfig& c, double* inv_freq) {
-  // The formula lives once, in flashcpp::rotary_inv_freq (fused.h), which the rotary kernels use.
-  Llama3Scaling l3;
-  if (c.rope_scaling.type == "llama3") {
-    l3.factor = static_cast<float>(c.rope_scaling.factor);
-    l3.low_freq_factor = static_cast<float>(c.rope_scaling.low_freq_factor);
-    l3.high_freq_factor = static_cast<float>(c.rope_scaling.high_freq_factor);
-    l3.original_max_position = c.rope_scaling.original_max_position_embeddings;
-  }
-  for (int i = 0; i < c.head_dim / 2; ++i) inv_freq[i] = rotary_inv_freq(i, c.head_dim, c.rope_theta, l3);
+  // The formula lives once, in the header-only fused::inv_freq that the rotary kernels and
+  // flashcpp::rotary_inv_freq use (factor 0 = no Llama-3 scaling).
+  const RopeScaling& s = c.rope_scaling;
+  const bool llama3 = s.type == "llama3";
+  for (int i = 0; i < c.head_dim / 2; ++i)
+    inv_freq[i] = fused::inv_freq(i, c.head_dim, c.rope_theta, llama3 ? static_cast<float>(s.factor) : 0.f,
+                                  static_cast<float>(s.low_freq_factor), static_cast<float>(s.high_freq_factor),
+                                  s.original_max_position_embeddings);
 }
 
 }  // namespace flashcpp::engine
