@@ -207,6 +207,128 @@ def check_cu_seqlens_values(cu: np.ndarray, name: str, total: int, max_seqlen: i
                          f"for {name} ({max_seqlen})")
 
 
+class BlockSparseSpec(NamedTuple):
+    """What attention needs of a block-sparse mask: the fields of ``flashcpp.BlockSparse`` of
+    the same names (the torch op carries them as a tensor list and an int list, SPARSE_ARRAYS and
+    SPARSE_SIZES, and rebuilds one of these)."""
+
+    row_ptr: Any        # int32 (num_batch * num_heads * num_q_blocks + 1,)
+    col_idx: Any        # int32 (listed blocks,)
+    partial: Any        # int32 (listed blocks,): -1 = full block, p >= 0 = element mask p
+    element_masks: Any  # uint64 (or int64 holding the same bits) (num_partial, block_m, ceil(block_n / 64))
+    block_m: int
+    block_n: int
+    num_batch: int
+    num_heads: int
+    num_q_blocks: int
+    num_k_blocks: int
+    seqlen_q: int
+    seqlen_k: int
+
+
+SPARSE_ARRAYS = BlockSparseSpec._fields[:4]
+SPARSE_SIZES = BlockSparseSpec._fields[4:]
+
+
+def sparse_spec(bs: Any) -> BlockSparseSpec:
+    """The BlockSparseSpec of a flashcpp.BlockSparse (or of anything with its fields)."""
+    return BlockSparseSpec(*(getattr(bs, f) for f in BlockSparseSpec._fields))
+
+
+def sparse_to_lists(bs: Optional[BlockSparseSpec]) -> Tuple[Optional[list], Optional[list]]:
+    """(tensors, sizes): how the torch ops take a block-sparse mask (None, None = no mask)."""
+    if bs is None:
+        return None, None
+    return [getattr(bs, f) for f in SPARSE_ARRAYS], [int(getattr(bs, f)) for f in SPARSE_SIZES]
+
+
+def sparse_from_lists(tensors: Optional[list], sizes: Optional[list]) -> Optional[BlockSparseSpec]:
+    if tensors is None and sizes is None:
+        return None
+    if tensors is None or sizes is None or len(tensors) != len(SPARSE_ARRAYS) or len(sizes) != len(SPARSE_SIZES):
+        raise ValueError(f"block_sparse takes the tensors [{', '.join(SPARSE_ARRAYS)}] and block_sparse_sizes "
+                         f"the ints [{', '.join(SPARSE_SIZES)}], both or neither")
+    return BlockSparseSpec(*tensors, *sizes)
+
+
+def check_block_sparse(bs: BlockSparseSpec, dims: Dims, mq: Meta) -> None:
+    """Sizes, dtypes, devices and array shapes of a block-sparse mask against the problem. Reads
+    no values (so it works on FakeTensors and device arrays); check_block_sparse_values reads the
+    host ones before a launch."""
+    if (bs.seqlen_q, bs.seqlen_k) != (dims.seqlen_q, dims.seqlen_k):
+        raise ValueError(f"block_sparse was built for seqlen_q={bs.seqlen_q}, seqlen_k={bs.seqlen_k}, but q and k "
+                         f"have seqlen_q={dims.seqlen_q}, seqlen_k={dims.seqlen_k}; build it for these lengths")
+    if bs.block_m <= 0 or bs.block_n <= 0:
+        raise ValueError(f"block_sparse.block_m and block_n must be > 0; got {bs.block_m} and {bs.block_n}")
+    nq, nk = -(-dims.seqlen_q // bs.block_m), -(-dims.seqlen_k // bs.block_n)
+    if (bs.num_q_blocks, bs.num_k_blocks) != (nq, nk):
+        raise ValueError(f"block_sparse has {bs.num_q_blocks} x {bs.num_k_blocks} blocks, but ceil(seqlen_q "
+                         f"{dims.seqlen_q} / block_m {bs.block_m}) x ceil(seqlen_k {dims.seqlen_k} / block_n "
+                         f"{bs.block_n}) = {nq} x {nk}")
+    if bs.num_batch not in (1, dims.batch):
+        raise ValueError(f"block_sparse.num_batch {bs.num_batch} must be 1 (one mask for every sequence) or "
+                         f"batch {dims.batch}")
+    if bs.num_heads not in (1, dims.heads_q):
+        raise ValueError(f"block_sparse.num_heads {bs.num_heads} must be 1 (one mask for every head) or heads_q "
+                         f"{dims.heads_q} (one mask per query head, also with GQA)")
+    ms = {f: meta(getattr(bs, f), f"block_sparse.{f}") for f in SPARSE_ARRAYS}
+    for f in ("row_ptr", "col_idx", "partial"):
+        if ms[f].dtype != "int32":
+            raise TypeError(f"block_sparse.{f} must be int32; got {ms[f].dtype}")
+    me = ms["element_masks"]
+    if me.dtype not in ("uint64", "int64"):
+        raise TypeError(f"block_sparse.element_masks must hold 64-bit words (uint64, or int64 as "
+                        f"BlockSparse.to(device) stores them); got {me.dtype}")
+    for m in ms.values():
+        if m.device != mq.device:
+            raise ValueError(f"{m.name} must be on q's device ({mq.device}); got {m.device}")
+    rows = bs.num_batch * bs.num_heads * bs.num_q_blocks
+    if ms["row_ptr"].shape != (rows + 1,):
+        raise ValueError(f"block_sparse.row_ptr must have shape (num_batch * num_heads * num_q_blocks + 1,) = "
+                         f"({rows + 1},); got {ms['row_ptr'].shape}")
+    mc, mp = ms["col_idx"], ms["partial"]
+    if len(mc.shape) != 1 or mp.shape != mc.shape:
+        raise ValueError(f"block_sparse.col_idx and partial must be 1-D with one entry per listed block; got "
+                         f"shapes {mc.shape} and {mp.shape}")
+    words = (bs.block_n + 63) // 64
+    if len(me.shape) != 3 or me.shape[1:] != (bs.block_m, words):
+        raise ValueError(f"block_sparse.element_masks must have shape (num_partial, block_m, ceil(block_n / 64)) "
+                         f"= (num_partial, {bs.block_m}, {words}); got {me.shape}")
+    for m in ms.values():
+        if 0 in m.shape:
+            continue  # never read; numpy and torch give empty arrays arbitrary strides
+        contiguous = 1
+        for n, s in reversed(list(zip(m.shape, m.strides))):
+            if n > 1 and s != contiguous:
+                raise ValueError(f"{m.name} must be contiguous; got strides {m.strides}")
+            contiguous *= n
+
+
+def check_block_sparse_values(bs: BlockSparseSpec) -> None:
+    """Host arrays only (reading device memory would synchronize). The C++ validator checks
+    row_ptr[0] == 0, that row_ptr does not decrease, and every col_idx / partial entry it walks,
+    but cannot know the arrays' lengths: this keeps its walk inside col_idx and partial."""
+    row_ptr = bs.row_ptr.numpy() if is_torch(bs.row_ptr) else bs.row_ptr
+    listed = bs.col_idx.shape[0]
+    if int(row_ptr[-1]) != listed:
+        raise ValueError(f"block_sparse.row_ptr[-1] = {int(row_ptr[-1])} must equal the number of listed blocks "
+                         f"(len(col_idx) = {listed})")
+
+
+def _sparse_arg(bs: Optional[BlockSparseSpec]) -> Optional[tuple]:
+    """The binding's block_sparse tuple: (row_ptr, col_idx, partial, element_masks) data pointers,
+    num_partial, then block_m, block_n, num_batch, num_heads, num_q_blocks, num_k_blocks."""
+    if bs is None:
+        return None
+    row_ptr = data_ptr(bs.row_ptr)
+    # An empty torch tensor may have a null data pointer, which the validator refuses. With no
+    # listed block col_idx and partial are never read, so row_ptr's (never empty) memory stands in.
+    col_idx, partial = data_ptr(bs.col_idx) or row_ptr, data_ptr(bs.partial) or row_ptr
+    return (row_ptr, col_idx, partial, data_ptr(bs.element_masks), int(bs.element_masks.shape[0]),
+            int(bs.block_m), int(bs.block_n), int(bs.num_batch), int(bs.num_heads), int(bs.num_q_blocks),
+            int(bs.num_k_blocks))
+
+
 def _view(m: Meta, varlen: bool) -> Tuple[int, int, int]:
     """(batch_stride, seq_stride, head_stride) in elements. A dimension of size 1 is never
     stepped over, and torch leaves its stride arbitrary; give it the tensor's extent instead so
@@ -242,12 +364,15 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
            *, varlen: bool = False, softmax_scale: float, causal: bool = False,
            window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi: Any = None,
            alibi_batch_stride: int = 0, global_tokens: int = 0, global_queries: bool = False,
-           cu_seqlens_q: Any = None, cu_seqlens_k: Any = None, backend: str = "auto",
+           cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+           block_sparse: Optional[BlockSparseSpec] = None, backend: str = "auto",
            cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None,
            select_only: bool = False) -> Any:
     """Fills the binding's arguments from checked inputs and calls it. `out`/`lse` are
     allocated by the caller (lse may be None). Returns None, or the kernel choice tuple."""
     backend = resolve_backend(backend, mq)
+    if block_sparse is not None and not mq.is_cuda:
+        check_block_sparse_values(block_sparse)
     mo = meta(out, "out")
     if stream is None:
         stream = 0
@@ -263,7 +388,7 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         alibi_slopes=data_ptr(alibi), alibi_batch_stride=int(alibi_batch_stride),
         global_tokens=int(global_tokens), global_queries=bool(global_queries),
         cu_seqlens_q=data_ptr(cu_seqlens_q), cu_seqlens_k=data_ptr(cu_seqlens_k),
-        stream=int(stream), backend=backend, cpu_threads=int(cpu_threads),
+        block_sparse=_sparse_arg(block_sparse), stream=int(stream), backend=backend, cpu_threads=int(cpu_threads),
         cuda_config=str(cuda_config), select_only=bool(select_only))
     if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # the C++ launch uses the current device

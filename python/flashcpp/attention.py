@@ -14,6 +14,10 @@ Semantics are those of ``include/flashcpp/attention.h``; in short:
 * ALiBi: s += slope * (j - ia). With causal masking this equals flash-attn's
   -slope * |i + seqlen_k - seqlen_q - j|; without it, flash-attn uses the absolute distance
   while flashcpp keeps the signed one (keys right of ia get a positive bias);
+* block_sparse (a :class:`flashcpp.BlockSparse`): key j is visible to query i only if block
+  (i // block_m, j // block_n) is listed for the row's (batch, head) and, for a partial block,
+  its element bit is set; ANDed with every other mask. Built for exactly (seqlen_q, seqlen_k),
+  num_batch 1 or batch, num_heads 1 or heads_q. Not with varlen (use document_block_sparse);
 * LSE: natural log, fp32, (batch, heads_q, seqlen_q) ((heads_q, total_q) for varlen);
   a row that sees no key gets O = 0 and LSE = -inf.
 
@@ -29,6 +33,7 @@ import numpy as np
 
 from . import _core
 from ._core import torch
+from .masks import BlockSparse, _to_torch
 
 
 class KernelChoice(NamedTuple):
@@ -67,12 +72,45 @@ class _Problem(NamedTuple):
     cu_k: Any
     window: Tuple[int, int]
     scale: float
+    sparse: Optional[_core.BlockSparseSpec]
+
+
+def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
+    """The mask with its arrays in q's library: CPU torch tensors become numpy views for numpy q,
+    numpy arrays become (copied) torch tensors for CPU torch q. Host arrays are never copied to a
+    GPU here: for CUDA tensors the caller converts the mask once with BlockSparse.to(device)."""
+    if isinstance(block_sparse, _core.BlockSparseSpec):
+        bs = block_sparse
+    elif isinstance(block_sparse, BlockSparse):
+        bs = _core.sparse_spec(block_sparse)
+    else:
+        raise TypeError(f"block_sparse must be a flashcpp.BlockSparse (from block_sparse_from_mask, "
+                        f"block_sparse_from_rules, causal_block_sparse or document_block_sparse); got "
+                        f"{type(block_sparse).__name__}")
+    arrays = [getattr(bs, f) for f in _core.SPARSE_ARRAYS]
+    if mq.lib == "numpy":
+        for a in arrays:
+            if _core.is_torch(a) and a.device.type != "cpu":
+                raise ValueError(f"block_sparse has arrays on {a.device}, but q is a numpy array (host memory); "
+                                 "use a mask with host arrays")
+        conv = lambda a: a.detach().numpy() if _core.is_torch(a) else a  # noqa: E731
+    else:
+        if mq.is_cuda and any(isinstance(a, np.ndarray) for a in arrays):
+            raise ValueError(f"block_sparse holds numpy (host) arrays, but q is on {mq.device}: move the mask to "
+                             "the GPU once with block_sparse.to(q.device) and reuse it (it is not copied on "
+                             "every call)")
+        conv = lambda a: _to_torch(a, "cpu") if isinstance(a, np.ndarray) else a  # noqa: E731
+    return bs._replace(**{f: conv(a) for f, a in zip(_core.SPARSE_ARRAYS, arrays)})
 
 
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k) -> _Problem:
+             max_seqlen_q, max_seqlen_k, block_sparse=None) -> _Problem:
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     dims, mq, mk, mv = _core.check_qkv(q, k, v, varlen=varlen)
+    if varlen and block_sparse is not None:
+        raise NotImplementedError("varlen (cu_seqlens) together with a block-sparse mask is not supported; "
+                                  "express the packed documents as document_block_sparse(cu_seqlens_q, "
+                                  "cu_seqlens_k, ...) over the packed tensors viewed as batch 1")
     window = _core.check_window(window_size)
     torch_in = _core.is_torch(q)
     cu_q = cu_k = None
@@ -105,9 +143,13 @@ def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu
         if not torch_in:
             alibi = _as_host_f32(alibi)
         alibi_bs = _core.check_alibi(alibi, dims, mq)
+    sparse = None
+    if block_sparse is not None:
+        sparse = _sparse_for(block_sparse, mq)
+        _core.check_block_sparse(sparse, dims, mq)
     scale = _core.default_scale(softmax_scale, dims.head_dim)
     return _Problem(q, k, v, dims, mq, mk, mv, varlen, shape_o, shape_lse, alibi, alibi_bs,
-                    cu_q, cu_k, window, scale)
+                    cu_q, cu_k, window, scale, sparse)
 
 
 def _empty(like: Any, shape, dtype=None):
@@ -121,8 +163,9 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
               window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
               global_tokens: int = 0, global_queries: bool = False, cu_seqlens_q: Any = None,
               cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
-              max_seqlen_k: Optional[int] = None, backend: str = "auto", cpu_threads: int = 0,
-              cuda_config: str = "", stream: Optional[int] = None) -> Tuple[Any, Any]:
+              max_seqlen_k: Optional[int] = None, block_sparse: Optional[BlockSparse] = None,
+              backend: str = "auto", cpu_threads: int = 0, cuda_config: str = "",
+              stream: Optional[int] = None) -> Tuple[Any, Any]:
     """Low-level eager entry point: every mask field, a backend choice and caller-owned outputs.
 
     No torch.library op sits in between (use :func:`flash_attn_func` inside ``torch.compile``);
@@ -130,10 +173,11 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
     ``backend`` = "cpu", "cpu-reference" (fp64 ground truth) or "cuda". ``stream`` is a
     ``cudaStream_t`` as an int (default: torch's current stream for CUDA tensors).
     Varlen when ``cu_seqlens_q``/``cu_seqlens_k`` are given (q/k/v packed (total, heads, dim)).
+    ``block_sparse`` as in :func:`flash_attn_func`.
     Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
     """
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k)
+                 max_seqlen_q, max_seqlen_k, block_sparse)
     if out is None:
         out = _empty(q, p.shape_o)
     if lse is None and return_lse:
@@ -161,7 +205,7 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
                  softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                  alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
                  global_tokens=global_tokens, global_queries=global_queries,
-                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, backend=backend,
+                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse, backend=backend,
                  cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
     if p.varlen and not p.mq.is_cuda:
         used = int(p.cu_q[-1])
@@ -175,19 +219,19 @@ def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = No
                   causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                   softcap: float = 0.0, alibi_slopes: Any = None, cu_seqlens_q: Any = None,
                   cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
-                  max_seqlen_k: Optional[int] = None, backend: str = "auto",
-                  cuda_config: str = "") -> KernelChoice:
+                  max_seqlen_k: Optional[int] = None, block_sparse: Optional[BlockSparse] = None,
+                  backend: str = "auto", cuda_config: str = "") -> KernelChoice:
     """Which kernel (and tile config) flashcpp would run for these inputs, and why.
     Validates like a real call (raising the same errors) but launches nothing."""
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k)
+                 max_seqlen_q, max_seqlen_k, block_sparse)
     out = _empty(q, p.shape_o)
     lse = _empty(q, p.shape_lse, np.float32 if not _core.is_torch(q) else torch.float32)
     choice = _core.launch(p.q, p.k, p.v, out, lse, p.dims, p.mq, p.mk, p.mv, varlen=p.varlen,
                           softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                           alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
-                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, backend=backend,
-                          cuda_config=cuda_config, select_only=True)
+                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
+                          backend=backend, cuda_config=cuda_config, select_only=True)
     return KernelChoice(*choice)
 
 
@@ -220,7 +264,8 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 
 def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False):
+                    softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False, *,
+                    block_sparse: Optional[BlockSparse] = None):
     """flash-attn's ``flash_attn_func`` (forward only, no dropout).
 
     Args:
@@ -233,6 +278,17 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
         softcap: > 0 enables s = softcap * tanh(s / softcap).
         alibi_slopes: (heads_q,) or (batch, heads_q) fp32 slopes, bias slope * (j - ia).
         return_lse: also return the fp32 natural-log LSE, (batch, heads_q, seqlen_q).
+        block_sparse: a :class:`flashcpp.BlockSparse` (block_sparse_from_mask, ...rules,
+            causal_block_sparse, document_block_sparse) built for exactly (seqlen_q, seqlen_k),
+            with num_batch 1 or batch and num_heads 1 or heads_q; ANDed with the other masks.
+            Its arrays must be where q is: numpy arrays or CPU tensors for CPU inputs (numpy
+            arrays are copied into tensors on every call for torch inputs), torch tensors on
+            q's device for CUDA inputs: convert once with ``block_sparse.to(q.device)`` and
+            reuse it (inside ``torch.compile`` pass tensors too). The CUDA kernels need block
+            sizes that their tiles divide: use multiples of 128x128 (docs/masks.md); other
+            sizes raise NotImplementedError there (the CPU backend takes any size). Values of
+            device arrays are not checked (that would synchronize): build them with flashcpp's
+            builders. A row none of whose keys is visible gets out = 0, lse = -inf.
 
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, or (out, lse).
@@ -240,8 +296,9 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
+        sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
         args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
-                bool(return_lse))
+                bool(return_lse), *_core.sparse_to_lists(sparse))
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
@@ -252,7 +309,8 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
             out, lse = flash_attn_fwd_eager(*args)
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
-                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                         block_sparse=block_sparse)
     return (out, lse) if return_lse else out
 
 
@@ -270,7 +328,9 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     synchronization), size the grid by max_seqlen_q and fuse every mask keyword (causal,
     window_size, softcap, alibi_slopes) per sequence. Packed rows past cu_seqlens_q[-1] are left
     as they are on CUDA (flash-attn's behaviour; reading the device array would synchronize) and
-    set to 0 / -inf on the CPU.
+    set to 0 / -inf on the CPU. There is no block_sparse argument: varlen and block-sparse do not
+    combine; a document_block_sparse mask over the packed tensors (batch 1) is the block-sparse
+    form of a varlen batch.
     """
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)

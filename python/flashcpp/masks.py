@@ -118,24 +118,28 @@ class BlockSparse:
         return out[:, :, :self.seqlen_q, :self.seqlen_k]
 
     def to(self, device: Any) -> "BlockSparse":
-        """The same mask with its arrays as torch tensors on ``device`` (e.g. for a CUDA kernel)."""
+        """The same mask with its arrays as torch tensors on ``device``: what the attention
+        functions need for CUDA tensors (convert once, reuse the result for every call; keep it
+        alive while a CUDA graph that captured a call with it replays). element_masks becomes
+        int64 holding the same bits."""
         if torch is None:
             raise ImportError("BlockSparse.to(device) makes torch tensors, but torch is not installed")
-
-        def conv(a):
-            a = np.array(_to_numpy(a), copy=True)  # writable and owned, as torch.from_numpy wants
-            if a.dtype == np.uint64:  # torch has no general uint64 arithmetic; the bits are what matter
-                a = a.view(np.int64)
-            return torch.from_numpy(a).to(device)
-
-        return dataclasses.replace(self, row_ptr=conv(self.row_ptr), col_idx=conv(self.col_idx),
-                                   partial=conv(self.partial), element_masks=conv(self.element_masks))
+        return dataclasses.replace(self, row_ptr=_to_torch(self.row_ptr, device),
+                                   col_idx=_to_torch(self.col_idx, device), partial=_to_torch(self.partial, device),
+                                   element_masks=_to_torch(self.element_masks, device))
 
 
 def _to_numpy(a: Any) -> np.ndarray:
     if _core.is_torch(a):
         return a.detach().cpu().numpy()
     return np.asarray(a)
+
+
+def _to_torch(a: Any, device: Any) -> Any:
+    a = np.array(_to_numpy(a), copy=True)  # writable and owned, as torch.from_numpy wants
+    if a.dtype == np.uint64:  # torch has no general uint64 arithmetic; the bits are what matter
+        a = a.view(np.int64)
+    return torch.from_numpy(a).to(device)
 
 
 def _from_dict(d: dict) -> BlockSparse:

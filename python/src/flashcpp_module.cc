@@ -101,6 +101,27 @@ flashcpp::MaskParams element_mask(bool causal, int window_left, int window_right
   return m;
 }
 
+/// A block-sparse mask as Python passes it: (row_ptr, col_idx, partial, element_masks) data
+/// pointers, num_partial, block_m, block_n, num_batch, num_heads, num_q_blocks, num_k_blocks.
+using BlockSparseArg = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t, std::int64_t,
+                                  int, int, int, int, int, int>;
+
+flashcpp::BlockSparseMask block_sparse_mask(const BlockSparseArg& a) {
+  flashcpp::BlockSparseMask m;
+  m.row_ptr = reinterpret_cast<const std::int32_t*>(std::get<0>(a));
+  m.col_idx = reinterpret_cast<const std::int32_t*>(std::get<1>(a));
+  m.partial = reinterpret_cast<const std::int32_t*>(std::get<2>(a));
+  m.element_masks = reinterpret_cast<const std::uint64_t*>(std::get<3>(a));
+  m.num_partial = std::get<4>(a);
+  m.block_m = std::get<5>(a);
+  m.block_n = std::get<6>(a);
+  m.num_batch = std::get<7>(a);
+  m.num_heads = std::get<8>(a);
+  m.num_q_blocks = std::get<9>(a);
+  m.num_k_blocks = std::get<10>(a);
+  return m;
+}
+
 /// One entry point for both "run" and "select only", so the two can never disagree on how
 /// the arguments map to AttnParams.
 nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
@@ -108,7 +129,8 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                      int heads_q, int heads_kv, int head_dim, float softmax_scale, bool causal,
                      int window_left, int window_right, float softcap, std::uintptr_t alibi_slopes,
                      std::int64_t alibi_batch_stride, int global_tokens, bool global_queries,
-                     std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k, std::uintptr_t stream,
+                     std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k,
+                     const std::optional<BlockSparseArg>& block_sparse, std::uintptr_t stream,
                      const std::string& backend, int cpu_threads, const std::string& cuda_config,
                      bool select_only) {
   const DType dt = to_dtype(dtype);
@@ -130,6 +152,13 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
   p.mask.global_queries = global_queries;
   p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_seqlens_q);
   p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_seqlens_k);
+  // Lives through the call: the CPU backend computes before returning, and a CUDA launch copies
+  // the fields into the kernel's parameters (the arrays it points at must outlive the kernel).
+  flashcpp::BlockSparseMask sparse;
+  if (block_sparse) {
+    sparse = block_sparse_mask(*block_sparse);
+    p.mask.block_sparse = &sparse;
+  }
 
   RunOptions opt;
   opt.backend = to_backend(backend);
@@ -538,11 +567,13 @@ NB_MODULE(_flashcpp, m) {
         "seqlen_q"_a, "seqlen_k"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "softmax_scale"_a,
         "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a, "alibi_slopes"_a,
         "alibi_batch_stride"_a, "global_tokens"_a, "global_queries"_a, "cu_seqlens_q"_a,
-        "cu_seqlens_k"_a, "stream"_a, "backend"_a, "cpu_threads"_a, "cuda_config"_a,
-        "select_only"_a,
+        "cu_seqlens_k"_a, "block_sparse"_a.none(), "stream"_a, "backend"_a, "cpu_threads"_a,
+        "cuda_config"_a, "select_only"_a,
         "Runs flashcpp::attention_forward (select_only=False, returns None) or "
         "flashcpp::select_kernel (select_only=True, returns (kernel, config, reason)). Tensors are "
-        "(data_ptr, batch_stride, seq_stride, head_stride) with strides in elements.");
+        "(data_ptr, batch_stride, seq_stride, head_stride) with strides in elements; block_sparse "
+        "is None or (row_ptr, col_idx, partial, element_masks, num_partial, block_m, block_n, "
+        "num_batch, num_heads, num_q_blocks, num_k_blocks) with data pointers first.");
   m.def("merge_by_lse", &merge_by_lse, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a.noconvert(),
         "lse"_a.noconvert(),
         "Row-wise merge of two normalized partial attention outputs by their natural-log LSEs "
