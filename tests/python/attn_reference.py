@@ -25,9 +25,10 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window=(-1, -1)):
 
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
-                  alibi_slopes=None):
+                  alibi_slopes=None, mask=None):
     """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), any float dtype -> (out fp64 (B, Nq, Hq, D),
-    lse fp64 (B, Hq, Nq)). alibi_slopes: (Hq,) or (B, Hq)."""
+    lse fp64 (B, Hq, Nq)). alibi_slopes: (Hq,) or (B, Hq). mask: bool, broadcastable to
+    (B, Hq, Nq, Nk), True = visible, ANDed with the other rules (a block-sparse mask's to_dense)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     B, Nq, Hq, D = q.shape
     Nk, Hkv = k.shape[1], k.shape[2]
@@ -43,8 +44,10 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), so
         ia = np.arange(Nq)[:, None] + Nk - Nq
         dist = np.arange(Nk)[None, :] - ia
         s = s + slopes[:, :, None, None] * dist[None, None]
-    vis = visible_mask(Nq, Nk, causal, window)
-    s = np.where(vis[None, None], s, -np.inf)
+    vis = visible_mask(Nq, Nk, causal, window)[None, None]
+    if mask is not None:
+        vis = vis & np.asarray(mask, dtype=bool)
+    s = np.where(vis, s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if Nk else np.full(s.shape[:-1] + (1,), -np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     p = np.exp(s - m_safe)

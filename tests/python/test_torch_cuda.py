@@ -204,9 +204,10 @@ def test_errors(gen):
         flashcpp.flash_attn_func(q, q, q, alibi_slopes=torch.ones(4))
 
 
-def masked_reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None):
+def masked_reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes=None, scale=None, mask=None):
     """Attention of (N, H, D) tensors of one sequence, in q's dtype math or fp64 (upcast q first):
-    scores, softcap, ALiBi bias slope * (j - ia), bottom-right mask, softmax (empty rows -> 0)."""
+    scores, softcap, ALiBi bias slope * (j - ia), bottom-right mask ANDed with `mask` (bool,
+    broadcastable to (H, Nq, Nk), e.g. a block-sparse mask's to_dense), softmax (empty rows -> 0)."""
     nq, nk, d = q.shape[0], k.shape[0], q.shape[-1]
     g = q.shape[1] // k.shape[1]
     k, v = k.to(q.dtype).repeat_interleave(g, 1), v.to(q.dtype).repeat_interleave(g, 1)
@@ -218,6 +219,8 @@ def masked_reference(q, k, v, causal=False, window=(-1, -1), softcap=0.0, slopes
         j = torch.arange(nk, device=q.device)[None, :]
         s = s + slopes.to(s.dtype)[:, None, None] * (j - i).to(s.dtype)
     vis = bottom_right_mask(nq, nk, causal, window, device=q.device)
+    if mask is not None:
+        vis = vis & mask.to(q.device)
     s = s.masked_fill(~vis, float("-inf"))
     p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(s.dtype)
     return torch.einsum("hij,jhd->ihd", p, v)
@@ -276,3 +279,147 @@ def test_tensors_on_another_device(gen):
         out = flashcpp.flash_attn_func(q, q, q)
     ref = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, q, q))).transpose(1, 2)
     assert out.device == q.device and (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+# ---- block-sparse masks -----------------------------------------------------------------------------
+# The mask's arrays must be on q's device (BlockSparse.to(q.device)); blocks must be whole multiples
+# of the kernels' tiles (128x128 and its multiples fit every config of both families).
+
+def block_kind_mask(gen, shape, block=(128, 128), p_full=0.4, p_partial=0.2):
+    """Bool mask on DEV, (..., nq, nk): each block x block tile is hidden, visible, or random at
+    density 0.5 (a partial block), and query rows 5 and 6 see nothing."""
+    *lead, nq, nk = shape
+    bq, bk = -(-nq // block[0]), -(-nk // block[1])
+    u = torch.rand((*lead, bq, bk), device=DEV, generator=gen)
+    kind = (u < p_full).int() + 2 * ((u >= p_full) & (u < p_full + p_partial)).int()
+    kind = kind.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :nq, :nk]
+    mask = (kind == 1) | ((kind == 2) & (torch.rand(shape, device=DEV, generator=gen) < 0.5))
+    mask[..., 5:7, :] = False
+    return mask
+
+
+def check_masked(q, k, v, out, lse, mask, **kw):
+    """flash-attn's rule per sequence vs masked_reference in fp64 and in q's dtype; rows that see
+    nothing: out 0 and lse -inf."""
+    for b in range(q.shape[0]):
+        m = mask[b] if mask.dim() == 4 else mask
+        ref = masked_reference(q[b].double(), k[b].double(), v[b].double(), mask=m, **kw)
+        peer = masked_reference(q[b], k[b], v[b], mask=m, **kw)
+        err = (out[b].double() - ref).abs().max().item()
+        err_peer = (peer.double() - ref).abs().max().item()
+        assert err <= 2 * err_peer + 1e-3, f"batch {b}: max err {err:.3g} vs same-dtype math {err_peer:.3g}"
+        vis = bottom_right_mask(q.shape[1], k.shape[1], kw.get("causal", False), kw.get("window", (-1, -1))) & m
+        empty = ~vis.expand(q.shape[2], -1, -1).any(-1)  # (H, Nq)
+        assert torch.all(out[b].transpose(0, 1)[empty] == 0)
+        if lse is not None:
+            assert torch.all(torch.isneginf(lse[b][empty])) and torch.all(torch.isfinite(lse[b][~empty]))
+
+
+@pytest.mark.parametrize("config", ["", "sm80"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_block_sparse_per_head_masks(gen, config, dtype, D):
+    B, Nq, Nk, H, Hkv = 2, 1000, 777, 4, 2  # ragged last blocks, GQA, a mask per (batch, head)
+    q = rand((B, Nq, H, D), dtype, gen)
+    k, v = rand((B, Nk, Hkv, D), dtype, gen), rand((B, Nk, Hkv, D), dtype, gen)
+    mask = block_kind_mask(gen, (B, H, Nq, Nk))
+    bs = flashcpp.block_sparse_from_mask(mask, 128, 128)
+    assert bs.num_full_blocks > 0 and bs.num_partial > 0 and bs.block_density < 0.9
+    bs_dev = bs.to(DEV)
+    out, lse = flashcpp.attention(q, k, v, block_sparse=bs_dev, return_lse=True, backend="cuda", cuda_config=config)
+    check_masked(q, k, v, out, lse, mask)
+    if not config:
+        out2, lse2 = flashcpp.flash_attn_func(q, k, v, block_sparse=bs_dev, return_lse=True)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.parametrize("config", ["", "sm80"])
+@pytest.mark.parametrize("Nq,Nk", [(1, 1), (7, 7), (130, 130), (7, 300), (300, 7)])
+def test_block_sparse_odd_sizes_and_other_masks(gen, config, Nq, Nk):
+    H, D = 4, 64
+    q = rand((1, Nq, H, D), torch.bfloat16, gen)
+    k, v = rand((1, Nk, 1, D), torch.bfloat16, gen), rand((1, Nk, 1, D), torch.bfloat16, gen)
+    mask = block_kind_mask(gen, (Nq, Nk), p_full=0.5, p_partial=0.5)
+    bs = flashcpp.block_sparse_from_mask(mask, 128, 128).to(DEV)
+    slopes = flashcpp.alibi_slopes(H, device=DEV)
+    for kw in (dict(), dict(causal=True), dict(causal=True, window_size=(64, 0), softcap=20.0, alibi_slopes=slopes)):
+        out, lse = flashcpp.attention(q, k, v, block_sparse=bs, return_lse=True, backend="cuda", cuda_config=config,
+                                      **kw)
+        ref_kw = dict(causal=kw.get("causal", False), window=kw.get("window_size", (-1, -1)),
+                      softcap=kw.get("softcap", 0.0), slopes=kw.get("alibi_slopes"))
+        check_masked(q, k, v, out, lse, mask, **ref_kw)
+
+
+def test_causal_and_document_block_masks(gen):
+    """causal_block_sparse == the causal flag; document_block_sparse over packed tensors == varlen."""
+    q, k, v = (rand((2, 1000, 4, 128), torch.bfloat16, gen) for _ in range(3))
+    out = flashcpp.flash_attn_func(q, k, v, block_sparse=flashcpp.causal_block_sparse(1000, 1000, 128, 128).to(DEV))
+    check_vs_sdpa(q, k, v, out, True)
+
+    lens = [1, 7, 300, 1000, 228]
+    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32)
+    n = int(cu[-1])
+    qp, kp, vp = (rand((1, n, 4, 128), torch.bfloat16, gen) for _ in range(3))
+    bs = flashcpp.document_block_sparse(cu, cu, 128, 128, causal=True).to(DEV)
+    out, lse = flashcpp.flash_attn_func(qp, kp, vp, block_sparse=bs, return_lse=True)
+    cu_dev = cu.to(DEV)
+    ref, ref_lse = flashcpp.flash_attn_varlen_func(qp[0], kp[0], vp[0], cu_dev, cu_dev, max(lens), max(lens),
+                                                   causal=True, return_lse=True)
+    assert (out[0].float() - ref.float()).abs().max().item() < 2e-2
+    assert (lse[0] - ref_lse).abs().max().item() < 1e-3
+
+
+def test_block_sparse_block_sizes_and_kernel_choice(gen):
+    q, k, v = (rand((1, 512, 4, 128), torch.bfloat16, gen) for _ in range(3))
+    mask = block_kind_mask(gen, (512, 512), block=(256, 128))
+    for bm, bn in ((128, 128), (256, 128), (128, 256), (64, 64)):
+        bs = flashcpp.block_sparse_from_mask(mask, bm, bn).to(DEV)
+        choice = flashcpp.select_kernel(q, k, v, block_sparse=bs)
+        assert choice.kernel.startswith("cuda_") and f"block-sparse {bm}x{bn}" in choice.reason
+        if torch.cuda.get_device_capability()[0] == 9 and (bm, bn) == (64, 64):
+            assert choice.kernel == "cuda_sm80_fa2" and "sm90 tiles" in choice.reason
+        out = flashcpp.flash_attn_func(q, k, v, block_sparse=bs)
+        check_masked(q, k, v, out, None, mask)
+    with pytest.raises(NotImplementedError, match="block-sparse blocks"):  # no compiled tile divides 16x16
+        flashcpp.flash_attn_func(q, k, v, block_sparse=flashcpp.block_sparse_from_mask(mask, 16, 16).to(DEV))
+
+
+def test_block_sparse_graph_capture_opcheck_and_compile(gen):
+    from flashcpp import _core
+    q, k, v = (rand((2, 384, 4, 64), torch.bfloat16, gen) for _ in range(3))
+    bs = flashcpp.block_sparse_from_mask(block_kind_mask(gen, (384, 384)), 128, 128).to(DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture
+        flashcpp.flash_attn_func(q, k, v, block_sparse=bs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # bs must outlive the graph: the kernels read its arrays at replay
+        out = flashcpp.flash_attn_func(q, k, v, block_sparse=bs)
+    for x in (q, k, v):
+        x.copy_(rand(x.shape, x.dtype, gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, flashcpp.flash_attn_func(q, k, v, block_sparse=bs))
+
+    tensors, sizes = _core.sparse_to_lists(_core.sparse_spec(bs))
+    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default,
+                          (q, k, v, 0.125, True, -1, -1, 0.0, None, True, tensors, sizes))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flashcpp.flash_attn_func(q, k, v, causal=True, block_sparse=bs),
+                             fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(q, k, v), flashcpp.flash_attn_func(q, k, v, causal=True, block_sparse=bs))
+
+
+def test_block_sparse_errors(gen):
+    q = rand((1, 256, 4, 64), torch.bfloat16, gen)
+    bs = flashcpp.causal_block_sparse(256, 256, 128, 128)
+    with pytest.raises(ValueError, match=r"numpy \(host\) arrays, but q is on cuda.*block_sparse.to\(q.device\)"):
+        flashcpp.flash_attn_func(q, q, q, block_sparse=bs)
+    with pytest.raises(ValueError, match=r"block_sparse.row_ptr must be on q's device \(cuda:0\); got cpu"):
+        flashcpp.flash_attn_func(q, q, q, block_sparse=bs.to("cpu"))
+    with pytest.raises(ValueError, match="built for seqlen_q=256"):
+        flashcpp.flash_attn_func(q[:, :255], q, q, block_sparse=bs.to(DEV))
+    with pytest.raises(ValueError, match="must be on q's device"):  # the mask on the CPU, q on the GPU
+        flashcpp.flash_attn_func(q.cpu(), q.cpu(), q.cpu(), block_sparse=bs.to(DEV))
