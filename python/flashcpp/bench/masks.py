@@ -1,13 +1,20 @@
 """Fused masks: flashcpp vs FlexAttention (torch.compile'd, same masks as BlockMask / score_mod)
 and vs SDPA with the equivalent dense attn_mask, one process, (2, 16, 8192, 128) bf16.
 
-Cases (causal everywhere, bottom-right = top-left here since seqlen_q == seqlen_k):
+Cases (causal except block_sparse; bottom-right = top-left here since seqlen_q == seqlen_k):
   window        sliding window: key j visible to query i iff i - 1024 <= j <= i
   document      3 packed documents per sequence (4096, 2560, 1536 tokens), causal inside each;
                 flashcpp runs it as varlen (cu_seqlens over the 2 x 3 documents)
   alibi         causal + ALiBi bias slope_h * (j - i), BLOOM slopes for 16 heads
   window_global window 1024 plus 64 global keys (attention sinks: keys j < 64 ignore the window)
   softcap       causal + Gemma-2 logit softcap 50 * tanh(s / 50)
+  block_sparse  random block-sparse mask of 128x128 blocks, not causal: each off-diagonal block
+                listed with probability 0.5 (a tenth of the listed ones partial: a triangle of
+                element bits), every diagonal block partial (no query row is empty); flashcpp
+                gets it as a BlockSparse built from the mask function, Flex as the BlockMask
+                create_block_mask builds from the same function
+  document_bs   the document case as a 128x128 block-sparse mask (document_block_sparse over one
+                sequence's 3 documents, causal inside each, shared by the batch) instead of varlen
 
 TFLOP/s = 4 * B * H * D * (visible (i, j) pairs per (batch, head)), the pairs counted exactly from
 the mask (DESIGN.md: a mask that skips work shows it). Timing: medians of interleaved rounds of
@@ -30,8 +37,13 @@ WINDOW = 1024
 GLOBAL = 64
 SOFTCAP = 50.0
 DOCS = (4096, 2560, 1536)
-CASES = ["window", "document", "alibi", "window_global", "softcap"]
-QUICK = ["window", "document"]
+BS_BLOCK = 128     # block-sparse cases: 128x128 blocks (every kernel config's tiles divide them)
+BS_DENSITY = 0.5   # block_sparse: probability that an off-diagonal block is listed
+BS_PARTIAL = 0.1   # block_sparse: share of the listed off-diagonal blocks that are partial
+BS_SEED = 7
+CASES = ["window", "document", "alibi", "window_global", "softcap", "block_sparse", "document_bs"]
+QUICK = ["window", "document", "block_sparse"]
+SPARSE_CASES = ("block_sparse", "document_bs")
 FLEX_BAR, SDPA_BAR = 1.0, 8.0
 CHECK_ATOL = 2e-2  # bf16 output vs an fp32 reference (max over batch 0, two heads)
 
@@ -50,21 +62,79 @@ def visible_pairs(case: str) -> int:
         lo = np.maximum(i - WINDOW, 0)                   # window [lo, i]
         sinks = np.minimum(GLOBAL, lo)                   # global keys below the window
         return int((i - lo + 1 + sinks).sum())
-    if case == "document":
+    if case in ("document", "document_bs"):
         return int(sum(n * (n + 1) // 2 for n in DOCS))
+    if case == "block_sparse":
+        return block_sparse_pairs(block_kinds())
     raise ValueError(case)
 
 
 def mask_description(case: str) -> str:
     return {"window": f"causal sliding window {WINDOW}", "document": f"causal document mask {DOCS}",
             "alibi": "causal + ALiBi (BLOOM slopes)", "window_global": f"window {WINDOW} + {GLOBAL} global keys",
-            "softcap": f"causal + softcap {SOFTCAP:g}"}[case]
+            "softcap": f"causal + softcap {SOFTCAP:g}",
+            "block_sparse": f"random block-sparse {BS_BLOCK}x{BS_BLOCK}, {BS_DENSITY:g} of the blocks, "
+                            f"{BS_PARTIAL:g} of them partial, diagonal blocks partial",
+            "document_bs": f"causal document mask {DOCS} as block-sparse {BS_BLOCK}x{BS_BLOCK}"}[case]
+
+
+# ---- the block-sparse cases ------------------------------------------------------------------------
+
+def block_kinds(n: int = N, block: int = BS_BLOCK, seed: int = BS_SEED):
+    """The block_sparse case's (ceil(n / block),) * 2 int8 grid (numpy): 0 hidden, 1 visible,
+    2 partial. A partial block shows key column c to query row r (within the block) iff c <= r,
+    so a diagonal block, partial always, lets every query see itself (no empty row: the dense
+    SDPA reference would give NaN there)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    nb = -(-n // block)
+    u = rng.random((nb, nb))
+    kinds = np.where(u < BS_DENSITY * (1 - BS_PARTIAL), 1, np.where(u < BS_DENSITY, 2, 0)).astype(np.int8)
+    np.fill_diagonal(kinds, 2)
+    return kinds
+
+
+def block_sparse_mask_fn(kinds, block: int = BS_BLOCK):
+    """mask(q_idx, kv_idx) of the block_sparse case over broadcastable index arrays: numpy with a
+    numpy `kinds` (flashcpp's builder), torch with a torch `kinds` (Flex's mask_mod, the dense
+    reference)."""
+    def mask(q, kv):
+        kind = kinds[q // block, kv // block]
+        return (kind == 1) | ((kind == 2) & (kv % block <= q % block))
+    return mask
+
+
+def block_sparse_pairs(kinds, n: int = N, block: int = BS_BLOCK) -> int:
+    """Visible pairs of the block_sparse mask, counted per block (ragged last blocks included)."""
+    import numpy as np
+    sizes = np.minimum(block, n - block * np.arange(kinds.shape[0]))  # rows (= columns) per block
+    r, c = sizes[:, None], sizes[None, :]
+    # partial: pairs (row, col) with col <= row inside an r x c block
+    tri = np.where(c >= r, r * (r + 1) // 2, c * (c + 1) // 2 + (r - c) * c)
+    return int(np.where(kinds == 1, r * c, np.where(kinds == 2, tri, 0)).sum())
+
+
+def build_block_sparse(case: str, n: int = N, block: int = BS_BLOCK, docs=DOCS):
+    """flashcpp's host BlockSparse of a block-sparse case (one mask for every batch and head)."""
+    import numpy as np
+
+    import flashcpp
+    if case == "block_sparse":
+        kinds = block_kinds(n, block)
+        return flashcpp.block_sparse_from_mask(block_sparse_mask_fn(kinds, block), block, block,
+                                               seqlen_q=n, seqlen_k=n)
+    if case == "document_bs":
+        assert sum(docs) == n, f"documents {docs} must fill the sequence of {n}"
+        cu = np.concatenate([[0], np.cumsum(docs)]).astype(np.int32)
+        return flashcpp.document_block_sparse(cu, cu, block, block, causal=True)
+    raise ValueError(case)
 
 
 # ---- the masks as functions (Flex mask_mod / score_mod, and the dense reference) ----------------
 
-def make_masks(case: str, doc_id, slopes):
-    """(mask_mod, score_mod) for FlexAttention; either may be None."""
+def make_masks(case: str, doc_id, slopes, kinds=None):
+    """(mask_mod, score_mod) for FlexAttention; either may be None. `kinds`: block_kinds() as a
+    torch tensor on the device (block_sparse)."""
     import torch
 
     def causal(b, h, q, kv):
@@ -74,8 +144,11 @@ def make_masks(case: str, doc_id, slopes):
         return (lambda b, h, q, kv: (q >= kv) & (q - kv <= WINDOW)), None
     if case == "window_global":
         return (lambda b, h, q, kv: (q >= kv) & ((q - kv <= WINDOW) | (kv < GLOBAL))), None
-    if case == "document":
+    if case in ("document", "document_bs"):
         return (lambda b, h, q, kv: (doc_id[q] == doc_id[kv]) & (q >= kv)), None
+    if case == "block_sparse":
+        fn = block_sparse_mask_fn(kinds)
+        return (lambda b, h, q, kv: fn(q, kv)), None
     if case == "alibi":
         return causal, (lambda score, b, h, q, kv: score + slopes[h] * (kv - q).to(score.dtype))
     if case == "softcap":
@@ -83,16 +156,18 @@ def make_masks(case: str, doc_id, slopes):
     raise ValueError(case)
 
 
-def dense_visibility(case: str, doc_id, device):
+def dense_visibility(case: str, doc_id, device, kinds=None):
     import torch
     i = torch.arange(N, device=device)[:, None]
     j = torch.arange(N, device=device)[None, :]
+    if case == "block_sparse":
+        return block_sparse_mask_fn(kinds)(i, j)
     vis = j <= i
     if case == "window":
         vis &= i - j <= WINDOW
     elif case == "window_global":
         vis &= (i - j <= WINDOW) | (j < GLOBAL)
-    elif case == "document":
+    elif case in ("document", "document_bs"):
         vis &= doc_id[:, None] == doc_id[None, :]
     return vis
 
@@ -152,10 +227,14 @@ def run(quick: bool, out: str) -> int:
     doc_id = torch.repeat_interleave(torch.arange(len(DOCS), device=dev), torch.tensor(DOCS, device=dev))
     cu = torch.tensor([0] + [sum(DOCS[:i + 1]) + b * N for b in range(B) for i in range(len(DOCS))],
                       device=dev, dtype=torch.int32)
+    kinds = torch.from_numpy(block_kinds()).to(dev)
     o_auto, o_sm80 = torch.empty_like(q), torch.empty_like(q)
     hopper = torch.cuda.get_device_capability()[0] == 9
 
-    def ours(case: str, config: str, o) -> Callable[[], object]:
+    def ours(case: str, config: str, o, sparse) -> Callable[[], object]:
+        if case in SPARSE_CASES:  # the whole mask is in the block-sparse arrays
+            return lambda: flashcpp.attention(q, k, v, out=o, block_sparse=sparse, backend="cuda",
+                                              cuda_config=config)[0]
         kw: Dict[str, object] = dict(out=o, causal=True, backend="cuda", cuda_config=config)
         if case in ("window", "window_global"):
             kw["window_size"] = (WINDOW, 0)
@@ -171,8 +250,10 @@ def run(quick: bool, out: str) -> int:
             return lambda: flashcpp.attention(qv, kv, vv, **kw)[0]
         return lambda: flashcpp.attention(q, k, v, **kw)[0]
 
-    def select(case: str):
+    def select(case: str, sparse):
         """The automatic kernel choice for the case (what "flashcpp" runs)."""
+        if case in SPARSE_CASES:
+            return flashcpp.select_kernel(q, k, v, block_sparse=sparse, backend="cuda")
         kw: Dict[str, object] = dict(causal=True, backend="cuda")
         if case in ("window", "window_global"):
             kw["window_size"] = (WINDOW, 0)
@@ -194,10 +275,17 @@ def run(quick: bool, out: str) -> int:
         progress(f"[bench masks] {case}: {mask_description(case)}")
         pairs = visible_pairs(case)
         flops = 4.0 * B * H * D * pairs
-        fns: Dict[str, Callable[[], object]] = {"flashcpp": ours(case, "", o_auto),
-                                                "flashcpp_sm80": ours(case, "sm80", o_sm80)}
-        choice = select(case)
-        mask_mod, score_mod = make_masks(case, doc_id, slopes)
+        sparse = None
+        if case in SPARSE_CASES:  # built on the host once, then moved to the GPU once
+            host = build_block_sparse(case)
+            assert host.visible_pairs == pairs, f"{case}: the built mask has {host.visible_pairs} pairs, not {pairs}"
+            progress(f"  block-sparse {host.block_m}x{host.block_n}: {host.num_blocks} blocks listed "
+                     f"({host.block_density:.1%}), {host.num_blocks - host.num_full_blocks} partial")
+            sparse = host.to(dev)
+        fns: Dict[str, Callable[[], object]] = {"flashcpp": ours(case, "", o_auto, sparse),
+                                                "flashcpp_sm80": ours(case, "sm80", o_sm80, sparse)}
+        choice = select(case, sparse)
+        mask_mod, score_mod = make_masks(case, doc_id, slopes, kinds)
         if flex_compiled is not None:
             try:
                 bm = create_block_mask(mask_mod, None, None, N, N, device=dev)
@@ -206,7 +294,7 @@ def run(quick: bool, out: str) -> int:
             except Exception as e:
                 progress(f"  flex unavailable for {case}: {type(e).__name__}: {str(e)[:160]}")
                 fns.pop("flex", None)
-        vis = dense_visibility(case, doc_id, dev)
+        vis = dense_visibility(case, doc_id, dev, kinds)
         if case == "window":  # the dense-mask route users fall back to
             fns["sdpa_dense"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=vis)
 
@@ -233,7 +321,8 @@ def run(quick: bool, out: str) -> int:
             speedup = t[peer] / t["flashcpp"]
             rows.append({"case": f"b{B}_h{H}_n{N}_d{D}_{case}", "peer": peer, "ours_us": round(t["flashcpp"], 2),
                          "peer_us": round(t[peer], 2), "speedup": round(speedup, 3), "batch": B, "heads_q": H,
-                         "heads_kv": H, "seqlen_q": N, "seqlen_k": N, "head_dim": D, "causal": 1, "mask": case,
+                         "heads_kv": H, "seqlen_q": N, "seqlen_k": N, "head_dim": D,
+                         "causal": int(case != "block_sparse"), "mask": case,
                          "mask_description": mask_description(case), "dtype": "bf16", "visible_pairs": pairs,
                          "ours_tflops": round(tf["flashcpp"], 1), "peer_tflops": round(tf[peer], 1),
                          "ours_kernel": choice.kernel, "ours_config": choice.config,
@@ -245,7 +334,7 @@ def run(quick: bool, out: str) -> int:
                          "gpu": env["gpu"], "git_commit": env["git_commit"]})
         summary.append((case, tf, {p: t[p] / t["flashcpp"] for p in t if p.startswith(("flex", "sdpa"))}))
         progress("  " + "  ".join(f"{n} {tf[n]:6.1f} TF/s" for n in tf))
-        del vis
+        del vis, sparse
         torch.cuda.empty_cache()
 
     write_csv(os.path.join(out, "benchmark.csv"), rows)
