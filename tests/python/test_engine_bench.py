@@ -111,7 +111,7 @@ def test_driver_end_to_end_cpu(tmp_path, monkeypatch):
     binary.write_text("#!/bin/sh\nexit 1\n")
     binary.chmod(0o755)
     monkeypatch.setattr(engine, "run_flashcpp", fake_flashcpp)
-    monkeypatch.setattr(engine, "cases_for", lambda quick: [(1, 512), (2, 64)])
+    monkeypatch.setattr(engine, "cases_for", lambda quick, spec=None: [(1, 512), (2, 64)])
     monkeypatch.setattr(engine, "NEW_TOKENS", 8)
     out = tmp_path / "out"
     rc = engine.run(quick=True, out=str(out), flashcpp_bin=str(binary), model_dir=str(tmp_path / "ckpt"), steps=3,
