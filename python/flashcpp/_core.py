@@ -242,11 +242,25 @@ def sparse_to_lists(bs: Optional[BlockSparseSpec]) -> Tuple[Optional[list], Opti
     return [getattr(bs, f) for f in SPARSE_ARRAYS], [int(getattr(bs, f)) for f in SPARSE_SIZES]
 
 
+def sparse_to_args(bs: Optional[BlockSparseSpec]) -> tuple:
+    """The op arguments of a mask: its four arrays, then the sizes list (all None = no mask).
+    Four Optional[Tensor] arguments rather than one Optional[List[Tensor]]: torch.library's
+    schema inference (torch 2.11) has no optional list of tensors."""
+    tensors, sizes = sparse_to_lists(bs)
+    return (*(tensors if tensors is not None else (None,) * len(SPARSE_ARRAYS)), sizes)
+
+
+def sparse_from_args(row_ptr: Any, col_idx: Any, partial: Any, element_masks: Any,
+                     sizes: Optional[list]) -> Optional[BlockSparseSpec]:
+    tensors = [row_ptr, col_idx, partial, element_masks]
+    return sparse_from_lists(None if all(t is None for t in tensors) else tensors, sizes)
+
+
 def sparse_from_lists(tensors: Optional[list], sizes: Optional[list]) -> Optional[BlockSparseSpec]:
     if tensors is None and sizes is None:
         return None
     if tensors is None or sizes is None or len(tensors) != len(SPARSE_ARRAYS) or len(sizes) != len(SPARSE_SIZES):
-        raise ValueError(f"block_sparse takes the tensors [{', '.join(SPARSE_ARRAYS)}] and block_sparse_sizes "
+        raise ValueError(f"block_sparse takes the tensors [{', '.join(SPARSE_ARRAYS)}] (all of them) and block_sparse_sizes "
                          f"the ints [{', '.join(SPARSE_SIZES)}], both or neither")
     return BlockSparseSpec(*tensors, *sizes)
 

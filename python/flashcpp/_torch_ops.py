@@ -8,16 +8,18 @@ and bad inputs fail at trace time with the same sentences.
 
 Ops:
   flashcpp::flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                           alibi_slopes?, return_lse, block_sparse?=None,
+                           alibi_slopes?, return_lse, bs_row_ptr?=None, bs_col_idx?=None,
+                           bs_partial?=None, bs_element_masks?=None,
                            block_sparse_sizes?=None) -> (out, lse)
   flashcpp::flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
                            softcap, alibi_slopes?, return_lse) -> (out, lse)
   flashcpp::merge_attention_states(v_a, s_a, v_b, s_b) -> (v, s)
 When return_lse is False the lse output is an empty (0,) tensor. A block-sparse mask travels as
-block_sparse = [row_ptr, col_idx, partial, element_masks] (int32, int32, int32, int64 tensors on
-q's device, as BlockSparse.to(device) makes them) and block_sparse_sizes = [block_m, block_n,
-num_batch, num_heads, num_q_blocks, num_k_blocks, seqlen_q, seqlen_k] (_core.sparse_to_lists).
+the four tensors bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks (int32, int32, int32, int64
+on q's device, as BlockSparse.to(device) makes them) and block_sparse_sizes = [block_m, block_n,
+num_batch, num_heads, num_q_blocks, num_k_blocks, seqlen_q, seqlen_k] (_core.sparse_to_args).
+Four optional tensors, not one optional list: torch 2.11's schema inference has no Tensor[]?.
 
 No annotations from __future__ here: torch.library reads the real annotations for the schema.
 """
@@ -32,22 +34,24 @@ from .attention import _execute, _prepare
 _NO_LSE = (0,)
 
 
-def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, block_sparse=None,
-           block_sparse_sizes=None):
+def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr=None,
+           bs_col_idx=None, bs_partial=None, bs_element_masks=None, block_sparse_sizes=None):
+    sparse = _core.sparse_from_args(bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks, block_sparse_sizes)
     return _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes,
-                    None, None, None, None, _core.sparse_from_lists(block_sparse, block_sparse_sizes))
+                    None, None, None, None, sparse)
 
 
 def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
                          window_left: int, window_right: int, softcap: float,
                          alibi_slopes: Optional[Tensor], return_lse: bool,
-                         block_sparse: Optional[List[Tensor]] = None,
+                         bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
+                         bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
                          block_sparse_sizes: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
     """The body of flashcpp::flash_attn_fwd. Eager callers use it directly: going through the
     torch.library dispatcher costs tens of microseconds per call, which is the whole kernel time
     of a short sequence."""
-    p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, block_sparse,
-               block_sparse_sizes)
+    p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
+               bs_partial, bs_element_masks, block_sparse_sizes)
     out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
     _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
@@ -58,18 +62,22 @@ def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, 
 def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
                    window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor], return_lse: bool,
-                   block_sparse: Optional[List[Tensor]] = None,
+                   bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
+                   bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
                    block_sparse_sizes: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
     return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                alibi_slopes, return_lse, block_sparse, block_sparse_sizes)
+                                alibi_slopes, return_lse, bs_row_ptr, bs_col_idx, bs_partial,
+                                bs_element_masks, block_sparse_sizes)
 
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                         alibi_slopes, return_lse, block_sparse=None, block_sparse_sizes=None):
+                         alibi_slopes, return_lse, bs_row_ptr=None, bs_col_idx=None, bs_partial=None,
+                         bs_element_masks=None, block_sparse_sizes=None):
     # softmax_scale 1.0: the fake needs shapes only (and math.sqrt of a SymInt is best avoided).
     # The block-sparse checks read shapes, dtypes and devices only: bad masks fail at trace time.
-    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, block_sparse, block_sparse_sizes)
+    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx, bs_partial,
+               bs_element_masks, block_sparse_sizes)
     return (q.new_empty(p.shape_o),
             q.new_empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
 

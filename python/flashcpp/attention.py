@@ -298,7 +298,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
         args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
-                bool(return_lse), *_core.sparse_to_lists(sparse))
+                bool(return_lse), *_core.sparse_to_args(sparse))
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and

@@ -175,11 +175,11 @@ def test_op_with_a_mask_opcheck_and_compile(rng):
     from flashcpp import _core
     q, k, v = (torch.from_numpy(x) for x in qkv(rng, 1, 20, 24, 4, 2))
     bs = flashcpp.block_sparse_from_mask(random_mask(rng, (1, 4, 20, 24)), 8, 16).to("cpu")
-    tensors, sizes = _core.sparse_to_lists(_core.sparse_spec(bs))
+    tensors, sizes = _core.sparse_to_lists(_core.sparse_spec(bs))  # the op takes *tensors, sizes
     torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default,
-                          (q, k, v, 0.125, False, -1, -1, 0.0, None, True, tensors, sizes))
+                          (q, k, v, 0.125, False, -1, -1, 0.0, None, True, *tensors, sizes))
     eager = flashcpp.flash_attn_func(q, k, v, causal=True, block_sparse=bs)
-    out, _ = torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, False, tensors, sizes)
+    out, _ = torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, False, *tensors, sizes)
     assert torch.equal(out, eager)
 
     torch._dynamo.reset()
@@ -189,11 +189,11 @@ def test_op_with_a_mask_opcheck_and_compile(rng):
         assert torch.equal(compiled(q, k, v), eager)
     # the op checks its arguments itself, also at trace time (fake tensors)
     with pytest.raises(ValueError, match="both or neither"):
-        torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, False, tensors, None)
+        torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, False, *tensors, None)
     bad = list(sizes)
     bad[6] = 21  # seqlen_q
     with pytest.raises(ValueError, match="built for seqlen_q=21"):
-        torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, False, tensors, bad)
+        torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, True, -1, -1, 0.0, None, False, *tensors, bad)
     torch._dynamo.reset()
     other = flashcpp.block_sparse_from_mask(np.ones((20, 25), bool), 8, 16).to("cpu")
     with pytest.raises(Exception, match="built for seqlen_q=20, seqlen_k=25"):

@@ -404,7 +404,7 @@ def test_block_sparse_graph_capture_opcheck_and_compile(gen):
 
     tensors, sizes = _core.sparse_to_lists(_core.sparse_spec(bs))
     torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default,
-                          (q, k, v, 0.125, True, -1, -1, 0.0, None, True, tensors, sizes))
+                          (q, k, v, 0.125, True, -1, -1, 0.0, None, True, *tensors, sizes))
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v: flashcpp.flash_attn_func(q, k, v, causal=True, block_sparse=bs),
                              fullgraph=True)
