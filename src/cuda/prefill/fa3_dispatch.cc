@@ -86,7 +86,7 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 
 std::string fa3_config_name(const Fa3Entry& e) {
   return "sm90_m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "s" + std::to_string(e.stages) +
-         (e.ping_pong ? "p" : "");
+         (e.ping_pong ? (e.sched ? "p" : "o") : "");
 }
 
 std::span<const Fa3Entry> fa3_entries(int head_dim) {

@@ -36,7 +36,7 @@ inline constexpr float kLn2Fa3 = 0.6931471805599453f;
 
 namespace flashcpp::cuda {
 
-template <int HeadDim, int BlockN, int Stages, bool PingPong = false>
+template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;              ///< two consumer warpgroups x 64 rows
@@ -46,6 +46,9 @@ struct Fa3Config {
   /// ping-pong scheduling: the two consumer warpgroups take turns issuing their wgmmas, so one
   /// warpgroup's softmax runs while the other's matrix products occupy the tensor cores.
   static constexpr bool kPingPong = PingPong;
+  /// With kPingPong: whether the named-barrier turn-taking runs (false = the in-warpgroup
+  /// overlap alone, config suffix "o").
+  static constexpr bool kSched = PingPong && Sched;
   static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -174,24 +177,30 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // Score modifiers (raw units: softcap, then ALiBi), then the element mask of a boundary or
   // partial tile (interior tiles skip it). acc_s[4j + 2r + e1] is row row_base + 8r, key
   // n0 + 8j + 2t + e1.
+  // ALiBi adds only its column term slope * (key - ref), ref = the tile's first query row in key
+  // coordinates: the row term -slope * (row - ref) is a per-row constant, which softmax ignores;
+  // the epilogue adds it to LSE. One FFMA per column pair (shared by both rows) and one FADD per
+  // score, instead of an FADD + FFMA per score.
+  const int alibi_ref = m0 + cta.rules.offset();
   auto mask = [&](float (&acc_s)[BN / 2], int it) {
     const KeyTile kt = cta.key_tile<BN>(it);
     const int n0 = kt.n0;
     const MaskRules& rules = cta.rules;
     if (p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi)) {
-      const bool softcap = p.mask.flags & PrefillMask::kSoftcap;
-      const float slope = alibi_slope_raw(p, b, h);  // 0 when ALiBi is off
+      if (p.mask.flags & PrefillMask::kSoftcap) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int ia = row_base + 8 * r + rules.offset();
-        const float dist0 = static_cast<float>(n0 + 2 * t - ia);  // j - ia, exact in fp32
+        for (int e = 0; e < BN / 2; ++e) acc_s[e] = softcap_raw(acc_s[e], p.mask.softcap_raw, p.mask.softcap_k);
+      }
+      if (p.mask.flags & PrefillMask::kAlibi) {
+        const float slope = alibi_slope_raw(p, b, h);
+        const float base = slope * static_cast<float>(n0 + 2 * t - alibi_ref);  // |n0 + 2t - ref| < 2^24: exact
 #pragma unroll
         for (int j = 0; j < NC; ++j)
 #pragma unroll
           for (int e1 = 0; e1 < 2; ++e1) {
-            float& sc = acc_s[4 * j + 2 * r + e1];
-            if (softcap) sc = softcap_raw(sc, p.mask.softcap_raw, p.mask.softcap_k);
-            sc = fmaf(slope, dist0 + static_cast<float>(8 * j + e1), sc);
+            const float bias = fmaf(slope, static_cast<float>(8 * j + e1), base);
+            acc_s[4 * j + e1] += bias;
+            acc_s[4 * j + 2 + e1] += bias;
           }
       }
     }
@@ -296,11 +305,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     // issue. Warpgroup 0 goes first; warpgroup 1 skips its last hand-over so that both barriers
     // see exactly as many arrivals as waits (n_iters + 1 issue windows per warpgroup).
     constexpr int kSched = 3;
-    auto window_begin = [&] { sm90::named_barrier_sync(kSched + c, 256); };
-    auto window_end = [&](bool last) {
-      if (c == 0 || !last) sm90::named_barrier_arrive(kSched + (1 - c), 256);
+    auto window_begin = [&] {
+      if constexpr (Cfg::kSched) sm90::named_barrier_sync(kSched + c, 256);
     };
-    if (c == 1) sm90::named_barrier_arrive(kSched + 0, 256);
+    auto window_end = [&](bool last) {
+      if constexpr (Cfg::kSched)
+        if (c == 0 || !last) sm90::named_barrier_arrive(kSched + (1 - c), 256);
+    };
+    if constexpr (Cfg::kSched)
+      if (c == 1) sm90::named_barrier_arrive(kSched + 0, 256);
     // Block 0: Q K^T alone.
     sm90::mbar_wait(&k_full[0], 0);
     window_begin();
@@ -354,8 +367,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     inv[r] = l > 0.f ? 1.f / l : 0.f;
     const int i = row_base + 8 * r;
-    if (p.lse != nullptr && t == 0 && i < cta.m_end)
-      p.lse[cta.lse_row0 + i] = l > 0.f ? (row_max[r] * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
+    if (p.lse != nullptr && t == 0 && i < cta.m_end) {
+      // The ALiBi row term left out of the scores (see mask): -slope * (row - ref), raw units.
+      const float row_term = -alibi_slope_raw(p, b, h) * static_cast<float>(i + cta.rules.offset() - alibi_ref);
+      p.lse[cta.lse_row0 + i] = l > 0.f ? ((row_max[r] + row_term) * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
+    }
   }
   unsigned char* sO = base;  // this warpgroup reads only its own Q rows, all S GEMMs are done
 #pragma unroll
