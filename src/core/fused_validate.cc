@@ -421,7 +421,8 @@ Status no_reference(const char* op) {
 
 #if FLASHCPP_WITH_CUDA
 /// RunOptions::cuda_config for the fused kernels: "" or a comma-separated list of "scalar",
-/// "two_pass" and "streaming". Also checks that a usable sm_80+ device is current.
+/// "two_pass", "streaming", "slots1|2|4" (norms) and "heads1|2" (rotary). Also checks that a
+/// usable sm_80+ device is current.
 Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
   std::size_t at = 0;
   while (at < config.size()) {
@@ -431,9 +432,12 @@ Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
     if (tok == "scalar") force->scalar = true;
     else if (tok == "two_pass") force->two_pass = true;
     else if (tok == "streaming") force->streaming = true;
+    else if (tok == "slots1" || tok == "slots2" || tok == "slots4") force->slots = tok.back() - '0';
+    else if (tok == "heads1" || tok == "heads2") force->heads = tok.back() - '0';
     else if (!tok.empty())
-      return Status::Invalid(
-          cat("cuda_config token '", tok, "' is not known to the fused kernels (known: scalar, two_pass, streaming)"));
+      return Status::Invalid(cat("cuda_config token '", tok,
+                                 "' is not known to the fused kernels (known: scalar, two_pass, streaming, "
+                                 "slots1, slots2, slots4, heads1, heads2)"));
     at = comma + 1;
   }
   cuda::DeviceInfo dev;

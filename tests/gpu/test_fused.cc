@@ -183,7 +183,8 @@ void run_norm(const NormCase& c, std::uint64_t salt) {
 
 TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
   std::uint64_t salt = 1;
-  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass"}) run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
+  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots2", "slots4"})
+    run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
   run_norm({8192, 4096, DType::kF16, true}, salt++);
   run_norm({8192, 4096, DType::kBF16, false}, salt++);
 }
@@ -195,7 +196,7 @@ TEST(FusedGpuRmsNorm, OddSizes) {
   for (DType dt : {DType::kBF16, DType::kF16})
     for (const auto& s : shapes)
       for (bool res : {false, true})
-        for (const char* cfg : {"", "two_pass"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
+        for (const char* cfg : {"", "two_pass", "slots2"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
 }
 
 TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
@@ -441,10 +442,13 @@ TEST(FusedGpuRotary, DesignSize) {
   c.theta = 500000.0;
   c.llama3 = Llama3Scaling{8.f, 1.f, 4.f, 8192};
   run_rope(c, 2);
+  c.config = "heads2";  // two heads per thread sharing cos/sin (the measurement knob)
+  run_rope(c, 3);
   c.style = RopeStyle::kInterleaved;
   c.out_of_place = true;
+  run_rope(c, 4);
   c.config = "scalar";
-  run_rope(c, 3);
+  run_rope(c, 5);
 }
 
 TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
@@ -520,11 +524,11 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
     p.weight = buf;
     return cuda::rms_norm_path(p, true, f).name;
   };
-  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 register threads=128 group=128");
-  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 register threads=256 group=256");
-  EXPECT_EQ(norm(128, 128), "fused_add_rms_norm vec8 register threads=128 group=4");  // QK-norm: 32 rows/block
+  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 register threads=512 group=512");
+  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 register threads=1024 group=1024");
+  EXPECT_EQ(norm(128, 128), "fused_add_rms_norm vec8 register threads=128 group=16");  // QK-norm: 8 rows/block
   EXPECT_EQ(norm(4097, 4097), "fused_add_rms_norm scalar register threads=544 group=544");
-  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 register threads=160 group=160");  // padded rows: vector + tail
+  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 register threads=544 group=544");  // padded rows: vector + tail
   EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");

@@ -11,7 +11,7 @@
 //
 // Two kernels, each instantiated for {bf16, fp16} x {16-byte vectors, scalar} (8 in all):
 //   register   hidden <= kRegisterMaxHidden (8192). The row lives in registers between the load
-//              and the store: each thread holds kSlots vectors (4 x 8 elements, or 8 scalars),
+//              and the store: each thread holds kSlots vectors (1 x 8 elements, or 8 scalars),
 //              kept as the packed, ROUNDED h (what residual_out receives, and what y is computed
 //              from). Small rows (<= 32 threads' worth, e.g. per-head QK-norm at 128) are given
 //              a power-of-two group of lanes inside a warp and reduce with shuffles; bigger rows
@@ -41,12 +41,17 @@ constexpr int kGroupBlockThreads = 128;  // register kernel, rows of <= 32 threa
 constexpr int kTwoPassThreads = 512;
 
 /// Register slots per thread and the block size bound of the register kernel, per width.
-template <int VEC>
+/// 16-byte vectors: one slot by default, so hidden 4096 takes 512 threads a row at 32 registers
+/// and an SM holds 2048 threads (four rows) with their loads in flight. Measured on the H200
+/// (fused_add_rms_norm 8192x4096 bf16): four slots (128 threads, 93 registers) 57% of the
+/// floor, two slots 70%, one slot 86.5%. cuda_config "slots2|4" picks the others (measurement).
+template <int VEC, int SLOTS = (VEC == kVec16 ? 1 : 8)>
 struct RegisterConfig {
-  static constexpr int kSlots = VEC == kVec16 ? 4 : 8;
-  static constexpr int kMaxThreads = kRegisterMaxHidden / (VEC * kSlots);  // 256 or 1024
+  static constexpr int kSlots = SLOTS;
+  static constexpr int kMaxThreads = kRegisterMaxHidden / (VEC * kSlots);  // 1024, 512, 256; scalar 1024
   static_assert(kMaxThreads % 32 == 0 && kMaxThreads <= 1024, "one block must hold the largest register row");
 };
+constexpr int kDefaultVecSlots = RegisterConfig<kVec16>::kSlots;
 
 /// Kernel arguments (passed as one __grid_constant__ struct).
 struct NormArgs {
@@ -69,10 +74,10 @@ __device__ __forceinline__ int valid_in(int v, int hidden) {
   return min(VEC, hidden - v * VEC);
 }
 
-template <class T, int VEC>
-__global__ void __launch_bounds__(RegisterConfig<VEC>::kMaxThreads)
+template <class T, int VEC, int SLOTS = RegisterConfig<VEC>::kSlots>
+__global__ void __launch_bounds__(RegisterConfig<VEC, SLOTS>::kMaxThreads)
     rms_norm_register_kernel(const __grid_constant__ NormArgs a) {
-  constexpr int kSlots = RegisterConfig<VEC>::kSlots;
+  constexpr int kSlots = SLOTS;
   __shared__ float scratch[32];
   const bool whole_block = a.group > 32;  // uniform over the block
   const int lane = whole_block ? threadIdx.x : (threadIdx.x & (a.group - 1));
@@ -222,7 +227,7 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
   const int nvec = static_cast<int>((p.hidden + vec - 1) / vec);
   path.register_row = !force.two_pass && p.hidden <= kRegisterMaxHidden;
   if (path.register_row) {
-    const int slots = path.vector ? RegisterConfig<kVec16>::kSlots : RegisterConfig<kScalar>::kSlots;
+    const int slots = path.vector ? (force.slots > 0 ? force.slots : kDefaultVecSlots) : RegisterConfig<kScalar>::kSlots;
     const int need = (nvec + slots - 1) / slots;  // threads per row
     if (need <= 32) {
       path.group = next_pow2(need);
@@ -236,7 +241,8 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
   }
   path.name = std::string(with_residual ? "fused_add_rms_norm" : "rms_norm") + (path.vector ? " vec8" : " scalar") +
               (path.register_row ? " register" : " two_pass") + " threads=" + std::to_string(path.threads) +
-              " group=" + std::to_string(path.group) + (force.streaming ? " streaming" : "");
+              " group=" + std::to_string(path.group) + (force.streaming ? " streaming" : "") +
+              (path.vector && path.register_row && force.slots > 0 ? " slots=" + std::to_string(force.slots) : "");
   return path;
 }
 
@@ -266,7 +272,11 @@ Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& fo
   return with_half_type(p.x.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (path.register_row) {
-      if (path.vector)
+      if (path.vector && force.slots == 2)
+        rms_norm_register_kernel<T, kVec16, 2><<<grid, path.threads, 0, stream>>>(a);
+      else if (path.vector && force.slots == 4)
+        rms_norm_register_kernel<T, kVec16, 4><<<grid, path.threads, 0, stream>>>(a);
+      else if (path.vector)
         rms_norm_register_kernel<T, kVec16><<<grid, path.threads, 0, stream>>>(a);
       else
         rms_norm_register_kernel<T, kScalar><<<grid, path.threads, 0, stream>>>(a);

@@ -11,12 +11,15 @@
 //
 // Work split: a thread owns one "lane" of one token -- VEC consecutive pairs (the two
 // VEC-element halves of a neox item, or 2*VEC consecutive elements of an interleaved one) -- in
-// up to kHeadsInFlight heads of q and k (heads g, g + G, ... with G = ceil(heads / 4) groups).
-// It issues all its loads first, then (overlapping their latency) the block computes inv_freq
-// in fp64 into shared memory (one barrier), the thread forms its VEC cos/sin in registers, and
-// rotates and stores. Out of place with a partial rotary_dim, extra lanes copy the tail. No
-// loop, no further barrier: 8192 blocks of 128 threads for the DESIGN case.
-// cos/sin are evaluated G times per (token, pair) (8 for the DESIGN case): ~5 fp64 operations
+// H heads of q and k (heads g, g + G, ... with G = ceil(heads / H) groups; H = 1 by default).
+// A token's lanes x groups threads are threadIdx.x (split over blockIdx.y when a token needs
+// more than kThreads); threadIdx.y picks one of the block's tokens. A thread issues all its loads
+// first, then forms its VEC cos/sin in registers (overlapping the load latency), rotates and
+// stores. No loop, no barrier, 32-bit index math: 16384 x 2 blocks of 128 threads for the DESIGN
+// case.
+// inv_freq comes from the host (fp64, in the kernel arguments): the per-block fp64 pow and the
+// barrier after it cost more than the rotation itself (46% of the floor on the H200 before).
+// cos/sin are evaluated G times per (token, pair) (once per head by default): ~5 fp64 operations
 // and 2 MUFU each, a few percent of the issue slots on A100/H100/H200. On parts with 1/64-rate
 // fp64 (L40, A10) that share is much larger: pass a cos_sin_cache there.
 // In place is safe: an element is read and written by the same thread.
@@ -33,7 +36,12 @@ namespace fused {
 namespace {
 
 constexpr int kThreads = 128;       // small blocks: finer occupancy steps at ~100-128 registers
-constexpr int kHeadsInFlight = 4;  // heads one thread loads (all at once) and rotates
+// Heads one thread loads and rotates (cuda_config heads2: measurement). One head per thread
+// at 40 registers beats sharing cos/sin over 2 or 4 heads (72 / 108 registers): on the H200 the
+// DESIGN case took 104 / 114 / 134 us. Memory-level parallelism (threads x bytes in flight) is
+// what limits this kernel, not the cos/sin arithmetic.
+constexpr int kHeadsInFlight = 1;
+constexpr int kMaxPairs = 512;     // rotary_dim / 2 for head_dim <= 1024 (fused_validate.cc)
 
 /// Kernel arguments; index 0 = q, 1 = k.
 struct RotaryArgs {
@@ -42,7 +50,8 @@ struct RotaryArgs {
   std::int64_t in_bs[2] = {}, in_ss[2] = {}, in_hs[2] = {};    ///< batch / seq / head strides of the inputs
   std::int64_t out_bs[2] = {}, out_ss[2] = {}, out_hs[2] = {};
   int heads_q = 0, heads = 0;  ///< heads of q, and of q and k together
-  std::int64_t threads = 0;    ///< tokens * groups * lanes: one thread each
+  std::int64_t tokens = 0;     ///< batch * seqlen
+  int per_token = 0;           ///< lanes * groups: threads of one token
   int seqlen = 0;
   int half = 0;       ///< rotary_dim / 2
   int rot_lanes = 0;  ///< lanes of VEC pairs: half / VEC
@@ -52,10 +61,10 @@ struct RotaryArgs {
   const std::int32_t* positions = nullptr;  ///< null: position = s
   const float* cache = nullptr;             ///< null: compute cos/sin
   int max_position = 0;
-  double theta = 0.0;
-  float factor = 0.f, low_freq_factor = 0.f, high_freq_factor = 0.f;
-  int original_max_position = 0;
   bool streaming = false;  ///< evict-first hints on q/k loads and stores
+  /// Without a cache: fp64 inv_freq per pair (theta and Llama-3 scaling applied on the host by
+  /// the same fused::inv_freq the CPU backend uses). 4 KB of the 32 KB kernel-argument space.
+  double inv_freq[kMaxPairs] = {};
 };
 
 /// (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)
@@ -76,16 +85,20 @@ __device__ __forceinline__ void lane_offsets(const RotaryArgs& a, int lane, int*
   }
 }
 
-template <class T, int VEC>
+template <class T, int VEC, int H = kHeadsInFlight>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant__ RotaryArgs a) {
-  extern __shared__ double inv_freq[];  // [half], without a cache
-  const std::int64_t slot = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const bool active = slot < a.threads;  // no early return: the block meets at a barrier below
-  const int lane = active ? static_cast<int>(slot % a.lanes) : 0;
-  const std::int64_t rest = slot / a.lanes;
-  const int group = static_cast<int>(rest % a.groups);
-  const std::int64_t t = active ? rest / a.groups : 0;
-  const std::int64_t b = t / a.seqlen, s = t - b * a.seqlen;
+  const int slot = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);  // inside the token
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  if (slot >= a.per_token || t >= a.tokens) return;
+  const int lane = slot % a.lanes, group = slot / a.lanes;
+  std::int64_t b, s;
+  if (t <= 0x7fffffff) {  // 32-bit division whenever it can be (always, in practice)
+    b = static_cast<std::uint32_t>(t) / static_cast<std::uint32_t>(a.seqlen);
+    s = t - b * a.seqlen;
+  } else {
+    b = t / a.seqlen;
+    s = t - b * a.seqlen;
+  }
   const bool rotate = lane < a.rot_lanes;
   int oa, ob;
   lane_offsets<VEC>(a, lane, &oa, &ob);
@@ -95,8 +108,8 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   const T* src_k = static_cast<const T*>(a.in[1]) + b * a.in_bs[1] + s * a.in_ss[1];
   T* dst_q = static_cast<T*>(a.out[0]) + b * a.out_bs[0] + s * a.out_ss[0];
   T* dst_k = static_cast<T*>(a.out[1]) + b * a.out_bs[1] + s * a.out_ss[1];
-  // Heads group, group + G, ... (at most kHeadsInFlight of them, by the choice of G).
-  auto head_valid = [&](int u) { return active && group + u * a.groups < a.heads; };
+  // Heads group, group + G, ... (at most H of them, by the choice of G).
+  auto head_valid = [&](int u) { return group + u * a.groups < a.heads; };
   auto src_of = [&](int u) {
     const int h = group + u * a.groups;
     return h >= a.heads_q ? src_k + (h - a.heads_q) * a.in_hs[1] : src_q + h * a.in_hs[0];
@@ -107,74 +120,77 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   };
 
   // 1. Every load first: their latency overlaps the cos/sin work below.
-  Vec<T, VEC> va[kHeadsInFlight], vb[kHeadsInFlight];
+  Vec<T, VEC> va[H], vb[H];
 #pragma unroll
-  for (int u = 0; u < kHeadsInFlight; ++u) {
+  for (int u = 0; u < H; ++u) {
     if (!head_valid(u)) continue;
     const T* src = src_of(u);
     va[u] = load_vec<T, VEC>(src + oa, VEC, a.streaming);
     if (rotate) vb[u] = load_vec<T, VEC>(src + ob, VEC, a.streaming);
   }
-  // 2. inv_freq (fp64, once per block), then this lane's cos/sin (pairs lane * VEC + k).
-  if (!a.cache) {  // uniform over the grid
-    for (int i = threadIdx.x; i < a.half; i += blockDim.x)
-      inv_freq[i] = flashcpp::fused::inv_freq(i, 2 * a.half, a.theta, a.factor, a.low_freq_factor,
-                                              a.high_freq_factor, a.original_max_position);
-    __syncthreads();
-  }
-  if (!active) return;
-  float c[VEC], sn[VEC];
-  if (rotate) {
-    const std::int32_t pos = a.positions ? a.positions[t] : static_cast<std::int32_t>(s);
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      const int i = lane * VEC + k;
-      if (a.cache) {
-        if (pos >= 0 && pos < a.max_position) {
-          const float* row = a.cache + static_cast<std::int64_t>(pos) * (2 * a.half);
-          c[k] = row[i];
-          sn[k] = row[a.half + i];
-        } else {
-          c[k] = sn[k] = __int_as_float(0x7fffffff);  // NaN: out-of-range position, see the header
-        }
+  // cos/sin of pair i (lane * VEC + k) at this token's position.
+  const std::int32_t pos = rotate ? (a.positions ? a.positions[t] : static_cast<std::int32_t>(s)) : 0;
+  auto cos_sin = [&](int k, float* c, float* sn) {
+    const int i = lane * VEC + k;
+    if (a.cache) {
+      if (pos >= 0 && pos < a.max_position) {
+        const float* row = a.cache + static_cast<std::int64_t>(pos) * (2 * a.half);
+        *c = __ldg(row + i);
+        *sn = __ldg(row + a.half + i);
       } else {
-        // |angle| <= pi after the fp64 reduction: the hardware sin/cos is within ~4e-7 there.
-        __sincosf(flashcpp::fused::reduced_angle(pos, inv_freq[i]), &sn[k], &c[k]);
+        *c = *sn = __int_as_float(0x7fffffff);  // NaN: out-of-range position, see the header
       }
+    } else {
+      // |angle| <= pi after the fp64 reduction: the hardware sin/cos is within ~4e-7 there.
+      __sincosf(flashcpp::fused::reduced_angle(pos, a.inv_freq[i]), sn, c);
     }
-  }
-  // 3. Rotate and store.
-#pragma unroll
-  for (int u = 0; u < kHeadsInFlight; ++u) {
-    if (!head_valid(u)) continue;
+  };
+  // Rotates head u's loaded vectors with pair k's cos/sin from get(k, &c, &s), and stores them.
+  auto rotate_store = [&](int u, auto&& get) {
     T* dst = dst_of(u);
     if (!rotate) {  // pass-through lane
       store_vec<T, VEC>(dst + oa, va[u], VEC, a.streaming);
-      continue;
-    }
-    float e[2 * VEC];
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      e[k] = to_float(va[u].v[k]);
-      e[VEC + k] = to_float(vb[u].v[k]);
-    }
-    // neox: pair k = (A[k], B[k]); interleaved: pair k = (AB[2k], AB[2k+1]). Two loops rather
-    // than a runtime index: e[] stays in registers only with constant indices.
-    if (a.neox) {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) rotate_pair(e[k], e[VEC + k], c[k], sn[k]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) rotate_pair(e[2 * k], e[2 * k + 1], c[k], sn[k]);
+      return;
     }
     Vec<T, VEC> ra, rb;
+    // neox: pair k = (A[k], B[k]); interleaved: pair k = (AB[2k], AB[2k+1]). Constant indices
+    // only (a runtime index would put the vectors in local memory).
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      ra.v[k] = from_float<T>(e[k]);
-      rb.v[k] = from_float<T>(e[VEC + k]);
+      float c, sn;
+      get(k, &c, &sn);
+      if (a.neox) {
+        float x0 = to_float(va[u].v[k]), x1 = to_float(vb[u].v[k]);
+        rotate_pair(x0, x1, c, sn);
+        ra.v[k] = from_float<T>(x0);
+        rb.v[k] = from_float<T>(x1);
+      } else {
+        const int j = 2 * k;  // element j and j + 1 of the 2*VEC-element run A|B
+        float x0 = to_float(j < VEC ? va[u].v[j % VEC] : vb[u].v[j % VEC]);
+        float x1 = to_float(j + 1 < VEC ? va[u].v[(j + 1) % VEC] : vb[u].v[(j + 1) % VEC]);
+        rotate_pair(x0, x1, c, sn);
+        // Each element goes back where it came from (with VEC = 1 the pair spans A and B).
+        (j < VEC ? ra : rb).v[j % VEC] = from_float<T>(x0);
+        (j + 1 < VEC ? ra : rb).v[(j + 1) % VEC] = from_float<T>(x1);
+      }
     }
     store_vec<T, VEC>(dst + oa, ra, VEC, a.streaming);
     store_vec<T, VEC>(dst + ob, rb, VEC, a.streaming);
+  };
+  if constexpr (H == 1) {
+    // One head: each pair's cos/sin is formed right where it is used (no cos/sin arrays held
+    // across the loop: fewer registers, more threads, more loads in flight).
+    if (head_valid(0)) rotate_store(0, cos_sin);
+  } else {
+    // 2. This lane's cos/sin once, for all H heads.
+    float c[VEC], sn[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k)
+      if (rotate) cos_sin(k, &c[k], &sn[k]);
+    // 3. Rotate and store.
+#pragma unroll
+    for (int u = 0; u < H; ++u)
+      if (head_valid(u)) rotate_store(u, [&](int k, float* ck, float* sk) { *ck = c[k]; *sk = sn[k]; });
   }
 }
 
@@ -231,29 +247,39 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream)
   // partial-rotary call that mixes in-place and out-of-place outputs.
   const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
   a.lanes = a.rot_lanes + (rot < p.head_dim && any_out ? (p.head_dim - rot) / vec : 0);
-  a.groups = (a.heads + kHeadsInFlight - 1) / kHeadsInFlight;
-  a.threads = static_cast<std::int64_t>(p.batch) * p.seqlen * a.groups * a.lanes;
+  const int heads_in_flight = path.vector && force.heads > 0 ? force.heads : kHeadsInFlight;  // H of the kernel launched
+  a.groups = (a.heads + heads_in_flight - 1) / heads_in_flight;
+  a.per_token = a.groups * a.lanes;
+  a.tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
   a.neox = p.style == RopeStyle::kNeox;
   a.positions = p.positions;
   a.cache = p.cos_sin_cache;
   a.max_position = p.max_position;
-  a.theta = p.theta;
-  a.factor = p.llama3.factor;
-  a.low_freq_factor = p.llama3.low_freq_factor;
-  a.high_freq_factor = p.llama3.high_freq_factor;
-  a.original_max_position = p.llama3.original_max_position;
+  if (!p.cos_sin_cache) {
+    if (a.half > kMaxPairs) return Status::Internal("apply_rotary: rotary_dim / 2 exceeds the kernel's inv_freq table");
+    for (int i = 0; i < a.half; ++i)
+      a.inv_freq[i] = flashcpp::fused::inv_freq(i, rot, p.theta, p.llama3.factor, p.llama3.low_freq_factor,
+                                                p.llama3.high_freq_factor, p.llama3.original_max_position);
+  }
   a.streaming = force.streaming;
-  const std::int64_t blocks = (a.threads + kThreads - 1) / kThreads;
-  if (blocks > std::numeric_limits<std::int32_t>::max())
-    return Status::Unsupported("apply_rotary: more than 2^31-1 blocks of 256 threads (too many tokens x heads)");
-  const std::size_t smem = p.cos_sin_cache ? 0 : sizeof(double) * a.half;
-  const auto grid = static_cast<unsigned>(blocks);
+  // Block: a token's threads (warps of it, at most kThreads; the rest on blockIdx.y) x as many
+  // tokens as fill kThreads.
+  const int bx = std::min(kThreads, (a.per_token + 31) / 32 * 32);
+  const int by = std::max(1, kThreads / bx);
+  const std::int64_t blocks = (a.tokens + by - 1) / by;
+  const int chunks = (a.per_token + bx - 1) / bx;
+  if (a.tokens == 0) return Status::Ok();
+  if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
+    return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
   return with_half_type(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    if (path.vector)
-      rotary_kernel<T, kVec16><<<grid, kThreads, smem, stream>>>(a);
+    if (path.vector && heads_in_flight == 2)
+      rotary_kernel<T, kVec16, 2><<<grid, block, 0, stream>>>(a);
+    else if (path.vector)
+      rotary_kernel<T, kVec16><<<grid, block, 0, stream>>>(a);
     else
-      rotary_kernel<T, kScalar><<<grid, kThreads, smem, stream>>>(a);
+      rotary_kernel<T, kScalar><<<grid, block, 0, stream>>>(a);
     return launch_status("apply_rotary");
   });
 }
