@@ -80,7 +80,10 @@ std::vector<FusedCase> fused_cases(TableKind kind) {
         v.push_back(c);
       }
     for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
-      for (auto [d, rd] : {std::pair{128, 0}, std::pair{64, 32}}) {
+      // (head_dim, rotary_dim): the 16-byte path, partial rotary, and the scalar paths
+      // (rotary_dim not a multiple of 16; head_dim not a multiple of 8), where an interleaved
+      // pair can straddle two scalar vectors.
+      for (auto [d, rd] : {std::pair{128, 0}, std::pair{64, 32}, std::pair{64, 24}, std::pair{30, 0}}) {
         FusedCase c;
         c.op = Op::kRotary;
         c.dt = dt;
