@@ -73,6 +73,7 @@ bench: build
 	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(CURDIR)/reports/engine
 	./$(BUILD)/flashcpp audit --backend cuda --json reports/numerics/audit.json
 	$(PYTHON) -m flashcpp.bench.audit_plot reports/numerics/audit.json --out reports/numerics
+	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(CURDIR)/reports
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
