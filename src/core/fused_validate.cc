@@ -421,7 +421,7 @@ Status no_reference(const char* op) {
 
 #if FLASHCPP_WITH_CUDA
 /// RunOptions::cuda_config for the fused kernels: "" or a comma-separated list of "scalar",
-/// "two_pass", "streaming", "slots1|2|4" (norms) and "heads1|2" (rotary). Also checks that a
+/// "two_pass", "streaming", "slots1|2|4" (norms), "persistent" (norms), "heads1|2" and "staged" (rotary). Also checks that a
 /// usable sm_80+ device is current.
 Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
   std::size_t at = 0;
@@ -434,10 +434,12 @@ Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
     else if (tok == "streaming") force->streaming = true;
     else if (tok == "slots1" || tok == "slots2" || tok == "slots4") force->slots = tok.back() - '0';
     else if (tok == "heads1" || tok == "heads2") force->heads = tok.back() - '0';
+    else if (tok == "staged") force->staged = true;
+    else if (tok == "persistent") force->persistent = true;
     else if (!tok.empty())
       return Status::Invalid(cat("cuda_config token '", tok,
                                  "' is not known to the fused kernels (known: scalar, two_pass, streaming, "
-                                 "slots1, slots2, slots4, heads1, heads2)"));
+                                 "slots1, slots2, slots4, heads1, heads2, staged, persistent)"));
     at = comma + 1;
   }
   cuda::DeviceInfo dev;

@@ -118,7 +118,7 @@ struct NormCase {
   std::int64_t pad = 0;       // row_stride = hidden + pad
   std::int64_t misalign = 0;  // element offset of every tensor from a 16-byte boundary
   bool in_place = false;
-  std::string config;  // "", "scalar", "two_pass", "scalar,two_pass"
+  std::string config;  // "", "scalar", "two_pass", "scalar,two_pass", "slots2", "persistent", ...
 };
 
 std::string describe(const NormCase& c) {
@@ -183,7 +183,7 @@ void run_norm(const NormCase& c, std::uint64_t salt) {
 
 TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
   std::uint64_t salt = 1;
-  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots2", "slots4"})
+  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots2", "slots4", "persistent"})
     run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
   run_norm({8192, 4096, DType::kF16, true}, salt++);
   run_norm({8192, 4096, DType::kBF16, false}, salt++);
@@ -196,7 +196,7 @@ TEST(FusedGpuRmsNorm, OddSizes) {
   for (DType dt : {DType::kBF16, DType::kF16})
     for (const auto& s : shapes)
       for (bool res : {false, true})
-        for (const char* cfg : {"", "two_pass", "slots2"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
+        for (const char* cfg : {"", "two_pass", "slots2", "persistent"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
 }
 
 TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
@@ -207,6 +207,7 @@ TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
   run_norm({64, 1000, DType::kF16, false, 5, 3}, salt++);
   run_norm({64, 4096, DType::kBF16, true, 0, 0, true}, salt++);  // y == x, residual_out == residual
   run_norm({64, 4097, DType::kBF16, true, 0, 0, true, "two_pass"}, salt++);
+  run_norm({5000, 4096, DType::kBF16, true, 0, 0, true, "persistent"}, salt++);  // rows > blocks: the loop and prefetch
   run_norm({64, 12000, DType::kF16, false, 16, 0, true}, salt++);
 }
 
@@ -444,6 +445,12 @@ TEST(FusedGpuRotary, DesignSize) {
   run_rope(c, 2);
   c.config = "heads2";  // two heads per thread sharing cos/sin (the measurement knob)
   run_rope(c, 3);
+  c.config = "staged";  // rows through shared memory with cp.async
+  run_rope(c, 6);
+  c.cache = true;
+  run_rope(c, 7);
+  c.cache = false;
+  c.config = "heads2";
   c.style = RopeStyle::kInterleaved;
   c.out_of_place = true;
   run_rope(c, 4);
@@ -456,19 +463,21 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
     for (DType dt : {DType::kBF16, DType::kF16})
       for (int rot : {0, 64, 32, 24, 2})
-        for (bool oop : {false, true}) {
-          RopeCase c;
-          c.batch = 2;
-          c.seqlen = 37;
-          c.hq = 6;
-          c.hk = 2;
-          c.style = st;
-          c.dt = dt;
-          c.rot = rot;
-          c.positions = true;
-          c.out_of_place = oop;
-          run_rope(c, salt++);
-        }
+        for (bool oop : {false, true})
+          for (const char* cfg : {"", "staged"}) {  // staged: rows through shared memory (16-byte path)
+            RopeCase c;
+            c.batch = 2;
+            c.seqlen = 37;
+            c.hq = 6;
+            c.hk = 2;
+            c.style = st;
+            c.dt = dt;
+            c.rot = rot;
+            c.positions = true;
+            c.out_of_place = oop;
+            c.config = cfg;
+            run_rope(c, salt++);
+          }
   RopeCase c;
   c.batch = 3;
   c.seqlen = 11;
@@ -489,6 +498,9 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   c.packed_qkv = true;
   c.positions = true;
   run_rope(c, salt++);
+  c.config = "staged";  // packed rows: the staged copy follows the head and token strides
+  run_rope(c, salt++);
+  c.config = "";
   c.misalign = 1;  // scalar path
   run_rope(c, salt++);
 }
@@ -532,6 +544,12 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
+  cuda::FusedForce persistent;
+  persistent.persistent = true;
+  EXPECT_EQ(norm(4096, 4096, persistent), "fused_add_rms_norm vec8 persistent threads=512 group=512");
+  EXPECT_EQ(norm(128, 128, persistent), "fused_add_rms_norm vec8 register threads=128 group=16");  // small rows: grouped
+  cuda::FusedForce staged;
+  staged.staged = true;
   const SiluMulParams sp = SiluMulParams::from_fused(buf, DType::kBF16, 8192, 14336, 2 * 14336,
                                                      MatrixView{buf, DType::kBF16, 14336});
   EXPECT_EQ(cuda::silu_and_mul_path(sp, {}).name, "silu_and_mul vec8 threads=256");
@@ -544,8 +562,10 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.head_dim = 128;
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
+  EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
   rp.rotary_dim = 24;
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox scalar sincos");
+  EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox scalar sincos");  // staged needs 16-byte rows
 }
 
 // ---- CUDA graphs: launches are capturable (no sync, no allocation) ----------------------

@@ -10,13 +10,15 @@
 namespace flashcpp::cuda {
 
 /// Paths and switches the caller may force (RunOptions::cuda_config tokens "scalar",
-/// "two_pass", "streaming", "slotsN", "headsN"). They change speed only, never results.
+/// "two_pass", "streaming", "slotsN", "headsN", "staged", "persistent"). They change speed only, never results.
 struct FusedForce {
   bool scalar = false;     ///< element-wise accesses even when 16-byte vectors would fit
   bool two_pass = false;   ///< norms: re-read the row instead of keeping it in registers
   bool streaming = false;  ///< evict-first hints (ld/st.global.cs) on the 16-byte streams
   int slots = 0;           ///< norms, register kernel: 16-byte slots per tensor and thread (1, 2, 4; 0 = default)
   int heads = 0;           ///< rotary: heads a thread loads at once (1, 2; 0 = default 1)
+  bool staged = false;     ///< rotary: rows through shared memory with cp.async (16-byte path)
+  bool persistent = false; ///< norms: a persistent grid that prefetches the next row (16-byte rows of > 32 vectors)
 };
 
 /// The path a launch takes, as a name for tests and `flashcpp info`-style printing, e.g.
@@ -24,6 +26,7 @@ struct FusedForce {
 struct FusedPath {
   bool vector = false;        ///< 16-byte accesses
   bool register_row = false;  ///< norms: row held in registers (else two passes)
+  bool persistent = false;    ///< norms: the persistent register kernel
   int threads = 0;            ///< threads per block
   int group = 0;              ///< norms: threads per row
   std::string name;

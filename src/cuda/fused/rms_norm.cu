@@ -29,6 +29,7 @@
 // the bandwidth there. hidden > 8192 takes two_pass.
 #include <algorithm>
 
+#include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
 
@@ -199,6 +200,59 @@ __global__ void __launch_bounds__(kTwoPassThreads) rms_norm_two_pass_kernel(cons
   }
 }
 
+/// Persistent variant (cuda_config "persistent"; 16-byte path, rows of 33..1024 vectors): as
+/// many blocks as fit the GPU at once loop over rows r = blockIdx.x, r + gridDim.x, ... The next
+/// row's x and residual loads are issued before this row's reduction, so loads stay in flight
+/// across row boundaries instead of pausing while a block drains and the next one starts. The
+/// weight is loaded once per block. One 16-byte slot per tensor, as in the register kernel.
+template <class T>
+__global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_constant__ NormArgs a) {
+  constexpr int VEC = kVec16;
+  __shared__ float scratch[2][32];  // alternating: block_sum's last read of one overlaps the next row
+  const int v = threadIdx.x;
+  const int n = v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+  const bool has_res = a.residual != nullptr;
+  Vec<T, VEC> w, xc, rc, xn, rn;
+  if (n > 0) w = load_vec<T, VEC>(static_cast<const T*>(a.weight) + v * VEC, n);
+  auto load_row = [&](std::int64_t row, Vec<T, VEC>& xv, Vec<T, VEC>& rv) {
+    if (n == 0 || row >= a.rows) return;
+    xv = load_vec<T, VEC>(static_cast<const T*>(a.x) + row * a.x_stride + v * VEC, n, a.streaming);
+    if (has_res) rv = load_vec<T, VEC>(static_cast<const T*>(a.residual) + row * a.r_stride + v * VEC, n, a.streaming);
+  };
+  std::int64_t row = blockIdx.x;
+  load_row(row, xc, rc);
+  for (int it = 0; row < a.rows; ++it, row += gridDim.x) {
+    load_row(row + gridDim.x, xn, rn);  // in flight while this row is reduced and stored
+    Vec<T, VEC> h;
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float f = 0.f;
+      if (n > 0) {
+        f = to_float(xc.v[i]);
+        if (has_res) {
+          h.v[i] = from_float<T>(f + to_float(rc.v[i]));
+          f = to_float(h.v[i]);
+        } else {
+          h.v[i] = xc.v[i];
+        }
+      }
+      ss += f * f;  // load_vec zero-fills a row's tail
+    }
+    if (has_res && n > 0) store_vec<T, VEC>(static_cast<T*>(a.residual_out) + row * a.ro_stride + v * VEC, h, n, a.streaming);
+    ss = block_sum(ss, scratch[it & 1]);
+    const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
+    if (n > 0) {
+      Vec<T, VEC> o;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * rstd * to_float(w.v[i]));
+      store_vec<T, VEC>(static_cast<T*>(a.y) + row * a.y_stride + v * VEC, o, n, a.streaming);
+    }
+    xc = xn;
+    rc = rn;
+  }
+}
+
 int round_up(int a, int b) { return (a + b - 1) / b * b; }
 int next_pow2(int a) {
   int p = 1;
@@ -239,8 +293,9 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.threads = std::min(kTwoPassThreads, round_up(nvec, 32));
     path.group = path.threads;
   }
+  path.persistent = force.persistent && path.vector && path.register_row && path.group > 32 && force.slots <= 1;
   path.name = std::string(with_residual ? "fused_add_rms_norm" : "rms_norm") + (path.vector ? " vec8" : " scalar") +
-              (path.register_row ? " register" : " two_pass") + " threads=" + std::to_string(path.threads) +
+              (path.persistent ? " persistent" : path.register_row ? " register" : " two_pass") + " threads=" + std::to_string(path.threads) +
               " group=" + std::to_string(path.group) + (force.streaming ? " streaming" : "") +
               (path.vector && path.register_row && force.slots > 0 ? " slots=" + std::to_string(force.slots) : "");
   return path;
@@ -269,6 +324,20 @@ Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& fo
   a.streaming = force.streaming;
   const int rows_per_block = path.register_row && path.group <= 32 ? path.threads / path.group : 1;
   const unsigned grid = static_cast<unsigned>((p.rows + rows_per_block - 1) / rows_per_block);
+  if (path.persistent) {
+    DeviceInfo dev;
+    FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+    return with_half_type(p.x.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      int per_sm = 0;
+      const cudaError_t e =
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, rms_norm_persistent_kernel<T>, path.threads, 0);
+      if (e != cudaSuccess) return Status::Cuda(std::string("rms_norm: occupancy query failed: ") + cudaGetErrorString(e));
+      const std::int64_t blocks = std::min<std::int64_t>(p.rows, static_cast<std::int64_t>(std::max(1, per_sm)) * dev.num_sms);
+      rms_norm_persistent_kernel<T><<<static_cast<unsigned>(blocks), path.threads, 0, stream>>>(a);
+      return launch_status("rms_norm");
+    });
+  }
   return with_half_type(p.x.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (path.register_row) {

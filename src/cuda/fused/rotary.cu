@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "cuda/common/ptx.cuh"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
 #include "cuda/fused/fused_math.h"
@@ -62,6 +63,10 @@ struct RotaryArgs {
   const float* cache = nullptr;             ///< null: compute cos/sin
   int max_position = 0;
   bool streaming = false;  ///< evict-first hints on q/k loads and stores
+  // Staged kernel (cuda_config "staged"): rows = (token, head) pairs of head_dim elements.
+  int head_dim = 0;
+  std::int64_t total_rows = 0;  ///< tokens * heads
+  int rows_per_block = 0;
   /// Without a cache: fp64 inv_freq per pair (theta and Llama-3 scaling applied on the host by
   /// the same fused::inv_freq the CPU backend uses). 4 KB of the 32 KB kernel-argument space.
   double inv_freq[kMaxPairs] = {};
@@ -82,6 +87,50 @@ __device__ __forceinline__ void lane_offsets(const RotaryArgs& a, int lane, int*
     *ob = a.neox ? a.half + lane * VEC : *oa + VEC;
   } else {  // pass-through: one vector
     *oa = *ob = 2 * a.half + (lane - a.rot_lanes) * VEC;
+  }
+}
+
+/// cos/sin of rotary pair i at position pos: from the fp32 cache (NaN for a position outside
+/// it), or sincos of the fp64-reduced angle (|angle| <= pi there: the hardware sin/cos is within
+/// ~4e-7).
+__device__ __forceinline__ void cos_sin_at(const RotaryArgs& a, std::int32_t pos, int i, float* c, float* sn) {
+  if (a.cache) {
+    if (pos >= 0 && pos < a.max_position) {
+      const float* row = a.cache + static_cast<std::int64_t>(pos) * (2 * a.half);
+      *c = __ldg(row + i);
+      *sn = __ldg(row + a.half + i);
+    } else {
+      *c = *sn = __int_as_float(0x7fffffff);  // NaN: out-of-range position, see the header
+    }
+  } else {
+    __sincosf(flashcpp::fused::reduced_angle(pos, a.inv_freq[i]), sn, c);
+  }
+}
+
+/// Rotates a lane's two vectors (A at oa, B at ob) into ra, rb with pair k's cos/sin from
+/// get(k, &c, &s). neox: pair k = (A[k], B[k]); interleaved: pair k = (AB[2k], AB[2k+1]).
+/// Constant indices only (a runtime index would put the vectors in local memory).
+template <class T, int VEC, class Get>
+__device__ __forceinline__ void rotate_lane(bool neox, const Vec<T, VEC>& va, const Vec<T, VEC>& vb, Vec<T, VEC>& ra,
+                                            Vec<T, VEC>& rb, Get&& get) {
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) {
+    float c, sn;
+    get(k, &c, &sn);
+    if (neox) {
+      float x0 = to_float(va.v[k]), x1 = to_float(vb.v[k]);
+      rotate_pair(x0, x1, c, sn);
+      ra.v[k] = from_float<T>(x0);
+      rb.v[k] = from_float<T>(x1);
+    } else {
+      const int j = 2 * k;  // element j and j + 1 of the 2*VEC-element run A|B
+      float x0 = to_float(j < VEC ? va.v[j % VEC] : vb.v[j % VEC]);
+      float x1 = to_float(j + 1 < VEC ? va.v[(j + 1) % VEC] : vb.v[(j + 1) % VEC]);
+      rotate_pair(x0, x1, c, sn);
+      // Each element goes back where it came from (with VEC = 1 the pair spans A and B).
+      (j < VEC ? ra : rb).v[j % VEC] = from_float<T>(x0);
+      (j + 1 < VEC ? ra : rb).v[(j + 1) % VEC] = from_float<T>(x1);
+    }
   }
 }
 
@@ -130,21 +179,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   }
   // cos/sin of pair i (lane * VEC + k) at this token's position.
   const std::int32_t pos = rotate ? (a.positions ? a.positions[t] : static_cast<std::int32_t>(s)) : 0;
-  auto cos_sin = [&](int k, float* c, float* sn) {
-    const int i = lane * VEC + k;
-    if (a.cache) {
-      if (pos >= 0 && pos < a.max_position) {
-        const float* row = a.cache + static_cast<std::int64_t>(pos) * (2 * a.half);
-        *c = __ldg(row + i);
-        *sn = __ldg(row + a.half + i);
-      } else {
-        *c = *sn = __int_as_float(0x7fffffff);  // NaN: out-of-range position, see the header
-      }
-    } else {
-      // |angle| <= pi after the fp64 reduction: the hardware sin/cos is within ~4e-7 there.
-      __sincosf(flashcpp::fused::reduced_angle(pos, a.inv_freq[i]), sn, c);
-    }
-  };
+  auto cos_sin = [&](int k, float* c, float* sn) { cos_sin_at(a, pos, lane * VEC + k, c, sn); };
   // Rotates head u's loaded vectors with pair k's cos/sin from get(k, &c, &s), and stores them.
   auto rotate_store = [&](int u, auto&& get) {
     T* dst = dst_of(u);
@@ -153,27 +188,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
       return;
     }
     Vec<T, VEC> ra, rb;
-    // neox: pair k = (A[k], B[k]); interleaved: pair k = (AB[2k], AB[2k+1]). Constant indices
-    // only (a runtime index would put the vectors in local memory).
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) {
-      float c, sn;
-      get(k, &c, &sn);
-      if (a.neox) {
-        float x0 = to_float(va[u].v[k]), x1 = to_float(vb[u].v[k]);
-        rotate_pair(x0, x1, c, sn);
-        ra.v[k] = from_float<T>(x0);
-        rb.v[k] = from_float<T>(x1);
-      } else {
-        const int j = 2 * k;  // element j and j + 1 of the 2*VEC-element run A|B
-        float x0 = to_float(j < VEC ? va[u].v[j % VEC] : vb[u].v[j % VEC]);
-        float x1 = to_float(j + 1 < VEC ? va[u].v[(j + 1) % VEC] : vb[u].v[(j + 1) % VEC]);
-        rotate_pair(x0, x1, c, sn);
-        // Each element goes back where it came from (with VEC = 1 the pair spans A and B).
-        (j < VEC ? ra : rb).v[j % VEC] = from_float<T>(x0);
-        (j + 1 < VEC ? ra : rb).v[(j + 1) % VEC] = from_float<T>(x1);
-      }
-    }
+    rotate_lane<T, VEC>(a.neox, va[u], vb[u], ra, rb, get);
     store_vec<T, VEC>(dst + oa, ra, VEC, a.streaming);
     store_vec<T, VEC>(dst + ob, rb, VEC, a.streaming);
   };
@@ -191,6 +206,71 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
 #pragma unroll
     for (int u = 0; u < H; ++u)
       if (head_valid(u)) rotate_store(u, [&](int k, float* ck, float* sk) { *ck = c[k]; *sk = sn[k]; });
+  }
+}
+
+/// Staged variant (cuda_config "staged", 16-byte path): a block copies kStagedBytes (32 KB) of whole
+/// (token, head) rows into shared memory with cp.async, then rotates from there. The bytes in
+/// flight no longer cost registers: 4 blocks of 256 threads (56 registers) keep ~128 KB in flight per SM
+/// (registers alone held ~48 KB in the register design). In place is safe: every row a block
+/// writes was copied to shared memory by that block before the barrier.
+constexpr int kStagedThreads = 256;
+constexpr int kStagedBytes = 32768;
+
+template <class T>
+__global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __grid_constant__ RotaryArgs a) {
+  constexpr int VEC = kVec16;
+  extern __shared__ __align__(16) unsigned char stage_raw[];
+  T* stage = reinterpret_cast<T*>(stage_raw);
+  const int cpr = a.head_dim / VEC;  // 16-byte chunks per row
+  const std::int64_t row0 = static_cast<std::int64_t>(blockIdx.x) * a.rows_per_block;
+  const int nrows = static_cast<int>(min(static_cast<std::int64_t>(a.rows_per_block), a.total_rows - row0));
+  // Row r -> (tensor w, token t, batch b, position sq, head h): 32-bit (the host sends larger
+  // problems to the register kernel).
+  auto decode = [&](std::int64_t r, int* w, std::int64_t* t, std::int64_t* b, std::int64_t* sq, int* hh) {
+    const std::uint32_t r32 = static_cast<std::uint32_t>(r), tt = r32 / static_cast<std::uint32_t>(a.heads);
+    const std::uint32_t b32 = tt / static_cast<std::uint32_t>(a.seqlen);
+    const int h = static_cast<int>(r32 - tt * a.heads);
+    *t = tt;
+    *b = b32;
+    *sq = tt - b32 * a.seqlen;
+    *w = h >= a.heads_q;
+    *hh = *w ? h - a.heads_q : h;
+  };
+  // 1. Copy the block's rows into shared memory.
+  for (int i = threadIdx.x; i < nrows * cpr; i += blockDim.x) {
+    const int lr = i / cpr, c = i - lr * cpr;
+    int w, h;
+    std::int64_t t, b, sq;
+    decode(row0 + lr, &w, &t, &b, &sq, &h);
+    const T* src = static_cast<const T*>(a.in[w]) + b * a.in_bs[w] + sq * a.in_ss[w] + h * a.in_hs[w] + c * VEC;
+    ptx::cp_async_16(ptx::smem_u32(stage + lr * a.head_dim + c * VEC), src, 16);
+  }
+  ptx::cp_async_commit();
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+  // 2. Rotate each (row, lane) from shared memory and store it.
+  for (int i = threadIdx.x; i < nrows * a.lanes; i += blockDim.x) {
+    const int lr = i / a.lanes, lane = i - lr * a.lanes;
+    int w, h;
+    std::int64_t t, b, sq;
+    decode(row0 + lr, &w, &t, &b, &sq, &h);
+    int oa, ob;
+    lane_offsets<VEC>(a, lane, &oa, &ob);
+    const T* srow = stage + lr * a.head_dim;
+    T* dst = static_cast<T*>(a.out[w]) + b * a.out_bs[w] + sq * a.out_ss[w] + h * a.out_hs[w];
+    const Vec<T, VEC> va = *reinterpret_cast<const Vec<T, VEC>*>(srow + oa);
+    if (lane >= a.rot_lanes) {  // pass-through lane
+      store_vec<T, VEC>(dst + oa, va, VEC, a.streaming);
+      continue;
+    }
+    const Vec<T, VEC> vb = *reinterpret_cast<const Vec<T, VEC>*>(srow + ob);
+    const std::int32_t pos = a.positions ? a.positions[t] : static_cast<std::int32_t>(sq);
+    Vec<T, VEC> ra, rb;
+    rotate_lane<T, VEC>(a.neox, va, vb, ra, rb,
+                        [&](int k, float* c, float* sn) { cos_sin_at(a, pos, lane * VEC + k, c, sn); });
+    store_vec<T, VEC>(dst + oa, ra, VEC, a.streaming);
+    store_vec<T, VEC>(dst + ob, rb, VEC, a.streaming);
   }
 }
 
@@ -214,8 +294,11 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p);
   path.threads = kThreads;
+  const bool staged = path.vector && force.staged &&
+                      static_cast<std::int64_t>(p.batch) * p.seqlen * (p.heads_q + p.heads_k) <= std::numeric_limits<std::int32_t>::max();
+  if (staged) path.threads = kStagedThreads;
   path.name = std::string("rotary ") + rope_style_name(p.style) + (path.vector ? " vec8" : " scalar") +
-              (p.cos_sin_cache ? " cache" : " sincos") + (force.streaming ? " streaming" : "");
+              (p.cos_sin_cache ? " cache" : " sincos") + (staged ? " staged" : "") + (force.streaming ? " streaming" : "");
   return path;
 }
 
@@ -272,6 +355,18 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream)
   if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
     return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
+  if (path.vector && force.staged && a.tokens * a.heads <= std::numeric_limits<std::int32_t>::max()) {
+    a.head_dim = p.head_dim;
+    a.total_rows = a.tokens * a.heads;
+    a.rows_per_block = std::max(1, kStagedBytes / (2 * p.head_dim));
+    const std::int64_t sblocks = (a.total_rows + a.rows_per_block - 1) / a.rows_per_block;
+    const std::size_t smem = static_cast<std::size_t>(a.rows_per_block) * p.head_dim * 2;  // <= 32 KB, or one row
+    return with_half_type(p.q.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      rotary_staged_kernel<T><<<static_cast<unsigned>(sblocks), kStagedThreads, smem, stream>>>(a);
+      return launch_status("apply_rotary");
+    });
+  }
   return with_half_type(p.q.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (path.vector && heads_in_flight == 2)
