@@ -3,6 +3,8 @@
 // Semantics (every backend computes exactly this; the fp64 CPU reference is the ground truth):
 //
 //   For batch b, query head h, query row i, key row j, with the KV head hk = h / (heads_q/heads_kv):
+//     if rotary:             Q, K = apply_rotary(Q, positions_q), apply_rotary(K, positions_k)
+//                            (AttnRotary below; rounded to the input dtype)
 //     s(i,j)  = softmax_scale * dot(Q[b,i,h,:], K[b,j,hk,:])
 //     if softcap > 0:        s = softcap * tanh(s / softcap)                  (Gemma-2)
 //     if alibi_slopes:       s += slope[b,h] * (j - ia)                       (BLOOM)
@@ -32,6 +34,7 @@
 #include <cstdint>
 #include <string>
 
+#include "flashcpp/rope.h"
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -86,6 +89,31 @@ struct MaskParams {
   bool has_window() const noexcept { return window_left >= 0 || window_right >= 0; }
 };
 
+/// Rotary embedding fused into attention: q and k are rotated as apply_rotary (fused.h) rotates
+/// them, then attention runs on the rotated q and k (v is not rotated); q, k and v themselves are
+/// not modified. The rotated values enter the scores rounded to the input dtype, exactly as a
+/// separate apply_rotary followed by attention gives them; every backend, the fp64 reference
+/// included, computes that. Backends: CPU (both); the CUDA kernels refuse it with a sentence
+/// for now (rotate with apply_rotary first there).
+///
+/// Positions (int32): query row i of sequence b at positions_q[b * seqlen_q + i] (varlen:
+/// [total_q], packed like q), key row j at positions_k[b * seqlen_k + j] ([total_k]); null
+/// defaults to ia = i + len_k - len_q for queries (bottom-right, the causal alignment) and j for
+/// keys, so a prompt with a cached prefix needs no arrays.
+struct AttnRotary {
+  int rotary_dim = 0;  ///< 0: off; else even and <= head_dim (the leading dims rotate)
+  RopeStyle style = RopeStyle::kNeox;
+  double theta = 10000.0;  ///< > 0; unused with a cache
+  Llama3Scaling llama3;    ///< unused with a cache
+  /// Optional fp32 [max_position][rotary_dim] table, [cos | sin] per row (fused.h's layout).
+  const float* cos_sin_cache = nullptr;
+  int max_position = 0;
+  const std::int32_t* positions_q = nullptr;
+  const std::int32_t* positions_k = nullptr;
+
+  bool enabled() const noexcept { return rotary_dim != 0; }
+};
+
 /// Attention forward problem. Pointers are device pointers for the CUDA backend and host
 /// pointers for the CPU backend.
 struct AttnParams {
@@ -102,6 +130,7 @@ struct AttnParams {
   /// Multiplies q.k; 0 means 1/sqrt(head_dim).
   float softmax_scale = 0.f;
   MaskParams mask;
+  AttnRotary rotary;  ///< off by default
 
   float effective_scale() const noexcept;
 };

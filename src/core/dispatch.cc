@@ -6,6 +6,8 @@
 
 #include "cpu/cpu_backend.h"
 #include "flashcpp/attention.h"
+
+#include "core/attn_rotary.h"
 #if FLASHCPP_WITH_CUDA
 #include "cuda/cuda_api.h"
 #include "cuda/prefill/prefill_select.h"
@@ -161,8 +163,10 @@ Status attention_forward(const AttnParams& p, const RunOptions& opt) {
   FLASHCPP_RETURN_IF_ERROR(select_kernel(p, opt, &choice));
   if (empty_problem(p)) return Status::Ok();
   switch (choice.id) {
-    case KernelId::kCpuReference: return cpu::reference_forward(p, opt);
-    case KernelId::kCpuTiled: return cpu::tiled_forward(p, opt);
+    case KernelId::kCpuReference:
+      return detail::run_with_rotary(p, opt, [&](const AttnParams& r) { return cpu::reference_forward(r, opt); });
+    case KernelId::kCpuTiled:
+      return detail::run_with_rotary(p, opt, [&](const AttnParams& r) { return cpu::tiled_forward(r, opt); });
 #if FLASHCPP_WITH_CUDA
     case KernelId::kCudaSm80: return cuda::prefill_sm80(p, choice.config, opt.stream);
 #if FLASHCPP_HAS_SM90

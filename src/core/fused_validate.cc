@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "core/message.h"
+#include "core/rope_checks.h"
 #include "flashcpp/fused.h"
 #if FLASHCPP_WITH_CUDA
 #include "cuda/cuda_api.h"
@@ -45,6 +46,7 @@ namespace {
 // ---- one-sentence messages (src/core/message.h) ----------------------------------------
 
 using detail::cat;
+using detail::check_rope_scalars;
 
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 constexpr int kMaxHeadDim = 1024;  // rotary: the per-token cos/sin table lives in shared memory
@@ -302,34 +304,9 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
   if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
   if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim)
     return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kMaxHeadDim, "]"));
+  FLASHCPP_RETURN_IF_ERROR(
+      check_rope_scalars("", p.head_dim, p.rotary_dim, p.style, p.theta, p.llama3, p.cos_sin_cache, p.max_position));
   const int rot = p.effective_rotary_dim();
-  if (p.rotary_dim < 0 || rot % 2 != 0 || rot > p.head_dim)
-    return Status::Invalid(cat("rotary_dim ", p.rotary_dim, " must be even and in [2, head_dim ", p.head_dim,
-                               "] (0 = head_dim)"));
-  if (p.style != RopeStyle::kNeox && p.style != RopeStyle::kInterleaved)
-    return Status::Invalid(cat("style ", static_cast<int>(p.style), " is not a rotary style (1 = neox, 2 = interleaved)"));
-  if (p.cos_sin_cache) {
-    if (p.max_position < 1)
-      return Status::Invalid(cat("max_position ", p.max_position, " must be >= 1 with a cos_sin_cache"));
-    if (addr(p.cos_sin_cache) % alignof(float) != 0)
-      return Status::Invalid(cat("cos_sin_cache ", static_cast<const void*>(p.cos_sin_cache),
-                                 " is not 4-byte aligned (fp32)"));
-  } else {
-    if (!std::isfinite(p.theta) || p.theta <= 0.0)
-      return Status::Invalid(cat("theta ", p.theta, " must be finite and > 0"));
-    const Llama3Scaling& s = p.llama3;
-    if (s.enabled()) {
-      if (!std::isfinite(s.factor) || s.factor < 1.f)
-        return Status::Invalid(cat("llama3.factor ", static_cast<double>(s.factor), " must be >= 1 (0 = off)"));
-      if (!std::isfinite(s.low_freq_factor) || s.low_freq_factor <= 0.f)
-        return Status::Invalid(cat("llama3.low_freq_factor ", static_cast<double>(s.low_freq_factor), " must be > 0"));
-      if (!std::isfinite(s.high_freq_factor) || s.high_freq_factor <= s.low_freq_factor)
-        return Status::Invalid(cat("llama3.high_freq_factor ", static_cast<double>(s.high_freq_factor),
-                                   " must be greater than low_freq_factor ", static_cast<double>(s.low_freq_factor)));
-      if (s.original_max_position < 1)
-        return Status::Invalid(cat("llama3.original_max_position ", s.original_max_position, " must be >= 1"));
-    }
-  }
   if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
     return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;

@@ -28,6 +28,7 @@
 #include "flashcpp/attention.h"
 
 #include "core/message.h"
+#include "core/rope_checks.h"
 
 namespace flashcpp {
 namespace {
@@ -365,6 +366,22 @@ Status check_block_sparse_arrays(const BlockSparseMask& bs, const BackendRules& 
 
 }  // namespace
 
+/// The rotary fused into attention: the scalars (rope_checks.h) and the arrays' alignment. The
+/// position values are checked where they are read (the CPU backends, against a cache).
+Status check_rotary(const AttnParams& p, const BackendRules& br) {
+  const AttnRotary& r = p.rotary;
+  FLASHCPP_RETURN_IF_ERROR(detail::check_rope_scalars("rotary.", p.head_dim, r.rotary_dim, r.style, r.theta, r.llama3,
+                                                      r.cos_sin_cache, r.max_position));
+  for (auto [name, ptr] : {std::pair{"rotary.positions_q", r.positions_q}, std::pair{"rotary.positions_k", r.positions_k}})
+    if (ptr && addr(ptr) % alignof(std::int32_t) != 0)
+      return Status::Invalid(cat(name, " ", static_cast<const void*>(ptr), " is not 4-byte aligned (int32)"));
+  if (br.cuda)
+    return Status::Unsupported(
+        "rotary fused into attention runs on the CPU backends only so far: on CUDA, rotate q and k with "
+        "flashcpp::apply_rotary (fused.h) first and run attention without rotary");
+  return Status::Ok();
+}
+
 Status validate(const AttnParams& p, Backend backend) {
   BackendRules br;
   if (!backend_rules(backend, &br))
@@ -375,6 +392,7 @@ Status validate(const AttnParams& p, Backend backend) {
   FLASHCPP_RETURN_IF_ERROR(check_dtypes(p, br));
   FLASHCPP_RETURN_IF_ERROR(check_mask_scalars(p));
   if (p.mask.block_sparse) FLASHCPP_RETURN_IF_ERROR(check_block_sparse_scalars(p));
+  if (p.rotary.enabled()) FLASHCPP_RETURN_IF_ERROR(check_rotary(p, br));
   if (is_empty_problem(p)) return Status::Ok();  // writes nothing, so needs no pointers
 
   // 2. Varlen: the packed row counts. On the device they are unknown and the maximum lengths

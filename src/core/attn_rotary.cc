@@ -1,0 +1,106 @@
+// Rotary fused into attention on the CPU backends: q and k are copied, rotated by the CPU
+// apply_rotary (the same code and rounding as a separate apply_rotary call), and the backend runs
+// on the copies. This is the semantics of AttnRotary (attention.h) that the GPU kernels must
+// match: rotated q and k in the input dtype.
+#include "core/attn_rotary.h"
+
+#include <cstring>
+#include <vector>
+
+#include "flashcpp/fused.h"
+
+namespace flashcpp::detail {
+namespace {
+
+/// A contiguous copy of a q or k view: (batch, seqlen, heads, head_dim), or with `packed` the
+/// (rows, heads, head_dim) rows of a varlen tensor (batch_stride unused).
+struct Copy {
+  std::vector<unsigned char> bytes;
+  TensorView view;
+};
+
+void copy_view(const TensorView& v, std::int64_t batch, std::int64_t seqlen, int heads, int d, Copy* c) {
+  const std::size_t es = dtype_size(v.dtype), row = static_cast<std::size_t>(d) * es;
+  c->bytes.resize(static_cast<std::size_t>(batch * seqlen * heads) * row);
+  c->view = bshd_view(c->bytes.data(), v.dtype, seqlen, heads, d);
+  const auto* src = static_cast<const unsigned char*>(v.data);
+  unsigned char* dst = c->bytes.data();
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t s = 0; s < seqlen; ++s)
+      for (int h = 0; h < heads; ++h, dst += row)
+        std::memcpy(dst, src + static_cast<std::size_t>(b * v.batch_stride + s * v.seq_stride + h * v.head_stride) * es,
+                    row);
+}
+
+/// Default positions: query row i of a sequence with len_q queries and len_k keys sits at
+/// i + len_k - len_q (bottom-right, the causal alignment); key row j at j.
+std::vector<std::int32_t> default_positions(const AttnParams& p, bool query, std::int64_t rows) {
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(rows));
+  const std::int32_t* cu = query ? p.mask.cu_seqlens_q : p.mask.cu_seqlens_k;
+  for (int b = 0; b < p.batch; ++b) {
+    const std::int64_t first = p.mask.is_varlen() ? cu[b] : static_cast<std::int64_t>(b) * (query ? p.seqlen_q : p.seqlen_k);
+    const std::int64_t len_q = p.mask.is_varlen() ? p.mask.cu_seqlens_q[b + 1] - p.mask.cu_seqlens_q[b] : p.seqlen_q;
+    const std::int64_t len_k = p.mask.is_varlen() ? p.mask.cu_seqlens_k[b + 1] - p.mask.cu_seqlens_k[b] : p.seqlen_k;
+    const std::int64_t len = query ? len_q : len_k, shift = query ? len_k - len_q : 0;
+    for (std::int64_t i = 0; i < len; ++i) pos[static_cast<std::size_t>(first + i)] = static_cast<std::int32_t>(i + shift);
+  }
+  return pos;
+}
+
+/// Rotates the copy of q (query = true) or k in place with the CPU apply_rotary.
+Status rotate(const AttnParams& p, bool query, const RunOptions& opt, Copy* c) {
+  const bool varlen = p.mask.is_varlen();
+  const std::int64_t seqlen = query ? p.seqlen_q : p.seqlen_k;
+  const std::int64_t rows = varlen ? (query ? p.mask.cu_seqlens_q[p.batch] : p.mask.cu_seqlens_k[p.batch])
+                                   : static_cast<std::int64_t>(p.batch) * seqlen;
+  const int heads = query ? p.heads_q : p.heads_kv;
+  const TensorView& v = query ? p.q : p.k;
+  if (varlen)
+    copy_view(v, 1, rows, heads, p.head_dim, c);
+  else
+    copy_view(v, p.batch, seqlen, heads, p.head_dim, c);
+  const std::int32_t* given = query ? p.rotary.positions_q : p.rotary.positions_k;
+  std::vector<std::int32_t> defaults;
+  if (given == nullptr) defaults = default_positions(p, query, rows);
+  RopeParams rp;
+  rp.batch = varlen ? 1 : p.batch;
+  rp.seqlen = static_cast<int>(varlen ? rows : seqlen);
+  rp.heads_q = heads;
+  rp.head_dim = p.head_dim;
+  rp.rotary_dim = p.rotary.rotary_dim;
+  rp.q = c->view;
+  rp.positions = given ? given : defaults.data();
+  rp.style = p.rotary.style;
+  rp.theta = p.rotary.theta;
+  rp.llama3 = p.rotary.llama3;
+  rp.cos_sin_cache = p.rotary.cos_sin_cache;
+  rp.max_position = p.rotary.max_position;
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  ro.cpu_threads = opt.cpu_threads;
+  const Status s = apply_rotary(rp, ro);
+  if (!s.ok()) return Status(s.code(), std::string("rotary (") + (query ? "q" : "k") + "): " + s.message());
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::function<Status(const AttnParams&)>& run) {
+  if (!p.rotary.enabled()) return run(p);
+  Copy q, k;
+  FLASHCPP_RETURN_IF_ERROR(rotate(p, true, opt, &q));
+  AttnParams r = p;
+  r.q = q.view;
+  if (p.seqlen_k > 0) {
+    FLASHCPP_RETURN_IF_ERROR(rotate(p, false, opt, &k));
+    r.k = k.view;
+  }
+  if (p.mask.is_varlen()) {  // packed copies: rows at seq_stride, no batch stride
+    r.q.batch_stride = 0;
+    r.k.batch_stride = 0;
+  }
+  r.rotary = AttnRotary{};
+  return run(r);
+}
+
+}  // namespace flashcpp::detail

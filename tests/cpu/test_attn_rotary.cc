@@ -1,0 +1,312 @@
+// Rotary fused into attention (AttnParams::rotary) on the CPU backends, against a reference
+// built here: q and k rotated in fp64 from the formulas (theta^(-2i/rotary_dim), neox or
+// interleaved pairs), rounded to the input dtype, then the fp64 attention reference with rotary
+// off. Tolerance: atol = rtol = 5e-3 on O and 5e-3 on LSE (the band for rotary in
+// attention; a rotated element may round one ulp apart between fp64 here and the library's
+// fp32/fp64 rotation). Also: rotary in attention is bit-identical to apply_rotary followed by
+// attention (the documented semantics), q and k are left untouched, and every bad input gets a
+// sentence. Fresh random inputs each run (FLASHCPP_SEED replays), O and LSE poisoned with NaN.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "flashcpp/attention.h"
+#include "flashcpp/fused.h"
+#include "test_util.h"
+
+namespace flashcpp::testing {
+namespace {
+
+struct RotCase {
+  int batch = 2, sq = 37, sk = 53, hq = 4, hkv = 2, d = 64;
+  DType dt = DType::kBF16;
+  bool causal = true;
+  RopeStyle style = RopeStyle::kNeox;
+  int rot = 0;  // 0 = head_dim
+  bool positions = false;
+  bool cache = false;
+  bool varlen = false;
+  double theta = 10000.0;
+  Llama3Scaling llama3{};
+};
+
+/// fp64 rotation of one (rows, heads, d) contiguous buffer in place, rounded to its dtype.
+void rotate_ref(HostBuffer* x, std::int64_t rows, int heads, int d, int rot, RopeStyle style, double theta,
+                const Llama3Scaling& l3, const std::vector<std::int32_t>& pos) {
+  const int half = rot / 2;
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (int h = 0; h < heads; ++h) {
+      const std::int64_t base = (r * heads + h) * d;
+      for (int i = 0; i < half; ++i) {
+        const double f = l3.enabled() ? rotary_inv_freq(i, rot, theta, l3) : std::pow(theta, -2.0 * i / rot);
+        const double a = pos[static_cast<std::size_t>(r)] * f, c = std::cos(a), s = std::sin(a);
+        const std::int64_t i0 = style == RopeStyle::kNeox ? base + i : base + 2 * i;
+        const std::int64_t i1 = style == RopeStyle::kNeox ? base + i + half : base + 2 * i + 1;
+        const double x0 = x->get(i0), x1 = x->get(i1);
+        x->set(i0, static_cast<float>(x0 * c - x1 * s));
+        x->set(i1, static_cast<float>(x1 * c + x0 * s));
+      }
+    }
+}
+
+struct Problem {
+  RotCase c;
+  std::int64_t rows_q = 0, rows_k = 0;
+  std::vector<std::int32_t> cu_q, cu_k, pos_q, pos_k;
+  HostBuffer q, k, v, o, lse;
+  std::vector<float> cache;
+  int max_pos = 6000;
+
+  explicit Problem(const RotCase& rc, std::mt19937_64& g) : c(rc) {
+    if (c.varlen) {
+      cu_q = {0};
+      cu_k = {0};
+      const int lq[] = {5, 1, 17}, lk[] = {9, 1, 23};
+      for (int b = 0; b < c.batch; ++b) {
+        cu_q.push_back(cu_q.back() + lq[b % 3]);
+        cu_k.push_back(cu_k.back() + lk[b % 3]);
+      }
+      rows_q = cu_q.back();
+      rows_k = cu_k.back();
+      c.sq = 17;
+      c.sk = 23;
+    } else {
+      rows_q = static_cast<std::int64_t>(c.batch) * c.sq;
+      rows_k = static_cast<std::int64_t>(c.batch) * c.sk;
+    }
+    q = HostBuffer(c.dt, rows_q * c.hq * c.d);
+    k = HostBuffer(c.dt, rows_k * c.hkv * c.d);
+    v = HostBuffer(c.dt, rows_k * c.hkv * c.d);
+    o = HostBuffer(c.dt, rows_q * c.hq * c.d);
+    lse = HostBuffer(DType::kF32, rows_q * c.hq);
+    q.fill_normal(g);
+    k.fill_normal(g);
+    v.fill_normal(g);
+    // Positions: random (explicit arrays), or the documented defaults.
+    std::uniform_int_distribution<std::int32_t> pd(0, max_pos - 1);
+    pos_q.resize(static_cast<std::size_t>(rows_q));
+    pos_k.resize(static_cast<std::size_t>(rows_k));
+    for (int b = 0; b < c.batch; ++b) {
+      const std::int64_t q0 = c.varlen ? cu_q[b] : static_cast<std::int64_t>(b) * c.sq;
+      const std::int64_t k0 = c.varlen ? cu_k[b] : static_cast<std::int64_t>(b) * c.sk;
+      const std::int64_t lq = c.varlen ? cu_q[b + 1] - cu_q[b] : c.sq, lk = c.varlen ? cu_k[b + 1] - cu_k[b] : c.sk;
+      for (std::int64_t i = 0; i < lq; ++i)
+        pos_q[static_cast<std::size_t>(q0 + i)] = c.positions ? pd(g) : static_cast<std::int32_t>(i + lk - lq);
+      for (std::int64_t j = 0; j < lk; ++j) pos_k[static_cast<std::size_t>(k0 + j)] = c.positions ? pd(g) : static_cast<std::int32_t>(j);
+    }
+    if (c.cache) {
+      const int rot = c.rot ? c.rot : c.d, half = rot / 2;
+      cache.resize(static_cast<std::size_t>(max_pos) * rot);
+      for (int p = 0; p < max_pos; ++p)
+        for (int i = 0; i < half; ++i) {
+          const double a = p * std::pow(c.theta, -2.0 * i / rot);
+          cache[static_cast<std::size_t>(p) * rot + i] = static_cast<float>(std::cos(a));
+          cache[static_cast<std::size_t>(p) * rot + half + i] = static_cast<float>(std::sin(a));
+        }
+    }
+  }
+
+  AttnParams params(const HostBuffer& qb, const HostBuffer& kb, bool rotary) {
+    AttnParams p;
+    p.batch = c.batch;
+    p.seqlen_q = c.sq;
+    p.seqlen_k = c.sk;
+    p.heads_q = c.hq;
+    p.heads_kv = c.hkv;
+    p.head_dim = c.d;
+    p.q = bshd_view(const_cast<void*>(qb.data()), c.dt, c.varlen ? rows_q : c.sq, c.hq, c.d);
+    p.k = bshd_view(const_cast<void*>(kb.data()), c.dt, c.varlen ? rows_k : c.sk, c.hkv, c.d);
+    p.v = bshd_view(v.data(), c.dt, c.varlen ? rows_k : c.sk, c.hkv, c.d);
+    p.o = bshd_view(o.data(), c.dt, c.varlen ? rows_q : c.sq, c.hq, c.d);
+    p.lse = static_cast<float*>(lse.data());
+    p.mask.causal = c.causal;
+    if (c.varlen) {
+      p.mask.cu_seqlens_q = cu_q.data();
+      p.mask.cu_seqlens_k = cu_k.data();
+    }
+    if (rotary) {
+      p.rotary.rotary_dim = c.rot ? c.rot : c.d;
+      p.rotary.style = c.style;
+      p.rotary.theta = c.theta;
+      p.rotary.llama3 = c.llama3;
+      if (c.positions) {
+        p.rotary.positions_q = pos_q.data();
+        p.rotary.positions_k = pos_k.data();
+      }
+      if (c.cache) {
+        p.rotary.cos_sin_cache = cache.data();
+        p.rotary.max_position = max_pos;
+      }
+    }
+    return p;
+  }
+
+  /// O and LSE of `backend` with rotary in attention.
+  Status run(Backend backend, std::vector<float>* out, std::vector<float>* out_lse) {
+    o.poison();
+    lse.poison();
+    RunOptions ro;
+    ro.backend = backend;
+    const Status s = attention_forward(params(q, k, true), ro);
+    out->assign(static_cast<std::size_t>(o.size()), 0.f);
+    out_lse->assign(static_cast<std::size_t>(lse.size()), 0.f);
+    for (std::int64_t i = 0; i < o.size(); ++i) (*out)[static_cast<std::size_t>(i)] = o.get(i);
+    for (std::int64_t i = 0; i < lse.size(); ++i) (*out_lse)[static_cast<std::size_t>(i)] = lse.get(i);
+    return s;
+  }
+};
+
+std::string describe(const RotCase& c) {
+  return "b" + std::to_string(c.batch) + " sq" + std::to_string(c.sq) + " sk" + std::to_string(c.sk) + " hq" +
+         std::to_string(c.hq) + " hkv" + std::to_string(c.hkv) + " d" + std::to_string(c.d) + " " + dtype_name(c.dt) +
+         (c.causal ? " causal" : "") + " " + rope_style_name(c.style) + " rot" + std::to_string(c.rot) +
+         (c.positions ? " positions" : " default-positions") + (c.cache ? " cache" : "") + (c.varlen ? " varlen" : "") +
+         (c.llama3.enabled() ? " llama3" : "");
+}
+
+void check_case(const RotCase& rc, std::uint64_t salt) {
+  SCOPED_TRACE(describe(rc));
+  auto g = rng(salt);
+  Problem pb(rc, g);
+  const RotCase& c = pb.c;
+  const HostBuffer q0 = pb.q, k0 = pb.k;
+  // Reference: fp64 rotation here, rounded to the dtype, then the fp64 attention without rotary.
+  HostBuffer qr = pb.q, kr = pb.k;
+  const int rot = c.rot ? c.rot : c.d;
+  rotate_ref(&qr, pb.rows_q, c.hq, c.d, rot, c.style, c.theta, c.llama3, pb.pos_q);
+  rotate_ref(&kr, pb.rows_k, c.hkv, c.d, rot, c.style, c.theta, c.llama3, pb.pos_k);
+  RunOptions ref_opt;
+  ref_opt.backend = Backend::kCpuReference;
+  ASSERT_TRUE(attention_forward(pb.params(qr, kr, false), ref_opt).ok());
+  std::vector<float> ref_o(static_cast<std::size_t>(pb.o.size())), ref_lse(static_cast<std::size_t>(pb.lse.size()));
+  for (std::int64_t i = 0; i < pb.o.size(); ++i) ref_o[static_cast<std::size_t>(i)] = pb.o.get(i);
+  for (std::int64_t i = 0; i < pb.lse.size(); ++i) ref_lse[static_cast<std::size_t>(i)] = pb.lse.get(i);
+
+  for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
+    SCOPED_TRACE(backend_name(b));
+    std::vector<float> out, out_lse;
+    const Status s = pb.run(b, &out, &out_lse);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    double worst = 0;
+    std::int64_t bad = 0;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      const double err = std::fabs(out[i] - ref_o[i]);
+      worst = std::max(worst, err);
+      bad += !(err <= 5e-3 + 5e-3 * std::fabs(ref_o[i]));  // NaN fails
+    }
+    for (std::size_t i = 0; i < out_lse.size(); ++i) {
+      if (std::isinf(ref_lse[i])) {
+        bad += !(std::isinf(out_lse[i]) && out_lse[i] < 0);
+        continue;
+      }
+      bad += !(std::fabs(out_lse[i] - ref_lse[i]) <= 5e-3);
+    }
+    EXPECT_EQ(bad, 0) << "max abs err " << worst;
+  }
+  // q and k are not modified.
+  EXPECT_EQ(std::memcmp(q0.data(), pb.q.data(), pb.q.bytes.size()), 0);
+  EXPECT_EQ(std::memcmp(k0.data(), pb.k.data(), pb.k.bytes.size()), 0);
+}
+
+TEST(AttnRotary, MatchesRotateThenAttend) {
+  std::uint64_t salt = 1;
+  RotCase c;
+  check_case(c, salt++);  // bf16 neox, default bottom-right positions, causal, GQA, sq != sk
+  c.dt = DType::kF32;
+  c.style = RopeStyle::kInterleaved;
+  c.rot = 32;
+  c.positions = true;
+  c.causal = false;
+  check_case(c, salt++);
+  c = RotCase{};
+  c.dt = DType::kF16;
+  c.cache = true;
+  c.positions = true;
+  check_case(c, salt++);
+  c = RotCase{};
+  c.sq = 60;
+  c.sk = 20;  // more queries than keys: default query positions go negative (theta path)
+  c.causal = false;
+  check_case(c, salt++);
+  c = RotCase{};
+  c.batch = 3;
+  c.varlen = true;  // packed documents (one of length 1), per-document default positions
+  check_case(c, salt++);
+  c.positions = true;
+  c.style = RopeStyle::kInterleaved;
+  check_case(c, salt++);
+  c = RotCase{};
+  c.d = 128;
+  c.theta = 500000.0;
+  c.llama3 = Llama3Scaling{32.f, 1.f, 4.f, 8192};
+  c.positions = true;
+  check_case(c, salt++);
+}
+
+TEST(AttnRotary, IdenticalToApplyRotaryThenAttention) {
+  auto g = rng(50);
+  RotCase rc;
+  rc.positions = true;
+  Problem pb(rc, g);
+  std::vector<float> fused, fused_lse;
+  ASSERT_TRUE(pb.run(Backend::kCpu, &fused, &fused_lse).ok());
+  HostBuffer qr = pb.q, kr = pb.k;
+  for (bool query : {true, false}) {
+    RopeParams rp;
+    rp.batch = rc.batch;
+    rp.seqlen = query ? rc.sq : rc.sk;
+    rp.heads_q = query ? rc.hq : rc.hkv;
+    rp.head_dim = rc.d;
+    rp.q = bshd_view(query ? qr.data() : kr.data(), rc.dt, rp.seqlen, rp.heads_q, rc.d);
+    rp.positions = query ? pb.pos_q.data() : pb.pos_k.data();
+    RunOptions ro;
+    ro.backend = Backend::kCpu;
+    ASSERT_TRUE(apply_rotary(rp, ro).ok());
+  }
+  pb.o.poison();
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  ASSERT_TRUE(attention_forward(pb.params(qr, kr, false), ro).ok());
+  for (std::int64_t i = 0; i < pb.o.size(); ++i) ASSERT_EQ(pb.o.get(i), fused[static_cast<std::size_t>(i)]) << "element " << i;
+}
+
+TEST(AttnRotary, BadInputsGetASentence) {
+  auto g = rng(60);
+  RotCase rc;
+  rc.positions = true;
+  Problem pb(rc, g);
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  auto expect = [&](AttnParams p, Backend b, StatusCode code, const std::string& needle) {
+    const Status s = validate(p, b).ok() && b != Backend::kCuda ? attention_forward(p, ro) : validate(p, b);
+    EXPECT_EQ(s.code(), code) << s.to_string();
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+  };
+  AttnParams p = pb.params(pb.q, pb.k, true);
+  p.rotary.rotary_dim = 7;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.rotary_dim 7 must be even");
+  p.rotary.rotary_dim = 128;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.rotary_dim 128 must be even and in [2, head_dim 64]");
+  p = pb.params(pb.q, pb.k, true);
+  p.rotary.theta = 0.0;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.theta 0 must be finite and > 0");
+  p = pb.params(pb.q, pb.k, true);
+  std::vector<float> tiny(64 * 2, 0.f);
+  p.rotary.cos_sin_cache = tiny.data();
+  p.rotary.max_position = 0;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.max_position 0 must be >= 1");
+  p.rotary.max_position = 2;  // positions go up to 5999: outside the cache
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary (q)");
+  p = pb.params(pb.q, pb.k, true);
+  p.rotary.positions_k = reinterpret_cast<const std::int32_t*>(reinterpret_cast<const char*>(pb.pos_k.data()) + 1);
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.positions_k");
+  p = pb.params(pb.q, pb.k, true);
+  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary fused into attention runs on the CPU backends only");
+}
+
+}  // namespace
+}  // namespace flashcpp::testing
