@@ -208,10 +208,17 @@ using OutputHook =
 
 /// A kernel to audit: which backend, and for CUDA which family (RunOptions::cuda_config).
 struct KernelSpec {
-  std::string label;  ///< "cpu", "sm80", "sm90"
+  std::string label;  ///< "cpu", "sm80", "sm90", "cpu_decode", "decode"
   Backend backend = Backend::kCpu;
   std::string cuda_config;
+  /// The decode kernels (decode.h) on the problem's last kAuditDecodeRows query rows: a
+  /// contiguous cache of all seqlen keys, seqlen_q = those rows (causal bottom-right, so each
+  /// row sees exactly the keys it sees in the prefill problem). Only those rows are measured.
+  bool decode = false;
 };
+
+/// Query rows the decode kernels are audited on (the last rows of each problem; <= kDecodeMaxSeqlenQ).
+inline constexpr int kAuditDecodeRows = 8;
 
 struct RunSettings {
   std::vector<KernelSpec> kernels;
@@ -242,7 +249,7 @@ struct AuditOptions {
   std::vector<DType> dtypes;
   std::vector<Family> families;
   std::vector<MaskKind> masks;
-  std::vector<std::string> kernels;  ///< cuda: subset of {"sm80", "sm90"}
+  std::vector<std::string> kernels;  ///< cuda: of {"sm80", "sm90", "decode"}; cpu: of {"cpu", "decode"}
   int heads = 0, head_dim = 0, window = 0;
   std::optional<std::uint64_t> seed;
   int cpu_threads = 0;

@@ -292,9 +292,10 @@ int main(int argc, char** argv) {
   audit->add_option("--masks", audit_masks, "none, causal, window (default: all)")
       ->delimiter(',')
       ->check(CLI::IsMember(mask_names));
-  audit->add_option("--kernels", audit_opt.kernels, "cuda kernel families (default: sm80,sm90)")
+  audit->add_option("--kernels", audit_opt.kernels,
+                    "kernels (default: all): cuda sm80, sm90, decode; cpu: cpu (the tiled backend), decode")
       ->delimiter(',')
-      ->check(CLI::IsMember({"sm80", "sm90"}));
+      ->check(CLI::IsMember({"cpu", "sm80", "sm90", "decode"}));
   audit->add_option("--heads", audit_opt.heads, "heads (default: 4 on cuda, 2 on cpu)");
   audit->add_option("--head-dim", audit_opt.head_dim, "head dim (default: 128; 64 with --quick on cpu)");
   audit->add_option("--window", audit_opt.window, "window mask: causal with window_left = this");

@@ -28,6 +28,7 @@
 
 #include "common/half.h"
 #include "cpu/cpu_backend.h"
+#include "flashcpp/decode.h"
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -282,8 +283,83 @@ struct RunOutcome {
   Status status;
   bool unsupported = false;
   KernelChoice choice;
+  std::string kernel_name;  ///< set by the decode runners (no KernelChoice there)
+  int row_begin = 0;        ///< first query row the kernel computed
   double ms = NAN;
 };
+
+/// One decode step over the problem (audit.h, KernelSpec::decode): q = the last `rows` query rows,
+/// a contiguous cache holding all seqlen keys (cache_seqlens = {seqlen}, no append), o/lse of
+/// those rows ((rows, heads, d) and (heads, rows)).
+DecodeParams decode_params(const Problem& p, const void* q, const void* k, const void* v, void* o, float* lse,
+                           const std::int32_t* cache_seqlens, int rows) {
+  const std::size_t skip = static_cast<std::size_t>(p.seqlen - rows) * p.heads * p.head_dim * dtype_size(p.dtype);
+  DecodeParams d;
+  d.batch = 1;
+  d.seqlen_q = rows;
+  d.heads_q = d.heads_kv = p.heads;
+  d.head_dim = p.head_dim;
+  d.q = bshd_view(const_cast<char*>(static_cast<const char*>(q)) + skip, p.dtype, rows, p.heads, p.head_dim);
+  d.o = bshd_view(o, p.dtype, rows, p.heads, p.head_dim);
+  d.lse = lse;
+  d.cache.k = bshd_view(const_cast<void*>(k), p.dtype, p.seqlen, p.heads, p.head_dim);
+  d.cache.v = bshd_view(const_cast<void*>(v), p.dtype, p.seqlen, p.heads, p.head_dim);
+  d.cache.capacity = p.seqlen;
+  d.cache_seqlens = cache_seqlens;
+  d.softmax_scale = p.scale();
+  d.mask = p.mask_params();
+  return d;
+}
+
+/// The decode output rows placed into a full (seqlen, heads, d) output and (heads, seqlen) LSE,
+/// NaN elsewhere (those rows are not measured).
+void scatter_decode(const Problem& p, int rows, const void* o_rows, const std::vector<float>& lse_rows,
+                    harness::HostTensor* out, std::vector<float>* lse) {
+  const std::size_t row_bytes = static_cast<std::size_t>(p.heads) * p.head_dim * dtype_size(p.dtype);
+  *out = harness::HostTensor(p.dtype, static_cast<std::int64_t>(p.seqlen) * p.heads * p.head_dim);
+  std::memset(out->data(), 0xFF, out->bytes.size());
+  std::memcpy(static_cast<char*>(out->data()) + static_cast<std::size_t>(p.seqlen - rows) * row_bytes, o_rows,
+              static_cast<std::size_t>(rows) * row_bytes);
+  lse->assign(static_cast<std::size_t>(p.seqlen) * p.heads, NAN);
+  for (int h = 0; h < p.heads; ++h)
+    for (int r = 0; r < rows; ++r)
+      (*lse)[static_cast<std::size_t>(h) * p.seqlen + (p.seqlen - rows + r)] =
+          lse_rows[static_cast<std::size_t>(h) * rows + r];
+}
+
+RunOutcome run_cpu_decode(const Problem& p, const HostProblem& hp, int threads, harness::HostTensor* out,
+                          std::vector<float>* lse) {
+  RunOutcome r;
+  const int rows = std::min(kAuditDecodeRows, p.seqlen);
+  r.row_begin = p.seqlen - rows;
+  r.kernel_name = "cpu_decode_split_kv";
+  harness::HostTensor o(p.dtype, static_cast<std::int64_t>(rows) * p.heads * p.head_dim);
+  std::memset(o.data(), 0xFF, o.bytes.size());  // NaN poison
+  std::vector<float> dl(static_cast<std::size_t>(rows) * p.heads, NAN);
+  const std::int32_t len = p.seqlen;
+  const DecodeParams d = decode_params(p, hp.q.data(), hp.k.data(), hp.v.data(), o.data(), dl.data(), &len, rows);
+  r.status = [&]() -> Status {
+    DecodePlanOptions po;
+    po.backend = Backend::kCpu;
+    po.host_cache_seqlens = &len;
+    DecodeWorkspaceSize ws;
+    FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(d, po, &ws));
+    std::vector<std::uint64_t> iw(ws.int_bytes / 8 + 2), fw(ws.float_bytes / 8 + 2);  // 16-byte aligned
+    DecodePlan plan;
+    FLASHCPP_RETURN_IF_ERROR(decode_plan(d, po, iw.data(), ws.int_bytes, fw.data(), ws.float_bytes, &plan));
+    r.choice.config = "splits<=" + std::to_string(plan.max_splits);
+    RunOptions ro;
+    ro.backend = Backend::kCpu;
+    ro.cpu_threads = threads;
+    const auto t0 = Clock::now();
+    FLASHCPP_RETURN_IF_ERROR(decode_run(d, plan, ro));
+    r.ms = ms_since(t0);
+    return Status::Ok();
+  }();
+  r.unsupported = r.status.code() == StatusCode::kUnsupported;
+  if (r.status.ok()) scatter_decode(p, rows, o.data(), dl, out, lse);
+  return r;
+}
 
 RunOutcome run_cpu_kernel(const Problem& p, const KernelSpec& ks, const HostProblem& hp, int threads,
                           harness::HostTensor* out, std::vector<float>* lse) {
@@ -343,10 +419,67 @@ RunOutcome run_cuda_kernel(const Problem& p, const KernelSpec& ks, const HostPro
 #endif
 
 /// Per-row comparison of a kernel's output with the truth; fills the metrics of `r`.
+#if FLASHCPP_WITH_CUDA
+RunOutcome run_cuda_decode(const Problem& p, const HostProblem& hp, DeviceProblem& dp, harness::HostTensor* out,
+                           std::vector<float>* lse) {
+  RunOutcome r;
+  const int rows = std::min(kAuditDecodeRows, p.seqlen);
+  r.row_begin = p.seqlen - rows;
+  r.kernel_name = "cuda_decode_split_kv";
+  cuda::DeviceInfo dev;
+  r.status = cuda::current_device(&dev);
+  if (!r.status.ok()) {
+    r.unsupported = true;
+    return r;
+  }
+  const std::int32_t len = p.seqlen;
+  const std::size_t o_bytes = static_cast<std::size_t>(rows) * p.heads * p.head_dim * dtype_size(p.dtype);
+  harness::HostTensor o(p.dtype, static_cast<std::int64_t>(rows) * p.heads * p.head_dim);
+  std::vector<float> dl(static_cast<std::size_t>(rows) * p.heads);
+  DeviceBuffer o_d, lse_d, len_d, iw_d, fw_d;
+  r.status = [&]() -> Status {
+    FLASHCPP_RETURN_IF_ERROR(upload_problem(hp, p, &dp));
+    FLASHCPP_RETURN_IF_ERROR(o_d.alloc(o_bytes));
+    FLASHCPP_RETURN_IF_ERROR(o_d.poison());
+    FLASHCPP_RETURN_IF_ERROR(lse_d.alloc(dl.size() * sizeof(float)));
+    FLASHCPP_RETURN_IF_ERROR(lse_d.poison());
+    FLASHCPP_RETURN_IF_ERROR(len_d.upload(&len, sizeof len));
+    const DecodeParams d = decode_params(p, dp.q.get(), dp.k.get(), dp.v.get(), o_d.get(),
+                                         static_cast<float*>(lse_d.get()), static_cast<const std::int32_t*>(len_d.get()), rows);
+    DecodePlanOptions po;
+    po.backend = Backend::kCuda;
+    po.host_cache_seqlens = &len;
+    DecodeWorkspaceSize ws;
+    FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(d, po, &ws));
+    FLASHCPP_RETURN_IF_ERROR(iw_d.alloc(ws.int_bytes));
+    FLASHCPP_RETURN_IF_ERROR(fw_d.alloc(ws.float_bytes));
+    DecodePlan plan;
+    FLASHCPP_RETURN_IF_ERROR(decode_plan(d, po, iw_d.get(), ws.int_bytes, fw_d.get(), ws.float_bytes, &plan));
+    r.choice.config = "splits<=" + std::to_string(plan.max_splits);
+    RunOptions ro;
+    ro.backend = Backend::kCuda;
+    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    const auto t0 = Clock::now();
+    FLASHCPP_RETURN_IF_ERROR(decode_run(d, plan, ro));
+    AUDIT_CUDA_TRY(cudaGetLastError());
+    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    r.ms = ms_since(t0);
+    FLASHCPP_RETURN_IF_ERROR(o_d.download(o.data(), o_bytes));
+    FLASHCPP_RETURN_IF_ERROR(lse_d.download(dl.data(), dl.size() * sizeof(float)));
+    return Status::Ok();
+  }();
+  r.unsupported = r.status.code() == StatusCode::kUnsupported;
+  if (r.status.ok()) scatter_decode(p, rows, o.data(), dl, out, lse);
+  return r;
+}
+#endif
+
+/// Only query rows >= row_begin are measured (the decode kernels compute the last rows only).
 void measure(const Problem& p, const HostProblem& hp, const Truth& t, const harness::HostTensor& out,
-             const std::vector<float>& lse, int threads, Result* r) {
+             const std::vector<float>& lse, int threads, int row_begin, Result* r) {
   const int hc = p.heads, d = p.head_dim;
-  const std::int64_t rows = static_cast<std::int64_t>(p.seqlen) * hc;
+  const std::int64_t row0 = static_cast<std::int64_t>(row_begin) * hc;  // first measured (i, h) row
+  const std::int64_t rows = static_cast<std::int64_t>(p.seqlen) * hc - row0;
   const harness::Tolerance tol = r->tol;
   const double u_o = DefectBound::unit_roundoff(p.dtype), tau = DefectBound::tau(p.dtype), c = DefectBound::kSafety;
   // The defect bound of the element at `at` of row (i, h): `weight` = u_p + eps_exp + eta + gamma of the
@@ -366,9 +499,10 @@ void measure(const Problem& p, const HostProblem& hp, const Truth& t, const harn
   std::vector<Row> rs(static_cast<std::size_t>(rows));
   detail::parallel_for((rows + 255) / 256, threads, [&](std::int64_t item) {
     const std::int64_t end = std::min(rows, (item + 1) * 256);
-    for (std::int64_t row = item * 256; row < end; ++row) {
+    for (std::int64_t local = item * 256; local < end; ++local) {
+      const std::int64_t row = row0 + local;
       const int i = static_cast<int>(row / hc), h = static_cast<int>(row % hc);
-      Row& w = rs[static_cast<std::size_t>(row)];
+      Row& w = rs[static_cast<std::size_t>(local)];
       const std::int64_t base = row * d;
       const double weight = DefectBound::weight_error(p.dtype, d, hp.qk_norm[row], p.visible_keys(i));
       double ref_inf = 0, floor_inf = 0;
@@ -421,8 +555,9 @@ void measure(const Problem& p, const HostProblem& hp, const Truth& t, const harn
   r->max_lse_bound_ratio = 0;
   r->lse_max_abs_err = 0;
   std::int64_t first_defect = -1, first_lse_defect = -1;
-  for (std::int64_t row = 0; row < rows; ++row) {
-    const Row& w = rs[static_cast<std::size_t>(row)];
+  for (std::int64_t local = 0; local < rows; ++local) {
+    const std::int64_t row = row0 + local;
+    const Row& w = rs[static_cast<std::size_t>(local)];
     rel.push_back(w.rel);
     floor_rel.push_back(w.floor_rel);
     err_sum += w.err_sum;
@@ -451,7 +586,7 @@ void measure(const Problem& p, const HostProblem& hp, const Truth& t, const harn
   const bool defect = r->nonfinite_rows || r->lse_nonfinite_rows || r->defect_rows || r->lse_defect_rows;
   r->status = defect ? harness::CaseStatus::kFail : harness::CaseStatus::kPass;
   if (first_defect >= 0) {
-    const Row& w = rs[static_cast<std::size_t>(first_defect)];
+    const Row& w = rs[static_cast<std::size_t>(first_defect - row0)];
     const int i = static_cast<int>(first_defect / hc), h = static_cast<int>(first_defect % hc), e = w.first_bad;
     const std::int64_t at = first_defect * d + e;
     const double got = out.get(at), want = t.o[static_cast<std::size_t>(at)];
@@ -507,16 +642,17 @@ std::vector<Result> run_problem(const Problem& p, const Inputs& in, std::uint64_
       RunOutcome run;
       if (ks.backend == Backend::kCuda) {
 #if FLASHCPP_WITH_CUDA
-        run = run_cuda_kernel(p, ks, hp, dp, &out, &lse);
+        run = ks.decode ? run_cuda_decode(p, hp, dp, &out, &lse) : run_cuda_kernel(p, ks, hp, dp, &out, &lse);
 #else
         run.unsupported = true;
         run.status =
             Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
 #endif
       } else {
-        run = run_cpu_kernel(p, ks, hp, s.cpu_threads, &out, &lse);
+        run = ks.decode ? run_cpu_decode(p, hp, s.cpu_threads, &out, &lse)
+                        : run_cpu_kernel(p, ks, hp, s.cpu_threads, &out, &lse);
       }
-      r.kernel_name = kernel_name(run.choice.id);
+      r.kernel_name = run.kernel_name.empty() ? kernel_name(run.choice.id) : run.kernel_name;
       r.config = run.choice.config;
       r.ms = run.ms;
       if (run.unsupported || !run.status.ok()) {
@@ -548,7 +684,7 @@ std::vector<Result> run_problem(const Problem& p, const Inputs& in, std::uint64_
         continue;
       }
       if (s.perturb_output) s.perturb_output(p, ks.label, out, lse);
-      measure(p, hp, truth, out, lse, s.cpu_threads, &r);
+      measure(p, hp, truth, out, lse, s.cpu_threads, run.row_begin, &r);
     } catch (const std::exception& e) {
       r.status = harness::CaseStatus::kFail;
       r.message = std::string("exception: ") + e.what();
@@ -752,11 +888,19 @@ Plan resolve_plan(const AuditOptions& opt, Backend backend) {
 }
 
 std::vector<KernelSpec> kernel_specs(const AuditOptions& opt, Backend backend) {
-  if (backend != Backend::kCuda) return {{"cpu", Backend::kCpu, ""}};
+  auto wanted = [&](const char* k) {
+    return opt.kernels.empty() || std::find(opt.kernels.begin(), opt.kernels.end(), k) != opt.kernels.end();
+  };
   std::vector<KernelSpec> ks;
+  if (backend != Backend::kCuda) {  // "cpu" (the tiled backend) and "decode"; CUDA-only names alone keep "cpu"
+    const bool any_cpu_name = wanted("cpu") || wanted("decode");
+    if (wanted("cpu") || !any_cpu_name) ks.push_back({"cpu", Backend::kCpu, ""});
+    if (wanted("decode")) ks.push_back({"cpu_decode", Backend::kCpu, "", true});
+    return ks;
+  }
   for (const char* fam : {"sm80", "sm90"})
-    if (opt.kernels.empty() || std::find(opt.kernels.begin(), opt.kernels.end(), fam) != opt.kernels.end())
-      ks.push_back({fam, Backend::kCuda, fam});
+    if (wanted(fam)) ks.push_back({fam, Backend::kCuda, fam});
+  if (wanted("decode")) ks.push_back({"decode", Backend::kCuda, "", true});
   return ks;
 }
 
@@ -968,7 +1112,7 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
   std::size_t wname = 7;
   for (const Problem& p : problems) wname = std::max(wname, p.name().size());
   const std::string header =
-      fmt::format("{:<{}}  {:<6}  {:>9}  {:>9}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}  {:>8}  {}", "problem", wname,
+      fmt::format("{:<{}}  {:<10}  {:>9}  {:>9}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}  {:>8}  {}", "problem", wname,
                   "kernel", "p50_rel", "p99_rel", "p99.9", "max_rel", "over_tol", "lse_err", "bound", "ms", "status");
   out << header << "\n" << std::string(header.size(), '-') << "\n" << std::flush;
   const auto t_start = Clock::now();
@@ -991,7 +1135,7 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
                          : r.status == harness::CaseStatus::kFail ? "FAIL"
                                                                   : "UNSUPPORTED";
       out << fmt::format(
-          "{:<{}}  {:<6}  {:>9}  {:>9}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}  {:>8}  {}\n", p.name(), wname, r.kernel,
+          "{:<{}}  {:<10}  {:>9}  {:>9}  {:>9}  {:>9}  {:>8}  {:>9}  {:>7}  {:>8}  {}\n", p.name(), wname, r.kernel,
           sci(r.rel_err.p50), sci(r.rel_err.p99), sci(r.rel_err.p999), sci(r.rel_err.max),
           std::isnan(r.frac_rows_over_tol) ? std::string("-") : fmt::format("{:.2f}%", 100 * r.frac_rows_over_tol),
           sci(r.lse_max_abs_err),
@@ -1021,13 +1165,13 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
         "\nfirst N (of {}) at which some row leaves the dtype band of docs/tolerances.md ('-': never, "
         "'n/a': unsupported):\n",
         join(ns, ", "));
-    out << fmt::format("  {:<6}  {:<5}  {:<13}", "kernel", "dtype", "family");
+    out << fmt::format("  {:<10}  {:<5}  {:<13}", "kernel", "dtype", "family");
     for (MaskKind m : pl.masks) out << fmt::format("  {:>7}", mask_kind_name(m));
     out << "\n";
     for (const KernelSpec& k : kernels)
       for (DType t : pl.dtypes)
         for (Family f : pl.families) {
-          out << fmt::format("  {:<6}  {:<5}  {:<13}", k.label, dtype_name(t), family_name(f));
+          out << fmt::format("  {:<10}  {:<5}  {:<13}", k.label, dtype_name(t), family_name(f));
           for (MaskKind m : pl.masks) {
             const auto it =
                 first_n.find(fmt::format("{}/{}/{}/{}", k.label, dtype_name(t), family_name(f), mask_kind_name(m)));
