@@ -9,7 +9,7 @@ from ._core import torch as _torch
 if _torch is not None:
     from . import _torch_ops  # noqa: F401  (registers torch.ops.flashcpp.*)
 
-from .attention import (KernelChoice, attention, flash_attn_func, flash_attn_varlen_func,
+from .attention import (KernelChoice, Rotary, attention, flash_attn_func, flash_attn_varlen_func,
                         select_kernel)
 from .decode import BatchDecodeWithKVCache, BatchDecodeWithPagedKVCache, flash_attn_with_kvcache
 from .fused import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
@@ -24,7 +24,7 @@ GIT_COMMIT: str = _C.GIT_COMMIT
 SUPPORTED_HEAD_DIMS = _C.SUPPORTED_HEAD_DIMS
 
 __all__ = [
-    "flash_attn_func", "flash_attn_varlen_func", "attention", "select_kernel", "KernelChoice",
+    "flash_attn_func", "flash_attn_varlen_func", "attention", "select_kernel", "KernelChoice", "Rotary",
     "merge_attention_states", "flash_attn_with_kvcache", "BatchDecodeWithKVCache", "BatchDecodeWithPagedKVCache",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary",
     "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "__version__",

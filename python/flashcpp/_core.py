@@ -379,8 +379,8 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
            window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi: Any = None,
            alibi_batch_stride: int = 0, global_tokens: int = 0, global_queries: bool = False,
            cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-           block_sparse: Optional[BlockSparseSpec] = None, backend: str = "auto",
-           cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None,
+           block_sparse: Optional[BlockSparseSpec] = None, rotary: Optional[tuple] = None,
+           backend: str = "auto", cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None,
            select_only: bool = False) -> Any:
     """Fills the binding's arguments from checked inputs and calls it. `out`/`lse` are
     allocated by the caller (lse may be None). Returns None, or the kernel choice tuple."""
@@ -402,7 +402,8 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         alibi_slopes=data_ptr(alibi), alibi_batch_stride=int(alibi_batch_stride),
         global_tokens=int(global_tokens), global_queries=bool(global_queries),
         cu_seqlens_q=data_ptr(cu_seqlens_q), cu_seqlens_k=data_ptr(cu_seqlens_k),
-        block_sparse=_sparse_arg(block_sparse), stream=int(stream), backend=backend, cpu_threads=int(cpu_threads),
+        block_sparse=_sparse_arg(block_sparse), rotary=rotary, stream=int(stream), backend=backend,
+        cpu_threads=int(cpu_threads),
         cuda_config=str(cuda_config), select_only=bool(select_only))
     if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # the C++ launch uses the current device

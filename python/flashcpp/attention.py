@@ -19,7 +19,10 @@ Semantics are those of ``include/flashcpp/attention.h``; in short:
   its element bit is set; ANDed with every other mask. Built for exactly (seqlen_q, seqlen_k),
   num_batch 1 or batch, num_heads 1 or heads_q. Not with varlen (use document_block_sparse);
 * LSE: natural log, fp32, (batch, heads_q, seqlen_q) ((heads_q, total_q) for varlen);
-  a row that sees no key gets O = 0 and LSE = -inf.
+  a row that sees no key gets O = 0 and LSE = -inf;
+* rotary (a :class:`Rotary`, :func:`attention` only): q and k rotated as
+  :func:`flashcpp.apply_rotary` rotates them, rounded to the input dtype, then attention on the
+  results; positions default to i + len_k - len_q (queries) and j (keys). CPU backends only so far.
 
 Torch tensors go through the ``torch.ops.flashcpp.*`` custom ops (see ``_torch_ops``), so
 ``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque op; numpy arrays run on the
@@ -27,13 +30,37 @@ CPU backend directly.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from . import _core
 from ._core import torch
+from .fused import _STYLES, _cache_arg, _llama3, _positions_arg
 from .masks import BlockSparse, _to_torch
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary embedding fused into attention (``AttnParams::rotary``): q and k are rotated as
+    :func:`flashcpp.apply_rotary` rotates them, then attention runs on the rotated values (in the
+    input dtype); q and k themselves are not modified.
+
+    rotary_dim: leading dims that rotate (None = head_dim). style: "neox" or "interleaved".
+    theta / llama3 (a Hugging Face rope_scaling dict), or cos_sin_cache: float32
+    (max_position, rotary_dim) rows of [cos | sin]. positions_q / positions_k: int32 per query /
+    key row, shape (batch * seqlen,) or (batch, seqlen), or (total,) with varlen; None means
+    query row i at i + len_k - len_q (the causal alignment) and key j at j. Arrays live where
+    q does. The CUDA kernels do not rotate yet and raise NotImplementedError.
+    """
+    rotary_dim: Optional[int] = None
+    style: str = "neox"
+    theta: float = 10000.0
+    llama3: Optional[Mapping[str, Any]] = None
+    cos_sin_cache: Any = None
+    positions_q: Any = None
+    positions_k: Any = None
 
 
 class KernelChoice(NamedTuple):
@@ -73,6 +100,8 @@ class _Problem(NamedTuple):
     window: Tuple[int, int]
     scale: float
     sparse: Optional[_core.BlockSparseSpec]
+    rotary: Optional[tuple] = None  # the binding's tuple (pointers into `keep`)
+    keep: Tuple[Any, ...] = ()      # converted rotary arrays, alive through the call
 
 
 def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
@@ -103,8 +132,28 @@ def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
     return bs._replace(**{f: conv(a) for f, a in zip(_core.SPARSE_ARRAYS, arrays)})
 
 
+def _rotary_arg(rotary: Rotary, q: Any, dims: _core.Dims, varlen: bool, rows_q: int, rows_k: int):
+    """(binding tuple, arrays to keep alive) of a Rotary for these inputs."""
+    if not isinstance(rotary, Rotary):
+        raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
+    rot = dims.head_dim if rotary.rotary_dim is None else int(rotary.rotary_dim)
+    if rotary.rotary_dim is not None and rot == 0:
+        raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
+    if rotary.style not in _STYLES:
+        raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
+    shapes_q = ((rows_q,),) if varlen else ((rows_q,), (dims.batch, dims.seqlen_q))
+    shapes_k = ((rows_k,),) if varlen else ((rows_k,), (dims.batch, dims.seqlen_k))
+    pos_q = _positions_arg(rotary.positions_q, q, "rotary.positions_q", shapes_q)
+    pos_k = _positions_arg(rotary.positions_k, q, "rotary.positions_k", shapes_k)
+    cache, max_position = _cache_arg(rotary.cos_sin_cache, q, rot)
+    factor, low, high, orig = _llama3(rotary.llama3)
+    arg = (rot, int(_STYLES[rotary.style]), float(rotary.theta), factor, low, high, orig, _core.data_ptr(cache),
+           max_position, _core.data_ptr(pos_q), _core.data_ptr(pos_k))
+    return arg, (pos_q, pos_k, cache)
+
+
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-             max_seqlen_q, max_seqlen_k, block_sparse=None) -> _Problem:
+             max_seqlen_q, max_seqlen_k, block_sparse=None, rotary=None) -> _Problem:
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     dims, mq, mk, mv = _core.check_qkv(q, k, v, varlen=varlen)
     if varlen and block_sparse is not None:
@@ -148,8 +197,13 @@ def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu
         sparse = _sparse_for(block_sparse, mq)
         _core.check_block_sparse(sparse, dims, mq)
     scale = _core.default_scale(softmax_scale, dims.head_dim)
+    rot_arg, keep = None, ()
+    if rotary is not None:
+        rows_q = mq.shape[0] if varlen else dims.batch * dims.seqlen_q
+        rows_k = mk.shape[0] if varlen else dims.batch * dims.seqlen_k
+        rot_arg, keep = _rotary_arg(rotary, q, dims, varlen, rows_q, rows_k)
     return _Problem(q, k, v, dims, mq, mk, mv, varlen, shape_o, shape_lse, alibi, alibi_bs,
-                    cu_q, cu_k, window, scale, sparse)
+                    cu_q, cu_k, window, scale, sparse, rot_arg, keep)
 
 
 def _empty(like: Any, shape, dtype=None):
@@ -164,8 +218,8 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
               global_tokens: int = 0, global_queries: bool = False, cu_seqlens_q: Any = None,
               cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
               max_seqlen_k: Optional[int] = None, block_sparse: Optional[BlockSparse] = None,
-              backend: str = "auto", cpu_threads: int = 0, cuda_config: str = "",
-              stream: Optional[int] = None) -> Tuple[Any, Any]:
+              rotary: Optional[Rotary] = None, backend: str = "auto", cpu_threads: int = 0,
+              cuda_config: str = "", stream: Optional[int] = None) -> Tuple[Any, Any]:
     """Low-level eager entry point: every mask field, a backend choice and caller-owned outputs.
 
     No torch.library op sits in between (use :func:`flash_attn_func` inside ``torch.compile``);
@@ -173,11 +227,12 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
     ``backend`` = "cpu", "cpu-reference" (fp64 ground truth) or "cuda". ``stream`` is a
     ``cudaStream_t`` as an int (default: torch's current stream for CUDA tensors).
     Varlen when ``cu_seqlens_q``/``cu_seqlens_k`` are given (q/k/v packed (total, heads, dim)).
-    ``block_sparse`` as in :func:`flash_attn_func`.
+    ``block_sparse`` as in :func:`flash_attn_func`. ``rotary``: a :class:`Rotary` (rotates q
+    and k first; CPU backends only so far).
     Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
     """
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k, block_sparse)
+                 max_seqlen_q, max_seqlen_k, block_sparse, rotary)
     if out is None:
         out = _empty(q, p.shape_o)
     if lse is None and return_lse:
@@ -205,8 +260,8 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
                  softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                  alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
                  global_tokens=global_tokens, global_queries=global_queries,
-                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse, backend=backend,
-                 cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
+                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse, rotary=p.rotary,
+                 backend=backend, cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
     if p.varlen and not p.mq.is_cuda:
         used = int(p.cu_q[-1])
         if used < p.mq.shape[0]:  # packed rows past the last sequence: define them
@@ -220,17 +275,17 @@ def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = No
                   softcap: float = 0.0, alibi_slopes: Any = None, cu_seqlens_q: Any = None,
                   cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
                   max_seqlen_k: Optional[int] = None, block_sparse: Optional[BlockSparse] = None,
-                  backend: str = "auto", cuda_config: str = "") -> KernelChoice:
+                  rotary: Optional[Rotary] = None, backend: str = "auto", cuda_config: str = "") -> KernelChoice:
     """Which kernel (and tile config) flashcpp would run for these inputs, and why.
     Validates like a real call (raising the same errors) but launches nothing."""
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k, block_sparse)
+                 max_seqlen_q, max_seqlen_k, block_sparse, rotary)
     out = _empty(q, p.shape_o)
     lse = _empty(q, p.shape_lse, np.float32 if not _core.is_torch(q) else torch.float32)
     choice = _core.launch(p.q, p.k, p.v, out, lse, p.dims, p.mq, p.mk, p.mv, varlen=p.varlen,
                           softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                           alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
-                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
+                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse, rotary=p.rotary,
                           backend=backend, cuda_config=cuda_config, select_only=True)
     return KernelChoice(*choice)
 

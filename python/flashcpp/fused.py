@@ -240,6 +240,46 @@ def _llama3(llama3: Optional[Mapping[str, Any]]) -> Tuple[float, float, float, i
                          f"rope_scaling dict); got {llama3!r}") from None
 
 
+def _positions_arg(pos: Any, q: Any, name: str, shapes) -> Any:
+    """int32 positions in q's library and device (None stays None), shape one of `shapes`."""
+    if pos is None:
+        return None
+    if _core.is_torch(q):
+        if not isinstance(pos, torch.Tensor):
+            pos = torch.as_tensor(pos, device=q.device)
+        if pos.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}); got {pos.device}")
+        if pos.dtype != torch.int32 or not pos.is_contiguous():
+            pos = pos.to(torch.int32).contiguous()
+    else:
+        pos = np.asarray(pos)
+        if pos.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers; got {pos.dtype}")
+        if pos.size and (pos.min() < -2**31 or pos.max() > 2**31 - 1):
+            raise ValueError(f"{name} must fit int32")
+        pos = np.ascontiguousarray(pos, dtype=np.int32)
+    if tuple(pos.shape) not in tuple(tuple(sh) for sh in shapes):
+        raise ValueError(f"{name} must have shape {' or '.join(str(tuple(sh)) for sh in shapes)}; got {tuple(pos.shape)}")
+    return pos
+
+
+def _cache_arg(cache: Any, q: Any, rot: int) -> Tuple[Any, int]:
+    """(float32 C-contiguous cos/sin cache in q's library and device, max_position); (None, 0)."""
+    if cache is None:
+        return None, 0
+    if _core.is_torch(q):
+        if not isinstance(cache, torch.Tensor) or cache.device != q.device:
+            raise ValueError(f"cos_sin_cache must be a float32 tensor on q's device ({q.device})")
+        if cache.dtype != torch.float32:
+            raise TypeError(f"cos_sin_cache must be float32; got {cache.dtype}")
+        cache = cache.contiguous()
+    else:
+        cache = np.ascontiguousarray(cache, dtype=np.float32)
+    if len(cache.shape) != 2 or cache.shape[1] != rot:
+        raise ValueError(f"cos_sin_cache must have shape (max_position, rotary_dim={rot}); got {tuple(cache.shape)}")
+    return cache, int(cache.shape[0])
+
+
 def _rope_view(m: _core.Meta) -> Tuple[int, int, int]:
     for s in m.strides:
         if s < 0:
@@ -304,41 +344,8 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
         if k is not None:
             views["k_out"] = _rope_view(_check_out(k_out, "k_out", ms[1].shape, ms[1]))
             ptrs["k_out"] = _core.data_ptr(k_out)
-    torch_in = _core.is_torch(q)
-
-    pos = positions
-    if pos is not None:
-        if torch_in:
-            if not isinstance(pos, torch.Tensor):
-                pos = torch.as_tensor(pos, device=q.device)
-            if pos.device != q.device:
-                raise ValueError(f"positions must be on q's device ({q.device}); got {pos.device}")
-            if pos.dtype != torch.int32 or not pos.is_contiguous():
-                pos = pos.to(torch.int32).contiguous()
-        else:
-            pos = np.asarray(pos)
-            if pos.dtype.kind not in "iu":
-                raise TypeError(f"positions must hold integers; got {pos.dtype}")
-            if pos.size and (pos.min() < -2**31 or pos.max() > 2**31 - 1):
-                raise ValueError("positions must fit int32")
-            pos = np.ascontiguousarray(pos, dtype=np.int32)
-        if tuple(pos.shape) not in ((tokens,), (batch, seqlen)):
-            raise ValueError(f"positions must have shape ({tokens},) or ({batch}, {seqlen}); got {tuple(pos.shape)}")
-    cache = cos_sin_cache
-    max_position = 0
-    if cache is not None:
-        if torch_in:
-            if not isinstance(cache, torch.Tensor) or cache.device != q.device:
-                raise ValueError(f"cos_sin_cache must be a float32 tensor on q's device ({q.device})")
-            if cache.dtype != torch.float32:
-                raise TypeError(f"cos_sin_cache must be float32; got {cache.dtype}")
-            cache = cache.contiguous()
-        else:
-            cache = np.ascontiguousarray(cache, dtype=np.float32)
-        if len(cache.shape) != 2 or cache.shape[1] != rot:
-            raise ValueError(f"cos_sin_cache must have shape (max_position, rotary_dim={rot}); "
-                             f"got {tuple(cache.shape)}")
-        max_position = int(cache.shape[0])
+    pos = _positions_arg(positions, q, "positions", ((tokens,), (batch, seqlen)))
+    cache, max_position = _cache_arg(cos_sin_cache, q, rot)
     factor, low, high, orig = _llama3(llama3)
 
     if tokens > 0 and heads_q > 0:

@@ -122,6 +122,24 @@ flashcpp::BlockSparseMask block_sparse_mask(const BlockSparseArg& a) {
   return m;
 }
 
+/// The rotary fused into attention as Python passes it: rotary_dim, style (RopeStyle value),
+/// theta, Llama-3 factor / low / high / original_max_position, cos_sin_cache pointer,
+/// max_position, positions_q pointer, positions_k pointer (0 = null).
+using RotaryArg = std::tuple<int, int, double, float, float, float, int, std::uintptr_t, int, std::uintptr_t, std::uintptr_t>;
+
+flashcpp::AttnRotary attn_rotary(const RotaryArg& a) {
+  flashcpp::AttnRotary r;
+  r.rotary_dim = std::get<0>(a);
+  r.style = static_cast<flashcpp::RopeStyle>(std::get<1>(a));
+  r.theta = std::get<2>(a);
+  r.llama3 = flashcpp::Llama3Scaling{std::get<3>(a), std::get<4>(a), std::get<5>(a), std::get<6>(a)};
+  r.cos_sin_cache = reinterpret_cast<const float*>(std::get<7>(a));
+  r.max_position = std::get<8>(a);
+  r.positions_q = reinterpret_cast<const std::int32_t*>(std::get<9>(a));
+  r.positions_k = reinterpret_cast<const std::int32_t*>(std::get<10>(a));
+  return r;
+}
+
 /// One entry point for both "run" and "select only", so the two can never disagree on how
 /// the arguments map to AttnParams.
 nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
@@ -130,7 +148,8 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                      int window_left, int window_right, float softcap, std::uintptr_t alibi_slopes,
                      std::int64_t alibi_batch_stride, int global_tokens, bool global_queries,
                      std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k,
-                     const std::optional<BlockSparseArg>& block_sparse, std::uintptr_t stream,
+                     const std::optional<BlockSparseArg>& block_sparse, const std::optional<RotaryArg>& rotary,
+                     std::uintptr_t stream,
                      const std::string& backend, int cpu_threads, const std::string& cuda_config,
                      bool select_only) {
   const DType dt = to_dtype(dtype);
@@ -159,6 +178,7 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
     sparse = block_sparse_mask(*block_sparse);
     p.mask.block_sparse = &sparse;
   }
+  if (rotary) p.rotary = attn_rotary(*rotary);
 
   RunOptions opt;
   opt.backend = to_backend(backend);
@@ -567,13 +587,15 @@ NB_MODULE(_flashcpp, m) {
         "seqlen_q"_a, "seqlen_k"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "softmax_scale"_a,
         "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a, "alibi_slopes"_a,
         "alibi_batch_stride"_a, "global_tokens"_a, "global_queries"_a, "cu_seqlens_q"_a,
-        "cu_seqlens_k"_a, "block_sparse"_a.none(), "stream"_a, "backend"_a, "cpu_threads"_a,
+        "cu_seqlens_k"_a, "block_sparse"_a.none(), "rotary"_a.none(), "stream"_a, "backend"_a, "cpu_threads"_a,
         "cuda_config"_a, "select_only"_a,
         "Runs flashcpp::attention_forward (select_only=False, returns None) or "
         "flashcpp::select_kernel (select_only=True, returns (kernel, config, reason)). Tensors are "
         "(data_ptr, batch_stride, seq_stride, head_stride) with strides in elements; block_sparse "
         "is None or (row_ptr, col_idx, partial, element_masks, num_partial, block_m, block_n, "
-        "num_batch, num_heads, num_q_blocks, num_k_blocks) with data pointers first.");
+        "num_batch, num_heads, num_q_blocks, num_k_blocks) with data pointers first; rotary is None "
+        "or (rotary_dim, style, theta, llama3 factor, low, high, original_max_position, "
+        "cos_sin_cache, max_position, positions_q, positions_k) with 0 for a null pointer.");
   m.def("merge_by_lse", &merge_by_lse, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a.noconvert(),
         "lse"_a.noconvert(),
         "Row-wise merge of two normalized partial attention outputs by their natural-log LSEs "

@@ -1,0 +1,97 @@
+"""flashcpp.Rotary (rotary fused into attention) from Python, CPU backends: against an fp64 numpy
+rotation written here, rounded to the input dtype, then the fp64 attention reference; identical
+to apply_rotary followed by attention; bad specs raise with a sentence."""
+import numpy as np
+import pytest
+
+import flashcpp
+from attn_reference import attention_ref
+
+needs_torch = pytest.mark.skipif(not hasattr(flashcpp._core, "torch") or flashcpp._core.torch is None,
+                                 reason="torch is not installed")
+
+
+def rotate_ref(x, pos, rot, style="neox", theta=10000.0):
+    """fp64 rotation of x (B, N, H, D) with positions pos (B, N)."""
+    x = np.array(x, dtype=np.float64)
+    half = rot // 2
+    inv = theta ** (-2.0 * np.arange(half) / rot)
+    ang = pos[..., None, None].astype(np.float64) * inv  # (B, N, 1, half)
+    c, s = np.cos(ang), np.sin(ang)
+    if style == "neox":
+        a, b = x[..., :half].copy(), x[..., half:rot].copy()
+        x[..., :half], x[..., half:rot] = a * c - b * s, b * c + a * s
+    else:
+        a, b = x[..., 0:rot:2].copy(), x[..., 1:rot:2].copy()
+        x[..., 0:rot:2], x[..., 1:rot:2] = a * c - b * s, b * c + a * s
+    return x
+
+
+@pytest.mark.parametrize("style,rot,dtype,explicit", [("neox", None, np.float32, False),
+                                                        ("interleaved", 32, np.float16, True),
+                                                        ("neox", 16, np.float32, True)])
+def test_matches_rotate_then_attend(rng, style, rot, dtype, explicit):
+    B, Nq, Nk, Hq, Hkv, D = 2, 13, 29, 4, 2, 64
+    q, k, v = (rng.standard_normal((B, n, h, D)).astype(dtype) for n, h in ((Nq, Hq), (Nk, Hkv), (Nk, Hkv)))
+    pos_q = rng.integers(0, 3000, (B, Nq)).astype(np.int32) if explicit else np.tile(np.arange(Nq) + Nk - Nq, (B, 1))
+    pos_k = rng.integers(0, 3000, (B, Nk)).astype(np.int32) if explicit else np.tile(np.arange(Nk), (B, 1))
+    spec = flashcpp.Rotary(rotary_dim=rot, style=style, positions_q=pos_q if explicit else None,
+                           positions_k=pos_k.reshape(-1) if explicit else None)
+    r = D if rot is None else rot
+    qr = rotate_ref(q, pos_q, r, style).astype(dtype)  # rounded to the dtype, as documented
+    kr = rotate_ref(k, pos_k, r, style).astype(dtype)
+    want, want_lse = attention_ref(qr, kr, v, causal=True)
+    for backend in ("cpu", "cpu-reference"):
+        out, lse = flashcpp.attention(q, k, v, causal=True, rotary=spec, return_lse=True, backend=backend)
+        np.testing.assert_allclose(out.astype(np.float64), want, atol=5e-3, rtol=5e-3)
+        np.testing.assert_allclose(lse, want_lse, atol=5e-3)
+    # Exactly apply_rotary followed by attention.
+    q2 = flashcpp.apply_rotary(q, positions=pos_q, rotary_dim=rot, style=style)[0]
+    k2 = flashcpp.apply_rotary(k, positions=pos_k, rotary_dim=rot, style=style)[0]
+    out2, _ = flashcpp.attention(q2, k2, v, causal=True, backend="cpu")
+    out, _ = flashcpp.attention(q, k, v, causal=True, rotary=spec, backend="cpu")
+    assert np.array_equal(out, out2)
+
+
+def test_cache_and_llama3(rng):
+    B, N, H, D = 1, 17, 2, 64
+    q, k, v = (rng.standard_normal((B, N, H, D)).astype(np.float32) for _ in range(3))
+    inv = 10000.0 ** (-2.0 * np.arange(D // 2) / D)
+    ang = np.arange(64)[:, None] * inv
+    cache = np.concatenate([np.cos(ang), np.sin(ang)], axis=1).astype(np.float32)
+    a, _ = flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(cos_sin_cache=cache))
+    b, _ = flashcpp.attention(q, k, v, rotary=flashcpp.Rotary())
+    np.testing.assert_allclose(a, b, atol=1e-5)
+    l3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    c, _ = flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(theta=500000.0, llama3=l3))
+    assert np.isfinite(c).all()
+
+
+def test_bad_specs_raise(rng):
+    q = rng.standard_normal((1, 8, 2, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="flashcpp.Rotary"):
+        flashcpp.attention(q, q, q, rotary={"rotary_dim": 64})
+    with pytest.raises(ValueError, match="rotary.style"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(style="gptj"))
+    with pytest.raises(ValueError, match="turn rotary off"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=0))
+    with pytest.raises(ValueError, match="rotary_dim 7 must be even"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=7))
+    with pytest.raises(ValueError, match=r"rotary.positions_q must have shape"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(positions_q=np.arange(5)))
+    with pytest.raises(ValueError, match=r"cos_sin_cache must have shape"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(cos_sin_cache=np.zeros((4, 32), np.float32)))
+    cache = np.zeros((4, 64), np.float32)  # positions 0..7 run past its 4 rows
+    with pytest.raises(ValueError, match=r"rotary \(q\)"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(cos_sin_cache=cache))
+
+
+@needs_torch
+def test_torch_cpu_tensors(rng):
+    torch = flashcpp._core.torch
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 9, 2, 64)).astype(np.float32)) for _ in range(3))
+    pos = torch.arange(9, dtype=torch.int64) * 3
+    out, _ = flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(positions_q=pos, positions_k=pos))
+    ref, _ = flashcpp.attention(q.numpy(), k.numpy(), v.numpy(),
+                                rotary=flashcpp.Rotary(positions_q=pos.numpy(), positions_k=pos.numpy()))
+    np.testing.assert_array_equal(out.numpy(), ref)
