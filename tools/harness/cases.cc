@@ -47,6 +47,7 @@ std::string Case::name() const {
   if (mask.is_block_sparse())
     s += fmt::format("_bsparse{}x{}{}", mask.sparse_block_m, mask.sparse_block_n,
                      mask.sparse_per_head ? "h" : "");
+  if (mask.rotary_dim > 0) s += fmt::format("_rope{}{}", mask.rotary_interleaved ? "i" : "", mask.rotary_dim);
   if (layout == Layout::kBhsd) s += "_bhsd";
   s += "_";
   s += dtype_name(dtype);
@@ -63,6 +64,9 @@ std::string Case::mask_description() const {
   if (mask.global_queries) parts.push_back("global_queries");
   if (mask.softcap > 0.f) parts.push_back(fmt::format("softcap={:g}", mask.softcap));
   if (mask.alibi) parts.push_back(mask.alibi_per_batch ? "alibi(per-batch slopes)" : "alibi");
+  if (mask.rotary_dim > 0)
+    parts.push_back(fmt::format("rotary({}, rotary_dim={})", mask.rotary_interleaved ? "interleaved" : "neox",
+                                mask.rotary_dim));
   if (mask.is_varlen()) {
     const auto& k = mask.varlen_k.empty() ? mask.varlen_q : mask.varlen_k;
     parts.push_back("varlen(q=[" + join_ints(mask.varlen_q, ",") + "], k=[" + join_ints(k, ",") + "])");
@@ -171,6 +175,11 @@ Case sparse(Case c, int bm, int bn, bool per_head) {
   c.mask.sparse_per_head = per_head;
   return c;
 }
+Case rope(Case c, int rotary_dim, bool interleaved) {
+  c.mask.rotary_dim = rotary_dim;
+  c.mask.rotary_interleaved = interleaved;
+  return c;
+}
 Case bhsd(Case c) {
   c.layout = Layout::kBhsd;
   return c;
@@ -258,6 +267,13 @@ void add_quick(Table& t) {
   // No LSE requested.
   t.add(nolse(shape(2, 127, 127, 2, 2, 64, kBf16, true)));
   t.add(nolse(shape(1, 1000, 1000, 2, 1, 128, kF16, false)));
+  // Rotary fused into attention (CPU backends; the CUDA kernels refuse it for now): neox and
+  // interleaved, partial, GQA with seqlen_q != seqlen_k (bottom-right default positions), varlen
+  // (per-document positions), with a window.
+  t.add(rope(shape(2, 37, 53, 4, 2, 64, kBf16, true), 64, false));
+  t.add(rope(shape(1, 127, 127, 2, 1, 128, kF32, false), 32, true));
+  t.add(rope(varlen({1, 7, 50}, {10, 7, 127}, 2, 2, 64, kF16, true), 64, true));
+  t.add(rope(window(shape(1, 300, 300, 2, 2, 128, kBf16, true), 64, 0), 96, false));
 }
 
 // Larger problems within kCpuMaxWorkPerCase.

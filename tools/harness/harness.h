@@ -59,6 +59,10 @@ struct MaskSpec {
   /// absent, full and partial (random element bits) blocks drawn from the case seed.
   int sparse_block_m = 0, sparse_block_n = 0;
   bool sparse_per_head = false;  ///< one pattern per (batch, head) instead of one for all
+  /// > 0: rotary fused into attention (AttnParams::rotary, theta 10000, default positions) on
+  /// the leading rotary_dim dims; the references run on q and k rotated the same way.
+  int rotary_dim = 0;
+  bool rotary_interleaved = false;
 
   bool is_varlen() const noexcept { return !varlen_q.empty(); }
   bool is_block_sparse() const noexcept { return sparse_block_m > 0 && sparse_block_n > 0; }

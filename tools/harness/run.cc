@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "common/half.h"
+#include "core/attn_rotary.h"
 #include "cpu/cpu_backend.h"
 #include "harness/harness.h"
 #if FLASHCPP_WITH_CUDA
@@ -237,6 +238,10 @@ AttnParams make_params(const Case& c, const Pointers& ptr) {
     m.cu_seqlens_k = ptr.cu_k;
   }
   if (c.mask.is_block_sparse()) m.block_sparse = ptr.bs;
+  if (c.mask.rotary_dim > 0) {
+    p.rotary.rotary_dim = c.mask.rotary_dim;
+    p.rotary.style = c.mask.rotary_interleaved ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+  }
   return p;
 }
 
@@ -554,7 +559,12 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
 #endif
   } else {
     r->reference = "cpu_fp64";
-    st = cpu::reference_attention(make_params(c, host_pointers(hp)), &ref, cfg.cpu_threads);
+    // With rotary, on q and k rotated exactly as the backends rotate them (attention.h).
+    RunOptions ro;
+    ro.cpu_threads = cfg.cpu_threads;
+    st = detail::run_with_rotary(make_params(c, host_pointers(hp)), ro, [&](const AttnParams& a) {
+      return cpu::reference_attention(a, &ref, cfg.cpu_threads);
+    });
   }
   r->ref_ms = ms_since(t0);
   if (!st.ok()) {
@@ -567,7 +577,11 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
   r->effective_lse_atol = r->tol.lse_atol;
   if (c.dtype == DType::kF32 && r->tol.plain_factor > 0) {
     std::vector<float> po, pl;
-    st = plain_attention_fp32(make_params(c, host_pointers(hp)), &po, &pl, cfg.cpu_threads);
+    RunOptions ro;
+    ro.cpu_threads = cfg.cpu_threads;
+    st = detail::run_with_rotary(make_params(c, host_pointers(hp)), ro, [&](const AttnParams& a) {
+      return plain_attention_fp32(a, &po, &pl, cfg.cpu_threads);
+    });
     if (!st.ok()) {
       r->status = CaseStatus::kFail;
       r->message = "plain fp32 implementation failed: " + st.to_string();
