@@ -76,6 +76,10 @@ struct Problem {
   int head_dim = 64;
   MaskKind mask = MaskKind::kNone;
   int window = 64;  ///< used by MaskKind::kWindow
+  /// Rotary fused into attention (neox, all head_dim dims, theta 10000, default positions): q and
+  /// k of the family's inputs are rotated before the scores, so the family's score pattern is
+  /// the pre-rotation one. CPU backends only (the CUDA kernels report it unsupported).
+  bool rotary = false;
 
   /// The problem in the harness's terms (name tokens, mask description, work).
   harness::Case to_case() const;
@@ -258,6 +262,7 @@ struct AuditOptions {
   /// here for python -m flashcpp.bench.audit, and run nothing.
   std::string dump_dir;
   bool list_only = false;     ///< print the problems and the families' descriptions, run nothing
+  bool rotary = false;        ///< also run every problem with rotary in attention (Problem::rotary)
   OutputHook perturb_output;  ///< tests only
 };
 

@@ -425,6 +425,34 @@ TEST(AuditRun, TheDecodeBackendIsMeasuredOnItsRowsOnly) {
   EXPECT_NE(text.find("cpu_decode"), std::string::npos) << text;
 }
 
+TEST(AuditRun, RotaryTwinsRunOnTheCpuAndDecodeReportsThemUnsupported) {
+  AuditOptions o = quick_cpu();
+  o.seqlens = {128};
+  o.dtypes = {DType::kBF16};
+  o.families = {Family::kRandom, Family::kLongRange};
+  o.masks = {MaskKind::kCausal};
+  o.rotary = true;
+  const TempDir dir("rotary");
+  o.json_path = (dir.path / "audit.json").string();
+  std::ostringstream out, err;
+  EXPECT_EQ(run_audit(o, out, err), 0) << out.str() << err.str();
+  const std::vector<Problem> problems = plan_problems(o, Backend::kCpu);
+  ASSERT_EQ(problems.size(), 4u);  // each problem and its rotary twin
+  // 2 kernels x 4 problems; the decode kernels skip the rotary twins with a sentence.
+  EXPECT_EQ(last_line(out.str()), "6 passed, 0 failed, 2 unsupported") << out.str();
+  EXPECT_NE(out.str().find("causal+rotary"), std::string::npos);
+  std::ifstream f(o.json_path);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  int rotary_results = 0;
+  for (const auto& r : j["results"]) {
+    if (!r["rotary"].get<bool>()) continue;
+    ++rotary_results;
+    EXPECT_NE(r["name"].get<std::string>().find("_rope64"), std::string::npos);
+    if (r["kernel"] == "cpu") EXPECT_EQ(r["status"], "pass");
+  }
+  EXPECT_EQ(rotary_results, 4);
+}
+
 TEST(AuditRun, RoundingSizedChangesAreNotDefects) {
   // One bf16 ulp on every element of a row is rounding, not a defect.
   std::string text;

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common/half.h"
+#include "core/attn_rotary.h"
 #include "cpu/cpu_backend.h"
 #include "flashcpp/decode.h"
 #if FLASHCPP_WITH_CUDA
@@ -166,6 +167,7 @@ AttnParams make_params(const Problem& p, const void* q, const void* k, const voi
   a.o = bshd_view(o, p.dtype, p.seqlen, p.heads, p.head_dim);
   a.lse = lse;
   a.mask = p.mask_params();
+  if (p.rotary) a.rotary.rotary_dim = p.head_dim;
   return a;
 }
 
@@ -179,10 +181,15 @@ struct Truth {
 
 Status cpu_truth(const Problem& p, const HostProblem& hp, int threads, Truth* t) {
   cpu::RefOutput ref, ref_abs;  // the reference writes no O of its own: o stays null
-  FLASHCPP_RETURN_IF_ERROR(
-      cpu::reference_attention(make_params(p, hp.q.data(), hp.k.data(), hp.v.data(), nullptr, nullptr), &ref, threads));
-  FLASHCPP_RETURN_IF_ERROR(cpu::reference_attention(
-      make_params(p, hp.q.data(), hp.k.data(), hp.vabs.data(), nullptr, nullptr), &ref_abs, threads));
+  // With rotary: on q and k rotated exactly as the backends rotate them (attention.h).
+  RunOptions ro;
+  ro.cpu_threads = threads;
+  FLASHCPP_RETURN_IF_ERROR(flashcpp::detail::run_with_rotary(
+      make_params(p, hp.q.data(), hp.k.data(), hp.v.data(), nullptr, nullptr), ro,
+      [&](const AttnParams& a) { return cpu::reference_attention(a, &ref, threads); }));
+  FLASHCPP_RETURN_IF_ERROR(flashcpp::detail::run_with_rotary(
+      make_params(p, hp.q.data(), hp.k.data(), hp.vabs.data(), nullptr, nullptr), ro,
+      [&](const AttnParams& a) { return cpu::reference_attention(a, &ref_abs, threads); }));
   t->o = std::move(ref.o);
   t->lse = std::move(ref.lse);
   t->a = std::move(ref_abs.o);
@@ -255,6 +262,7 @@ Status upload_problem(const HostProblem& hp, const Problem& p, DeviceProblem* dp
 
 /// The fp64 GPU reference twice (V and |V|), for problems too long for the CPU reference.
 Status gpu_truth(const Problem& p, DeviceProblem& dp, Truth* t) {
+  if (p.rotary) return Status::Unsupported("the fp64 GPU reference does not rotate q and k");
   const std::size_t rows = static_cast<std::size_t>(p.seqlen) * p.heads;
   t->o.assign(rows * p.head_dim, 0.0);
   t->a.assign(rows * p.head_dim, 0.0);
@@ -327,9 +335,18 @@ void scatter_decode(const Problem& p, int rows, const void* o_rows, const std::v
           lse_rows[static_cast<std::size_t>(h) * rows + r];
 }
 
+/// The decode kernels rotate q and the appended keys only; the audit's cache is not rotated.
+constexpr const char* kDecodeNoRotary =
+    "the decode kernels rotate q and the keys appended in the step, not a cache filled beforehand";
+
 RunOutcome run_cpu_decode(const Problem& p, const HostProblem& hp, int threads, harness::HostTensor* out,
                           std::vector<float>* lse) {
   RunOutcome r;
+  if (p.rotary) {
+    r.status = Status::Unsupported(kDecodeNoRotary);
+    r.unsupported = true;
+    return r;
+  }
   const int rows = std::min(kAuditDecodeRows, p.seqlen);
   r.row_begin = p.seqlen - rows;
   r.kernel_name = "cpu_decode_split_kv";
@@ -423,6 +440,11 @@ RunOutcome run_cuda_kernel(const Problem& p, const KernelSpec& ks, const HostPro
 RunOutcome run_cuda_decode(const Problem& p, const HostProblem& hp, DeviceProblem& dp, harness::HostTensor* out,
                            std::vector<float>* lse) {
   RunOutcome r;
+  if (p.rotary) {
+    r.status = Status::Unsupported(kDecodeNoRotary);
+    r.unsupported = true;
+    return r;
+  }
   const int rows = std::min(kAuditDecodeRows, p.seqlen);
   r.row_begin = p.seqlen - rows;
   r.kernel_name = "cuda_decode_split_kv";
@@ -724,6 +746,7 @@ nlohmann::json result_json(const Result& r) {
   j["mask"] = mask_kind_name(p.mask);
   j["mask_description"] = p.to_case().mask_description();
   j["window"] = p.mask == MaskKind::kWindow ? nlohmann::json(p.window) : nlohmann::json(nullptr);
+  j["rotary"] = p.rotary;
   j["kernel"] = r.kernel;
   j["kernel_name"] = r.kernel_name;
   j["config"] = r.config;
@@ -757,14 +780,19 @@ nlohmann::json result_json(const Result& r) {
   return j;
 }
 
+namespace {
+/// The mask column of the first-N tables: the mask kind, "+rotary" for rotary problems.
+std::string mask_label(MaskKind m, bool rotary) { return std::string(mask_kind_name(m)) + (rotary ? "+rotary" : ""); }
+}  // namespace
+
 nlohmann::json first_exceed_json(const std::vector<Result>& results) {
-  // (kernel, dtype, family, mask) -> results sorted by N.
-  using Key = std::tuple<std::string, int, int, int>;
+  // (kernel, dtype, family, mask, rotary) -> results sorted by N.
+  using Key = std::tuple<std::string, int, int, int, bool>;
   std::map<Key, std::vector<const Result*>> groups;
   for (const Result& r : results) {
     if (r.status == harness::CaseStatus::kUnsupported) continue;
     groups[{r.kernel, static_cast<int>(r.problem.dtype), static_cast<int>(r.problem.family),
-            static_cast<int>(r.problem.mask)}]
+            static_cast<int>(r.problem.mask), r.problem.rotary}]
         .push_back(&r);
   }
   nlohmann::json out = nlohmann::json::array();
@@ -775,7 +803,7 @@ nlohmann::json first_exceed_json(const std::vector<Result>& results) {
     j["kernel"] = std::get<0>(key);
     j["dtype"] = dtype_name(rs.front()->problem.dtype);
     j["family"] = family_name(rs.front()->problem.family);
-    j["mask"] = mask_kind_name(rs.front()->problem.mask);
+    j["mask"] = mask_label(rs.front()->problem.mask, rs.front()->problem.rotary);
     nlohmann::json ns = nlohmann::json::array(), frac = nlohmann::json::array(), p99 = nlohmann::json::array(),
                    mx = nlohmann::json::array();
     nlohmann::json first = nullptr, first_lse = nullptr;
@@ -989,17 +1017,20 @@ std::vector<Problem> plan_problems(const AuditOptions& opt, Backend resolved) {
   for (int n : pl.seqlens)
     for (DType t : pl.dtypes)
       for (Family f : pl.families)
-        for (MaskKind m : pl.masks) {
-          Problem p;
-          p.family = f;
-          p.dtype = t;
-          p.seqlen = n;
-          p.heads = pl.heads;
-          p.head_dim = pl.head_dim;
-          p.mask = m;
-          p.window = pl.window;
-          out.push_back(p);
-        }
+        for (MaskKind m : pl.masks)
+          for (bool rot : {false, true}) {
+            if (rot && !opt.rotary) continue;
+            Problem p;
+            p.family = f;
+            p.dtype = t;
+            p.seqlen = n;
+            p.heads = pl.heads;
+            p.head_dim = pl.head_dim;
+            p.mask = m;
+            p.window = pl.window;
+            p.rotary = rot;
+            out.push_back(p);
+          }
   return out;
 }
 
@@ -1025,6 +1056,7 @@ nlohmann::json report_json(const harness::Environment& env, const AuditOptions& 
                  {"heads", pl.heads},
                  {"head_dim", pl.head_dim},
                  {"window", pl.window},
+                 {"rotary", opt.rotary},
                  {"layout", "bshd"},
                  {"softmax_scale", "1/sqrt(head_dim)"},
                  {"problems", problems.size()}};
@@ -1165,17 +1197,21 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
         "\nfirst N (of {}) at which some row leaves the dtype band of docs/tolerances.md ('-': never, "
         "'n/a': unsupported):\n",
         join(ns, ", "));
+    std::vector<std::string> cols;
+    for (bool rot : {false, true})
+      if (!rot || opt.rotary)
+        for (MaskKind m : pl.masks) cols.push_back(mask_label(m, rot));
+    const int cw = opt.rotary ? 13 : 7;  // "window+rotary"
     out << fmt::format("  {:<10}  {:<5}  {:<13}", "kernel", "dtype", "family");
-    for (MaskKind m : pl.masks) out << fmt::format("  {:>7}", mask_kind_name(m));
+    for (const std::string& col : cols) out << fmt::format("  {:>{}}", col, cw);
     out << "\n";
     for (const KernelSpec& k : kernels)
       for (DType t : pl.dtypes)
         for (Family f : pl.families) {
           out << fmt::format("  {:<10}  {:<5}  {:<13}", k.label, dtype_name(t), family_name(f));
-          for (MaskKind m : pl.masks) {
-            const auto it =
-                first_n.find(fmt::format("{}/{}/{}/{}", k.label, dtype_name(t), family_name(f), mask_kind_name(m)));
-            out << fmt::format("  {:>7}", it == first_n.end() ? "n/a" : it->second);
+          for (const std::string& col : cols) {
+            const auto it = first_n.find(fmt::format("{}/{}/{}/{}", k.label, dtype_name(t), family_name(f), col));
+            out << fmt::format("  {:>{}}", it == first_n.end() ? "n/a" : it->second, cw);
           }
           out << "\n";
         }

@@ -130,6 +130,7 @@ harness::Case Problem::to_case() const {
   c.layout = harness::Layout::kBshd;
   c.mask.causal = mask != MaskKind::kNone;
   if (mask == MaskKind::kWindow) c.mask.window_left = window;
+  if (rotary) c.mask.rotary_dim = head_dim;
   c.return_lse = true;
   return c;
 }
