@@ -10,7 +10,11 @@ Ops:
   flashcpp::flash_attn_fwd(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                            alibi_slopes?, return_lse, bs_row_ptr?=None, bs_col_idx?=None,
                            bs_partial?=None, bs_element_masks?=None,
-                           block_sparse_sizes?=None) -> (out, lse)
+                           block_sparse_sizes?=None, rotary_dim=0, rotary_style=1,
+                           rotary_theta=1e4, rotary_llama3_factor=0, rotary_llama3_low=1,
+                           rotary_llama3_high=4, rotary_llama3_orig=8192,
+                           rotary_cos_sin_cache?=None, rotary_positions_q?=None,
+                           rotary_positions_k?=None) -> (out, lse)
   flashcpp::flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
                            softcap, alibi_slopes?, return_lse) -> (out, lse)
@@ -20,6 +24,7 @@ the four tensors bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks (int32, in
 on q's device, as BlockSparse.to(device) makes them) and block_sparse_sizes = [block_m, block_n,
 num_batch, num_heads, num_q_blocks, num_k_blocks, seqlen_q, seqlen_k] (_core.sparse_to_args).
 Four optional tensors, not one optional list: torch 2.11's schema inference has no Tensor[]?.
+Rotary in attention travels flattened the same way (rotary_dim 0 = none; attention._rotary_op_args).
 
 No annotations from __future__ here: torch.library reads the real annotations for the schema.
 """
@@ -29,16 +34,17 @@ import torch
 from torch import Tensor
 
 from . import _core
-from .attention import _execute, _prepare
+from .attention import _execute, _prepare, _rotary_from_op_args
 
 _NO_LSE = (0,)
 
 
 def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr=None,
-           bs_col_idx=None, bs_partial=None, bs_element_masks=None, block_sparse_sizes=None):
+           bs_col_idx=None, bs_partial=None, bs_element_masks=None, block_sparse_sizes=None, *rotary_args):
     sparse = _core.sparse_from_args(bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks, block_sparse_sizes)
+    rotary = _rotary_from_op_args(*rotary_args) if rotary_args else None
     return _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes,
-                    None, None, None, None, sparse)
+                    None, None, None, None, sparse, rotary)
 
 
 def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
@@ -46,12 +52,19 @@ def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, 
                          alibi_slopes: Optional[Tensor], return_lse: bool,
                          bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
                          bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
-                         block_sparse_sizes: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
+                         block_sparse_sizes: Optional[List[int]] = None,
+                         rotary_dim: int = 0, rotary_style: int = 1, rotary_theta: float = 10000.0,
+                         rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
+                         rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
+                         rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
+                         rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The body of flashcpp::flash_attn_fwd. Eager callers use it directly: going through the
     torch.library dispatcher costs tens of microseconds per call, which is the whole kernel time
     of a short sequence."""
     p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
-               bs_partial, bs_element_masks, block_sparse_sizes)
+               bs_partial, bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta,
+               rotary_llama3_factor, rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig,
+               rotary_cos_sin_cache, rotary_positions_q, rotary_positions_k)
     out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
     _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
@@ -64,20 +77,32 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal
                    alibi_slopes: Optional[Tensor], return_lse: bool,
                    bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
                    bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
-                   block_sparse_sizes: Optional[List[int]] = None) -> Tuple[Tensor, Tensor]:
+                   block_sparse_sizes: Optional[List[int]] = None,
+                   rotary_dim: int = 0, rotary_style: int = 1, rotary_theta: float = 10000.0,
+                   rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
+                   rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
+                   rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
+                   rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                                 alibi_slopes, return_lse, bs_row_ptr, bs_col_idx, bs_partial,
-                                bs_element_masks, block_sparse_sizes)
+                                bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta,
+                                rotary_llama3_factor, rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig,
+                                rotary_cos_sin_cache, rotary_positions_q, rotary_positions_k)
 
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                          alibi_slopes, return_lse, bs_row_ptr=None, bs_col_idx=None, bs_partial=None,
-                         bs_element_masks=None, block_sparse_sizes=None):
+                         bs_element_masks=None, block_sparse_sizes=None, rotary_dim=0, rotary_style=1,
+                         rotary_theta=10000.0, rotary_llama3_factor=0.0, rotary_llama3_low=1.0,
+                         rotary_llama3_high=4.0, rotary_llama3_orig=8192, rotary_cos_sin_cache=None,
+                         rotary_positions_q=None, rotary_positions_k=None):
     # softmax_scale 1.0: the fake needs shapes only (and math.sqrt of a SymInt is best avoided).
     # The block-sparse checks read shapes, dtypes and devices only: bad masks fail at trace time.
     p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx, bs_partial,
-               bs_element_masks, block_sparse_sizes)
+               bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor,
+               rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig, rotary_cos_sin_cache,
+               rotary_positions_q, rotary_positions_k)
     return (q.new_empty(p.shape_o),
             q.new_empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
 

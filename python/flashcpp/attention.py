@@ -20,7 +20,7 @@ Semantics are those of ``include/flashcpp/attention.h``; in short:
   num_batch 1 or batch, num_heads 1 or heads_q. Not with varlen (use document_block_sparse);
 * LSE: natural log, fp32, (batch, heads_q, seqlen_q) ((heads_q, total_q) for varlen);
   a row that sees no key gets O = 0 and LSE = -inf;
-* rotary (a :class:`Rotary`, :func:`attention` only): q and k rotated as
+* rotary (a :class:`Rotary`): q and k rotated as
   :func:`flashcpp.apply_rotary` rotates them, rounded to the input dtype, then attention on the
   results; positions default to i + len_k - len_q (queries) and j (keys). CPU backends only so far.
 
@@ -52,7 +52,8 @@ class Rotary:
     (max_position, rotary_dim) rows of [cos | sin]. positions_q / positions_k: int32 per query /
     key row, shape (batch * seqlen,) or (batch, seqlen), or (total,) with varlen; None means
     query row i at i + len_k - len_q (the causal alignment) and key j at j. Arrays live where
-    q does. The CUDA kernels do not rotate yet and raise NotImplementedError.
+    q does (flash_attn_func copies host arrays to q's device on each call). The CUDA kernels do not
+    rotate yet and raise NotImplementedError.
     """
     rotary_dim: Optional[int] = None
     style: str = "neox"
@@ -100,8 +101,23 @@ class _Problem(NamedTuple):
     window: Tuple[int, int]
     scale: float
     sparse: Optional[_core.BlockSparseSpec]
-    rotary: Optional[tuple] = None  # the binding's tuple (pointers into `keep`)
-    keep: Tuple[Any, ...] = ()      # converted rotary arrays, alive through the call
+    rotary: Optional["_RotarySpec"] = None
+
+
+class _RotarySpec(NamedTuple):
+    """A checked Rotary: scalars plus its arrays converted to q's library and device."""
+    rotary_dim: int
+    style: int  # RopeStyle value
+    theta: float
+    llama3: Tuple[float, float, float, int]  # factor (0 = off), low, high, original_max_position
+    cos_sin_cache: Any
+    max_position: int
+    positions_q: Any
+    positions_k: Any
+
+    def binding_arg(self) -> tuple:
+        return (self.rotary_dim, self.style, self.theta, *self.llama3, _core.data_ptr(self.cos_sin_cache),
+                self.max_position, _core.data_ptr(self.positions_q), _core.data_ptr(self.positions_k))
 
 
 def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
@@ -132,8 +148,9 @@ def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
     return bs._replace(**{f: conv(a) for f, a in zip(_core.SPARSE_ARRAYS, arrays)})
 
 
-def _rotary_arg(rotary: Rotary, q: Any, dims: _core.Dims, varlen: bool, rows_q: int, rows_k: int):
-    """(binding tuple, arrays to keep alive) of a Rotary for these inputs."""
+def _rotary_arg(rotary: Rotary, q: Any, dims: _core.Dims, varlen: bool, rows_q: int, rows_k: int) -> _RotarySpec:
+    """The checked spec of a Rotary for these inputs (shapes, dtypes and devices only: no values
+    are read, so FakeTensors pass through)."""
     if not isinstance(rotary, Rotary):
         raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
     rot = dims.head_dim if rotary.rotary_dim is None else int(rotary.rotary_dim)
@@ -146,10 +163,8 @@ def _rotary_arg(rotary: Rotary, q: Any, dims: _core.Dims, varlen: bool, rows_q: 
     pos_q = _positions_arg(rotary.positions_q, q, "rotary.positions_q", shapes_q)
     pos_k = _positions_arg(rotary.positions_k, q, "rotary.positions_k", shapes_k)
     cache, max_position = _cache_arg(rotary.cos_sin_cache, q, rot)
-    factor, low, high, orig = _llama3(rotary.llama3)
-    arg = (rot, int(_STYLES[rotary.style]), float(rotary.theta), factor, low, high, orig, _core.data_ptr(cache),
-           max_position, _core.data_ptr(pos_q), _core.data_ptr(pos_k))
-    return arg, (pos_q, pos_k, cache)
+    return _RotarySpec(rot, int(_STYLES[rotary.style]), float(rotary.theta), _llama3(rotary.llama3), cache,
+                       max_position, pos_q, pos_k)
 
 
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -197,13 +212,13 @@ def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu
         sparse = _sparse_for(block_sparse, mq)
         _core.check_block_sparse(sparse, dims, mq)
     scale = _core.default_scale(softmax_scale, dims.head_dim)
-    rot_arg, keep = None, ()
+    rot = None
     if rotary is not None:
         rows_q = mq.shape[0] if varlen else dims.batch * dims.seqlen_q
         rows_k = mk.shape[0] if varlen else dims.batch * dims.seqlen_k
-        rot_arg, keep = _rotary_arg(rotary, q, dims, varlen, rows_q, rows_k)
+        rot = _rotary_arg(rotary, q, dims, varlen, rows_q, rows_k)
     return _Problem(q, k, v, dims, mq, mk, mv, varlen, shape_o, shape_lse, alibi, alibi_bs,
-                    cu_q, cu_k, window, scale, sparse, rot_arg, keep)
+                    cu_q, cu_k, window, scale, sparse, rot)
 
 
 def _empty(like: Any, shape, dtype=None):
@@ -260,8 +275,9 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
                  softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                  alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
                  global_tokens=global_tokens, global_queries=global_queries,
-                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse, rotary=p.rotary,
-                 backend=backend, cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
+                 cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
+                 rotary=None if p.rotary is None else p.rotary.binding_arg(), backend=backend,
+                 cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
     if p.varlen and not p.mq.is_cuda:
         used = int(p.cu_q[-1])
         if used < p.mq.shape[0]:  # packed rows past the last sequence: define them
@@ -285,9 +301,54 @@ def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = No
     choice = _core.launch(p.q, p.k, p.v, out, lse, p.dims, p.mq, p.mk, p.mv, varlen=p.varlen,
                           softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                           alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
-                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse, rotary=p.rotary,
+                          cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
+                          rotary=None if p.rotary is None else p.rotary.binding_arg(),
                           backend=backend, cuda_config=cuda_config, select_only=True)
     return KernelChoice(*choice)
+
+
+_NO_ROTARY_OP_ARGS = (0, 1, 10000.0, 0.0, 1.0, 4.0, 8192, None, None, None)
+_STYLE_NAMES = {int(code): name for name, code in _STYLES.items()}
+
+
+def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
+    """The flashcpp::flash_attn_fwd arguments of a Rotary (rotary_dim 0 = none): scalars, and its
+    arrays as tensors on q's device (positions int32, the cache float32). Shapes are checked by
+    the op itself (_prepare), at trace time too."""
+    if rotary is None:
+        return _NO_ROTARY_OP_ARGS
+    if not isinstance(rotary, Rotary):
+        raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
+    if rotary.style not in _STYLES:
+        raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
+    rot = q.shape[-1] if rotary.rotary_dim is None else int(rotary.rotary_dim)
+    if rot == 0:
+        raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
+
+    def tensor(x, dtype, name):
+        if x is None:
+            return None
+        if isinstance(x, torch.Tensor):
+            if x.device != q.device:
+                raise ValueError(f"rotary.{name} must be on q's device ({q.device}); got {x.device}")
+            return x.to(dtype).contiguous()
+        return torch.as_tensor(np.asarray(x), dtype=dtype, device=q.device)
+    factor, low, high, orig = _llama3(rotary.llama3)
+    return (rot, int(_STYLES[rotary.style]), float(rotary.theta), factor, low, high, orig,
+            tensor(rotary.cos_sin_cache, torch.float32, "cos_sin_cache"),
+            tensor(rotary.positions_q, torch.int32, "positions_q"), tensor(rotary.positions_k, torch.int32, "positions_k"))
+
+
+def _rotary_from_op_args(rotary_dim, style, theta, factor, low, high, orig, cache, pos_q, pos_k) -> Optional[Rotary]:
+    """The Rotary that _rotary_op_args flattened (None for rotary_dim 0)."""
+    if rotary_dim == 0:
+        return None
+    llama3 = None if factor == 0.0 else {"factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                                         "original_max_position_embeddings": orig}
+    if style not in _STYLE_NAMES:
+        raise ValueError(f"rotary style code {style} is not 1 (neox) or 2 (interleaved)")
+    return Rotary(rotary_dim=rotary_dim, style=_STYLE_NAMES[style], theta=theta, llama3=llama3,
+                  cos_sin_cache=cache, positions_q=pos_q, positions_k=pos_k)
 
 
 def _torch_alibi(alibi_slopes: Any, q: Any) -> Any:
@@ -320,7 +381,7 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False, *,
-                    block_sparse: Optional[BlockSparse] = None):
+                    block_sparse: Optional[BlockSparse] = None, rotary: Optional[Rotary] = None):
     """flash-attn's ``flash_attn_func`` (forward only, no dropout).
 
     Args:
@@ -344,6 +405,9 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
             sizes raise NotImplementedError there (the CPU backend takes any size). Values of
             device arrays are not checked (that would synchronize): build them with flashcpp's
             builders. A row none of whose keys is visible gets out = 0, lse = -inf.
+        rotary: a :class:`flashcpp.Rotary`: q and k rotated as apply_rotary rotates them,
+            then attention (CPU backends only so far; CUDA raises NotImplementedError). Its
+            arrays are copied to q's device on each call unless they already live there.
 
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, or (out, lse).
@@ -353,7 +417,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
         args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
-                bool(return_lse), *_core.sparse_to_args(sparse))
+                bool(return_lse), *_core.sparse_to_args(sparse), *_rotary_op_args(rotary, q))
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
@@ -365,7 +429,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                         block_sparse=block_sparse)
+                         block_sparse=block_sparse, rotary=rotary)
     return (out, lse) if return_lse else out
 
 

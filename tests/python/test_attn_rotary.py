@@ -95,3 +95,37 @@ def test_torch_cpu_tensors(rng):
     ref, _ = flashcpp.attention(q.numpy(), k.numpy(), v.numpy(),
                                 rotary=flashcpp.Rotary(positions_q=pos.numpy(), positions_k=pos.numpy()))
     np.testing.assert_array_equal(out.numpy(), ref)
+
+
+@needs_torch
+def test_flash_attn_func_op_opcheck_and_compile(rng):
+    torch = flashcpp._core.torch
+    q = torch.from_numpy(rng.standard_normal((2, 11, 4, 64)).astype(np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((2, 19, 2, 64)).astype(np.float32)) for _ in range(2))
+    pos_q = torch.from_numpy(rng.integers(0, 500, (2, 11)).astype(np.int32))
+    spec = flashcpp.Rotary(rotary_dim=32, style="interleaved", positions_q=pos_q)
+    want, _ = flashcpp.attention(q.numpy(), k.numpy(), v.numpy(), causal=True,
+                                 rotary=flashcpp.Rotary(rotary_dim=32, style="interleaved", positions_q=pos_q.numpy()))
+    eager = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=spec)
+    np.testing.assert_array_equal(eager.numpy(), want)
+    from flashcpp.attention import _rotary_op_args
+    args = (q, k, v, 0.125, True, -1, -1, 0.0, None, True, None, None, None, None, None, *_rotary_op_args(spec, q))
+    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default, args)
+    out, _ = torch.ops.flashcpp.flash_attn_fwd(*args)
+    np.testing.assert_array_equal(out.numpy(), flashcpp.attention(q.numpy(), k.numpy(), v.numpy(), causal=True,
+                                                                   softmax_scale=0.125, rotary=flashcpp.Rotary(
+                                                                       rotary_dim=32, style="interleaved",
+                                                                       positions_q=pos_q.numpy()))[0])
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: flashcpp.flash_attn_func(q, k, v, causal=True, rotary=spec),
+                             fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(q, k, v), eager)
+    # the op checks the rotary shapes itself, also at trace time (fake tensors)
+    bad = flashcpp.Rotary(positions_q=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rotary.positions_q must have shape"):
+        flashcpp.flash_attn_func(q, k, v, rotary=bad)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="rotary.positions_q must have shape"):
+        torch.compile(lambda q, k, v: flashcpp.flash_attn_func(q, k, v, rotary=bad), fullgraph=True,
+                      backend="aot_eager")(q, k, v)

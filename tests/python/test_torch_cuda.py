@@ -423,3 +423,13 @@ def test_block_sparse_errors(gen):
         flashcpp.flash_attn_func(q[:, :255], q, q, block_sparse=bs.to(DEV))
     with pytest.raises(ValueError, match="must be on q's device"):  # the mask on the CPU, q on the GPU
         flashcpp.flash_attn_func(q.cpu(), q.cpu(), q.cpu(), block_sparse=bs.to(DEV))
+
+
+def test_rotary_in_attention_is_refused_on_cuda_with_a_sentence(gen):
+    # The CUDA kernels do not rotate on load yet: a clear NotImplementedError, never a silent
+    # attention without rotation.
+    q = rand((1, 128, 4, 64), torch.bfloat16, gen)
+    with pytest.raises(NotImplementedError, match="rotary fused into attention runs on the CPU backends only"):
+        flashcpp.flash_attn_func(q, q, q, rotary=flashcpp.Rotary())
+    with pytest.raises(NotImplementedError, match="apply_rotary"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=32))
