@@ -17,8 +17,9 @@
 // first, then forms its VEC cos/sin in registers (overlapping the load latency), rotates and
 // stores. No loop, no barrier, 32-bit index math: 16384 x 2 blocks of 128 threads for the DESIGN
 // case.
-// inv_freq comes from the host (fp64, in the kernel arguments): the per-block fp64 pow and the
-// barrier after it cost more than the rotation itself (46% of the floor on the H200 before).
+// inv_freq comes from the host (fp64, in the kernel arguments), so no block computes a pow or
+// waits at a barrier. What limits this kernel is the bytes in flight per SM (ncu: DRAM 42-46%
+// busy); see reports/fused and the staged variant below.
 // cos/sin are evaluated G times per (token, pair) (once per head by default): ~5 fp64 operations
 // and 2 MUFU each, a few percent of the issue slots on A100/H100/H200. On parts with 1/64-rate
 // fp64 (L40, A10) that share is much larger: pass a cos_sin_cache there.
@@ -36,7 +37,7 @@ namespace flashcpp::cuda {
 namespace fused {
 namespace {
 
-constexpr int kThreads = 128;       // small blocks: finer occupancy steps at ~100-128 registers
+constexpr int kThreads = 128;       // 12 blocks of 128 at 40 registers: 1536 threads an SM
 // Heads one thread loads and rotates (cuda_config heads2: measurement). One head per thread
 // at 40 registers beats sharing cos/sin over 2 or 4 heads (72 / 108 registers): on the H200 the
 // DESIGN case took 104 / 114 / 134 us. Memory-level parallelism (threads x bytes in flight) is
