@@ -40,9 +40,14 @@ _NO_LSE = (0,)
 
 
 def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr=None,
-           bs_col_idx=None, bs_partial=None, bs_element_masks=None, block_sparse_sizes=None, *rotary_args):
+           bs_col_idx=None, bs_partial=None, bs_element_masks=None, block_sparse_sizes=None, rotary_dim=0,
+           rotary_style=1, rotary_theta=10000.0, rotary_llama3_factor=0.0, rotary_llama3_low=1.0,
+           rotary_llama3_high=4.0, rotary_llama3_orig=8192, rotary_cos_sin_cache=None, rotary_positions_q=None,
+           rotary_positions_k=None):
     sparse = _core.sparse_from_args(bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks, block_sparse_sizes)
-    rotary = _rotary_from_op_args(*rotary_args) if rotary_args else None
+    rotary = _rotary_from_op_args(rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor, rotary_llama3_low,
+                                  rotary_llama3_high, rotary_llama3_orig, rotary_cos_sin_cache, rotary_positions_q,
+                                  rotary_positions_k)
     return _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes,
                     None, None, None, None, sparse, rotary)
 
@@ -71,38 +76,17 @@ def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, 
     return out, lse
 
 
-@torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())
-def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
-                   window_left: int, window_right: int, softcap: float,
-                   alibi_slopes: Optional[Tensor], return_lse: bool,
-                   bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
-                   bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
-                   block_sparse_sizes: Optional[List[int]] = None,
-                   rotary_dim: int = 0, rotary_style: int = 1, rotary_theta: float = 10000.0,
-                   rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
-                   rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
-                   rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
-                   rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                                alibi_slopes, return_lse, bs_row_ptr, bs_col_idx, bs_partial,
-                                bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta,
-                                rotary_llama3_factor, rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig,
-                                rotary_cos_sin_cache, rotary_positions_q, rotary_positions_k)
+# The op is the eager body itself (one signature: its annotations are the op's schema).
+flash_attn_fwd = torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())(flash_attn_fwd_eager)
 
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                         alibi_slopes, return_lse, bs_row_ptr=None, bs_col_idx=None, bs_partial=None,
-                         bs_element_masks=None, block_sparse_sizes=None, rotary_dim=0, rotary_style=1,
-                         rotary_theta=10000.0, rotary_llama3_factor=0.0, rotary_llama3_low=1.0,
-                         rotary_llama3_high=4.0, rotary_llama3_orig=8192, rotary_cos_sin_cache=None,
-                         rotary_positions_q=None, rotary_positions_k=None):
+                         alibi_slopes, return_lse, *mask_args, **mask_kwargs):
+    # The block-sparse and rotary arguments go to _dense as the op received them.
     # softmax_scale 1.0: the fake needs shapes only (and math.sqrt of a SymInt is best avoided).
     # The block-sparse checks read shapes, dtypes and devices only: bad masks fail at trace time.
-    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx, bs_partial,
-               bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor,
-               rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig, rotary_cos_sin_cache,
-               rotary_positions_q, rotary_positions_k)
+    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, *mask_args, **mask_kwargs)
     return (q.new_empty(p.shape_o),
             q.new_empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
 

@@ -148,23 +148,28 @@ def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
     return bs._replace(**{f: conv(a) for f, a in zip(_core.SPARSE_ARRAYS, arrays)})
 
 
+def _rotary_scalars(rotary: Any, head_dim: int) -> Tuple[int, int]:
+    """(rotary_dim, style code) of a Rotary, checked."""
+    if not isinstance(rotary, Rotary):
+        raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
+    if rotary.style not in _STYLES:
+        raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
+    rot = head_dim if rotary.rotary_dim is None else int(rotary.rotary_dim)
+    if rot == 0:
+        raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
+    return rot, int(_STYLES[rotary.style])
+
+
 def _rotary_arg(rotary: Rotary, q: Any, dims: _core.Dims, varlen: bool, rows_q: int, rows_k: int) -> _RotarySpec:
     """The checked spec of a Rotary for these inputs (shapes, dtypes and devices only: no values
     are read, so FakeTensors pass through)."""
-    if not isinstance(rotary, Rotary):
-        raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
-    rot = dims.head_dim if rotary.rotary_dim is None else int(rotary.rotary_dim)
-    if rotary.rotary_dim is not None and rot == 0:
-        raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
-    if rotary.style not in _STYLES:
-        raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
+    rot, style = _rotary_scalars(rotary, dims.head_dim)
     shapes_q = ((rows_q,),) if varlen else ((rows_q,), (dims.batch, dims.seqlen_q))
     shapes_k = ((rows_k,),) if varlen else ((rows_k,), (dims.batch, dims.seqlen_k))
     pos_q = _positions_arg(rotary.positions_q, q, "rotary.positions_q", shapes_q)
     pos_k = _positions_arg(rotary.positions_k, q, "rotary.positions_k", shapes_k)
     cache, max_position = _cache_arg(rotary.cos_sin_cache, q, rot)
-    return _RotarySpec(rot, int(_STYLES[rotary.style]), float(rotary.theta), _llama3(rotary.llama3), cache,
-                       max_position, pos_q, pos_k)
+    return _RotarySpec(rot, style, float(rotary.theta), _llama3(rotary.llama3), cache, max_position, pos_q, pos_k)
 
 
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -317,13 +322,7 @@ def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
     the op itself (_prepare), at trace time too."""
     if rotary is None:
         return _NO_ROTARY_OP_ARGS
-    if not isinstance(rotary, Rotary):
-        raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
-    if rotary.style not in _STYLES:
-        raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
-    rot = q.shape[-1] if rotary.rotary_dim is None else int(rotary.rotary_dim)
-    if rot == 0:
-        raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
+    rot, style = _rotary_scalars(rotary, q.shape[-1])
 
     def tensor(x, dtype, name):
         if x is None:
@@ -334,7 +333,7 @@ def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
             return x.to(dtype).contiguous()
         return torch.as_tensor(np.asarray(x), dtype=dtype, device=q.device)
     factor, low, high, orig = _llama3(rotary.llama3)
-    return (rot, int(_STYLES[rotary.style]), float(rotary.theta), factor, low, high, orig,
+    return (rot, style, float(rotary.theta), factor, low, high, orig,
             tensor(rotary.cos_sin_cache, torch.float32, "cos_sin_cache"),
             tensor(rotary.positions_q, torch.int32, "positions_q"), tensor(rotary.positions_k, torch.int32, "positions_k"))
 

@@ -6,25 +6,17 @@ import pytest
 
 import flashcpp
 from attn_reference import attention_ref
+from test_fused import rope_ref
 
 needs_torch = pytest.mark.skipif(not hasattr(flashcpp._core, "torch") or flashcpp._core.torch is None,
                                  reason="torch is not installed")
 
 
 def rotate_ref(x, pos, rot, style="neox", theta=10000.0):
-    """fp64 rotation of x (B, N, H, D) with positions pos (B, N)."""
-    x = np.array(x, dtype=np.float64)
-    half = rot // 2
-    inv = theta ** (-2.0 * np.arange(half) / rot)
-    ang = pos[..., None, None].astype(np.float64) * inv  # (B, N, 1, half)
-    c, s = np.cos(ang), np.sin(ang)
-    if style == "neox":
-        a, b = x[..., :half].copy(), x[..., half:rot].copy()
-        x[..., :half], x[..., half:rot] = a * c - b * s, b * c + a * s
-    else:
-        a, b = x[..., 0:rot:2].copy(), x[..., 1:rot:2].copy()
-        x[..., 0:rot:2], x[..., 1:rot:2] = a * c - b * s, b * c + a * s
-    return x
+    """fp64 rotation of x (B, N, H, D) with positions pos (B, N): test_fused's rope_ref per token."""
+    B, N, H, D = x.shape
+    return rope_ref(np.asarray(x).reshape(B * N, H, D), np.asarray(pos).reshape(-1), rot, style,
+                    theta).reshape(B, N, H, D)
 
 
 @pytest.mark.parametrize("style,rot,dtype,explicit", [("neox", None, np.float32, False),

@@ -34,6 +34,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_api.h"
+#include "harness/device_buffer.h"
 #endif
 
 namespace flashcpp::audit {
@@ -199,49 +200,7 @@ Status cpu_truth(const Problem& p, const HostProblem& hp, int threads, Truth* t)
 
 #if FLASHCPP_WITH_CUDA
 
-#define AUDIT_CUDA_TRY(call)                                                                                       \
-  do {                                                                                                             \
-    const cudaError_t e_ = (call);                                                                                 \
-    if (e_ != cudaSuccess)                                                                                         \
-      return Status::Cuda(fmt::format("{} failed: {} ({})", #call, cudaGetErrorName(e_), cudaGetErrorString(e_))); \
-  } while (0)
-
-/// Owns one cudaMalloc allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);
-  }
-  Status alloc(std::size_t bytes) {
-    if (ptr_) cudaFree(ptr_);
-    ptr_ = nullptr;
-    bytes_ = bytes;
-    if (bytes) AUDIT_CUDA_TRY(cudaMalloc(&ptr_, bytes));
-    return Status::Ok();
-  }
-  Status upload(const void* host, std::size_t bytes) {
-    FLASHCPP_RETURN_IF_ERROR(alloc(bytes));
-    if (bytes) AUDIT_CUDA_TRY(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
-    return Status::Ok();
-  }
-  Status download(void* host, std::size_t bytes) const {
-    if (bytes) AUDIT_CUDA_TRY(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
-    return Status::Ok();
-  }
-  Status poison() {  // 0xFF bytes: NaN in fp16, bf16 and fp32
-    if (bytes_) AUDIT_CUDA_TRY(cudaMemset(ptr_, 0xFF, bytes_));
-    return Status::Ok();
-  }
-  void* get() const { return ptr_; }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
+using harness::DeviceBuffer;
 
 struct DeviceProblem {
   bool ready = false;
@@ -276,7 +235,7 @@ Status gpu_truth(const Problem& p, DeviceProblem& dp, Truth* t) {
         make_params(p, dp.q.get(), dp.k.get(), abs_v ? dp.vabs.get() : dp.v.get(), dp.o.get(), nullptr);
     FLASHCPP_RETURN_IF_ERROR(
         cuda::reference_attention_f64(a, static_cast<double*>(o.get()), static_cast<double*>(lse.get()), nullptr));
-    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    HARNESS_CUDA_TRY(cudaDeviceSynchronize());
     FLASHCPP_RETURN_IF_ERROR(o.download(abs_v ? t->a.data() : t->o.data(), t->o.size() * sizeof(double)));
     FLASHCPP_RETURN_IF_ERROR(lse.download(abs_v ? lse_abs.data() : t->lse.data(), rows * sizeof(double)));
   }
@@ -335,18 +294,9 @@ void scatter_decode(const Problem& p, int rows, const void* o_rows, const std::v
           lse_rows[static_cast<std::size_t>(h) * rows + r];
 }
 
-/// The decode kernels rotate q and the appended keys only; the audit's cache is not rotated.
-constexpr const char* kDecodeNoRotary =
-    "the decode kernels rotate q and the keys appended in the step, not a cache filled beforehand";
-
 RunOutcome run_cpu_decode(const Problem& p, const HostProblem& hp, int threads, harness::HostTensor* out,
                           std::vector<float>* lse) {
   RunOutcome r;
-  if (p.rotary) {
-    r.status = Status::Unsupported(kDecodeNoRotary);
-    r.unsupported = true;
-    return r;
-  }
   const int rows = std::min(kAuditDecodeRows, p.seqlen);
   r.row_begin = p.seqlen - rows;
   r.kernel_name = "cpu_decode_split_kv";
@@ -418,11 +368,11 @@ RunOutcome run_cuda_kernel(const Problem& p, const KernelSpec& ks, const HostPro
     opt.backend = Backend::kCuda;
     opt.cuda_config = ks.cuda_config;
     FLASHCPP_RETURN_IF_ERROR(select_kernel(a, opt, &r.choice));
-    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    HARNESS_CUDA_TRY(cudaDeviceSynchronize());
     const auto t0 = Clock::now();
     FLASHCPP_RETURN_IF_ERROR(attention_forward(a, opt));
-    AUDIT_CUDA_TRY(cudaGetLastError());
-    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    HARNESS_CUDA_TRY(cudaGetLastError());
+    HARNESS_CUDA_TRY(cudaDeviceSynchronize());
     r.ms = ms_since(t0);
     *out = harness::HostTensor(p.dtype, hp.q.size());
     lse->assign(static_cast<std::size_t>(p.seqlen) * p.heads, NAN);
@@ -435,16 +385,10 @@ RunOutcome run_cuda_kernel(const Problem& p, const KernelSpec& ks, const HostPro
 }
 #endif
 
-/// Per-row comparison of a kernel's output with the truth; fills the metrics of `r`.
 #if FLASHCPP_WITH_CUDA
 RunOutcome run_cuda_decode(const Problem& p, const HostProblem& hp, DeviceProblem& dp, harness::HostTensor* out,
                            std::vector<float>* lse) {
   RunOutcome r;
-  if (p.rotary) {
-    r.status = Status::Unsupported(kDecodeNoRotary);
-    r.unsupported = true;
-    return r;
-  }
   const int rows = std::min(kAuditDecodeRows, p.seqlen);
   r.row_begin = p.seqlen - rows;
   r.kernel_name = "cuda_decode_split_kv";
@@ -480,11 +424,11 @@ RunOutcome run_cuda_decode(const Problem& p, const HostProblem& hp, DeviceProble
     r.choice.config = "splits<=" + std::to_string(plan.max_splits);
     RunOptions ro;
     ro.backend = Backend::kCuda;
-    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    HARNESS_CUDA_TRY(cudaDeviceSynchronize());
     const auto t0 = Clock::now();
     FLASHCPP_RETURN_IF_ERROR(decode_run(d, plan, ro));
-    AUDIT_CUDA_TRY(cudaGetLastError());
-    AUDIT_CUDA_TRY(cudaDeviceSynchronize());
+    HARNESS_CUDA_TRY(cudaGetLastError());
+    HARNESS_CUDA_TRY(cudaDeviceSynchronize());
     r.ms = ms_since(t0);
     FLASHCPP_RETURN_IF_ERROR(o_d.download(o.data(), o_bytes));
     FLASHCPP_RETURN_IF_ERROR(lse_d.download(dl.data(), dl.size() * sizeof(float)));
@@ -496,6 +440,7 @@ RunOutcome run_cuda_decode(const Problem& p, const HostProblem& hp, DeviceProble
 }
 #endif
 
+/// Per-row comparison of a kernel's output with the truth; fills the metrics of `r`.
 /// Only query rows >= row_begin are measured (the decode kernels compute the last rows only).
 void measure(const Problem& p, const HostProblem& hp, const Truth& t, const harness::HostTensor& out,
              const std::vector<float>& lse, int threads, int row_begin, Result* r) {
@@ -662,7 +607,12 @@ std::vector<Result> run_problem(const Problem& p, const Inputs& in, std::uint64_
       harness::HostTensor out;
       std::vector<float> lse;
       RunOutcome run;
-      if (ks.backend == Backend::kCuda) {
+      if (ks.decode && p.rotary) {
+        // The decode kernels rotate q and the keys appended in a step, not a cache filled before.
+        run.unsupported = true;
+        run.status = Status::Unsupported(
+            "the decode kernels rotate q and the keys appended in the step, not a cache filled beforehand");
+      } else if (ks.backend == Backend::kCuda) {
 #if FLASHCPP_WITH_CUDA
         run = ks.decode ? run_cuda_decode(p, hp, dp, &out, &lse) : run_cuda_kernel(p, ks, hp, dp, &out, &lse);
 #else

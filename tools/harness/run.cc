@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include "cuda/cuda_api.h"
+#include "harness/device_buffer.h"
 #endif
 
 namespace flashcpp::harness {
@@ -284,49 +285,6 @@ RunOutcome run_cpu(const Case& c, const RunConfig& cfg, HostProblem& hp) {
 }
 
 #if FLASHCPP_WITH_CUDA
-
-#define HARNESS_CUDA_TRY(call)                                                                  \
-  do {                                                                                          \
-    const cudaError_t e_ = (call);                                                              \
-    if (e_ != cudaSuccess)                                                                      \
-      return Status::Cuda(fmt::format("{} failed: {} ({})", #call, cudaGetErrorName(e_),       \
-                                      cudaGetErrorString(e_)));                                 \
-  } while (0)
-
-/// Owns one cudaMalloc allocation.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr_) cudaFree(ptr_);  // nothing useful to do with an error here
-  }
-  Status alloc(std::size_t bytes) {
-    bytes_ = bytes;
-    if (bytes == 0) return Status::Ok();
-    HARNESS_CUDA_TRY(cudaMalloc(&ptr_, bytes));
-    return Status::Ok();
-  }
-  Status upload(const void* host, std::size_t bytes) {
-    FLASHCPP_RETURN_IF_ERROR(alloc(bytes));
-    if (bytes) HARNESS_CUDA_TRY(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
-    return Status::Ok();
-  }
-  Status download(void* host, std::size_t bytes) const {
-    if (bytes) HARNESS_CUDA_TRY(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
-    return Status::Ok();
-  }
-  void* get() const { return ptr_; }
-  template <class T>
-  T* as(std::size_t byte_offset = 0) const {
-    return ptr_ ? reinterpret_cast<T*>(static_cast<std::uint8_t*>(ptr_) + byte_offset) : nullptr;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 template <class T>
 Status upload_vec(DeviceBuffer& d, const std::vector<T>& v) {

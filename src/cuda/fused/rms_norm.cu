@@ -75,6 +75,40 @@ __device__ __forceinline__ int valid_in(int v, int hidden) {
   return min(VEC, hidden - v * VEC);
 }
 
+/// h = round(x + r) (or x without a residual), kept packed; returns the sum of squares of the
+/// rounded h. n == 0 (no elements here) gives h = 0; load_vec zero-filled a tail already.
+template <class T, int VEC>
+__device__ __forceinline__ float add_residual(const Vec<T, VEC>& x, const Vec<T, VEC>& r, int n, bool has_res,
+                                              Vec<T, VEC>* h) {
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    float f = 0.f;
+    if (n > 0) {
+      f = to_float(x.v[i]);
+      if (has_res) {
+        h->v[i] = from_float<T>(f + to_float(r.v[i]));
+        f = to_float(h->v[i]);
+      } else {
+        h->v[i] = x.v[i];
+      }
+    } else {
+      h->v[i] = from_float<T>(0.f);
+    }
+    ss += f * f;
+  }
+  return ss;
+}
+
+/// y = (h * rstd) * w, rounded to T.
+template <class T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> scale_by_weight(const Vec<T, VEC>& h, float rstd, const Vec<T, VEC>& w) {
+  Vec<T, VEC> o;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * rstd * to_float(w.v[i]));
+  return o;
+}
+
 template <class T, int VEC, int SLOTS = RegisterConfig<VEC>::kSlots>
 __global__ void __launch_bounds__(RegisterConfig<VEC, SLOTS>::kMaxThreads)
     rms_norm_register_kernel(const __grid_constant__ NormArgs a) {
@@ -108,23 +142,7 @@ __global__ void __launch_bounds__(RegisterConfig<VEC, SLOTS>::kMaxThreads)
 #pragma unroll
   for (int k = 0; k < kSlots; ++k) {
     const int v = lane + k * step;
-    const int n = live && v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      float f = 0.f;
-      if (n > 0) {
-        f = to_float(xv[k].v[i]);
-        if (has_res) {
-          h[k].v[i] = from_float<T>(f + to_float(rv[k].v[i]));
-          f = to_float(h[k].v[i]);
-        } else {
-          h[k].v[i] = xv[k].v[i];
-        }
-      } else {
-        h[k].v[i] = from_float<T>(0.f);
-      }
-      ss += f * f;  // zero-filled tail elements add nothing
-    }
+    ss += add_residual<T, VEC>(xv[k], rv[k], live && v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0, has_res, &h[k]);
   }
   // 3. residual_out, then the weight loads (L1/L2 hits), whose latency overlaps the reduction.
   //    After the stores, so x/r/w are never all live at once (fewer registers).
@@ -153,12 +171,7 @@ __global__ void __launch_bounds__(RegisterConfig<VEC, SLOTS>::kMaxThreads)
   for (int k = 0; k < kSlots; ++k) {
     const int v = lane + k * step;
     const int n = v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
-    if (n > 0) {
-      Vec<T, VEC> o;
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h[k].v[i]) * rstd * to_float(w[k].v[i]));
-      store_vec<T, VEC>(y + v * VEC, o, n, a.streaming);
-    }
+    if (n > 0) store_vec<T, VEC>(y + v * VEC, scale_by_weight<T, VEC>(h[k], rstd, w[k]), n, a.streaming);
   }
 }
 
@@ -193,10 +206,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) rms_norm_two_pass_kernel(cons
     const int n = valid_in<VEC>(v, a.hidden);
     const Vec<T, VEC> h = load_vec<T, VEC>(hsrc + v * VEC, n);
     const Vec<T, VEC> w = load_vec<T, VEC>(static_cast<const T*>(a.weight) + v * VEC, n);
-    Vec<T, VEC> o;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * rstd * to_float(w.v[i]));
-    store_vec<T, VEC>(y + v * VEC, o, n, a.streaming);
+    store_vec<T, VEC>(y + v * VEC, scale_by_weight<T, VEC>(h, rstd, w), n, a.streaming);
   }
 }
 
@@ -224,30 +234,12 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
   for (int it = 0; row < a.rows; ++it, row += gridDim.x) {
     load_row(row + gridDim.x, xn, rn);  // in flight while this row is reduced and stored
     Vec<T, VEC> h;
-    float ss = 0.f;
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      float f = 0.f;
-      if (n > 0) {
-        f = to_float(xc.v[i]);
-        if (has_res) {
-          h.v[i] = from_float<T>(f + to_float(rc.v[i]));
-          f = to_float(h.v[i]);
-        } else {
-          h.v[i] = xc.v[i];
-        }
-      }
-      ss += f * f;  // load_vec zero-fills a row's tail
-    }
+    float ss = add_residual<T, VEC>(xc, rc, n, has_res, &h);
     if (has_res && n > 0) store_vec<T, VEC>(static_cast<T*>(a.residual_out) + row * a.ro_stride + v * VEC, h, n, a.streaming);
     ss = block_sum(ss, scratch[it & 1]);
     const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
-    if (n > 0) {
-      Vec<T, VEC> o;
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * rstd * to_float(w.v[i]));
-      store_vec<T, VEC>(static_cast<T*>(a.y) + row * a.y_stride + v * VEC, o, n, a.streaming);
-    }
+    if (n > 0) store_vec<T, VEC>(static_cast<T*>(a.y) + row * a.y_stride + v * VEC, scale_by_weight<T, VEC>(h, rstd, w), n,
+                                 a.streaming);
     xc = xn;
     rc = rn;
   }
