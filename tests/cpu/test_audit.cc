@@ -360,11 +360,16 @@ TEST(AuditRun, QuickPassesOnTheCpuBackendAndWritesTheDocumentedJson) {
     // The decode backend forms y = s * scale * log2(e) rounded, then exp2(y - m), as the decode
     // kernel does; at the large_scale family's scores that rounding (|y| * 2^-24 in the exponent)
     // lifts it above the floor (up to ~2.2x at N = 512), still inside the band. The tiled backend
-    // keeps the product inside an FMA.
+    // keeps the product inside an FMA, but its fp32 dot products still err by ~|s| * 2^-24 in the
+    // exponent: at large_scale that error moves some outputs across a rounding boundary, and the
+    // row error reaches ~1.56x the floor (max over 100 seeds); every other family stays under
+    // 1.02x. Hence 2x for large_scale and 1.5x elsewhere (the ratio is random per seed).
     if (r["dtype"] != "fp32") {
       EXPECT_EQ(r["rows_over_tol"], 0) << r["name"];
+      const double over_floor = r["family"] == "large_scale" ? 2.0 : 1.5;
       if (!decode)
-        EXPECT_LE(r["row_rel_err"]["max"].get<double>(), 1.5 * r["floor_rel_err"]["max"].get<double>() + 1e-6)
+        EXPECT_LE(r["row_rel_err"]["max"].get<double>(),
+                  over_floor * r["floor_rel_err"]["max"].get<double>() + 1e-6)
             << r["name"];
     }
   }
