@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
   audit->add_option("--head-dim", audit_opt.head_dim, "head dim (default: 128; 64 with --quick on cpu)");
   audit->add_option("--window", audit_opt.window, "window mask: causal with window_left = this");
   audit->add_flag("--rotary", audit_opt.rotary,
-                  "also run every problem with rotary fused into attention (CPU backends; unsupported on CUDA)");
+                  "also run every problem with rotary fused into attention (CPU and the sm80/sm90 kernels; decode reports unsupported)");
   auto* audit_seed_opt = audit->add_option("--seed", audit_seed, "input seed (default: fresh each run, printed)");
   audit->add_option("--threads", audit_opt.cpu_threads, "CPU threads (0: all)")->capture_default_str();
   audit->add_option("--json", audit_opt.json_path, "write the audit JSON here (e.g. reports/numerics/audit.json)");

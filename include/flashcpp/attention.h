@@ -93,8 +93,12 @@ struct MaskParams {
 /// them, then attention runs on the rotated q and k (v is not rotated); q, k and v themselves are
 /// not modified. The rotated values enter the scores rounded to the input dtype, exactly as a
 /// separate apply_rotary followed by attention gives them; every backend, the fp64 reference
-/// included, computes that. Backends: CPU (both); the CUDA kernels refuse it with a sentence
-/// for now (rotate with apply_rotary first there).
+/// included, computes that. Backends: CPU (both) and CUDA (sm80 and sm90 kernels: each CTA
+/// rotates its q tile and every k tile in shared memory as they land, with apply_rotary's
+/// arithmetic, so the result equals apply_rotary + attention bit for bit). CUDA rotates 8-byte
+/// pieces: rotary_dim % 8 == 0 for neox, % 4 == 0 for interleaved (Unsupported otherwise). With a
+/// cos_sin_cache, a position outside [0, max_position) is an error on the CPU backends and NaN
+/// rows on CUDA (it cannot read device positions before launching), as for apply_rotary.
 ///
 /// Positions (int32): query row i of sequence b at positions_q[b * seqlen_q + i] (varlen:
 /// [total_q], packed like q), key row j at positions_k[b * seqlen_k + j] ([total_k]); null

@@ -52,8 +52,9 @@ class Rotary:
     (max_position, rotary_dim) rows of [cos | sin]. positions_q / positions_k: int32 per query /
     key row, shape (batch * seqlen,) or (batch, seqlen), or (total,) with varlen; None means
     query row i at i + len_k - len_q (the causal alignment) and key j at j. Arrays live where
-    q does (flash_attn_func copies host arrays to q's device on each call). The CUDA kernels do not
-    rotate yet and raise NotImplementedError.
+    q does (flash_attn_func copies host arrays to q's device on each call). The CUDA kernels rotate
+    q and k tiles as they load them (bit for bit apply_rotary's values) and need rotary_dim % 8 == 0
+    for neox, % 4 for interleaved (NotImplementedError otherwise).
     """
     rotary_dim: Optional[int] = None
     style: str = "neox"

@@ -375,10 +375,14 @@ Status check_rotary(const AttnParams& p, const BackendRules& br) {
   for (auto [name, ptr] : {std::pair{"rotary.positions_q", r.positions_q}, std::pair{"rotary.positions_k", r.positions_k}})
     if (ptr && addr(ptr) % alignof(std::int32_t) != 0)
       return Status::Invalid(cat(name, " ", static_cast<const void*>(ptr), " is not 4-byte aligned (int32)"));
-  if (br.cuda)
-    return Status::Unsupported(
-        "rotary fused into attention runs on the CPU backends only so far: on CUDA, rotate q and k with "
-        "flashcpp::apply_rotary (fused.h) first and run attention without rotary");
+  // The CUDA kernels rotate 8-byte pieces in shared memory (src/cuda/prefill/prefill_rope.h).
+  const int chunk = r.style == RopeStyle::kNeox ? 8 : 4;
+  if (br.cuda && r.rotary_dim % chunk != 0)
+    return Status::Unsupported(cat("rotary.rotary_dim ", r.rotary_dim, " is not a multiple of ", chunk,
+                                   ", which the CUDA kernels need for ",
+                                   r.style == RopeStyle::kNeox ? "neox" : "interleaved",
+                                   " rotary (they rotate 8-byte pieces): rotate q and k with "
+                                   "flashcpp::apply_rotary (fused.h) first, or use the CPU backend"));
   return Status::Ok();
 }
 

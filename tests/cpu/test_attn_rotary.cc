@@ -304,8 +304,16 @@ TEST(AttnRotary, BadInputsGetASentence) {
   p = pb.params(pb.q, pb.k, true);
   p.rotary.positions_k = reinterpret_cast<const std::int32_t*>(reinterpret_cast<const char*>(pb.pos_k.data()) + 1);
   expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.positions_k");
+  // CUDA rotates 8-byte pieces: neox needs rotary_dim % 8 == 0, interleaved % 4 == 0.
   p = pb.params(pb.q, pb.k, true);
-  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary fused into attention runs on the CPU backends only");
+  p.rotary.rotary_dim = 12;
+  p.rotary.style = RopeStyle::kNeox;
+  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.rotary_dim 12 is not a multiple of 8");
+  EXPECT_TRUE(validate(p, Backend::kCpu).ok());
+  p.rotary.style = RopeStyle::kInterleaved;
+  EXPECT_TRUE(validate(p, Backend::kCuda).ok()) << validate(p, Backend::kCuda).to_string();
+  p.rotary.rotary_dim = 6;
+  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.rotary_dim 6 is not a multiple of 4");
 }
 
 }  // namespace

@@ -425,11 +425,35 @@ def test_block_sparse_errors(gen):
         flashcpp.flash_attn_func(q.cpu(), q.cpu(), q.cpu(), block_sparse=bs.to(DEV))
 
 
-def test_rotary_in_attention_is_refused_on_cuda_with_a_sentence(gen):
-    # The CUDA kernels do not rotate on load yet: a clear NotImplementedError, never a silent
-    # attention without rotation.
+@pytest.mark.parametrize("style,rot,explicit", [("neox", None, False), ("interleaved", 32, True), ("neox", 64, True)])
+def test_rotary_in_attention_on_cuda_equals_apply_rotary_then_attention(gen, style, rot, explicit):
+    # The kernels rotate q and k tiles in shared memory with apply_rotary's arithmetic: the fused
+    # call must equal apply_rotary followed by attention, bit for bit, and q/k stay untouched.
+    b, sq, sk, h, hk, d = 2, 150, 190, 4, 2, 128
+    q = rand((b, sq, h, d), torch.bfloat16, gen)
+    k = rand((b, sk, hk, d), torch.bfloat16, gen)
+    v = rand((b, sk, hk, d), torch.bfloat16, gen)
+    q0, k0 = q.clone(), k.clone()
+    if explicit:
+        pos_q = torch.randint(0, 4000, (b, sq), dtype=torch.int32, generator=gen, device=DEV)
+        pos_k = torch.randint(0, 4000, (b, sk), dtype=torch.int32, generator=gen, device=DEV)
+    else:  # the defaults: query i at i + sk - sq, key j at j
+        pos_q = (torch.arange(sq, dtype=torch.int32, device=DEV) + (sk - sq)).expand(b, sq).contiguous()
+        pos_k = torch.arange(sk, dtype=torch.int32, device=DEV).expand(b, sk).contiguous()
+    spec = flashcpp.Rotary(rotary_dim=rot, style=style, positions_q=pos_q if explicit else None,
+                           positions_k=pos_k if explicit else None)
+    fused = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=spec)
+    qr, _ = flashcpp.apply_rotary(q, None, pos_q, style=style, rotary_dim=rot)
+    kr, _ = flashcpp.apply_rotary(k, None, pos_k, style=style, rotary_dim=rot)
+    assert torch.equal(fused, flashcpp.flash_attn_func(qr, kr, v, causal=True))
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+
+
+def test_rotary_in_attention_cuda_refuses_odd_pieces_with_a_sentence(gen):
+    # The CUDA kernels rotate 8-byte pieces: neox needs rotary_dim % 8 == 0, interleaved % 4.
     q = rand((1, 128, 4, 64), torch.bfloat16, gen)
-    with pytest.raises(NotImplementedError, match="rotary fused into attention runs on the CPU backends only"):
-        flashcpp.flash_attn_func(q, q, q, rotary=flashcpp.Rotary())
+    with pytest.raises(NotImplementedError, match="rotary_dim 12 is not a multiple of 8"):
+        flashcpp.flash_attn_func(q, q, q, rotary=flashcpp.Rotary(rotary_dim=12))
     with pytest.raises(NotImplementedError, match="apply_rotary"):
-        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=32))
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=6, style="interleaved"))
+

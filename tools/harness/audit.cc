@@ -30,6 +30,7 @@
 #include "core/attn_rotary.h"
 #include "cpu/cpu_backend.h"
 #include "flashcpp/decode.h"
+#include "flashcpp/fused.h"
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -219,9 +220,28 @@ Status upload_problem(const HostProblem& hp, const Problem& p, DeviceProblem* dp
   return Status::Ok();
 }
 
-/// The fp64 GPU reference twice (V and |V|), for problems too long for the CPU reference.
-Status gpu_truth(const Problem& p, DeviceProblem& dp, Truth* t) {
-  if (p.rotary) return Status::Unsupported("the fp64 GPU reference does not rotate q and k");
+/// The fp64 GPU reference twice (V and |V|), for problems too long for the CPU reference. With
+/// rotary it reads q and k rotated by the CUDA apply_rotary (copies, default positions: the audit's
+/// problems have seqlen_q = seqlen_k), the values the fused kernels put into their scores.
+Status gpu_truth(const Problem& p, const HostProblem& hp, DeviceProblem& dp, Truth* t) {
+  DeviceBuffer qr, kr;
+  const void* qd = dp.q.get();
+  const void* kd = dp.k.get();
+  if (p.rotary) {
+    FLASHCPP_RETURN_IF_ERROR(qr.upload(hp.q.data(), hp.q.bytes.size()));
+    FLASHCPP_RETURN_IF_ERROR(kr.upload(hp.k.data(), hp.k.bytes.size()));
+    RopeParams rp;
+    rp.seqlen = p.seqlen;
+    rp.heads_q = rp.heads_k = p.heads;
+    rp.head_dim = p.head_dim;
+    rp.q = bshd_view(qr.get(), p.dtype, p.seqlen, p.heads, p.head_dim);
+    rp.k = bshd_view(kr.get(), p.dtype, p.seqlen, p.heads, p.head_dim);
+    RunOptions ro;
+    ro.backend = Backend::kCuda;
+    FLASHCPP_RETURN_IF_ERROR(apply_rotary(rp, ro));
+    qd = qr.get();
+    kd = kr.get();
+  }
   const std::size_t rows = static_cast<std::size_t>(p.seqlen) * p.heads;
   t->o.assign(rows * p.head_dim, 0.0);
   t->a.assign(rows * p.head_dim, 0.0);
@@ -231,8 +251,9 @@ Status gpu_truth(const Problem& p, DeviceProblem& dp, Truth* t) {
   FLASHCPP_RETURN_IF_ERROR(o.alloc(t->o.size() * sizeof(double)));
   FLASHCPP_RETURN_IF_ERROR(lse.alloc(t->lse.size() * sizeof(double)));
   for (const bool abs_v : {false, true}) {
-    const AttnParams a =
-        make_params(p, dp.q.get(), dp.k.get(), abs_v ? dp.vabs.get() : dp.v.get(), dp.o.get(), nullptr);
+    AttnParams a =
+        make_params(p, qd, kd, abs_v ? dp.vabs.get() : dp.v.get(), dp.o.get(), nullptr);
+    a.rotary = AttnRotary{};  // q and k are rotated already
     FLASHCPP_RETURN_IF_ERROR(
         cuda::reference_attention_f64(a, static_cast<double*>(o.get()), static_cast<double*>(lse.get()), nullptr));
     HARNESS_CUDA_TRY(cudaDeviceSynchronize());
@@ -640,7 +661,7 @@ std::vector<Result> run_problem(const Problem& p, const Inputs& in, std::uint64_
         const bool on_gpu = ks.backend == Backend::kCuda && pairs > s.gpu_reference_threshold;
         if (on_gpu) {
 #if FLASHCPP_WITH_CUDA
-          truth_status = gpu_truth(p, dp, &truth);
+          truth_status = gpu_truth(p, hp, dp, &truth);
 #endif
         } else {
           truth_status = cpu_truth(p, hp, s.cpu_threads, &truth);

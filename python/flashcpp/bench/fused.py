@@ -19,6 +19,10 @@ overhead removed for everyone alike), `*_eager_us` calls it from Python with tri
 (weights and cos/sin tables excluded: they are L2-resident); floor_us = bytes / 4.3 TB/s.
 flashcpp is also timed with cuda_config="streaming" (evict-first cache hints): `streaming_us`.
 
+Rotary fused into attention (rope_attention.csv): flash_attn_func(..., rotary=Rotary()) against
+apply_rotary (ours) followed by flash_attn_func, causal bf16 at (4, 4096, 32, 128) and GQA shapes;
+bar >= 1.05x, and the outputs must be equal bit for bit (`exact_vs_separate`).
+
 The bars of the issue: rmsnorm_residual >= 1.8x eager, swiglu >= 1.5x eager, every case >= 1.0x
 torch.compile and >= 85% of the floor (floor_us / ours_us). The `meets_bar` column says yes/no.
 """
@@ -212,10 +216,60 @@ def run(quick: bool, out: str) -> int:
         del ours, peer, compiled, fns
         torch.cuda.empty_cache()
     write_csv(os.path.join(out, "benchmark.csv"), rows)
+    write_csv(os.path.join(out, "rope_attention.csv"), _rope_attention(torch, flashcpp, quick, env))
     write_json(os.path.join(out, "benchmark_env.json"), env)
     plot(rows, os.path.join(out, "benchmark.png"), env)
     progress(f"[bench fused] wrote {out}/benchmark.csv and {out}/benchmark.png")
     return 0
+
+
+ROPE_ATTN_BAR = 1.05
+
+
+def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> List[Dict[str, object]]:
+    """Rotary fused into attention vs apply_rotary (ours) then attention, causal bf16, default
+    positions (theta 10000, neox over all of head_dim). `attn_only_us` is attention alone on
+    unrotated inputs: fused - attn_only is what the in-kernel rotation costs."""
+    shapes = [(4, 4096, 32, 32, 128), (4, 4096, 32, 8, 128), (8, 1024, 32, 8, 128), (16, 512, 32, 8, 128)]
+    if quick:
+        shapes = shapes[1:3]
+    rows: List[Dict[str, object]] = []
+    for b, s, hq, hk, d in shapes:
+        torch.manual_seed(0)
+        q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16)
+        qo, ko = torch.empty_like(q), torch.empty_like(k)
+        spec = flashcpp.Rotary()
+
+        def fused():
+            return flashcpp.flash_attn_func(q, k, v, causal=True, rotary=spec)
+
+        def separate():
+            flashcpp.apply_rotary(q, k, q_out=qo, k_out=ko)
+            return flashcpp.flash_attn_func(qo, ko, v, causal=True)
+
+        def attn_only():
+            return flashcpp.flash_attn_func(q, k, v, causal=True)
+
+        exact = bool(torch.equal(fused(), separate()))
+        t = interleaved({"fused": fused, "separate": separate, "attn_only": attn_only}, rounds=3, graph=True)
+        sp = t["separate"] / t["fused"]
+        cid = f"rope_attn_b{b}_s{s}_h{hq}kv{hk}_d{d}_bf16_causal"
+        rows.append({"case": cid, "batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": d,
+                     "fused_us": round(t["fused"], 2), "separate_us": round(t["separate"], 2),
+                     "attn_only_us": round(t["attn_only"], 2),
+                     "rotary_overhead_us": round(t["fused"] - t["attn_only"], 2),
+                     "separate_rotary_us": round(t["separate"] - t["attn_only"], 2),
+                     "speedup": round(sp, 3), "bar_speedup": ROPE_ATTN_BAR,
+                     "meets_bar": "yes" if sp >= ROPE_ATTN_BAR else "no", "exact_vs_separate": "yes" if exact else "no",
+                     "timing": "cuda_graph_median", "gpu": env["gpu"], "git_commit": env["git_commit"]})
+        progress(f"{cid:44s} fused {t['fused']:8.1f} us  separate {t['separate']:8.1f} us  attention alone "
+                 f"{t['attn_only']:8.1f} us  ({sp:.3f}x{'' if sp >= ROPE_ATTN_BAR else ' BELOW BAR'}, "
+                 f"exact {'yes' if exact else 'NO'})")
+        del q, k, v, qo, ko
+        torch.cuda.empty_cache()
+    return rows
 
 
 def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:

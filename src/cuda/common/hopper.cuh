@@ -63,6 +63,9 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+/// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads
+/// (wgmma operands, TMA stores) of the same bytes.
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 __device__ __forceinline__ void mbar_init(std::uint64_t* bar, std::uint32_t count) { ptx::mbarrier_init(bar, count); }
 /// Blocks until the phase of `bar` with this parity has completed.
 __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, std::uint32_t parity) {

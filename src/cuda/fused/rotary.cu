@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "cuda/common/ptx.cuh"
+#include "cuda/common/rope.cuh"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
 #include "cuda/fused/fused_math.h"
@@ -73,12 +74,7 @@ struct RotaryArgs {
   double inv_freq[kMaxPairs] = {};
 };
 
-/// (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)
-__device__ __forceinline__ void rotate_pair(float& x0, float& x1, float c, float s) {
-  const float a = x0, b = x1;
-  x0 = a * c - b * s;
-  x1 = b * c + a * s;
-}
+using rope::rotate_pair;  // shared with the rotary fused into attention (common/rope.cuh)
 
 /// Element offsets of a lane's two VEC-element vectors inside a head.
 template <int VEC>
@@ -91,21 +87,10 @@ __device__ __forceinline__ void lane_offsets(const RotaryArgs& a, int lane, int*
   }
 }
 
-/// cos/sin of rotary pair i at position pos: from the fp32 cache (NaN for a position outside
-/// it), or sincos of the fp64-reduced angle (|angle| <= pi there: the hardware sin/cos is within
-/// ~4e-7).
+/// cos/sin of rotary pair i at position pos (common/rope.cuh: the cache, NaN outside it, or sincos
+/// of the fp64-reduced angle).
 __device__ __forceinline__ void cos_sin_at(const RotaryArgs& a, std::int32_t pos, int i, float* c, float* sn) {
-  if (a.cache) {
-    if (pos >= 0 && pos < a.max_position) {
-      const float* row = a.cache + static_cast<std::int64_t>(pos) * (2 * a.half);
-      *c = __ldg(row + i);
-      *sn = __ldg(row + a.half + i);
-    } else {
-      *c = *sn = __int_as_float(0x7fffffff);  // NaN: out-of-range position, see the header
-    }
-  } else {
-    __sincosf(flashcpp::fused::reduced_angle(pos, a.inv_freq[i]), sn, c);
-  }
+  rope::cos_sin(a.cache, a.half, a.max_position, a.inv_freq, pos, i, c, sn);
 }
 
 /// Rotates a lane's two vectors (A at oa, B at ob) into ra, rb with pair k's cos/sin from

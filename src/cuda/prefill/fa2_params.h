@@ -5,6 +5,7 @@
 
 #include "common/mask_rules.h"
 #include "cuda/prefill/prefill_mask.h"
+#include "cuda/prefill/prefill_rope.h"
 
 namespace flashcpp::cuda {
 
@@ -21,6 +22,7 @@ struct Fa2Params {
   float scale_log2;                               ///< softmax_scale * log2(e)
   MaskRules rules;                                ///< causal / window / global tokens (max seqlens)
   PrefillMask mask;                               ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
+  PrefillRope rope;  ///< rotary fused into the q/k loads (prefill_rope.h); on iff mask.flags has kRotary
 };
 
 }  // namespace flashcpp::cuda

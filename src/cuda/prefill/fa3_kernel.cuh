@@ -17,6 +17,9 @@
 // a shifted origin (fa3_dispatch.cc, encode_map): coordinate (x, seq_end) addresses
 // packed row x + seq_end - max_len, and x >= max_len is out of bounds, so TMA zero-fills exactly
 // the rows past this sequence's end, as it does past seqlen without varlen.
+//
+// Rotary (kRotary, prefill_rope.cuh): producer warps 1-3 rotate the Q tile and each K stage in
+// shared memory between the TMA landing (q_tma / k_tma) and the consumers' wait (q_full / k_full).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,6 +32,7 @@
 #include "cuda/common/ptx.cuh"
 #include "cuda/prefill/fa3_params.h"
 #include "cuda/prefill/prefill_mask.cuh"
+#include "cuda/prefill/prefill_rope.cuh"
 
 namespace flashcpp::cuda {
 inline constexpr float kLn2Fa3 = 0.6931471805599453f;
@@ -53,10 +57,11 @@ struct Fa3Config {
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kKVBytes = BlockN * HeadDim * 2;
-  static constexpr int kSmemBytes = kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + 128 /*barriers*/;
+  static constexpr int kBarrierBytes = 256;
+  static constexpr int kSmemBytes = kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
-  static_assert(8 * (1 + 3 * Stages) <= 128, "the mbarriers fit their 128 bytes");
+  static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
 
@@ -66,6 +71,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
   constexpr int NC = BN / 8;   // n8 column chunks of S per row
   constexpr int DC = D / 8;    // n8 column chunks of O per row
+  constexpr int kRotators = 96;  // producer warps 1-3 rotate Q and K tiles when rotary is on
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // 1024-byte alignment for the 128B-swizzle atoms (TMA writes them, wgmma reads them).
   // The CtaWork record sits first, at a fixed address (no register holds its base).
@@ -79,6 +85,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   std::uint64_t* k_full = bars + 1;
   std::uint64_t* v_full = bars + 1 + S;
   std::uint64_t* kv_empty = bars + 1 + 2 * S;
+  // Rotary: the TMA copies of Q and K complete q_tma / k_tma instead, the rotators (producer warps
+  // 1-3) rotate the tile in place and then arrive on q_full / k_full (96 arrivals), so the
+  // consumers wait on the same barriers with or without rotary.
+  std::uint64_t* q_tma = bars + 1 + 3 * S;
+  std::uint64_t* k_tma = bars + 2 + 3 * S;
+  const bool rotary = p.mask.flags & PrefillMask::kRotary;
 
   const int tid = threadIdx.x, wg = tid / 128;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
@@ -97,12 +109,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   }
 
   if (tid == 0) {
-    sm90::mbar_init(q_full, 1);
+    sm90::mbar_init(q_full, rotary ? kRotators : 1);
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&k_full[s], 1);
+      sm90::mbar_init(&k_full[s], rotary ? kRotators : 1);
       sm90::mbar_init(&v_full[s], 1);
       sm90::mbar_init(&kv_empty[s], 8);  // one arrival per consumer warp
+      sm90::mbar_init(&k_tma[s], 1);
     }
+    sm90::mbar_init(q_tma, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -110,6 +124,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   if (wg == 0) {
     // ---------------------------------------------------------------- producer
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
+    if (rotary && tid >= 32) {
+      // Rotators (warps 1-3): rotate the Q tile, then each K stage, in place once its TMA copy
+      // has landed (q_tma / k_tma); fence the generic-proxy writes for wgmma (async proxy) and
+      // arrive on q_full / k_full, which the consumers wait on. A stage is refilled only after
+      // the consumers released it, i.e. after they saw it rotated.
+      const int rt = tid - 32;
+      // Byte address of element col of row r in a tile of rows.value rows: 64-column panels of 128-byte
+      // rows, 16-byte chunk (col % 64) / 8 swizzled by r % 8 (the TMA 128B swizzle).
+      auto panel_addr = [](std::uint32_t tile, auto rows) {
+        return [tile](int r, int col) {
+          return tile + (col >> 6) * (decltype(rows)::value * 128) + r * 128 + ((((col >> 3) & 7) ^ (r & 7)) << 4) +
+                 (col & 7) * 2;
+        };
+      };
+      // Each tensor's position array, offset to this sequence's first row (null: defaults).
+      auto seq_positions = [&](const std::int32_t* pos, std::int64_t packed_row0, int seqlen) {
+        return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(b) * seqlen);
+      };
+      sm90::mbar_wait(q_tma, 0);
+      rope_tile<T>(p.rope, seq_positions(p.rope.positions_q, cta.q_row0, p.seqlen_q), m0,
+                   cta.rules.seqlen_k - cta.rules.seqlen_q, cta.m_end - m0, rt, kRotators,
+                   panel_addr(ptx::smem_u32(sQ), std::integral_constant<int, BM>{}));
+      sm90::fence_proxy_async_smem();
+      sm90::mbar_arrive(q_full);
+      const std::int32_t* pos_k = seq_positions(p.rope.positions_k, cta.k_row0, p.seqlen_k);
+      const std::uint32_t k_tiles = ptx::smem_u32(sK);
+      for (int it = 0; it < n_iters; ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(&k_tma[s], (it / S) & 1);
+        const int n0 = cta.key_n0<BN>(it);
+        rope_tile<T>(p.rope, pos_k, n0, 0, max(0, min(BN, cta.rules.seqlen_k - n0)), rt, kRotators,
+                     panel_addr(k_tiles + s * Cfg::kKVBytes, std::integral_constant<int, BN>{}));
+        sm90::fence_proxy_async_smem();
+        sm90::mbar_arrive(&k_full[s]);
+      }
+    }
     if (tid == 0) {
       // Tensor-map coordinates (row, outer) of this sequence's first row: (0, b), or with varlen
       // (max_len - len, first_row + len) of the shifted maps (see the header comment).
@@ -117,19 +167,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       const int q_c3 = varlen ? static_cast<int>(cta.q_row0) + cta.rules.seqlen_q : b;
       const int k_x0 = varlen ? p.seqlen_k - cta.rules.seqlen_k : 0;
       const int k_c3 = varlen ? static_cast<int>(cta.k_row0) + cta.rules.seqlen_k : b;
-      sm90::mbar_expect_tx(q_full, Cfg::kQBytes);
+      std::uint64_t* q_bar = rotary ? q_tma : q_full;
+      sm90::mbar_expect_tx(q_bar, Cfg::kQBytes);
 #pragma unroll
       for (int pn = 0; pn < Cfg::kPanels; ++pn)
-        sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, h, q_c3, q_full);
+        sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, h, q_c3, q_bar);
       for (int it = 0; it < n_iters; ++it) {
         const int s = it % S;
         const std::uint32_t phase = (it / S) & 1;
         sm90::mbar_wait(&kv_empty[s], phase ^ 1);  // first pass: the "previous" phase counts as done
         const int n0 = cta.key_n0<BN>(it);
-        sm90::mbar_expect_tx(&k_full[s], Cfg::kKVBytes);
+        std::uint64_t* k_bar = rotary ? &k_tma[s] : &k_full[s];
+        sm90::mbar_expect_tx(k_bar, Cfg::kKVBytes);
 #pragma unroll
         for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, &k_full[s]);
+          sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, k_bar);
         sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
 #pragma unroll
         for (int pn = 0; pn < Cfg::kPanels; ++pn)

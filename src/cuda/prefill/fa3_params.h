@@ -7,6 +7,7 @@
 
 #include "common/mask_rules.h"
 #include "cuda/prefill/prefill_mask.h"
+#include "cuda/prefill/prefill_rope.h"
 
 namespace flashcpp::cuda {
 
@@ -22,6 +23,7 @@ struct Fa3Params {
   float scale_log2;
   MaskRules rules;
   PrefillMask mask;  ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
+  PrefillRope rope;  ///< rotary fused into the q/k loads (prefill_rope.h); on iff mask.flags has kRotary
 };
 
 }  // namespace flashcpp::cuda

@@ -11,7 +11,9 @@
 #include <string>
 
 #include "common/mask_rules.h"
+#include "cuda/fused/fused_math.h"
 #include "cuda/prefill/prefill_mask.h"
+#include "cuda/prefill/prefill_rope.h"
 #include "flashcpp/attention.h"
 
 namespace flashcpp::cuda {
@@ -66,6 +68,23 @@ inline bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int b
   return bs.block_m % block_m == 0 && bs.block_n % block_n == 0 && (block_n % 64 == 0 || 64 % block_n == 0);
 }
 
+/// The rotary of a validated problem (validate.cc checks the CUDA chunk rules: rotary_dim % 16
+/// for neox, % 8 for interleaved): inv_freq in fp64 by the formula apply_rotary uses.
+inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a) {
+  r = PrefillRope{};
+  if (!a.enabled()) return;
+  r.half = a.rotary_dim / 2;
+  r.neox = a.style == RopeStyle::kNeox ? 1 : 0;
+  r.cache = a.cos_sin_cache;
+  r.max_position = a.max_position;
+  r.positions_q = a.positions_q;
+  r.positions_k = a.positions_k;
+  if (r.cache == nullptr)
+    for (int i = 0; i < r.half; ++i)
+      r.inv_freq[i] = flashcpp::fused::inv_freq(i, a.rotary_dim, a.theta, a.llama3.factor, a.llama3.low_freq_factor,
+                                                a.llama3.high_freq_factor, a.llama3.original_max_position);
+}
+
 /// Output, LSE, sizes, scale and mask rules: the fields Fa2Params and Fa3Params share by name.
 template <class P>
 void fill_prefill_common(P& p, const AttnParams& a) {
@@ -84,6 +103,8 @@ void fill_prefill_common(P& p, const AttnParams& a) {
   p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
                             a.mask.global_tokens, a.mask.global_queries);
   p.mask = make_prefill_mask(a);
+  fill_prefill_rope(p.rope, a.rotary);
+  if (p.rope.half > 0) p.mask.flags |= PrefillMask::kRotary;
 }
 
 /// Launches `kernel` on grid (ceil(seqlen_q / block_m), heads_q, batch): the row blocks of one

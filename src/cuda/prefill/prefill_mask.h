@@ -28,6 +28,7 @@ struct PrefillMask {
     kAlibi = 1u << 1,    ///< s += slope / softmax_scale * (j - ia)
     kVarlen = 1u << 2,   ///< cu_seqlens_q / cu_seqlens_k give each sequence's rows
     kSparse = 1u << 3,   ///< walk the listed key blocks of bs_* instead of the window range
+    kRotary = 1u << 4,   ///< rotate q and k tiles in shared memory (the params' PrefillRope)
   };
   std::uint32_t flags = 0;
 

@@ -1,0 +1,41 @@
+// Rotary embedding math shared by apply_rotary (src/cuda/fused/rotary.cu) and the rotary fused into
+// the prefill kernels (fa2/fa3): one rotation expression and one cos/sin rule, so a q or k rotated
+// inside attention is bit for bit the q or k that apply_rotary writes.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/fused/fused_math.h"
+
+namespace flashcpp::cuda::rope {
+
+/// (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), fp32, with the FMAs spelled out so that every kernel
+/// that includes this rounds the same way (not left to the compiler's contraction).
+__device__ __forceinline__ void rotate_pair(float& x0, float& x1, float c, float s) {
+  const float a = x0, b = x1;
+  x0 = fmaf(a, c, -(b * s));
+  x1 = fmaf(b, c, a * s);
+}
+
+/// cos/sin of rotary pair i at position pos: from an fp32 cache of rows [cos(half) | sin(half)]
+/// (NaN for a position outside [0, max_position)), or sincos of the fp64-reduced angle
+/// pos * inv_freq[i] (|angle| <= pi there: the hardware sin/cos is within ~4e-7).
+__device__ __forceinline__ void cos_sin(const float* cache, int half, int max_position, const double* inv_freq,
+                                        std::int32_t pos, int i, float* c, float* sn) {
+  if (cache) {
+    if (pos >= 0 && pos < max_position) {
+      const float* row = cache + static_cast<std::int64_t>(pos) * (2 * half);
+      *c = __ldg(row + i);
+      *sn = __ldg(row + half + i);
+    } else {
+      *c = *sn = __int_as_float(0x7fffffff);  // NaN: an out-of-range position poisons, never reads out of bounds
+    }
+  } else {
+    __sincosf(::flashcpp::fused::reduced_angle(pos, inv_freq[i]), sn, c);
+  }
+}
+
+}  // namespace flashcpp::cuda::rope

@@ -1,0 +1,113 @@
+// Device side of the rotary fused into the prefill kernels (prefill_rope.h): rotate rows of a q or
+// k tile in shared memory, in place, after the tile has landed and before any matrix product
+// reads it. Both kernels call rope_tile with their own tile addressing (sm80: [rows][D] with
+// 16-byte chunks XOR-swizzled by row % 8; sm90: 64-column panels in the 128-byte TMA swizzle).
+// An 8-byte piece never straddles a 16-byte chunk, so the swizzle moves it whole.
+//
+// Work item = one 8-byte piece of the rotated dims: a neox piece of the first half together with
+// its partner half elements on (4 pairs), or an interleaved piece (2 adjacent pairs). Each item
+// reads its row's position once, forms its cos/sin pair by pair (rope::cos_sin: the fp64-reduced
+// angle or the cache, as apply_rotary) and writes the rotated values back rounded to the input
+// dtype, which is what a separate apply_rotary stores.
+//
+// Cost: a CTA rotates its q tile once and every k tile it visits, so a k tile is rotated once per
+// query block that reads it (the price of not writing rotated k to memory); reports/fused has the
+// design notes and the measurements.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/common/rope.cuh"
+#include "cuda/prefill/prefill_rope.h"
+
+namespace flashcpp::cuda {
+
+template <class T>
+__device__ __forceinline__ float rope_bits_to_f32(std::uint32_t bits16) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __uint_as_float(bits16 << 16);
+  else
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+}
+template <class T>
+__device__ __forceinline__ std::uint32_t rope_f32_to_bits(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  else
+    return __half_as_ushort(__float2half_rn(v));
+}
+
+__device__ __forceinline__ uint2 rope_ld(std::uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void rope_st(std::uint32_t addr, uint2 v) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(addr), "r"(v.x), "r"(v.y) : "memory");
+}
+/// Element e (0..3) of a 4-element piece: the low (e even) or high (e odd) 16 bits of word e / 2.
+/// Selects, not references: e is a runtime index here, and a reference would put v in local memory.
+__device__ __forceinline__ std::uint32_t rope_elem(const uint2& v, int e) {
+  const std::uint32_t w = e < 2 ? v.x : v.y;
+  return (e & 1) ? w >> 16 : w & 0xffffu;
+}
+__device__ __forceinline__ void rope_set_elem(uint2& v, int e, std::uint32_t bits) {
+  const std::uint32_t w = e < 2 ? v.x : v.y;
+  const std::uint32_t n = (e & 1) ? (w & 0xffffu) | (bits << 16) : (w & 0xffff0000u) | bits;
+  v.x = e < 2 ? n : v.x;
+  v.y = e < 2 ? v.y : n;
+}
+
+/// Rotates rows [0, valid) of a shared-memory tile whose row r is sequence row row0 + r (rows at
+/// or past `valid` lie past the sequence's end, hold zeros and are left alone). Row i's position
+/// is positions[i] (the array already offset to the sequence's first row) or, without an array,
+/// i + shift. `addr(r, col)` is the shared-memory
+/// byte address of element col (a multiple of 4) of tile row r. Threads tid, tid + nthreads, ...
+/// of the calling group share the items; the caller synchronizes before and after.
+///
+/// An item is one 8-byte piece (4 elements) of the rotated dims: a neox piece of the first half
+/// with its partner half elements on (4 pairs), or an interleaved piece (2 adjacent pairs). Small
+/// on purpose: the sm90 rotators run in the producer warpgroup's 40 registers, and the pairs of a
+/// piece go one at a time (unroll 1) so that one fp64 angle reduction is live at once; unrolled,
+/// ptxas spilled the CTA's row block and batch index for the whole kernel.
+template <class T, class Addr>
+__device__ __forceinline__ void rope_tile(const PrefillRope& rp, const std::int32_t* positions, int row0, int shift, int valid, int tid, int nthreads, Addr&& addr) {
+  const int per_row = rp.neox ? rp.half / 4 : rp.half / 2;
+  const int items = valid * per_row;
+  for (int x = tid; x < items; x += nthreads) {
+    const int row = x / per_row, c = x - row * per_row;
+    const int i = row0 + row;
+    const std::int32_t pos = positions != nullptr ? __ldg(positions + i) : i + shift;
+    if (rp.neox) {
+      const std::uint32_t pa = addr(row, 4 * c), pb = addr(row, 4 * c + rp.half);
+      uint2 va = rope_ld(pa), vb = rope_ld(pb);
+#pragma unroll 1
+      for (int k = 0; k < 4; ++k) {
+        float cs, sn;
+        rope::cos_sin(rp.cache, rp.half, rp.max_position, rp.inv_freq, pos, 4 * c + k, &cs, &sn);
+        float x0 = rope_bits_to_f32<T>(rope_elem(va, k)), x1 = rope_bits_to_f32<T>(rope_elem(vb, k));
+        rope::rotate_pair(x0, x1, cs, sn);
+        rope_set_elem(va, k, rope_f32_to_bits<T>(x0));
+        rope_set_elem(vb, k, rope_f32_to_bits<T>(x1));
+      }
+      rope_st(pa, va);
+      rope_st(pb, vb);
+    } else {
+      const std::uint32_t pa = addr(row, 4 * c);
+      uint2 va = rope_ld(pa);
+#pragma unroll 1
+      for (int k = 0; k < 2; ++k) {
+        float cs, sn;
+        rope::cos_sin(rp.cache, rp.half, rp.max_position, rp.inv_freq, pos, 2 * c + k, &cs, &sn);
+        float x0 = rope_bits_to_f32<T>(rope_elem(va, 2 * k)), x1 = rope_bits_to_f32<T>(rope_elem(va, 2 * k + 1));
+        rope::rotate_pair(x0, x1, cs, sn);
+        rope_set_elem(va, 2 * k, rope_f32_to_bits<T>(x0));
+        rope_set_elem(va, 2 * k + 1, rope_f32_to_bits<T>(x1));
+      }
+      rope_st(pa, va);
+    }
+  }
+}
+
+}  // namespace flashcpp::cuda

@@ -1,0 +1,27 @@
+// The rotary embedding fused into both prefill kernels (AttnRotary of attention.h), as one plain
+// block of kernel parameters. `half` = 0 means off. The kernels rotate the q tile once after it
+// lands in shared memory and every k tile as it lands, in place, with the same rotation and cos/sin
+// rule as apply_rotary (src/cuda/common/rope.cuh), so the scores see exactly the q and k that a
+// separate apply_rotary would have written.
+#pragma once
+
+#include <cstdint>
+
+namespace flashcpp::cuda {
+
+struct PrefillRope {
+  /// Pairs of rotated dims (rotary_dim / 2); 0 = no rotary. The kernels rotate 8-byte pieces:
+  /// half % 4 == 0 for neox (a piece of the first half meets its partner piece half elements
+  /// on), half % 2 == 0 for interleaved (a piece holds 2 adjacent pairs).
+  int half = 0;
+  int neox = 1;  ///< 1: pairs (i, i + half); 0: interleaved pairs (2i, 2i + 1)
+  const float* cache = nullptr;  ///< fp32 [max_position][2 * half] rows [cos | sin], or null
+  int max_position = 0;
+  const std::int32_t* positions_q = nullptr;  ///< null: query row i at i + len_k - len_q
+  const std::int32_t* positions_k = nullptr;  ///< null: key row j at j
+  /// Without a cache: fp64 inv_freq per pair (theta and Llama-3 scaling applied on the host by
+  /// fused::inv_freq, as for apply_rotary). head_dim <= 256, so at most 128 pairs.
+  double inv_freq[128] = {};
+};
+
+}  // namespace flashcpp::cuda
