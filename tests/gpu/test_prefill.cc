@@ -218,6 +218,40 @@ TEST(Prefill, BitwiseDeterministic) {
   }
 }
 
+// A persistent sm90 config computes every tile exactly as its non-persistent twin (same consumer
+// code, only the tile order, the loads' overlap and the TMA-store epilogue differ): the outputs
+// must be equal bit for bit. Shapes with more tiles than SMs (several tiles per CTA), several L2
+// head groups (long K/V), GQA, causal and odd lengths.
+TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  const std::string suffix = "_persist";
+  int compared = 0;
+  for (int d : {64, 128, 256})
+    for (const auto& cfg : cuda::prefill_sm90_configs(d)) {
+      if (cfg.size() <= suffix.size() || cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+      const std::string twin = cfg.substr(0, cfg.size() - suffix.size());
+      std::uint64_t salt = 700 + d;
+      for (Case c : {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
+                     Case{2, 1100, 16384, 8, 2, d, true}, Case{3, 1, 300, 4, 4, d, true}}) {
+        std::vector<std::uint16_t> a, b;
+        c.config = cfg;
+        run_case(c, ++salt, &a);
+        c.config = twin;
+        run_case(c, salt, &b);  // same salt: same inputs
+        ASSERT_EQ(a.size(), b.size());
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 2), 0) << describe(c) << ": " << cfg << " differs from " << twin;
+        ++compared;
+      }
+    }
+  EXPECT_GT(compared, 0) << "no persistent sm90 config compiled";
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
 TEST(Prefill, EmptyProblemsWriteNothingAndNoKeysGiveZero) {
   DeviceBuffer o(1024 * 2);
   CUDA_OK(cudaMemset(o.ptr, 0x5A, 1024 * 2));

@@ -84,4 +84,17 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const void* tmap, in
   ptx::cp_async_bulk_tensor(ptx::space_cluster, ptx::space_global, smem_dst, tmap, coords, bar);
 }
 
+/// TMA store of one box from shared memory (laid out as the map's swizzle says) to a rank-4
+/// tensor map; elements outside the map's bounds are not written. Completes in a bulk group.
+__device__ __forceinline__ void tma_store_4d(const void* tmap, int c0, int c1, int c2, int c3, const void* smem_src) {
+  const std::int32_t coords[4] = {c0, c1, c2, c3};
+  ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, tmap, coords, smem_src);
+}
+__device__ __forceinline__ void bulk_commit() { ptx::cp_async_bulk_commit_group(); }
+/// Waits until at most N bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  ptx::cp_async_bulk_wait_group_read(ptx::n32_t<N>{});
+}
+
 }  // namespace flashcpp::cuda::sm90

@@ -86,7 +86,7 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 
 std::string fa3_config_name(const Fa3Entry& e) {
   return "sm90_m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "s" + std::to_string(e.stages) +
-         (e.ping_pong ? (e.sched ? "p" : "o") : "");
+         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.persistent ? "_persist" : "");
 }
 
 std::span<const Fa3Entry> fa3_entries(int head_dim) {
@@ -105,11 +105,15 @@ bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
   return a.mask.block_sparse == nullptr ||
          (!e.ping_pong && tiles_fit_block_sparse(*a.mask.block_sparse, e.block_m, e.block_n));
 }
+
+/// Picked automatically: the first config (table order) that fits, persistent ones only when named
+/// (they are measured against the defaults before one becomes a default).
+bool fa3_auto(const Fa3Entry& e, const AttnParams& a) { return !e.persistent && fa3_fits(e, a); }
 }  // namespace
 
 std::string prefill_sm90_pick(const AttnParams& a) {
   for (const auto& e : fa3_entries(a.head_dim))
-    if (fa3_fits(e, a)) return fa3_config_name(e);
+    if (fa3_auto(e, a)) return fa3_config_name(e);
   return {};
 }
 
@@ -148,7 +152,7 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
   if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
   const Fa3Entry* entry = nullptr;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (config.empty() ? fa3_fits(e, a) : fa3_config_name(e) == config) {
+    if (config.empty() ? fa3_auto(e, a) : fa3_config_name(e) == config) {
       entry = &e;
       break;
     }
@@ -166,6 +170,22 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
     FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, entry->block_n, varlen));
   }
   fill_prefill_common(p, a);
+  if (entry->persistent) {
+    // TMA-store epilogue: a map over o with one consumer warpgroup's 64 rows per box.
+    FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_o, a.o, a.seqlen_q, a.heads_q, a.batch, a.head_dim, 64, varlen));
+    const std::int64_t m_blocks = (a.seqlen_q + entry->block_m - 1) / entry->block_m;
+    const std::int64_t tiles = m_blocks * a.heads_q * a.batch;
+    if (tiles > INT32_MAX)
+      return Status::Unsupported("the persistent sm90 config walks at most 2^31-1 tiles; this problem has " +
+                                 std::to_string(tiles) + " (use a non-persistent config)");
+    p.m_blocks = static_cast<int>(m_blocks);
+    p.n_tiles = static_cast<int>(tiles);
+    // (head, batch) pairs per L2 group: their K/V (seqlen_k x head_dim x 2 tensors x 2 bytes per kv
+    // head, shared by `group` query heads) within ~24 MB, half the H100/H200 L2.
+    const std::int64_t kv_bytes = std::max<std::int64_t>(1, static_cast<std::int64_t>(a.seqlen_k) * a.head_dim * 4);
+    const std::int64_t per_group = std::max<std::int64_t>(1, (std::int64_t{24} << 20) / kv_bytes) * (a.heads_q / a.heads_kv);
+    p.tile_heads = static_cast<int>(std::min<std::int64_t>(per_group, static_cast<std::int64_t>(a.heads_q) * a.batch));
+  }
   const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);
 }

@@ -6,6 +6,7 @@ namespace {
 const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<128, 128, 2>>(),         // default: Q K^T, softmax, P V in sequence (measured faster here)
     fa3_entry<Fa3Config<128, 128, 2, true>>(),   // pipelined consumers + ping-pong
+    fa3_entry<Fa3Config<128, 128, 2, false, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd128() { return kEntries; }

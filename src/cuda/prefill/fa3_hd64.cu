@@ -6,6 +6,7 @@ namespace {
 const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<64, 128, 4, true>>(),   // default: pipelined consumers + ping-pong (+10-15% at hd64)
     fa3_entry<Fa3Config<64, 128, 4>>(),         // plain: Q K^T, softmax, P V in sequence
+    fa3_entry<Fa3Config<64, 128, 4, true, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd64() { return kEntries; }

@@ -20,6 +20,12 @@
 //
 // Rotary (kRotary, prefill_rope.cuh): producer warps 1-3 rotate the Q tile and each K stage in
 // shared memory between the TMA landing (q_tma / k_tma) and the consumers' wait (q_full / k_full).
+//
+// Persistent configs (Fa3Config::kPersistent): min(tiles, SMs) CTAs, each walking tiles in the
+// order of fa3_tile. Every role loops over the same tiles, counting K/V stage uses across them
+// (`ring`) and tiles (`done`) for the barrier phases; the producer loads a tile's first K/V stages
+// before the consumers have finished the previous tile, and its Q after q_empty; O leaves through a
+// TMA store from the Q buffer.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,7 +46,7 @@ inline constexpr float kLn2Fa3 = 0.6931471805599453f;
 
 namespace flashcpp::cuda {
 
-template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true>
+template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;              ///< two consumer warpgroups x 64 rows
@@ -53,6 +59,12 @@ struct Fa3Config {
   /// With kPingPong: whether the named-barrier turn-taking runs (false = the in-warpgroup
   /// overlap alone, config suffix "o").
   static constexpr bool kSched = PingPong && Sched;
+  /// Persistent CTAs (config suffix "_persist"): a grid of min(tiles, SMs) CTAs, each walking
+  /// tiles blockIdx.x, + gridDim.x, ... of the launch order (fa3_tile: heads in L2-sized groups,
+  /// heaviest row blocks first), with the next tile's K/V loads overlapping the current tile's
+  /// last blocks and epilogue, and O stored by TMA from shared memory.
+  static constexpr bool kPersistent = Persistent;
+  static constexpr bool kTmaStore = Persistent;
   static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -64,6 +76,48 @@ struct Fa3Config {
   static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
+
+/// One (row block, head, batch) tile of the launch.
+struct Fa3Tile {
+  int m_block, h, b;
+};
+
+/// %ctaid / %nctaid read anew where a role needs them (volatile: not merged with the kernel entry's
+/// reads). A value computed before the producer / consumer split stays live into the producer's
+/// 40-register region, and ptxas then spills it for the whole kernel, consumers' hot loop included.
+__device__ __forceinline__ int fresh_sreg_ctaid(int dim) {
+  unsigned v;
+  if (dim == 0)
+    asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  else if (dim == 1)
+    asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(v));
+  else
+    asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(v));
+  return static_cast<int>(v);
+}
+__device__ __forceinline__ int fresh_sreg_nctaid_x() {
+  unsigned v;
+  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+  return static_cast<int>(v);
+}
+
+/// Tile `i` of the launch. Non-persistent: the CTA's own (blockIdx; row blocks of one head run
+/// together so K/V stay in L2, heaviest causal block first). Persistent: tiles are ordered by
+/// groups of p.tile_heads (head, batch) pairs whose K/V fit in L2 together; inside a group the
+/// heaviest row blocks of every head come first (longest-processing-time first for causal), so
+/// the light blocks fill the tail of each group and of the launch.
+template <class Cfg>
+__device__ __forceinline__ Fa3Tile fa3_tile(const Fa3Params& p, int i) {
+  if constexpr (!Cfg::kPersistent) {
+    return Fa3Tile{fresh_sreg_nctaid_x() - 1 - fresh_sreg_ctaid(0), fresh_sreg_ctaid(1), fresh_sreg_ctaid(2)};
+  } else {
+    const int per_group = p.tile_heads * p.m_blocks;
+    const int grp = i / per_group, in = i - grp * per_group;
+    const int heads_here = min(p.tile_heads, p.heads_q * p.batch - grp * p.tile_heads);
+    const int rank = in / heads_here, hb = grp * p.tile_heads + (in - rank * heads_here);
+    return Fa3Tile{p.m_blocks - 1 - rank, hb % p.heads_q, hb / p.heads_q};
+  }
+}
 
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __grid_constant__ Fa3Params p) {
@@ -90,22 +144,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // consumers wait on the same barriers with or without rotary.
   std::uint64_t* q_tma = bars + 1 + 3 * S;
   std::uint64_t* k_tma = bars + 2 + 3 * S;
+  // Persistent: both consumer warpgroups are done with the tile's Q buffer (also the O staging
+  // area), so the producer may load the next tile's Q (2 arrivals).
+  std::uint64_t* q_empty = bars + 2 + 4 * S;
   const bool rotary = p.mask.flags & PrefillMask::kRotary;
 
   const int tid = threadIdx.x, wg = tid / 128;
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int m_block = gridDim.x - 1 - blockIdx.x;  // row blocks of one head run together (K/V stay in L2); heaviest causal first
-  const int m0 = m_block * BM;
-  // The CTA's work (sequence, key walk) in shared memory, published by the barrier-init
-  // __syncthreads: the producer (40 registers) and the consumers re-read what they need.
+  // The tile's work (sequence, key walk) in shared memory. Non-persistent: every thread computes
+  // it, thread 0 stores it, the barrier-init __syncthreads publishes it. Persistent: the producer
+  // thread stores each tile's record before its Q load (after q_empty of the previous tile), and
+  // the consumers / rotators read it after that Q barrier; the others only test the tile exists.
   CtaWork& cta = *reinterpret_cast<CtaWork*>(smem_raw);
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
-  int n_iters;
-  {
+  // This CTA's tiles: [first, end) by step (persistent: blockIdx.x, + gridDim.x, ...; else its one tile).
+  auto tile_first = [] { return Cfg::kPersistent ? fresh_sreg_ctaid(0) : 0; };
+  auto tile_step = [] { return Cfg::kPersistent ? fresh_sreg_nctaid_x() : 1; };
+  const int tile_end = Cfg::kPersistent ? p.n_tiles : 1;
+  if constexpr (!Cfg::kPersistent) {
+    const Fa3Tile tl = fa3_tile<Cfg>(p, 0);
     CtaWork w;
-    if (!make_cta_work<BM, BN>(p, b, h, m0, &w)) return;  // varlen: past this sequence's end (whole CTA)
+    if (!make_cta_work<BM, BN>(p, tl.b, tl.h, tl.m_block * BM, &w)) return;  // varlen: past this sequence's end
     if (tid == 0) cta = w;
-    n_iters = w.n_iters;
   }
 
   if (tid == 0) {
@@ -117,6 +176,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       sm90::mbar_init(&k_tma[s], 1);
     }
     sm90::mbar_init(q_tma, 1);
+    sm90::mbar_init(q_empty, 2);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -124,6 +184,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   if (wg == 0) {
     // ---------------------------------------------------------------- producer
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
+    // Each role walks the same tiles; `ring` counts K/V stage uses across them (stage ring % S,
+    // phase (ring / S) & 1) and `done` the tiles (q barrier phase done & 1).
     if (rotary && tid >= 32) {
       // Rotators (warps 1-3): rotate the Q tile, then each K stage, in place once its TMA copy
       // has landed (q_tma / k_tma); fence the generic-proxy writes for wgmma (async proxy) and
@@ -138,54 +200,82 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
                  (col & 7) * 2;
         };
       };
-      // Each tensor's position array, offset to this sequence's first row (null: defaults).
-      auto seq_positions = [&](const std::int32_t* pos, std::int64_t packed_row0, int seqlen) {
-        return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(b) * seqlen);
-      };
-      sm90::mbar_wait(q_tma, 0);
-      rope_tile<T>(p.rope, seq_positions(p.rope.positions_q, cta.q_row0, p.seqlen_q), m0,
-                   cta.rules.seqlen_k - cta.rules.seqlen_q, cta.m_end - m0, rt, kRotators,
-                   panel_addr(ptx::smem_u32(sQ), std::integral_constant<int, BM>{}));
-      sm90::fence_proxy_async_smem();
-      sm90::mbar_arrive(q_full);
-      const std::int32_t* pos_k = seq_positions(p.rope.positions_k, cta.k_row0, p.seqlen_k);
       const std::uint32_t k_tiles = ptx::smem_u32(sK);
-      for (int it = 0; it < n_iters; ++it) {
-        const int s = it % S;
-        sm90::mbar_wait(&k_tma[s], (it / S) & 1);
-        const int n0 = cta.key_n0<BN>(it);
-        rope_tile<T>(p.rope, pos_k, n0, 0, max(0, min(BN, cta.rules.seqlen_k - n0)), rt, kRotators,
-                     panel_addr(k_tiles + s * Cfg::kKVBytes, std::integral_constant<int, BN>{}));
+      std::uint32_t ring = 0, done = 0;
+      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step) {
+        const Fa3Tile tl = fa3_tile<Cfg>(p, ti);
+        const int m0 = tl.m_block * BM;
+        if (!tile_exists(p, tl.b, m0)) continue;
+        // Each tensor's position array, offset to this sequence's first row (null: defaults).
+        auto seq_positions = [&](const std::int32_t* pos, std::int64_t packed_row0, int seqlen) {
+          return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(tl.b) * seqlen);
+        };
+        sm90::mbar_wait(q_tma, done & 1);
+        const int n_iters = cta.n_iters;  // read before the record can change (next tile)
+        rope_tile<T>(p.rope, seq_positions(p.rope.positions_q, cta.q_row0, p.seqlen_q), m0,
+                     cta.rules.seqlen_k - cta.rules.seqlen_q, cta.m_end - m0, rt, kRotators,
+                     panel_addr(ptx::smem_u32(sQ), std::integral_constant<int, BM>{}));
         sm90::fence_proxy_async_smem();
-        sm90::mbar_arrive(&k_full[s]);
+        sm90::mbar_arrive(q_full);
+        const std::int32_t* pos_k = seq_positions(p.rope.positions_k, cta.k_row0, p.seqlen_k);
+        for (int it = 0; it < n_iters; ++it, ++ring) {
+          const int s = ring % S;
+          sm90::mbar_wait(&k_tma[s], (ring / S) & 1);
+          const int n0 = cta.key_n0<BN>(it);
+          rope_tile<T>(p.rope, pos_k, n0, 0, max(0, min(BN, cta.rules.seqlen_k - n0)), rt, kRotators,
+                       panel_addr(k_tiles + s * Cfg::kKVBytes, std::integral_constant<int, BN>{}));
+          sm90::fence_proxy_async_smem();
+          sm90::mbar_arrive(&k_full[s]);
+        }
+        ++done;
       }
     }
     if (tid == 0) {
-      // Tensor-map coordinates (row, outer) of this sequence's first row: (0, b), or with varlen
-      // (max_len - len, first_row + len) of the shifted maps (see the header comment).
-      const int q_x0 = varlen ? p.seqlen_q - cta.rules.seqlen_q : 0;
-      const int q_c3 = varlen ? static_cast<int>(cta.q_row0) + cta.rules.seqlen_q : b;
-      const int k_x0 = varlen ? p.seqlen_k - cta.rules.seqlen_k : 0;
-      const int k_c3 = varlen ? static_cast<int>(cta.k_row0) + cta.rules.seqlen_k : b;
-      std::uint64_t* q_bar = rotary ? q_tma : q_full;
-      sm90::mbar_expect_tx(q_bar, Cfg::kQBytes);
+      std::uint32_t ring = 0, done = 0;
+      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step) {
+        const Fa3Tile tl = fa3_tile<Cfg>(p, ti);
+        const int m0 = tl.m_block * BM, hk = tl.h / p.group;
+        CtaWork own;  // persistent: this tile's record, computed here (the smem one may still be in use)
+        if constexpr (Cfg::kPersistent)
+          if (!make_cta_work<BM, BN>(p, tl.b, tl.h, m0, &own)) continue;
+        const CtaWork& w = Cfg::kPersistent ? own : cta;
+        // Tensor-map coordinates (row, outer) of this sequence's first row: (0, b), or with varlen
+        // (max_len - len, first_row + len) of the shifted maps (see the header comment).
+        const int q_x0 = varlen ? p.seqlen_q - w.rules.seqlen_q : 0;
+        const int q_c3 = varlen ? static_cast<int>(w.q_row0) + w.rules.seqlen_q : tl.b;
+        const int k_x0 = varlen ? p.seqlen_k - w.rules.seqlen_k : 0;
+        const int k_c3 = varlen ? static_cast<int>(w.k_row0) + w.rules.seqlen_k : tl.b;
+        auto load_kv = [&](int it) {
+          const int s = ring % S;
+          sm90::mbar_wait(&kv_empty[s], ((ring / S) & 1) ^ 1);  // first pass: the "previous" phase counts as done
+          const int n0 = w.key_n0<BN>(it);
+          std::uint64_t* k_bar = rotary ? &k_tma[s] : &k_full[s];
+          sm90::mbar_expect_tx(k_bar, Cfg::kKVBytes);
 #pragma unroll
-      for (int pn = 0; pn < Cfg::kPanels; ++pn)
-        sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, h, q_c3, q_bar);
-      for (int it = 0; it < n_iters; ++it) {
-        const int s = it % S;
-        const std::uint32_t phase = (it / S) & 1;
-        sm90::mbar_wait(&kv_empty[s], phase ^ 1);  // first pass: the "previous" phase counts as done
-        const int n0 = cta.key_n0<BN>(it);
-        std::uint64_t* k_bar = rotary ? &k_tma[s] : &k_full[s];
-        sm90::mbar_expect_tx(k_bar, Cfg::kKVBytes);
+          for (int pn = 0; pn < Cfg::kPanels; ++pn)
+            sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, k_bar);
+          sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
+#pragma unroll
+          for (int pn = 0; pn < Cfg::kPanels; ++pn)
+            sm90::tma_load_4d(sV + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, k_x0 + n0, hk, k_c3,
+                              &v_full[s]);
+          ++ring;
+        };
+        // Persistent: the first stages of this tile load while the consumers finish the previous
+        // tile; its Q (and the record) wait until they released the Q buffer.
+        const int early = Cfg::kPersistent ? min(S, w.n_iters) : 0;
+        for (int it = 0; it < early; ++it) load_kv(it);
+        if constexpr (Cfg::kPersistent) {
+          if (done > 0) sm90::mbar_wait(q_empty, (done - 1) & 1);
+          cta = w;  // published by the Q barrier (this thread's arrive.expect_tx releases it)
+        }
+        std::uint64_t* q_bar = rotary ? q_tma : q_full;
+        sm90::mbar_expect_tx(q_bar, Cfg::kQBytes);
 #pragma unroll
         for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, k_bar);
-        sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
-#pragma unroll
-        for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          sm90::tma_load_4d(sV + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, k_x0 + n0, hk, k_c3, &v_full[s]);
+          sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, tl.h, q_c3, q_bar);
+        for (int it = early; it < w.n_iters; ++it) load_kv(it);
+        ++done;
       }
     }
     return;
@@ -196,6 +286,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   const int c = wg - 1;                  // rows [64c, 64c+64) of the tile
   const int ct = tid - 128 * wg;         // thread index inside the warpgroup
   const int warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const std::uint32_t q_addr = ptx::smem_u32(sQ) + 64 * c * 128;  // this warpgroup's 64 rows
+  std::uint32_t ring = 0, done = 0;
+  for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step) {
+  const Fa3Tile tl = fa3_tile<Cfg>(p, ti);
+  const int h = tl.h, b = tl.b, m0 = tl.m_block * BM;
+  if constexpr (Cfg::kPersistent)
+    if (!tile_exists(p, b, m0)) continue;
   const int row_base = m0 + 64 * c + 16 * warp + g;  // query row of this thread's r = 0 values
 
   float acc_o[D / 2];
@@ -203,8 +300,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-  const std::uint32_t q_addr = ptx::smem_u32(sQ) + 64 * c * 128;  // this warpgroup's 64 rows
-  sm90::mbar_wait(q_full, 0);
+  sm90::mbar_wait(q_full, done & 1);
+  const int n_iters = cta.n_iters;  // the record is this tile's until this warpgroup arrives on q_empty
 
   const std::uint32_t k_base = ptx::smem_u32(sK), v_base = ptx::smem_u32(sV);
   // Issue S = Q K^T for stage s (D/16 k-steps; the first overwrites S).
@@ -334,8 +431,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   float corr[2];
   if constexpr (!Cfg::kPingPong) {
     for (int it = 0; it < n_iters; ++it) {
-      const int s = it % S;
-      const std::uint32_t phase = (it / S) & 1;
+      const int s = (ring + it) % S;
+      const std::uint32_t phase = ((ring + it) / S) & 1;
       sm90::mbar_wait(&k_full[s], phase);
       sm90::wgmma_fence();
       issue_qk(acc_s, s);
@@ -366,11 +463,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     };
     if constexpr (Cfg::kSched)
       if (c == 1) sm90::named_barrier_arrive(kSched + 0, 256);
-    // Block 0: Q K^T alone.
-    sm90::mbar_wait(&k_full[0], 0);
+    // Block 0: Q K^T alone. Stage and phase of block it: (ring + it) % S, ((ring + it) / S) & 1.
+    sm90::mbar_wait(&k_full[ring % S], (ring / S) & 1);
     window_begin();
     sm90::wgmma_fence();
-    issue_qk(acc_s, 0);
+    issue_qk(acc_s, ring % S);
     sm90::wgmma_commit();
     window_end(false);
     sm90::wgmma_wait<0>();
@@ -379,9 +476,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     pack_p(acc_s, pa);
     // Steady state: Q K^T of block it and P V of block it-1 in flight together.
     for (int it = 1; it < n_iters; ++it) {
-      const int s = it % S, sp = (it - 1) % S;
-      sm90::mbar_wait(&k_full[s], (it / S) & 1);
-      sm90::mbar_wait(&v_full[sp], ((it - 1) / S) & 1);
+      const std::uint32_t u = ring + it;
+      const int s = u % S, sp = (u - 1) % S;
+      sm90::mbar_wait(&k_full[s], (u / S) & 1);
+      sm90::mbar_wait(&v_full[sp], ((u - 1) / S) & 1);
       window_begin();
       sm90::wgmma_fence();
       issue_qk(acc_s, s);
@@ -398,8 +496,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       pack_p(acc_s, pa);
     }
     // Last block: P V alone.
-    const int sl = (n_iters - 1) % S;
-    sm90::mbar_wait(&v_full[sl], ((n_iters - 1) / S) & 1);
+    const int sl = (ring + n_iters - 1) % S;
+    sm90::mbar_wait(&v_full[sl], ((ring + n_iters - 1) / S) & 1);
     window_begin();
     sm90::wgmma_fence();
     issue_pv(pa, sl);
@@ -408,9 +506,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     sm90::wgmma_wait<0>();
     release(sl);
   }
+  ring += n_iters;
 
-  // ---- epilogue: O / l into this warpgroup's rows of sQ (same 128B-swizzled panels), then
-  //      16-byte coalesced stores; LSE from the quad leader. --------------------------------
+  // ---- epilogue: O / l into this warpgroup's rows of sQ (same 128B-swizzled panels), then out
+  //      by TMA (kTmaStore) or 16-byte coalesced stores; LSE from the quad leader. -------------
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -435,19 +534,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       *reinterpret_cast<std::uint32_t*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4) + 4 * t) =
           ptx::pack2<T>(acc_o[4 * j + 2 * r] * inv[r], acc_o[4 * j + 2 * r + 1] * inv[r]);
     }
-  sm90::named_barrier_sync(1 + c, 128);
-  T* gO = static_cast<T*>(p.o) + (varlen ? cta.q_row0 * p.o_seq_stride : b * p.o_batch_stride) + h * p.o_head_stride;
-  const int m_end = cta.m_end;
+  if constexpr (Cfg::kTmaStore) {
+    // Every writer fences its generic-proxy writes for the TMA (async proxy) read; one thread
+    // stores the warpgroup's 64 rows per 64-column panel (rows past the sequence's end are out
+    // of the map's bounds and not written), waits until the copy has read shared memory, and
+    // hands the Q buffer back to the producer.
+    sm90::fence_proxy_async_smem();
+    sm90::named_barrier_sync(1 + c, 128);
+    if (ct == 0) {
+      const int q_x0 = varlen ? p.seqlen_q - cta.rules.seqlen_q : 0;
+      const int q_c3 = varlen ? static_cast<int>(cta.q_row0) + cta.rules.seqlen_q : b;
 #pragma unroll
-  for (int it = 0; it < 64 * DC / 128; ++it) {
-    const int idx = ct + it * 128;
-    const int row = 64 * c + idx / DC, j = idx % DC;
-    const int pn = j / 8, chunk = j % 8;
-    if (m0 + row < m_end) {
-      const uint4 val = *reinterpret_cast<const uint4*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4));
-      *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + row) * p.o_seq_stride + j * 8) = val;
+      for (int pn = 0; pn < Cfg::kPanels; ++pn)
+        sm90::tma_store_4d(&p.tmap_o, pn * 64, q_x0 + m0 + 64 * c, h, q_c3, sO + pn * BM * 128 + 64 * c * 128);
+      sm90::bulk_commit();
+      sm90::bulk_wait_read<0>();
+      if constexpr (Cfg::kPersistent) sm90::mbar_arrive(q_empty);
     }
+  } else {
+    sm90::named_barrier_sync(1 + c, 128);
+    T* gO = static_cast<T*>(p.o) + (varlen ? cta.q_row0 * p.o_seq_stride : b * p.o_batch_stride) + h * p.o_head_stride;
+    const int m_end = cta.m_end;
+#pragma unroll
+    for (int it = 0; it < 64 * DC / 128; ++it) {
+      const int idx = ct + it * 128;
+      const int row = 64 * c + idx / DC, j = idx % DC;
+      const int pn = j / 8, chunk = j % 8;
+      if (m0 + row < m_end) {
+        const uint4 val = *reinterpret_cast<const uint4*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4));
+        *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + row) * p.o_seq_stride + j * 8) = val;
+      }
+    }
+    static_assert(!Cfg::kPersistent || Cfg::kTmaStore, "the persistent epilogue hands the Q buffer back after the TMA store");
   }
+  ++done;
+  }  // tiles
 #else
   __trap();  // never launched: dispatch picks this kernel only on sm_90 devices
 #endif

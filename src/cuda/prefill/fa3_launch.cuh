@@ -1,6 +1,7 @@
 // Launch of one instantiation of the sm_90a prefill kernel. Included only by fa3_hd<D>.cu.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 
 #include "cuda/prefill/fa3_kernel.cuh"
@@ -12,13 +13,20 @@ namespace flashcpp::cuda {
 template <class Cfg, typename T>
 Status fa3_run(const Fa3Params& p, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
-  return launch_prefill(&fa3_forward_kernel<Cfg, T>, p, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream, device, opted_in,
-                        "sm90 prefill kernel");
+  int ctas = 0;  // persistent: one CTA per SM (one fits: ~160-200 KB of shared memory), at most one per tile
+  if constexpr (Cfg::kPersistent) {
+    int sms = 0;
+    if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+      return Status::Cuda("cudaDeviceGetAttribute(multiprocessor count) failed");
+    ctas = std::max(1, std::min(p.n_tiles, sms));
+  }
+  return launch_prefill(&fa3_forward_kernel<Cfg, T>, p, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream, device,
+                        opted_in, "sm90 prefill kernel", ctas);
 }
 
 template <class Cfg>
 constexpr Fa3Entry fa3_entry() {
-  return Fa3Entry{Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kSmemBytes, Cfg::kPingPong, Cfg::kSched,
+  return Fa3Entry{Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kStages, Cfg::kSmemBytes, Cfg::kPingPong, Cfg::kSched, Cfg::kPersistent,
                   &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
 }
 

@@ -15,12 +15,16 @@ struct Fa3Params {
   CUtensorMap tmap_q;  ///< rank 4 (D, seqlen_q, heads_q, batch), box (64, 128, 1, 1), 128B swizzle
   CUtensorMap tmap_k;  ///< rank 4 (D, seqlen_k, heads_kv, batch), box (64, BlockN, 1, 1)
   CUtensorMap tmap_v;
+  CUtensorMap tmap_o;  ///< TMA-store configs: like tmap_q over o, box (64, 64, 1, 1) (one consumer warpgroup's rows)
   void* o;
   float* lse;  ///< (batch, heads_q, seqlen_q), (heads_q, total_q) when varlen, or nullptr
   std::int64_t o_batch_stride;
   std::int32_t o_seq_stride, o_head_stride;
   int batch, seqlen_q, seqlen_k, heads_q, group;
   float scale_log2;
+  /// Persistent configs: tiles = m_blocks * heads_q * batch, walked in groups of tile_heads
+  /// (head, batch) pairs (fa3_tile).
+  int m_blocks, tile_heads, n_tiles;
   MaskRules rules;
   PrefillMask mask;  ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
   PrefillRope rope;  ///< rotary fused into the q/k loads (prefill_rope.h); on iff mask.flags has kRotary

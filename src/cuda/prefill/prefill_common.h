@@ -108,12 +108,14 @@ void fill_prefill_common(P& p, const AttnParams& a) {
 }
 
 /// Launches `kernel` on grid (ceil(seqlen_q / block_m), heads_q, batch): the row blocks of one
-/// head are adjacent, so the CTAs resident together share that head's K/V in L2. Opts in to
+/// head are adjacent, so the CTAs resident together share that head's K/V in L2. A persistent
+/// kernel passes `persistent_ctas` > 0 instead and gets grid (persistent_ctas, 1, 1). Opts in to
 /// `smem_bytes` of dynamic shared memory once per device (not a stream operation, so safe while
 /// a graph is captured). `what` names the kernel in error sentences.
 template <class Params>
 Status launch_prefill(void (*kernel)(Params), const Params& p, int block_m, int threads, int smem_bytes,
-                      Stream stream, int device, std::atomic<unsigned long long>& opted_in, const char* what) {
+                      Stream stream, int device, std::atomic<unsigned long long>& opted_in, const char* what,
+                      int persistent_ctas = 0) {
   const unsigned long long bit = 1ull << (device & 63);
   if (!(opted_in.load(std::memory_order_acquire) & bit)) {
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
@@ -125,7 +127,9 @@ Status launch_prefill(void (*kernel)(Params), const Params& p, int block_m, int 
     return Status::Unsupported("batch " + std::to_string(p.batch) + " or heads_q " + std::to_string(p.heads_q) +
                                " exceeds the 65535 limit of a grid dimension");
   const int m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-  const dim3 grid(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  const dim3 grid = persistent_ctas > 0 ? dim3(static_cast<unsigned>(persistent_ctas))
+                                        : dim3(static_cast<unsigned>(m_blocks), static_cast<unsigned>(p.heads_q),
+                                               static_cast<unsigned>(p.batch));
   void* args[] = {const_cast<Params*>(&p)};  // runtime launch: this header also serves plain C++ files
   const cudaError_t e = cudaLaunchKernel(reinterpret_cast<const void*>(kernel), grid, dim3(threads), args,
                                          static_cast<std::size_t>(smem_bytes), stream);

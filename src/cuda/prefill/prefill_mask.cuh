@@ -147,6 +147,16 @@ __device__ __forceinline__ bool make_cta_work(const P& p, int b, int h, int m0, 
   return true;
 }
 
+/// Whether the tile of query rows [m0, m0 + BM) of batch b has rows: make_cta_work's test alone
+/// (varlen: m0 inside this sequence's length), for the roles that read the record from shared
+/// memory instead of computing it.
+template <class P>
+__device__ __forceinline__ bool tile_exists(const P& p, int b, int m0) {
+  if (!(p.mask.flags & PrefillMask::kVarlen)) return m0 < p.seqlen_q;
+  const int len = __ldg(p.mask.cu_seqlens_q + b + 1) - __ldg(p.mask.cu_seqlens_q + b);
+  return m0 < min(max(len, 0), p.seqlen_q);
+}
+
 /// Element-mask words of query row `r` (inside its block-sparse block) for the key tile that
 /// starts at column c0 of the block: bit (c0 % 64 + c) of word (c / 64) is key c of the tile.
 /// Needs BN % 64 == 0 (c0 % 64 == 0) or 64 % BN == 0 (the tile lies in one word).
