@@ -263,7 +263,7 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
   if (p.batch == 0) return Status::Ok();
   if (plan.backend == Backend::kCuda) {
 #if FLASHCPP_WITH_CUDA
-    return cuda::decode_run(p, plan, opt.stream);
+    return cuda::decode_run(p, plan, opt.stream, opt.programmatic_launch);
 #endif
   }
   return cpu::decode_run(p, plan, opt);

@@ -390,6 +390,9 @@ Status Session::decode_ops(const SampleArgs& sampling, std::vector<StepOp>* out)
   RunOptions ro;
   ro.backend = ops->cuda() ? Backend::kCuda : Backend::kCpu;
   ro.stream = ops->stream();
+  // The decode kernels launch programmatically, like the GEMVs around them: each launch overlaps
+  // the previous kernel's tail (RunOptions::programmatic_launch; "gemv-nopdl" turns both off).
+  ro.programmatic_launch = ops->programmatic();
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& w = m_->layers[l];
     const void* w_qkv = w.qkv.get();

@@ -74,6 +74,9 @@ class Ops {
   /// Activations and weights: fp32 on the CPU backend, bf16 on CUDA.
   virtual DType dtype() const = 0;
   virtual Stream stream() const = 0;
+  /// Whether kernels launch programmatically (PDL: GEMVs and decode attention; off before sm_90
+  /// and with the "gemv-nopdl" mode).
+  virtual bool programmatic() const { return false; }
   virtual std::string describe() const = 0;  ///< e.g. "NVIDIA H200 (132 SMs)" or "cpu (2 threads)"
 
   virtual Status alloc(std::size_t bytes, void** out) = 0;  ///< zeroed
@@ -113,7 +116,8 @@ class Ops {
   /// Keeps the device busy for about `us` microseconds (so the host can queue work ahead of it).
   virtual Status spin(int us) { (void)us; return Status::Ok(); }
   /// Which GEMM implementation gemm() uses: "auto" (GEMV for M <= 2, cuBLASLt above), "cublaslt",
-  /// "gemv" (GEMV up to M = 8), "gemv-nopdl" (the same without programmatic dependent launch).
+  /// "gemv" (GEMV up to M = 8), "gemv-nopdl" (the same without programmatic dependent launch, for
+  /// the GEMVs and the decode attention kernels).
   virtual Status set_gemm_mode(const std::string& mode) { (void)mode; return Status::Ok(); }
   /// Timing events (CUDA): record event `slot` (0..kMaxEvents-1) on the stream; the ms between two
   /// recorded events after a sync. The CPU versions record nothing and report 0.

@@ -473,6 +473,7 @@ class CudaOps final : public Ops {
   bool cuda() const override { return true; }
   DType dtype() const override { return DType::kBF16; }
   Stream stream() const override { return reinterpret_cast<Stream>(stream_); }
+  bool programmatic() const override { return pdl_; }
   std::string describe() const override { return name_; }
 
   Status alloc(std::size_t bytes, void** out) override {

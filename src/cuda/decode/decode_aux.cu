@@ -37,6 +37,7 @@ __device__ __forceinline__ float warp_sum(float x) {
 /// cache slot c_b + t (lengths and pages clamped as in decode.h).
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(const __grid_constant__ DecodeKernelParams p) {
+  pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
   const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (w >= p.batch * p.seqlen_q * p.heads_kv) return;
   const int hk = w % p.heads_kv, t = (w / p.heads_kv) % p.seqlen_q, b = w / (p.heads_kv * p.seqlen_q);
@@ -71,6 +72,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(cons
 /// Empty splits (LSE = -inf) contribute nothing; all empty: O = 0, LSE = -inf.
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_merge_kernel(const __grid_constant__ DecodeKernelParams p) {
+  pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
   const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (w >= p.batch * p.seqlen_q * p.heads_q) return;
   const int h = w % p.heads_q, t = (w / p.heads_q) % p.seqlen_q, b = w / (p.heads_q * p.seqlen_q);
@@ -164,20 +166,16 @@ unsigned blocks_for(std::int64_t warps) {
 Status decode_append_launch(const DecodeKernelParams& p, DType dt, Stream stream) {
   const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_kv;
   if (warps == 0) return Status::Ok();
-  if (dt == DType::kBF16)
-    decode_append_kernel<__nv_bfloat16><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
-  else
-    decode_append_kernel<__half><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
+  auto* kernel = dt == DType::kBF16 ? &decode_append_kernel<__nv_bfloat16> : &decode_append_kernel<__half>;
+  (void)launch_kernel(kernel, blocks_for(warps), 32 * kWarpsPerBlock, 0, stream, p.pdl != 0, p);
   return check_launch("decode append kernel");
 }
 
 Status decode_merge_launch(const DecodeKernelParams& p, DType dt, Stream stream) {
   const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_q;
   if (warps == 0) return Status::Ok();
-  if (dt == DType::kBF16)
-    decode_merge_kernel<__nv_bfloat16><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
-  else
-    decode_merge_kernel<__half><<<blocks_for(warps), 32 * kWarpsPerBlock, 0, stream>>>(p);
+  auto* kernel = dt == DType::kBF16 ? &decode_merge_kernel<__nv_bfloat16> : &decode_merge_kernel<__half>;
+  (void)launch_kernel(kernel, blocks_for(warps), 32 * kWarpsPerBlock, 0, stream, p.pdl != 0, p);
   return check_launch("decode merge kernel");
 }
 

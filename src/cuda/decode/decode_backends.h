@@ -41,7 +41,7 @@ Status decode_upload_worklist(void* dst, const std::int32_t* host, std::size_t c
 /// SM count of the current device.
 Status decode_num_sms(int* num_sms);
 /// CUDA backend of decode_run: append (+ rotary), split-KV kernel, merge. Asynchronous.
-Status decode_run(const DecodeParams& p, const DecodePlan& plan, Stream stream);
+Status decode_run(const DecodeParams& p, const DecodePlan& plan, Stream stream, bool programmatic = false);
 /// CUDA backend of merge_attention_states. Asynchronous.
 Status merge_attention_states(const MergeStatesParams& p, Stream stream);
 }  // namespace flashcpp::cuda

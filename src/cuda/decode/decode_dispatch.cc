@@ -121,7 +121,7 @@ std::size_t smem_bytes() {
 
 }  // namespace
 
-Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream) {
+Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, bool programmatic) {
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(check_device(&dev));
   const std::size_t smem = a.head_dim == 64 ? smem_bytes<64>() : a.head_dim == 128 ? smem_bytes<128>() : smem_bytes<256>();
@@ -129,7 +129,8 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream) 
     return Status::Unsupported("the head_dim " + std::to_string(a.head_dim) + " decode kernel needs " +
                                std::to_string(smem) + " bytes of shared memory; " + dev.name + " allows " +
                                std::to_string(dev.smem_optin));
-  const DecodeKernelParams p = make_params(a, plan);
+  DecodeKernelParams p = make_params(a, plan);
+  p.pdl = programmatic && dev.sm_major >= 9 ? 1 : 0;
   const DType dt = a.q.dtype;
   if (p.append) FLASHCPP_RETURN_IF_ERROR(decode_append_launch(p, dt, stream));
   switch (a.head_dim) {

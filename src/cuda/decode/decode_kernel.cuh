@@ -37,6 +37,7 @@
 #include <cstdint>
 
 #include "common/mask_rules.h"
+#include "cuda/common/launch.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/decode/decode_common.h"
 #include "cuda/decode/decode_params.h"
@@ -118,6 +119,7 @@ __device__ __forceinline__ void rotate_pair(T* a, T* b, float c, float s) {
 template <int D, typename T>
 __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     decode_split_kernel(const __grid_constant__ DecodeKernelParams p) {
+  pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
   using Cfg = Config<D>;
   constexpr int BN = Cfg::kBlockN, S = Cfg::kStages, DT = D / 8, KT = D / 16;
   constexpr int kRowChunks = D / 8;  // 16-byte chunks per row

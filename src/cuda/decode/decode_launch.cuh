@@ -6,6 +6,7 @@
 #include <atomic>
 #include <string>
 
+#include "cuda/common/launch.cuh"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_launch.h"
 
@@ -26,7 +27,7 @@ Status decode_split_run(const DecodeKernelParams& p, int ctas, Stream stream, in
     opted_in.fetch_or(bit, std::memory_order_acq_rel);
   }
   if (ctas <= 0) return Status::Ok();
-  kernel<<<static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
+  (void)launch_kernel(kernel, static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream, p.pdl != 0, p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::Cuda(std::string("decode split-KV kernel launch failed: ") + cudaGetErrorString(e));
   return Status::Ok();

@@ -66,6 +66,10 @@ struct DecodeKernelParams {
   const std::int32_t* item_split;
   float* part_o;    ///< [items][heads_kv][rows][D], normalized
   float* part_lse;  ///< [items][heads_kv][rows], natural log
+
+  /// Host side only: launch programmatically (RunOptions::programmatic_launch on sm_90+). Every
+  /// decode kernel starts with griddepcontrol.wait, a no-op for an ordinary launch.
+  int pdl;
 };
 
 /// merge_attention_states: (batch, seqlen, heads, D) views, LSE (batch, heads, seqlen).

@@ -1,0 +1,39 @@
+// Kernel launches with an optional programmatic dependent launch (PDL, sm_90+): the launch may
+// begin while the previous kernel on the stream is still running; the kernel must wait for it
+// (pdl_wait_then_release) before touching memory that kernel reads or writes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace flashcpp::cuda {
+
+/// Waits until the previous grid on the stream has completed and its writes are visible (returns
+/// at once for an ordinary launch), then allows the next programmatic launch to begin; its CTAs
+/// wait the same way, so only the launch overlaps. First statement of a PDL-aware kernel.
+__device__ __forceinline__ void pdl_wait_then_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...), programmatic when `pdl`.
+template <class... KArgs, class... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                          bool pdl, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace flashcpp::cuda
