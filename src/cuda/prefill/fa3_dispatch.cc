@@ -8,6 +8,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/tile_order.h"
 #include "cuda/cuda_api.h"
 #include "cuda/prefill/fa3_registry.h"
 #include "cuda/prefill/prefill_common.h"
@@ -179,12 +180,9 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
       return Status::Unsupported("the persistent sm90 config walks at most 2^31-1 tiles; this problem has " +
                                  std::to_string(tiles) + " (use a non-persistent config)");
     p.m_blocks = static_cast<int>(m_blocks);
-    p.n_tiles = static_cast<int>(tiles);
-    // (head, batch) pairs per L2 group: their K/V (seqlen_k x head_dim x 2 tensors x 2 bytes per kv
-    // head, shared by `group` query heads) within ~24 MB, half the H100/H200 L2.
-    const std::int64_t kv_bytes = std::max<std::int64_t>(1, static_cast<std::int64_t>(a.seqlen_k) * a.head_dim * 4);
-    const std::int64_t per_group = std::max<std::int64_t>(1, (std::int64_t{24} << 20) / kv_bytes) * (a.heads_q / a.heads_kv);
-    p.tile_heads = static_cast<int>(std::min<std::int64_t>(per_group, static_cast<std::int64_t>(a.heads_q) * a.batch));
+    p.n_units = persistent_units(p.m_blocks, a.heads_q, a.batch);
+    // (head, batch) pairs per L2 group: their K/V within ~24 MB, half the H100/H200 L2.
+    p.tile_heads = persistent_tile_heads(a.seqlen_k, a.head_dim, a.heads_q, a.heads_kv, a.batch);
   }
   const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);

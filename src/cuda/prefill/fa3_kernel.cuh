@@ -21,8 +21,8 @@
 // Rotary (kRotary, prefill_rope.cuh): producer warps 1-3 rotate the Q tile and each K stage in
 // shared memory between the TMA landing (q_tma / k_tma) and the consumers' wait (q_full / k_full).
 //
-// Persistent configs (Fa3Config::kPersistent): min(tiles, SMs) CTAs, each walking tiles in the
-// order of fa3_tile. Every role loops over the same tiles, counting K/V stage uses across them
+// Persistent configs (Fa3Config::kPersistent): min(units, SMs) CTAs, each walking work units of
+// two tiles (fa3_tile, common/tile_order.h). Every role loops over the same tiles, counting K/V stage uses across them
 // (`ring`) and tiles (`done`) for the barrier phases; the producer loads a tile's first K/V stages
 // before the consumers have finished the previous tile, and its Q after q_empty; O leaves through a
 // TMA store from the Q buffer.
@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "common/mask_rules.h"
+#include "common/tile_order.h"
 #include "cuda/common/hopper.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/prefill/fa3_params.h"
@@ -59,10 +60,10 @@ struct Fa3Config {
   /// With kPingPong: whether the named-barrier turn-taking runs (false = the in-warpgroup
   /// overlap alone, config suffix "o").
   static constexpr bool kSched = PingPong && Sched;
-  /// Persistent CTAs (config suffix "_persist"): a grid of min(tiles, SMs) CTAs, each walking
-  /// tiles blockIdx.x, + gridDim.x, ... of the launch order (fa3_tile: heads in L2-sized groups,
-  /// heaviest row blocks first), with the next tile's K/V loads overlapping the current tile's
-  /// last blocks and epilogue, and O stored by TMA from shared memory.
+  /// Persistent CTAs (config suffix "_persist"): a grid of min(units, SMs) CTAs, each walking work
+  /// units blockIdx.x, + gridDim.x, ... (common/tile_order.h: two row blocks of equal causal cost,
+  /// heads in L2-sized groups), with the next tile's K/V loads overlapping the current tile's last
+  /// blocks and epilogue, and O stored by TMA from shared memory.
   static constexpr bool kPersistent = Persistent;
   static constexpr bool kTmaStore = Persistent;
   static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
@@ -101,21 +102,17 @@ __device__ __forceinline__ int fresh_sreg_nctaid_x() {
   return static_cast<int>(v);
 }
 
-/// Tile `i` of the launch. Non-persistent: the CTA's own (blockIdx; row blocks of one head run
-/// together so K/V stay in L2, heaviest causal block first). Persistent: tiles are ordered by
-/// groups of p.tile_heads (head, batch) pairs whose K/V fit in L2 together; inside a group the
-/// heaviest row blocks of every head come first (longest-processing-time first for causal), so
-/// the light blocks fill the tail of each group and of the launch.
+/// Tile `half` of work unit `i`. Non-persistent: the CTA's own tile (blockIdx; row blocks of one
+/// head run together so K/V stay in L2, heaviest causal block first). Persistent: units of two row
+/// blocks of equal total causal cost, in L2-sized head groups (common/tile_order.h); m_block is -1
+/// for the missing second tile of a one-tile unit.
 template <class Cfg>
-__device__ __forceinline__ Fa3Tile fa3_tile(const Fa3Params& p, int i) {
+__device__ __forceinline__ Fa3Tile fa3_tile(const Fa3Params& p, int i, int half) {
   if constexpr (!Cfg::kPersistent) {
     return Fa3Tile{fresh_sreg_nctaid_x() - 1 - fresh_sreg_ctaid(0), fresh_sreg_ctaid(1), fresh_sreg_ctaid(2)};
   } else {
-    const int per_group = p.tile_heads * p.m_blocks;
-    const int grp = i / per_group, in = i - grp * per_group;
-    const int heads_here = min(p.tile_heads, p.heads_q * p.batch - grp * p.tile_heads);
-    const int rank = in / heads_here, hb = grp * p.tile_heads + (in - rank * heads_here);
-    return Fa3Tile{p.m_blocks - 1 - rank, hb % p.heads_q, hb / p.heads_q};
+    const TileCoord c = persistent_tile(i, half, p.m_blocks, p.heads_q, p.batch, p.tile_heads);
+    return Fa3Tile{c.m_block, c.h, c.b};
   }
 }
 
@@ -156,12 +153,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // the consumers / rotators read it after that Q barrier; the others only test the tile exists.
   CtaWork& cta = *reinterpret_cast<CtaWork*>(smem_raw);
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
-  // This CTA's tiles: [first, end) by step (persistent: blockIdx.x, + gridDim.x, ...; else its one tile).
+  // This CTA's work units: [first, end) by step (persistent: blockIdx.x, + gridDim.x, ... of the
+  // units of tile_order.h; else its one tile).
   auto tile_first = [] { return Cfg::kPersistent ? fresh_sreg_ctaid(0) : 0; };
   auto tile_step = [] { return Cfg::kPersistent ? fresh_sreg_nctaid_x() : 1; };
-  const int tile_end = Cfg::kPersistent ? p.n_tiles : 1;
+  const int tile_end = Cfg::kPersistent ? p.n_units : 1;
+  constexpr int kHalves = Cfg::kPersistent ? 2 : 1;  // tiles per unit (persistent: heavy, then light)
   if constexpr (!Cfg::kPersistent) {
-    const Fa3Tile tl = fa3_tile<Cfg>(p, 0);
+    const Fa3Tile tl = fa3_tile<Cfg>(p, 0, 0);
     CtaWork w;
     if (!make_cta_work<BM, BN>(p, tl.b, tl.h, tl.m_block * BM, &w)) return;  // varlen: past this sequence's end
     if (tid == 0) cta = w;
@@ -202,8 +201,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       };
       const std::uint32_t k_tiles = ptx::smem_u32(sK);
       std::uint32_t ring = 0, done = 0;
-      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step) {
-        const Fa3Tile tl = fa3_tile<Cfg>(p, ti);
+      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step)
+      for (int half = 0; half < kHalves; ++half) {
+        const Fa3Tile tl = fa3_tile<Cfg>(p, ti, half);
+        if (tl.m_block < 0) continue;  // a unit of one tile
         const int m0 = tl.m_block * BM;
         if (!tile_exists(p, tl.b, m0)) continue;
         // Each tensor's position array, offset to this sequence's first row (null: defaults).
@@ -232,8 +233,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     }
     if (tid == 0) {
       std::uint32_t ring = 0, done = 0;
-      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step) {
-        const Fa3Tile tl = fa3_tile<Cfg>(p, ti);
+      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step)
+      for (int half = 0; half < kHalves; ++half) {
+        const Fa3Tile tl = fa3_tile<Cfg>(p, ti, half);
+        if (tl.m_block < 0) continue;  // a unit of one tile
         const int m0 = tl.m_block * BM, hk = tl.h / p.group;
         CtaWork own;  // persistent: this tile's record, computed here (the smem one may still be in use)
         if constexpr (Cfg::kPersistent)
@@ -288,8 +291,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   const int warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
   const std::uint32_t q_addr = ptx::smem_u32(sQ) + 64 * c * 128;  // this warpgroup's 64 rows
   std::uint32_t ring = 0, done = 0;
-  for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step) {
-  const Fa3Tile tl = fa3_tile<Cfg>(p, ti);
+  for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step)
+  for (int half = 0; half < kHalves; ++half) {
+  const Fa3Tile tl = fa3_tile<Cfg>(p, ti, half);
+  if (tl.m_block < 0) continue;  // a unit of one tile
   const int h = tl.h, b = tl.b, m0 = tl.m_block * BM;
   if constexpr (Cfg::kPersistent)
     if (!tile_exists(p, b, m0)) continue;

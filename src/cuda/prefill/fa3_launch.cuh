@@ -13,12 +13,12 @@ namespace flashcpp::cuda {
 template <class Cfg, typename T>
 Status fa3_run(const Fa3Params& p, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
-  int ctas = 0;  // persistent: one CTA per SM (one fits: ~160-200 KB of shared memory), at most one per tile
+  int ctas = 0;  // persistent: one CTA per SM (one fits: ~160-200 KB of shared memory), at most one per unit
   if constexpr (Cfg::kPersistent) {
     int sms = 0;
     if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
       return Status::Cuda("cudaDeviceGetAttribute(multiprocessor count) failed");
-    ctas = std::max(1, std::min(p.n_tiles, sms));
+    ctas = std::max(1, std::min(p.n_units, sms));
   }
   return launch_prefill(&fa3_forward_kernel<Cfg, T>, p, Cfg::kBlockM, Cfg::kThreads, Cfg::kSmemBytes, stream, device,
                         opted_in, "sm90 prefill kernel", ctas);

@@ -22,9 +22,9 @@ struct Fa3Params {
   std::int32_t o_seq_stride, o_head_stride;
   int batch, seqlen_q, seqlen_k, heads_q, group;
   float scale_log2;
-  /// Persistent configs: tiles = m_blocks * heads_q * batch, walked in groups of tile_heads
-  /// (head, batch) pairs (fa3_tile).
-  int m_blocks, tile_heads, n_tiles;
+  /// Persistent configs: n_units work units of two row blocks (common/tile_order.h) over
+  /// m_blocks row blocks, in groups of tile_heads (head, batch) pairs.
+  int m_blocks, tile_heads, n_units;
   MaskRules rules;
   PrefillMask mask;  ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
   PrefillRope rope;  ///< rotary fused into the q/k loads (prefill_rope.h); on iff mask.flags has kRotary

@@ -1,0 +1,88 @@
+// The persistent sm90 prefill kernel's work order (src/common/tile_order.h), checked on the CPU:
+// every tile exactly once, each unit's tiles of one (head, batch), equal causal cost per unit,
+// L2 groups one after the other, and the CTA balance that motivated the units.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "common/tile_order.h"
+
+namespace flashcpp::testing {
+namespace {
+
+struct Shape {
+  int m_blocks, heads_q, batch, tile_heads;
+};
+
+TEST(TileOrder, EveryTileOnceAndUnitsOfEqualCausalCost) {
+  for (const Shape s : {Shape{1, 1, 1, 1}, Shape{2, 3, 1, 3}, Shape{7, 5, 3, 4}, Shape{32, 32, 4, 12}, Shape{64, 8, 1, 6},
+                        Shape{9, 16, 2, 32}, Shape{128, 16, 1, 3}, Shape{5, 7, 3, 1}}) {
+    SCOPED_TRACE(::testing::Message() << "m_blocks " << s.m_blocks << " heads " << s.heads_q << " batch " << s.batch
+                                      << " group " << s.tile_heads);
+    const int units = persistent_units(s.m_blocks, s.heads_q, s.batch);
+    std::set<std::tuple<int, int, int>> seen;
+    int prev_group = -1;
+    for (int u = 0; u < units; ++u) {
+      const TileCoord a = persistent_tile(u, 0, s.m_blocks, s.heads_q, s.batch, s.tile_heads);
+      const TileCoord b = persistent_tile(u, 1, s.m_blocks, s.heads_q, s.batch, s.tile_heads);
+      ASSERT_GE(a.m_block, 0);
+      ASSERT_LT(a.m_block, s.m_blocks);
+      ASSERT_TRUE(a.h >= 0 && a.h < s.heads_q && a.b >= 0 && a.b < s.batch);
+      ASSERT_TRUE(seen.insert({a.m_block, a.h, a.b}).second) << "tile repeated at unit " << u;
+      int cost = a.m_block + 1;  // key tiles a bottom-right causal row block sees (seqlen_q == seqlen_k)
+      if (b.m_block >= 0) {
+        EXPECT_EQ(std::make_tuple(b.h, b.b), std::make_tuple(a.h, a.b)) << "a unit's tiles share their K/V";
+        EXPECT_LT(b.m_block, a.m_block) << "heavy tile first";
+        ASSERT_TRUE(seen.insert({b.m_block, b.h, b.b}).second) << "tile repeated at unit " << u;
+        cost += b.m_block + 1;
+        EXPECT_EQ(cost, s.m_blocks + 1);
+      } else {
+        EXPECT_EQ(2 * a.m_block + 1, s.m_blocks) << "only the middle block of an odd count is alone";
+      }
+      // Groups of tile_heads (head, batch) pairs, in order.
+      const int group = (a.b * s.heads_q + a.h) / s.tile_heads;
+      EXPECT_GE(group, prev_group);
+      prev_group = group;
+    }
+    EXPECT_EQ(static_cast<long>(seen.size()), static_cast<long>(s.m_blocks) * s.heads_q * s.batch);
+  }
+}
+
+TEST(TileOrder, GroupSizeFromKvBytes) {
+  // 24 MB of K/V: (4096 keys x 128 dims x 4 bytes) = 2 MB per kv head -> 12 heads; GQA 4 -> 48.
+  EXPECT_EQ(persistent_tile_heads(4096, 128, 32, 32, 4), 12);
+  EXPECT_EQ(persistent_tile_heads(4096, 128, 32, 8, 4), 48);
+  EXPECT_EQ(persistent_tile_heads(1 << 20, 256, 8, 8, 1), 1);  // at least one head
+  EXPECT_EQ(persistent_tile_heads(16, 64, 8, 2, 3), 24);        // at most every (head, batch) pair
+  EXPECT_EQ(persistent_tile_heads(0, 64, 4, 4, 1), 4);          // no keys: one group
+}
+
+TEST(TileOrder, RoundRobinOverUnitsBalancesCausalWork) {
+  // Static round-robin of units over 132 CTAs: the busiest CTA's causal work stays within
+  // ceil(units / CTAs) / (units / CTAs) of the mean (tiles ordered heaviest first gave up to 1.46x
+  // at (1, 8, 8192, 128)).
+  for (const auto& [batch, heads, kv_heads, n, d] : std::vector<std::tuple<int, int, int, int, int>>{
+           {4, 32, 32, 4096, 128}, {1, 8, 8, 8192, 128}, {1, 16, 16, 16384, 128}, {2, 16, 16, 4096, 64},
+           {1, 16, 16, 4096, 256}, {4, 32, 8, 4096, 128}}) {
+    const int m_blocks = (n + 127) / 128, group = persistent_tile_heads(n, d, heads, kv_heads, batch);
+    const int units = persistent_units(m_blocks, heads, batch), ctas = std::min(units, 132);
+    std::vector<long> work(ctas, 0);
+    long total = 0;
+    for (int u = 0; u < units; ++u)
+      for (int half = 0; half < 2; ++half) {
+        const TileCoord t = persistent_tile(u, half, m_blocks, heads, batch, group);
+        if (t.m_block < 0) continue;
+        work[u % ctas] += t.m_block + 1;
+        total += t.m_block + 1;
+      }
+    const double mean = static_cast<double>(total) / ctas;
+    const double bound = static_cast<double>((units + ctas - 1) / ctas) / (static_cast<double>(units) / ctas);
+    EXPECT_LE(*std::max_element(work.begin(), work.end()), mean * bound + 1e-9) << "shape n " << n << " d " << d;
+  }
+}
+
+}  // namespace
+}  // namespace flashcpp::testing
