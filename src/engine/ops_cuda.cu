@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/common/launch.cuh"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_math.h"
 #include "engine/ops.h"
@@ -254,17 +255,9 @@ Status launch_gemv_m(const GemvArgs& a, bool pdl, int num_sms, int smem_per_sm, 
   (void)smem_per_sm;
   const int per_sm = it->second;
   const int groups = (a.N + kGemvRows - 1) / kGemvRows;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(std::min(groups, num_sms * per_sm)));
-  cfg.blockDim = dim3(kGemvThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&cfg, gemv_kernel<M, OutT>, a), "gemv launch");
+  return cuda_status(cuda::launch_kernel(gemv_kernel<M, OutT>, dim3(static_cast<unsigned>(std::min(groups, num_sms * per_sm))),
+                                         dim3(kGemvThreads), smem, s, pdl, a),
+                     "gemv launch");
 }
 
 template <class OutT>

@@ -53,6 +53,28 @@ inline float bits_to_float(std::uint16_t b, DType dt) {
   return dt == DType::kBF16 ? bf16_bits_to_float(b) : half_bits_to_float(b);
 }
 
+/// The sizes and q/k/v/o views of an attention problem over device buffers: (batch, seqlen,
+/// heads, d) views, or with `packed` (varlen) (total rows, heads, d) views without a batch stride;
+/// seqlens are the maxima then.
+inline AttnParams attn_params(int batch, int seqlen_q, int seqlen_k, int heads_q, int heads_kv, int d, DType dt,
+                              bool packed, void* q, void* k, void* v, void* o) {
+  auto view = [&](void* ptr, int seqlen, int heads) {
+    return packed ? TensorView{ptr, dt, 0, static_cast<std::int64_t>(heads) * d, d} : bshd_view(ptr, dt, seqlen, heads, d);
+  };
+  AttnParams p;
+  p.batch = batch;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.heads_q = heads_q;
+  p.heads_kv = heads_kv;
+  p.head_dim = d;
+  p.q = view(q, seqlen_q, heads_q);
+  p.k = view(k, seqlen_k, heads_kv);
+  p.v = view(v, seqlen_k, heads_kv);
+  p.o = view(o, seqlen_q, heads_q);
+  return p;
+}
+
 struct ErrStats {
   double max_abs = 0, max_viol = 0, lse_max_abs = 0;  // max_viol: max of |err| - (atol + rtol|ref|)
   std::int64_t nan = 0, unwritten = 0;

@@ -121,21 +121,11 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   CUDA_OK(cudaMemset(o.ptr, 0xFF, o.bytes));  // NaN in fp16 and bf16, guards included
   CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
 
-  AttnParams p;
-  p.batch = batch;
-  p.seqlen_q = max_q;
-  p.seqlen_k = max_k;
-  p.heads_q = c.hq;
-  p.heads_kv = c.hkv;
-  p.head_dim = c.d;
+  AttnParams p = attn_params(batch, max_q, max_k, c.hq, c.hkv, c.d, c.dt, vl, q.ptr, k.ptr, v.ptr, o.ptr);
   auto view = [&](void* ptr, int seqlen, int heads) {
     return vl ? TensorView{ptr, c.dt, 0, static_cast<std::int64_t>(heads) * c.d, c.d}
               : bshd_view(ptr, c.dt, seqlen, heads, c.d);
   };
-  p.q = view(q.ptr, max_q, c.hq);
-  p.k = view(k.ptr, max_k, c.hkv);
-  p.v = view(v.ptr, max_k, c.hkv);
-  p.o = view(o.ptr, max_q, c.hq);
   p.lse = static_cast<float*>(lse.ptr);
   p.softmax_scale = c.scale;
   p.mask.causal = c.causal;

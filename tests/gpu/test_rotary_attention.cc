@@ -132,17 +132,7 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     return vl ? TensorView{ptr, c.dt, 0, static_cast<std::int64_t>(heads) * c.d, c.d}
               : bshd_view(ptr, c.dt, seqlen, heads, c.d);
   };
-  AttnParams p;
-  p.batch = batch;
-  p.seqlen_q = max_q;
-  p.seqlen_k = max_k;
-  p.heads_q = c.hq;
-  p.heads_kv = c.hkv;
-  p.head_dim = c.d;
-  p.q = view(q.ptr, max_q, c.hq);
-  p.k = view(k.ptr, max_k, c.hkv);
-  p.v = view(v.ptr, max_k, c.hkv);
-  p.o = view(o.ptr, max_q, c.hq);
+  AttnParams p = attn_params(batch, max_q, max_k, c.hq, c.hkv, c.d, c.dt, vl, q.ptr, k.ptr, v.ptr, o.ptr);
   p.lse = static_cast<float*>(lse.ptr);
   p.mask.causal = c.causal;
   p.mask.window_left = c.wl;
