@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -51,6 +52,35 @@ inline std::vector<std::uint16_t> random_half_bits(std::int64_t n, DType dt, std
 
 inline float bits_to_float(std::uint16_t b, DType dt) {
   return dt == DType::kBF16 ? bf16_bits_to_float(b) : half_bits_to_float(b);
+}
+
+/// The sequences of a test problem: dense (batch x seqlen) or packed varlen (lengths lq, and lk
+/// for the keys, empty = lq). cu_q / cu_k are the prefix sums (varlen), max_q / max_k the lengths
+/// the grid is sized by (the true maxima + pad), rows_q / rows_k the packed row counts.
+struct SeqLayout {
+  bool varlen = false;
+  int batch = 0, max_q = 0, max_k = 0;
+  std::int64_t rows_q = 0, rows_k = 0;
+  std::vector<std::int32_t> cu_q, cu_k;
+};
+inline SeqLayout seq_layout(const std::vector<int>& lq, const std::vector<int>& lk_in, int batch, int seqlen_q,
+                            int seqlen_k, int pad = 0) {
+  SeqLayout s;
+  s.varlen = !lq.empty();
+  const std::vector<int>& lk = lk_in.empty() ? lq : lk_in;
+  s.batch = s.varlen ? static_cast<int>(lq.size()) : batch;
+  s.cu_q.assign(s.batch + 1, 0);
+  s.cu_k.assign(s.batch + 1, 0);
+  s.max_q = seqlen_q;
+  s.max_k = seqlen_k;
+  if (s.varlen) {
+    for (int i = 0; i < s.batch; ++i) s.cu_q[i + 1] = s.cu_q[i] + lq[i], s.cu_k[i + 1] = s.cu_k[i] + lk[i];
+    s.max_q = *std::max_element(lq.begin(), lq.end()) + pad;
+    s.max_k = *std::max_element(lk.begin(), lk.end()) + pad;
+  }
+  s.rows_q = s.varlen ? s.cu_q[s.batch] : static_cast<std::int64_t>(s.batch) * seqlen_q;
+  s.rows_k = s.varlen ? s.cu_k[s.batch] : static_cast<std::int64_t>(s.batch) * seqlen_k;
+  return s;
 }
 
 /// The sizes and q/k/v/o views of an attention problem over device buffers: (batch, seqlen,

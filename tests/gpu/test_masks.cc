@@ -95,18 +95,12 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
                    bool expect_ok = true) {
   SCOPED_TRACE(describe(c) + " [" + family + "]");
   std::mt19937_64 gen(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
-  const bool vl = varlen(c);
-  const std::vector<int>& lk = c.lk.empty() ? c.lq : c.lk;
-  const int batch = vl ? static_cast<int>(c.lq.size()) : c.b;
-  std::vector<std::int32_t> cu_q(batch + 1, 0), cu_k(batch + 1, 0);
-  int max_q = c.sq, max_k = c.sk;
-  if (vl) {
-    for (int i = 0; i < batch; ++i) cu_q[i + 1] = cu_q[i] + c.lq[i], cu_k[i + 1] = cu_k[i] + lk[i];
-    max_q = *std::max_element(c.lq.begin(), c.lq.end()) + c.max_pad;
-    max_k = *std::max_element(lk.begin(), lk.end()) + c.max_pad;
-  }
-  const std::int64_t rows_q = vl ? cu_q[batch] : static_cast<std::int64_t>(batch) * c.sq;
-  const std::int64_t rows_k = vl ? cu_k[batch] : static_cast<std::int64_t>(batch) * c.sk;
+  const SeqLayout sl = seq_layout(c.lq, c.lk, c.b, c.sq, c.sk, c.max_pad);
+  const bool vl = sl.varlen;
+  const int batch = sl.batch, max_q = sl.max_q, max_k = sl.max_k;
+  const std::vector<std::int32_t>& cu_q = sl.cu_q;
+  const std::vector<std::int32_t>& cu_k = sl.cu_k;
+  const std::int64_t rows_q = sl.rows_q, rows_k = sl.rows_k;
   const std::int64_t nq = rows_q * c.hq * c.d, nk = std::max<std::int64_t>(rows_k * c.hkv * c.d, 8);
   const std::int64_t n_lse = rows_q * c.hq;
 

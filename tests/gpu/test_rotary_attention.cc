@@ -74,17 +74,13 @@ void upload(DeviceBuffer& d, const std::vector<T>& h) {
 void run_case(const RotCase& c, std::uint64_t salt) {
   SCOPED_TRACE(describe(c));
   std::mt19937_64 gen(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
-  const bool vl = !c.lq.empty();
+  const SeqLayout sl = seq_layout(c.lq, c.lk, c.b, c.sq, c.sk);
+  const bool vl = sl.varlen;
   const std::vector<int>& lk = c.lk.empty() ? c.lq : c.lk;
-  const int batch = vl ? static_cast<int>(c.lq.size()) : c.b;
-  std::vector<std::int32_t> cu_q(batch + 1, 0), cu_k(batch + 1, 0);
-  int max_q = c.sq, max_k = c.sk;
-  if (vl) {
-    for (int i = 0; i < batch; ++i) cu_q[i + 1] = cu_q[i] + c.lq[i], cu_k[i + 1] = cu_k[i] + lk[i];
-    max_q = *std::max_element(c.lq.begin(), c.lq.end());
-    max_k = *std::max_element(lk.begin(), lk.end());
-  }
-  const int rows_q = vl ? cu_q[batch] : batch * c.sq, rows_k = vl ? cu_k[batch] : batch * c.sk;
+  const int batch = sl.batch, max_q = sl.max_q, max_k = sl.max_k;
+  const std::vector<std::int32_t>& cu_q = sl.cu_q;
+  const std::vector<std::int32_t>& cu_k = sl.cu_k;
+  const int rows_q = static_cast<int>(sl.rows_q), rows_k = static_cast<int>(sl.rows_k);
   const std::int64_t nq = static_cast<std::int64_t>(rows_q) * c.hq * c.d, nk = static_cast<std::int64_t>(rows_k) * c.hkv * c.d;
   const std::int64_t n_lse = static_cast<std::int64_t>(rows_q) * c.hq;
   const auto hq_bits = random_half_bits(nq, c.dt, gen), hk_bits = random_half_bits(nk, c.dt, gen),
