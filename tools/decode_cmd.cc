@@ -31,6 +31,8 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
   sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")->capture_default_str();
   sub->add_option("--decode-splits", o->decode_splits, "force the decode attention's key splits (0: heuristic)");
   sub->add_option("--decode-max-splits", o->decode_max_splits, "cap the heuristic's key splits (0: none)");
+  sub->add_flag("--decode-fused-merge", o->decode_fused_merge,
+                "merge the key splits inside the split-KV kernel instead of a merge launch (CUDA)");
   sub->add_option("--dump-logits", o->dump_logits,
                   "write sequence 0's fp32 logits (prompt positions, then each step) as raw little-endian floats");
   sub->add_option("--json", o->json, "write tokens and timings here");
@@ -80,6 +82,7 @@ int decode_main(const DecodeCliOptions& o) {
   g.page_size = o.page_size;
   g.decode_splits = o.decode_splits;
   g.decode_max_splits = o.decode_max_splits;
+  g.decode_fused_merge = o.decode_fused_merge;
   g.profile = !o.no_profile;
   g.dump_logits = !o.dump_logits.empty();
   const int sources = !o.prompt_ids.empty() + !o.prompt_file.empty() + (o.prompt_len > 0) + (o.context > 0);

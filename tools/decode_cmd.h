@@ -16,6 +16,7 @@ struct DecodeCliOptions {
   float temperature = 0.f, top_p = 1.f;
   std::uint64_t seed = 0;
   int page_size = 16, decode_splits = 0, decode_max_splits = 0;
+  bool decode_fused_merge = false;
   std::string dump_logits, json, backend = "auto", gemm = "auto";
   int threads = 0;
   bool no_profile = false;

@@ -140,6 +140,11 @@ struct DecodePlanOptions {
   int max_splits = 0;  ///< cap of the heuristic per sequence; 0 = kDecodeMaxSplits
   int num_sms = 0;     ///< 0 = the current device's (CUDA); the CPU backend plans for 132 (an H200)
   Stream stream = nullptr;  ///< CUDA: stream of the work-list upload (use the stream of run)
+  /// CUDA: merge the splits inside the split-KV kernel instead of a merge launch. The last CTA of
+  /// each (sequence, KV head, row block) to finish (an arrival counter in the int workspace,
+  /// zeroed by the plan and reset by that CTA) merges the partials while they are in L2. Same
+  /// arithmetic as the merge kernel, so the same results. The CPU backend ignores it.
+  bool fused_merge = false;
 };
 
 /// The decisions of decode_plan, read by decode_run. Filled by decode_plan; the fields are public
@@ -157,7 +162,8 @@ struct DecodePlan {
   int num_items = 0;     ///< work items = sum over sequences of their split counts
   int max_splits = 0;    ///< largest split count of one sequence
   int num_sms = 0;       ///< SM count the heuristic used
-  bool needs_merge = false;  ///< some sequence has > 1 split: run() launches the merge kernel
+  bool needs_merge = false;  ///< some sequence has > 1 split: the partials are merged
+  bool fused_merge = false;  ///< CUDA, needs_merge: the split-KV kernel merges them (no merge launch)
   int ctas = 0;          ///< CTAs of the split-KV launch: num_items * heads_kv * row_blocks
   void* int_workspace = nullptr;
   std::size_t int_bytes = 0;

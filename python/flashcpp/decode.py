@@ -268,7 +268,7 @@ class BatchDecodeWithKVCache:
              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, sm_scale: Optional[float] = None,
              rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
              dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
-             num_sms: int = 0, non_blocking: bool = False) -> Any:
+             num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False) -> Any:
         """Plans the steps that ``run()`` will compute.
 
         Args:
@@ -291,6 +291,8 @@ class BatchDecodeWithKVCache:
             non_blocking: CUDA: the work list is uploaded on the current stream; by default plan()
                 then waits for that stream, so run() may be called on any stream. True skips the
                 wait (run() must then be ordered after the current stream).
+            fused_merge: CUDA: the split-KV kernel merges the splits itself (the last CTA of each
+                sequence and KV head to finish), instead of a merge launch; same results.
         Returns:
             the C++ DecodePlan (also ``self.plan_info``).
         """
@@ -365,10 +367,10 @@ class BatchDecodeWithKVCache:
         host_lens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
         with _DeviceGuard(device):
             ib, fb = _C.decode_workspace_size(params, bool(append), backend, host_lens, int(num_splits),
-                                              int(max_splits), int(num_sms))
+                                              int(max_splits), int(num_sms), bool(fused_merge))
             iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
             self._plan = _C.decode_plan(params, bool(append), backend, host_lens, int(num_splits), int(max_splits),
-                                        int(num_sms), _stream(device), iptr, ib, fptr, fb)
+                                        int(num_sms), _stream(device), iptr, ib, fptr, fb, bool(fused_merge))
             if is_cuda and not non_blocking:
                 torch.cuda.current_stream(device).synchronize()
         self._cfg = cfg

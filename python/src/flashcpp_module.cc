@@ -404,8 +404,9 @@ DecodeParams make_params(const TensorArg& q, const TensorArg& o, std::uintptr_t 
 /// Plan options, with the checked host lengths (one int32 per sequence).
 DecodePlanOptions plan_options(const DecodeParams& p, const std::string& backend,
                                const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits,
-                               int num_sms, std::uintptr_t stream) {
+                               int num_sms, std::uintptr_t stream, bool fused_merge) {
   DecodePlanOptions opt;
+  opt.fused_merge = fused_merge;
   opt.backend = to_backend(backend);
   if (host_cache_seqlens) {
     if (host_cache_seqlens->shape(0) != static_cast<std::size_t>(std::max(p.batch, 0)))
@@ -436,9 +437,10 @@ DecodeParams for_plan(DecodeParams p, bool append) {
 std::tuple<std::size_t, std::size_t> workspace_size(const DecodeParams& params, bool append,
                                                     const std::string& backend,
                                                     const std::optional<HostInt32>& host_cache_seqlens,
-                                                    int num_splits, int max_splits, int num_sms) {
+                                                    int num_splits, int max_splits, int num_sms, bool fused_merge) {
   const DecodeParams p = for_plan(params, append);
-  const DecodePlanOptions opt = plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, 0);
+  const DecodePlanOptions opt =
+      plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, 0, fused_merge);
   flashcpp::DecodeWorkspaceSize ws;
   Status st;
   {
@@ -452,10 +454,10 @@ std::tuple<std::size_t, std::size_t> workspace_size(const DecodeParams& params, 
 DecodePlan plan(const DecodeParams& params, bool append, const std::string& backend,
                 const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits, int num_sms,
                 std::uintptr_t stream, std::uintptr_t int_workspace, std::size_t int_bytes,
-                std::uintptr_t float_workspace, std::size_t float_bytes) {
+                std::uintptr_t float_workspace, std::size_t float_bytes, bool fused_merge) {
   const DecodeParams p = for_plan(params, append);
   const DecodePlanOptions opt =
-      plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, stream);
+      plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, stream, fused_merge);
   DecodePlan out;
   Status st;
   {
@@ -528,6 +530,7 @@ void bind(nb::module_& m) {
       .def_ro("max_splits", &DecodePlan::max_splits)
       .def_ro("num_sms", &DecodePlan::num_sms)
       .def_ro("needs_merge", &DecodePlan::needs_merge)
+      .def_ro("fused_merge", &DecodePlan::fused_merge)
       .def_ro("ctas", &DecodePlan::ctas)
       .def_ro("int_bytes", &DecodePlan::int_bytes)
       .def_ro("float_bytes", &DecodePlan::float_bytes)
@@ -548,11 +551,11 @@ void bind(nb::module_& m) {
         "flashcpp::DecodeParams from raw pointers; tensors are (data_ptr, batch_stride, seq_stride, head_stride) "
         "in elements (page stride first for a paged cache), 0 = absent.");
   m.def("decode_workspace_size", &workspace_size, "params"_a, "append"_a, "backend"_a,
-        "host_cache_seqlens"_a.none(), "num_splits"_a, "max_splits"_a, "num_sms"_a,
+        "host_cache_seqlens"_a.none(), "num_splits"_a, "max_splits"_a, "num_sms"_a, "fused_merge"_a = false,
         "flashcpp::decode_workspace_size: (int_bytes, float_bytes) of a plan for these scalars.");
   m.def("decode_plan", &plan, "params"_a, "append"_a, "backend"_a, "host_cache_seqlens"_a.none(), "num_splits"_a,
         "max_splits"_a, "num_sms"_a, "stream"_a, "int_workspace"_a, "int_bytes"_a, "float_workspace"_a,
-        "float_bytes"_a,
+        "float_bytes"_a, "fused_merge"_a = false,
         "flashcpp::decode_plan into caller-owned workspaces (16-byte aligned, on the run's device); "
         "returns the DecodePlan.");
   m.def("decode_run", &run, "params"_a, "plan"_a, "stream"_a, "backend"_a, "cpu_threads"_a,

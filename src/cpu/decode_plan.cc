@@ -126,6 +126,7 @@ struct PlanSizes {
   RowLayout rows;
   std::size_t int_bytes = 0, float_bytes = 0;
   int num_sms = 0;
+  bool fused_merge = false;  ///< CUDA plan with splits and DecodePlanOptions::fused_merge
 };
 
 Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend backend, PlanSizes* out) {
@@ -148,7 +149,10 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
   FLASHCPP_RETURN_IF_ERROR(
       decode::plan_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split));
   out->rows = decode::row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
-  out->int_bytes = decode::worklist_int_count(p.batch, out->split.num_items) * sizeof(std::int32_t);
+  out->fused_merge = opt.fused_merge && backend == Backend::kCuda && out->split.needs_merge;
+  out->int_bytes = (decode::worklist_int_count(p.batch, out->split.num_items) +
+                    (out->fused_merge ? decode::merge_counter_count(p.batch, p.heads_kv, out->rows.row_blocks) : 0)) *
+                   sizeof(std::int32_t);
   out->float_bytes = out->split.needs_merge ? decode::partial_float_bytes(out->split.num_items, p.heads_kv,
                                                                           out->rows.rows, p.head_dim)
                                             : 0;
@@ -193,9 +197,10 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   FLASHCPP_RETURN_IF_ERROR(check_workspace("int", int_workspace, int_bytes, s.int_bytes));
   FLASHCPP_RETURN_IF_ERROR(check_workspace("float", float_workspace, float_bytes, s.float_bytes));
 
-  // The work list: per-sequence (first item, split count), then per-item (sequence, split).
+  // The work list: per-sequence (first item, split count), then per-item (sequence, split); then
+  // the fused merge's arrival counters, zero.
   const int items = s.split.num_items;
-  std::vector<std::int32_t> host(decode::worklist_int_count(p.batch, items));
+  std::vector<std::int32_t> host(s.int_bytes / sizeof(std::int32_t), 0);
   std::int32_t next = 0;
   for (int b = 0; b < p.batch; ++b) {
     host[b] = next;
@@ -231,6 +236,7 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   plan->max_splits = s.split.max_splits;
   plan->num_sms = s.num_sms;
   plan->needs_merge = s.split.needs_merge;
+  plan->fused_merge = s.fused_merge;
   plan->ctas = items * p.heads_kv * s.rows.row_blocks;
   plan->int_workspace = int_workspace;
   plan->int_bytes = s.int_bytes;

@@ -22,6 +22,7 @@ struct GenerateOptions {
   int page_size = 16;
   int decode_splits = 0;         ///< > 0: force the decode attention's key splits (0: the planner's heuristic)
   int decode_max_splits = 0;     ///< > 0: cap the heuristic
+  bool decode_fused_merge = false;  ///< merge the key splits inside the split-KV kernel (DecodePlanOptions::fused_merge)
   int warmup_steps = 2;
   bool profile = true;           ///< CUDA: measure kernel time per step after the timed run
   bool dump_logits = false;      ///< keep seq 0's logits (prompt positions, then every step)

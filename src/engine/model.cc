@@ -339,7 +339,8 @@ DecodeParams Session::layer_decode_params(int layer) const {
   return p;
 }
 
-Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int num_splits, int max_splits) {
+Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int num_splits, int max_splits,
+                     bool fused_merge) {
   if (static_cast<int>(host_final_lengths.size()) != opt_.batch) return Status::Internal("plan: one length per sequence");
   std::vector<std::int32_t> lens(host_final_lengths);
   for (auto& v : lens) v = std::clamp(v, 0, opt_.capacity - 1);
@@ -349,6 +350,7 @@ Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int nu
   o.host_cache_seqlens = lens.data();
   o.num_splits = num_splits;
   o.max_splits = max_splits;
+  o.fused_merge = fused_merge;
   o.stream = ops_->stream();
   DecodeWorkspaceSize ws;
   FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(p, o, &ws));

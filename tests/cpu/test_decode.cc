@@ -756,6 +756,14 @@ TEST(DecodeCpu, EmptyBatchAndWorkspaceChecks) {
   ASSERT_TRUE(decode_workspace_size(pr.p, po, &ws).ok());
   EXPECT_EQ(ws.int_bytes, (2u * 2 + 2u * 6) * 4);
   EXPECT_GT(ws.float_bytes, 0u);
+  {  // the fused merge is a CUDA option: the CPU backend plans the same workspaces without it
+    DecodePlanOptions pf = po;
+    pf.fused_merge = true;
+    DecodeWorkspaceSize wf;
+    ASSERT_TRUE(decode_workspace_size(pr.p, pf, &wf).ok());
+    EXPECT_EQ(wf.int_bytes, ws.int_bytes);
+    EXPECT_EQ(wf.float_bytes, ws.float_bytes);
+  }
   Workspace iw(ws.int_bytes), fw(ws.float_bytes);
   DecodePlan plan;
   Status st = decode_plan(pr.p, po, iw.ptr, iw.bytes, fw.ptr, fw.bytes - 4, &plan);

@@ -260,9 +260,10 @@ struct GpuPlan {
 };
 
 Status plan_gpu(const Step& st, GpuPlan* gp, const std::vector<std::int32_t>* plan_lens = nullptr,
-                cudaStream_t stream = nullptr) {
+                cudaStream_t stream = nullptr, bool fused_merge = false) {
   DecodePlanOptions po;
   po.backend = Backend::kCuda;
+  po.fused_merge = fused_merge;
   po.host_cache_seqlens = plan_lens ? plan_lens->data() : st.lens.h.data();
   po.num_splits = st.c.num_splits;
   po.stream = stream;
@@ -433,12 +434,13 @@ void run_case(const GCase& c, std::uint64_t salt) {
   std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
   Step st(c, g);
   GpuPlan gp;
-  Status s = plan_gpu(st, &gp);
+  // Half of the cases merge the splits inside the split-KV kernel (the same arithmetic as the
+  // merge kernel), and half launch programmatically (PDL on sm_90: each kernel waits for the one
+  // before it first): every check below must hold unchanged.
+  Status s = plan_gpu(st, &gp, nullptr, nullptr, (salt & 2) != 0);
   ASSERT_TRUE(s.ok()) << s.to_string();
   RunOptions ro;
   ro.backend = Backend::kCuda;
-  // Half of the cases launch programmatically (PDL on sm_90: each kernel waits for the one before
-  // it first, so every check below must hold unchanged).
   ro.programmatic_launch = (salt & 1) != 0;
   s = decode_run(st.dp, gp.plan, ro);
   ASSERT_TRUE(s.ok()) << s.to_string();
@@ -457,9 +459,9 @@ void run_case(const GCase& c, std::uint64_t salt) {
   EXPECT_EQ(e.lse_bad, 0) << "LSE rows over tolerance (1e-3, 5e-3 for bf16 theta rotary); max " << e.lse_max;
   if (c.append) EXPECT_EQ(cache_mismatches(st, dev_k, dev_v), 0) << "cache after the append differs from the CPU backend's";
   else EXPECT_EQ(std::memcmp(dev_k.data(), st.kc.h.data(), dev_k.size() * 2), 0) << "the cache was written without append";
-  std::printf("    %-78s splits<=%-3d ctas %-5d%s max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
-              gp.plan.max_splits, gp.plan.ctas, ro.programmatic_launch ? " pdl" : "    ", e.max_abs, e.cpu_max_abs,
-              e.lse_max);
+  std::printf("    %-78s splits<=%-3d ctas %-5d%s%s max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
+              gp.plan.max_splits, gp.plan.ctas, ro.programmatic_launch ? " pdl" : "    ",
+              gp.plan.fused_merge ? " fused" : "      ", e.max_abs, e.cpu_max_abs, e.lse_max);
 }
 
 std::uint64_t salt_of(const std::string& s) {
@@ -612,9 +614,11 @@ TEST(DecodeGpu, HeadDimsAndDtypes) {
     }
 }
 
-TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
-  // Plan once for bound lengths, capture run() in a CUDA graph, replay with new cache_seqlens and
-  // new q / k_new / v_new each step; the host mirror runs the same steps on the CPU backend.
+/// Plan once for bound lengths, capture run() in a CUDA graph, replay with new cache_seqlens and
+/// new q / k_new / v_new each step; the host mirror runs the same steps on the CPU backend. With
+/// fused_merge the arrival counters must come back to zero after every replay.
+void graph_replay_case(bool fused_merge) {
+  SCOPED_TRACE(fused_merge ? "fused merge" : "merge kernel");
   GCase c;
   c.name = "graph";
   c.batch = 4;
@@ -629,11 +633,13 @@ TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
   CUDA_OK(cudaStreamCreate(&stream));
   const std::vector<std::int32_t> bound = {3000, 3000, 3000, 3000};
   GpuPlan gp;
-  Status s = plan_gpu(st, &gp, &bound, stream);
+  Status s = plan_gpu(st, &gp, &bound, stream, fused_merge);
   ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(gp.plan.fused_merge, fused_merge && gp.plan.needs_merge);
   RunOptions ro;
   ro.backend = Backend::kCuda;
   ro.stream = stream;
+  ro.programmatic_launch = fused_merge;  // and PDL launches inside the graph
   // The first lengths: the cache holds random keys below each length (Step filled up to 3000).
   st.lens.h = {2000, 0, 17, 2999};
   st.lens.upload();
@@ -693,6 +699,11 @@ TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
+  graph_replay_case(false);
+  graph_replay_case(true);
 }
 
 TEST(DecodeGpu, MergeAttentionStates) {

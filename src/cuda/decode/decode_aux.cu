@@ -22,16 +22,6 @@ using flashcpp::decode::kLog2e;
 
 constexpr int kWarpsPerBlock = 4;
 
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
 /// One warp per (sequence b, token t, KV head hk): K rotated at c_b + t, V copied, both into the
 /// cache slot c_b + t (lengths and pages clamped as in decode.h).
@@ -67,52 +57,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(cons
   }
 }
 
-/// One warp per (sequence b, token t, query head h) of a sequence with n_b > 1 splits:
-///   w_i = exp(lse_i - max lse),  O = sum_i w_i O_i / sum_i w_i,  LSE = max lse + log(sum_i w_i).
-/// Empty splits (LSE = -inf) contribute nothing; all empty: O = 0, LSE = -inf.
+/// One warp per (sequence b, token t, query head h) of a sequence with n_b > 1 splits
+/// (decode_dev::merge_row has the rule).
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_merge_kernel(const __grid_constant__ DecodeKernelParams p) {
   pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
   const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (w >= p.batch * p.seqlen_q * p.heads_q) return;
   const int h = w % p.heads_q, t = (w / p.heads_q) % p.seqlen_q, b = w / (p.heads_q * p.seqlen_q);
-  const int n = p.num_splits[b];
-  if (n <= 1) return;  // written by the split-KV kernel directly
-  const int first = p.first_item[b], hk = h / p.group, r = (h % p.group) * p.seqlen_q + t, D = p.head_dim;
-  auto at = [&](int i) { return (static_cast<std::int64_t>(first + i) * p.heads_kv + hk) * p.rows + r; };
-  float mx = -INFINITY;
-  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, p.part_lse[at(i)]);
-  mx = warp_max(mx);
-  float sum = 0.f;
-  if (mx != -INFINITY)
-    for (int i = lane; i < n; i += 32) {
-      const float li = p.part_lse[at(i)];
-      sum += li == -INFINITY ? 0.f : exp2f((li - mx) * kLog2e);
-    }
-  sum = warp_sum(sum);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride;
-  for (int d = lane * 4; d < D; d += 128) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (mx != -INFINITY)
-      for (int i = 0; i < n; ++i) {
-        const float li = p.part_lse[at(i)];
-        if (li == -INFINITY) continue;
-        const float wi = exp2f((li - mx) * kLog2e);
-        const float4 v = *reinterpret_cast<const float4*>(p.part_o + at(i) * D + d);
-        acc.x = fmaf(wi, v.x, acc.x);
-        acc.y = fmaf(wi, v.y, acc.y);
-        acc.z = fmaf(wi, v.z, acc.z);
-        acc.w = fmaf(wi, v.w, acc.w);
-      }
-    uint2 packed;
-    packed.x = ptx::pack2<T>(acc.x * inv, acc.y * inv);
-    packed.y = ptx::pack2<T>(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(dst + d) = packed;
-  }
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] =
-        mx == -INFINITY ? -INFINITY : mx + logf(sum);
+  if (p.num_splits[b] <= 1) return;  // written by the split-KV kernel directly
+  decode_dev::merge_row<T>(p, b, t, h, lane);
 }
 
 /// merge_attention_states: one warp per (batch, position, head); the rule of cpu::merge_by_lse.

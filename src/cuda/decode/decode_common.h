@@ -90,6 +90,10 @@ inline WorkList worklist_view(const void* base, int batch, int items) {
   const auto* p = static_cast<const std::int32_t*>(base);
   return WorkList{p, p + batch, p + 2 * batch, p + 2 * batch + items};
 }
+/// Arrival counters of the fused merge, one per (sequence, KV head, row block), after the work list.
+inline std::size_t merge_counter_count(int batch, int heads_kv, int row_blocks) {
+  return static_cast<std::size_t>(batch) * heads_kv * row_blocks;
+}
 inline std::size_t partial_float_count(int items, int heads_kv, int rows, int head_dim) {
   return static_cast<std::size_t>(items) * heads_kv * rows * (static_cast<std::size_t>(head_dim) + 1);
 }

@@ -99,6 +99,8 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.num_splits = wl.num_splits;
   p.item_batch = wl.item_batch;
   p.item_split = wl.item_split;
+  if (plan.fused_merge)
+    p.merge_counters = static_cast<int*>(plan.int_workspace) + decode::worklist_int_count(a.batch, plan.num_items);
   if (plan.needs_merge) {
     p.part_o = static_cast<float*>(plan.float_workspace);
     p.part_lse = p.part_o + decode::partial_lse_offset(plan.num_items, a.heads_kv, plan.rows_per_kv, a.head_dim);
@@ -139,7 +141,7 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
     case 256: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd256(p, dt, plan.ctas, stream, dev.device)); break;
     default: return Status::Internal("decode_run: head_dim " + std::to_string(a.head_dim) + " passed validation");
   }
-  if (plan.needs_merge) FLASHCPP_RETURN_IF_ERROR(decode_merge_launch(p, dt, stream));
+  if (plan.needs_merge && !plan.fused_merge) FLASHCPP_RETURN_IF_ERROR(decode_merge_launch(p, dt, stream));
   return Status::Ok();
 }
 

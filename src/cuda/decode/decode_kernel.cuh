@@ -116,6 +116,52 @@ __device__ __forceinline__ void rotate_pair(T* a, T* b, float c, float s) {
   *b = from_float<T>(fmaf(x2, c, x1 * s));
 }
 
+/// The merge of one output row (sequence b, token t, query head h) of a sequence with n_b > 1
+/// splits, by one warp:
+///   w_i = exp(lse_i - max lse),  O = sum_i w_i O_i / sum_i w_i,  LSE = max lse + log(sum_i w_i).
+/// Empty splits (LSE = -inf) contribute nothing; all empty: O = 0, LSE = -inf. The partials are
+/// read through L2 (ld.global.cg): in the fused merge other CTAs wrote them during this launch.
+template <typename T>
+__device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, int t, int h, int lane) {
+  const int n = p.num_splits[b];
+  const int first = p.first_item[b], hk = h / p.group, r = (h % p.group) * p.seqlen_q + t, D = p.head_dim;
+  auto at = [&](int i) { return (static_cast<std::int64_t>(first + i) * p.heads_kv + hk) * p.rows + r; };
+  float mx = -INFINITY;
+  for (int i = lane; i < n; i += 32) mx = fmaxf(mx, __ldcg(p.part_lse + at(i)));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  if (mx != -INFINITY)
+    for (int i = lane; i < n; i += 32) {
+      const float li = __ldcg(p.part_lse + at(i));
+      sum += li == -INFINITY ? 0.f : exp2f((li - mx) * kLog2e);
+    }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride;
+  for (int d = lane * 4; d < D; d += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (mx != -INFINITY)
+      for (int i = 0; i < n; ++i) {
+        const float li = __ldcg(p.part_lse + at(i));
+        if (li == -INFINITY) continue;
+        const float wi = exp2f((li - mx) * kLog2e);
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(p.part_o + at(i) * D + d));
+        acc.x = fmaf(wi, v.x, acc.x);
+        acc.y = fmaf(wi, v.y, acc.y);
+        acc.z = fmaf(wi, v.z, acc.z);
+        acc.w = fmaf(wi, v.w, acc.w);
+      }
+    uint2 packed;
+    packed.x = ptx::pack2<T>(acc.x * inv, acc.y * inv);
+    packed.y = ptx::pack2<T>(acc.z * inv, acc.w * inv);
+    *reinterpret_cast<uint2*>(dst + d) = packed;
+  }
+  if (lane == 0 && p.lse != nullptr)
+    p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+}
+
 template <int D, typename T>
 __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     decode_split_kernel(const __grid_constant__ DecodeKernelParams p) {
@@ -365,6 +411,28 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
       const std::int64_t pi = (static_cast<std::int64_t>(item) * p.heads_kv + hk) * p.rows + gr;
       *reinterpret_cast<float4*>(p.part_o + pi * D + d) = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
       if (d == 0) p.part_lse[pi] = lse;
+    }
+  }
+
+  // ---- fused merge: the last of the sequence's splits to finish these rows merges them --------
+  // Each thread's partial stores are fenced device-wide before thread 0 counts the CTA in; the
+  // CTA that brings the count to nsplit fences again and reads the partials through L2, then
+  // resets the counter for the next run (the plan zeroed it), so a graph replays unchanged.
+  if (p.merge_counters != nullptr && nsplit > 1) {
+    int& s_last = *reinterpret_cast<int*>(smem_raw);  // the Q tile's first word: Q is no longer read
+    __threadfence();
+    __syncthreads();
+    int* counter = p.merge_counters + (static_cast<std::int64_t>(b) * p.heads_kv + hk) * p.row_blocks + rb;
+    if (tid == 0) s_last = atomicAdd(counter, 1) == nsplit - 1;
+    __syncthreads();
+    if (s_last) {
+      __threadfence();
+      const int rows_here = min(cta_rows, p.rows - row0);
+      for (int rr = warp; rr < rows_here; rr += Cfg::kWarps) {
+        const int gr = row0 + rr;
+        merge_row<T>(p, b, gr % Sq, hk * p.group + gr / Sq, lane);
+      }
+      if (tid == 0) *counter = 0;
     }
   }
 }

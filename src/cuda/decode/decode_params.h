@@ -66,6 +66,9 @@ struct DecodeKernelParams {
   const std::int32_t* item_split;
   float* part_o;    ///< [items][heads_kv][rows][D], normalized
   float* part_lse;  ///< [items][heads_kv][rows], natural log
+  /// Fused merge (DecodePlan::fused_merge): arrival counters [batch][heads_kv][row_blocks] after
+  /// the work list; null = the merge kernel merges.
+  int* merge_counters;
 
   /// Host side only: launch programmatically (RunOptions::programmatic_launch on sm_90+). Every
   /// decode kernel starts with griddepcontrol.wait, a no-op for an ordinary launch.
