@@ -209,6 +209,35 @@ def test_forced_splits_agree(gen, num_splits):
     check_step(out, lse, q, kc, vc, None, 0, lens, False)
 
 
+@pytest.mark.parametrize("num_splits", [0, 3, 17])
+def test_fused_merge_equals_the_merge_kernel(gen, num_splits):
+    # The split-KV kernel's own merge runs the merge kernel's arithmetic: equal bit for bit, and
+    # again on a graph replay (the arrival counters come back to zero every run).
+    dtype, B, Hq, Hkv, D, S = torch.bfloat16, 3, 16, 4, 128, 5000
+    lens = [5000, 10, 2500]
+    kc, vc = make_cache(B, S, Hkv, D, dtype, gen, lens)
+    q = rand((B, 1, Hq, D), dtype, gen)
+    lens_dev = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    runs = []
+    for fused in (False, True):
+        w = BatchDecodeWithKVCache()
+        plan = w.plan(B, Hq, Hkv, D, kv_capacity=S, cache_seqlens=lens, dtype=dtype, device=DEV,
+                      num_splits=num_splits, fused_merge=fused)
+        assert plan.fused_merge == (fused and plan.needs_merge)
+        out, lse = w.run(q, kc, vc, lens_dev, return_lse=True)
+        runs.append((out.clone(), lse.clone()))
+        if fused:
+            g = capture(lambda: w.run(q, kc, vc, lens_dev, out=out, lse=lse))
+            for _ in range(3):
+                out.fill_(float("nan"))
+                g.replay()
+            torch.cuda.synchronize()
+            runs.append((out.clone(), lse.clone()))
+    for o, l in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(l, runs[0][1])
+    check_step(runs[0][0], runs[0][1], q, kc, vc, None, 0, lens, False)
+
+
 def test_window_softcap_alibi(gen):
     dtype, B, Hq, Hkv, D, S = torch.bfloat16, 2, 8, 2, 128, 1500
     lens = [1500, 333]
