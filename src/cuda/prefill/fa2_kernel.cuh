@@ -163,16 +163,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     if (p.mask.flags & PrefillMask::kRotary) {
       // Rotary: this stage's K tile (and, first, the Q tile) rotated in place, then a barrier
       // before any ldmatrix reads them (prefill_rope.cuh).
-      auto seq_positions = [&](const std::int32_t* pos, std::int64_t packed_row0, int seqlen) {
-        return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(b) * seqlen);
-      };
       if (it == 0)
-        rope_tile<T>(p.rope, seq_positions(p.rope.positions_q, cta.q_row0, p.seqlen_q), m0,
+        rope_tile<T>(p.rope, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, b, p.seqlen_q), m0,
                      rules.seqlen_k - rules.seqlen_q, cta.m_end - m0, tid, Cfg::kThreads,
                      [&](int r, int col) { return ptx::smem_u32(sQ + swz<D>(r, col >> 3) + (col & 7)); });
       const int rn0 = cta.key_n0<BN>(it);
       T* tile = sK + (it % S) * BN * D;
-      rope_tile<T>(p.rope, seq_positions(p.rope.positions_k, cta.k_row0, p.seqlen_k), rn0, 0,
+      rope_tile<T>(p.rope, rope_seq_positions(p.rope.positions_k, varlen, cta.k_row0, b, p.seqlen_k), rn0, 0,
                    max(0, min(BN, rules.seqlen_k - rn0)), tid, Cfg::kThreads,
                    [&](int r, int col) { return ptx::smem_u32(tile + swz<D>(r, col >> 3) + (col & 7)); });
       __syncthreads();

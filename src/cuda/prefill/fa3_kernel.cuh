@@ -65,7 +65,6 @@ struct Fa3Config {
   /// heads in L2-sized groups), with the next tile's K/V loads overlapping the current tile's last
   /// blocks and epilogue, and O stored by TMA from shared memory.
   static constexpr bool kPersistent = Persistent;
-  static constexpr bool kTmaStore = Persistent;
   static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -77,6 +76,14 @@ struct Fa3Config {
   static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
+
+/// Byte offset of 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row r in a tile of
+/// Rows rows stored as 64-column panels of 128-byte rows in the TMA 128B swizzle (chunk c of a
+/// panel row at c ^ (r % 8)); the tile starts 1024-byte aligned.
+template <int Rows>
+__device__ __forceinline__ std::uint32_t swizzled_chunk(int r, int chunk) {
+  return (chunk >> 3) * (Rows * 128) + r * 128 + (((chunk & 7) ^ (r & 7)) << 4);
+}
 
 /// One (row block, head, batch) tile of the launch.
 struct Fa3Tile {
@@ -191,12 +198,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       // arrive on q_full / k_full, which the consumers wait on. A stage is refilled only after
       // the consumers released it, i.e. after they saw it rotated.
       const int rt = tid - 32;
-      // Byte address of element col of row r in a tile of rows.value rows: 64-column panels of 128-byte
-      // rows, 16-byte chunk (col % 64) / 8 swizzled by r % 8 (the TMA 128B swizzle).
+      // Byte address of element col of row r in a swizzled tile of Rows rows.
       auto panel_addr = [](std::uint32_t tile, auto rows) {
         return [tile](int r, int col) {
-          return tile + (col >> 6) * (decltype(rows)::value * 128) + r * 128 + ((((col >> 3) & 7) ^ (r & 7)) << 4) +
-                 (col & 7) * 2;
+          return tile + swizzled_chunk<decltype(rows)::value>(r, col >> 3) + (col & 7) * 2;
         };
       };
       const std::uint32_t k_tiles = ptx::smem_u32(sK);
@@ -207,18 +212,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
         if (tl.m_block < 0) continue;  // a unit of one tile
         const int m0 = tl.m_block * BM;
         if (!tile_exists(p, tl.b, m0)) continue;
-        // Each tensor's position array, offset to this sequence's first row (null: defaults).
-        auto seq_positions = [&](const std::int32_t* pos, std::int64_t packed_row0, int seqlen) {
-          return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(tl.b) * seqlen);
-        };
         sm90::mbar_wait(q_tma, done & 1);
         const int n_iters = cta.n_iters;  // read before the record can change (next tile)
-        rope_tile<T>(p.rope, seq_positions(p.rope.positions_q, cta.q_row0, p.seqlen_q), m0,
+        rope_tile<T>(p.rope, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, tl.b, p.seqlen_q), m0,
                      cta.rules.seqlen_k - cta.rules.seqlen_q, cta.m_end - m0, rt, kRotators,
                      panel_addr(ptx::smem_u32(sQ), std::integral_constant<int, BM>{}));
         sm90::fence_proxy_async_smem();
         sm90::mbar_arrive(q_full);
-        const std::int32_t* pos_k = seq_positions(p.rope.positions_k, cta.k_row0, p.seqlen_k);
+        const std::int32_t* pos_k = rope_seq_positions(p.rope.positions_k, varlen, cta.k_row0, tl.b, p.seqlen_k);
         for (int it = 0; it < n_iters; ++it, ++ring) {
           const int s = ring % S;
           sm90::mbar_wait(&k_tma[s], (ring / S) & 1);
@@ -525,7 +526,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   ring += n_iters;
 
   // ---- epilogue: O / l into this warpgroup's rows of sQ (same 128B-swizzled panels), then out
-  //      by TMA (kTmaStore) or 16-byte coalesced stores; LSE from the quad leader. -------------
+  //      by TMA (persistent) or 16-byte coalesced stores; LSE from the quad leader. ------------
   float inv[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -546,11 +547,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 64 * c + 16 * warp + g + 8 * r;  // row inside the tile
-      const int pn = j / 8, chunk = j % 8;
-      *reinterpret_cast<std::uint32_t*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4) + 4 * t) =
+      *reinterpret_cast<std::uint32_t*>(sO + swizzled_chunk<BM>(row, j) + 4 * t) =
           ptx::pack2<T>(acc_o[4 * j + 2 * r] * inv[r], acc_o[4 * j + 2 * r + 1] * inv[r]);
     }
-  if constexpr (Cfg::kTmaStore) {
+  if constexpr (Cfg::kPersistent) {
     // Every writer fences its generic-proxy writes for the TMA (async proxy) read; one thread
     // stores the warpgroup's 64 rows per 64-column panel (rows past the sequence's end are out
     // of the map's bounds and not written), waits until the copy has read shared memory, and
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
         sm90::tma_store_4d(&p.tmap_o, pn * 64, q_x0 + m0 + 64 * c, h, q_c3, sO + pn * BM * 128 + 64 * c * 128);
       sm90::bulk_commit();
       sm90::bulk_wait_read<0>();
-      if constexpr (Cfg::kPersistent) sm90::mbar_arrive(q_empty);
+      sm90::mbar_arrive(q_empty);
     }
   } else {
     sm90::named_barrier_sync(1 + c, 128);
@@ -575,13 +575,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     for (int it = 0; it < 64 * DC / 128; ++it) {
       const int idx = ct + it * 128;
       const int row = 64 * c + idx / DC, j = idx % DC;
-      const int pn = j / 8, chunk = j % 8;
       if (m0 + row < m_end) {
-        const uint4 val = *reinterpret_cast<const uint4*>(sO + pn * BM * 128 + row * 128 + ((chunk ^ (row & 7)) << 4));
+        const uint4 val = *reinterpret_cast<const uint4*>(sO + swizzled_chunk<BM>(row, j));
         *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + row) * p.o_seq_stride + j * 8) = val;
       }
     }
-    static_assert(!Cfg::kPersistent || Cfg::kTmaStore, "the persistent epilogue hands the Q buffer back after the TMA store");
   }
   ++done;
   }  // tiles

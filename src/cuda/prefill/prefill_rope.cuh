@@ -59,6 +59,13 @@ __device__ __forceinline__ void rope_set_elem(uint2& v, int e, std::uint32_t bit
   v.y = e < 2 ? v.y : n;
 }
 
+/// A tensor's position array offset to its sequence's first row (the packed row with varlen, else
+/// b * seqlen), or null (the default positions).
+__device__ __forceinline__ const std::int32_t* rope_seq_positions(const std::int32_t* pos, bool varlen,
+                                                                  std::int64_t packed_row0, int b, int seqlen) {
+  return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(b) * seqlen);
+}
+
 /// Rotates rows [0, valid) of a shared-memory tile whose row r is sequence row row0 + r (rows at
 /// or past `valid` lie past the sequence's end, hold zeros and are left alone). Row i's position
 /// is positions[i] (the array already offset to the sequence's first row) or, without an array,
