@@ -72,7 +72,7 @@ Status select_cuda(const AttnParams& p, const RunOptions& opt, KernelChoice* out
       if (!misfit.empty()) return Status::Unsupported(misfit);
       config = want;
     } else {
-      config = cuda::prefill_sm90_pick(p);
+      config = cuda::prefill_sm90_pick(p, dev.num_sms);
       if (config.empty() && want == "sm90")
         return Status::Unsupported("no sm90 config has tiles (" + cuda::prefill_sm90_tiles(p.head_dim) +
                                    ") that divide the " + bs_blocks +

@@ -221,7 +221,8 @@ TEST(Prefill, BitwiseDeterministic) {
 // A persistent sm90 config computes every tile exactly as its non-persistent twin (same consumer
 // code, only the tile order, the loads' overlap and the TMA-store epilogue differ): the outputs
 // must be equal bit for bit. Shapes with more tiles than SMs (several tiles per CTA), several L2
-// head groups (long K/V), GQA, causal and odd lengths.
+// head groups (long K/V), GQA, causal, a causal window in fp16, and odd lengths. The automatic
+// choice takes the persistent twin for large causal problems (prefer_persistent).
 TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
@@ -235,7 +236,8 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
       const std::string twin = cfg.substr(0, cfg.size() - suffix.size());
       std::uint64_t salt = 700 + d;
       for (Case c : {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
-                     Case{2, 1100, 16384, 8, 2, d, true}, Case{3, 1, 300, 4, 4, d, true}}) {
+                     Case{2, 1100, 16384, 8, 2, d, true}, Case{3, 1, 300, 4, 4, d, true},
+                     Case{2, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}}) {
         std::vector<std::uint16_t> a, b;
         c.config = cfg;
         run_case(c, ++salt, &a);
@@ -247,6 +249,35 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
       }
     }
   EXPECT_GT(compared, 0) << "no persistent sm90 config compiled";
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
+// The automatic sm90 choice: the persistent twin for a causal problem with at least two tiles
+// per SM, the plain default for a non-causal one, a small causal one, or varlen.
+TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  const int n = 128 * ((2 * dev.num_sms + 15) / 16);  // 16 heads x n / 128 tiles >= 2 x SMs
+  DeviceBuffer q(std::int64_t{n} * 16 * 128 * 2), k(std::int64_t{n} * 16 * 128 * 2), v(std::int64_t{n} * 16 * 128 * 2),
+      o(std::int64_t{n} * 16 * 128 * 2);
+  auto pick = [&](int seqlen, bool causal) {
+    AttnParams p = attn_params(1, seqlen, seqlen, 16, 16, 128, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
+    p.mask.causal = causal;
+    RunOptions opt;
+    opt.backend = Backend::kCuda;
+    KernelChoice ch;
+    const Status st = select_kernel(p, opt, &ch);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return ch.config;
+  };
+  auto persistent = [](const std::string& c) { return c.find("_persist") != std::string::npos; };
+  EXPECT_TRUE(persistent(pick(n, true))) << pick(n, true);
+  EXPECT_FALSE(persistent(pick(n, false))) << pick(n, false);
+  EXPECT_FALSE(persistent(pick(256, true))) << pick(256, true);
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif

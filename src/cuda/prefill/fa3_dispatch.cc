@@ -107,15 +107,39 @@ bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
          (!e.ping_pong && tiles_fit_block_sparse(*a.mask.block_sparse, e.block_m, e.block_n));
 }
 
-/// Picked automatically: the first config (table order) that fits, persistent ones only when named
-/// (they are measured against the defaults before one becomes a default).
-bool fa3_auto(const Fa3Entry& e, const AttnParams& a) { return !e.persistent && fa3_fits(e, a); }
+/// Whether the automatic choice is the persistent twin of the default: causal problems of dense
+/// (or window / sink) masks, without varlen or block-sparse walks, with at least two 128-row tiles
+/// per SM. Measured on the H200 (reports/hopper/raw/persist_vs_default_ceac017.txt), persistent
+/// over the default: causal 0.99-1.19x (1.08x mean) from 512 tiles up, where the longest-first work
+/// units balance the triangle; 0.83x at 128 tiles (64 units leave half the SMs idle); non-causal
+/// 0.97-1.02x, so those keep the default.
+bool prefer_persistent(const AttnParams& a, int num_sms) {
+  if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr || num_sms <= 0) return false;
+  const std::int64_t tiles = static_cast<std::int64_t>((a.seqlen_q + 127) / 128) * a.heads_q * a.batch;
+  return tiles >= 2LL * num_sms && tiles <= INT32_MAX;
+}
+
+/// The automatic choice: the first config (table order) that fits, or its persistent twin (same
+/// tiles, stages and consumers) when prefer_persistent says so.
+const Fa3Entry* fa3_auto(const AttnParams& a, int num_sms) {
+  const Fa3Entry* base = nullptr;
+  for (const auto& e : fa3_entries(a.head_dim))
+    if (!e.persistent && fa3_fits(e, a)) {
+      base = &e;
+      break;
+    }
+  if (base == nullptr || !prefer_persistent(a, num_sms)) return base;
+  for (const auto& e : fa3_entries(a.head_dim))
+    if (e.persistent && e.block_m == base->block_m && e.block_n == base->block_n && e.stages == base->stages &&
+        e.ping_pong == base->ping_pong && e.sched == base->sched)
+      return &e;
+  return base;
+}
 }  // namespace
 
-std::string prefill_sm90_pick(const AttnParams& a) {
-  for (const auto& e : fa3_entries(a.head_dim))
-    if (fa3_auto(e, a)) return fa3_config_name(e);
-  return {};
+std::string prefill_sm90_pick(const AttnParams& a, int num_sms) {
+  const Fa3Entry* e = fa3_auto(a, num_sms);
+  return e != nullptr ? fa3_config_name(*e) : std::string{};
 }
 
 std::string prefill_sm90_misfit(const AttnParams& a, const std::string& config) {
@@ -151,9 +175,9 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
-  const Fa3Entry* entry = nullptr;
+  const Fa3Entry* entry = config.empty() ? fa3_auto(a, dev.num_sms) : nullptr;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (config.empty() ? fa3_auto(e, a) : fa3_config_name(e) == config) {
+    if (!config.empty() && fa3_config_name(e) == config) {
       entry = &e;
       break;
     }

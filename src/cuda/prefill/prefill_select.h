@@ -17,8 +17,9 @@ std::string prefill_sm80_misfit(const AttnParams& p, const std::string& config);
 std::string prefill_sm80_tiles(int head_dim);
 
 #if FLASHCPP_HAS_SM90
-/// The first sm90 config (table order) that can run the problem; "" when none fits.
-std::string prefill_sm90_pick(const AttnParams& p);
+/// The automatic sm90 config: the first (table order) that can run the problem, or its persistent
+/// twin for a large causal problem (fa3_dispatch.cc, prefer_persistent); "" when none fits.
+std::string prefill_sm90_pick(const AttnParams& p, int num_sms);
 /// "" when the named sm90 config can run the problem's masks, else one sentence why not.
 std::string prefill_sm90_misfit(const AttnParams& p, const std::string& config);
 /// The tile shapes of the compiled sm90 configs for a head dim.
