@@ -14,7 +14,7 @@ Ops:
                            rotary_theta=1e4, rotary_llama3_factor=0, rotary_llama3_low=1,
                            rotary_llama3_high=4, rotary_llama3_orig=8192,
                            rotary_cos_sin_cache?=None, rotary_positions_q?=None,
-                           rotary_positions_k?=None) -> (out, lse)
+                           rotary_positions_k?=None, rotary_k_rotated(a!)?=None) -> (out, lse)
   flashcpp::flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
                            softcap, alibi_slopes?, return_lse) -> (out, lse)
@@ -25,6 +25,9 @@ on q's device, as BlockSparse.to(device) makes them) and block_sparse_sizes = [b
 num_batch, num_heads, num_q_blocks, num_k_blocks, seqlen_q, seqlen_k] (_core.sparse_to_args).
 Four optional tensors, not one optional list: torch 2.11's schema inference has no Tensor[]?.
 Rotary in attention travels flattened the same way (rotary_dim 0 = none; attention._rotary_op_args).
+rotary_k_rotated is Rotary.k_out: the op writes the rotated keys into it (the one mutated
+argument; it may be k itself). Without it, a CUDA call rotates the keys into a temporary that the
+op body allocates with torch.empty, as it allocates its outputs (the C++ library allocates nothing).
 
 No annotations from __future__ here: torch.library reads the real annotations for the schema.
 """
@@ -43,11 +46,11 @@ def _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_r
            bs_col_idx=None, bs_partial=None, bs_element_masks=None, block_sparse_sizes=None, rotary_dim=0,
            rotary_style=1, rotary_theta=10000.0, rotary_llama3_factor=0.0, rotary_llama3_low=1.0,
            rotary_llama3_high=4.0, rotary_llama3_orig=8192, rotary_cos_sin_cache=None, rotary_positions_q=None,
-           rotary_positions_k=None):
+           rotary_positions_k=None, rotary_k_rotated=None):
     sparse = _core.sparse_from_args(bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks, block_sparse_sizes)
     rotary = _rotary_from_op_args(rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor, rotary_llama3_low,
                                   rotary_llama3_high, rotary_llama3_orig, rotary_cos_sin_cache, rotary_positions_q,
-                                  rotary_positions_k)
+                                  rotary_positions_k, rotary_k_rotated)
     return _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes,
                     None, None, None, None, sparse, rotary)
 
@@ -62,22 +65,25 @@ def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, 
                          rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
                          rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
                          rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
-                         rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                         rotary_positions_k: Optional[Tensor] = None,
+                         rotary_k_rotated: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """The body of flashcpp::flash_attn_fwd. Eager callers use it directly: going through the
     torch.library dispatcher costs tens of microseconds per call, which is the whole kernel time
     of a short sequence."""
     p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
                bs_partial, bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta,
                rotary_llama3_factor, rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig,
-               rotary_cos_sin_cache, rotary_positions_q, rotary_positions_k)
+               rotary_cos_sin_cache, rotary_positions_q, rotary_positions_k, rotary_k_rotated)
     out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
     _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
     return out, lse
 
 
-# The op is the eager body itself (one signature: its annotations are the op's schema).
-flash_attn_fwd = torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())(flash_attn_fwd_eager)
+# The op is the eager body itself (one signature: its annotations are the op's schema). It writes
+# rotary_k_rotated (Rotary.k_out) when one is given, so torch.compile functionalizes that.
+flash_attn_fwd = torch.library.custom_op("flashcpp::flash_attn_fwd",
+                                         mutates_args=("rotary_k_rotated",))(flash_attn_fwd_eager)
 
 
 @flash_attn_fwd.register_fake

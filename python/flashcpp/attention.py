@@ -22,7 +22,9 @@ Semantics are those of ``include/flashcpp/attention.h``; in short:
   a row that sees no key gets O = 0 and LSE = -inf;
 * rotary (a :class:`Rotary`): q and k rotated as
   :func:`flashcpp.apply_rotary` rotates them, rounded to the input dtype, then attention on the
-  results; positions default to i + len_k - len_q (queries) and j (keys). CPU backends only so far.
+  results; positions default to i + len_k - len_q (queries) and j (keys). ``Rotary(k_out=...)``
+  also receives the rotated keys (on CUDA they go to a buffer in any case: a fresh one without
+  k_out).
 
 Torch tensors go through the ``torch.ops.flashcpp.*`` custom ops (see ``_torch_ops``), so
 ``torch.compile(fullgraph=True)`` and CUDA graphs see one opaque op; numpy arrays run on the
@@ -37,7 +39,7 @@ import numpy as np
 
 from . import _core
 from ._core import torch
-from .fused import _STYLES, _cache_arg, _llama3, _positions_arg
+from .fused import _STYLES, _cache_arg, _check_out, _llama3, _positions_arg, _rope_view
 from .masks import BlockSparse, _to_torch
 
 
@@ -52,9 +54,17 @@ class Rotary:
     (max_position, rotary_dim) rows of [cos | sin]. positions_q / positions_k: int32 per query /
     key row, shape (batch * seqlen,) or (batch, seqlen), or (total,) with varlen; None means
     query row i at i + len_k - len_q (the causal alignment) and key j at j. Arrays live where
-    q does (flash_attn_func copies host arrays to q's device on each call). The CUDA kernels rotate
-    q and k tiles as they load them (bit for bit apply_rotary's values) and need rotary_dim % 8 == 0
-    for neox, % 4 for interleaved (NotImplementedError otherwise).
+    q does (flash_attn_func copies host arrays to q's device on each call).
+
+    k_out: where the rotated keys go, a tensor (or numpy array) shaped like k, with k's dtype and
+    device, any strides with a contiguous head_dim; k itself rotates k in place. A model stores
+    these in its KV cache. Otherwise it must not overlap q, k, v or the outputs. On CUDA the keys
+    are rotated once into it before the kernel reads them (without k_out, into a fresh buffer
+    allocated per call); the CPU backends fill it only when it is given.
+
+    The CUDA kernels read the rotated keys from that buffer and rotate q tiles as they load them
+    (bit for bit apply_rotary's values); they need rotary_dim % 8 == 0 for neox, % 4 for
+    interleaved (NotImplementedError otherwise).
     """
     rotary_dim: Optional[int] = None
     style: str = "neox"
@@ -63,6 +73,7 @@ class Rotary:
     cos_sin_cache: Any = None
     positions_q: Any = None
     positions_k: Any = None
+    k_out: Any = None
 
 
 class KernelChoice(NamedTuple):
@@ -115,10 +126,15 @@ class _RotarySpec(NamedTuple):
     max_position: int
     positions_q: Any
     positions_k: Any
+    k_out: Any  # Rotary.k_out, checked (None = not given)
 
-    def binding_arg(self) -> tuple:
+    def binding_arg(self, k_rotated: Any, varlen: bool) -> tuple:
+        """The binding's rotary tuple, with k_rotated (k_out or a buffer like it; None = none)."""
+        kr = (0, 0, 0, 0)
+        if k_rotated is not None:
+            kr = (_core.data_ptr(k_rotated), *_core._view(_core.meta(k_rotated, "rotary.k_out"), varlen))
         return (self.rotary_dim, self.style, self.theta, *self.llama3, _core.data_ptr(self.cos_sin_cache),
-                self.max_position, _core.data_ptr(self.positions_q), _core.data_ptr(self.positions_k))
+                self.max_position, _core.data_ptr(self.positions_q), _core.data_ptr(self.positions_k), kr)
 
 
 def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
@@ -161,16 +177,35 @@ def _rotary_scalars(rotary: Any, head_dim: int) -> Tuple[int, int]:
     return rot, int(_STYLES[rotary.style])
 
 
-def _rotary_arg(rotary: Rotary, q: Any, dims: _core.Dims, varlen: bool, rows_q: int, rows_k: int) -> _RotarySpec:
+def _rotary_arg(rotary: Rotary, q: Any, mk: _core.Meta, dims: _core.Dims, varlen: bool, rows_q: int,
+                rows_k: int) -> _RotarySpec:
     """The checked spec of a Rotary for these inputs (shapes, dtypes and devices only: no values
-    are read, so FakeTensors pass through)."""
+    are read, so FakeTensors pass through). Overlaps of k_out are the C++ validator's."""
     rot, style = _rotary_scalars(rotary, dims.head_dim)
     shapes_q = ((rows_q,),) if varlen else ((rows_q,), (dims.batch, dims.seqlen_q))
     shapes_k = ((rows_k,),) if varlen else ((rows_k,), (dims.batch, dims.seqlen_k))
     pos_q = _positions_arg(rotary.positions_q, q, "rotary.positions_q", shapes_q)
     pos_k = _positions_arg(rotary.positions_k, q, "rotary.positions_k", shapes_k)
     cache, max_position = _cache_arg(rotary.cos_sin_cache, q, rot)
-    return _RotarySpec(rot, style, float(rotary.theta), _llama3(rotary.llama3), cache, max_position, pos_q, pos_k)
+    if rotary.k_out is not None:
+        _rope_view(_check_out(rotary.k_out, "rotary.k_out", mk.shape, mk))  # head_dim contiguous, strides >= 0
+    return _RotarySpec(rot, style, float(rotary.theta), _llama3(rotary.llama3), cache, max_position, pos_q, pos_k,
+                       rotary.k_out)
+
+
+def _rotary_binding(p: _Problem, stream: Optional[int] = None) -> Optional[tuple]:
+    """The binding's rotary tuple (None without rotary). CUDA rotates the keys once into a buffer
+    before the kernel reads them (AttnParams::rotary.k_rotated): Rotary.k_out, or without it a
+    fresh one shaped like k that lives until the kernel on `stream` (None = torch's current
+    stream) is done with it."""
+    if p.rotary is None:
+        return None
+    k_rotated = p.rotary.k_out
+    if k_rotated is None and p.mq.is_cuda:
+        k_rotated = torch.empty(p.mk.shape, dtype=p.k.dtype, device=p.k.device)
+        if stream is not None:  # freed on return: the caching allocator must wait for that stream
+            k_rotated.record_stream(torch.cuda.ExternalStream(int(stream), device=p.k.device))
+    return p.rotary.binding_arg(k_rotated, p.varlen)
 
 
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -222,7 +257,7 @@ def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu
     if rotary is not None:
         rows_q = mq.shape[0] if varlen else dims.batch * dims.seqlen_q
         rows_k = mk.shape[0] if varlen else dims.batch * dims.seqlen_k
-        rot = _rotary_arg(rotary, q, dims, varlen, rows_q, rows_k)
+        rot = _rotary_arg(rotary, q, mk, dims, varlen, rows_q, rows_k)
     return _Problem(q, k, v, dims, mq, mk, mv, varlen, shape_o, shape_lse, alibi, alibi_bs,
                     cu_q, cu_k, window, scale, sparse, rot)
 
@@ -249,7 +284,7 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
     ``cudaStream_t`` as an int (default: torch's current stream for CUDA tensors).
     Varlen when ``cu_seqlens_q``/``cu_seqlens_k`` are given (q/k/v packed (total, heads, dim)).
     ``block_sparse`` as in :func:`flash_attn_func`. ``rotary``: a :class:`Rotary` (rotates q
-    and k first; CPU backends only so far).
+    and k first; its k_out, if given, receives the rotated keys).
     Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
     """
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -282,7 +317,7 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
                  alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
                  global_tokens=global_tokens, global_queries=global_queries,
                  cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
-                 rotary=None if p.rotary is None else p.rotary.binding_arg(), backend=backend,
+                 rotary=_rotary_binding(p, stream), backend=backend,
                  cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
     if p.varlen and not p.mq.is_cuda:
         used = int(p.cu_q[-1])
@@ -308,19 +343,20 @@ def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = No
                           softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
                           alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride,
                           cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
-                          rotary=None if p.rotary is None else p.rotary.binding_arg(),
+                          rotary=_rotary_binding(p),
                           backend=backend, cuda_config=cuda_config, select_only=True)
     return KernelChoice(*choice)
 
 
-_NO_ROTARY_OP_ARGS = (0, 1, 10000.0, 0.0, 1.0, 4.0, 8192, None, None, None)
+_NO_ROTARY_OP_ARGS = (0, 1, 10000.0, 0.0, 1.0, 4.0, 8192, None, None, None, None)
 _STYLE_NAMES = {int(code): name for name, code in _STYLES.items()}
 
 
 def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
-    """The flashcpp::flash_attn_fwd arguments of a Rotary (rotary_dim 0 = none): scalars, and its
-    arrays as tensors on q's device (positions int32, the cache float32). Shapes are checked by
-    the op itself (_prepare), at trace time too."""
+    """The flashcpp::flash_attn_fwd arguments of a Rotary (rotary_dim 0 = none): scalars, its
+    arrays as tensors on q's device (positions int32, the cache float32), and k_out as it is (the
+    op writes the rotated keys into it: rotary_k_rotated). Shapes are checked by the op itself
+    (_prepare), at trace time too."""
     if rotary is None:
         return _NO_ROTARY_OP_ARGS
     rot, style = _rotary_scalars(rotary, q.shape[-1])
@@ -334,12 +370,17 @@ def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
             return x.to(dtype).contiguous()
         return torch.as_tensor(np.asarray(x), dtype=dtype, device=q.device)
     factor, low, high, orig = _llama3(rotary.llama3)
+    k_out = rotary.k_out
+    if k_out is not None and not isinstance(k_out, torch.Tensor):
+        raise TypeError(f"rotary.k_out must be a torch tensor like k; got {type(k_out).__name__}")
     return (rot, style, float(rotary.theta), factor, low, high, orig,
             tensor(rotary.cos_sin_cache, torch.float32, "cos_sin_cache"),
-            tensor(rotary.positions_q, torch.int32, "positions_q"), tensor(rotary.positions_k, torch.int32, "positions_k"))
+            tensor(rotary.positions_q, torch.int32, "positions_q"), tensor(rotary.positions_k, torch.int32, "positions_k"),
+            k_out)
 
 
-def _rotary_from_op_args(rotary_dim, style, theta, factor, low, high, orig, cache, pos_q, pos_k) -> Optional[Rotary]:
+def _rotary_from_op_args(rotary_dim, style, theta, factor, low, high, orig, cache, pos_q, pos_k,
+                         k_out=None) -> Optional[Rotary]:
     """The Rotary that _rotary_op_args flattened (None for rotary_dim 0)."""
     if rotary_dim == 0:
         return None
@@ -348,7 +389,7 @@ def _rotary_from_op_args(rotary_dim, style, theta, factor, low, high, orig, cach
     if style not in _STYLE_NAMES:
         raise ValueError(f"rotary style code {style} is not 1 (neox) or 2 (interleaved)")
     return Rotary(rotary_dim=rotary_dim, style=_STYLE_NAMES[style], theta=theta, llama3=llama3,
-                  cos_sin_cache=cache, positions_q=pos_q, positions_k=pos_k)
+                  cos_sin_cache=cache, positions_q=pos_q, positions_k=pos_k, k_out=k_out)
 
 
 def _torch_alibi(alibi_slopes: Any, q: Any) -> Any:
@@ -406,8 +447,9 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
             device arrays are not checked (that would synchronize): build them with flashcpp's
             builders. A row none of whose keys is visible gets out = 0, lse = -inf.
         rotary: a :class:`flashcpp.Rotary`: q and k rotated as apply_rotary rotates them,
-            then attention (CPU backends only so far; CUDA raises NotImplementedError). Its
-            arrays are copied to q's device on each call unless they already live there.
+            then attention. Its arrays are copied to q's device on each call unless they
+            already live there. Its k_out (a tensor like k, or k itself) receives the rotated
+            keys, for a KV cache; on CUDA, without it, a fresh buffer is allocated per call.
 
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, or (out, lse).

@@ -124,10 +124,12 @@ flashcpp::BlockSparseMask block_sparse_mask(const BlockSparseArg& a) {
 
 /// The rotary fused into attention as Python passes it: rotary_dim, style (RopeStyle value),
 /// theta, Llama-3 factor / low / high / original_max_position, cos_sin_cache pointer,
-/// max_position, positions_q pointer, positions_k pointer (0 = null).
-using RotaryArg = std::tuple<int, int, double, float, float, float, int, std::uintptr_t, int, std::uintptr_t, std::uintptr_t>;
+/// max_position, positions_q pointer, positions_k pointer (0 = null), and k_rotated as a tensor
+/// (data pointer 0 = none; CUDA needs one, Python allocates it).
+using RotaryArg = std::tuple<int, int, double, float, float, float, int, std::uintptr_t, int, std::uintptr_t,
+                             std::uintptr_t, TensorArg>;
 
-flashcpp::AttnRotary attn_rotary(const RotaryArg& a) {
+flashcpp::AttnRotary attn_rotary(const RotaryArg& a, DType dt) {
   flashcpp::AttnRotary r;
   r.rotary_dim = std::get<0>(a);
   r.style = static_cast<flashcpp::RopeStyle>(std::get<1>(a));
@@ -137,6 +139,7 @@ flashcpp::AttnRotary attn_rotary(const RotaryArg& a) {
   r.max_position = std::get<8>(a);
   r.positions_q = reinterpret_cast<const std::int32_t*>(std::get<9>(a));
   r.positions_k = reinterpret_cast<const std::int32_t*>(std::get<10>(a));
+  if (std::get<0>(std::get<11>(a)) != 0) r.k_rotated = to_view(std::get<11>(a), dt);
   return r;
 }
 
@@ -178,7 +181,7 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
     sparse = block_sparse_mask(*block_sparse);
     p.mask.block_sparse = &sparse;
   }
-  if (rotary) p.rotary = attn_rotary(*rotary);
+  if (rotary) p.rotary = attn_rotary(*rotary, dt);
 
   RunOptions opt;
   opt.backend = to_backend(backend);
@@ -598,7 +601,8 @@ NB_MODULE(_flashcpp, m) {
         "is None or (row_ptr, col_idx, partial, element_masks, num_partial, block_m, block_n, "
         "num_batch, num_heads, num_q_blocks, num_k_blocks) with data pointers first; rotary is None "
         "or (rotary_dim, style, theta, llama3 factor, low, high, original_max_position, "
-        "cos_sin_cache, max_position, positions_q, positions_k) with 0 for a null pointer.");
+        "cos_sin_cache, max_position, positions_q, positions_k, k_rotated) with 0 for a null pointer "
+        "and k_rotated a tensor like k (k's dtype; data pointer 0 = none, which CUDA refuses).");
   m.def("merge_by_lse", &merge_by_lse, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a.noconvert(),
         "lse"_a.noconvert(),
         "Row-wise merge of two normalized partial attention outputs by their natural-log LSEs "

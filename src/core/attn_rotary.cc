@@ -1,7 +1,8 @@
 // Rotary fused into attention on the CPU backends: q and k are copied, rotated by the CPU
 // apply_rotary (the same code and rounding as a separate apply_rotary call), and the backend runs
 // on the copies. This is the semantics of AttnRotary (attention.h) that the GPU kernels must
-// match: rotated q and k in the input dtype.
+// match: rotated q and k in the input dtype. When rotary.k_rotated is set, the rotated copy of k
+// is stored there too (what the CUDA pre-pass writes).
 #include "core/attn_rotary.h"
 
 #include <cstring>
@@ -29,6 +30,19 @@ void copy_view(const TensorView& v, std::int64_t batch, std::int64_t seqlen, int
     for (std::int64_t s = 0; s < seqlen; ++s)
       for (int h = 0; h < heads; ++h, dst += row)
         std::memcpy(dst, src + static_cast<std::size_t>(b * v.batch_stride + s * v.seq_stride + h * v.head_stride) * es,
+                    row);
+}
+
+/// Writes the rows of a contiguous copy back into a strided view of the same extents (the
+/// inverse of copy_view).
+void store_view(const Copy& c, std::int64_t batch, std::int64_t seqlen, int heads, int d, const TensorView& v) {
+  const std::size_t es = dtype_size(v.dtype), row = static_cast<std::size_t>(d) * es;
+  const unsigned char* src = c.bytes.data();
+  auto* dst = static_cast<unsigned char*>(v.data);
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t s = 0; s < seqlen; ++s)
+      for (int h = 0; h < heads; ++h, src += row)
+        std::memcpy(dst + static_cast<std::size_t>(b * v.batch_stride + s * v.seq_stride + h * v.head_stride) * es, src,
                     row);
 }
 
@@ -100,7 +114,18 @@ Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::fu
     r.k.batch_stride = 0;
   }
   r.rotary = AttnRotary{};
-  return run(r);
+  FLASHCPP_RETURN_IF_ERROR(run(r));
+  // The rotated keys, for a caller that keeps them (a KV cache). Stored after the run, so the
+  // attention read v (and anything else sharing k's buffer) as the caller passed it, also when
+  // k_rotated is k itself (in place).
+  const TensorView& kr = p.rotary.k_rotated;
+  if (kr.data != nullptr && p.seqlen_k > 0) {
+    if (p.mask.is_varlen())  // packed rows, batch_stride unused
+      store_view(k, 1, p.mask.cu_seqlens_k[p.batch], p.heads_kv, p.head_dim, kr);
+    else
+      store_view(k, p.batch, p.seqlen_k, p.heads_kv, p.head_dim, kr);
+  }
+  return Status::Ok();
 }
 
 }  // namespace flashcpp::detail

@@ -168,10 +168,21 @@ Status attention_forward(const AttnParams& p, const RunOptions& opt) {
     case KernelId::kCpuTiled:
       return detail::run_with_rotary(p, opt, [&](const AttnParams& r) { return cpu::tiled_forward(r, opt); });
 #if FLASHCPP_WITH_CUDA
-    case KernelId::kCudaSm80: return cuda::prefill_sm80(p, choice.config, opt.stream);
+    case KernelId::kCudaSm80:
+    case KernelId::kCudaSm90: {
+      // Rotary: the keys are rotated once into rotary.k_rotated (one pre-pass on the stream), and
+      // the kernel reads them from there while it rotates its q tiles (attention.h).
+      AttnParams r = p;
+      if (p.rotary.enabled() && p.seqlen_k > 0) {
+        FLASHCPP_RETURN_IF_ERROR(cuda::rotate_keys(p, opt.stream));
+        r.k = p.rotary.k_rotated;
+      }
 #if FLASHCPP_HAS_SM90
-    case KernelId::kCudaSm90: return cuda::prefill_sm90(p, choice.config, opt.stream);
+      if (choice.id == KernelId::kCudaSm90) return cuda::prefill_sm90(r, choice.config, opt.stream);
 #endif
+      if (choice.id == KernelId::kCudaSm80) return cuda::prefill_sm80(r, choice.config, opt.stream);
+      break;
+    }
 #endif
     default: break;
   }

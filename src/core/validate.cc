@@ -3,13 +3,16 @@
 // names the field and its value.
 //
 // Order of the checks (the first failure is reported):
-//   1. scalars: backend, shape, dtypes, mask scalars, varlen/block-sparse descriptors;
-//      an empty problem (batch 0 or seqlen_q 0) writes nothing and is accepted here;
+//   1. scalars: backend, shape, dtypes, mask scalars, varlen/block-sparse descriptors, rotary
+//      scalars (and rotary.k_rotated's dtype); an empty problem (batch 0 or seqlen_q 0) writes
+//      nothing and is accepted here;
 //   2. varlen prefix sums (read on the CPU backends only: host memory);
 //   3. each tensor: null, alignment, strides (sign, CUDA vector width, 64-bit span, 32-bit
-//      in-sequence offsets, injective index map);
+//      in-sequence offsets, injective index map); with rotary, rotary.k_rotated like k (required
+//      on CUDA, optional on the CPU backends);
 //   4. lse, ALiBi slopes;
-//   5. aliasing: o and lse must not overlap what the kernel reads (or each other);
+//   5. aliasing: o, lse and rotary.k_rotated (unless it is k itself) must not overlap what the
+//      kernel reads (or each other);
 //   6. block-sparse arrays (walked on the CPU backends only).
 //
 // What cannot be checked: device-resident cu_seqlens and block-sparse arrays (the CUDA kernels
@@ -317,6 +320,17 @@ Status check_tensor(const char* name, const TensorView& t, const Extents& e, con
   return Status::Ok();
 }
 
+/// Whether rotary.k_rotated is k itself (its keys rotated in place): the same data and the same
+/// index map. A stride whose index is always 0 (an extent-1 dim, which PyTorch gives any stride)
+/// does not take part; the packed varlen sequence dim always does, and batch_stride never does
+/// with varlen (it is ignored).
+bool same_index_map(const TensorView& a, const TensorView& b, const Extents& e) {
+  auto same = [](std::int64_t x, std::int64_t y, std::int64_t extent) { return extent <= 1 || x == y; };
+  return a.data == b.data && (e.varlen || same(a.batch_stride, b.batch_stride, e.batch)) &&
+         (e.varlen ? a.seq_stride == b.seq_stride : same(a.seq_stride, b.seq_stride, e.seq)) &&
+         same(a.head_stride, b.head_stride, e.heads);
+}
+
 // ---- 6. block-sparse arrays --------------------------------------------------------------
 
 Status check_block_sparse_arrays(const BlockSparseMask& bs, const BackendRules& br) {
@@ -366,12 +380,17 @@ Status check_block_sparse_arrays(const BlockSparseMask& bs, const BackendRules& 
 
 }  // namespace
 
-/// The rotary fused into attention: the scalars (rope_checks.h) and the arrays' alignment. The
-/// position values are checked where they are read (the CPU backends, against a cache).
+/// The rotary fused into attention: the scalars (rope_checks.h), the arrays' alignment and
+/// k_rotated's dtype (the view itself is checked with the tensors, after the empty-problem
+/// return). The position values are checked where they are read (the CPU backends, against a
+/// cache).
 Status check_rotary(const AttnParams& p, const BackendRules& br) {
   const AttnRotary& r = p.rotary;
   FLASHCPP_RETURN_IF_ERROR(detail::check_rope_scalars("rotary.", p.head_dim, r.rotary_dim, r.style, r.theta, r.llama3,
                                                       r.cos_sin_cache, r.max_position));
+  if (r.k_rotated.data && r.k_rotated.dtype != p.k.dtype)
+    return Status::Invalid(cat("rotary.k_rotated.dtype ", dtype_name(r.k_rotated.dtype), " differs from k.dtype ",
+                               dtype_name(p.k.dtype), " (the rotated keys are stored in k's dtype)"));
   for (auto [name, ptr] : {std::pair{"rotary.positions_q", r.positions_q}, std::pair{"rotary.positions_k", r.positions_k}})
     if (ptr && addr(ptr) % alignof(std::int32_t) != 0)
       return Status::Invalid(cat(name, " ", static_cast<const void*>(ptr), " is not 4-byte aligned (int32)"));
@@ -420,6 +439,32 @@ Status validate(const AttnParams& p, Backend backend) {
     FLASHCPP_RETURN_IF_ERROR(check_tensor("v", p.v, ek, br, &sv));
   }
   FLASHCPP_RETURN_IF_ERROR(check_tensor("o", p.o, eq, br, &so));
+  // Rotary: where the rotated keys go. The CUDA kernels read their keys from it (a pre-pass
+  // rotates k into it once), so CUDA needs it; the CPU backends fill it when it is given. k
+  // itself (same data and index map) rotates k in place: its span is then k's, checked as k.
+  Span skr;
+  skr.name = "rotary.k_rotated";
+  if (p.rotary.enabled() && p.seqlen_k > 0) {
+    const TensorView& kr = p.rotary.k_rotated;
+    if (kr.data == nullptr) {
+      if (br.cuda)
+        return Status::Unsupported(
+            "rotary on CUDA needs rotary.k_rotated: a buffer shaped like k where the keys are rotated once "
+            "before the kernel reads them (pass k itself to rotate in place)");
+    } else {
+      FLASHCPP_RETURN_IF_ERROR(check_tensor("rotary.k_rotated", kr, ek, br, &skr));
+      if (same_index_map(kr, p.k, ek)) {
+        // In place, q or v starting on k's first element would be rotated under the kernel's feet
+        // (the CUDA pre-pass writes k before the kernel reads q and v).
+        for (const auto& [name, t] : {std::pair{"q", &p.q}, std::pair{"v", &p.v}})
+          if (t->data == kr.data)
+            return Status::Invalid(cat("rotary.k_rotated is k (rotated in place), but ", name,
+                                       " starts at k's first element ", static_cast<const void*>(kr.data), ": ",
+                                       name, " would be read rotated (pass a separate rotary.k_rotated)"));
+        skr.lo = skr.hi = 0;  // k's span: o and lse are checked against k below
+      }
+    }
+  }
 
   // 4. lse: contiguous fp32 (batch, heads_q, seqlen_q), or (heads_q, total_q) when varlen. Its
   // per-head extent (seqlen_q or the int32 total cu_seqlens_q[batch]) fits int32 by construction.
@@ -442,18 +487,24 @@ Status validate(const AttnParams& p, Backend backend) {
     return Status::Invalid(cat("mask.alibi_slopes ", static_cast<const void*>(p.mask.alibi_slopes),
                                " is not 4-byte aligned (fp32)"));
 
-  // 5. Aliasing: outputs must not overlap what the kernel reads, nor each other. Inputs may
-  // alias each other (one packed qkv buffer). Spans are conservative: an output interleaved
-  // with an input (disjoint elements inside overlapping ranges) is rejected too.
-  for (const Span* out : {&so, &slse})
-    for (const Span* other : {&sq, &sk, &sv, &so, &slse}) {
-      if (other == out || (out == &slse && other == &so)) continue;
+  // 5. Aliasing: outputs (o, lse, and rotary.k_rotated unless it is k) must not overlap what the
+  // kernel reads, nor each other. Inputs may alias each other (one packed qkv buffer). Spans are
+  // conservative: an output interleaved with an input (disjoint elements inside overlapping
+  // ranges) is rejected too.
+  const std::array<const Span*, 3> outs = {&so, &slse, &skr};
+  for (std::size_t i = 0; i < outs.size(); ++i)
+    for (const Span* other : {&sq, &sk, &sv, &so, &slse, &skr}) {
+      const Span* out = outs[i];
+      // Each pair of outputs once: the earlier output's pass checked it.
+      if (other == out || std::find(outs.begin(), outs.begin() + i, other) != outs.begin() + i) continue;
       if (out->overlaps(*other))
         return Status::Invalid(
             cat(out->name, " overlaps ", other->name, ": bytes [", reinterpret_cast<const void*>(out->lo),
                 ", ", reinterpret_cast<const void*>(out->hi), ") meet [",
                 reinterpret_cast<const void*>(other->lo), ", ", reinterpret_cast<const void*>(other->hi),
-                ") (outputs must not alias the inputs or each other)"));
+                out == &skr && other == &sk
+                    ? ") (rotary.k_rotated must be k itself, with k's data and strides, or not overlap it)"
+                    : ") (outputs must not alias the inputs or each other)"));
     }
 
   // 6. Block-sparse arrays.

@@ -40,6 +40,10 @@ Status prefill_sm80(const AttnParams& p, const std::string& config, Stream strea
 /// The config the tuned table picks for a problem on the current device.
 std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev);
 
+/// The rotary fused into attention, key side: rotates p.k into p.rotary.k_rotated once (apply_rotary's
+/// kernel), before a prefill kernel that rotates only its q tiles reads its keys from there.
+Status rotate_keys(const AttnParams& p, Stream stream);
+
 /// Names of the compiled configs of the sm_90a (wgmma + TMA) prefill kernel for a head dim.
 std::vector<std::string> prefill_sm90_configs(int head_dim);
 /// Runs the sm_90a prefill kernel (config "" = the first listed for the head dim).

@@ -4,8 +4,10 @@
 // off. Tolerance: atol = rtol = 5e-3 on O and 5e-3 on LSE (the band for rotary in
 // attention; a rotated element may round one ulp apart between fp64 here and the library's
 // fp32/fp64 rotation). Also: rotary in attention is bit-identical to apply_rotary followed by
-// attention (the documented semantics), q and k are left untouched, and every bad input gets a
-// sentence. Fresh random inputs each run (FLASHCPP_SEED replays), O and LSE poisoned with NaN.
+// attention (the documented semantics), q and k are left untouched, rotary.k_rotated receives
+// exactly apply_rotary's keys (out of place with its own strides, and in place), and every bad
+// input gets a sentence. Fresh random inputs each run (FLASHCPP_SEED replays), O, LSE and
+// k_rotated poisoned with NaN.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -311,9 +313,203 @@ TEST(AttnRotary, BadInputsGetASentence) {
   expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.rotary_dim 12 is not a multiple of 8");
   EXPECT_TRUE(validate(p, Backend::kCpu).ok());
   p.rotary.style = RopeStyle::kInterleaved;
+  HostBuffer kr(rc.dt, pb.k.size());  // CUDA needs somewhere to put the rotated keys
+  p.rotary.k_rotated = bshd_view(kr.data(), rc.dt, rc.sk, rc.hkv, rc.d);
   EXPECT_TRUE(validate(p, Backend::kCuda).ok()) << validate(p, Backend::kCuda).to_string();
   p.rotary.rotary_dim = 6;
   expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.rotary_dim 6 is not a multiple of 4");
+}
+
+/// apply_rotary (CPU) of pb's k with pb's positions, as a contiguous (rows_k, hkv, d) buffer:
+/// the keys rotary.k_rotated must receive.
+HostBuffer apply_rotary_to_k(const Problem& pb) {
+  const RotCase& c = pb.c;
+  HostBuffer kr = pb.k;
+  RopeParams rp;
+  rp.batch = c.varlen ? 1 : c.batch;
+  rp.seqlen = static_cast<int>(c.varlen ? pb.rows_k : c.sk);
+  rp.heads_q = c.hkv;
+  rp.head_dim = c.d;
+  rp.rotary_dim = c.rot ? c.rot : c.d;
+  rp.style = c.style;
+  rp.theta = c.theta;
+  rp.llama3 = c.llama3;
+  if (c.cache) {
+    rp.cos_sin_cache = pb.cache.data();
+    rp.max_position = pb.max_pos;
+  }
+  rp.q = bshd_view(kr.data(), c.dt, rp.seqlen, c.hkv, c.d);
+  rp.positions = pb.pos_k.data();  // the documented defaults when the case passes none
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  const Status s = apply_rotary(rp, ro);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return kr;
+}
+
+/// The elements of a strided (rows, heads, d) view, read row by row into a contiguous buffer;
+/// `rows` is batch * seqlen (dense, batch_stride used) or the packed rows (varlen).
+HostBuffer gather(const Problem& pb, const HostBuffer& buf, const TensorView& v) {
+  const RotCase& c = pb.c;
+  HostBuffer out(c.dt, pb.rows_k * c.hkv * c.d);
+  std::int64_t i = 0;
+  for (std::int64_t r = 0; r < pb.rows_k; ++r) {
+    const std::int64_t b = c.varlen ? 0 : r / c.sk, s = c.varlen ? r : r % c.sk;
+    for (int h = 0; h < c.hkv; ++h)
+      for (int e = 0; e < c.d; ++e, ++i) {
+        const std::int64_t off = b * v.batch_stride + s * v.seq_stride + h * v.head_stride + e;
+        std::memcpy(static_cast<std::uint8_t*>(out.data()) + i * dtype_size(c.dt),
+                    static_cast<const std::uint8_t*>(buf.data()) + off * dtype_size(c.dt), dtype_size(c.dt));
+      }
+  }
+  return out;
+}
+
+void check_k_rotated(const RotCase& rc, std::uint64_t salt) {
+  SCOPED_TRACE(describe(rc));
+  auto g = rng(salt);
+  Problem pb(rc, g);
+  const RotCase& c = pb.c;
+  const HostBuffer want_k = apply_rotary_to_k(pb);
+  ASSERT_NE(std::memcmp(want_k.data(), pb.k.data(), pb.k.bytes.size()), 0);  // the keys do rotate
+  for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
+    SCOPED_TRACE(backend_name(b));
+    RunOptions ro;
+    ro.backend = b;
+    std::vector<float> want_o, want_lse;  // rotary without k_rotated
+    ASSERT_TRUE(pb.run(b, &want_o, &want_lse).ok());
+    auto expect_same_outputs = [&] {
+      for (std::int64_t i = 0; i < pb.o.size(); ++i)
+        ASSERT_EQ(pb.o.get(i), want_o[static_cast<std::size_t>(i)]) << "O element " << i;
+      for (std::int64_t i = 0; i < pb.lse.size(); ++i)
+        ASSERT_EQ(pb.lse.get(i), want_lse[static_cast<std::size_t>(i)]) << "LSE element " << i;
+    };
+
+    // Out of place, into a view with strides of its own: dense (batch, heads, seqlen, d), varlen
+    // rows padded by 16 elements per head. The padding must stay poisoned.
+    const std::int64_t pad = c.varlen ? 16 : 0;
+    HostBuffer kr(c.dt, pb.rows_k * c.hkv * (c.d + pad));
+    std::memset(kr.data(), 0xFF, kr.bytes.size());  // NaN in fp16, bf16 and fp32
+    const TensorView krv = c.varlen ? TensorView{kr.data(), c.dt, 0, c.hkv * (c.d + pad), c.d + pad}
+                                    : bhsd_view(kr.data(), c.dt, c.sk, c.hkv, c.d);
+    AttnParams p = pb.params(pb.q, pb.k, true);
+    p.rotary.k_rotated = krv;
+    pb.o.poison();
+    pb.lse.poison();
+    const HostBuffer k0 = pb.k;
+    ASSERT_TRUE(attention_forward(p, ro).ok());
+    expect_same_outputs();
+    const HostBuffer got = gather(pb, kr, krv);
+    EXPECT_EQ(std::memcmp(got.data(), want_k.data(), want_k.bytes.size()), 0) << "k_rotated differs from apply_rotary's k";
+    EXPECT_EQ(std::memcmp(k0.data(), pb.k.data(), pb.k.bytes.size()), 0) << "k was modified";
+    std::int64_t touched = 0;
+    for (std::int64_t r = 0; r < pb.rows_k * c.hkv; ++r)
+      for (std::int64_t e = c.d; e < c.d + pad; ++e) touched += !std::isnan(kr.get(r * (c.d + pad) + e));
+    EXPECT_EQ(touched, 0) << "elements written into the padding between k_rotated's rows";
+
+    // In place: k_rotated is k itself.
+    HostBuffer kin = pb.k;
+    p = pb.params(pb.q, kin, true);
+    p.rotary.k_rotated = p.k;
+    pb.o.poison();
+    pb.lse.poison();
+    ASSERT_TRUE(attention_forward(p, ro).ok());
+    expect_same_outputs();
+    EXPECT_EQ(std::memcmp(kin.data(), want_k.data(), want_k.bytes.size()), 0) << "k rotated in place differs";
+  }
+}
+
+TEST(AttnRotary, KRotatedReceivesApplyRotarysKeys) {
+  RotCase c;
+  c.positions = true;
+  check_k_rotated(c, 70);  // bf16 neox, explicit positions, GQA
+  c = RotCase{};
+  c.dt = DType::kF16;
+  c.style = RopeStyle::kInterleaved;
+  c.rot = 32;
+  c.cache = true;
+  c.positions = true;
+  check_k_rotated(c, 71);
+  c = RotCase{};
+  c.batch = 3;
+  c.varlen = true;  // packed rows, per-document default positions
+  check_k_rotated(c, 72);
+  c.dt = DType::kF32;
+  c.positions = true;
+  check_k_rotated(c, 73);
+  c = RotCase{};
+  c.d = 128;
+  c.theta = 500000.0;
+  c.llama3 = Llama3Scaling{32.f, 1.f, 4.f, 8192};
+  check_k_rotated(c, 74);
+}
+
+TEST(AttnRotary, KRotatedValidation) {
+  auto g = rng(80);
+  RotCase rc;
+  rc.positions = true;
+  Problem pb(rc, g);
+  HostBuffer kr(rc.dt, pb.k.size());
+  auto expect = [&](const AttnParams& p, Backend b, StatusCode code, const std::string& needle) {
+    const Status s = validate(p, b);
+    EXPECT_EQ(s.code(), code) << s.to_string();
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
+  };
+  // CUDA reads its keys from k_rotated: without one, a sentence naming the field.
+  AttnParams p = pb.params(pb.q, pb.k, true);
+  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary on CUDA needs rotary.k_rotated");
+  EXPECT_TRUE(validate(p, Backend::kCpu).ok());  // optional on the CPU backends
+  AttnParams empty = p;  // no key, nothing to rotate: not needed
+  empty.seqlen_k = 0;
+  empty.k = empty.v = TensorView{};
+  EXPECT_TRUE(validate(empty, Backend::kCuda).ok()) << validate(empty, Backend::kCuda).to_string();
+  p.rotary.k_rotated = bshd_view(kr.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  EXPECT_TRUE(validate(p, Backend::kCuda).ok()) << validate(p, Backend::kCuda).to_string();
+  // k itself: rotated in place.
+  p.rotary.k_rotated = p.k;
+  EXPECT_TRUE(validate(p, Backend::kCuda).ok()) << validate(p, Backend::kCuda).to_string();
+  EXPECT_TRUE(validate(p, Backend::kCpu).ok()) << validate(p, Backend::kCpu).to_string();
+  // In place, with q (or v) starting where k does, q would be read rotated.
+  AttnParams shared = p;
+  shared.v.data = shared.k.data;
+  expect(shared, Backend::kCuda, StatusCode::kInvalidArgument, "rotary.k_rotated is k (rotated in place), but v");
+  // Another dtype.
+  p.rotary.k_rotated = bshd_view(kr.data(), DType::kF16, rc.sk, rc.hkv, rc.d);
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.k_rotated.dtype fp16 differs from k.dtype bf16");
+  expect(p, Backend::kCuda, StatusCode::kInvalidArgument, "rotary.k_rotated.dtype fp16 differs from k.dtype bf16");
+  // Checked like k: strides, alignment.
+  p.rotary.k_rotated = bshd_view(kr.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  p.rotary.k_rotated.seq_stride = 4;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.k_rotated.");
+  p.rotary.k_rotated = bshd_view(static_cast<char*>(kr.data()) + 8, rc.dt, rc.sk, rc.hkv, rc.d);
+  expect(p, Backend::kCuda, StatusCode::kInvalidArgument, "rotary.k_rotated.data");
+  // It is an output: it must not overlap o, lse or the inputs (unless it is exactly k). Its span
+  // (k's extents) may run past the buffer it starts in, into whichever allocation the heap put
+  // next, so the sentence may name another tensor: the test asks for an overlap naming k_rotated.
+  auto expect_overlap = [&](const AttnParams& pp, Backend b) {
+    const Status s = validate(pp, b);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("overlaps"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find("rotary.k_rotated"), std::string::npos) << s.message();
+  };
+  p.rotary.k_rotated = bshd_view(pb.o.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  expect_overlap(p, Backend::kCpu);
+  expect_overlap(p, Backend::kCuda);
+  p.rotary.k_rotated = bshd_view(pb.lse.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  expect_overlap(p, Backend::kCpu);
+  p.rotary.k_rotated = bshd_view(pb.q.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  expect_overlap(p, Backend::kCpu);
+  p.rotary.k_rotated = bshd_view(pb.v.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  expect_overlap(p, Backend::kCpu);
+  // k's memory under another index map is not "in place".
+  p.rotary.k_rotated = bhsd_view(pb.k.data(), rc.dt, rc.sk, rc.hkv, rc.d);
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.k_rotated must be k itself");
+  p.rotary.k_rotated = bshd_view(static_cast<char*>(pb.k.data()) + 16 * 8, rc.dt, rc.sk, rc.hkv, rc.d);
+  expect_overlap(p, Backend::kCuda);
+  // Without rotary the field is ignored.
+  p = pb.params(pb.q, pb.k, false);
+  p.rotary.k_rotated = bshd_view(pb.o.data(), DType::kF16, rc.sk, rc.hkv, rc.d);
+  EXPECT_TRUE(validate(p, Backend::kCuda).ok()) << validate(p, Backend::kCuda).to_string();
 }
 
 }  // namespace

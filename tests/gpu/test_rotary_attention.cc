@@ -9,7 +9,10 @@
 //   2. band: the fused O against the fp64 reference (cpu::reference_attention) on q and k rotated
 //      by the CPU apply_rotary: |O - ref| <= 1e-2 + 1e-2 |ref|, |LSE - ref| <= 1e-3
 //      (docs/tolerances.md); CPU and GPU sin/cos may differ by an ulp, inside that band.
-// O and the LSE start as NaN (0xFF) before every run: an unwritten element fails both checks.
+//   3. keys: the rotated keys the pre-pass leaves in rotary.k_rotated equal apply_rotary's k bit
+//      for bit; configs alternate between a separate buffer and k itself (rotated in place, k
+//      re-uploaded before each run).
+// O, the LSE and k_rotated start as NaN (0xFF) before every run: an unwritten element fails.
 // Fresh random inputs each run (FLASHCPP_SEED).
 #include <algorithm>
 #include <cmath>
@@ -112,7 +115,8 @@ void run_case(const RotCase& c, std::uint64_t salt) {
 
   DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), q2(nq * 2), k2(nk * 2), o(nq * 2), o2(nq * 2),
       lse(sizeof(float) * n_lse), lse2(sizeof(float) * n_lse), d_pos_q(4 * rows_q), d_pos_k(4 * rows_k),
-      d_cache(sizeof(float) * std::max<std::size_t>(cache.size(), 1)), d_cu_q(4 * (batch + 1)), d_cu_k(4 * (batch + 1));
+      d_cache(sizeof(float) * std::max<std::size_t>(cache.size(), 1)), d_cu_q(4 * (batch + 1)), d_cu_k(4 * (batch + 1)),
+      kr(nk * 2);
   upload(q, hq_bits);
   upload(k, hk_bits);
   upload(v, hv_bits);
@@ -213,8 +217,17 @@ void run_case(const RotCase& c, std::uint64_t salt) {
   const Status rs = cpu::reference_attention(hp, &ref);
   ASSERT_TRUE(rs.ok()) << rs.to_string();
 
+  std::vector<std::uint16_t> hk2(nk);
+  CUDA_OK(cudaMemcpy(hk2.data(), k2.ptr, k2.bytes, cudaMemcpyDeviceToHost));
+  int run_index = 0;
   for (const std::string& cfg : configs(c.d)) {
     SCOPED_TRACE(cfg);
+    // Keys rotated into a separate buffer, or in place into k (every other config).
+    const bool in_place = (run_index++ + salt) % 2 == 1;
+    SCOPED_TRACE(in_place ? "k_rotated = k (in place)" : "k_rotated separate");
+    upload(k, hk_bits);
+    CUDA_OK(cudaMemset(kr.ptr, 0xFF, kr.bytes));
+    p.rotary.k_rotated = view(in_place ? k.ptr : kr.ptr, max_k, c.hkv);
     RunOptions opt;
     opt.backend = Backend::kCuda;
     opt.cuda_config = cfg;
@@ -244,6 +257,11 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     lse_diff = static_cast<std::int64_t>(std::memcmp(hl.data(), hl2.data(), hl.size() * 4) != 0);
     EXPECT_EQ(o_diff, 0) << "elements differ from apply_rotary + attention (first at " << first << ")";
     EXPECT_EQ(lse_diff, 0) << "LSE differs from apply_rotary + attention";
+    std::vector<std::uint16_t> hkr(nk);
+    CUDA_OK(cudaMemcpy(hkr.data(), in_place ? k.ptr : kr.ptr, kr.bytes, cudaMemcpyDeviceToHost));
+    std::int64_t k_diff = 0;
+    for (std::int64_t x = 0; x < nk; ++x) k_diff += hkr[x] != hk2[x];
+    EXPECT_EQ(k_diff, 0) << "k_rotated differs from apply_rotary(k)";
 
     // 2. the band against the fp64 reference (packed rows; reference LSE is (hq, rows_q)).
     double max_abs = 0, lse_err = 0;

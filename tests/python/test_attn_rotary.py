@@ -1,6 +1,8 @@
 """flashcpp.Rotary (rotary fused into attention) from Python, CPU backends: against an fp64 numpy
 rotation written here, rounded to the input dtype, then the fp64 attention reference; identical
-to apply_rotary followed by attention; bad specs raise with a sentence."""
+to apply_rotary followed by attention; Rotary(k_out=...) receives apply_rotary's keys (out of
+place and in place, also through the torch op and torch.compile); bad specs raise with a
+sentence."""
 import numpy as np
 import pytest
 
@@ -121,3 +123,107 @@ def test_flash_attn_func_op_opcheck_and_compile(rng):
     with pytest.raises(Exception, match="rotary.positions_q must have shape"):
         torch.compile(lambda q, k, v: flashcpp.flash_attn_func(q, k, v, rotary=bad), fullgraph=True,
                       backend="aot_eager")(q, k, v)
+
+
+def nan_like(x):
+    """A NaN-poisoned buffer like x (a test that forgets to fill it fails)."""
+    return np.full(x.shape, np.nan, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_k_out_receives_apply_rotarys_keys(rng, dtype):
+    B, Nq, Nk, Hq, Hkv, D = 2, 13, 29, 4, 2, 64
+    q, k, v = (rng.standard_normal((B, n, h, D)).astype(dtype) for n, h in ((Nq, Hq), (Nk, Hkv), (Nk, Hkv)))
+    pos_q = rng.integers(0, 3000, (B, Nq)).astype(np.int32)
+    pos_k = rng.integers(0, 3000, (B, Nk)).astype(np.int32)
+    kw = dict(rotary_dim=32, style="interleaved", positions_q=pos_q, positions_k=pos_k)
+    want_k = flashcpp.apply_rotary(k, positions=pos_k, rotary_dim=32, style="interleaved")[0]
+    k0 = k.copy()
+    for backend in ("cpu", "cpu-reference"):
+        want, want_lse = flashcpp.attention(q, k, v, causal=True, rotary=flashcpp.Rotary(**kw), return_lse=True,
+                                            backend=backend)
+        # Out of place, into a view with strides of its own (SDPA's (B, H, N, D) storage).
+        buf = nan_like(k.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        out, lse = flashcpp.attention(q, k, v, causal=True, rotary=flashcpp.Rotary(**kw, k_out=buf),
+                                      return_lse=True, backend=backend)
+        assert np.array_equal(out, want) and np.array_equal(lse, want_lse)
+        assert np.array_equal(buf, want_k)
+        assert np.array_equal(k, k0)  # k itself untouched
+        # In place: k_out is k.
+        kin = k.copy()
+        out, _ = flashcpp.attention(q, kin, v, causal=True, rotary=flashcpp.Rotary(**kw, k_out=kin), backend=backend)
+        assert np.array_equal(out, want)
+        assert np.array_equal(kin, want_k)
+
+
+def test_k_out_varlen(rng):
+    lens_q, lens_k, Hq, Hkv, D = [5, 1, 9], [7, 1, 12], 4, 2, 64
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], Hq, D)).astype(np.float32)
+    k, v = (rng.standard_normal((cu_k[-1], Hkv, D)).astype(np.float32) for _ in range(2))
+    # Default key positions restart at 0 in every packed sequence.
+    pos_k = np.concatenate([np.arange(n) for n in lens_k]).astype(np.int32)
+    want_k = flashcpp.apply_rotary(k, positions=pos_k)[0]
+    kw = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    want, _ = flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(), **kw)
+    buf = nan_like(k)
+    out, _ = flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(k_out=buf), **kw)
+    assert np.array_equal(out, want) and np.array_equal(buf, want_k)
+    kin = k.copy()
+    out, _ = flashcpp.attention(q, kin, v, rotary=flashcpp.Rotary(k_out=kin), **kw)
+    assert np.array_equal(out, want) and np.array_equal(kin, want_k)
+
+
+def test_bad_k_out_raises(rng):
+    q = rng.standard_normal((1, 8, 2, 64)).astype(np.float32)
+    k, v = q.copy(), q.copy()
+    with pytest.raises(ValueError, match=r"rotary.k_out must have shape \(1, 8, 2, 64\)"):
+        flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(k_out=np.zeros((1, 8, 2, 32), np.float32)))
+    with pytest.raises(TypeError, match="rotary.k_out must have k's dtype float32"):
+        flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(k_out=np.zeros(k.shape, np.float16)))
+    with pytest.raises(ValueError, match="rotary.k_out: the last dimension"):
+        flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(k_out=np.zeros((1, 8, 64, 2), np.float32).swapaxes(2, 3)))
+    # It is an output: overlapping an input or out is refused (the C++ validator's sentence).
+    with pytest.raises(ValueError, match="rotary.k_rotated overlaps q"):
+        flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(k_out=q))
+    out = np.empty_like(q)
+    with pytest.raises(ValueError, match="o overlaps rotary.k_rotated"):
+        flashcpp.attention(q, k, v, out=out, rotary=flashcpp.Rotary(k_out=out))
+    with pytest.raises(ValueError, match="rotary.k_rotated is k .rotated in place., but v"):
+        flashcpp.attention(q, k, k, rotary=flashcpp.Rotary(k_out=k))
+
+
+@needs_torch
+def test_k_out_torch_op_and_compile(rng):
+    torch = flashcpp._core.torch
+    q = torch.from_numpy(rng.standard_normal((2, 11, 4, 64)).astype(np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((2, 19, 2, 64)).astype(np.float32)) for _ in range(2))
+    want_k = torch.from_numpy(flashcpp.apply_rotary(k.numpy())[0])
+    want = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=flashcpp.Rotary())
+    buf = torch.full_like(k, float("nan"))
+    out = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=flashcpp.Rotary(k_out=buf))
+    assert torch.equal(out, want) and torch.equal(buf, want_k)
+    kin = k.clone()
+    out = flashcpp.flash_attn_func(q, kin, v, causal=True, rotary=flashcpp.Rotary(k_out=kin))
+    assert torch.equal(out, want) and torch.equal(kin, want_k)
+    # Through the registered op: rotary_k_rotated is its one mutated argument.
+    from flashcpp.attention import _rotary_op_args
+    buf = torch.full_like(k, float("nan"))
+    args = (q, k, v, 0.125, True, -1, -1, 0.0, None, True, None, None, None, None, None,
+            *_rotary_op_args(flashcpp.Rotary(k_out=buf), q))
+    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default, args)
+    buf.fill_(float("nan"))
+    torch.ops.flashcpp.flash_attn_fwd(*args)
+    assert torch.equal(buf, want_k)
+    # torch.compile functionalizes the mutation and writes the keys back, out of place and in place.
+    for in_place in (False, True):
+        torch._dynamo.reset()
+        kin = k.clone()
+        buf = kin if in_place else torch.full_like(k, float("nan"))
+        compiled = torch.compile(
+            lambda q, k, v, buf: flashcpp.flash_attn_func(q, k, v, causal=True, rotary=flashcpp.Rotary(k_out=buf)),
+            fullgraph=True, backend="aot_eager")
+        with torch.no_grad():
+            assert torch.equal(compiled(q, kin, v, buf), want)
+        assert torch.equal(buf, want_k)

@@ -457,3 +457,58 @@ def test_rotary_in_attention_cuda_refuses_odd_pieces_with_a_sentence(gen):
     with pytest.raises(NotImplementedError, match="apply_rotary"):
         flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=6, style="interleaved"))
 
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_rotary_k_out_receives_apply_rotarys_keys(gen, varlen):
+    # The CUDA path rotates the keys once into a buffer before the kernel reads them:
+    # Rotary(k_out=buf) is that buffer, and must hold apply_rotary's keys bit for bit, with the
+    # attention output the same as without it. buf has strides of its own (SDPA's storage).
+    b, sq, sk, h, hk, d = 2, 150, 190, 4, 2, 128
+    q = rand((b, sq, h, d), torch.bfloat16, gen)
+    k = rand((b, sk, hk, d), torch.bfloat16, gen)
+    v = rand((b, sk, hk, d), torch.bfloat16, gen)
+    pos_q = torch.randint(0, 4000, (b, sq), dtype=torch.int32, generator=gen, device=DEV)
+    pos_k = torch.randint(0, 4000, (b, sk), dtype=torch.int32, generator=gen, device=DEV)
+    kw = dict(rotary_dim=64, style="interleaved", positions_q=pos_q, positions_k=pos_k)
+    want_k, _ = flashcpp.apply_rotary(k, None, pos_k, style="interleaved", rotary_dim=64)
+    if varlen:  # the two sequences packed: (total, heads, d), positions (total,)
+        q, k, v, want_k = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v, want_k))
+        kw.update(positions_q=pos_q.reshape(-1), positions_k=pos_k.reshape(-1))
+        cu_q = torch.tensor([0, sq, 2 * sq], dtype=torch.int32, device=DEV)
+        cu_k = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device=DEV)
+        extra = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=sq, max_seqlen_k=sk)
+        buf = torch.full((k.shape[1], k.shape[0], d), float("nan"), dtype=k.dtype, device=DEV).transpose(0, 1)
+    else:
+        extra = {}
+        buf = torch.full((b, hk, sk, d), float("nan"), dtype=k.dtype, device=DEV).transpose(1, 2)
+    k0 = k.clone()
+    want, _ = flashcpp.attention(q, k, v, causal=True, rotary=flashcpp.Rotary(**kw), **extra)
+    out, _ = flashcpp.attention(q, k, v, causal=True, rotary=flashcpp.Rotary(**kw, k_out=buf), **extra)
+    assert torch.equal(out, want)
+    assert torch.equal(buf, want_k)
+    assert torch.equal(k, k0)
+    if not varlen:  # flash_attn_func as well
+        buf.fill_(float("nan"))
+        out = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=flashcpp.Rotary(**kw, k_out=buf))
+        assert torch.equal(out, want) and torch.equal(buf, want_k)
+
+
+def test_rotary_k_out_in_place_and_compiled(gen):
+    # k_out=k rotates k in place (what a model does before storing k in its cache); also through
+    # torch.compile, which functionalizes the op's one mutated argument.
+    b, s, h, d = 2, 200, 4, 64
+    q, k, v = (rand((b, s, h, d), torch.float16, gen) for _ in range(3))
+    want = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=flashcpp.Rotary())
+    want_k, _ = flashcpp.apply_rotary(k)
+    kin = k.clone()
+    out = flashcpp.flash_attn_func(q, kin, v, causal=True, rotary=flashcpp.Rotary(k_out=kin))
+    assert torch.equal(out, want) and torch.equal(kin, want_k)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: flashcpp.flash_attn_func(q, k, v, causal=True, rotary=flashcpp.Rotary(k_out=k)),
+        fullgraph=True)
+    kin = k.clone()
+    with torch.no_grad():
+        assert torch.equal(compiled(q, kin, v), want)
+    assert torch.equal(kin, want_k)

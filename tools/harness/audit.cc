@@ -206,6 +206,7 @@ using harness::DeviceBuffer;
 struct DeviceProblem {
   bool ready = false;
   DeviceBuffer q, k, v, vabs, o, lse;
+  DeviceBuffer k_rotated;  ///< rotary: the keys the pre-pass rotates (k keeps the originals)
 };
 
 Status upload_problem(const HostProblem& hp, const Problem& p, DeviceProblem* dp) {
@@ -216,6 +217,7 @@ Status upload_problem(const HostProblem& hp, const Problem& p, DeviceProblem* dp
   FLASHCPP_RETURN_IF_ERROR(dp->vabs.upload(hp.vabs.data(), hp.vabs.bytes.size()));
   FLASHCPP_RETURN_IF_ERROR(dp->o.alloc(hp.q.bytes.size()));
   FLASHCPP_RETURN_IF_ERROR(dp->lse.alloc(static_cast<std::size_t>(p.seqlen) * p.heads * sizeof(float)));
+  if (p.rotary) FLASHCPP_RETURN_IF_ERROR(dp->k_rotated.alloc(hp.k.bytes.size()));
   dp->ready = true;
   return Status::Ok();
 }
@@ -383,8 +385,12 @@ RunOutcome run_cuda_kernel(const Problem& p, const KernelSpec& ks, const HostPro
     FLASHCPP_RETURN_IF_ERROR(upload_problem(hp, p, &dp));
     FLASHCPP_RETURN_IF_ERROR(dp.o.poison());
     FLASHCPP_RETURN_IF_ERROR(dp.lse.poison());
-    const AttnParams a =
+    AttnParams a =
         make_params(p, dp.q.get(), dp.k.get(), dp.v.get(), dp.o.get(), static_cast<float*>(dp.lse.get()));
+    if (p.rotary) {  // CUDA rotates the keys once into a buffer of the caller's (attention.h)
+      FLASHCPP_RETURN_IF_ERROR(dp.k_rotated.poison());
+      a.rotary.k_rotated = bshd_view(dp.k_rotated.get(), p.dtype, p.seqlen, p.heads, p.head_dim);
+    }
     RunOptions opt;
     opt.backend = Backend::kCuda;
     opt.cuda_config = ks.cuda_config;

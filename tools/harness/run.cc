@@ -197,6 +197,7 @@ void build_host_problem(const Case& c, std::uint64_t seed, HostProblem* hp) {
 /// Pointers of one memory space (host or device) for make_params.
 struct Pointers {
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  void* k_rotated = nullptr;  ///< rotary: where the keys are rotated to (CUDA needs one; null on the host)
   float* lse = nullptr;
   const float* alibi = nullptr;
   const std::int32_t *cu_q = nullptr, *cu_k = nullptr;
@@ -242,6 +243,7 @@ AttnParams make_params(const Case& c, const Pointers& ptr) {
   if (c.mask.rotary_dim > 0) {
     p.rotary.rotary_dim = c.mask.rotary_dim;
     p.rotary.style = c.mask.rotary_interleaved ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+    if (ptr.k_rotated) p.rotary.k_rotated = view(ptr.k_rotated, c.heads_kv, c.seqlen_k);
   }
   return p;
 }
@@ -293,6 +295,7 @@ Status upload_vec(DeviceBuffer& d, const std::vector<T>& v) {
 
 struct DeviceProblem {
   DeviceBuffer q, k, v, o, lse, alibi, cu_q, cu_k, bs_row_ptr, bs_col_idx, bs_partial, bs_masks;
+  DeviceBuffer k_rotated;  ///< rotary: the keys rotated by the pre-pass (k keeps the originals)
   BlockSparseMask bs;  ///< host struct whose arrays live on the device
 };
 
@@ -313,6 +316,13 @@ Status upload_problem(const Case& c, HostProblem& hp, DeviceProblem* dp, Pointer
   ptr->v = dp->v.as<void>(kGuard * es);
   ptr->o = dp->o.as<void>(kGuard * es);
   ptr->lse = dp->lse.as<float>(kGuard * sizeof(float));
+  if (c.mask.rotary_dim > 0) {
+    // Shaped like k, guards included (poisoned); out of place, so k keeps the original keys for
+    // anything that reads p_dev after the run.
+    FLASHCPP_RETURN_IF_ERROR(dp->k_rotated.alloc(hp.k.total_bytes()));
+    FLASHCPP_RETURN_IF_ERROR(dp->k_rotated.poison());
+    ptr->k_rotated = dp->k_rotated.as<void>(kGuard * es);
+  }
   ptr->alibi = dp->alibi.as<const float>();
   ptr->cu_q = dp->cu_q.as<const std::int32_t>();
   ptr->cu_k = dp->cu_k.as<const std::int32_t>();

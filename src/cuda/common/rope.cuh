@@ -20,22 +20,32 @@ __device__ __forceinline__ void rotate_pair(float& x0, float& x1, float c, float
   x1 = fmaf(b, c, a * s);
 }
 
-/// cos/sin of rotary pair i at position pos: from an fp32 cache of rows [cos(half) | sin(half)]
-/// (NaN for a position outside [0, max_position)), or sincos of the fp64-reduced angle
-/// pos * inv_freq[i] (|angle| <= pi there: the hardware sin/cos is within ~4e-7).
+/// cos/sin of rotary pair i at position pos from an fp32 cache of rows [cos(half) | sin(half)]; NaN
+/// for a position outside [0, max_position) (poisons the row, never reads out of bounds).
+__device__ __forceinline__ void cos_sin_cached(const float* cache, int half, int max_position, std::int32_t pos, int i,
+                                               float* c, float* sn) {
+  if (pos >= 0 && pos < max_position) {
+    const float* row = cache + static_cast<std::int64_t>(pos) * (2 * half);
+    *c = __ldg(row + i);
+    *sn = __ldg(row + half + i);
+  } else {
+    *c = *sn = __int_as_float(0x7fffffff);
+  }
+}
+
+/// cos/sin of the fp64-reduced angle pos * inv_freq (|angle| <= pi there: the hardware sin/cos is
+/// within ~4e-7).
+__device__ __forceinline__ void cos_sin_angle(std::int32_t pos, double inv_freq, float* c, float* sn) {
+  __sincosf(::flashcpp::fused::reduced_angle(pos, inv_freq), sn, c);
+}
+
+/// cos/sin of rotary pair i at position pos: from the cache when there is one, else from the angle.
 __device__ __forceinline__ void cos_sin(const float* cache, int half, int max_position, const double* inv_freq,
                                         std::int32_t pos, int i, float* c, float* sn) {
-  if (cache) {
-    if (pos >= 0 && pos < max_position) {
-      const float* row = cache + static_cast<std::int64_t>(pos) * (2 * half);
-      *c = __ldg(row + i);
-      *sn = __ldg(row + half + i);
-    } else {
-      *c = *sn = __int_as_float(0x7fffffff);  // NaN: an out-of-range position poisons, never reads out of bounds
-    }
-  } else {
-    __sincosf(::flashcpp::fused::reduced_angle(pos, inv_freq[i]), sn, c);
-  }
+  if (cache)
+    cos_sin_cached(cache, half, max_position, pos, i, c, sn);
+  else
+    cos_sin_angle(pos, inv_freq[i], c, sn);
 }
 
 }  // namespace flashcpp::cuda::rope

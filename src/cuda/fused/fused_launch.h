@@ -39,6 +39,8 @@ FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force);
 Status silu_and_mul(const SiluMulParams& p, const FusedForce& force, Stream stream);
 
 FusedPath rotary_path(const RopeParams& p, const FusedForce& force);
-Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream);
+/// cu_seqlens (rotate_keys): packed sequences of at most p.seqlen tokens; see RotaryArgs.
+Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
+                    const std::int32_t* cu_seqlens = nullptr);
 
 }  // namespace flashcpp::cuda

@@ -30,6 +30,7 @@
 
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/rope.cuh"
+#include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
 #include "cuda/fused/fused_math.h"
@@ -62,6 +63,10 @@ struct RotaryArgs {
   int groups = 0;     ///< head groups G; group g takes heads g, g + G, g + 2G, ...
   bool neox = true;
   const std::int32_t* positions = nullptr;  ///< null: position = s
+  /// Packed sequences (rotate_keys of a varlen attention): token (b, s) is packed row
+  /// cu_seqlens[b] + s, present only for s < cu_seqlens[b + 1] - cu_seqlens[b]; the batch
+  /// strides are unused and positions are indexed by the packed row. Null: plain (b, s) tokens.
+  const std::int32_t* cu_seqlens = nullptr;
   const float* cache = nullptr;             ///< null: compute cos/sin
   int max_position = 0;
   bool streaming = false;  ///< evict-first hints on q/k loads and stores
@@ -134,15 +139,23 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
     b = t / a.seqlen;
     s = t - b * a.seqlen;
   }
+  // Packed sequences: the token's packed row (also its index into positions), batch strides unused.
+  std::int64_t tb = b, ts = s, tpos = t;
+  if (a.cu_seqlens != nullptr) {
+    const std::int32_t first = a.cu_seqlens[b];
+    if (s >= a.cu_seqlens[b + 1] - first) return;  // past this sequence's end
+    tb = 0;
+    ts = tpos = first + s;
+  }
   const bool rotate = lane < a.rot_lanes;
   int oa, ob;
   lane_offsets<VEC>(a, lane, &oa, &ob);
   // This token's rows of q and k (inputs and outputs). Named variables, not arrays: a runtime
   // index into a local array would put it in local memory.
-  const T* src_q = static_cast<const T*>(a.in[0]) + b * a.in_bs[0] + s * a.in_ss[0];
-  const T* src_k = static_cast<const T*>(a.in[1]) + b * a.in_bs[1] + s * a.in_ss[1];
-  T* dst_q = static_cast<T*>(a.out[0]) + b * a.out_bs[0] + s * a.out_ss[0];
-  T* dst_k = static_cast<T*>(a.out[1]) + b * a.out_bs[1] + s * a.out_ss[1];
+  const T* src_q = static_cast<const T*>(a.in[0]) + tb * a.in_bs[0] + ts * a.in_ss[0];
+  const T* src_k = static_cast<const T*>(a.in[1]) + tb * a.in_bs[1] + ts * a.in_ss[1];
+  T* dst_q = static_cast<T*>(a.out[0]) + tb * a.out_bs[0] + ts * a.out_ss[0];
+  T* dst_k = static_cast<T*>(a.out[1]) + tb * a.out_bs[1] + ts * a.out_ss[1];
   // Heads group, group + G, ... (at most H of them, by the choice of G).
   auto head_valid = [&](int u) { return group + u * a.groups < a.heads; };
   auto src_of = [&](int u) {
@@ -164,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
     if (rotate) vb[u] = load_vec<T, VEC>(src + ob, VEC, a.streaming);
   }
   // cos/sin of pair i (lane * VEC + k) at this token's position.
-  const std::int32_t pos = rotate ? (a.positions ? a.positions[t] : static_cast<std::int32_t>(s)) : 0;
+  const std::int32_t pos = rotate ? (a.positions ? a.positions[tpos] : static_cast<std::int32_t>(s)) : 0;
   auto cos_sin = [&](int k, float* c, float* sn) { cos_sin_at(a, pos, lane * VEC + k, c, sn); };
   // Rotates head u's loaded vectors with pair k's cos/sin from get(k, &c, &s), and stores them.
   auto rotate_store = [&](int u, auto&& get) {
@@ -181,7 +194,16 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   if constexpr (H == 1) {
     // One head: each pair's cos/sin is formed right where it is used (no cos/sin arrays held
     // across the loop: fewer registers, more threads, more loads in flight).
-    if (head_valid(0)) rotate_store(0, cos_sin);
+    // The cache test is hoisted out of the pairs, so a pair's cos/sin loads (or angle) do not wait
+    // behind the previous pair's branch.
+    if (head_valid(0)) {
+      if (a.cache != nullptr)
+        rotate_store(0, [&](int k, float* c, float* sn) {
+          rope::cos_sin_cached(a.cache, a.half, a.max_position, pos, lane * VEC + k, c, sn);
+        });
+      else
+        rotate_store(0, [&](int k, float* c, float* sn) { rope::cos_sin_angle(pos, a.inv_freq[lane * VEC + k], c, sn); });
+    }
   } else {
     // 2. This lane's cos/sin once, for all H heads.
     float c[VEC], sn[VEC];
@@ -288,7 +310,7 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   return path;
 }
 
-Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream) {
+Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream, const std::int32_t* cu_seqlens) {
   using namespace fused;
   const FusedPath path = rotary_path(p, force);
   const int vec = path.vector ? kVec16 : kScalar;
@@ -322,6 +344,7 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream)
   a.tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
   a.neox = p.style == RopeStyle::kNeox;
   a.positions = p.positions;
+  a.cu_seqlens = cu_seqlens;
   a.cache = p.cos_sin_cache;
   a.max_position = p.max_position;
   if (!p.cos_sin_cache) {
@@ -341,7 +364,8 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream)
   if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
     return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
-  if (path.vector && force.staged && a.tokens * a.heads <= std::numeric_limits<std::int32_t>::max()) {
+  if (path.vector && force.staged && cu_seqlens == nullptr &&
+      a.tokens * a.heads <= std::numeric_limits<std::int32_t>::max()) {
     a.head_dim = p.head_dim;
     a.total_rows = a.tokens * a.heads;
     a.rows_per_block = std::max(1, kStagedBytes / (2 * p.head_dim));
@@ -363,6 +387,36 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream)
       rotary_kernel<T, kScalar><<<grid, block, 0, stream>>>(a);
     return launch_status("apply_rotary");
   });
+}
+
+Status rotate_keys(const AttnParams& p, Stream stream) {
+  const AttnRotary& r = p.rotary;
+  if (!r.enabled() || p.seqlen_k == 0 || p.batch == 0) return Status::Ok();
+  if (r.k_rotated.data == nullptr)
+    return Status::Internal("rotate_keys: rotary.k_rotated is null (validate() requires it on CUDA)");
+  // The keys as apply_rotary's "q" (heads_kv heads, no second tensor): the same kernel, hence the
+  // same rounding, as a separate apply_rotary(k). Varlen: max-length sequences over packed rows.
+  RopeParams rp;
+  rp.batch = p.batch;
+  rp.seqlen = p.seqlen_k;
+  rp.heads_q = p.heads_kv;
+  rp.heads_k = 0;
+  rp.head_dim = p.head_dim;
+  rp.rotary_dim = r.rotary_dim;
+  rp.q = p.k;
+  const bool in_place = r.k_rotated.data == p.k.data;  // validate(): then it is k, strides and all
+  if (!in_place) rp.q_out = r.k_rotated;
+  const bool varlen = p.mask.is_varlen();
+  if (varlen) rp.q.batch_stride = rp.q_out.batch_stride = 0;
+  rp.positions = r.positions_k;
+  rp.style = r.style;
+  rp.theta = r.theta;
+  rp.llama3 = r.llama3;
+  rp.cos_sin_cache = r.cos_sin_cache;
+  rp.max_position = r.max_position;
+  const Status s = apply_rotary(rp, FusedForce{}, stream, varlen ? p.mask.cu_seqlens_k : nullptr);
+  if (!s.ok()) return Status(s.code(), std::string("rotary (k pre-pass): ") + s.message());
+  return Status::Ok();
 }
 
 }  // namespace flashcpp::cuda

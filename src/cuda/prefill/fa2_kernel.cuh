@@ -16,8 +16,8 @@
 // rewrite S in raw q.k units right after Q K^T (before the mask, as attention.h orders them),
 // varlen reads each sequence's rows from cu_seqlens, block-sparse changes the walk. With every
 // flag off the loop body is the plain kernel's plus three not-taken uniform branches. Rotary
-// (kRotary) rotates the Q tile once and each K tile as it lands, in shared memory, behind one more
-// barrier per key block (prefill_rope.cuh).
+// (kRotary) rotates the Q tile once it lands, in shared memory, behind one more barrier in the
+// first key block; the keys were rotated by a pre-pass (prefill_rope.cuh).
 //
 // Napkin math (H200): 4*Nq*Nk*D FLOPs per (batch, head) at ~700 TFLOP/s of mma.sync-reachable
 // peak vs reading Q,K,V,O once: at N=4096, D=128 the intensity is ~1000 FLOP/byte, far above
@@ -160,18 +160,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       load_tile<Cfg, BN>(sV + st * BN * D, gV, p.v_seq_stride, n0, rules.seqlen_k, tid);
     }
     ptx::cp_async_commit();
-    if (p.mask.flags & PrefillMask::kRotary) {
-      // Rotary: this stage's K tile (and, first, the Q tile) rotated in place, then a barrier
-      // before any ldmatrix reads them (prefill_rope.cuh).
-      if (it == 0)
-        rope_tile<T>(p.rope, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, b, p.seqlen_q), m0,
-                     rules.seqlen_k - rules.seqlen_q, cta.m_end - m0, tid, Cfg::kThreads,
-                     [&](int r, int col) { return ptx::smem_u32(sQ + swz<D>(r, col >> 3) + (col & 7)); });
-      const int rn0 = cta.key_n0<BN>(it);
-      T* tile = sK + (it % S) * BN * D;
-      rope_tile<T>(p.rope, rope_seq_positions(p.rope.positions_k, varlen, cta.k_row0, b, p.seqlen_k), rn0, 0,
-                   max(0, min(BN, rules.seqlen_k - rn0)), tid, Cfg::kThreads,
-                   [&](int r, int col) { return ptx::smem_u32(tile + swz<D>(r, col >> 3) + (col & 7)); });
+    if ((p.mask.flags & PrefillMask::kRotary) && it == 0) {
+      // Rotary: the Q tile rotated in place once it has landed (the keys arrive rotated), then a
+      // barrier before any ldmatrix reads it (prefill_rope.cuh).
+      rope_tile<T, 1>(p.rope, p.rope.inv_freq, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, b, p.seqlen_q), m0,
+                      rules.seqlen_k - rules.seqlen_q, cta.m_end - m0, tid, Cfg::kThreads,
+                      [&](int r, int col) { return ptx::smem_u32(sQ + swz<D>(r, col >> 3) + (col & 7)); });
       __syncthreads();
     }
     if constexpr (Cfg::kQInRegs) {

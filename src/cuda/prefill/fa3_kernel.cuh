@@ -18,8 +18,9 @@
 // packed row x + seq_end - max_len, and x >= max_len is out of bounds, so TMA zero-fills exactly
 // the rows past this sequence's end, as it does past seqlen without varlen.
 //
-// Rotary (kRotary, prefill_rope.cuh): producer warps 1-3 rotate the Q tile and each K stage in
-// shared memory between the TMA landing (q_tma / k_tma) and the consumers' wait (q_full / k_full).
+// Rotary (kRotary, prefill_rope.cuh): each consumer warpgroup rotates its 64 rows of the Q tile
+// in shared memory after q_full, fences them for wgmma and syncs its 128 threads; the K/V loads
+// of the first stages proceed meanwhile. The keys were rotated by a pre-pass (k_rotated).
 //
 // Persistent configs (Fa3Config::kPersistent): min(units, SMs) CTAs, each walking work units of
 // two tiles (fa3_tile, common/tile_order.h). Every role loops over the same tiles, counting K/V stage uses across them
@@ -70,10 +71,13 @@ struct Fa3Config {
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kKVBytes = BlockN * HeadDim * 2;
   static constexpr int kBarrierBytes = 256;
-  static constexpr int kSmemBytes = kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes;
+  /// Rotary: each consumer warpgroup's copy of the fp64 inv_freq table (128 pairs at most).
+  static constexpr int kRopeBytes = 2 * 128 * 8;
+  static constexpr int kSmemBytes =
+      kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
-  static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
+  static_assert(8 * (2 + 3 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
 
@@ -129,7 +133,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
   constexpr int NC = BN / 8;   // n8 column chunks of S per row
   constexpr int DC = D / 8;    // n8 column chunks of O per row
-  constexpr int kRotators = 96;  // producer warps 1-3 rotate Q and K tiles when rotary is on
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // 1024-byte alignment for the 128B-swizzle atoms (TMA writes them, wgmma reads them).
   // The CtaWork record sits first, at a fixed address (no register holds its base).
@@ -143,14 +146,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   std::uint64_t* k_full = bars + 1;
   std::uint64_t* v_full = bars + 1 + S;
   std::uint64_t* kv_empty = bars + 1 + 2 * S;
-  // Rotary: the TMA copies of Q and K complete q_tma / k_tma instead, the rotators (producer warps
-  // 1-3) rotate the tile in place and then arrive on q_full / k_full (96 arrivals), so the
-  // consumers wait on the same barriers with or without rotary.
-  std::uint64_t* q_tma = bars + 1 + 3 * S;
-  std::uint64_t* k_tma = bars + 2 + 3 * S;
   // Persistent: both consumer warpgroups are done with the tile's Q buffer (also the O staging
   // area), so the producer may load the next tile's Q (2 arrivals).
-  std::uint64_t* q_empty = bars + 2 + 4 * S;
+  std::uint64_t* q_empty = bars + 1 + 3 * S;
   const bool rotary = p.mask.flags & PrefillMask::kRotary;
 
   const int tid = threadIdx.x, wg = tid / 128;
@@ -174,14 +172,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   }
 
   if (tid == 0) {
-    sm90::mbar_init(q_full, rotary ? kRotators : 1);
+    sm90::mbar_init(q_full, 1);
     for (int s = 0; s < S; ++s) {
-      sm90::mbar_init(&k_full[s], rotary ? kRotators : 1);
+      sm90::mbar_init(&k_full[s], 1);
       sm90::mbar_init(&v_full[s], 1);
       sm90::mbar_init(&kv_empty[s], 8);  // one arrival per consumer warp
-      sm90::mbar_init(&k_tma[s], 1);
     }
-    sm90::mbar_init(q_tma, 1);
     sm90::mbar_init(q_empty, 2);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -192,46 +188,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
     // Each role walks the same tiles; `ring` counts K/V stage uses across them (stage ring % S,
     // phase (ring / S) & 1) and `done` the tiles (q barrier phase done & 1).
-    if (rotary && tid >= 32) {
-      // Rotators (warps 1-3): rotate the Q tile, then each K stage, in place once its TMA copy
-      // has landed (q_tma / k_tma); fence the generic-proxy writes for wgmma (async proxy) and
-      // arrive on q_full / k_full, which the consumers wait on. A stage is refilled only after
-      // the consumers released it, i.e. after they saw it rotated.
-      const int rt = tid - 32;
-      // Byte address of element col of row r in a swizzled tile of Rows rows.
-      auto panel_addr = [](std::uint32_t tile, auto rows) {
-        return [tile](int r, int col) {
-          return tile + swizzled_chunk<decltype(rows)::value>(r, col >> 3) + (col & 7) * 2;
-        };
-      };
-      const std::uint32_t k_tiles = ptx::smem_u32(sK);
-      std::uint32_t ring = 0, done = 0;
-      for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step)
-      for (int half = 0; half < kHalves; ++half) {
-        const Fa3Tile tl = fa3_tile<Cfg>(p, ti, half);
-        if (tl.m_block < 0) continue;  // a unit of one tile
-        const int m0 = tl.m_block * BM;
-        if (!tile_exists(p, tl.b, m0)) continue;
-        sm90::mbar_wait(q_tma, done & 1);
-        const int n_iters = cta.n_iters;  // read before the record can change (next tile)
-        rope_tile<T>(p.rope, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, tl.b, p.seqlen_q), m0,
-                     cta.rules.seqlen_k - cta.rules.seqlen_q, cta.m_end - m0, rt, kRotators,
-                     panel_addr(ptx::smem_u32(sQ), std::integral_constant<int, BM>{}));
-        sm90::fence_proxy_async_smem();
-        sm90::mbar_arrive(q_full);
-        const std::int32_t* pos_k = rope_seq_positions(p.rope.positions_k, varlen, cta.k_row0, tl.b, p.seqlen_k);
-        for (int it = 0; it < n_iters; ++it, ++ring) {
-          const int s = ring % S;
-          sm90::mbar_wait(&k_tma[s], (ring / S) & 1);
-          const int n0 = cta.key_n0<BN>(it);
-          rope_tile<T>(p.rope, pos_k, n0, 0, max(0, min(BN, cta.rules.seqlen_k - n0)), rt, kRotators,
-                       panel_addr(k_tiles + s * Cfg::kKVBytes, std::integral_constant<int, BN>{}));
-          sm90::fence_proxy_async_smem();
-          sm90::mbar_arrive(&k_full[s]);
-        }
-        ++done;
-      }
-    }
     if (tid == 0) {
       std::uint32_t ring = 0, done = 0;
       for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step)
@@ -253,11 +209,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
           const int s = ring % S;
           sm90::mbar_wait(&kv_empty[s], ((ring / S) & 1) ^ 1);  // first pass: the "previous" phase counts as done
           const int n0 = w.key_n0<BN>(it);
-          std::uint64_t* k_bar = rotary ? &k_tma[s] : &k_full[s];
-          sm90::mbar_expect_tx(k_bar, Cfg::kKVBytes);
+          sm90::mbar_expect_tx(&k_full[s], Cfg::kKVBytes);
 #pragma unroll
           for (int pn = 0; pn < Cfg::kPanels; ++pn)
-            sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, k_bar);
+            sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, &k_full[s]);
           sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
 #pragma unroll
           for (int pn = 0; pn < Cfg::kPanels; ++pn)
@@ -273,11 +228,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
           if (done > 0) sm90::mbar_wait(q_empty, (done - 1) & 1);
           cta = w;  // published by the Q barrier (this thread's arrive.expect_tx releases it)
         }
-        std::uint64_t* q_bar = rotary ? q_tma : q_full;
-        sm90::mbar_expect_tx(q_bar, Cfg::kQBytes);
+        sm90::mbar_expect_tx(q_full, Cfg::kQBytes);
 #pragma unroll
         for (int pn = 0; pn < Cfg::kPanels; ++pn)
-          sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, tl.h, q_c3, q_bar);
+          sm90::tma_load_4d(sQ + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, tl.h, q_c3, q_full);
         for (int it = early; it < w.n_iters; ++it) load_kv(it);
         ++done;
       }
@@ -291,6 +245,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   const int ct = tid - 128 * wg;         // thread index inside the warpgroup
   const int warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
   const std::uint32_t q_addr = ptx::smem_u32(sQ) + 64 * c * 128;  // this warpgroup's 64 rows
+  // Rotary without a cache: this warpgroup's copy of inv_freq in shared memory (a warp reads 16
+  // different pairs at once: one shared-memory access, but 16 serialized kernel-parameter reads).
+  double* inv_freq = reinterpret_cast<double*>(reinterpret_cast<unsigned char*>(bars) + Cfg::kBarrierBytes) + 128 * c;
+  if (rotary && p.rope.cache == nullptr) {
+    for (int i = ct; i < p.rope.half; i += 128) inv_freq[i] = p.rope.inv_freq[i];
+    sm90::named_barrier_sync(1 + c, 128);
+  }
   std::uint32_t ring = 0, done = 0;
   for (int ti = tile_first(), step = tile_step(); ti < tile_end; ti += step)
   for (int half = 0; half < kHalves; ++half) {
@@ -308,6 +269,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
 
   sm90::mbar_wait(q_full, done & 1);
   const int n_iters = cta.n_iters;  // the record is this tile's until this warpgroup arrives on q_empty
+  if (rotary) {
+    // This warpgroup's 64 rows of Q, rotated in place (generic-proxy writes, fenced for the wgmma
+    // reads of the async proxy), then its 128 threads meet before the first Q K^T. Items per round:
+    // 4, or fewer where the persistent consumers' registers are short (ptxas: no spill at d64/d128;
+    // d256 persistent spills 72 bytes, 100 before rotary moved here).
+    const int r0 = m0 + 64 * c;
+    rope_tile<T, Cfg::kPersistent ? (D >= 256 ? 1 : 2) : 4>(p.rope, inv_freq, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, b, p.seqlen_q), r0,
+                    cta.rules.seqlen_k - cta.rules.seqlen_q, max(0, min(64, cta.m_end - r0)), ct, 128,
+                    [sq = ptx::smem_u32(sQ), c](int r, int col) {
+                      return sq + swizzled_chunk<BM>(64 * c + r, col >> 3) + (col & 7) * 2;
+                    });
+    sm90::fence_proxy_async_smem();
+    sm90::named_barrier_sync(1 + c, 128);
+  }
 
   const std::uint32_t k_base = ptx::smem_u32(sK), v_base = ptx::smem_u32(sV);
   // Issue S = Q K^T for stage s (D/16 k-steps; the first overwrites S).

@@ -68,8 +68,9 @@ inline bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int b
   return bs.block_m % block_m == 0 && bs.block_n % block_n == 0 && (block_n % 64 == 0 || 64 % block_n == 0);
 }
 
-/// The rotary of a validated problem (validate.cc checks the CUDA chunk rules: rotary_dim % 16
-/// for neox, % 8 for interleaved): inv_freq in fp64 by the formula apply_rotary uses.
+/// The q side of the rotary of a validated problem (validate.cc checks the CUDA chunk rules:
+/// rotary_dim % 8 for neox, % 4 for interleaved): inv_freq in fp64 by the formula apply_rotary
+/// uses. The keys were rotated before the launch (rotate_keys).
 inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a) {
   r = PrefillRope{};
   if (!a.enabled()) return;
@@ -78,7 +79,6 @@ inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a) {
   r.cache = a.cos_sin_cache;
   r.max_position = a.max_position;
   r.positions_q = a.positions_q;
-  r.positions_k = a.positions_k;
   if (r.cache == nullptr)
     for (int i = 0; i < r.half; ++i)
       r.inv_freq[i] = flashcpp::fused::inv_freq(i, a.rotary_dim, a.theta, a.llama3.factor, a.llama3.low_freq_factor,

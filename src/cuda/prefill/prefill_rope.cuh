@@ -1,18 +1,14 @@
-// Device side of the rotary fused into the prefill kernels (prefill_rope.h): rotate rows of a q or
-// k tile in shared memory, in place, after the tile has landed and before any matrix product
-// reads it. Both kernels call rope_tile with their own tile addressing (sm80: [rows][D] with
-// 16-byte chunks XOR-swizzled by row % 8; sm90: 64-column panels in the 128-byte TMA swizzle).
-// An 8-byte piece never straddles a 16-byte chunk, so the swizzle moves it whole.
+// Device side of the rotary fused into the prefill kernels (prefill_rope.h): rotate the rows of a
+// q tile in shared memory, in place, after the tile has landed and before any matrix product
+// reads it (the keys arrive rotated: a pre-pass wrote them to AttnRotary::k_rotated). Both kernels
+// call rope_tile with their own tile addressing (sm80: [rows][D] with 16-byte chunks
+// XOR-swizzled by row % 8; sm90: 64-column panels in the 128-byte TMA swizzle). An 8-byte piece
+// never straddles a 16-byte chunk, so the swizzle moves it whole.
 //
-// Work item = one 8-byte piece of the rotated dims: a neox piece of the first half together with
-// its partner half elements on (4 pairs), or an interleaved piece (2 adjacent pairs). Each item
-// reads its row's position once, forms its cos/sin pair by pair (rope::cos_sin: the fp64-reduced
-// angle or the cache, as apply_rotary) and writes the rotated values back rounded to the input
-// dtype, which is what a separate apply_rotary stores.
-//
-// Cost: a CTA rotates its q tile once and every k tile it visits, so a k tile is rotated once per
-// query block that reads it (the price of not writing rotated k to memory); reports/fused has the
-// design notes and the measurements.
+// Work item = one 8-byte piece of the rotated dims. Each item reads its row's position once,
+// forms its cos/sin pair by pair (rope::cos_sin: the fp64-reduced angle or the cache, as
+// apply_rotary) and writes the rotated values back rounded to the input dtype, which is what a
+// separate apply_rotary stores.
 #pragma once
 
 #include <cstdint>
@@ -66,53 +62,86 @@ __device__ __forceinline__ const std::int32_t* rope_seq_positions(const std::int
   return pos == nullptr ? pos : pos + (varlen ? packed_row0 : static_cast<std::int64_t>(b) * seqlen);
 }
 
-/// Rotates rows [0, valid) of a shared-memory tile whose row r is sequence row row0 + r (rows at
+/// Rotates rows [0, valid) of a shared-memory q tile whose row r is sequence row row0 + r (rows at
 /// or past `valid` lie past the sequence's end, hold zeros and are left alone). Row i's position
 /// is positions[i] (the array already offset to the sequence's first row) or, without an array,
-/// i + shift. `addr(r, col)` is the shared-memory
-/// byte address of element col (a multiple of 4) of tile row r. Threads tid, tid + nthreads, ...
-/// of the calling group share the items; the caller synchronizes before and after.
+/// i + shift. `addr(r, col)` is the shared-memory byte address of element col (a multiple of 4)
+/// of tile row r. `inv_freq` is rp.inv_freq or a copy of it (sm90: in shared memory, where a
+/// warp's 16 different pairs are one access; the kernel-parameter copy serializes them). Threads
+/// tid, tid + nthreads, ... of the calling group share the items; the caller synchronizes before
+/// and after.
 ///
 /// An item is one 8-byte piece (4 elements) of the rotated dims: a neox piece of the first half
-/// with its partner half elements on (4 pairs), or an interleaved piece (2 adjacent pairs). Small
-/// on purpose: the sm90 rotators run in the producer warpgroup's 40 registers, and the pairs of a
-/// piece go one at a time (unroll 1) so that one fp64 angle reduction is live at once; unrolled,
-/// ptxas spilled the CTA's row block and batch index for the whole kernel.
-template <class T, class Addr>
-__device__ __forceinline__ void rope_tile(const PrefillRope& rp, const std::int32_t* positions, int row0, int shift, int valid, int tid, int nthreads, Addr&& addr) {
+/// with its partner half elements on (4 pairs), or an interleaved piece (2 adjacent pairs). A
+/// thread takes kBatch items per round: all their shared-memory loads, then all their cos/sin
+/// (the cache loads or the angles, the cache test hoisted out of the pairs), then the rotations
+/// and stores, so the latencies overlap. The rotation is latency-bound: the first version (one
+/// pair at a time, a branch and a dependent load per pair) cost more than the attention itself.
+template <class T, int kBatch, class Addr>
+__device__ __forceinline__ void rope_tile(const PrefillRope& rp, const double* inv_freq, const std::int32_t* positions,
+                                          int row0, int shift, int valid, int tid, int nthreads, Addr&& addr) {
   const int per_row = rp.neox ? rp.half / 4 : rp.half / 2;
+  const int np = rp.neox ? 4 : 2;  // pairs per item
   const int items = valid * per_row;
-  for (int x = tid; x < items; x += nthreads) {
-    const int row = x / per_row, c = x - row * per_row;
-    const int i = row0 + row;
-    const std::int32_t pos = positions != nullptr ? __ldg(positions + i) : i + shift;
-    if (rp.neox) {
-      const std::uint32_t pa = addr(row, 4 * c), pb = addr(row, 4 * c + rp.half);
-      uint2 va = rope_ld(pa), vb = rope_ld(pb);
-#pragma unroll 1
-      for (int k = 0; k < 4; ++k) {
-        float cs, sn;
-        rope::cos_sin(rp.cache, rp.half, rp.max_position, rp.inv_freq, pos, 4 * c + k, &cs, &sn);
-        float x0 = rope_bits_to_f32<T>(rope_elem(va, k)), x1 = rope_bits_to_f32<T>(rope_elem(vb, k));
-        rope::rotate_pair(x0, x1, cs, sn);
-        rope_set_elem(va, k, rope_f32_to_bits<T>(x0));
-        rope_set_elem(vb, k, rope_f32_to_bits<T>(x1));
-      }
-      rope_st(pa, va);
-      rope_st(pb, vb);
+  for (int x0 = tid; x0 < items; x0 += kBatch * nthreads) {
+    std::uint32_t pa[kBatch], pb[kBatch];
+    uint2 va[kBatch], vb[kBatch];
+    std::int32_t pos[kBatch];
+    int pair0[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int x = min(x0 + u * nthreads, items - 1);  // a clamped duplicate is computed, never stored
+      const int row = x / per_row, c = x - row * per_row;
+      const int i = row0 + row;
+      pos[u] = positions != nullptr ? __ldg(positions + i) : i + shift;
+      pa[u] = addr(row, 4 * c);
+      pb[u] = rp.neox ? addr(row, 4 * c + rp.half) : pa[u];
+      pair0[u] = np * c;
+      va[u] = rope_ld(pa[u]);
+      if (rp.neox)
+        vb[u] = rope_ld(pb[u]);
+      else
+        vb[u] = va[u];
+    }
+    float cs[kBatch][4], sn[kBatch][4];
+    if (rp.cache != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (k < np) rope::cos_sin_cached(rp.cache, rp.half, rp.max_position, pos[u], pair0[u] + k, &cs[u][k], &sn[u][k]);
     } else {
-      const std::uint32_t pa = addr(row, 4 * c);
-      uint2 va = rope_ld(pa);
-#pragma unroll 1
-      for (int k = 0; k < 2; ++k) {
-        float cs, sn;
-        rope::cos_sin(rp.cache, rp.half, rp.max_position, rp.inv_freq, pos, 2 * c + k, &cs, &sn);
-        float x0 = rope_bits_to_f32<T>(rope_elem(va, 2 * k)), x1 = rope_bits_to_f32<T>(rope_elem(va, 2 * k + 1));
-        rope::rotate_pair(x0, x1, cs, sn);
-        rope_set_elem(va, 2 * k, rope_f32_to_bits<T>(x0));
-        rope_set_elem(va, 2 * k + 1, rope_f32_to_bits<T>(x1));
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (k < np) rope::cos_sin_angle(pos[u], inv_freq[pair0[u] + k], &cs[u][k], &sn[u][k]);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (rp.neox) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float x0f = rope_bits_to_f32<T>(rope_elem(va[u], k)), x1f = rope_bits_to_f32<T>(rope_elem(vb[u], k));
+          rope::rotate_pair(x0f, x1f, cs[u][k], sn[u][k]);
+          rope_set_elem(va[u], k, rope_f32_to_bits<T>(x0f));
+          rope_set_elem(vb[u], k, rope_f32_to_bits<T>(x1f));
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          float x0f = rope_bits_to_f32<T>(rope_elem(va[u], 2 * k)), x1f = rope_bits_to_f32<T>(rope_elem(va[u], 2 * k + 1));
+          rope::rotate_pair(x0f, x1f, cs[u][k], sn[u][k]);
+          rope_set_elem(va[u], 2 * k, rope_f32_to_bits<T>(x0f));
+          rope_set_elem(va[u], 2 * k + 1, rope_f32_to_bits<T>(x1f));
+        }
       }
-      rope_st(pa, va);
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (x0 + u * nthreads >= items) break;
+      rope_st(pa[u], va[u]);
+      if (rp.neox) rope_st(pb[u], vb[u]);
     }
   }
 }

@@ -1,8 +1,9 @@
 // The rotary embedding fused into both prefill kernels (AttnRotary of attention.h), as one plain
 // block of kernel parameters. `half` = 0 means off. The kernels rotate the q tile once after it
-// lands in shared memory and every k tile as it lands, in place, with the same rotation and cos/sin
-// rule as apply_rotary (src/cuda/common/rope.cuh), so the scores see exactly the q and k that a
-// separate apply_rotary would have written.
+// lands in shared memory, in place, with the same rotation and cos/sin rule as apply_rotary
+// (src/cuda/common/rope.cuh); the keys were rotated before the launch by a pre-pass with
+// apply_rotary's kernel (rotate_keys, src/cuda/fused/rotary.cu). So the scores see exactly the q
+// and k that a separate apply_rotary would have written.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +19,6 @@ struct PrefillRope {
   const float* cache = nullptr;  ///< fp32 [max_position][2 * half] rows [cos | sin], or null
   int max_position = 0;
   const std::int32_t* positions_q = nullptr;  ///< null: query row i at i + len_k - len_q
-  const std::int32_t* positions_k = nullptr;  ///< null: key row j at j
   /// Without a cache: fp64 inv_freq per pair (theta and Llama-3 scaling applied on the host by
   /// fused::inv_freq, as for apply_rotary). head_dim <= 256, so at most 128 pairs.
   double inv_freq[128] = {};
