@@ -367,17 +367,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   };
   // Online softmax of one block (raw-score max, exp2 with the scale folded in): S becomes P in
   // place, row stats update, corr[r] = exp2((m_old - m_new) * c) is returned for the O rescale.
+  // Lazy rescale: a row's reference max moves only when the block's max exceeds it by more than
+  // kLazyLog2 in exp2 units; otherwise P = exp2(s c - m_ref c) <= 2^kLazyLog2 (exact enough in
+  // fp32, and P's 16-bit rounding is relative), O and l keep their scale, corr = 1, and the O
+  // rescale is skipped for a warp none of whose rows moved. Past the first blocks a row's max
+  // rarely grows by that much, so most blocks skip the D/2 multiplies. O / l and the LSE use the
+  // same reference max, so the result is the exact softmax either way.
+  constexpr float kLazyLog2 = 8.f;
   auto softmax = [&](float (&acc_s)[BN / 2], float (&corr)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+      const float old = row_max[r];
+      float mx = old;
 #pragma unroll
       for (int j = 0; j < NC; ++j) mx = fmaxf(mx, fmaxf(acc_s[4 * j + 2 * r], acc_s[4 * j + 2 * r + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_use = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-      corr[r] = ptx::exp2_approx(row_max[r] * p.scale_log2 - m_use);
-      row_max[r] = mx;
+      const bool move = old == -INFINITY || (mx - old) * p.scale_log2 > kLazyLog2;
+      const float m_ref = move ? mx : old;
+      const float m_use = m_ref == -INFINITY ? 0.f : m_ref * p.scale_log2;
+      corr[r] = move ? ptx::exp2_approx(old * p.scale_log2 - m_use) : 1.f;
+      row_max[r] = m_ref;
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < NC; ++j) {
@@ -391,6 +401,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     }
   };
   auto rescale_o = [&](const float (&corr)[2]) {
+    if (!__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) return;  // no row of this warp moved
 #pragma unroll
     for (int j = 0; j < DC; ++j)
 #pragma unroll
