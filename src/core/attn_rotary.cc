@@ -76,19 +76,9 @@ Status rotate(const AttnParams& p, bool query, const RunOptions& opt, Copy* c) {
   const std::int32_t* given = query ? p.rotary.positions_q : p.rotary.positions_k;
   std::vector<std::int32_t> defaults;
   if (given == nullptr) defaults = default_positions(p, query, rows);
-  RopeParams rp;
-  rp.batch = varlen ? 1 : p.batch;
-  rp.seqlen = static_cast<int>(varlen ? rows : seqlen);
-  rp.heads_q = heads;
-  rp.head_dim = p.head_dim;
-  rp.rotary_dim = p.rotary.rotary_dim;
-  rp.q = c->view;
-  rp.positions = given ? given : defaults.data();
-  rp.style = p.rotary.style;
-  rp.theta = p.rotary.theta;
-  rp.llama3 = p.rotary.llama3;
-  rp.cos_sin_cache = p.rotary.cos_sin_cache;
-  rp.max_position = p.rotary.max_position;
+  RopeParams rp = attn_rope_params(p, query, varlen ? 1 : p.batch, static_cast<int>(varlen ? rows : seqlen), heads,
+                                    c->view);
+  if (given == nullptr) rp.positions = defaults.data();
   RunOptions ro;
   ro.backend = Backend::kCpu;
   ro.cpu_threads = opt.cpu_threads;

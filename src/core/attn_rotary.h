@@ -4,11 +4,34 @@
 #include <functional>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/fused.h"
 
 namespace flashcpp::detail {
 
 /// Runs `run` on p, or with p.rotary on, on a copy of p whose q and k are rotated host copies
 /// (input dtype, rotated by the CPU apply_rotary) and whose rotary is off. Host memory only.
+/// apply_rotary's parameters for one side of the attention rotary (query: q with positions_q,
+/// else k with positions_k) over rows (batch, seqlen) of `heads` heads: the view, positions, style
+/// and frequencies; the caller sets q_out and, for defaults it computes itself, positions. Shared
+/// by the CPU backends and the CUDA key pre-pass, so both rotate with the same parameters.
+inline RopeParams attn_rope_params(const AttnParams& p, bool query, int batch, int seqlen, int heads,
+                                   const TensorView& view) {
+  RopeParams rp;
+  rp.batch = batch;
+  rp.seqlen = seqlen;
+  rp.heads_q = heads;
+  rp.head_dim = p.head_dim;
+  rp.rotary_dim = p.rotary.rotary_dim;
+  rp.q = view;
+  rp.positions = query ? p.rotary.positions_q : p.rotary.positions_k;
+  rp.style = p.rotary.style;
+  rp.theta = p.rotary.theta;
+  rp.llama3 = p.rotary.llama3;
+  rp.cos_sin_cache = p.rotary.cos_sin_cache;
+  rp.max_position = p.rotary.max_position;
+  return rp;
+}
+
 Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::function<Status(const AttnParams&)>& run);
 
 }  // namespace flashcpp::detail

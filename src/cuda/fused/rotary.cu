@@ -29,6 +29,7 @@
 #include <limits>
 
 #include "cuda/common/ptx.cuh"
+#include "core/attn_rotary.h"
 #include "cuda/common/rope.cuh"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
@@ -396,24 +397,11 @@ Status rotate_keys(const AttnParams& p, Stream stream) {
     return Status::Internal("rotate_keys: rotary.k_rotated is null (validate() requires it on CUDA)");
   // The keys as apply_rotary's "q" (heads_kv heads, no second tensor): the same kernel, hence the
   // same rounding, as a separate apply_rotary(k). Varlen: max-length sequences over packed rows.
-  RopeParams rp;
-  rp.batch = p.batch;
-  rp.seqlen = p.seqlen_k;
-  rp.heads_q = p.heads_kv;
-  rp.heads_k = 0;
-  rp.head_dim = p.head_dim;
-  rp.rotary_dim = r.rotary_dim;
-  rp.q = p.k;
+  const bool varlen = p.mask.is_varlen();
+  RopeParams rp = detail::attn_rope_params(p, /*query=*/false, p.batch, p.seqlen_k, p.heads_kv, p.k);
   const bool in_place = r.k_rotated.data == p.k.data;  // validate(): then it is k, strides and all
   if (!in_place) rp.q_out = r.k_rotated;
-  const bool varlen = p.mask.is_varlen();
   if (varlen) rp.q.batch_stride = rp.q_out.batch_stride = 0;
-  rp.positions = r.positions_k;
-  rp.style = r.style;
-  rp.theta = r.theta;
-  rp.llama3 = r.llama3;
-  rp.cos_sin_cache = r.cos_sin_cache;
-  rp.max_position = r.max_position;
   const Status s = apply_rotary(rp, FusedForce{}, stream, varlen ? p.mask.cu_seqlens_k : nullptr);
   if (!s.ok()) return Status(s.code(), std::string("rotary (k pre-pass): ") + s.message());
   return Status::Ok();
