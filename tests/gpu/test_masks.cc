@@ -394,6 +394,37 @@ TEST(MasksGpuCombined, SoftcapAlibiWindowSinks) {
   run_all(f, salt++);
 }
 
+// The persistent sm90 configs, which dispatch now picks for large causal problems, against fp64
+// with every score modifier and element mask they can meet there (softcap, ALiBi per (batch,
+// head), window, sinks and global queries), at every head dim, with several tiles per CTA.
+TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  std::uint64_t salt = 1550;
+  const std::string suffix = "_persist";
+  int ran = 0;
+  for (int d : {64, 128, 256})
+    for (const auto& cfg : cuda::prefill_sm90_configs(d)) {
+      if (cfg.size() <= suffix.size() || cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+      MaskCase a = global(window(dense(2, 1500, 1500, 24, 4, d, kBf16, true), 400, 0), 16, false);  // 288 units
+      a.softcap = 20.f;
+      a.alibi = 2;
+      MaskCase b = global(dense(1, 2100, 2100, 16, 16, d, kF16, true), 8, true);  // 136 units
+      b.alibi = 1;
+      for (const MaskCase& c : {a, b}) {
+        Outcome out;
+        run_mask_case(c, cfg, salt++, &out);
+        ++ran;
+      }
+    }
+  EXPECT_GT(ran, 0) << "no persistent sm90 config compiled";
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
 // ---- varlen ----------------------------------------------------------------------------------
 
 TEST(MasksGpuVarlen, DocumentsOfOddLengths) {
