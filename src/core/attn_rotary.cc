@@ -20,30 +20,37 @@ struct Copy {
   TensorView view;
 };
 
-void copy_view(const TensorView& v, std::int64_t batch, std::int64_t seqlen, int heads, int d, Copy* c) {
-  const std::size_t es = dtype_size(v.dtype), row = static_cast<std::size_t>(d) * es;
-  c->bytes.resize(static_cast<std::size_t>(batch * seqlen * heads) * row);
-  c->view = bshd_view(c->bytes.data(), v.dtype, seqlen, heads, d);
-  const auto* src = static_cast<const unsigned char*>(v.data);
-  unsigned char* dst = c->bytes.data();
+/// Calls f(row) with the address of each (b, s, h) row of a strided view, in contiguous order.
+template <class F>
+void for_each_row(const TensorView& v, std::int64_t batch, std::int64_t seqlen, int heads, F&& f) {
+  const std::size_t es = dtype_size(v.dtype);
+  auto* base = static_cast<unsigned char*>(v.data);
   for (std::int64_t b = 0; b < batch; ++b)
     for (std::int64_t s = 0; s < seqlen; ++s)
-      for (int h = 0; h < heads; ++h, dst += row)
-        std::memcpy(dst, src + static_cast<std::size_t>(b * v.batch_stride + s * v.seq_stride + h * v.head_stride) * es,
-                    row);
+      for (int h = 0; h < heads; ++h)
+        f(base + static_cast<std::size_t>(b * v.batch_stride + s * v.seq_stride + h * v.head_stride) * es);
+}
+
+void copy_view(const TensorView& v, std::int64_t batch, std::int64_t seqlen, int heads, int d, Copy* c) {
+  const std::size_t row = static_cast<std::size_t>(d) * dtype_size(v.dtype);
+  c->bytes.resize(static_cast<std::size_t>(batch * seqlen * heads) * row);
+  c->view = bshd_view(c->bytes.data(), v.dtype, seqlen, heads, d);
+  unsigned char* dst = c->bytes.data();
+  for_each_row(v, batch, seqlen, heads, [&](const unsigned char* src) {
+    std::memcpy(dst, src, row);
+    dst += row;
+  });
 }
 
 /// Writes the rows of a contiguous copy back into a strided view of the same extents (the
 /// inverse of copy_view).
 void store_view(const Copy& c, std::int64_t batch, std::int64_t seqlen, int heads, int d, const TensorView& v) {
-  const std::size_t es = dtype_size(v.dtype), row = static_cast<std::size_t>(d) * es;
+  const std::size_t row = static_cast<std::size_t>(d) * dtype_size(v.dtype);
   const unsigned char* src = c.bytes.data();
-  auto* dst = static_cast<unsigned char*>(v.data);
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t s = 0; s < seqlen; ++s)
-      for (int h = 0; h < heads; ++h, src += row)
-        std::memcpy(dst + static_cast<std::size_t>(b * v.batch_stride + s * v.seq_stride + h * v.head_stride) * es, src,
-                    row);
+  for_each_row(v, batch, seqlen, heads, [&](unsigned char* dst) {
+    std::memcpy(dst, src, row);
+    src += row;
+  });
 }
 
 /// Default positions: query row i of a sequence with len_q queries and len_k keys sits at

@@ -83,6 +83,21 @@ inline SeqLayout seq_layout(const std::vector<int>& lq, const std::vector<int>& 
   return s;
 }
 
+#if FLASHCPP_HAS_SM90
+/// A compiled sm90 config named <twin><suffix> (suffix "_persist" or "_dense") and its twin's name.
+struct Sm90Twin {
+  std::string config, twin;
+};
+/// The configs of a head dim that carry `suffix`, each with its twin.
+inline std::vector<Sm90Twin> sm90_twins(int head_dim, const std::string& suffix) {
+  std::vector<Sm90Twin> out;
+  for (const auto& cfg : cuda::prefill_sm90_configs(head_dim))
+    if (cfg.size() > suffix.size() && cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) == 0)
+      out.push_back({cfg, cfg.substr(0, cfg.size() - suffix.size())});
+  return out;
+}
+#endif
+
 /// The sizes and q/k/v/o views of an attention problem over device buffers: (batch, seqlen,
 /// heads, d) views, or with `packed` (varlen) (total rows, heads, d) views without a batch stride;
 /// seqlens are the maxima then.

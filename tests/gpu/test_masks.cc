@@ -403,11 +403,9 @@ TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
   std::uint64_t salt = 1550;
-  const std::string suffix = "_persist";
   int ran = 0;
   for (int d : {64, 128, 256})
-    for (const auto& cfg : cuda::prefill_sm90_configs(d)) {
-      if (cfg.size() <= suffix.size() || cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
+    for (const Sm90Twin& t : sm90_twins(d, "_persist")) {
       MaskCase a = global(window(dense(2, 1500, 1500, 24, 4, d, kBf16, true), 400, 0), 16, false);  // 288 units
       a.softcap = 20.f;
       a.alibi = 2;
@@ -415,7 +413,7 @@ TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
       b.alibi = 1;
       for (const MaskCase& c : {a, b}) {
         Outcome out;
-        run_mask_case(c, cfg, salt++, &out);
+        run_mask_case(c, t.config, salt++, &out);
         ++ran;
       }
     }

@@ -218,6 +218,26 @@ TEST(Prefill, BitwiseDeterministic) {
   }
 }
 
+#if FLASHCPP_HAS_SM90
+/// Runs each case on t.config and on its twin with the same inputs (same salt) and expects equal
+/// outputs, bit for bit. Returns the cases compared.
+int expect_equals_twin(const Sm90Twin& t, std::initializer_list<Case> cases, std::uint64_t salt) {
+  int compared = 0;
+  for (Case c : cases) {
+    std::vector<std::uint16_t> a, b;
+    c.config = t.config;
+    run_case(c, ++salt, &a);
+    c.config = t.twin;
+    run_case(c, salt, &b);  // same salt: same inputs
+    EXPECT_EQ(a.size(), b.size());
+    EXPECT_TRUE(a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 2) == 0)
+        << describe(c) << ": " << t.config << " differs from " << t.twin;
+    ++compared;
+  }
+  return compared;
+}
+#endif
+
 // A persistent sm90 config computes every tile exactly as its non-persistent twin (same consumer
 // code, only the tile order, the loads' overlap and the TMA-store epilogue differ): the outputs
 // must be equal bit for bit. Shapes with more tiles than SMs (several tiles per CTA), several L2
@@ -228,26 +248,14 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
   cuda::DeviceInfo dev;
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
-  const std::string suffix = "_persist";
   int compared = 0;
   for (int d : {64, 128, 256})
-    for (const auto& cfg : cuda::prefill_sm90_configs(d)) {
-      if (cfg.size() <= suffix.size() || cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-      const std::string twin = cfg.substr(0, cfg.size() - suffix.size());
-      std::uint64_t salt = 700 + d;
-      for (Case c : {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
-                     Case{2, 1100, 16384, 8, 2, d, true}, Case{3, 1, 300, 4, 4, d, true},
-                     Case{2, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}}) {
-        std::vector<std::uint16_t> a, b;
-        c.config = cfg;
-        run_case(c, ++salt, &a);
-        c.config = twin;
-        run_case(c, salt, &b);  // same salt: same inputs
-        ASSERT_EQ(a.size(), b.size());
-        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 2), 0) << describe(c) << ": " << cfg << " differs from " << twin;
-        ++compared;
-      }
-    }
+    for (const Sm90Twin& t : sm90_twins(d, "_persist"))
+      compared += expect_equals_twin(t,
+                                     {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
+                                      Case{2, 1100, 16384, 8, 2, d, true}, Case{3, 1, 300, 4, 4, d, true},
+                                      Case{2, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}},
+                                     700 + d);
   EXPECT_GT(compared, 0) << "no persistent sm90 config compiled";
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
@@ -262,30 +270,19 @@ TEST(Prefill, DenseTwinEqualsItsTwinBitForBitAndRefusesMaskFlags) {
   cuda::DeviceInfo dev;
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
-  const std::string suffix = "_dense";
   int compared = 0;
   for (int d : {64, 128, 256})
-    for (const auto& cfg : cuda::prefill_sm90_configs(d)) {
-      if (cfg.size() <= suffix.size() || cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) != 0) continue;
-      const std::string twin = cfg.substr(0, cfg.size() - suffix.size());
-      std::uint64_t salt = 800 + d;
-      for (Case c : {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
-                     Case{1, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}}) {
-        std::vector<std::uint16_t> a, b;
-        c.config = cfg;
-        run_case(c, ++salt, &a);
-        c.config = twin;
-        run_case(c, salt, &b);
-        ASSERT_EQ(a.size(), b.size());
-        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 2), 0) << describe(c) << ": " << cfg << " differs from " << twin;
-        ++compared;
-      }
+    for (const Sm90Twin& t : sm90_twins(d, "_dense")) {
+      compared += expect_equals_twin(t,
+                                     {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
+                                      Case{1, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}},
+                                     800 + d);
       DeviceBuffer q(64 * 4 * d * 2), k(64 * 4 * d * 2), v(64 * 4 * d * 2), o(64 * 4 * d * 2);
       AttnParams p = attn_params(1, 64, 64, 4, 4, d, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
       p.mask.softcap = 30.f;
       RunOptions opt;
       opt.backend = Backend::kCuda;
-      opt.cuda_config = cfg;
+      opt.cuda_config = t.config;
       KernelChoice ch;
       const Status st = select_kernel(p, opt, &ch);
       EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();

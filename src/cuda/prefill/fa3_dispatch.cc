@@ -150,7 +150,7 @@ std::string prefill_sm90_misfit(const AttnParams& a, const std::string& config) 
       if (!e.masks)
         return "sm90 config " + config +
                " compiles the runtime mask flags out: it runs causal, window and sink masks only (no softcap, "
-               "ALiBi, varlen, block-sparse or rotary); its twin " + config.substr(0, config.size() - 6) + " does";
+               "ALiBi, varlen, block-sparse or rotary); its twin " + config.substr(0, config.rfind("_dense")) + " does";
       if (e.ping_pong)
         return "sm90 config " + config + " (ping-pong consumers) does not run block-sparse masks; its plain twin " +
                config.substr(0, config.size() - 1) + " does";
