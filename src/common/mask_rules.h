@@ -76,6 +76,22 @@ struct MaskRules {
     const int lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);
     return j1 <= hmin && (j0 >= lmax || j1 <= global_tokens);
   }
+  /// The window walk of rows [i0, i1) visits key tile n_last - it at iteration it < n_window.
+  /// Sets [*lo, *hi) to the iterations whose tile (block_n keys) every row sees whole, as
+  /// tile_fully_visible does (without its global-key case): the kernels skip the element mask
+  /// there with two register compares. Empty when the rows differ in being global queries.
+  FC_HD void plain_window_iters(int i0, int i1, int block_n, int n_last, int n_window, int* lo, int* hi) const {
+    *lo = *hi = 0;
+    if (global_queries && is_global_query(i0) != is_global_query(i1 - 1)) return;
+    const int hmin = key_hi(i0) < key_hi(i1 - 1) ? key_hi(i0) : key_hi(i1 - 1);      // >= 0
+    const int lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);      // >= 0
+    const int n_min = (lmax + block_n - 1) / block_n;  // first tile whose keys all lie >= lmax
+    const int n_max = hmin / block_n - 1;              // last tile whose keys all lie < hmin
+    const int a = n_last - n_max, b = n_last - n_min + 1;
+    *lo = a > 0 ? a : 0;
+    *hi = b < n_window ? b : n_window;
+    if (*hi < *lo) *hi = *lo;
+  }
 };
 
 }  // namespace flashcpp

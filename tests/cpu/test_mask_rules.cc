@@ -3,13 +3,15 @@
 // - visible(i, j) equals the rules of attention.h evaluated independently here;
 // - key_range / sink_hi cover every visible (i, j) of a query tile (a kernel that walks only
 //   those blocks misses nothing), and the bounds are tight where they claim to be;
-// - tile_fully_visible is never true for a tile with a hidden element (it may skip masking).
+// - tile_fully_visible is never true for a tile with a hidden element (it may skip masking);
+// - plain_window_iters, the kernels' register shortcut past the mask, names only such tiles.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "common/mask_rules.h"
 #include "test_util.h"
@@ -167,6 +169,71 @@ TEST(MaskRules, InteriorCausalTilesSkipMasking) {
   EXPECT_FALSE(r.tile_fully_visible(192, 256, 0, 64));   // left of the window
   r.global_tokens = 64;
   EXPECT_TRUE(r.tile_fully_visible(192, 256, 0, 64));    // ... but those keys are sinks
+}
+
+/// The window walk of make_cta_work (prefill_mask.cuh) for rows [i0, i1) and key tiles of bc.
+struct Walk {
+  int n_last, n_window;
+};
+Walk window_walk(const MaskRules& r, int i0, int i1, int bc) {
+  int lo, hi;
+  r.key_range(i0, i1, &lo, &hi);
+  const int first = lo / bc;
+  const int n_window = hi > lo ? (hi + bc - 1) / bc - first : 0;
+  return Walk{first + n_window - 1, n_window};
+}
+
+TEST(MaskRules, PlainWindowItersHaveNoHiddenElement) {
+  auto g = testing::rng(205);
+  std::uniform_int_distribution<int> tile(1, 16);
+  long long claimed = 0;
+  for (int n = 0; n < kConfigs; ++n) {
+    const MaskRules r = random_rules(g);
+    const int br = tile(g), bc = tile(g);
+    for (int i0 = 0; i0 < r.seqlen_q; i0 += br) {
+      const int i1 = std::min(i0 + br, r.seqlen_q);
+      const Walk w = window_walk(r, i0, i1, bc);
+      int lo = -7, hi = -7;
+      r.plain_window_iters(i0, i1, bc, w.n_last, w.n_window, &lo, &hi);
+      ASSERT_TRUE(0 <= lo && lo <= hi && hi <= std::max(w.n_window, 0))
+          << describe(r) << " rows [" << i0 << "," << i1 << ") tile " << bc << ": [" << lo << "," << hi
+          << ") outside the " << w.n_window << " window iterations";
+      for (int it = lo; it < hi; ++it) {
+        ++claimed;
+        const int j0 = (w.n_last - it) * bc, j1 = j0 + bc;
+        ASSERT_LE(j1, r.seqlen_k) << describe(r);
+        for (int i = i0; i < i1; ++i)
+          for (int j = j0; j < j1; ++j)
+            ASSERT_TRUE(visible_by_definition(r, i, j))
+                << describe(r) << " rows [" << i0 << "," << i1 << ") iteration " << it << " keys [" << j0 << ","
+                << j1 << ") skip the mask but hide i=" << i << " j=" << j;
+      }
+    }
+  }
+  EXPECT_GT(claimed, 0) << "plain_window_iters never named a tile: the shortcut is dead";
+}
+
+TEST(MaskRules, PlainWindowItersExactOnCommonShapes) {
+  auto range = [](const MaskRules& r, int i0, int i1, int bc) {
+    const Walk w = window_walk(r, i0, i1, bc);
+    int lo, hi;
+    r.plain_window_iters(i0, i1, bc, w.n_last, w.n_window, &lo, &hi);
+    return std::pair<int, int>{lo, hi};
+  };
+  MaskRules r;
+  r.seqlen_q = r.seqlen_k = 256;
+  r.causal = true;
+  // Rows [128, 192) walk tiles 2 (the diagonal, masked), 1 and 0.
+  EXPECT_EQ(range(r, 128, 192, 64), (std::pair<int, int>{1, 3}));
+  // Without causal and with 200 keys: tile 3 (keys 192..255, partial) is masked, 2..0 are not.
+  r.causal = false;
+  r.seqlen_k = 200;
+  EXPECT_EQ(range(r, 0, 64, 64), (std::pair<int, int>{1, 4}));
+  // A window of 100 on the left: row 192 sees keys from 92 on, row 255 from 155 on, so only
+  // tile 3 (keys 192..255) is whole for every row; tiles 2 and 1 hold window edges.
+  r.seqlen_k = 256;
+  r.window_left = 100;
+  EXPECT_EQ(range(r, 192, 256, 64), (std::pair<int, int>{0, 1}));
 }
 
 }  // namespace

@@ -84,7 +84,7 @@ inline SeqLayout seq_layout(const std::vector<int>& lq, const std::vector<int>& 
 }
 
 #if FLASHCPP_HAS_SM90
-/// A compiled sm90 config named <twin><suffix> (suffix "_persist" or "_dense") and its twin's name.
+/// A compiled sm90 config named <twin><suffix> (e.g. suffix "_persist") and its twin's name.
 struct Sm90Twin {
   std::string config, twin;
 };

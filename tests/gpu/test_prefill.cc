@@ -262,42 +262,6 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
 #endif
 }
 
-// A "_dense" sm90 config (the runtime mask flags compiled out) computes a dense, causal or window
-// problem exactly as its twin: equal bit for bit. With a flag it cannot run (softcap, ALiBi,
-// rotary) it is refused with a sentence naming its twin, and the automatic choice never takes it.
-TEST(Prefill, DenseTwinEqualsItsTwinBitForBitAndRefusesMaskFlags) {
-#if FLASHCPP_HAS_SM90
-  cuda::DeviceInfo dev;
-  ASSERT_TRUE(cuda::current_device(&dev).ok());
-  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
-  int compared = 0;
-  for (int d : {64, 128, 256})
-    for (const Sm90Twin& t : sm90_twins(d, "_dense")) {
-      compared += expect_equals_twin(t,
-                                     {Case{2, 2047, 2047, 8, 8, d, true}, Case{2, 777, 1025, 4, 2, d, false},
-                                      Case{1, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}},
-                                     800 + d);
-      DeviceBuffer q(64 * 4 * d * 2), k(64 * 4 * d * 2), v(64 * 4 * d * 2), o(64 * 4 * d * 2);
-      AttnParams p = attn_params(1, 64, 64, 4, 4, d, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
-      p.mask.softcap = 30.f;
-      RunOptions opt;
-      opt.backend = Backend::kCuda;
-      opt.cuda_config = t.config;
-      KernelChoice ch;
-      const Status st = select_kernel(p, opt, &ch);
-      EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
-      EXPECT_NE(st.message().find("compiles the runtime mask flags out"), std::string::npos) << st.message();
-      p.mask.softcap = 0.f;
-      opt.cuda_config = "";
-      ASSERT_TRUE(select_kernel(p, opt, &ch).ok());
-      EXPECT_EQ(ch.config.find("_dense"), std::string::npos) << ch.config;
-    }
-  EXPECT_GT(compared, 0) << "no _dense sm90 config compiled";
-#else
-  GTEST_SKIP() << "this build has no sm_90a kernels";
-#endif
-}
-
 // The automatic sm90 choice: the persistent twin for a causal problem with at least two tiles
 // per SM, the plain default for a non-causal one, a small causal one, or varlen.
 TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {

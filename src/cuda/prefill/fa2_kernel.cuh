@@ -94,11 +94,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const T* gV;
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   int n_iters;
+  PlainIters plain;  // tiles that skip the modifiers and the element mask outright (two compares)
   {
     CtaWork w;
     if (!make_cta_work<BM, BN>(p, b, h, m0, &w)) return;  // varlen: past this sequence's end (whole CTA)
     if (tid == 0) cta = w;
     n_iters = w.n_iters;
+    plain = plain_iters<BN>(p, w, m0);
     // Sequence starts: batch strides, or the packed rows of cu_seqlens (varlen).
     const T* gQ = static_cast<const T*>(p.q) + (varlen ? w.q_row0 * p.q_seq_stride : b * p.q_batch_stride) +
                   h * p.q_head_stride;
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     }
 
     // ---- mask boundary and partial tiles ---------------------------------------------------
-    if (kt.partial >= 0 || !rules.tile_fully_visible(m0, cta.m_end, n0, n0 + BN)) {
+    if (!plain.contains(it) && (kt.partial >= 0 || !rules.tile_fully_visible(m0, cta.m_end, n0, n0 + BN))) {
       constexpr int kWords = BN >= 64 ? BN / 64 : 1;  // element-mask words a tile row spans
       static_assert(BN % 64 == 0 || 64 % BN == 0, "a key tile covers whole 64-bit words or lies in one");
 #pragma unroll

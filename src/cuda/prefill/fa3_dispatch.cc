@@ -87,7 +87,7 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 
 std::string fa3_config_name(const Fa3Entry& e) {
   return "sm90_m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "s" + std::to_string(e.stages) +
-         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.persistent ? "_persist" : "") + (e.masks ? "" : "_dense");
+         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.persistent ? "_persist" : "");
 }
 
 std::span<const Fa3Entry> fa3_entries(int head_dim) {
@@ -103,7 +103,6 @@ namespace {
 /// Whether a config can run the problem's block-sparse mask (always true without one). The
 /// ping-pong consumers do not read element bits (no registers left for it; fa3_kernel.cuh).
 bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
-  if (!e.masks && (make_prefill_mask(a).flags != 0 || a.rotary.enabled())) return false;
   return a.mask.block_sparse == nullptr ||
          (!e.ping_pong && tiles_fit_block_sparse(*a.mask.block_sparse, e.block_m, e.block_n));
 }
@@ -125,13 +124,13 @@ bool prefer_persistent(const AttnParams& a, int num_sms) {
 const Fa3Entry* fa3_auto(const AttnParams& a, int num_sms) {
   const Fa3Entry* base = nullptr;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (!e.persistent && e.masks && fa3_fits(e, a)) {
+    if (!e.persistent && fa3_fits(e, a)) {
       base = &e;
       break;
     }
   if (base == nullptr || !prefer_persistent(a, num_sms)) return base;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (e.persistent && e.masks && e.block_m == base->block_m && e.block_n == base->block_n &&
+    if (e.persistent && e.block_m == base->block_m && e.block_n == base->block_n &&
         e.stages == base->stages && e.ping_pong == base->ping_pong && e.sched == base->sched)
       return &e;
   return base;
@@ -147,10 +146,6 @@ std::string prefill_sm90_misfit(const AttnParams& a, const std::string& config) 
   for (const auto& e : fa3_entries(a.head_dim))
     if (fa3_config_name(e) == config) {
       if (fa3_fits(e, a)) return {};
-      if (!e.masks)
-        return "sm90 config " + config +
-               " compiles the runtime mask flags out: it runs causal, window and sink masks only (no softcap, "
-               "ALiBi, varlen, block-sparse or rotary); its twin " + config.substr(0, config.rfind("_dense")) + " does";
       if (e.ping_pong)
         return "sm90 config " + config + " (ping-pong consumers) does not run block-sparse masks; its plain twin " +
                config.substr(0, config.size() - 1) + " does";

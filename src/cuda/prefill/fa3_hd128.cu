@@ -7,9 +7,6 @@ const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<128, 128, 2>>(),         // default: Q K^T, softmax, P V in sequence (measured faster here)
     fa3_entry<Fa3Config<128, 128, 2, true>>(),   // pipelined consumers + ping-pong
     fa3_entry<Fa3Config<128, 128, 2, false, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
-    // The default with the runtime mask flags compiled out: the A/B of the dense-speed loss since
-    // the fused masks (reports/hopper). Named only.
-    fa3_entry<Fa3Config<128, 128, 2, false, true, false, false>>(),
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd128() { return kEntries; }

@@ -48,8 +48,7 @@ inline constexpr float kLn2Fa3 = 0.6931471805599453f;
 
 namespace flashcpp::cuda {
 
-template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
-          bool Masks = true>
+template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 128;              ///< two consumer warpgroups x 64 rows
@@ -67,11 +66,6 @@ struct Fa3Config {
   /// heads in L2-sized groups), with the next tile's K/V loads overlapping the current tile's last
   /// blocks and epilogue, and O stored by TMA from shared memory.
   static constexpr bool kPersistent = Persistent;
-  /// false (config suffix "_dense"): the runtime mask flags (softcap, ALiBi, varlen, block-sparse,
-  /// rotary) are compiled out, leaving causal, window and sinks (MaskRules). An A/B twin for the
-  /// dense-speed loss measured since the fused masks (reports/hopper); dispatch runs it only when
-  /// named, and only on problems without those flags.
-  static constexpr bool kMasks = Masks;
   static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -155,7 +149,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // Persistent: both consumer warpgroups are done with the tile's Q buffer (also the O staging
   // area), so the producer may load the next tile's Q (2 arrivals).
   std::uint64_t* q_empty = bars + 1 + 3 * S;
-  const bool rotary = Cfg::kMasks && (p.mask.flags & PrefillMask::kRotary);
+  const bool rotary = (p.mask.flags & PrefillMask::kRotary);
 
   const int tid = threadIdx.x, wg = tid / 128;
   // The tile's work (sequence, key walk) in shared memory. Non-persistent: every thread computes
@@ -163,7 +157,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // thread stores each tile's record before its Q load (after q_empty of the previous tile), and
   // the consumers / rotators read it after that Q barrier; the others only test the tile exists.
   CtaWork& cta = *reinterpret_cast<CtaWork*>(smem_raw);
-  const bool varlen = Cfg::kMasks && (p.mask.flags & PrefillMask::kVarlen);
+  const bool varlen = (p.mask.flags & PrefillMask::kVarlen);
   // This CTA's work units: [first, end) by step (persistent: blockIdx.x, + gridDim.x, ... of the
   // units of tile_order.h; else its one tile).
   auto tile_first = [] { return Cfg::kPersistent ? fresh_sreg_ctaid(0) : 0; };
@@ -275,6 +269,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
 
   sm90::mbar_wait(q_full, done & 1);
   const int n_iters = cta.n_iters;  // the record is this tile's until this warpgroup arrives on q_empty
+  const PlainIters plain = plain_iters<BN>(p, cta, m0);  // tiles that skip mask() outright
   if (rotary) {
     // This warpgroup's 64 rows of Q, rotated in place (generic-proxy writes, fenced for the wgmma
     // reads of the async proxy), then its 128 threads meet before the first Q K^T. Items per round:
@@ -319,10 +314,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // score, instead of an FADD + FFMA per score.
   const int alibi_ref = m0 + cta.rules.offset();
   auto mask = [&](float (&acc_s)[BN / 2], int it) {
+    if (plain.contains(it)) return;  // two register compares: no record lookup on the hot path
     const KeyTile kt = cta.key_tile<BN>(it);
     const int n0 = kt.n0;
     const MaskRules& rules = cta.rules;
-    if (Cfg::kMasks && (p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi))) {
+    if ((p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi))) {
       if (p.mask.flags & PrefillMask::kSoftcap) {
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc_s[e] = softcap_raw(acc_s[e], p.mask.softcap_raw, p.mask.softcap_k);
@@ -352,7 +348,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       // P V of the previous block holds its accumulators and A fragments, and the bit lookup
       // spilled there (108 bytes at hdim 128); dispatch gives block-sparse masks a plain config.
       const std::uint64_t* rb = nullptr;
-      if constexpr (!Cfg::kPingPong && Cfg::kMasks)
+      if constexpr (!Cfg::kPingPong)
         if (kt.partial >= 0) rb = sparse_row_bits(p.mask, kt.partial, i - cta.bs_q0, kt.c0);
       const int bit0 = (kt.c0 & 63) + 2 * t;
 #pragma unroll
@@ -519,7 +515,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     if (p.lse != nullptr && t == 0 && i < cta.m_end) {
       // The ALiBi row term left out of the scores (see mask): -slope * (row - ref), raw units.
       const float row_term =
-          Cfg::kMasks ? -alibi_slope_raw(p, b, h) * static_cast<float>(i + cta.rules.offset() - alibi_ref) : 0.f;
+          -alibi_slope_raw(p, b, h) * static_cast<float>(i + cta.rules.offset() - alibi_ref);
       p.lse[cta.lse_row0 + i] = l > 0.f ? ((row_max[r] + row_term) * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
     }
   }

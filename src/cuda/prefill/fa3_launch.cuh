@@ -28,7 +28,7 @@ template <class Cfg>
 constexpr Fa3Entry fa3_entry() {
   return Fa3Entry{Cfg::kHeadDim,   Cfg::kBlockM, Cfg::kBlockN,      Cfg::kStages,
                   Cfg::kSmemBytes, Cfg::kPingPong, Cfg::kSched,     Cfg::kPersistent,
-                  Cfg::kMasks,     &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
+                  &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
 }
 
 }  // namespace flashcpp::cuda

@@ -147,6 +147,24 @@ __device__ __forceinline__ bool make_cta_work(const P& p, int b, int h, int m0, 
   return true;
 }
 
+/// Iterations [lo, hi) of a CTA's walk whose tiles need neither a score modifier nor the element
+/// mask: window-walk tiles lying wholly inside every row's [key_lo, key_hi). The loops test `it`
+/// against these two registers and skip the record lookups and the visibility test, which put
+/// shared-memory loads and ~20 integer ops between Q K^T and the softmax of every tile.
+/// Conservative (a subset of MaskRules::tile_fully_visible); empty with softcap, ALiBi or a
+/// block-sparse mask, whose tiles all take the full path.
+struct PlainIters {
+  int lo = 0, hi = 0;
+  __device__ __forceinline__ bool contains(int it) const { return it >= lo && it < hi; }
+};
+template <int BN, class P>
+__device__ __forceinline__ PlainIters plain_iters(const P& p, const CtaWork& w, int m0) {
+  PlainIters r;
+  if (w.bs_cols != nullptr || (p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi))) return r;
+  w.rules.plain_window_iters(m0, w.m_end, BN, w.n_last, w.n_window, &r.lo, &r.hi);
+  return r;
+}
+
 /// Whether the tile of query rows [m0, m0 + BM) of batch b has rows: make_cta_work's test alone
 /// (varlen: m0 inside this sequence's length), for the roles that read the record from shared
 /// memory instead of computing it.
