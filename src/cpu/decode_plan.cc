@@ -9,8 +9,9 @@
 //   tiles_b  = 64-key tiles of the keys some query row of sequence b can see (window-aware)
 //   if batch * units >= target: no split (the batch alone fills the GPU; merging would only add
 //     traffic)
-//   else: chunk = max(min_tiles, ceil(sum_b tiles_b * units / target)) tiles per split, and
-//     n_b = clamp(ceil(tiles_b / chunk), 1, max_splits)
+//   else: base = max(min_tiles, ceil(sum_b tiles_b * units / target)) tiles per split; chunk =
+//     the candidate >= base (base, or where the longest sequence's count changes) of least
+//     waves x longest split (wave_aware_chunk), and n_b = clamp(ceil(tiles_b / chunk), 1, max_splits)
 //   min_tiles = ceil(max(256, 16 * rows) / 64): a split reads at least 256 keys, and at least 16
 //     keys per query row it serves, so the partials it writes and the merge reads (8 bytes per
 //     row and dim) stay under 1/8 of the K/V bytes it reads (4 bytes per key and dim).
@@ -40,6 +41,42 @@ constexpr std::size_t kWorkspaceAlign = 16;
 }  // namespace
 
 namespace decode {
+namespace {
+
+std::int32_t split_count(std::int64_t tiles, std::int64_t chunk, int cap) {
+  return static_cast<std::int32_t>(std::clamp<std::int64_t>((tiles + chunk - 1) / chunk, 1, cap));
+}
+
+/// The chunk (tiles per split) to plan with, >= base. Splitting at `base` fills one wave when the
+/// splits divide evenly, but each n_b rounds up, and a few extra CTAs past the wave cost a whole
+/// second wave: B=16, 8 KV heads, 8192 keys gets base 63 -> 3 splits -> 384 CTAs (1.45 waves,
+/// 175 us on the H200) where 2 splits -> 256 CTAs take 137 us. So the candidates are base and
+/// every chunk at which the longest sequence's split count changes; the cost of one is
+/// waves x (tiles of the longest split), and a larger chunk (fewer splits, less merge traffic)
+/// wins ties.
+std::int64_t wave_aware_chunk(const std::vector<std::int64_t>& tiles, std::int64_t units, std::int64_t target,
+                              std::int64_t base, int cap) {
+  const std::int64_t max_tiles = *std::max_element(tiles.begin(), tiles.end());
+  auto cost = [&](std::int64_t chunk) {
+    std::int64_t items = 0, longest = 0;
+    for (const std::int64_t t : tiles) {
+      const std::int64_t n = split_count(t, chunk, cap);
+      items += n;
+      longest = std::max(longest, (t + n - 1) / n);
+    }
+    return ((items * units + target - 1) / target) * longest;
+  };
+  std::int64_t best = base, best_cost = cost(base);
+  for (int n = cap; n >= 1; --n) {  // chunks in increasing order
+    const std::int64_t chunk = (max_tiles + n - 1) / n;
+    if (chunk <= base) continue;
+    const std::int64_t c = cost(chunk);
+    if (c <= best_cost) best = chunk, best_cost = c;
+  }
+  return best;
+}
+
+}  // namespace
 
 Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
                    SplitDecision* out) {
@@ -72,9 +109,10 @@ Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int force
     if (static_cast<std::int64_t>(p.batch) * units < target) {
       const std::int64_t min_keys = std::max<std::int64_t>(kMinSplitKeys, kMinKeysPerRow * rl.rows);
       const std::int64_t min_tiles = (min_keys + kDecodeBlockN - 1) / kDecodeBlockN;
-      const std::int64_t chunk = std::max(min_tiles, (total_tiles + target - 1) / target);
+      const std::int64_t base = std::max(min_tiles, (total_tiles + target - 1) / target);
+      const std::int64_t chunk = wave_aware_chunk(tiles, units, target, base, cap);
       for (int b = 0; b < p.batch; ++b)
-        out->splits[b] = static_cast<std::int32_t>(std::clamp<std::int64_t>((tiles[b] + chunk - 1) / chunk, 1, cap));
+        out->splits[b] = split_count(tiles[b], chunk, cap);
     }
   }
   std::int64_t items = 0;
