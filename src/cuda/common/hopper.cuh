@@ -35,6 +35,20 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+/// Runs f() as the body of a loop that ptxas cannot prove runs once (`never` is false at run time
+/// but not a compile-time constant), so that f's code ends a basic block. Use it for work that a
+/// later wgmma_wait must not overtake: ptxas's scheduler moves WARPGROUP.DEPBAR to the top of its
+/// basic block (it has no register inputs), which in the pipelined consumers put the wait for
+/// P V of block j-1 before the softmax of block j and serialized the two (SASS of fa3_hd128, the
+/// `p` configs). Costs one compare and one branch.
+template <class F>
+__device__ __forceinline__ void in_own_block(bool never, F&& f) {
+  int rep = 0;
+  do {
+    f();
+  } while (++rep < 1 + static_cast<int>(never));
+}
+
 /// D(64 x N, fp32) (+)= A(64x16, smem, K-major) * B(16 x N, smem, K-major); scale_d = 0 zeroes D.
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b, int scale_d);

@@ -482,8 +482,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       sm90::wgmma_commit();
       window_end(false);
       sm90::wgmma_wait<1>();  // S of block it is ready; P V of it-1 may still run
-      mask(acc_s, it);
-      softmax(acc_s, corr);
+      // Softmax of block it overlaps P V of block it-1 only if the wait below stays below it.
+      sm90::in_own_block(it > n_iters /*never*/, [&] {
+        mask(acc_s, it);
+        softmax(acc_s, corr);
+      });
       sm90::wgmma_wait<0>();  // P V of it-1 done: its stage is free, O can be rescaled
       release(sp);
       rescale_o(corr);
