@@ -57,6 +57,27 @@ MaskRules random_rules(std::mt19937_64& g) {
 
 constexpr int kConfigs = 3000;
 
+/// Calls f(rules, i0, i1, block_n) for every query tile of kConfigs random rule sets, each with a
+/// random tile shape (1..16 rows, 1..16 keys).
+template <class F>
+void for_random_query_tiles(std::uint64_t seed, F&& f) {
+  auto g = testing::rng(seed);
+  std::uniform_int_distribution<int> tile(1, 16);
+  for (int n = 0; n < kConfigs; ++n) {
+    const MaskRules r = random_rules(g);
+    const int br = tile(g), bc = tile(g);
+    for (int i0 = 0; i0 < r.seqlen_q; i0 += br) f(r, i0, std::min(i0 + br, r.seqlen_q), bc);
+  }
+}
+
+/// The first (i, j) of rows [i0, i1) x keys [j0, j1) hidden by the definition, or (-1, -1).
+std::pair<int, int> first_hidden(const MaskRules& r, int i0, int i1, int j0, int j1) {
+  for (int i = i0; i < i1; ++i)
+    for (int j = j0; j < j1; ++j)
+      if (!visible_by_definition(r, i, j)) return {i, j};
+  return {-1, -1};
+}
+
 TEST(MaskRules, VisibleMatchesDefinition) {
   auto g = testing::rng(201);
   for (int n = 0; n < kConfigs; ++n) {
@@ -119,26 +140,17 @@ TEST(MaskRules, TileRangesCoverEveryVisibleKey) {
 }
 
 TEST(MaskRules, FullyVisibleTilesHaveNoHiddenElement) {
-  auto g = testing::rng(204);
-  std::uniform_int_distribution<int> tile(1, 16);
   long long claimed = 0;
-  for (int n = 0; n < kConfigs; ++n) {
-    const MaskRules r = random_rules(g);
-    const int br = tile(g), bc = tile(g);
-    for (int i0 = 0; i0 < r.seqlen_q; i0 += br) {
-      const int i1 = std::min(i0 + br, r.seqlen_q);
-      for (int j0 = 0; j0 < r.seqlen_k; j0 += bc) {
-        const int j1 = std::min(j0 + bc, r.seqlen_k);
-        if (!r.tile_fully_visible(i0, i1, j0, j1)) continue;
-        ++claimed;
-        for (int i = i0; i < i1; ++i)
-          for (int j = j0; j < j1; ++j)
-            ASSERT_TRUE(visible_by_definition(r, i, j))
-                << describe(r) << " tile [" << i0 << "," << i1 << ")x[" << j0 << "," << j1
-                << ") claims full visibility but hides i=" << i << " j=" << j;
-      }
+  for_random_query_tiles(204, [&](const MaskRules& r, int i0, int i1, int bc) {
+    for (int j0 = 0; j0 < r.seqlen_k; j0 += bc) {
+      const int j1 = std::min(j0 + bc, r.seqlen_k);
+      if (!r.tile_fully_visible(i0, i1, j0, j1)) continue;
+      ++claimed;
+      const auto [i, j] = first_hidden(r, i0, i1, j0, j1);
+      ASSERT_LT(i, 0) << describe(r) << " tile [" << i0 << "," << i1 << ")x[" << j0 << "," << j1
+                      << ") claims full visibility but hides i=" << i << " j=" << j;
     }
-  }
+  });
   EXPECT_GT(claimed, 0) << "no tile was ever proven fully visible: the fast path is dead";
 }
 
@@ -184,32 +196,23 @@ Walk window_walk(const MaskRules& r, int i0, int i1, int bc) {
 }
 
 TEST(MaskRules, PlainWindowItersHaveNoHiddenElement) {
-  auto g = testing::rng(205);
-  std::uniform_int_distribution<int> tile(1, 16);
   long long claimed = 0;
-  for (int n = 0; n < kConfigs; ++n) {
-    const MaskRules r = random_rules(g);
-    const int br = tile(g), bc = tile(g);
-    for (int i0 = 0; i0 < r.seqlen_q; i0 += br) {
-      const int i1 = std::min(i0 + br, r.seqlen_q);
-      const Walk w = window_walk(r, i0, i1, bc);
-      int lo = -7, hi = -7;
-      r.plain_window_iters(i0, i1, bc, w.n_last, w.n_window, &lo, &hi);
-      ASSERT_TRUE(0 <= lo && lo <= hi && hi <= std::max(w.n_window, 0))
-          << describe(r) << " rows [" << i0 << "," << i1 << ") tile " << bc << ": [" << lo << "," << hi
-          << ") outside the " << w.n_window << " window iterations";
-      for (int it = lo; it < hi; ++it) {
-        ++claimed;
-        const int j0 = (w.n_last - it) * bc, j1 = j0 + bc;
-        ASSERT_LE(j1, r.seqlen_k) << describe(r);
-        for (int i = i0; i < i1; ++i)
-          for (int j = j0; j < j1; ++j)
-            ASSERT_TRUE(visible_by_definition(r, i, j))
-                << describe(r) << " rows [" << i0 << "," << i1 << ") iteration " << it << " keys [" << j0 << ","
-                << j1 << ") skip the mask but hide i=" << i << " j=" << j;
-      }
+  for_random_query_tiles(205, [&](const MaskRules& r, int i0, int i1, int bc) {
+    const Walk w = window_walk(r, i0, i1, bc);
+    int lo = -7, hi = -7;
+    r.plain_window_iters(i0, i1, bc, w.n_last, w.n_window, &lo, &hi);
+    ASSERT_TRUE(0 <= lo && lo <= hi && hi <= std::max(w.n_window, 0))
+        << describe(r) << " rows [" << i0 << "," << i1 << ") tile " << bc << ": [" << lo << "," << hi
+        << ") outside the " << w.n_window << " window iterations";
+    for (int it = lo; it < hi; ++it) {
+      ++claimed;
+      const int j0 = (w.n_last - it) * bc, j1 = j0 + bc;
+      ASSERT_LE(j1, r.seqlen_k) << describe(r);
+      const auto [i, j] = first_hidden(r, i0, i1, j0, j1);
+      ASSERT_LT(i, 0) << describe(r) << " rows [" << i0 << "," << i1 << ") iteration " << it << " keys [" << j0
+                      << "," << j1 << ") skip the mask but hide i=" << i << " j=" << j;
     }
-  }
+  });
   EXPECT_GT(claimed, 0) << "plain_window_iters never named a tile: the shortcut is dead";
 }
 
