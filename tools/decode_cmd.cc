@@ -33,6 +33,8 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
   sub->add_option("--decode-max-splits", o->decode_max_splits, "cap the heuristic's key splits (0: none)");
   sub->add_flag("--decode-fused-merge", o->decode_fused_merge,
                 "merge the key splits inside the split-KV kernel instead of a merge launch (CUDA)");
+  sub->add_flag("--decode-fused-append", o->decode_fused_append,
+                "write each step's new K/V inside the split-KV kernel instead of an append launch (CUDA)");
   sub->add_option("--dump-logits", o->dump_logits,
                   "write sequence 0's fp32 logits (prompt positions, then each step) as raw little-endian floats");
   sub->add_option("--json", o->json, "write tokens and timings here");
@@ -83,6 +85,7 @@ int decode_main(const DecodeCliOptions& o) {
   g.decode_splits = o.decode_splits;
   g.decode_max_splits = o.decode_max_splits;
   g.decode_fused_merge = o.decode_fused_merge;
+  g.decode_fused_append = o.decode_fused_append;
   g.profile = !o.no_profile;
   g.dump_logits = !o.dump_logits.empty();
   const int sources = !o.prompt_ids.empty() + !o.prompt_file.empty() + (o.prompt_len > 0) + (o.context > 0);

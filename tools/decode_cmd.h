@@ -17,6 +17,7 @@ struct DecodeCliOptions {
   std::uint64_t seed = 0;
   int page_size = 16, decode_splits = 0, decode_max_splits = 0;
   bool decode_fused_merge = false;
+  bool decode_fused_append = false;
   std::string dump_logits, json, backend = "auto", gemm = "auto";
   int threads = 0;
   bool no_profile = false;

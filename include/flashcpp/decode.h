@@ -145,6 +145,11 @@ struct DecodePlanOptions {
   /// zeroed by the plan and reset by that CTA) merges the partials while they are in L2. Same
   /// arithmetic as the merge kernel, so the same results. The CPU backend ignores it.
   bool fused_merge = false;
+  /// CUDA, with new K/V (append): the split-KV kernel writes them into the cache itself instead of
+  /// an append launch. Each split's CTAs write the step's tokens whose slots fall in their tiles
+  /// before loading any tile; same arithmetic as the append kernel, so the same cache bytes and
+  /// results. The CPU backend ignores it.
+  bool fused_append = false;
 };
 
 /// The decisions of decode_plan, read by decode_run. Filled by decode_plan; the fields are public
@@ -164,6 +169,7 @@ struct DecodePlan {
   int num_sms = 0;       ///< SM count the heuristic used
   bool needs_merge = false;  ///< some sequence has > 1 split: the partials are merged
   bool fused_merge = false;  ///< CUDA, needs_merge: the split-KV kernel merges them (no merge launch)
+  bool fused_append = false; ///< CUDA, append: the split-KV kernel writes the new K/V (no append launch)
   int ctas = 0;          ///< CTAs of the split-KV launch: num_items * heads_kv * row_blocks
   void* int_workspace = nullptr;
   std::size_t int_bytes = 0;

@@ -268,7 +268,8 @@ class BatchDecodeWithKVCache:
              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, sm_scale: Optional[float] = None,
              rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
              dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
-             num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False) -> Any:
+             num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False,
+             fused_append: bool = False) -> Any:
         """Plans the steps that ``run()`` will compute.
 
         Args:
@@ -293,6 +294,9 @@ class BatchDecodeWithKVCache:
                 wait (run() must then be ordered after the current stream).
             fused_merge: CUDA: the split-KV kernel merges the splits itself (the last CTA of each
                 sequence and KV head to finish), instead of a merge launch; same results.
+            fused_append: CUDA, with append: the split-KV kernel writes the new k/v into the cache
+                itself (each split the tokens in its tiles), instead of an append launch; same
+                cache bytes and results.
         Returns:
             the C++ DecodePlan (also ``self.plan_info``).
         """
@@ -370,7 +374,8 @@ class BatchDecodeWithKVCache:
                                               int(max_splits), int(num_sms), bool(fused_merge))
             iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
             self._plan = _C.decode_plan(params, bool(append), backend, host_lens, int(num_splits), int(max_splits),
-                                        int(num_sms), _stream(device), iptr, ib, fptr, fb, bool(fused_merge))
+                                        int(num_sms), _stream(device), iptr, ib, fptr, fb, bool(fused_merge),
+                                        bool(fused_append))
             if is_cuda and not non_blocking:
                 torch.cuda.current_stream(device).synchronize()
         self._cfg = cfg

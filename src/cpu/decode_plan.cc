@@ -165,6 +165,7 @@ struct PlanSizes {
   std::size_t int_bytes = 0, float_bytes = 0;
   int num_sms = 0;
   bool fused_merge = false;  ///< CUDA plan with splits and DecodePlanOptions::fused_merge
+  bool fused_append = false; ///< CUDA plan of an appending step and DecodePlanOptions::fused_append
 };
 
 Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend backend, PlanSizes* out) {
@@ -188,6 +189,7 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
       decode::plan_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split));
   out->rows = decode::row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
   out->fused_merge = opt.fused_merge && backend == Backend::kCuda && out->split.needs_merge;
+  out->fused_append = opt.fused_append && backend == Backend::kCuda && p.has_append();
   out->int_bytes = (decode::worklist_int_count(p.batch, out->split.num_items) +
                     (out->fused_merge ? decode::merge_counter_count(p.batch, p.heads_kv, out->rows.row_blocks) : 0)) *
                    sizeof(std::int32_t);
@@ -275,6 +277,7 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   plan->num_sms = s.num_sms;
   plan->needs_merge = s.split.needs_merge;
   plan->fused_merge = s.fused_merge;
+  plan->fused_append = s.fused_append;
   plan->ctas = items * p.heads_kv * s.rows.row_blocks;
   plan->int_workspace = int_workspace;
   plan->int_bytes = s.int_bytes;

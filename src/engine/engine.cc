@@ -120,7 +120,8 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   // ---- plan for the lengths this run reaches, then warm up (and capture) ----
   std::vector<std::int32_t> final_lens(lens);
   for (auto& v : final_lens) v += steps + margin;
-  FLASHCPP_RETURN_IF_ERROR(s.plan(final_lens, opt.decode_splits, opt.decode_max_splits, opt.decode_fused_merge));
+  FLASHCPP_RETURN_IF_ERROR(s.plan(final_lens, opt.decode_splits, opt.decode_max_splits, opt.decode_fused_merge,
+                                   opt.decode_fused_append));
   out->plan = s.decode_plan();
   std::vector<std::int32_t> tok_save(bucket);
   FLASHCPP_RETURN_IF_ERROR(ops->download(tok_save.data(), s.tokens(), tok_save.size() * 4));

@@ -23,6 +23,7 @@ struct GenerateOptions {
   int decode_splits = 0;         ///< > 0: force the decode attention's key splits (0: the planner's heuristic)
   int decode_max_splits = 0;     ///< > 0: cap the heuristic
   bool decode_fused_merge = false;  ///< merge the key splits inside the split-KV kernel (DecodePlanOptions::fused_merge)
+  bool decode_fused_append = false; ///< write the new K/V inside the split-KV kernel (DecodePlanOptions::fused_append)
   int warmup_steps = 2;
   bool profile = true;           ///< CUDA: measure kernel time per step after the timed run
   bool dump_logits = false;      ///< keep seq 0's logits (prompt positions, then every step)

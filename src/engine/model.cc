@@ -340,7 +340,7 @@ DecodeParams Session::layer_decode_params(int layer) const {
 }
 
 Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int num_splits, int max_splits,
-                     bool fused_merge) {
+                     bool fused_merge, bool fused_append) {
   if (static_cast<int>(host_final_lengths.size()) != opt_.batch) return Status::Internal("plan: one length per sequence");
   std::vector<std::int32_t> lens(host_final_lengths);
   for (auto& v : lens) v = std::clamp(v, 0, opt_.capacity - 1);
@@ -351,6 +351,7 @@ Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int nu
   o.num_splits = num_splits;
   o.max_splits = max_splits;
   o.fused_merge = fused_merge;
+  o.fused_append = fused_append;
   o.stream = ops_->stream();
   DecodeWorkspaceSize ws;
   FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(p, o, &ws));

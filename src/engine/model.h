@@ -91,7 +91,7 @@ class Session {
   /// Plans the decode attention for lengths that grow up to `host_final_lengths` (one per
   /// sequence of the batch). Run before capturing a graph of decode_step.
   Status plan(const std::vector<std::int32_t>& host_final_lengths, int num_splits = 0, int max_splits = 0,
-              bool fused_merge = false);
+              bool fused_merge = false, bool fused_append = false);
   /// One decode step of the batch: embeds tokens(), runs every layer with the K/V appended at
   /// slot seqlens()[b], samples into tokens() and history()[step], advances seqlens and step.
   /// Launches only (capturable). With `profile`, records ops->record_event around every op

@@ -761,13 +761,20 @@ TEST(DecodeCpu, EmptyBatchAndWorkspaceChecks) {
   ASSERT_TRUE(decode_workspace_size(pr.p, po, &ws).ok());
   EXPECT_EQ(ws.int_bytes, (2u * 2 + 2u * 6) * 4);
   EXPECT_GT(ws.float_bytes, 0u);
-  {  // the fused merge is a CUDA option: the CPU backend plans the same workspaces without it
+  {  // the fused merge and append are CUDA options: the CPU backend plans the same workspaces
+     // without them and its plan records neither
     DecodePlanOptions pf = po;
     pf.fused_merge = true;
+    pf.fused_append = true;
     DecodeWorkspaceSize wf;
     ASSERT_TRUE(decode_workspace_size(pr.p, pf, &wf).ok());
     EXPECT_EQ(wf.int_bytes, ws.int_bytes);
     EXPECT_EQ(wf.float_bytes, ws.float_bytes);
+    Workspace iw(wf.int_bytes), fw(wf.float_bytes);
+    DecodePlan pl;
+    ASSERT_TRUE(decode_plan(pr.p, pf, iw.ptr, iw.bytes, fw.ptr, fw.bytes, &pl).ok());
+    EXPECT_FALSE(pl.fused_merge);
+    EXPECT_FALSE(pl.fused_append);
   }
   Workspace iw(ws.int_bytes), fw(ws.float_bytes);
   DecodePlan plan;

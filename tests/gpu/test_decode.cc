@@ -260,10 +260,11 @@ struct GpuPlan {
 };
 
 Status plan_gpu(const Step& st, GpuPlan* gp, const std::vector<std::int32_t>* plan_lens = nullptr,
-                cudaStream_t stream = nullptr, bool fused_merge = false) {
+                cudaStream_t stream = nullptr, bool fused_merge = false, bool fused_append = false) {
   DecodePlanOptions po;
   po.backend = Backend::kCuda;
   po.fused_merge = fused_merge;
+  po.fused_append = fused_append;
   po.host_cache_seqlens = plan_lens ? plan_lens->data() : st.lens.h.data();
   po.num_splits = st.c.num_splits;
   po.stream = stream;
@@ -435,10 +436,12 @@ void run_case(const GCase& c, std::uint64_t salt) {
   Step st(c, g);
   GpuPlan gp;
   // Half of the cases merge the splits inside the split-KV kernel (the same arithmetic as the
-  // merge kernel), and half launch programmatically (PDL on sm_90: each kernel waits for the one
-  // before it first): every check below must hold unchanged.
-  Status s = plan_gpu(st, &gp, nullptr, nullptr, (salt & 2) != 0);
+  // merge kernel), half launch programmatically (PDL on sm_90: each kernel waits for the one
+  // before it first), and half of the appending ones write the new K/V inside the split-KV kernel:
+  // every check below must hold unchanged.
+  Status s = plan_gpu(st, &gp, nullptr, nullptr, (salt & 2) != 0, (salt & 4) != 0);
   ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_EQ(gp.plan.fused_append, c.append && (salt & 4) != 0);
   RunOptions ro;
   ro.backend = Backend::kCuda;
   ro.programmatic_launch = (salt & 1) != 0;
@@ -462,6 +465,7 @@ void run_case(const GCase& c, std::uint64_t salt) {
   std::printf("    %-78s splits<=%-3d ctas %-5d%s%s max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
               gp.plan.max_splits, gp.plan.ctas, ro.programmatic_launch ? " pdl" : "    ",
               gp.plan.fused_merge ? " fused" : "      ", e.max_abs, e.cpu_max_abs, e.lse_max);
+  if (gp.plan.fused_append) std::printf("      (new K/V written by the split-KV kernel)\n");
 }
 
 std::uint64_t salt_of(const std::string& s) {
@@ -704,6 +708,84 @@ void graph_replay_case(bool fused_merge) {
 TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
   graph_replay_case(false);
   graph_replay_case(true);
+}
+
+// The fused append (DecodePlan::fused_append) leaves the same cache bytes and the same O / LSE as
+// the append kernel, bit for bit: new tokens that straddle a 64-key tile and a split boundary
+// (each split writes its own), forced splits past the tile count, a paged cache of page size 1,
+// q_len 1..16, rotary on and off, and 80 query heads on one KV head (two row blocks writing the
+// same bytes).
+TEST(DecodeGpu, FusedAppendEqualsTheAppendKernel) {
+  std::vector<GCase> cases;
+  auto add = [&](GCase c) { cases.push_back(c); };
+  for (int splits : {0, 2, 3, 7, 40}) {
+    GCase c;
+    c.name = "fused-append";
+    c.batch = 4;
+    c.sq = 4;
+    c.append = true;
+    c.rot = RotaryStyle::kNeox;
+    c.lens = {62, 127, 1000, 0};  // 62..65 and 127..130 cross a tile boundary
+    c.num_splits = splits;
+    add(c);
+  }
+  {
+    GCase c;
+    c.name = "fused-append";
+    c.batch = 2;
+    c.sq = 16;
+    c.append = true;
+    c.rot = RotaryStyle::kInterleaved;
+    c.tables = true;
+    c.rotary_dim = 64;
+    c.page_size = 1;
+    c.lens = {57, 300};
+    c.num_splits = 5;
+    add(c);
+  }
+  {
+    GCase c;
+    c.name = "fused-append";
+    c.batch = 2;
+    c.hq = 80;
+    c.hkv = 1;
+    c.append = true;
+    c.lens = {500, 64};
+    add(c);
+  }
+  for (const GCase& c : cases) {
+    SCOPED_TRACE(describe(c));
+    std::mt19937_64 g(gpu_seed() ^ salt_of(describe(c)));
+    Step st(c, g);
+    std::vector<std::uint16_t> k[2], v[2], o[2];
+    std::vector<float> lse[2];
+    for (int fused = 0; fused < 2; ++fused) {
+      st.upload_all();  // the same starting cache, q, new K/V and poisoned O / LSE for both runs
+      GpuPlan gp;
+      Status s = plan_gpu(st, &gp, nullptr, nullptr, false, fused != 0);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      ASSERT_EQ(gp.plan.fused_append, fused != 0);
+      RunOptions ro;
+      ro.backend = Backend::kCuda;
+      s = decode_run(st.dp, gp.plan, ro);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      CUDA_OK(cudaDeviceSynchronize());
+      k[fused].resize(st.kc.h.size());
+      v[fused].resize(st.vc.h.size());
+      o[fused].resize(st.o.h.size());
+      lse[fused].resize(st.lse.h.size());
+      CUDA_OK(cudaMemcpy(k[fused].data(), st.kc.d.ptr, k[fused].size() * 2, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(v[fused].data(), st.vc.d.ptr, v[fused].size() * 2, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(o[fused].data(), st.o.d.ptr, o[fused].size() * 2, cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(lse[fused].data(), st.lse.d.ptr, lse[fused].size() * 4, cudaMemcpyDeviceToHost));
+    }
+    EXPECT_NE(std::memcmp(k[0].data(), st.kc.h.data(), k[0].size() * 2), 0) << "the append wrote nothing";
+    EXPECT_EQ(std::memcmp(k[0].data(), k[1].data(), k[0].size() * 2), 0) << "K cache differs";
+    EXPECT_EQ(std::memcmp(v[0].data(), v[1].data(), v[0].size() * 2), 0) << "V cache differs";
+    EXPECT_EQ(std::memcmp(o[0].data(), o[1].data(), o[0].size() * 2), 0) << "O differs";
+    EXPECT_EQ(std::memcmp(lse[0].data(), lse[1].data(), lse[0].size() * 4), 0) << "LSE differs";
+    for (std::uint16_t x : o[1]) ASSERT_FALSE(std::isnan(bits_to_float(x, c.dt))) << "NaN in O (a read of an unwritten slot)";
+  }
 }
 
 TEST(DecodeGpu, MergeAttentionStates) {

@@ -238,6 +238,39 @@ def test_fused_merge_equals_the_merge_kernel(gen, num_splits):
     check_step(runs[0][0], runs[0][1], q, kc, vc, None, 0, lens, False)
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("num_splits", [0, 2, 7])
+def test_fused_append_equals_the_append_kernel(gen, page_size, num_splits):
+    # plan(fused_append=True): the split-KV kernel writes the new k/v itself. Same cache bytes and
+    # the same output as the append launch, with new tokens crossing a 64-key tile (62..65).
+    dtype, Hq, Hkv, D, Sq = torch.bfloat16, 16, 4, 128, 4
+    lens = [62, 0, 1021]
+    B, S = len(lens), 1040
+    kc0, vc0 = make_cache(B, S, Hkv, D, dtype, gen, lens)
+    table = None
+    if page_size:
+        kc0, vc0, table = paged_copy(kc0, vc0, page_size, gen)
+    q = rand((B, Sq, Hq, D), dtype, gen)
+    kn, vn = rand((B, Sq, Hkv, D), dtype, gen), rand((B, Sq, Hkv, D), dtype, gen)
+    lens_dev = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    runs = []
+    for fused in (False, True):
+        kc, vc = kc0.clone(), vc0.clone()
+        w = BatchDecodeWithKVCache()
+        plan = w.plan(B, Hq, Hkv, D, seqlen_q=Sq, kv_capacity=S if not page_size else table.shape[1] * page_size,
+                      page_size=page_size, cache_seqlens=lens, append=True, causal=True, rotary="neox",
+                      dtype=dtype, device=DEV, num_splits=num_splits, fused_append=fused)
+        assert plan.fused_append == fused
+        out, lse = w.run(q, kc, vc, lens_dev, block_table=table, k=kn, v=vn, return_lse=True)
+        runs.append((kc, vc, out, lse))
+    (k0, v0, o0, l0), (k1, v1, o1, l1) = runs
+    assert not torch.equal(torch.nan_to_num(k0), torch.nan_to_num(kc0)), "the append wrote nothing"
+    for a, b in ((k0, k1), (v0, v1), (o0, o1), (l0, l1)):
+        assert torch.equal(torch.nan_to_num(a, nan=7.0), torch.nan_to_num(b, nan=7.0))
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert not torch.isnan(o1).any()
+
+
 def test_window_softcap_alibi(gen):
     dtype, B, Hq, Hkv, D, S = torch.bfloat16, 2, 8, 2, 128, 1500
     lens = [1500, 333]

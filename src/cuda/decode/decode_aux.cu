@@ -23,8 +23,8 @@ using flashcpp::decode::kLog2e;
 constexpr int kWarpsPerBlock = 4;
 
 
-/// One warp per (sequence b, token t, KV head hk): K rotated at c_b + t, V copied, both into the
-/// cache slot c_b + t (lengths and pages clamped as in decode.h).
+/// One warp per (sequence b, token t, KV head hk): decode_dev::append_row at slot c_b + t
+/// (lengths and pages clamped as in decode.h).
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(const __grid_constant__ DecodeKernelParams p) {
   pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
@@ -32,29 +32,7 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(cons
   if (w >= p.batch * p.seqlen_q * p.heads_kv) return;
   const int hk = w % p.heads_kv, t = (w / p.heads_kv) % p.seqlen_q, b = w / (p.heads_kv * p.seqlen_q);
   const int pos = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, p.seqlen_q, true) - p.seqlen_q + t;
-  const T* kn = static_cast<const T*>(p.k_new) + b * p.kn_batch_stride + t * p.kn_seq_stride + hk * p.kn_head_stride;
-  const T* vn = static_cast<const T*>(p.v_new) + b * p.vn_batch_stride + t * p.vn_seq_stride + hk * p.vn_head_stride;
-  std::int64_t ko, vo;
-  decode_dev::kv_rows(p, b, pos, &ko, &vo);
-  T* kc = static_cast<T*>(p.k_cache_w) + ko + hk * p.k_head_stride;
-  T* vc = static_cast<T*>(p.v_cache_w) + vo + hk * p.v_head_stride;
-  const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
-  for (int e = lane; e < D; e += 32) {
-    vc[e] = vn[e];
-    if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
-  }
-  if (rd > 0) {
-    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
-    for (int i = lane; i < rd / 2; i += 32) {
-      float c, s;
-      decode_dev::rotary_cos_sin(p, pos, i, &c, &s);
-      int ea, eb;
-      flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
-      const float x1 = to_float(kn[ea]), x2 = to_float(kn[eb]);
-      kc[ea] = from_float<T>(fmaf(x1, c, -(x2 * s)));
-      kc[eb] = from_float<T>(fmaf(x2, c, x1 * s));
-    }
-  }
+  decode_dev::append_row<T>(p, b, t, hk, pos, lane);
 }
 
 /// One warp per (sequence b, token t, query head h) of a sequence with n_b > 1 splits

@@ -99,6 +99,7 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.num_splits = wl.num_splits;
   p.item_batch = wl.item_batch;
   p.item_split = wl.item_split;
+  p.fused_append = plan.fused_append && p.append ? 1 : 0;
   if (plan.fused_merge)
     p.merge_counters = static_cast<int*>(plan.int_workspace) + decode::worklist_int_count(a.batch, plan.num_items);
   if (plan.needs_merge) {
@@ -134,7 +135,7 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
   DecodeKernelParams p = make_params(a, plan);
   p.pdl = programmatic && dev.sm_major >= 9 ? 1 : 0;
   const DType dt = a.q.dtype;
-  if (p.append) FLASHCPP_RETURN_IF_ERROR(decode_append_launch(p, dt, stream));
+  if (p.append && !p.fused_append) FLASHCPP_RETURN_IF_ERROR(decode_append_launch(p, dt, stream));
   switch (a.head_dim) {
     case 64: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd64(p, dt, plan.ctas, stream, dev.device)); break;
     case 128: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd128(p, dt, plan.ctas, stream, dev.device)); break;

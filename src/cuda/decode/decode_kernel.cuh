@@ -116,6 +116,36 @@ __device__ __forceinline__ void rotate_pair(T* a, T* b, float c, float s) {
   *b = from_float<T>(fmaf(x2, c, x1 * s));
 }
 
+/// Appends token t of sequence b, KV head hk, at cache slot `pos`, by one warp: V copied, K
+/// rotated (dims past rotary_dim copied). The append kernel and the fused append of the split-KV
+/// kernel both call this, so the cache bytes are the same either way.
+template <typename T>
+__device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, int t, int hk, int pos, int lane) {
+  const T* kn = static_cast<const T*>(p.k_new) + b * p.kn_batch_stride + t * p.kn_seq_stride + hk * p.kn_head_stride;
+  const T* vn = static_cast<const T*>(p.v_new) + b * p.vn_batch_stride + t * p.vn_seq_stride + hk * p.vn_head_stride;
+  std::int64_t ko, vo;
+  kv_rows(p, b, pos, &ko, &vo);
+  T* kc = static_cast<T*>(p.k_cache_w) + ko + hk * p.k_head_stride;
+  T* vc = static_cast<T*>(p.v_cache_w) + vo + hk * p.v_head_stride;
+  const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
+  for (int e = lane; e < D; e += 32) {
+    vc[e] = vn[e];
+    if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
+  }
+  if (rd > 0) {
+    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
+    for (int i = lane; i < rd / 2; i += 32) {
+      float c, s;
+      rotary_cos_sin(p, pos, i, &c, &s);
+      int ea, eb;
+      flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
+      const float x1 = to_float(kn[ea]), x2 = to_float(kn[eb]);
+      kc[ea] = from_float<T>(fmaf(x1, c, -(x2 * s)));
+      kc[eb] = from_float<T>(fmaf(x2, c, x1 * s));
+    }
+  }
+}
+
 /// The merge of one output row (sequence b, token t, query head h) of a sequence with n_b > 1
 /// splits, by one warp:
 ///   w_i = exp(lse_i - max lse),  O = sum_i w_i O_i / sum_i w_i,  LSE = max lse + log(sum_i w_i).
@@ -194,6 +224,19 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   rules.key_range(0, Sq, &key_lo, &key_hi);
   flashcpp::decode::split_tiles(key_lo, key_hi, split, nsplit, BN, &tile_begin, &tile_end);
   const int n_iters = tile_end - tile_begin;
+
+  // ---- fused append (DecodePlan::fused_append): this split's share of the step's new K/V ------
+  // The appended tokens are the last Sq keys; each lies in exactly one split's tiles, and that
+  // split's CTAs write it (one warp per token; every row block writes the same bytes) before any
+  // tile is loaded. The barrier makes the writes visible to this CTA's cp.async reads; no other
+  // split reads these slots.
+  if (p.fused_append) {
+    for (int t = threadIdx.x / 32; t < Sq; t += Cfg::kWarps) {
+      const int pos = len - Sq + t;
+      if (pos >= tile_begin * BN && pos < tile_end * BN) append_row<T>(p, b, t, hk, pos, threadIdx.x % 32);
+    }
+    __syncthreads();
+  }
 
   const int WR = p.warp_rows, WK = Cfg::kWarps / WR;
   const int wr = warp / WK, wk = warp % WK;

@@ -69,6 +69,9 @@ struct DecodeKernelParams {
   /// Fused merge (DecodePlan::fused_merge): arrival counters [batch][heads_kv][row_blocks] after
   /// the work list; null = the merge kernel merges.
   int* merge_counters;
+  /// Fused append (DecodePlan::fused_append, with append): the split-KV kernel writes the new K/V
+  /// of the tokens in each split's tiles before loading them; no append launch.
+  int fused_append;
 
   /// Host side only: launch programmatically (RunOptions::programmatic_launch on sm_90+). Every
   /// decode kernel starts with griddepcontrol.wait, a no-op for an ordinary launch.
