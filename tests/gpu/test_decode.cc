@@ -16,6 +16,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/cpu_backend.h"
@@ -716,43 +717,33 @@ TEST(DecodeGpu, GraphCaptureReplayWithNewLengths) {
 // q_len 1..16, rotary on and off, and 80 query heads on one KV head (two row blocks writing the
 // same bytes).
 TEST(DecodeGpu, FusedAppendEqualsTheAppendKernel) {
+  auto make = [](int batch, int sq, std::vector<int> lens) {
+    GCase c;
+    c.name = "fused-append";
+    c.batch = batch;
+    c.sq = sq;
+    c.append = true;
+    c.lens = std::move(lens);
+    return c;
+  };
   std::vector<GCase> cases;
-  auto add = [&](GCase c) { cases.push_back(c); };
   for (int splits : {0, 2, 3, 7, 40}) {
-    GCase c;
-    c.name = "fused-append";
-    c.batch = 4;
-    c.sq = 4;
-    c.append = true;
+    GCase c = make(4, 4, {62, 127, 1000, 0});  // 62..65 and 127..130 cross a tile boundary
     c.rot = RotaryStyle::kNeox;
-    c.lens = {62, 127, 1000, 0};  // 62..65 and 127..130 cross a tile boundary
     c.num_splits = splits;
-    add(c);
+    cases.push_back(c);
   }
-  {
-    GCase c;
-    c.name = "fused-append";
-    c.batch = 2;
-    c.sq = 16;
-    c.append = true;
-    c.rot = RotaryStyle::kInterleaved;
-    c.tables = true;
-    c.rotary_dim = 64;
-    c.page_size = 1;
-    c.lens = {57, 300};
-    c.num_splits = 5;
-    add(c);
-  }
-  {
-    GCase c;
-    c.name = "fused-append";
-    c.batch = 2;
-    c.hq = 80;
-    c.hkv = 1;
-    c.append = true;
-    c.lens = {500, 64};
-    add(c);
-  }
+  GCase paged = make(2, 16, {57, 300});
+  paged.rot = RotaryStyle::kInterleaved;
+  paged.tables = true;
+  paged.rotary_dim = 64;
+  paged.page_size = 1;
+  paged.num_splits = 5;
+  cases.push_back(paged);
+  GCase mqa = make(2, 1, {500, 64});
+  mqa.hq = 80;
+  mqa.hkv = 1;
+  cases.push_back(mqa);
   for (const GCase& c : cases) {
     SCOPED_TRACE(describe(c));
     std::mt19937_64 g(gpu_seed() ^ salt_of(describe(c)));
