@@ -9,6 +9,7 @@ const Fa3Entry kEntries[] = {
     // Pipelined consumers without the ping-pong turns: measured as slow as "p" while ptxas hoisted
     // the P V wait above the softmax (in_own_block, hopper.cuh); back to be timed against both.
     fa3_entry<Fa3Config<128, 128, 2, true, false>>(),
+    fa3_entry<Fa3Config<128, 176, 2, true>>(),  // FA3's d128 tile: 176 keys per stage, ping-pong
     fa3_entry<Fa3Config<128, 128, 2, false, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
 };
 }  // namespace

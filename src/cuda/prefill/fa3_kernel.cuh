@@ -75,7 +75,7 @@ struct Fa3Config {
   static constexpr int kRopeBytes = 2 * 128 * 8;
   static constexpr int kSmemBytes =
       kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  static constexpr int kProducerRegs = BlockN > 128 ? 24 : 40, kConsumerRegs = BlockN > 128 ? 240 : 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
   static_assert(8 * (2 + 3 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
@@ -337,8 +337,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       }
     }
     if (kt.partial < 0 && rules.tile_fully_visible(m0, cta.m_end, n0, n0 + BN)) return;
-    static_assert(BN % 64 == 0 || 64 % BN == 0, "a key tile covers whole 64-bit words or lies in one");
-    constexpr int kWords = BN >= 64 ? BN / 64 : 1;  // element-mask words a tile row spans
+    constexpr bool kSparseBits = !Cfg::kPingPong;  // only plain consumers read element bits (below)
+    static_assert(!kSparseBits || BN % 64 == 0 || 64 % BN == 0, "a key tile covers whole 64-bit words or lies in one");
+    constexpr int kWords = kSparseBits && BN >= 64 ? BN / 64 : 1;  // element-mask words a tile row spans
     constexpr int kChunksPerWord = NC / kWords;     // n8 chunks of S per word
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -361,7 +362,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
           for (int e1 = 0; e1 < 2; ++e1) {
             const int j = wd * kChunksPerWord + jj;
             const int col = n0 + 8 * j + 2 * t + e1;
-            const bool bit = (bits >> (bit0 + 8 * jj + e1)) & 1u;
+            const bool bit = !kSparseBits || ((bits >> (bit0 + 8 * jj + e1)) & 1u);
             if (!(col < hi && (col >= lo || col < rules.global_tokens) && bit)) acc_s[4 * j + 2 * r + e1] = -INFINITY;
           }
       }
