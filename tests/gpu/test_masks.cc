@@ -519,6 +519,42 @@ TEST(MasksGpuBlockSparse, BlocksNoTileDividesAreRefusedWithASentence) {
   }
 }
 
+// Pipelined (ping-pong "p" / overlap "o") sm90 configs do not read element bits: forced onto a
+// block-sparse mask they are refused with a sentence that names a compiled plain config (their
+// twin) or, when none is compiled (sm90_m128n176s2p), says to let dispatch choose.
+TEST(MasksGpuBlockSparse, PipelinedConfigsRefuseNamingACompiledConfig) {
+#if FLASHCPP_HAS_SM90
+  bool hopper = false;
+  for (const auto& f : families()) hopper |= f == "sm90";
+  if (!hopper) GTEST_SKIP() << "not a Hopper device (or no sm_90a kernels in this build)";
+  int refused = 0;
+  for (int d : {64, 128, 256}) {
+    const std::vector<std::string> names = cuda::prefill_sm90_configs(d);
+    const MaskCase c = sparse(dense(1, 512, 512, 2, 2, d, kBf16), 128, 128, false, dilated, "dilated");
+    for (const std::string& cfg : names) {
+      const std::string base = cfg.substr(0, cfg.find("_persist"));
+      if (base.back() != 'p' && base.back() != 'o') continue;
+      SCOPED_TRACE(cfg);
+      Outcome o;
+      run_mask_case(c, cfg, 2200, &o, /*expect_ok=*/false);
+      ASSERT_EQ(o.status.code(), StatusCode::kUnsupported) << o.status.to_string();
+      const std::string& m = o.status.message();
+      const std::size_t at = m.find("its plain twin ");
+      if (at == std::string::npos) {
+        EXPECT_NE(m.find("leave cuda_config empty"), std::string::npos) << m;
+      } else {
+        const std::string twin = m.substr(at + 15, m.find(' ', at + 15) - (at + 15));
+        EXPECT_NE(std::find(names.begin(), names.end(), twin), names.end()) << "names a config not compiled: " << m;
+      }
+      ++refused;
+    }
+  }
+  EXPECT_GT(refused, 0) << "no pipelined sm90 config compiled";
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
 // ---- races and choices -------------------------------------------------------------------------
 
 TEST(MasksGpuDeterminism, SameInputsSameBits) {

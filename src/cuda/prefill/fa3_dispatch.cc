@@ -146,9 +146,16 @@ std::string prefill_sm90_misfit(const AttnParams& a, const std::string& config) 
   for (const auto& e : fa3_entries(a.head_dim))
     if (fa3_config_name(e) == config) {
       if (fa3_fits(e, a)) return {};
-      if (e.ping_pong)
-        return "sm90 config " + config + " (ping-pong consumers) does not run block-sparse masks; its plain twin " +
-               config.substr(0, config.size() - 1) + " does";
+      if (e.ping_pong) {
+        std::string twin;  // same tiles, stages and scheduling with plain consumers, if compiled
+        for (const auto& t : fa3_entries(a.head_dim))
+          if (!t.ping_pong && t.block_m == e.block_m && t.block_n == e.block_n && t.stages == e.stages &&
+              t.persistent == e.persistent)
+            twin = fa3_config_name(t);
+        return "sm90 config " + config + " (pipelined consumers) does not run block-sparse masks; " +
+               (twin.empty() ? std::string("leave cuda_config empty and dispatch picks a config that does")
+                             : "its plain twin " + twin + " does");
+      }
       return "sm90 config " + config + " has " + std::to_string(e.block_m) + "x" + std::to_string(e.block_n) +
              " tiles, which do not divide the " + std::to_string(a.mask.block_sparse->block_m) + "x" +
              std::to_string(a.mask.block_sparse->block_n) + " block-sparse blocks";
