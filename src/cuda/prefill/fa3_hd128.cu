@@ -11,6 +11,7 @@ const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<128, 128, 2, true, false>>(),
     fa3_entry<Fa3Config<128, 176, 2, true>>(),  // FA3's d128 tile: 176 keys per stage, ping-pong
     fa3_entry<Fa3Config<128, 128, 2, false, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
+    fa3_entry<Fa3Config<128, 128, 2, true, true, true>>(),   // ping-pong, persistent: the causal twin should "p" win
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd128() { return kEntries; }
