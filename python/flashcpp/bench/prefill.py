@@ -1,4 +1,5 @@
-"""Prefill attention: flashcpp vs torch SDPA's FLASH (FA2), CUDNN and EFFICIENT backends, one process.
+"""Prefill attention: flashcpp vs torch SDPA's FLASH (FA2), CUDNN and EFFICIENT backends, one process
+(and flashinfer's ragged prefill with FLASHCPP_BENCH_FLASHINFER=1, when it imports).
 
 Two timings per implementation, both medians of interleaved rounds: `*_us` replays each call from
 a CUDA graph (kernel time: launch and Python overhead removed for everyone alike), `*_eager_us`
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
-from .common import ceilings, environment, interleaved, progress, write_csv, write_json
+from .common import bench_graph_us, ceilings, environment, interleaved, progress, write_csv, write_json
 
 SHAPES = [  # batch, heads, seqlen, head_dim
     (1, 8, 512, 64), (1, 8, 2048, 64), (2, 16, 4096, 64), (2, 16, 16384, 64),
@@ -24,6 +25,32 @@ QUICK = [(2, 16, 4096, 64), (4, 32, 4096, 128)]
 def _flops(b, h, n, d, causal):
     f = 4.0 * b * h * n * n * d
     return f / 2 if causal else f
+
+
+def _flashinfer():
+    """flashinfer, if FLASHCPP_BENCH_FLASHINFER=1 and it imports here (a wheel carried to the GPU
+    machine), else (None, why). Opt-in: flashinfer JIT-compiles each (dtype, head_dim, mask) kernel
+    with nvcc at first use, minutes of GPU-machine time on a fresh machine."""
+    if os.environ.get("FLASHCPP_BENCH_FLASHINFER") != "1":
+        return None, "FLASHCPP_BENCH_FLASHINFER is not 1"
+    try:
+        import flashinfer
+        return flashinfer, ""
+    except Exception as e:  # ImportError, or a build for another torch / CUDA
+        return None, f"{type(e).__name__}: {str(e)[:100]}"
+
+
+def _flashinfer_prefill(torch, fi, q, k, v, causal):
+    """flashinfer's ragged prefill wrapper on the same (B, N, H, D) tensors, viewed as B*N packed rows
+    (equal lengths): planned once here, so the returned call only launches (graph-capturable).
+    Returns (B, N, H, D) like flash_attn_func."""
+    b, n, h, d = q.shape
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+    w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    indptr = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=q.device)
+    w.plan(indptr, indptr, h, h, d, causal=causal, q_data_type=q.dtype, kv_data_type=q.dtype)
+    qf, kf, vf = (x.reshape(b * n, h, d) for x in (q, k, v))
+    return lambda: w.run(qf, kf, vf).view(b, n, h, d)
 
 
 def run(quick: bool, out: str) -> int:
@@ -40,6 +67,10 @@ def run(quick: bool, out: str) -> int:
     rows: List[Dict[str, object]] = []
     peers = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_cudnn": SDPBackend.CUDNN_ATTENTION,
              "torch_efficient": SDPBackend.EFFICIENT_ATTENTION}
+    fi, fi_why = _flashinfer()
+    progress("[bench prefill] flashinfer: " + (f"version {getattr(fi, '__version__', '?')}" if fi else f"not used ({fi_why})"))
+    env["flashinfer"] = getattr(fi, "__version__", "?") if fi else f"not available: {fi_why}"
+    peer_names = list(peers) + (["flashinfer"] if fi else [])
     # bf16 on every shape; fp16 on the QUICK shapes (same kernels, other mma type)
     cases = [(s, c, torch.bfloat16) for s in (QUICK if quick else SHAPES) for c in (False, True)]
     if not quick:
@@ -62,16 +93,29 @@ def run(quick: bool, out: str) -> int:
                 fns[name] = f
             except Exception as e:  # a backend that refuses a shape is reported, not hidden
                 progress(f"  {name} unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
+        if fi is not None:
+            try:
+                fns["flashinfer"] = _flashinfer_prefill(torch, fi, q, k, v, causal)
+                fns["flashinfer"]()
+                bench_graph_us(fns["flashinfer"])  # its run() must capture into a graph like the others
+            except Exception as e:
+                fns.pop("flashinfer", None)
+                progress(f"  flashinfer unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
         # sanity: same function (SDPA causal is top-left; equal lengths here, so identical)
         ref = fns["torch_cudnn" if "torch_cudnn" in fns else "torch_flash"]().transpose(1, 2).float()
         err = max((fns[n]().float() - ref).abs().max().item() for n in ("flashcpp", "flashcpp_sm80"))
+        if "flashinfer" in fns:  # a peer that computes something else would make its ratio meaningless
+            fi_err = (fns["flashinfer"]().float() - ref).abs().max().item()
+            if not fi_err <= 0.05:
+                progress(f"  flashinfer dropped for this case: max |diff| vs SDPA {fi_err:.3e}")
+                fns.pop("flashinfer")
         t = interleaved(fns, graph=True)
         te = interleaved(fns, graph=False)
         dts = "bf16" if dtype == torch.bfloat16 else "fp16"
         cid = f"b{b}_h{h}_n{n}_d{d}{'_causal' if causal else ''}_{dts}"
         fl = _flops(b, h, n, d, causal)
         line = [f"{cid:34s} ours {fl / t['flashcpp'] / 1e6:6.1f} sm80 {fl / t['flashcpp_sm80'] / 1e6:6.1f} TF/s"]
-        for peer in peers:
+        for peer in peer_names:
             if peer not in t:
                 continue
             rows.append({"case": cid, "peer": peer, "ours_us": round(t["flashcpp"], 2), "peer_us": round(t[peer], 2),
@@ -107,6 +151,8 @@ def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> No
 
     cases = sorted({r["case"] for r in rows if r["dtype"] == "bf16"}, key=lambda c: [r["case"] for r in rows].index(c))
     impls = ["flashcpp", "flashcpp_sm80", "torch_flash", "torch_cudnn", "torch_efficient"]
+    if any(r["peer"] == "flashinfer" for r in rows):
+        impls.append("flashinfer")
     vals = {i: [] for i in impls}
     for c in cases:
         rs = [r for r in rows if r["case"] == c]
@@ -116,9 +162,9 @@ def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> No
             m = [r for r in rs if r["peer"] == p]
             vals[p].append(m[0]["peer_tflops"] if m else 0)
     fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.9), 5))
-    w = 0.16
+    w = 0.8 / len(impls)
     for i, name in enumerate(impls):
-        ax.bar([x + (i - 2) * w for x in range(len(cases))], vals[name], w, label=name)
+        ax.bar([x + (i - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals[name], w, label=name)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([c.replace("_bf16", "") for c in cases], rotation=45, ha="right", fontsize=8)
     ax.set_ylabel("TFLOP/s (bf16, CUDA-graph replay)")

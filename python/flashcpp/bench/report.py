@@ -52,8 +52,9 @@ def plot_vs_seqlen(rows: List[Dict[str, object]], path: str, title: str) -> None
                 ys.append(float(m[0][key]) if m else float("nan"))
             return ys
         ax.plot(ns, series("ours_tflops"), "o-", lw=2, label=f"flashcpp ({rows[0]['ours_kernel']})")
-        for peer in ("torch_flash", "torch_cudnn", "torch_efficient"):
-            ax.plot(ns, series("peer_tflops", peer), "s--", label=peer)
+        for peer in ("torch_flash", "torch_cudnn", "torch_efficient", "flashinfer"):
+            if any(r["peer"] == peer for r in sel):
+                ax.plot(ns, series("peer_tflops", peer), "s--", label=peer)
         ax.set_xscale("log", base=2)
         ax.set_title(f"head_dim {d}{' causal' if c else ''}")
         ax.set_xlabel("seqlen")
