@@ -70,11 +70,18 @@ struct MaskRules {
   /// True when every (i, j) of the tile is visible, so the kernel may skip the element mask.
   /// Conservative: may answer false for a tile that happens to be fully visible.
   FC_HD bool tile_fully_visible(int i0, int i1, int j0, int j1) const {
-    if (global_queries && is_global_query(i0) != is_global_query(i1 - 1))
-      return false;
-    const int hmin = key_hi(i0) < key_hi(i1 - 1) ? key_hi(i0) : key_hi(i1 - 1);
-    const int lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);
+    int hmin, lmax;
+    if (!common_window(i0, i1, &hmin, &lmax)) return false;
     return j1 <= hmin && (j0 >= lmax || j1 <= global_tokens);
+  }
+  /// Keys [*lmax, *hmin) that every row of [i0, i1) sees through its window (key_lo and key_hi
+  /// are monotone in the row, so the end rows bound them). False when the rows differ in being
+  /// global queries (their windows then do not nest).
+  FC_HD bool common_window(int i0, int i1, int* hmin, int* lmax) const {
+    if (global_queries && is_global_query(i0) != is_global_query(i1 - 1)) return false;
+    *hmin = key_hi(i0) < key_hi(i1 - 1) ? key_hi(i0) : key_hi(i1 - 1);
+    *lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);
+    return true;
   }
   /// The window walk of rows [i0, i1) visits key tile n_last - it at iteration it < n_window.
   /// Sets [*lo, *hi) to the iterations whose tile (block_n keys) every row sees whole, as
@@ -82,9 +89,8 @@ struct MaskRules {
   /// there with two register compares. Empty when the rows differ in being global queries.
   FC_HD void plain_window_iters(int i0, int i1, int block_n, int n_last, int n_window, int* lo, int* hi) const {
     *lo = *hi = 0;
-    if (global_queries && is_global_query(i0) != is_global_query(i1 - 1)) return;
-    const int hmin = key_hi(i0) < key_hi(i1 - 1) ? key_hi(i0) : key_hi(i1 - 1);      // >= 0
-    const int lmax = key_lo(i1 - 1) > key_lo(i0) ? key_lo(i1 - 1) : key_lo(i0);      // >= 0
+    int hmin, lmax;  // both >= 0
+    if (!common_window(i0, i1, &hmin, &lmax)) return;
     const int n_min = (lmax + block_n - 1) / block_n;  // first tile whose keys all lie >= lmax
     const int n_max = hmin / block_n - 1;              // last tile whose keys all lie < hmin
     const int a = n_last - n_max, b = n_last - n_min + 1;

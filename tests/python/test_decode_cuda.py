@@ -136,6 +136,19 @@ def make_cache(B, S, Hkv, D, dtype, gen, lens):
     return kc, vc
 
 
+def append_step(gen, lens, S, Hq, Hkv, D, Sq, page_size, dtype):
+    """An appending step's inputs: the cache (make_cache; paged with a shuffled block table when
+    page_size > 0, else table None), q (B, Sq, Hq, D) and the new k / v (B, Sq, Hkv, D)."""
+    B = len(lens)
+    kc, vc = make_cache(B, S, Hkv, D, dtype, gen, lens)
+    table = None
+    if page_size:
+        kc, vc, table = paged_copy(kc, vc, page_size, gen)
+    q = rand((B, Sq, Hq, D), dtype, gen)
+    kn, vn = rand((B, Sq, Hkv, D), dtype, gen), rand((B, Sq, Hkv, D), dtype, gen)
+    return kc, vc, table, q, kn, vn
+
+
 # ---- plan / run -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -246,12 +259,7 @@ def test_fused_append_equals_the_append_kernel(gen, page_size, num_splits):
     dtype, Hq, Hkv, D, Sq = torch.bfloat16, 16, 4, 128, 4
     lens = [62, 0, 1021]
     B, S = len(lens), 1040
-    kc0, vc0 = make_cache(B, S, Hkv, D, dtype, gen, lens)
-    table = None
-    if page_size:
-        kc0, vc0, table = paged_copy(kc0, vc0, page_size, gen)
-    q = rand((B, Sq, Hq, D), dtype, gen)
-    kn, vn = rand((B, Sq, Hkv, D), dtype, gen), rand((B, Sq, Hkv, D), dtype, gen)
+    kc0, vc0, table, q, kn, vn = append_step(gen, lens, S, Hq, Hkv, D, Sq, page_size, dtype)
     lens_dev = torch.tensor(lens, dtype=torch.int32, device=DEV)
     runs = []
     for fused in (False, True):
@@ -319,13 +327,8 @@ def test_append_with_rotary(gen, interleaved, tables, page_size):
     dtype, Hq, Hkv, D, Sq = torch.bfloat16, 16, 4, 128, 3
     lens = [0, 100, 1021]
     B, S = len(lens), 1040
-    kc, vc = make_cache(B, S, Hkv, D, dtype, gen, lens)
-    table = None
-    if page_size:
-        kc, vc, table = paged_copy(kc, vc, page_size, gen)
+    kc, vc, table, q, kn, vn = append_step(gen, lens, S, Hq, Hkv, D, Sq, page_size, dtype)
     k0 = kc.clone()
-    q = rand((B, Sq, Hq, D), dtype, gen)
-    kn, vn = rand((B, Sq, Hkv, D), dtype, gen), rand((B, Sq, Hkv, D), dtype, gen)
     rd = 64 if tables else D
     cos = sin = None
     if tables:

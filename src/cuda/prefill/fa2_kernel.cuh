@@ -95,16 +95,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   int n_iters;
   PlainIters plain;  // tiles that skip the modifiers and the element mask outright (two compares)
-  // A walk of window tiles only (no block-sparse list, no sink tiles): tile it is reg_last - it,
-  // from a register instead of the shared-memory record; -1 = read the record.
-  int reg_last = -1;
+  RegWalk walk;      // the key tile of iteration it from a register when the walk allows
   {
     CtaWork w;
     if (!make_cta_work<BM, BN>(p, b, h, m0, &w)) return;  // varlen: past this sequence's end (whole CTA)
     if (tid == 0) cta = w;
     n_iters = w.n_iters;
     plain = plain_iters<BN>(p, w, m0);
-    if (w.bs_cols == nullptr && w.n_iters == w.n_window) reg_last = w.n_last;
+    walk = reg_walk(w);
     // Sequence starts: batch strides, or the packed rows of cu_seqlens (varlen).
     const T* gQ = static_cast<const T*>(p.q) + (varlen ? w.q_row0 * p.q_seq_stride : b * p.q_batch_stride) +
                   h * p.q_head_stride;
@@ -161,7 +159,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     __syncthreads();
     if (it + S - 1 < n_iters) {  // refill the stage consumed in iteration it-1
       const int st = (it + S - 1) % S;
-      const int n0 = reg_last >= 0 ? (reg_last - (it + S - 1)) * BN : cta.key_n0<BN>(it + S - 1);
+      const int n0 = walk.key_n0<BN>(cta, it + S - 1);
       load_tile<Cfg, BN>(sK + st * BN * D, gK, p.k_seq_stride, n0, rules.seqlen_k, tid);
       load_tile<Cfg, BN>(sV + st * BN * D, gV, p.v_seq_stride, n0, rules.seqlen_k, tid);
     }
@@ -183,8 +181,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     }
     const std::uint32_t stage_off = (it % S) * BN * kRowBytes;
-    const KeyTile kt = reg_last >= 0 ? KeyTile{(reg_last - it) * BN, -1, 0}
-                                     : cta.key_tile<BN>(it);  // issued here, used after the MMAs
+    const KeyTile kt = walk.key_tile<BN>(cta, it);  // issued here, used after the MMAs
     const int n0 = kt.n0;
 
     // ---- S = Q K^T ----------------------------------------------------------------------

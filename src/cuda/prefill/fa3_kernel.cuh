@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // Persistent: both consumer warpgroups are done with the tile's Q buffer (also the O staging
   // area), so the producer may load the next tile's Q (2 arrivals).
   std::uint64_t* q_empty = bars + 1 + 3 * S;
-  const bool rotary = (p.mask.flags & PrefillMask::kRotary);
+  const bool rotary = p.mask.flags & PrefillMask::kRotary;
 
   const int tid = threadIdx.x, wg = tid / 128;
   // The tile's work (sequence, key walk) in shared memory. Non-persistent: every thread computes
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   // thread stores each tile's record before its Q load (after q_empty of the previous tile), and
   // the consumers / rotators read it after that Q barrier; the others only test the tile exists.
   CtaWork& cta = *reinterpret_cast<CtaWork*>(smem_raw);
-  const bool varlen = (p.mask.flags & PrefillMask::kVarlen);
+  const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   // This CTA's work units: [first, end) by step (persistent: blockIdx.x, + gridDim.x, ... of the
   // units of tile_order.h; else its one tile).
   auto tile_first = [] { return Cfg::kPersistent ? fresh_sreg_ctaid(0) : 0; };
@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     const KeyTile kt = cta.key_tile<BN>(it);
     const int n0 = kt.n0;
     const MaskRules& rules = cta.rules;
-    if ((p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi))) {
+    if (p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi)) {
       if (p.mask.flags & PrefillMask::kSoftcap) {
 #pragma unroll
         for (int e = 0; e < BN / 2; ++e) acc_s[e] = softcap_raw(acc_s[e], p.mask.softcap_raw, p.mask.softcap_k);
@@ -518,8 +518,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     const int i = row_base + 8 * r;
     if (p.lse != nullptr && t == 0 && i < cta.m_end) {
       // The ALiBi row term left out of the scores (see mask): -slope * (row - ref), raw units.
-      const float row_term =
-          -alibi_slope_raw(p, b, h) * static_cast<float>(i + cta.rules.offset() - alibi_ref);
+      const float row_term = -alibi_slope_raw(p, b, h) * static_cast<float>(i + cta.rules.offset() - alibi_ref);
       p.lse[cta.lse_row0 + i] = l > 0.f ? ((row_max[r] + row_term) * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
     }
   }

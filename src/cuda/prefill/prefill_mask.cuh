@@ -165,6 +165,24 @@ __device__ __forceinline__ PlainIters plain_iters(const P& p, const CtaWork& w, 
   return r;
 }
 
+/// A CTA's key walk kept in one register when it is window tiles only (no block-sparse list, no
+/// sink tiles): tile it is last - it. Otherwise (last = -1) the lookups read the shared-memory
+/// record, as CtaWork::key_tile / key_n0 do.
+struct RegWalk {
+  int last = -1;
+  template <int BN>
+  __device__ __forceinline__ KeyTile key_tile(const CtaWork& w, int it) const {
+    return last >= 0 ? KeyTile{(last - it) * BN, -1, 0} : w.key_tile<BN>(it);
+  }
+  template <int BN>
+  __device__ __forceinline__ int key_n0(const CtaWork& w, int it) const {
+    return last >= 0 ? (last - it) * BN : w.key_n0<BN>(it);
+  }
+};
+__device__ __forceinline__ RegWalk reg_walk(const CtaWork& w) {
+  return RegWalk{w.bs_cols == nullptr && w.n_iters == w.n_window ? w.n_last : -1};
+}
+
 /// Whether the tile of query rows [m0, m0 + BM) of batch b has rows: make_cta_work's test alone
 /// (varlen: m0 inside this sequence's length), for the roles that read the record from shared
 /// memory instead of computing it.
