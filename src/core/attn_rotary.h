@@ -8,8 +8,6 @@
 
 namespace flashcpp::detail {
 
-/// Runs `run` on p, or with p.rotary on, on a copy of p whose q and k are rotated host copies
-/// (input dtype, rotated by the CPU apply_rotary) and whose rotary is off. Host memory only.
 /// apply_rotary's parameters for one side of the attention rotary (query: q with positions_q,
 /// else k with positions_k) over rows (batch, seqlen) of `heads` heads: the view, positions, style
 /// and frequencies; the caller sets q_out and, for defaults it computes itself, positions. Shared
@@ -32,6 +30,9 @@ inline RopeParams attn_rope_params(const AttnParams& p, bool query, int batch, i
   return rp;
 }
 
+/// Runs `run` on p, or with p.rotary on, on a copy of p whose q and k are rotated host copies
+/// (input dtype, rotated by the CPU apply_rotary) and whose rotary is off; stores the rotated k in
+/// rotary.k_rotated when it is set. Host memory only.
 Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::function<Status(const AttnParams&)>& run);
 
 }  // namespace flashcpp::detail

@@ -100,6 +100,11 @@ std::span<const Fa3Entry> fa3_entries(int head_dim) {
 }
 
 namespace {
+/// Same tiles and stages (twins differ in consumers or persistence only).
+bool same_tiles(const Fa3Entry& x, const Fa3Entry& y) {
+  return x.block_m == y.block_m && x.block_n == y.block_n && x.stages == y.stages;
+}
+
 /// Whether a config can run the problem's block-sparse mask (always true without one). The
 /// ping-pong consumers do not read element bits (no registers left for it; fa3_kernel.cuh).
 bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
@@ -130,9 +135,7 @@ const Fa3Entry* fa3_auto(const AttnParams& a, int num_sms) {
     }
   if (base == nullptr || !prefer_persistent(a, num_sms)) return base;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (e.persistent && e.block_m == base->block_m && e.block_n == base->block_n &&
-        e.stages == base->stages && e.ping_pong == base->ping_pong && e.sched == base->sched)
-      return &e;
+    if (e.persistent && same_tiles(e, *base) && e.ping_pong == base->ping_pong && e.sched == base->sched) return &e;
   return base;
 }
 }  // namespace
@@ -149,9 +152,7 @@ std::string prefill_sm90_misfit(const AttnParams& a, const std::string& config) 
       if (e.ping_pong) {
         std::string twin;  // same tiles, stages and scheduling with plain consumers, if compiled
         for (const auto& t : fa3_entries(a.head_dim))
-          if (!t.ping_pong && t.block_m == e.block_m && t.block_n == e.block_n && t.stages == e.stages &&
-              t.persistent == e.persistent)
-            twin = fa3_config_name(t);
+          if (!t.ping_pong && same_tiles(t, e) && t.persistent == e.persistent) twin = fa3_config_name(t);
         return "sm90 config " + config + " (pipelined consumers) does not run block-sparse masks; " +
                (twin.empty() ? std::string("leave cuda_config empty and dispatch picks a config that does")
                              : "its plain twin " + twin + " does");
@@ -182,12 +183,15 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
-  const Fa3Entry* entry = config.empty() ? fa3_auto(a, dev.num_sms) : nullptr;
-  for (const auto& e : fa3_entries(a.head_dim))
-    if (!config.empty() && fa3_config_name(e) == config) {
-      entry = &e;
-      break;
-    }
+  const Fa3Entry* entry = nullptr;
+  if (config.empty())
+    entry = fa3_auto(a, dev.num_sms);
+  else
+    for (const auto& e : fa3_entries(a.head_dim))
+      if (fa3_config_name(e) == config) {
+        entry = &e;
+        break;
+      }
   if (entry == nullptr)
     return Status::Invalid(config.empty() ? "no sm90 prefill config for head_dim " + std::to_string(a.head_dim) +
                                                 " has tiles that divide the block-sparse blocks"
