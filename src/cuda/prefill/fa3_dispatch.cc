@@ -113,15 +113,16 @@ bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
 }
 
 /// Whether the automatic choice is the persistent twin of the default: causal problems of dense
-/// (or window / sink) masks, without varlen or block-sparse walks, with at least two 128-row tiles
-/// per SM. Measured on the H200 (reports/hopper/raw/persist_vs_default_ceac017.txt), persistent
-/// over the default: causal 0.99-1.19x (1.08x mean) from 512 tiles up, where the longest-first work
-/// units balance the triangle; 0.83x at 128 tiles (64 units leave half the SMs idle); non-causal
-/// 0.97-1.02x, so those keep the default.
+/// (or window / sink) masks, without varlen or block-sparse walks, with at least 1.5 128-row tiles
+/// per SM. Measured on the H200 for the pipelined defaults (reports/hopper/raw/persist_s18.txt),
+/// persistent over the default, causal: 1.31x at 256 tiles and 1.12x at 512 (the work units of two
+/// tiles of equal cost fill the SMs where the grid leaves a ragged second wave), 0.99-1.08x from
+/// 1024 tiles up; 0.79x at 128 tiles (64 units leave half the SMs idle). Non-causal: 0.93-1.00x,
+/// so those keep the default.
 bool prefer_persistent(const AttnParams& a, int num_sms) {
   if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr || num_sms <= 0) return false;
   const std::int64_t tiles = static_cast<std::int64_t>((a.seqlen_q + 127) / 128) * a.heads_q * a.batch;
-  return tiles >= 2LL * num_sms && tiles <= INT32_MAX;
+  return 2 * tiles >= 3LL * num_sms && tiles <= INT32_MAX;
 }
 
 /// The automatic choice: the first config (table order) that fits, or its persistent twin (same

@@ -7,8 +7,12 @@
 // [64c, 64c + 64). Per key block, per consumer warpgroup:
 //   wait K full -> S = Q K^T (wgmma.ss, D/16 k-steps) -> mask boundary tiles -> online softmax
 //   (same recurrence as the sm80 kernel, exp2 with the scale folded in) -> P to 16-bit A fragments
-//   -> wait V full -> O = O * corr + P V (wgmma.rs, BlockN/16 k-steps) -> release the stage.
-// The producer thread refills a stage as soon as both consumers released it.
+//   -> wait V full -> O = O * corr + P V (wgmma.rs, BlockN/16 k-steps) -> release V.
+// K and V of a stage are released separately: K as soon as Q K^T has read it, V after P V. The
+// producer thread refills each as soon as both consumers released it. With one barrier for both,
+// a pipelined consumer (P V of block j-1 still reading its stage while the softmax of block j
+// runs) freed the stage of block j+1's keys only after that softmax, and with two stages the
+// Q K^T of j+1 then waited for a fresh load every block.
 //
 // Masks: the same CtaWork as the sm80 kernel (prefill_mask.cuh): the producer and the consumers
 // walk the same key tiles (window range, then attention sinks, or the listed blocks of a
@@ -77,7 +81,7 @@ struct Fa3Config {
       kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
   static constexpr int kProducerRegs = BlockN > 128 ? 24 : 40, kConsumerRegs = BlockN > 128 ? 240 : 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
-  static_assert(8 * (2 + 3 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
+  static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
 
@@ -145,10 +149,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
   std::uint64_t* q_full = bars;
   std::uint64_t* k_full = bars + 1;
   std::uint64_t* v_full = bars + 1 + S;
-  std::uint64_t* kv_empty = bars + 1 + 2 * S;
+  std::uint64_t* k_empty = bars + 1 + 2 * S;  // both consumers' Q K^T read stage s's keys
+  std::uint64_t* v_empty = bars + 1 + 3 * S;  // both consumers' P V read stage s's values
   // Persistent: both consumer warpgroups are done with the tile's Q buffer (also the O staging
   // area), so the producer may load the next tile's Q (2 arrivals).
-  std::uint64_t* q_empty = bars + 1 + 3 * S;
+  std::uint64_t* q_empty = bars + 1 + 4 * S;
   const bool rotary = p.mask.flags & PrefillMask::kRotary;
 
   const int tid = threadIdx.x, wg = tid / 128;
@@ -176,7 +181,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(&k_full[s], 1);
       sm90::mbar_init(&v_full[s], 1);
-      sm90::mbar_init(&kv_empty[s], 8);  // one arrival per consumer warp
+      sm90::mbar_init(&k_empty[s], 8);  // one arrival per consumer warp
+      sm90::mbar_init(&v_empty[s], 8);
     }
     sm90::mbar_init(q_empty, 2);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -207,12 +213,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
         const int k_c3 = varlen ? static_cast<int>(w.k_row0) + w.rules.seqlen_k : tl.b;
         auto load_kv = [&](int it) {
           const int s = ring % S;
-          sm90::mbar_wait(&kv_empty[s], ((ring / S) & 1) ^ 1);  // first pass: the "previous" phase counts as done
+          const std::uint32_t free_phase = ((ring / S) & 1) ^ 1;  // first pass: the "previous" phase counts as done
           const int n0 = w.key_n0<BN>(it);
+          sm90::mbar_wait(&k_empty[s], free_phase);
           sm90::mbar_expect_tx(&k_full[s], Cfg::kKVBytes);
 #pragma unroll
           for (int pn = 0; pn < Cfg::kPanels; ++pn)
             sm90::tma_load_4d(sK + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, &k_full[s]);
+          sm90::mbar_wait(&v_empty[s], free_phase);
           sm90::mbar_expect_tx(&v_full[s], Cfg::kKVBytes);
 #pragma unroll
           for (int pn = 0; pn < Cfg::kPanels; ++pn)
@@ -417,8 +425,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
 #pragma unroll
       for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(acc_s[8 * kk + 2 * e], acc_s[8 * kk + 2 * e + 1]);
   };
-  auto release = [&](int s) {
-    if (lane == 0) sm90::mbar_arrive(&kv_empty[s]);
+  auto release_k = [&](int s) {
+    if (lane == 0) sm90::mbar_arrive(&k_empty[s]);
+  };
+  auto release_v = [&](int s) {
+    if (lane == 0) sm90::mbar_arrive(&v_empty[s]);
   };
 
   float acc_s[BN / 2];
@@ -433,6 +444,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       issue_qk(acc_s, s);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
+      release_k(s);
       mask(acc_s, it);
       softmax(acc_s, corr);
       rescale_o(corr);
@@ -442,7 +454,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       issue_pv(pa, s);
       sm90::wgmma_commit();
       sm90::wgmma_wait<0>();
-      release(s);
+      release_v(s);
     }
   } else if (n_iters > 0) {
     // Scheduler barriers: warpgroup c waits on kSched + c before issuing, then lets the other
@@ -466,6 +478,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     sm90::wgmma_commit();
     window_end(false);
     sm90::wgmma_wait<0>();
+    release_k(ring % S);
     mask(acc_s, 0);
     softmax(acc_s, corr);
     pack_p(acc_s, pa);
@@ -483,13 +496,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       sm90::wgmma_commit();
       window_end(false);
       sm90::wgmma_wait<1>();  // S of block it is ready; P V of it-1 may still run
+      release_k(s);           // the producer may load block it+S's keys while the softmax runs
       // Softmax of block it overlaps P V of block it-1 only if the wait below stays below it.
       sm90::in_own_block(it > n_iters /*never*/, [&] {
         mask(acc_s, it);
         softmax(acc_s, corr);
       });
-      sm90::wgmma_wait<0>();  // P V of it-1 done: its stage is free, O can be rescaled
-      release(sp);
+      sm90::wgmma_wait<0>();  // P V of it-1 done: its values are free, O can be rescaled
+      release_v(sp);
       rescale_o(corr);
       pack_p(acc_s, pa);
     }
@@ -502,7 +516,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     sm90::wgmma_commit();
     window_end(true);
     sm90::wgmma_wait<0>();
-    release(sl);
+    release_v(sl);
   }
   ring += n_iters;
 
