@@ -282,8 +282,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         // Max on raw scores (the scale is positive, dispatch guarantees it), then one FFMA per
         // exponent: p = exp2(s * c - m * c). A row that has seen no key yet keeps m = -inf; use 0
         // so exp2(-inf - 0) = 0, not NaN.
-        const float m_use = mx == -INFINITY ? 0.f : mx * p.scale_log2;
-        const float corr = ptx::exp2_approx(row_max[mt][r] * p.scale_log2 - m_use);
+        // m * c is rounded once (__fmul_rn: never contracted into an FMA), and the old max is
+        // folded the same way, so while the max stays put corr is exp2(0) = 1 exactly. Written as
+        // m_old * c - m_use, the compiler contracted it into one FFMA whose result was the
+        // rounding residual of m * c (up to 1.5e-5 at |m * c| ~ 500): O and l were scaled by
+        // exp2(residual) on every key tile, a drift linear in the number of tiles, which is the
+        // size of the LSE errors the numerics audit found at 32k-64k keys (reports/numerics).
+        const float m_use = mx == -INFINITY ? 0.f : __fmul_rn(mx, p.scale_log2);
+        const float corr = ptx::exp2_approx(__fmul_rn(row_max[mt][r], p.scale_log2) - m_use);
         row_max[mt][r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -348,7 +354,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
             ptx::pack2<T>(acc_o[mt][dt][2 * r] * inv, acc_o[mt][dt][2 * r + 1] * inv);
       }
       if (p.lse != nullptr && t == 0 && m0 + row < m_end) {
-        const float lse = l > 0.f ? (row_max[mt][r] * p.scale_log2 + __log2f(l)) * kLn2 : -INFINITY;
+        // The same rounded m * c as every exponent of the row: the rounding cancels in the LSE.
+        const float lse = l > 0.f ? (__fmul_rn(row_max[mt][r], p.scale_log2) + __log2f(l)) * kLn2 : -INFINITY;
         p.lse[cta.lse_row0 + m0 + row] = lse;
       }
     }
