@@ -87,7 +87,7 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 
 std::string fa3_config_name(const Fa3Entry& e) {
   return "sm90_m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "s" + std::to_string(e.stages) +
-         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.persistent ? "_persist" : "");
+         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.poly_exp ? "e" : "") + (e.persistent ? "_persist" : "");
 }
 
 std::span<const Fa3Entry> fa3_entries(int head_dim) {
@@ -136,7 +136,9 @@ const Fa3Entry* fa3_auto(const AttnParams& a, int num_sms) {
     }
   if (base == nullptr || !prefer_persistent(a, num_sms)) return base;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (e.persistent && same_tiles(e, *base) && e.ping_pong == base->ping_pong && e.sched == base->sched) return &e;
+    if (e.persistent && same_tiles(e, *base) && e.ping_pong == base->ping_pong && e.sched == base->sched &&
+        e.poly_exp == base->poly_exp)
+      return &e;
   return base;
 }
 }  // namespace
