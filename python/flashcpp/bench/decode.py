@@ -23,6 +23,9 @@ Implementations (all on the same KV bytes, CUDA-graph replays, medians of interl
                            contiguous cache: the issue's ">= 3x the naive prefill path" bar
   flashcpp_contiguous      (paged cases) flashcpp on the contiguous copy of the same cache
   flashcpp_padded          (ragged case) flashcpp with every sequence at the full 16k (a padded cache)
+  flashcpp_fused_merge     (anchor and sweep cases) our plan with fused_merge=True: the split kernel's
+                           last CTA per (sequence, head) merges, no merge launch
+  flashcpp_2x_splits       (anchor and sweep cases) our plan forced to twice the heuristic's splits
 
 Columns per DESIGN.md; ours_tbps = K+V bytes the step must read / ours_us (peer_tbps likewise).
 meets_bar: the issue's bars that apply to the row (listed in `bar`): >= 1.0x torch_cudnn on the
@@ -299,6 +302,27 @@ def _run_case(c: Case, idx: int, env: Dict[str, object], libs: Dict[str, Any], r
         wc.plan(B, Hq, Hkv, D, seqlen_q=Sq, kv_capacity=N, cache_seqlens=lens_host, causal=c.causal, dtype=dt,
                 device=dev)
         fns["flashcpp_contiguous"] = lambda: wc.run(q, kc, vc, lens, out=o_c)
+    # Our own variants on the anchor and sweep shapes, for the split-KV design questions
+    # (reports/decode "Where it loses"): the split kernel merging in its last CTA, and twice the
+    # planned splits (more CTAs in flight per SM on the latency-bound B1-B8 problems).
+    if c.group in ("anchor", "sweep") and not c.page_size and dev != "cpu":
+        variants = {"flashcpp_fused_merge": dict(fused_merge=True)}
+        if info.max_splits > 1 or N >= 4096:
+            variants["flashcpp_2x_splits"] = dict(num_splits=2 * info.max_splits)
+        for vname, kw in variants.items():
+            wv, o_v = BatchDecodeWithKVCache(), torch.empty_like(q)
+            try:
+                wv.plan(B, Hq, Hkv, D, seqlen_q=Sq, kv_capacity=N, cache_seqlens=lens_host, causal=c.causal,
+                        dtype=dt, device=dev, **kw)
+                fv = (lambda wv=wv, o_v=o_v: wv.run(q, kc, vc, lens, out=o_v))
+                fv()
+                torch.cuda.synchronize(dev)
+                if not torch.equal(o_v, o_ours) and (o_v.float() - o_ours.float()).abs().max().item() > 2 * peer_err + 1e-3:
+                    notes[vname] = "differs from the default plan beyond the tolerance; not timed"
+                    continue
+                fns[vname] = fv
+            except Exception as e:
+                notes[vname] = f"refused: {type(e).__name__}: {str(e)[:100]}"
     if "flash_attn" in libs:
         fa = libs["flash_attn"]
         if c.page_size:
@@ -419,7 +443,8 @@ def _print_table(rows: List[Dict[str, object]]) -> None:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     peers = list(dict.fromkeys(r["peer"] for r in rows))
     short = {"torch_cudnn": "cudnn", "torch_flash": "flash", "flashcpp_prefill_naive": "naive",
-             "flashcpp_contiguous": "contig", "flashcpp_padded": "padded", "flash_attn": "fa", "flashinfer": "fi"}
+             "flashcpp_contiguous": "contig", "flashcpp_padded": "padded", "flash_attn": "fa", "flashinfer": "fi",
+             "flashcpp_fused_merge": "fmerge", "flashcpp_2x_splits": "2xsplit"}
     head = f"{'case':44s} {'ours_us':>8s} {'TB/s':>5s} " + " ".join(f"{short.get(p, p):>8s}" for p in peers) + "  bar"
     progress("")
     progress("speedup = peer_us / ours_us (above 1: flashcpp faster); '!' = below the issue's bar")
