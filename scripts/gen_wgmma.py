@@ -5,7 +5,7 @@ Hopper kernel uses (m64nNk16, fp32 accumulators, bf16/fp16 inputs).
   rs: A from registers, B from shared memory MN-major (O += P V, V stored [key][d]).
 Run: python3 scripts/gen_wgmma.py > src/cuda/common/wgmma_ops.inc"""
 
-NS = (64, 128, 176, 256)
+NS = (64, 128, 192, 256)
 TYPES = (("bf16", "__nv_bfloat16"), ("f16", "__half"))
 
 

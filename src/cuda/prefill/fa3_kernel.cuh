@@ -90,6 +90,7 @@ struct Fa3Config {
   static constexpr int kProducerRegs = BlockN > 128 ? 24 : 40, kConsumerRegs = BlockN > 128 ? 240 : 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
   static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory fits an sm_90 SM (227 KB per block)");
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
 };
 
