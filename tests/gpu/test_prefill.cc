@@ -302,7 +302,8 @@ TEST(Prefill, LseHoldsWhileTheRowMaxStaysPut) {
   constexpr int kSq = 128, kSk = 8192, kD = 128;
   std::mt19937_64 g(gpu_seed() ^ 0x5EEDull);
   std::vector<std::uint16_t> hq(static_cast<std::size_t>(kSq) * kD, 0), hk(static_cast<std::size_t>(kSk) * kD, 0);
-  for (int i = 0; i < kSq; ++i) hq[static_cast<std::size_t>(i) * kD] = float_to_bf16_bits(static_cast<float>(16 + (i * 7) % 47));
+  for (int i = 0; i < kSq; ++i)  // a_i in 16..62 (exact in bf16), scores 64 a_i
+    hq[static_cast<std::size_t>(i) * kD] = float_to_bf16_bits(static_cast<float>(16 + (i * 7) % 47));
   for (int j = 0; j < kSk; ++j) hk[static_cast<std::size_t>(j) * kD] = float_to_bf16_bits(64.f);
   auto hv = random_half_bits(static_cast<std::int64_t>(kSk) * kD, DType::kBF16, g);
   DeviceBuffer q(hq.size() * 2), k(hk.size() * 2), v(hv.size() * 2), o(hq.size() * 2), lse(sizeof(float) * kSq);
@@ -313,7 +314,8 @@ TEST(Prefill, LseHoldsWhileTheRowMaxStaysPut) {
   CUDA_OK(cudaMemcpy(v.ptr, hv.data(), hv.size() * 2, cudaMemcpyHostToDevice));
   AttnParams p = attn_params(1, kSq, kSk, 1, 1, kD, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
   p.lse = static_cast<float*>(lse.ptr);
-  ASSERT_TRUE(cuda::reference_attention_f64(p, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr).ok());
+  ASSERT_TRUE(
+      cuda::reference_attention_f64(p, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr).ok());
   std::vector<double> rlse(kSq), ro(hq.size());
   CUDA_OK(cudaMemcpy(rlse.data(), lseref.ptr, lseref.bytes, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, oref.bytes, cudaMemcpyDeviceToHost));

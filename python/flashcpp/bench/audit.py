@@ -10,7 +10,8 @@ writes them (``flashcpp audit --dump-inputs``, the generators of tools/harness/a
 the same seed rule), so the rows this driver measures are exactly the rows ``flashcpp audit``
 measures. Each problem is loaded to the GPU and run through
 
-* ``flashcpp_sm80`` / ``flashcpp_sm90``: ``flashcpp.attention(..., backend="cuda", cuda_config=...)``;
+* ``flashcpp_sm80`` / ``flashcpp_sm90``: ``flashcpp.attention(..., backend="cuda", cuda_config=...)``
+  (``flashcpp_<config>``: that one compiled config, e.g. ``flashcpp_sm90_m128n128s4pe``);
 * ``torch_flash`` / ``torch_cudnn``: ``F.scaled_dot_product_attention`` under ``sdpa_kernel``
   (SDPA's (B, H, N, D) view through ``transpose``; ``is_causal`` for causal, which equals flashcpp's
   bottom-right alignment here since seqlen_q == seqlen_k; the sliding window as a boolean
@@ -321,7 +322,7 @@ def run(*, seqlens: Sequence[int], dtypes: Sequence[str], families: Sequence[str
                                 if r["status"] == "fail":
                                     line.append("(DEFECT)")
                             results.append(r)
-                        for ours in OURS:
+                        for ours in [i for i in impls if i.startswith("flashcpp_")]:
                             for peer in PEERS:
                                 a, b = row.get(ours), row.get(peer)
                                 if a and b and a["p99"] and b["p99"]:
@@ -358,7 +359,8 @@ def main(argv=None) -> int:
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--masks", default=",".join(MASKS))
     ap.add_argument("--impls", default=",".join(OURS + PEERS),
-                    help="subset of flashcpp_sm80,flashcpp_sm90,torch_flash,torch_cudnn")
+                    help="subset of flashcpp_sm80,flashcpp_sm90,torch_flash,torch_cudnn; or flashcpp_<config> "
+                         "for one compiled config (e.g. flashcpp_sm90_m128n128s4pe; `flashcpp info` lists them)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=None,
@@ -375,7 +377,8 @@ def main(argv=None) -> int:
     for name, vals, allowed in (("--dtypes", _csv(args.dtypes), TOLERANCE),
                                 ("--families", _csv(args.families), FAMILIES),
                                 ("--masks", _csv(args.masks), MASKS), ("--impls", _csv(args.impls), OURS + PEERS)):
-        bad = [v for v in vals if v not in allowed]
+        one_config = name == "--impls"  # flashcpp_<config>: any compiled config, checked when it runs
+        bad = [v for v in vals if v not in allowed and not (one_config and v.startswith("flashcpp_") and len(v) > 9)]
         if bad:
             ap.error(f"{name}: unknown {bad} (choose from {list(allowed)})")
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
