@@ -3,8 +3,9 @@
 // warpgroups with register reallocation (setmaxnreg), wgmma for S = Q K^T (both operands in
 // shared memory) and O += P V (P from registers, V read MN-major from shared memory).
 //
-// A CTA owns kBlockM = 128 query rows of one (batch, head): consumer warpgroup c computes rows
-// [64c, 64c + 64). Per key block, per consumer warpgroup:
+// A CTA owns kBlockM = 64 x kConsumers query rows of one (batch, head) (128, or 192 with three
+// consumer warpgroups): consumer warpgroup c computes rows [64c, 64c + 64). Per key block, per
+// consumer warpgroup:
 //   wait K full -> S = Q K^T (wgmma.ss, D/16 k-steps) -> mask boundary tiles -> online softmax
 //   (same recurrence as the sm80 kernel, exp2 with the scale folded in) -> P to 16-bit A fragments
 //   -> wait V full -> O = O * corr + P V (wgmma.rs, BlockN/16 k-steps) -> release V.
@@ -54,10 +55,13 @@ inline constexpr float kLn2Fa3 = 0.6931471805599453f;
 namespace flashcpp::cuda {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
-          bool PolyExp = false>
+          bool PolyExp = false, int Consumers = 2>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockM = 128;              ///< two consumer warpgroups x 64 rows
+  /// Consumer warpgroups, 64 query rows each: 2 (BlockM 128), or 3 (BlockM 192, FA3's d64 tile:
+  /// more rows per K/V stage, and with ping-pong two warpgroups' softmax under one's GEMMs).
+  static constexpr int kConsumers = Consumers;
+  static constexpr int kBlockM = 64 * Consumers;
   static constexpr int kBlockN = BlockN;           ///< keys per stage
   static constexpr int kStages = Stages;           ///< K/V ring depth
   /// Software-pipelined consumers (Q K^T of block j overlaps softmax of j and P V of j-1) with
@@ -78,20 +82,23 @@ struct Fa3Config {
   /// its two GEMMs on the tensor cores; moving a quarter to the FMA pipe (128 per clock, ~12
   /// instructions each) balances the two pipes at ~3/4 of that time.
   static constexpr bool kPolyExp = PolyExp;
-  static constexpr int kThreads = 384;             ///< producer warpgroup + 2 consumer warpgroups
+  static constexpr int kThreads = 128 * (1 + Consumers);  ///< producer warpgroup + the consumers
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
   static constexpr int kKVBytes = BlockN * HeadDim * 2;
   static constexpr int kBarrierBytes = 256;
   /// Rotary: each consumer warpgroup's copy of the fp64 inv_freq table (128 pairs at most).
-  static constexpr int kRopeBytes = 2 * 128 * 8;
+  static constexpr int kRopeBytes = Consumers * 128 * 8;
   static constexpr int kSmemBytes =
       kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
-  static constexpr int kProducerRegs = BlockN > 128 ? 24 : 40, kConsumerRegs = BlockN > 128 ? 240 : 232;
+  /// setmaxnreg budgets (multiples of 8; the 64K-register file split over the warpgroups).
+  static constexpr int kProducerRegs = Consumers == 3 ? 32 : BlockN > 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = Consumers == 3 ? 160 : BlockN > 128 ? 240 : 232;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
   static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory fits an sm_90 SM (227 KB per block)");
-  static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
+  static_assert(Consumers == 2 || Consumers == 3, "two or three consumer warpgroups");
+  static_assert(kProducerRegs * 128 + Consumers * kConsumerRegs * 128 <= 65536, "register file");
 };
 
 /// Byte offset of 16-byte chunk `chunk` (columns 8 chunk .. 8 chunk + 7) of row r in a tile of
@@ -190,10 +197,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(&k_full[s], 1);
       sm90::mbar_init(&v_full[s], 1);
-      sm90::mbar_init(&k_empty[s], 8);  // one arrival per consumer warp
-      sm90::mbar_init(&v_empty[s], 8);
+      sm90::mbar_init(&k_empty[s], 4 * Cfg::kConsumers);  // one arrival per consumer warp
+      sm90::mbar_init(&v_empty[s], 4 * Cfg::kConsumers);
     }
-    sm90::mbar_init(q_empty, 2);
+    sm90::mbar_init(q_empty, Cfg::kConsumers);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -470,19 +477,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       release_v(s);
     }
   } else if (n_iters > 0) {
-    // Scheduler barriers: warpgroup c waits on kSched + c before issuing, then lets the other
-    // issue. Warpgroup 0 goes first; warpgroup 1 skips its last hand-over so that both barriers
-    // see exactly as many arrivals as waits (n_iters + 1 issue windows per warpgroup).
-    constexpr int kSched = 3;
+    // Scheduler barriers (ids after the per-warpgroup ones, 1 .. kConsumers): warpgroup c waits
+    // on kSched + c before issuing, then hands the turn to the next (round robin). Warpgroup 0
+    // goes first; the last warpgroup skips its last hand-over so that every barrier sees exactly
+    // as many arrivals as waits (n_iters + 1 issue windows per warpgroup).
+    constexpr int kSched = 1 + Cfg::kConsumers, kLast = Cfg::kConsumers - 1;
     auto window_begin = [&] {
       if constexpr (Cfg::kSched) sm90::named_barrier_sync(kSched + c, 256);
     };
     auto window_end = [&](bool last) {
       if constexpr (Cfg::kSched)
-        if (c == 0 || !last) sm90::named_barrier_arrive(kSched + (1 - c), 256);
+        if (c != kLast || !last)
+          sm90::named_barrier_arrive(kSched + (Cfg::kConsumers == 2 ? 1 - c : c == kLast ? 0 : c + 1), 256);
     };
     if constexpr (Cfg::kSched)
-      if (c == 1) sm90::named_barrier_arrive(kSched + 0, 256);
+      if (c == kLast) sm90::named_barrier_arrive(kSched + 0, 256);
     // Block 0: Q K^T alone. Stage and phase of block it: (ring + it) % S, ((ring + it) / S) & 1.
     sm90::mbar_wait(&k_full[ring % S], (ring / S) & 1);
     window_begin();
