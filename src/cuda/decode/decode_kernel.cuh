@@ -39,6 +39,7 @@
 #include "common/mask_rules.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/common/ptx.cuh"
+#include "cuda/common/rope.cuh"
 #include "cuda/decode/decode_common.h"
 #include "cuda/decode/decode_params.h"
 
@@ -108,12 +109,14 @@ __device__ __forceinline__ void rotary_cos_sin(const DecodeKernelParams& p, int 
   __sincosf(r, s, c);
 }
 
-/// Rotates one pair in fp32 and returns the rounded results (decode.h's rule).
+/// Rotates the pair (src_a, src_b) in fp32 (rope::rotate_pair, the expression every rotary path
+/// shares) and stores the rounded results to (dst_a, dst_b) (decode.h's rule); in place when equal.
 template <typename T>
-__device__ __forceinline__ void rotate_pair(T* a, T* b, float c, float s) {
-  const float x1 = to_float(*a), x2 = to_float(*b);
-  *a = from_float<T>(fmaf(x1, c, -(x2 * s)));
-  *b = from_float<T>(fmaf(x2, c, x1 * s));
+__device__ __forceinline__ void rotate_pair(const T* src_a, const T* src_b, T* dst_a, T* dst_b, float c, float s) {
+  float x1 = to_float(*src_a), x2 = to_float(*src_b);
+  rope::rotate_pair(x1, x2, c, s);
+  *dst_a = from_float<T>(x1);
+  *dst_b = from_float<T>(x2);
 }
 
 /// Appends token t of sequence b, KV head hk, at cache slot `pos`, by one warp: V copied, K
@@ -139,9 +142,7 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
       rotary_cos_sin(p, pos, i, &c, &s);
       int ea, eb;
       flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
-      const float x1 = to_float(kn[ea]), x2 = to_float(kn[eb]);
-      kc[ea] = from_float<T>(fmaf(x1, c, -(x2 * s)));
-      kc[eb] = from_float<T>(fmaf(x2, c, x1 * s));
+      rotate_pair(kn + ea, kn + eb, kc + ea, kc + eb, c, s);
     }
   }
 }
@@ -288,7 +289,9 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
       rotary_cos_sin(p, len - Sq + gr % Sq, i, &c, &s);
       int ea, eb;
       flashcpp::decode::rotary_pair(style, i, p.rot_dim, &ea, &eb);
-      rotate_pair(sQ + swz<D>(rr, ea >> 3) + (ea & 7), sQ + swz<D>(rr, eb >> 3) + (eb & 7), c, s);
+      T* qa = sQ + swz<D>(rr, ea >> 3) + (ea & 7);
+      T* qb = sQ + swz<D>(rr, eb >> 3) + (eb & 7);
+      rotate_pair(qa, qb, qa, qb, c, s);
     }
   }
 

@@ -487,6 +487,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     };
     auto window_end = [&](bool last) {
       if constexpr (Cfg::kSched)
+        // The next warpgroup, round robin. Spelled 1 - c for two: (c + 1) % kConsumers measured
+        // other ptxas spills in the two-warpgroup configs (d128 persistent 8 -> 12 bytes).
         if (c != kLast || !last)
           sm90::named_barrier_arrive(kSched + (Cfg::kConsumers == 2 ? 1 - c : c == kLast ? 0 : c + 1), 256);
     };
