@@ -291,6 +291,38 @@ TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {
 #endif
 }
 
+// The automatic d64 choice (fa3_dispatch.cc, suits): the 192-row three-consumer tile for large
+// problems (non-causal: where its per-row gain beats its coarser waves; causal: from 10 of its
+// tiles per SM), the 128-row config (persistent when causal and large enough) otherwise.
+TEST(Prefill, AutoChoiceTakesTheWideD64TileForLargeProblems) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  const int big = 192 * ((10 * dev.num_sms + 15) / 16);  // 16 heads x big / 192 tiles >= 10 x SMs
+  const std::int64_t elems = std::max<std::int64_t>(std::int64_t{big} * 16, std::int64_t{dev.num_sms} * 128 * 16) * 64;
+  DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2), o(elems * 2);
+  auto pick = [&](int batch, int seqlen, bool causal) {
+    AttnParams p = attn_params(batch, seqlen, seqlen, 16, 16, 64, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
+    p.mask.causal = causal;
+    RunOptions opt;
+    opt.backend = Backend::kCuda;
+    KernelChoice ch;
+    const Status st = select_kernel(p, opt, &ch);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    return ch.config;
+  };
+  EXPECT_EQ(pick(1, big, false), "sm90_m192n128s4p");
+  EXPECT_EQ(pick(1, big, true), "sm90_m192n128s4p");
+  // Half as many: causal takes the 128-row persistent twin (its triangle balance wins there).
+  EXPECT_EQ(pick(1, big / 2, true), "sm90_m128n128s4p_persist");
+  // Sequences of 128 rows: a 192-row tile would only add empty rows.
+  EXPECT_EQ(pick(dev.num_sms, 128, false), "sm90_m128n128s4p");
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
 // Every key of a row scores the same large value (s = 64 a_i, 1024..3968 raw; m * scale * log2 e
 // ~ 130..510), so the row max never moves after the first key tile. The running O and l must then
 // keep their scale exactly: an online softmax that rescales by exp2(m_old * c - m * c) computed as

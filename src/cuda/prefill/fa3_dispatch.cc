@@ -87,7 +87,7 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 
 std::string fa3_config_name(const Fa3Entry& e) {
   return "sm90_m" + std::to_string(e.block_m) + "n" + std::to_string(e.block_n) + "s" + std::to_string(e.stages) +
-         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.poly_exp ? "e" : "") + (e.persistent ? "_persist" : "");
+         (e.ping_pong ? (e.sched ? "p" : "o") : "") + (e.persistent ? "_persist" : "");
 }
 
 std::span<const Fa3Entry> fa3_entries(int head_dim) {
@@ -112,33 +112,56 @@ bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
          (!e.ping_pong && tiles_fit_block_sparse(*a.mask.block_sparse, e.block_m, e.block_n));
 }
 
-/// Whether the automatic choice is the persistent twin of the default: causal problems of dense
-/// (or window / sink) masks, without varlen or block-sparse walks, with at least 1.5 128-row tiles
-/// per SM. Measured on the H200 for the pipelined defaults (reports/hopper/raw/persist_s18.txt),
+/// Tiles of `block_m` query rows in the problem (with varlen, of max_len rows per sequence).
+std::int64_t tile_count(const AttnParams& a, int block_m) {
+  return static_cast<std::int64_t>((a.seqlen_q + block_m - 1) / block_m) * a.heads_q * a.batch;
+}
+
+/// Whether a config's tile suits the problem. Tiles of 128 rows always do. d64's 192-row tile
+/// (three consumer warpgroups) costs 0.88x the 128-row default per query row once the SMs are
+/// full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s), but it comes in 1.5x coarser waves, so it is
+/// taken where that per-row gain beats the wave quantization (H200, reports/hopper/raw/d64_m192_s19.txt):
+///  - non-causal: when waves(192-row tiles) x 192 x 0.88 < waves(128-row tiles) x 128, a wave being
+///    one tile per SM. Picks it for (1,12,3072) (361.8 vs 295.1), (2,16,2048) (397.1 vs 373.9),
+///    (1,8,8192) (438.4 vs 418.6); keeps 128 rows for (1,8,2048) (357.8 vs 298.5), (1,16,2048)
+///    (370.3 vs 305.2).
+///  - causal: from 10 of its tiles per SM. Below that the 128-row persistent twin balances the
+///    triangle better (339.0 vs 318.0 at 5.3 per SM); at 20.9 per SM the 192-row tile wins (438.5
+///    vs 403.8). Its own persistent twin lost everywhere (spills at 160 registers) and is not built.
+bool suits(const Fa3Entry& e, const AttnParams& a, int num_sms) {
+  if (e.block_m <= 128) return true;
+  const std::int64_t wide = tile_count(a, e.block_m);
+  if (a.mask.causal) return wide >= 10LL * num_sms;
+  const std::int64_t narrow = tile_count(a, 128), sms = std::max(num_sms, 1);
+  const double wide_cost = static_cast<double>((wide + sms - 1) / sms) * e.block_m * 0.88;
+  return wide_cost < static_cast<double>((narrow + sms - 1) / sms) * 128;
+}
+
+/// Whether the automatic choice is the persistent twin of `base`: causal problems of dense
+/// (or window / sink) masks, without varlen or block-sparse walks, with at least 1.5 of base's
+/// tiles per SM. Measured on the H200 for the pipelined defaults (reports/hopper/raw/persist_s18.txt),
 /// persistent over the default, causal: 1.31x at 256 tiles and 1.12x at 512 (the work units of two
 /// tiles of equal cost fill the SMs where the grid leaves a ragged second wave), 0.99-1.08x from
 /// 1024 tiles up; 0.79x at 128 tiles (64 units leave half the SMs idle). Non-causal: 0.93-1.00x,
 /// so those keep the default.
-bool prefer_persistent(const AttnParams& a, int num_sms) {
+bool prefer_persistent(const AttnParams& a, const Fa3Entry& base, int num_sms) {
   if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr || num_sms <= 0) return false;
-  const std::int64_t tiles = static_cast<std::int64_t>((a.seqlen_q + 127) / 128) * a.heads_q * a.batch;
+  const std::int64_t tiles = tile_count(a, base.block_m);
   return 2 * tiles >= 3LL * num_sms && tiles <= INT32_MAX;
 }
 
-/// The automatic choice: the first config (table order) that fits, or its persistent twin (same
-/// tiles, stages and consumers) when prefer_persistent says so.
+/// The automatic choice: the first config (table order) that fits and suits the problem, or its
+/// persistent twin (same tiles, stages and consumers) when prefer_persistent says so.
 const Fa3Entry* fa3_auto(const AttnParams& a, int num_sms) {
   const Fa3Entry* base = nullptr;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (!e.persistent && fa3_fits(e, a)) {
+    if (!e.persistent && fa3_fits(e, a) && suits(e, a, num_sms)) {
       base = &e;
       break;
     }
-  if (base == nullptr || !prefer_persistent(a, num_sms)) return base;
+  if (base == nullptr || !prefer_persistent(a, *base, num_sms)) return base;
   for (const auto& e : fa3_entries(a.head_dim))
-    if (e.persistent && same_tiles(e, *base) && e.ping_pong == base->ping_pong && e.sched == base->sched &&
-        e.poly_exp == base->poly_exp)
-      return &e;
+    if (e.persistent && same_tiles(e, *base) && e.ping_pong == base->ping_pong && e.sched == base->sched) return &e;
   return base;
 }
 }  // namespace

@@ -39,7 +39,6 @@
 
 #include <cstdint>
 
-#include "common/exp2_poly.h"
 #include "common/mask_rules.h"
 #include "common/tile_order.h"
 #include "cuda/common/hopper.cuh"
@@ -55,7 +54,7 @@ inline constexpr float kLn2Fa3 = 0.6931471805599453f;
 namespace flashcpp::cuda {
 
 template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
-          bool PolyExp = false, int Consumers = 2>
+          int Consumers = 2>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   /// Consumer warpgroups, 64 query rows each: 2 (BlockM 128), or 3 (BlockM 192, FA3's d64 tile:
@@ -76,12 +75,6 @@ struct Fa3Config {
   /// heads in L2-sized groups), with the next tile's K/V loads overlapping the current tile's last
   /// blocks and epilogue, and O stored by TMA from shared memory.
   static constexpr bool kPersistent = Persistent;
-  /// Config suffix "e": the exponentials of every fourth 8-key chunk of S (a quarter) by
-  /// exp2_poly (common/exp2_poly.h: FFMA, same accuracy as ex2.approx) instead of MUFU.EX2. At
-  /// d64 a 128x128 tile's 16384 exponentials take as long on the MUFU (16 per clock per SM) as
-  /// its two GEMMs on the tensor cores; moving a quarter to the FMA pipe (128 per clock, ~12
-  /// instructions each) balances the two pipes at ~3/4 of that time.
-  static constexpr bool kPolyExp = PolyExp;
   static constexpr int kThreads = 128 * (1 + Consumers);  ///< producer warpgroup + the consumers
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -418,12 +411,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < NC; ++j) {
-        // kPolyExp: chunks 3, 7, 11, ... on the FMA pipe (j is a constant after unrolling).
-        const bool poly = Cfg::kPolyExp && j % 4 == 3;
         const float x0 = fmaf(acc_s[4 * j + 2 * r], p.scale_log2, -m_use);
         const float x1 = fmaf(acc_s[4 * j + 2 * r + 1], p.scale_log2, -m_use);
-        const float p0 = poly ? exp2_poly(x0) : ptx::exp2_approx(x0);
-        const float p1 = poly ? exp2_poly(x1) : ptx::exp2_approx(x1);
+        const float p0 = ptx::exp2_approx(x0);
+        const float p1 = ptx::exp2_approx(x1);
         acc_s[4 * j + 2 * r] = p0;
         acc_s[4 * j + 2 * r + 1] = p1;
         sum += p0 + p1;

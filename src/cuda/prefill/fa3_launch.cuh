@@ -26,9 +26,9 @@ Status fa3_run(const Fa3Params& p, Stream stream, int device) {
 
 template <class Cfg>
 constexpr Fa3Entry fa3_entry() {
-  return Fa3Entry{Cfg::kHeadDim,   Cfg::kBlockM,   Cfg::kBlockN,     Cfg::kStages,
-                  Cfg::kSmemBytes, Cfg::kPingPong, Cfg::kSched,      Cfg::kPersistent,
-                  Cfg::kPolyExp,   &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
+  return Fa3Entry{Cfg::kHeadDim,   Cfg::kBlockM,   Cfg::kBlockN, Cfg::kStages,
+                  Cfg::kSmemBytes, Cfg::kPingPong, Cfg::kSched,  Cfg::kPersistent,
+                  &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
 }
 
 }  // namespace flashcpp::cuda

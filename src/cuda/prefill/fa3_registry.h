@@ -17,15 +17,14 @@ struct Fa3Entry {
   bool ping_pong;  ///< pipelined consumers (Q K^T of block j overlaps P V of j-1)
   bool sched;      ///< with ping_pong: the two warpgroups take turns (named barriers)
   bool persistent; ///< persistent CTAs with the tile scheduler and the TMA-store epilogue
-  bool poly_exp;   ///< a quarter of the softmax's exp2 on the FMA pipe (common/exp2_poly.h)
   Fa3RunFn run_bf16;
   Fa3RunFn run_fp16;
 };
 
 /// "sm90_m128n128s2": BlockM 128 (2 consumer warpgroups), BlockN 128, 2 K/V stages; suffix "p" =
-/// pipelined consumers with ping-pong scheduling, "o" = pipelined consumers without it; then "e" =
-/// a quarter of the exponentials by polynomial on the FMA pipe; a trailing "_persist" = persistent
-/// CTAs (tile scheduler, TMA-store epilogue).
+/// pipelined consumers with ping-pong scheduling, "o" = pipelined consumers without it; a trailing
+/// "_persist" = persistent CTAs (tile scheduler, TMA-store epilogue). BlockM 192 = three consumer
+/// warpgroups.
 std::string fa3_config_name(const Fa3Entry& e);
 std::span<const Fa3Entry> fa3_entries(int head_dim);
 
