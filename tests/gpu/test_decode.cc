@@ -727,7 +727,7 @@ TEST(DecodeGpu, FusedAppendEqualsTheAppendKernel) {
     return c;
   };
   std::vector<GCase> cases;
-  for (int splits : {0, 2, 3, 7, 40}) {
+  for (int splits : {0, 2, 3, 7, 40, 200}) {  // 40 and 200: the merge's second and seventh LSE rounds
     GCase c = make(4, 4, {62, 127, 1000, 0});  // 62..65 and 127..130 cross a tile boundary
     c.rot = RotaryStyle::kNeox;
     c.num_splits = splits;
