@@ -262,18 +262,20 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
 #endif
 }
 
-// The automatic sm90 choice: the persistent twin for a causal problem with at least two tiles
-// per SM, the plain default for a non-causal one, a small causal one, or varlen.
+// The automatic sm90 choice (fa3_dispatch.cc, prefer_persistent): the persistent twin for a
+// causal problem whose work units (two row blocks each) fill their last wave of SMs at least 3/4
+// full; the plain default for a non-causal one, a small causal one, or one whose units leave a
+// ragged last wave. Heads count in SMs, so the fill is exact on any device.
 TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
-  const int n = 128 * ((2 * dev.num_sms + 15) / 16);  // 16 heads x n / 128 tiles >= 2 x SMs
-  DeviceBuffer q(std::int64_t{n} * 16 * 128 * 2), k(std::int64_t{n} * 16 * 128 * 2), v(std::int64_t{n} * 16 * 128 * 2),
-      o(std::int64_t{n} * 16 * 128 * 2);
-  auto pick = [&](int seqlen, bool causal) {
-    AttnParams p = attn_params(1, seqlen, seqlen, 16, 16, 128, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
+  const int heads_max = 2 * dev.num_sms;
+  const std::int64_t elems = std::int64_t{512} * heads_max * 128;
+  DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2), o(elems * 2);
+  auto pick = [&](int heads, int seqlen, bool causal) {
+    AttnParams p = attn_params(1, seqlen, seqlen, heads, heads, 128, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
     p.mask.causal = causal;
     RunOptions opt;
     opt.backend = Backend::kCuda;
@@ -283,9 +285,12 @@ TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {
     return ch.config;
   };
   auto persistent = [](const std::string& c) { return c.find("_persist") != std::string::npos; };
-  EXPECT_TRUE(persistent(pick(n, true))) << pick(n, true);
-  EXPECT_FALSE(persistent(pick(n, false))) << pick(n, false);
-  EXPECT_FALSE(persistent(pick(256, true))) << pick(256, true);
+  const int sms = dev.num_sms;
+  EXPECT_TRUE(persistent(pick(sms, 512, true))) << pick(sms, 512, true);          // 2 x SMs units: two full waves
+  EXPECT_TRUE(persistent(pick(2 * sms, 256, true))) << pick(2 * sms, 256, true);  // one unit per head: 2 x SMs units
+  EXPECT_FALSE(persistent(pick(sms, 512, false))) << pick(sms, 512, false);       // non-causal
+  EXPECT_FALSE(persistent(pick(16, 256, true))) << pick(16, 256, true);           // 16 units
+  EXPECT_FALSE(persistent(pick(sms + 8, 256, true))) << pick(sms + 8, 256, true); // SMs + 8 units: a second wave of 8
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif

@@ -138,16 +138,21 @@ bool suits(const Fa3Entry& e, const AttnParams& a, int num_sms) {
 }
 
 /// Whether the automatic choice is the persistent twin of `base`: causal problems of dense
-/// (or window / sink) masks, without varlen or block-sparse walks, with at least 1.5 of base's
-/// tiles per SM. Measured on the H200 for the pipelined defaults (reports/hopper/raw/persist_s18.txt),
-/// persistent over the default, causal: 1.31x at 256 tiles and 1.12x at 512 (the work units of two
-/// tiles of equal cost fill the SMs where the grid leaves a ragged second wave), 0.99-1.08x from
-/// 1024 tiles up; 0.79x at 128 tiles (64 units leave half the SMs idle). Non-causal: 0.93-1.00x,
-/// so those keep the default.
+/// (or window / sink) masks, without varlen or block-sparse walks, whose work units (two row
+/// blocks of equal causal cost, common/tile_order.h) fill their last wave of CTAs (one per SM)
+/// at least 3/4 full. Measured on the H200, persistent over its twin, causal
+/// (reports/hopper/raw/persist_s18.txt, d64_m192_s19.txt): 1.31x at 256 tiles = 128 units and
+/// 1.12x at 512 (the units fill the SMs where the grid of tiles leaves a ragged second wave),
+/// 0.99-1.08x from 1024 tiles up; 0.79x at 128 tiles (64 units: half the SMs idle) and 0.78x at
+/// (1,12,3072,64) (144 units: a second wave of 12). Non-causal: 0.93-1.00x, so those keep the
+/// default. For one wave the rule is the earlier "at least 1.5 tiles per SM".
 bool prefer_persistent(const AttnParams& a, const Fa3Entry& base, int num_sms) {
   if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr || num_sms <= 0) return false;
-  const std::int64_t tiles = tile_count(a, base.block_m);
-  return 2 * tiles >= 3LL * num_sms && tiles <= INT32_MAX;
+  const std::int64_t m_blocks = (a.seqlen_q + base.block_m - 1) / base.block_m;
+  const std::int64_t units = (m_blocks + 1) / 2 * a.heads_q * a.batch;
+  if (units * 2 > INT32_MAX) return false;
+  const std::int64_t waves = (units + num_sms - 1) / num_sms;
+  return 4 * units >= 3 * waves * num_sms;
 }
 
 /// The automatic choice: the first config (table order) that fits and suits the problem, or its
