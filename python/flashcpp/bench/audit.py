@@ -11,7 +11,7 @@ the same seed rule), so the rows this driver measures are exactly the rows ``fla
 measures. Each problem is loaded to the GPU and run through
 
 * ``flashcpp_sm80`` / ``flashcpp_sm90``: ``flashcpp.attention(..., backend="cuda", cuda_config=...)``
-  (``flashcpp_<config>``: that one compiled config, e.g. ``flashcpp_sm90_m128n128s4pe``);
+  (``flashcpp_<config>``: that one compiled config, e.g. ``flashcpp_sm90_m192n128s4p``);
 * ``torch_flash`` / ``torch_cudnn``: ``F.scaled_dot_product_attention`` under ``sdpa_kernel``
   (SDPA's (B, H, N, D) view through ``transpose``; ``is_causal`` for causal, which equals flashcpp's
   bottom-right alignment here since seqlen_q == seqlen_k; the sliding window as a boolean
@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     ap.add_argument("--masks", default=",".join(MASKS))
     ap.add_argument("--impls", default=",".join(OURS + PEERS),
                     help="subset of flashcpp_sm80,flashcpp_sm90,torch_flash,torch_cudnn; or flashcpp_<config> "
-                         "for one compiled config (e.g. flashcpp_sm90_m128n128s4pe; `flashcpp info` lists them)")
+                         "for one compiled config (e.g. flashcpp_sm90_m192n128s4p; `flashcpp info` lists them)")
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--window", type=int, default=None,
