@@ -16,10 +16,14 @@ AREA_KERNEL = {"prefill": "sm80", "hopper": "sm90"}
 
 
 def area_rows(rows: List[Dict[str, object]], area: str) -> List[Dict[str, object]]:
-    """Rows with ours_* describing the area's kernel (speedup = peer_us / ours_us)."""
+    """Rows with ours_* describing the area's kernel (speedup = peer_us / ours_us), and the other
+    flashcpp kernel's TFLOP/s on the same run as other_kernel / other_tflops (the issue asks for
+    both kernels next to the peers in one table and one plot)."""
     out = []
     for r in rows:
         r = dict(r)
+        r["other_kernel"] = "sm90" if AREA_KERNEL[area] == "sm80" else "sm80"
+        r["other_tflops"] = r["ours_tflops"] if AREA_KERNEL[area] == "sm80" else r.get("sm80_tflops", "")
         if AREA_KERNEL[area] == "sm80":
             r["ours_us"], r["ours_tflops"], r["speedup"] = r["sm80_us"], r["sm80_tflops"], r["sm80_speedup"]
         r["ours_kernel"] = AREA_KERNEL[area]
@@ -52,6 +56,8 @@ def plot_vs_seqlen(rows: List[Dict[str, object]], path: str, title: str) -> None
                 ys.append(float(m[0][key]) if m else float("nan"))
             return ys
         ax.plot(ns, series("ours_tflops"), "o-", lw=2, label=f"flashcpp ({rows[0]['ours_kernel']})")
+        if all(r.get("other_tflops") not in (None, "") for r in sel):
+            ax.plot(ns, series("other_tflops"), "o:", label=f"flashcpp ({rows[0]['other_kernel']})")
         for peer in ("torch_flash", "torch_cudnn", "torch_efficient", "flashinfer"):
             if any(r["peer"] == peer for r in sel):
                 ax.plot(ns, series("peer_tflops", peer), "s--", label=peer)
