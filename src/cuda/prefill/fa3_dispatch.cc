@@ -112,47 +112,25 @@ bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
          (!e.ping_pong && tiles_fit_block_sparse(*a.mask.block_sparse, e.block_m, e.block_n));
 }
 
-/// Tiles of `block_m` query rows in the problem (with varlen, of max_len rows per sequence).
-std::int64_t tile_count(const AttnParams& a, int block_m) {
-  return static_cast<std::int64_t>((a.seqlen_q + block_m - 1) / block_m) * a.heads_q * a.batch;
-}
-
-/// Whether a config's tile suits the problem. Tiles of 128 rows always do. d64's 192-row tile
-/// (three consumer warpgroups) costs 0.88x the 128-row default per query row once the SMs are
-/// full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s), but it comes in 1.5x coarser waves, so it is
-/// taken where that per-row gain beats the wave quantization (H200, reports/hopper/raw/d64_m192_s19.txt):
-///  - non-causal: when waves(192-row tiles) x 192 x 0.88 < waves(128-row tiles) x 128, a wave being
-///    one tile per SM. Picks it for (1,12,3072) (361.8 vs 295.1), (2,16,2048) (397.1 vs 373.9),
-///    (1,8,8192) (438.4 vs 418.6); keeps 128 rows for (1,8,2048) (357.8 vs 298.5), (1,16,2048)
-///    (370.3 vs 305.2).
-///  - causal: from 10 of its tiles per SM. Below that the 128-row persistent twin balances the
-///    triangle better (339.0 vs 318.0 at 5.3 per SM); at 20.9 per SM the 192-row tile wins (438.5
-///    vs 403.8). Its own persistent twin lost everywhere (spills at 160 registers) and is not built.
+/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
+/// (three consumer warpgroups) where its per-row gain beats its coarser waves
+/// (common/tile_order.h, wide_tile_pays, with the measurements). Its own persistent twin lost
+/// everywhere (spills at 160 registers) and is not built.
 bool suits(const Fa3Entry& e, const AttnParams& a, int num_sms) {
-  if (e.block_m <= 128) return true;
-  const std::int64_t wide = tile_count(a, e.block_m);
-  if (a.mask.causal) return wide >= 10LL * num_sms;
-  const std::int64_t narrow = tile_count(a, 128), sms = std::max(num_sms, 1);
-  const double wide_cost = static_cast<double>((wide + sms - 1) / sms) * e.block_m * 0.88;
-  return wide_cost < static_cast<double>((narrow + sms - 1) / sms) * 128;
+  return e.block_m <= 128 || wide_tile_pays(a.seqlen_q, static_cast<std::int64_t>(a.heads_q) * a.batch, a.mask.causal,
+                                            e.block_m, num_sms);
 }
 
 /// Whether the automatic choice is the persistent twin of `base`: causal problems of dense
 /// (or window / sink) masks, without varlen or block-sparse walks, whose work units (two row
-/// blocks of equal causal cost, common/tile_order.h) fill their last wave of CTAs (one per SM)
-/// at least 3/4 full. Measured on the H200, persistent over its twin, causal
-/// (reports/hopper/raw/persist_s18.txt, d64_m192_s19.txt): 1.31x at 256 tiles = 128 units and
-/// 1.12x at 512 (the units fill the SMs where the grid of tiles leaves a ragged second wave),
-/// 0.99-1.08x from 1024 tiles up; 0.79x at 128 tiles (64 units: half the SMs idle) and 0.78x at
-/// (1,12,3072,64) (144 units: a second wave of 12). Non-causal: 0.93-1.00x, so those keep the
-/// default. For one wave the rule is the earlier "at least 1.5 tiles per SM".
+/// blocks of equal causal cost) fill their last wave of CTAs at least 3/4 full
+/// (common/tile_order.h, persistent_units_fill_waves, with the measurements). Non-causal
+/// problems keep the default (the twin measured 0.93-1.00x there).
 bool prefer_persistent(const AttnParams& a, const Fa3Entry& base, int num_sms) {
-  if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr || num_sms <= 0) return false;
+  if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr) return false;
   const std::int64_t m_blocks = (a.seqlen_q + base.block_m - 1) / base.block_m;
   const std::int64_t units = (m_blocks + 1) / 2 * a.heads_q * a.batch;
-  if (units * 2 > INT32_MAX) return false;
-  const std::int64_t waves = (units + num_sms - 1) / num_sms;
-  return 4 * units >= 3 * waves * num_sms;
+  return units <= INT32_MAX / 2 && persistent_units_fill_waves(units, num_sms);
 }
 
 /// The automatic choice: the first config (table order) that fits and suits the problem, or its
