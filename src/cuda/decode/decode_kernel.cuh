@@ -155,13 +155,17 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
 ///
 /// Latency, not bandwidth, sets its time (a B = 1 merge reads ~130 KB): lane j holds the LSEs of
 /// splits j, j + 32, ... (all loaded at once), and the partial rows are loaded 8 splits at a time
-/// before any is used, so a merge of n splits waits for ~2 + n / 8 round trips to L2 instead of 2n
-/// (ncu, B = 1, 32 heads, 8 splits: 8.7 us before). Same sums in the same order as one load at a
-/// time, so the same bits.
+/// (4 on sm_8x) before any is used, so a merge of n splits waits for ~2 + n / 8 round trips to
+/// L2 instead of 2n (ncu, B = 1, 32 heads, 8 splits: 8.7 us before). Same sums in the same order
+/// as one load at a time, so the same bits.
 template <typename T>
 __device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, int t, int h, int lane) {
   constexpr int kRounds = kDecodeMaxSplits / 32;  // LSEs per lane
-  constexpr int kBatch = 8;                        // partial rows in flight per lane
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  constexpr int kBatch = 4;  // partial rows in flight per lane (sm_80's ptxas spills 4 bytes at 8)
+#else
+  constexpr int kBatch = 8;  // partial rows in flight per lane (measured on the H200)
+#endif
   const int n = p.num_splits[b];
   const int first = p.first_item[b], hk = h / p.group, r = (h % p.group) * p.seqlen_q + t, D = p.head_dim;
   auto at = [&](int i) { return (static_cast<std::int64_t>(first + i) * p.heads_kv + hk) * p.rows + r; };
