@@ -262,6 +262,22 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
 #endif
 }
 
+#if FLASHCPP_HAS_SM90
+/// The automatic choice's config for a dense bf16 problem with equal lengths (select_kernel
+/// validates and picks, it launches nothing; the buffers only have to be large enough).
+std::string auto_config(const DeviceBuffer& q, const DeviceBuffer& k, const DeviceBuffer& v, const DeviceBuffer& o,
+                        int batch, int heads, int seqlen, int head_dim, bool causal) {
+  AttnParams p = attn_params(batch, seqlen, seqlen, heads, heads, head_dim, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
+  p.mask.causal = causal;
+  RunOptions opt;
+  opt.backend = Backend::kCuda;
+  KernelChoice ch;
+  const Status st = select_kernel(p, opt, &ch);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return ch.config;
+}
+#endif
+
 // The automatic sm90 choice (fa3_dispatch.cc, prefer_persistent): the persistent twin for a
 // causal problem whose work units (two row blocks each) fill their last wave of SMs at least 3/4
 // full; the plain default for a non-causal one, a small causal one, or one whose units leave a
@@ -274,16 +290,7 @@ TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {
   const int heads_max = 2 * dev.num_sms;
   const std::int64_t elems = std::int64_t{512} * heads_max * 128;
   DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2), o(elems * 2);
-  auto pick = [&](int heads, int seqlen, bool causal) {
-    AttnParams p = attn_params(1, seqlen, seqlen, heads, heads, 128, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
-    p.mask.causal = causal;
-    RunOptions opt;
-    opt.backend = Backend::kCuda;
-    KernelChoice ch;
-    const Status st = select_kernel(p, opt, &ch);
-    EXPECT_TRUE(st.ok()) << st.to_string();
-    return ch.config;
-  };
+  auto pick = [&](int heads, int seqlen, bool causal) { return auto_config(q, k, v, o, 1, heads, seqlen, 128, causal); };
   auto persistent = [](const std::string& c) { return c.find("_persist") != std::string::npos; };
   const int sms = dev.num_sms;
   EXPECT_TRUE(persistent(pick(sms, 512, true))) << pick(sms, 512, true);          // 2 x SMs units: two full waves
@@ -307,16 +314,7 @@ TEST(Prefill, AutoChoiceTakesTheWideD64TileForLargeProblems) {
   const int big = 192 * ((10 * dev.num_sms + 15) / 16);  // 16 heads x big / 192 tiles >= 10 x SMs
   const std::int64_t elems = std::max<std::int64_t>(std::int64_t{big} * 16, std::int64_t{dev.num_sms} * 128 * 16) * 64;
   DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2), o(elems * 2);
-  auto pick = [&](int batch, int seqlen, bool causal) {
-    AttnParams p = attn_params(batch, seqlen, seqlen, 16, 16, 64, DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
-    p.mask.causal = causal;
-    RunOptions opt;
-    opt.backend = Backend::kCuda;
-    KernelChoice ch;
-    const Status st = select_kernel(p, opt, &ch);
-    EXPECT_TRUE(st.ok()) << st.to_string();
-    return ch.config;
-  };
+  auto pick = [&](int batch, int seqlen, bool causal) { return auto_config(q, k, v, o, batch, 16, seqlen, 64, causal); };
   EXPECT_EQ(pick(1, big, false), "sm90_m192n128s4p");
   EXPECT_EQ(pick(1, big, true), "sm90_m192n128s4p");
   // Half as many: causal takes the 128-row persistent twin (its triangle balance wins there).
