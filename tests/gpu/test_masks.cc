@@ -423,6 +423,38 @@ TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
 #endif
 }
 
+// d64's 192-row tile (three consumer warpgroups, round-robin ping-pong) under every mask the
+// automatic choice would give it: window + sinks + softcap + ALiBi, causal with global queries,
+// varlen documents with a window and with ALiBi, and odd lengths that leave the last tile's third
+// warpgroup without rows. The automatic choice takes this tile only for dense and causal problems
+// until this test has passed on a GPU (fa3_dispatch.cc, suits).
+TEST(MasksGpuWideTile, EveryMaskOnTheD64WideTile) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(64);
+  const std::string wide = "sm90_m192n128s4p";
+  if (std::find(names.begin(), names.end(), wide) == names.end()) GTEST_SKIP() << wide << " is not compiled";
+  std::uint64_t salt = 1580;
+  MaskCase a = global(window(dense(2, 1500, 1500, 24, 4, 64, kBf16, true), 400, 0), 16, false);
+  a.softcap = 20.f;
+  a.alibi = 2;
+  MaskCase b = global(dense(1, 2100, 2100, 16, 16, 64, kF16, true), 8, true);
+  b.alibi = 1;
+  MaskCase c = window(dense(1, 1000, 1300, 8, 2, 64, kBf16, false), 200, 50);  // two-sided, q shorter than k
+  MaskCase v = window(packed({1000, 1, 523, 64, 130}, {}, 4, 2, 64, kBf16, true), 100, 0);
+  MaskCase w = packed({257, 1, 800}, {300, 5, 800}, 6, 3, 64, kF16, true);
+  w.alibi = 2;
+  for (const MaskCase& m : {a, b, c, v, w}) {
+    Outcome out;
+    run_mask_case(m, wide, salt++, &out);
+  }
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
 // ---- varlen ----------------------------------------------------------------------------------
 
 TEST(MasksGpuVarlen, DocumentsOfOddLengths) {
