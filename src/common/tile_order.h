@@ -65,19 +65,19 @@ inline bool persistent_units_fill_waves(std::int64_t units, int sms) {
 }
 
 /// Whether a tile of `wide_rows` (> 128) query rows beats the 128-row tile on a problem of
-/// `heads_batch` (head, batch) pairs of `seqlen_q` query rows each. d64's 192-row tile costs 0.88x per query row once
-/// the SMs are full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s) but comes in coarser waves:
+/// `heads_batch` (head, batch) pairs of `seqlen_q` query rows each. d64's 192-row tile costs
+/// 0.88x per query row once the SMs are full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s) but comes
+/// in coarser waves:
 ///  - non-causal: taken when waves(wide tiles) x wide_rows x 0.88 < waves(128-row tiles) x 128,
 ///    a wave being one tile per SM;
 ///  - causal: from 10 wide tiles per SM (below, the 128-row persistent twin balances the triangle
 ///    better: 339.0 vs 318.0 at 5.3 per SM; at 20.9 per SM the wide tile wins, 438.5 vs 403.8).
 inline bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal, int wide_rows, int sms) {
   if (seqlen_q <= 0 || heads_batch <= 0 || sms <= 0) return false;
-  const std::int64_t wide = (seqlen_q + wide_rows - 1) / wide_rows * heads_batch;
-  if (causal) return wide >= std::int64_t{10} * sms;
-  const std::int64_t narrow = (seqlen_q + 127) / 128 * heads_batch;
-  const double wide_cost = static_cast<double>((wide + sms - 1) / sms) * wide_rows * 0.88;
-  return wide_cost < static_cast<double>((narrow + sms - 1) / sms) * 128;
+  auto tiles = [&](int rows) { return (seqlen_q + rows - 1) / rows * heads_batch; };
+  auto waves = [&](int rows) { return static_cast<double>((tiles(rows) + sms - 1) / sms); };
+  if (causal) return tiles(wide_rows) >= std::int64_t{10} * sms;
+  return waves(wide_rows) * wide_rows * 0.88 < waves(128) * 128;
 }
 
 }  // namespace flashcpp

@@ -394,6 +394,20 @@ TEST(MasksGpuCombined, SoftcapAlibiWindowSinks) {
   run_all(f, salt++);
 }
 
+#if FLASHCPP_HAS_SM90
+/// Two problems that stack every per-score mask feature: a causal window with attention sinks,
+/// softcap and per-batch ALiBi (bf16, GQA 24/4, 288 persistent units at 128 rows), and causal
+/// with global queries and ALiBi (fp16, 136 units).
+std::vector<MaskCase> stacked_mask_cases(int d) {
+  MaskCase a = global(window(dense(2, 1500, 1500, 24, 4, d, kBf16, true), 400, 0), 16, false);
+  a.softcap = 20.f;
+  a.alibi = 2;
+  MaskCase b = global(dense(1, 2100, 2100, 16, 16, d, kF16, true), 8, true);
+  b.alibi = 1;
+  return {a, b};
+}
+#endif
+
 // The persistent sm90 configs, which dispatch now picks for large causal problems, against fp64
 // with every score modifier and element mask they can meet there (softcap, ALiBi per (batch,
 // head), window, sinks and global queries), at every head dim, with several tiles per CTA.
@@ -406,12 +420,7 @@ TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
   int ran = 0;
   for (int d : {64, 128, 256})
     for (const Sm90Twin& t : sm90_twins(d, "_persist")) {
-      MaskCase a = global(window(dense(2, 1500, 1500, 24, 4, d, kBf16, true), 400, 0), 16, false);  // 288 units
-      a.softcap = 20.f;
-      a.alibi = 2;
-      MaskCase b = global(dense(1, 2100, 2100, 16, 16, d, kF16, true), 8, true);  // 136 units
-      b.alibi = 1;
-      for (const MaskCase& c : {a, b}) {
+      for (const MaskCase& c : stacked_mask_cases(d)) {
         Outcome out;
         run_mask_case(c, t.config, salt++, &out);
         ++ran;
@@ -437,16 +446,13 @@ TEST(MasksGpuWideTile, EveryMaskOnTheD64WideTile) {
   const std::string wide = "sm90_m192n128s4p";
   if (std::find(names.begin(), names.end(), wide) == names.end()) GTEST_SKIP() << wide << " is not compiled";
   std::uint64_t salt = 1580;
-  MaskCase a = global(window(dense(2, 1500, 1500, 24, 4, 64, kBf16, true), 400, 0), 16, false);
-  a.softcap = 20.f;
-  a.alibi = 2;
-  MaskCase b = global(dense(1, 2100, 2100, 16, 16, 64, kF16, true), 8, true);
-  b.alibi = 1;
-  MaskCase c = window(dense(1, 1000, 1300, 8, 2, 64, kBf16, false), 200, 50);  // two-sided, q shorter than k
-  MaskCase v = window(packed({1000, 1, 523, 64, 130}, {}, 4, 2, 64, kBf16, true), 100, 0);
+  std::vector<MaskCase> cases = stacked_mask_cases(64);
+  cases.push_back(window(dense(1, 1000, 1300, 8, 2, 64, kBf16, false), 200, 50));  // two-sided, q shorter than k
+  cases.push_back(window(packed({1000, 1, 523, 64, 130}, {}, 4, 2, 64, kBf16, true), 100, 0));
   MaskCase w = packed({257, 1, 800}, {300, 5, 800}, 6, 3, 64, kF16, true);
   w.alibi = 2;
-  for (const MaskCase& m : {a, b, c, v, w}) {
+  cases.push_back(w);
+  for (const MaskCase& m : cases) {
     Outcome out;
     run_mask_case(m, wide, salt++, &out);
   }
@@ -564,7 +570,7 @@ TEST(MasksGpuBlockSparse, PipelinedConfigsRefuseNamingACompiledConfig) {
     const std::vector<std::string> names = cuda::prefill_sm90_configs(d);
     const MaskCase c = sparse(dense(1, 512, 512, 2, 2, d, kBf16), 128, 128, false, dilated, "dilated");
     for (const std::string& cfg : names) {
-      std::string base = cfg.substr(0, cfg.find("_persist"));
+      const std::string base = cfg.substr(0, cfg.find("_persist"));
       if (base.back() != 'p' && base.back() != 'o') continue;
       SCOPED_TRACE(cfg);
       Outcome o;

@@ -135,9 +135,9 @@ bool suits(const Fa3Entry& e, const AttnParams& a, int num_sms) {
 /// problems keep the default (the twin measured 0.93-1.00x there).
 bool prefer_persistent(const AttnParams& a, const Fa3Entry& base, int num_sms) {
   if (!a.mask.causal || a.mask.is_varlen() || a.mask.block_sparse != nullptr) return false;
-  const std::int64_t m_blocks = (a.seqlen_q + base.block_m - 1) / base.block_m;
-  const std::int64_t units = (m_blocks + 1) / 2 * a.heads_q * a.batch;
-  return units <= INT32_MAX / 2 && persistent_units_fill_waves(units, num_sms);
+  const int m_blocks = (a.seqlen_q + base.block_m - 1) / base.block_m;
+  if (static_cast<std::int64_t>(m_blocks) * a.heads_q * a.batch > INT32_MAX) return false;  // units fit an int
+  return persistent_units_fill_waves(persistent_units(m_blocks, a.heads_q, a.batch), num_sms);
 }
 
 /// The automatic choice: the first config (table order) that fits and suits the problem, or its
