@@ -435,8 +435,8 @@ TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
 // d64's 192-row tile (three consumer warpgroups, round-robin ping-pong) under every mask the
 // automatic choice would give it: window + sinks + softcap + ALiBi, causal with global queries,
 // varlen documents with a window and with ALiBi, and odd lengths that leave the last tile's third
-// warpgroup without rows. The automatic choice takes this tile only for dense and causal problems
-// until this test has passed on a GPU (fa3_dispatch.cc, suits).
+// warpgroup without rows. The automatic choice gives this tile masked problems because this test
+// passes (fa3_dispatch.cc, suits).
 TEST(MasksGpuWideTile, EveryMaskOnTheD64WideTile) {
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;

@@ -2,8 +2,9 @@
 // KV cache, GQA packed into the rows of one CTA.
 //
 // One CTA = one (work item, KV head, row block). A work item is (sequence b, split s of n_b) from
-// the plan; the split owns a contiguous run of 64-key tiles of the keys its rows can see. All
-// heads_q / heads_kv query heads x seqlen_q tokens of the KV head are the rows of the CTA
+// the plan; the split owns a run of 64-key tiles of the keys its rows can see, or every n_b-th
+// tile (interleaved splits). All heads_q / heads_kv query heads x seqlen_q tokens of the KV head
+// are the rows of the CTA
 // (row r = head offset r / seqlen_q, token r % seqlen_q), so every K/V byte is read from DRAM once
 // per split. Four warps: warp_rows of them along the rows (16 rows each), the other
 // 4 / warp_rows split each tile's four 16-key chunks between them. Per warp and 16-key chunk:
@@ -259,10 +260,11 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   const int Sq = p.seqlen_q;
   const int len = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, Sq, p.append != 0);
   const MaskRules rules = flashcpp::decode::sequence_rules(Sq, len, p.causal != 0, p.window_left, p.window_right);
-  int key_lo, key_hi, tile_begin, tile_end;
+  int key_lo, key_hi;
   rules.key_range(0, Sq, &key_lo, &key_hi);
-  flashcpp::decode::split_tiles(key_lo, key_hi, split, nsplit, BN, &tile_begin, &tile_end);
-  const int n_iters = tile_end - tile_begin;
+  const flashcpp::decode::SplitTiles tiles =
+      flashcpp::decode::split_tiles(key_lo, key_hi, split, nsplit, BN, p.interleaved_splits != 0);
+  const int n_iters = tiles.count;
 
   // ---- fused append (DecodePlan::fused_append): this split's share of the step's new K/V ------
   // The appended tokens are the last Sq keys; each lies in exactly one split's tiles, and that
@@ -272,7 +274,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   if (p.fused_append) {
     for (int t = threadIdx.x / 32; t < Sq; t += Cfg::kWarps) {
       const int pos = len - Sq + t;
-      if (pos >= tile_begin * BN && pos < tile_end * BN) append_row<T>(p, b, t, hk, pos, threadIdx.x % 32);
+      if (tiles.owns(pos / BN)) append_row<T>(p, b, t, hk, pos, threadIdx.x % 32);
     }
     __syncthreads();
   }
@@ -301,7 +303,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) {
-    if (s < n_iters) load_tile(s, tile_begin + s);
+    if (s < n_iters) load_tile(s, tiles.tile(s));
     ptx::cp_async_commit();
   }
 
@@ -365,10 +367,10 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   for (int it = 0; it < n_iters; ++it) {
     ptx::cp_async_wait<S - 2>();
     __syncthreads();
-    if (it + S - 1 < n_iters) load_tile((it + S - 1) % S, tile_begin + it + S - 1);
+    if (it + S - 1 < n_iters) load_tile((it + S - 1) % S, tiles.tile(it + S - 1));
     ptx::cp_async_commit();
     const std::uint32_t stage_off = (it % S) * BN * kRowBytes;
-    const int j_tile = (tile_begin + it) * BN;
+    const int j_tile = tiles.tile(it) * BN;
     const bool full = rules.tile_fully_visible(0, Sq, j_tile, j_tile + BN);
 
     for (int ch = wk; ch < Cfg::kChunks; ch += WK) {

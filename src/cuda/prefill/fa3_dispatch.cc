@@ -114,18 +114,12 @@ bool fa3_fits(const Fa3Entry& e, const AttnParams& a) {
 
 /// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
 /// (three consumer warpgroups) where its per-row gain beats its coarser waves
-/// (common/tile_order.h, wide_tile_pays, with the measurements). Its own persistent twin lost
-/// everywhere (spills at 160 registers) and is not built. The automatic choice gives it dense and
-/// causal problems (with or without rotary) only: those are what its GPU tests have passed;
-/// windows, sinks, softcap, ALiBi and varlen wait for MasksGpuWideTile to pass on a GPU (a named
-/// config runs them meanwhile).
+/// (common/tile_order.h, wide_tile_pays, with the measurements), under any mask it runs
+/// (MasksGpuWideTile; block-sparse masks are fa3_fits' call). Its own persistent twin lost
+/// everywhere (spills at 160 registers) and is not built.
 bool suits(const Fa3Entry& e, const AttnParams& a, int num_sms) {
   if (e.block_m <= 128) return true;
-  const MaskParams& m = a.mask;
-  const bool dense_or_causal = !m.has_window() && m.global_tokens == 0 && m.softcap == 0.f &&
-                               m.alibi_slopes == nullptr && !m.is_varlen() && m.block_sparse == nullptr;
-  return dense_or_causal &&
-         wide_tile_pays(a.seqlen_q, static_cast<std::int64_t>(a.heads_q) * a.batch, m.causal, e.block_m, num_sms);
+  return wide_tile_pays(a.seqlen_q, static_cast<std::int64_t>(a.heads_q) * a.batch, a.mask.causal, e.block_m, num_sms);
 }
 
 /// Whether the automatic choice is the persistent twin of `base`: causal problems of dense
