@@ -1,6 +1,7 @@
 // The small decode kernels: append (+ rotary) into the cache, the merge of split partials, and
-// merge_attention_states; plus the work-list upload. All three kernels are one warp per row
-// (token-head), memory-bound and tiny next to the split-KV kernel: append moves
+// merge_attention_states; plus the work-list upload. Append and merge_attention_states are one warp
+// per row (token-head), the merge one CTA of decode_dev::kMergeWarps warps per output row; all are
+// memory- or latency-bound and tiny next to the split-KV kernel: append moves
 // batch*seqlen_q*heads_kv*D*2 elements, the merge reads n_b partial rows per output row.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -35,16 +36,16 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(cons
   decode_dev::append_row<T>(p, b, t, hk, pos, lane);
 }
 
-/// One warp per (sequence b, token t, query head h) of a sequence with n_b > 1 splits
-/// (decode_dev::merge_row has the rule).
+/// One CTA of kMergeWarps warps per (sequence b, token t, query head h) of a sequence with n_b > 1
+/// splits (decode_dev::merge_row has the rule).
 template <typename T>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_merge_kernel(const __grid_constant__ DecodeKernelParams p) {
+__global__ void __launch_bounds__(32 * decode_dev::kMergeWarps) decode_merge_kernel(const __grid_constant__ DecodeKernelParams p) {
   pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
-  const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (w >= p.batch * p.seqlen_q * p.heads_q) return;
-  const int h = w % p.heads_q, t = (w / p.heads_q) % p.seqlen_q, b = w / (p.heads_q * p.seqlen_q);
-  if (p.num_splits[b] <= 1) return;  // written by the split-KV kernel directly
-  decode_dev::merge_row<T>(p, b, t, h, lane);
+  __shared__ float4 scratch[(decode_dev::kMergeWarps - 1) * 2 * 32];
+  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int h = row % p.heads_q, t = (row / p.heads_q) % p.seqlen_q, b = row / (p.heads_q * p.seqlen_q);
+  if (p.num_splits[b] <= 1) return;  // written by the split-KV kernel directly (the whole CTA returns)
+  decode_dev::merge_row<T>(p, b, t, h, warp, lane, scratch);
 }
 
 /// merge_attention_states: one warp per (batch, position, head); the rule of cpu::merge_by_lse.
@@ -104,10 +105,11 @@ Status decode_append_launch(const DecodeKernelParams& p, DType dt, Stream stream
 }
 
 Status decode_merge_launch(const DecodeKernelParams& p, DType dt, Stream stream) {
-  const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_q;
-  if (warps == 0) return Status::Ok();
+  const std::int64_t rows = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_q;
+  if (rows == 0) return Status::Ok();
+  if (rows > 0x7fffffff) return Status::Unsupported("decode merge: more output rows than one grid holds (2^31 - 1)");
   auto* kernel = dt == DType::kBF16 ? &decode_merge_kernel<__nv_bfloat16> : &decode_merge_kernel<__half>;
-  (void)launch_kernel(kernel, blocks_for(warps), 32 * kWarpsPerBlock, 0, stream, p.pdl != 0, p);
+  (void)launch_kernel(kernel, static_cast<unsigned>(rows), 32 * decode_dev::kMergeWarps, 0, stream, p.pdl != 0, p);
   return check_launch("decode merge kernel");
 }
 

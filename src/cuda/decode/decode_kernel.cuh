@@ -148,19 +148,26 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
   }
 }
 
+/// Warps that merge one output row together (the merge kernel's CTA; the fused merge's CTA).
+constexpr int kMergeWarps = 4;
+
 /// The merge of one output row (sequence b, token t, query head h) of a sequence with n_b > 1
-/// splits, by one warp:
+/// splits, by kMergeWarps warps of one CTA (every thread of the CTA calls it; it synchronizes):
 ///   w_i = exp(lse_i - max lse),  O = sum_i w_i O_i / sum_i w_i,  LSE = max lse + log(sum_i w_i).
 /// Empty splits (LSE = -inf) contribute nothing; all empty: O = 0, LSE = -inf. The partials are
 /// read through L2 (ld.global.cg): in the fused merge other CTAs wrote them during this launch.
 ///
-/// Latency, not bandwidth, sets its time (a B = 1 merge reads ~130 KB): lane j holds the LSEs of
-/// splits j, j + 32, ... (all loaded at once), and the partial rows are loaded 8 splits at a time
-/// (4 on sm_8x) before any is used, so a merge of n splits waits for ~2 + n / 8 round trips to
-/// L2 instead of 2n (ncu, B = 1, 32 heads, 8 splits: 8.7 us before). Same sums in the same order
-/// as one load at a time, so the same bits.
+/// Latency, not bandwidth, sets its time (a B = 1 merge reads ~130 KB for a few dozen rows): every
+/// warp loads all the LSEs at once (lane j holds splits j, j + 32, ...) and computes the same
+/// weights; warp w then sums the partial rows of its quarter of the splits, loaded 8 at a time
+/// (4 on sm_8x) before any is used, and warp 0 adds the other warps' sums in warp order (shared
+/// memory `scratch`, float4 [kMergeWarps - 1][2][32]). A merge of n splits waits for ~2 +
+/// n / 32 round trips to L2 (ncu, B = 1, 32 heads, 8 splits: 8.7 us when each split was loaded
+/// when needed). The order of the sums is fixed, so results are deterministic and the fused and
+/// separate merges agree bit for bit.
 template <typename T>
-__device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, int t, int h, int lane) {
+__device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, int t, int h, int warp, int lane,
+                                          float4* scratch) {
   constexpr int kRounds = kDecodeMaxSplits / 32;  // LSEs per lane
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   constexpr int kBatch = 4;  // partial rows in flight per lane (sm_80's ptxas spills 4 bytes at 8)
@@ -189,16 +196,21 @@ __device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, in
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  // Lane l owns columns 4l .. 4l + 3 and, for D = 256, 128 + 4l ..; the weights are broadcast
-  // from their lanes by every lane (shuffles outside the column test).
+  // This warp's splits [lo, hi). Lane l owns columns 4l .. 4l + 3 and, for D = 256, 128 + 4l ..;
+  // the weights are broadcast from their lanes by every lane (shuffles outside the column test).
+  const int per = (n + kMergeWarps - 1) / kMergeWarps, lo = min(n, warp * per), hi = min(n, lo + per);
   float4 acc[2] = {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
 #pragma unroll
   for (int k = 0; k < kRounds; ++k) {
-    if (32 * k >= n) break;
-    for (int j0 = 0; j0 < 32 && 32 * k + j0 < n; j0 += kBatch) {
+    if (32 * k >= hi) break;
+    if (32 * k + 32 <= lo) continue;
+    for (int j0 = max(lo, 32 * k); j0 < min(hi, 32 * k + 32); j0 += kBatch) {
       float wb[kBatch];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u) wb[u] = __shfl_sync(0xffffffffu, w[k], j0 + u);  // 0 past n
+      for (int u = 0; u < kBatch; ++u) {
+        const float x = __shfl_sync(0xffffffffu, w[k], (j0 + u) & 31);
+        wb[u] = j0 + u < min(hi, 32 * k + 32) ? x : 0.f;
+      }
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int d = lane * 4 + 128 * c;
@@ -206,7 +218,7 @@ __device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, in
         float4 v[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u)
-          v[u] = wb[u] != 0.f ? __ldcg(reinterpret_cast<const float4*>(p.part_o + at(32 * k + j0 + u) * D + d))
+          v[u] = wb[u] != 0.f ? __ldcg(reinterpret_cast<const float4*>(p.part_o + at(j0 + u) * D + d))
                               : make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
@@ -218,18 +230,35 @@ __device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, in
       }
     }
   }
-  T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride;
+  if (warp > 0) {
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int d = lane * 4 + 128 * c;
-    if (d >= D) continue;
-    uint2 packed;
-    packed.x = ptx::pack2<T>(acc[c].x * inv, acc[c].y * inv);
-    packed.y = ptx::pack2<T>(acc[c].z * inv, acc[c].w * inv);
-    *reinterpret_cast<uint2*>(dst + d) = packed;
+    for (int c = 0; c < 2; ++c) scratch[((warp - 1) * 2 + c) * 32 + lane] = acc[c];
   }
-  if (lane == 0 && p.lse != nullptr)
-    p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+  __syncthreads();
+  if (warp == 0) {
+    for (int o = 1; o < kMergeWarps; ++o)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float4 x = scratch[((o - 1) * 2 + c) * 32 + lane];
+        acc[c].x += x.x;
+        acc[c].y += x.y;
+        acc[c].z += x.z;
+        acc[c].w += x.w;
+      }
+    T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int d = lane * 4 + 128 * c;
+      if (d >= D) continue;
+      uint2 packed;
+      packed.x = ptx::pack2<T>(acc[c].x * inv, acc[c].y * inv);
+      packed.y = ptx::pack2<T>(acc[c].z * inv, acc[c].w * inv);
+      *reinterpret_cast<uint2*>(dst + d) = packed;
+    }
+    if (lane == 0 && p.lse != nullptr)
+      p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+  }
+  __syncthreads();  // scratch is free again (the fused merge calls this row after row)
 }
 
 template <int D, typename T>
@@ -283,22 +312,35 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   const int wr = warp / WK, wk = warp % WK;
   const int cta_rows = 16 * WR, row0 = rb * cta_rows;
 
-  // ---- K/V tiles: cp.async, 16 bytes per thread and row, paged addressing per row ------------
-  const T* gK = static_cast<const T*>(p.k_cache) + hk * p.k_head_stride;
-  const T* gV = static_cast<const T*>(p.v_cache) + hk * p.v_head_stride;
+  // ---- K/V tiles: cp.async, 16 bytes per thread and row ---------------------------------------
+  // A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. Contiguous cache: one
+  // row offset per tile, the rest by a constant stride. Paged: one block-table read per tile when
+  // a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row.
+  constexpr int kRowsPerPass = Cfg::kThreads / kRowChunks;
+  const T* gK = static_cast<const T*>(p.k_cache) + hk * p.k_head_stride + (tid % kRowChunks) * 8;
+  const T* gV = static_cast<const T*>(p.v_cache) + hk * p.v_head_stride + (tid % kRowChunks) * 8;
+  const int r0 = tid / kRowChunks;
+  const bool page_holds_tile = p.paged && p.page_mask + 1 >= BN;
   auto load_tile = [&](int stage, int tile) {
-    constexpr int kRowsPerPass = Cfg::kThreads / kRowChunks;
-    const int c = tid % kRowChunks, r0 = tid / kRowChunks;
     T* dK = sK + stage * BN * D;
     T* dV = sV + stage * BN * D;
+    const int j0 = tile * BN + r0;
+    std::int64_t kb = 0, vb = 0;  // offsets of row j0 (contiguous, or a page holding the tile)
+    if (!p.paged || page_holds_tile) kv_rows(p, b, j0, &kb, &vb);
 #pragma unroll
     for (int it = 0; it < BN / kRowsPerPass; ++it) {
-      const int r = r0 + it * kRowsPerPass, j = tile * BN + r;
+      const int r = r0 + it * kRowsPerPass, j = j0 + it * kRowsPerPass;
       const bool ok = j < key_hi;  // keys at or past the visible end are zero-filled, never read
-      std::int64_t ko = 0, vo = 0;
-      if (ok) kv_rows(p, b, j, &ko, &vo);
-      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, c)), gK + ko + c * 8, ok ? 16 : 0);
-      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + vo + c * 8, ok ? 16 : 0);
+      std::int64_t ko = kb + static_cast<std::int64_t>(it * kRowsPerPass) * p.k_seq_stride;
+      std::int64_t vo = vb + static_cast<std::int64_t>(it * kRowsPerPass) * p.v_seq_stride;
+      if (p.paged && !page_holds_tile) {
+        ko = vo = 0;
+        if (ok) kv_rows(p, b, j, &ko, &vo);
+      }
+      if (!ok) ko = vo = 0;
+      const int cc = tid % kRowChunks;
+      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, cc)), gK + ko, ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, cc)), gV + vo, ok ? 16 : 0);
     }
   };
 #pragma unroll
@@ -364,11 +406,16 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
       ptx::smem_u32(sK) + ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + ((((lane >> 3) & 1) ^ r7) << 4);
   const std::uint32_t v_base = ptx::smem_u32(sV) + (lane & 15) * kRowBytes + (((lane >> 4) ^ r7) << 4);
 
+  // Pipeline: the stage of tile it + S - 1 is the one tile it - 1 was read from; once every warp
+  // is past that tile (first barrier) its copy is issued, and only then does the CTA wait for
+  // tile it (S - 1 newer groups may stay in flight) and make it visible (second barrier). So all
+  // S stages are in flight while a CTA waits, not S - 1 (a memory-bound kernel is mostly waiting).
   for (int it = 0; it < n_iters; ++it) {
-    ptx::cp_async_wait<S - 2>();
     __syncthreads();
     if (it + S - 1 < n_iters) load_tile((it + S - 1) % S, tiles.tile(it + S - 1));
     ptx::cp_async_commit();
+    ptx::cp_async_wait<S - 1>();
+    __syncthreads();
     const std::uint32_t stage_off = (it % S) * BN * kRowBytes;
     const int j_tile = tiles.tile(it) * BN;
     const bool full = rules.tile_fully_visible(0, Sq, j_tile, j_tile + BN);
@@ -399,6 +446,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
           s_acc[nt][e] = y;
         }
       // ---- online softmax ----
+      float corr_r[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float mx = fmaxf(fmaxf(s_acc[0][2 * r], s_acc[0][2 * r + 1]), fmaxf(s_acc[1][2 * r], s_acc[1][2 * r + 1]));
@@ -406,7 +454,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_new = fmaxf(m_run[r], mx);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;  // no key seen yet: exp2(-inf - 0) = 0
-        const float corr = ptx::exp2_approx(m_run[r] - m_use);
+        const float corr = m_run[r] == m_use ? 1.f : ptx::exp2_approx(m_run[r] - m_use);
         m_run[r] = m_new;
         float sum = 0.f;
 #pragma unroll
@@ -416,10 +464,17 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
           sum += s_acc[nt][2 * r] + s_acc[nt][2 * r + 1];
         }
         l_run[r] = l_run[r] * corr + sum;  // per-thread partial; quad-reduced in the epilogue
+        corr_r[r] = corr;
+      }
+      // O's rescale only when some row's max moved (exp2(0) is exactly 1: skipping it is exact);
+      // past the first tiles of a split the max rarely moves, and this is most of the per-chunk math.
+      if (__any_sync(0xffffffffu, corr_r[0] != 1.f || corr_r[1] != 1.f)) {
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
-          acc_o[dt][2 * r] *= corr;
-          acc_o[dt][2 * r + 1] *= corr;
+          acc_o[dt][0] *= corr_r[0];
+          acc_o[dt][1] *= corr_r[0];
+          acc_o[dt][2] *= corr_r[1];
+          acc_o[dt][3] *= corr_r[1];
         }
       }
       // ---- O += P V (P straight from the S fragments) ----
@@ -512,11 +567,13 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     if (tid == 0) s_last = atomicAdd(counter, 1) == nsplit - 1;
     __syncthreads();
     if (s_last) {
+      static_assert(Cfg::kWarps == kMergeWarps, "the fused merge's CTA merges a row with all its warps");
       __threadfence();
+      float4* scratch = reinterpret_cast<float4*>(smem_raw + Cfg::kQBytes);  // the stages: free since epilogue 2
       const int rows_here = min(cta_rows, p.rows - row0);
-      for (int rr = warp; rr < rows_here; rr += Cfg::kWarps) {
+      for (int rr = 0; rr < rows_here; ++rr) {
         const int gr = row0 + rr;
-        merge_row<T>(p, b, gr % Sq, hk * p.group + gr / Sq, lane);
+        merge_row<T>(p, b, gr % Sq, hk * p.group + gr / Sq, warp, lane, scratch);
       }
       if (tid == 0) *counter = 0;
     }
