@@ -150,11 +150,6 @@ struct DecodePlanOptions {
   /// before loading any tile; same arithmetic as the append kernel, so the same cache bytes and
   /// results. The CPU backend ignores it.
   bool fused_append = false;
-  /// Which key tiles each split reads: false = a contiguous run per split; true = split s of n
-  /// reads tiles s, s + n, s + 2n, ... of the sequence, so the splits of a sequence stream one
-  /// stretch of the cache together instead of n runs far apart. Same work per split, different
-  /// summation order (results agree within rounding, not bit for bit).
-  bool interleaved_splits = false;
 };
 
 /// The decisions of decode_plan, read by decode_run. Filled by decode_plan; the fields are public
@@ -175,7 +170,6 @@ struct DecodePlan {
   bool needs_merge = false;  ///< some sequence has > 1 split: the partials are merged
   bool fused_merge = false;  ///< CUDA, needs_merge: the split-KV kernel merges them (no merge launch)
   bool fused_append = false; ///< CUDA, append: the split-KV kernel writes the new K/V (no append launch)
-  bool interleaved_splits = false; ///< split s of n reads every n-th tile from tile s (DecodePlanOptions)
   int ctas = 0;          ///< CTAs of the split-KV launch: num_items * heads_kv * row_blocks
   void* int_workspace = nullptr;
   std::size_t int_bytes = 0;

@@ -269,7 +269,7 @@ class BatchDecodeWithKVCache:
              rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
              dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
              num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False,
-             fused_append: bool = False, interleaved_splits: Optional[bool] = None) -> Any:
+             fused_append: bool = False) -> Any:
         """Plans the steps that ``run()`` will compute.
 
         Args:
@@ -297,9 +297,6 @@ class BatchDecodeWithKVCache:
             fused_append: CUDA, with append: the split-KV kernel writes the new k/v into the cache
                 itself (each split the tokens in its tiles), instead of an append launch; same
                 cache bytes and results.
-            interleaved_splits: split s of n reads the sequence's key tiles s, s + n, s + 2n, ...
-                (True) or a contiguous run (False); None: the library's default
-                (DecodePlanOptions::interleaved_splits). Same work, different summation order.
         Returns:
             the C++ DecodePlan (also ``self.plan_info``).
         """
@@ -378,8 +375,7 @@ class BatchDecodeWithKVCache:
             iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
             self._plan = _C.decode_plan(params, bool(append), backend, host_lens, int(num_splits), int(max_splits),
                                         int(num_sms), _stream(device), iptr, ib, fptr, fb, bool(fused_merge),
-                                        bool(fused_append),
-                                        -1 if interleaved_splits is None else int(bool(interleaved_splits)))
+                                        bool(fused_append))
             if is_cuda and not non_blocking:
                 torch.cuda.current_stream(device).synchronize()
         self._cfg = cfg

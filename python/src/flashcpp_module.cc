@@ -407,12 +407,10 @@ DecodeParams make_params(const TensorArg& q, const TensorArg& o, std::uintptr_t 
 /// Plan options, with the checked host lengths (one int32 per sequence).
 DecodePlanOptions plan_options(const DecodeParams& p, const std::string& backend,
                                const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits,
-                               int num_sms, std::uintptr_t stream, bool fused_merge, bool fused_append = false,
-                               int interleaved_splits = -1) {
+                               int num_sms, std::uintptr_t stream, bool fused_merge, bool fused_append = false) {
   DecodePlanOptions opt;
   opt.fused_merge = fused_merge;
   opt.fused_append = fused_append;
-  if (interleaved_splits >= 0) opt.interleaved_splits = interleaved_splits != 0;  // -1: the library's default
   opt.backend = to_backend(backend);
   if (host_cache_seqlens) {
     if (host_cache_seqlens->shape(0) != static_cast<std::size_t>(std::max(p.batch, 0)))
@@ -460,11 +458,10 @@ std::tuple<std::size_t, std::size_t> workspace_size(const DecodeParams& params, 
 DecodePlan plan(const DecodeParams& params, bool append, const std::string& backend,
                 const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits, int num_sms,
                 std::uintptr_t stream, std::uintptr_t int_workspace, std::size_t int_bytes,
-                std::uintptr_t float_workspace, std::size_t float_bytes, bool fused_merge, bool fused_append,
-                int interleaved_splits) {
+                std::uintptr_t float_workspace, std::size_t float_bytes, bool fused_merge, bool fused_append) {
   const DecodeParams p = for_plan(params, append);
   const DecodePlanOptions opt = plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, stream,
-                                             fused_merge, fused_append, interleaved_splits);
+                                             fused_merge, fused_append);
   DecodePlan out;
   Status st;
   {
@@ -539,7 +536,6 @@ void bind(nb::module_& m) {
       .def_ro("needs_merge", &DecodePlan::needs_merge)
       .def_ro("fused_merge", &DecodePlan::fused_merge)
       .def_ro("fused_append", &DecodePlan::fused_append)
-      .def_ro("interleaved_splits", &DecodePlan::interleaved_splits)
       .def_ro("ctas", &DecodePlan::ctas)
       .def_ro("int_bytes", &DecodePlan::int_bytes)
       .def_ro("float_bytes", &DecodePlan::float_bytes)
@@ -564,7 +560,7 @@ void bind(nb::module_& m) {
         "flashcpp::decode_workspace_size: (int_bytes, float_bytes) of a plan for these scalars.");
   m.def("decode_plan", &plan, "params"_a, "append"_a, "backend"_a, "host_cache_seqlens"_a.none(), "num_splits"_a,
         "max_splits"_a, "num_sms"_a, "stream"_a, "int_workspace"_a, "int_bytes"_a, "float_workspace"_a,
-        "float_bytes"_a, "fused_merge"_a = false, "fused_append"_a = false, "interleaved_splits"_a = -1,
+        "float_bytes"_a, "fused_merge"_a = false, "fused_append"_a = false,
         "flashcpp::decode_plan into caller-owned workspaces (16-byte aligned, on the run's device); "
         "returns the DecodePlan.");
   m.def("decode_run", &run, "params"_a, "plan"_a, "stream"_a, "backend"_a, "cpu_threads"_a,

@@ -138,9 +138,9 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
   const bool append = p.has_append();
   const int len = decode::total_len(p.cache_seqlens[b], st.slots, Sq, append);
   const MaskRules rules = decode::sequence_rules(Sq, len, p.mask.causal, st.wl_left, st.wl_right);
-  int lo = 0, hi = 0;
+  int lo = 0, hi = 0, t_begin = 0, t_end = 0;
   rules.key_range(0, Sq, &lo, &hi);
-  const decode::SplitTiles tiles = decode::split_tiles(lo, hi, s, n, BN, st.plan.interleaved_splits);
+  decode::split_tiles(lo, hi, s, n, BN, &t_begin, &t_end);
 
   // Query rows (rotated at ia, rounded to the dtype as the kernel's shared-memory copy is).
   std::vector<float> q(static_cast<std::size_t>(rows) * D), slope(static_cast<std::size_t>(rows), 0.f);
@@ -158,8 +158,8 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
   std::vector<float> acc(static_cast<std::size_t>(rows) * D, 0.f);
   std::vector<float> kt(static_cast<std::size_t>(BN) * D), vt(kt.size()), y(static_cast<std::size_t>(BN));
 
-  for (int i = 0; i < tiles.count; ++i) {
-    const int j0 = tiles.tile(i) * BN, jn = std::min(BN, hi - j0);  // keys at or past hi are never loaded
+  for (int tile = t_begin; tile < t_end; ++tile) {
+    const int j0 = tile * BN, jn = std::min(BN, hi - j0);  // keys at or past hi are never loaded
     for (int jj = 0; jj < jn; ++jj) {
       load_row(p.cache.k, kv_offset(p.cache, p.cache.k, b, j0 + jj, hk), D, &kt[static_cast<std::size_t>(jj) * D]);
       load_row(p.cache.v, kv_offset(p.cache, p.cache.v, b, j0 + jj, hk), D, &vt[static_cast<std::size_t>(jj) * D]);

@@ -278,7 +278,6 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   plan->needs_merge = s.split.needs_merge;
   plan->fused_merge = s.fused_merge;
   plan->fused_append = s.fused_append;
-  plan->interleaved_splits = opt.interleaved_splits;
   plan->ctas = items * p.heads_kv * s.rows.row_blocks;
   plan->int_workspace = int_workspace;
   plan->int_bytes = s.int_bytes;

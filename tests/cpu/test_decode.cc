@@ -52,7 +52,6 @@ struct DCase {
   float softcap = 0.f, scale = 0.f;
   bool alibi = false, alibi_per_batch = false;
   int num_splits = 0;     ///< forced split count (0 = heuristic)
-  bool interleaved = false; ///< DecodePlanOptions::interleaved_splits
   int num_sms = 0;        ///< planner SM count (0 = default 132)
   bool sdpa_cache = false;  ///< contiguous cache as (batch, heads, slots, dim) through strides
 };
@@ -314,7 +313,6 @@ Status plan_and_run(Problem& pr, RunResult* rr, const std::int32_t* plan_lens = 
   po.host_cache_seqlens = plan_lens ? plan_lens : pr.lens.data();
   po.num_splits = pr.c.num_splits;
   po.num_sms = pr.c.num_sms;
-  po.interleaved_splits = pr.c.interleaved;
   DecodeWorkspaceSize ws;
   FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(pr.p, po, &ws));
   auto iw = std::make_unique<Workspace>(ws.int_bytes), fw = std::make_unique<Workspace>(ws.float_bytes);
@@ -401,68 +399,47 @@ std::uint64_t salt_of(const std::string& s) {
 // ---- split + merge ---------------------------------------------------------------------------
 
 TEST(DecodeCpu, SplitCountsAgainstFp64) {
-  // 1 split (no merge), 2, 7, more splits than tiles (empty splits), and the heuristic; each with
-  // contiguous and with interleaved splits.
-  for (bool inter : {false, true})
-    for (int splits : {1, 2, 7, 40, 0}) {
-      DCase c;
-      c.name = "splits" + std::to_string(splits) + (inter ? "_interleaved" : "");
-      c.batch = 4;
-      c.hq = 8;
-      c.hkv = 2;
-      c.d = 64;
-      c.lens = {517, 1, 130, 64};
-      c.num_splits = splits;
-      c.interleaved = inter;
-      c.num_sms = 4;  // a small "GPU" so the heuristic splits too
-      DecodePlan plan;
-      run_and_check(c, salt_of(c.name), &plan);
-      EXPECT_EQ(plan.interleaved_splits, inter);
-      if (splits > 0) {
-        EXPECT_EQ(plan.max_splits, splits);
-        EXPECT_EQ(plan.num_items, 4 * splits);
-      }
-      EXPECT_EQ(plan.needs_merge, plan.max_splits > 1);
+  // 1 split (no merge), 2, 7, more splits than tiles (empty splits), and the heuristic.
+  for (int splits : {1, 2, 7, 40, 0}) {
+    DCase c;
+    c.name = "splits" + std::to_string(splits);
+    c.batch = 4;
+    c.hq = 8;
+    c.hkv = 2;
+    c.d = 64;
+    c.lens = {517, 1, 130, 64};
+    c.num_splits = splits;
+    c.num_sms = 4;  // a small "GPU" so the heuristic splits too
+    DecodePlan plan;
+    run_and_check(c, salt_of(c.name), &plan);
+    if (splits > 0) {
+      EXPECT_EQ(plan.max_splits, splits);
+      EXPECT_EQ(plan.num_items, 4 * splits);
     }
+    EXPECT_EQ(plan.needs_merge, plan.max_splits > 1);
+  }
 }
 
 TEST(DecodeCpu, SplitsOfOneSequenceCoverItsTiles) {
-  // split_tiles deals a range's tiles out without gaps or overlaps, for any count: contiguous
-  // splits in order, one run each; interleaved splits every n-th tile. Counts differ by <= 1.
-  for (bool inter : {false, true})
-    for (int lo : {0, 5, 64, 130})
-      for (int hi : {lo, lo + 1, lo + 63, lo + 64, lo + 1000})
-        for (int n : {1, 2, 3, 7, 16, 100}) {
-          const int t0 = lo / 64, tiles = hi > lo ? (hi + 63) / 64 - t0 : 0;
-          std::vector<int> owner(static_cast<std::size_t>(tiles), -1);
-          int prev_end = t0, cmin = 1 << 30, cmax = 0;
-          for (int s = 0; s < n; ++s) {
-            const decode::SplitTiles st = decode::split_tiles(lo, hi, s, n, kDecodeBlockN, inter);
-            ASSERT_GE(st.count, 0);
-            ASSERT_EQ(st.step, inter ? n : 1);
-            if (!inter) {
-              if (st.count > 0) ASSERT_EQ(st.first, prev_end);
-              prev_end += st.count;
-            }
-            cmin = std::min(cmin, st.count);
-            cmax = std::max(cmax, st.count);
-            for (int i = 0; i < st.count; ++i) {
-              const int t = st.tile(i) - t0;
-              ASSERT_TRUE(t >= 0 && t < tiles) << lo << " " << hi << " " << n << " " << s;
-              ASSERT_EQ(owner[static_cast<std::size_t>(t)], -1) << "tile dealt twice";
-              owner[static_cast<std::size_t>(t)] = s;
-              ASSERT_TRUE(st.owns(st.tile(i)));
-            }
-            ASSERT_FALSE(st.owns(t0 - 1));
-            ASSERT_FALSE(st.owns(t0 + tiles));
-          }
-          for (int t = 0; t < tiles; ++t) {
-            ASSERT_NE(owner[static_cast<std::size_t>(t)], -1) << lo << " " << hi << " " << n << " tile " << t;
-            if (inter) ASSERT_EQ(owner[static_cast<std::size_t>(t)], t % n);
-          }
-          ASSERT_LE(cmax - cmin, 1);
+  // split_tiles deals a range's tiles out in order, without gaps or overlaps, for any count.
+  for (int lo : {0, 5, 64, 130})
+    for (int hi : {lo, lo + 1, lo + 63, lo + 64, lo + 1000})
+      for (int n : {1, 2, 3, 7, 16, 100}) {
+        int prev_end = -1, total = 0;
+        for (int s = 0; s < n; ++s) {
+          int b0, b1;
+          decode::split_tiles(lo, hi, s, n, kDecodeBlockN, &b0, &b1);
+          ASSERT_LE(b0, b1);
+          if (prev_end >= 0) ASSERT_EQ(b0, prev_end);
+          prev_end = b1;
+          total += b1 - b0;
         }
+        const int tiles = hi > lo ? (hi + 63) / 64 - lo / 64 : 0;
+        ASSERT_EQ(total, tiles) << lo << " " << hi << " " << n;
+      }
 }
+
+// ---- paged addressing --------------------------------------------------------------------------
 
 TEST(DecodeCpu, PagedEveryPageSizeMatchesContiguousBitForBit) {
   // The paged and the contiguous run read the same keys in the same order, so the outputs are
@@ -515,7 +492,6 @@ TEST(DecodeCpu, PagedShuffledPagesAllSizesAgainstFp64) {
     c.lens = {ps * 2 + 3, 0, 200};
     c.page_size = ps;
     c.num_splits = ps % 3 + 1;
-    c.interleaved = ps % 4 == 0;
     run_and_check(c, salt_of(c.name));
   }
 }
@@ -570,7 +546,6 @@ TEST(DecodeCpu, QueryLengths1To16Causal) {
     c.lens = {sq % 2 ? 0 : 3, 90};  // an empty cache: the new tokens see only each other
     c.append = true;
     c.num_splits = sq % 3 + 1;
-    c.interleaved = sq % 2 == 0;
     run_and_check(c, salt_of(c.name));
   }
   // Without append a cache shorter than seqlen_q leaves the first rows with no key (O = 0, LSE = -inf).
@@ -604,8 +579,6 @@ TEST(DecodeCpu, WindowAlibiSoftcap) {
   add("window100", [](DCase& c) { c.wl = 100; });
   add("window0", [](DCase& c) { c.wl = 0; });
   add("window70_split5", [](DCase& c) { c.wl = 70; c.num_splits = 5; });
-  add("window70_split5_interleaved", [](DCase& c) { c.wl = 70; c.num_splits = 5; c.interleaved = true; });
-  add("window0_split3_interleaved", [](DCase& c) { c.wl = 0; c.num_splits = 3; c.interleaved = true; });
   add("noncausal_window_right", [](DCase& c) { c.causal = false; c.wl = 30; c.wr = 1; });
   add("noncausal", [](DCase& c) { c.causal = false; });
   add("alibi", [](DCase& c) { c.alibi = true; });

@@ -108,7 +108,6 @@ struct Step {
   std::vector<std::uint16_t> o_cpu;
   std::vector<float> lse_cpu;
   DecodeParams hp, dp;
-  bool interleaved = false;  ///< plan both backends with DecodePlanOptions::interleaved_splits
 
   static std::int64_t need(const GCase& c) {
     int m = 0;
@@ -267,7 +266,6 @@ Status plan_gpu(const Step& st, GpuPlan* gp, const std::vector<std::int32_t>* pl
   po.backend = Backend::kCuda;
   po.fused_merge = fused_merge;
   po.fused_append = fused_append;
-  po.interleaved_splits = st.interleaved;
   po.host_cache_seqlens = plan_lens ? plan_lens->data() : st.lens.h.data();
   po.num_splits = st.c.num_splits;
   po.stream = stream;
@@ -285,7 +283,6 @@ void run_cpu(Step& st) {
   DecodePlanOptions po;
   po.backend = Backend::kCpu;
   po.num_splits = st.c.num_splits;
-  po.interleaved_splits = st.interleaved;
   DecodeWorkspaceSize ws;
   ASSERT_TRUE(decode_workspace_size(st.hp, po, &ws).ok());
   std::vector<float> iw(ws.int_bytes / 4 + 4), fw(ws.float_bytes / 4 + 4);
@@ -442,12 +439,10 @@ void run_case(const GCase& c, std::uint64_t salt) {
   // Half of the cases merge the splits inside the split-KV kernel (the same arithmetic as the
   // merge kernel), half launch programmatically (PDL on sm_90: each kernel waits for the one
   // before it first), and half of the appending ones write the new K/V inside the split-KV kernel:
-  // every check below must hold unchanged. Half of the cases interleave the splits' tiles.
-  st.interleaved = (salt & 8) != 0;
+  // every check below must hold unchanged.
   Status s = plan_gpu(st, &gp, nullptr, nullptr, (salt & 2) != 0, (salt & 4) != 0);
   ASSERT_TRUE(s.ok()) << s.to_string();
   ASSERT_EQ(gp.plan.fused_append, c.append && (salt & 4) != 0);
-  ASSERT_EQ(gp.plan.interleaved_splits, st.interleaved);
   RunOptions ro;
   ro.backend = Backend::kCuda;
   ro.programmatic_launch = (salt & 1) != 0;
@@ -468,8 +463,8 @@ void run_case(const GCase& c, std::uint64_t salt) {
   EXPECT_EQ(e.lse_bad, 0) << "LSE rows over tolerance (1e-3, 5e-3 for bf16 theta rotary); max " << e.lse_max;
   if (c.append) EXPECT_EQ(cache_mismatches(st, dev_k, dev_v), 0) << "cache after the append differs from the CPU backend's";
   else EXPECT_EQ(std::memcmp(dev_k.data(), st.kc.h.data(), dev_k.size() * 2), 0) << "the cache was written without append";
-  std::printf("    %-78s splits<=%-3d%s ctas %-5d%s%s max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
-              gp.plan.max_splits, st.interleaved ? "i" : " ", gp.plan.ctas, ro.programmatic_launch ? " pdl" : "    ",
+  std::printf("    %-78s splits<=%-3d ctas %-5d%s%s max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
+              gp.plan.max_splits, gp.plan.ctas, ro.programmatic_launch ? " pdl" : "    ",
               gp.plan.fused_merge ? " fused" : "      ", e.max_abs, e.cpu_max_abs, e.lse_max);
   if (gp.plan.fused_append) std::printf("      (new K/V written by the split-KV kernel)\n");
 }
@@ -753,7 +748,6 @@ TEST(DecodeGpu, FusedAppendEqualsTheAppendKernel) {
     SCOPED_TRACE(describe(c));
     std::mt19937_64 g(gpu_seed() ^ salt_of(describe(c)));
     Step st(c, g);
-    st.interleaved = (&c - cases.data()) % 2 == 1;  // both runs alike: every other case interleaved
     std::vector<std::uint16_t> k[2], v[2], o[2];
     std::vector<float> lse[2];
     for (int fused = 0; fused < 2; ++fused) {

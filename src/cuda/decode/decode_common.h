@@ -23,8 +23,9 @@ inline constexpr float kLn2 = 0.6931471805599453f;
 /// Why these numbers (H200: 132 SMs, 228 KB smem/SM, ~4.2 TB/s): decode moves K/V once and does
 /// little math on it, so the config is about bytes in flight. Little's law with ~1 us of DRAM
 /// latency asks for 4.2 MB in flight, ~32 KB per SM. A stage is kBlockN keys of K and V
-/// (2*64*D*2 bytes: 16/32/64 KB for D = 64/128/256); kStages - 1 stages are in flight per CTA and
-/// kCtasPerSm CTAs share an SM, so every head dim keeps >= 64 KB per SM in flight.
+/// (2*64*D*2 bytes: 16/32/64 KB for D = 64/128/256); while a CTA waits all kStages stages are in
+/// flight (decode_kernel.cuh) and kCtasPerSm CTAs share an SM, so every head dim keeps >= 96 KB
+/// per SM in flight.
 template <int D>
 struct Config {
   static constexpr int kHeadDim = D;
@@ -115,33 +116,13 @@ FC_HD int total_len(int cache_len, int slots, int seqlen_q, bool append) {
   return append ? c + seqlen_q : c;
 }
 
-/// The key tiles of split s out of n over the visible key range [lo, hi): tile(i) = first + i * step
-/// for i in [0, count). Contiguous (step 1): the range's tiles are dealt out evenly in order, each
-/// split a run. Interleaved (step n): split s owns the range's tiles s, s + n, s + 2n, ..., so at
-/// any moment the n splits of a sequence read n adjacent tiles, one stretch of memory, instead of
-/// n runs far apart (DecodePlanOptions::interleaved_splits). Either way the counts differ by at
-/// most one and a split may be empty (more splits than tiles).
-struct SplitTiles {
-  int first = 0, count = 0, step = 1;
-  FC_HD int tile(int i) const { return first + i * step; }
-  FC_HD bool owns(int t) const {
-    const int d = t - first;
-    return d >= 0 && d % step == 0 && d / step < count;
-  }
-};
-FC_HD SplitTiles split_tiles(int lo, int hi, int s, int n, int block_n, bool interleaved) {
+/// The key tiles [*begin, *end) of split s out of n of the visible key range [lo, hi): the range's
+/// tiles are dealt out evenly in order; a split may be empty (more splits than tiles).
+FC_HD void split_tiles(int lo, int hi, int s, int n, int block_n, int* begin, int* end) {
   const int t0 = lo / block_n;
   const int nt = hi > lo ? (hi + block_n - 1) / block_n - t0 : 0;
-  SplitTiles r;
-  if (interleaved) {
-    r.first = t0 + s;
-    r.step = n;
-    r.count = s < nt ? (nt - s + n - 1) / n : 0;
-  } else {
-    r.first = t0 + static_cast<int>(static_cast<long long>(nt) * s / n);
-    r.count = t0 + static_cast<int>(static_cast<long long>(nt) * (s + 1) / n) - r.first;
-  }
-  return r;
+  *begin = t0 + static_cast<int>(static_cast<long long>(nt) * s / n);
+  *end = t0 + static_cast<int>(static_cast<long long>(nt) * (s + 1) / n);
 }
 
 /// The mask rules of one sequence (windows are pre-clamped on the host so ia + window fits int).

@@ -100,7 +100,6 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.item_batch = wl.item_batch;
   p.item_split = wl.item_split;
   p.fused_append = plan.fused_append && p.append ? 1 : 0;
-  p.interleaved_splits = plan.interleaved_splits ? 1 : 0;
   if (plan.fused_merge)
     p.merge_counters = static_cast<int*>(plan.int_workspace) + decode::worklist_int_count(a.batch, plan.num_items);
   if (plan.needs_merge) {

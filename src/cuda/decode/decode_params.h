@@ -72,8 +72,6 @@ struct DecodeKernelParams {
   /// Fused append (DecodePlan::fused_append, with append): the split-KV kernel writes the new K/V
   /// of the tokens in each split's tiles before loading them; no append launch.
   int fused_append;
-  /// Interleaved splits (DecodePlan::interleaved_splits): split s of n reads tiles s, s + n, ...
-  int interleaved_splits;
 
   /// Host side only: launch programmatically (RunOptions::programmatic_launch on sm_90+). Every
   /// decode kernel starts with griddepcontrol.wait, a no-op for an ordinary launch.
