@@ -183,11 +183,12 @@ struct RunOptions {
   /// "sm90" = that kernel family with its default/tuned config; else an exact config name
   /// (see `flashcpp info`).
   std::string cuda_config;
-  /// CUDA decode kernels (decode_run): launch with programmatic dependent launch on sm_90+, so a
-  /// kernel's launch overlaps the tail of the previous kernel on the stream. Each kernel still
-  /// waits for the previous grid to finish (griddepcontrol.wait) before it touches memory, so the
-  /// results are the same; the gain is the launch gap, inside graphs of PDL-aware kernels (the
-  /// engine's decode step). Ignored before sm_90.
+  /// CUDA decode (decode_run): launch its first kernel with programmatic dependent launch on
+  /// sm_90+, so the launch overlaps the tail of the previous kernel on the stream. Each kernel
+  /// still waits for the previous grid to finish (griddepcontrol.wait) before it touches memory,
+  /// so the results are the same; the gain is the launch gap, inside graphs of PDL-aware kernels
+  /// (the engine's decode step). The step's later kernels (split after append, merge) launch
+  /// this way on sm_90+ regardless. Ignored before sm_90.
   bool programmatic_launch = false;
 };
 

@@ -133,15 +133,25 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
                                std::to_string(smem) + " bytes of shared memory; " + dev.name + " allows " +
                                std::to_string(dev.smem_optin));
   DecodeKernelParams p = make_params(a, plan);
-  p.pdl = programmatic && dev.sm_major >= 9 ? 1 : 0;
+  // The first launch is programmatic only when asked (RunOptions::programmatic_launch). A launch
+  // that follows one of this step's own kernels always is on sm_90+: every decode kernel waits for
+  // the grid before it (griddepcontrol.wait) and then releases its dependents, so the next launch
+  // (the merge above all, a few us at B = 1) overlaps the tail instead of waiting for it; results
+  // are the same.
+  const bool pdl_ok = dev.sm_major >= 9;
+  p.pdl = programmatic && pdl_ok ? 1 : 0;
   const DType dt = a.q.dtype;
-  if (p.append && !p.fused_append) FLASHCPP_RETURN_IF_ERROR(decode_append_launch(p, dt, stream));
+  if (p.append && !p.fused_append) {
+    FLASHCPP_RETURN_IF_ERROR(decode_append_launch(p, dt, stream));
+    p.pdl = pdl_ok ? 1 : 0;
+  }
   switch (a.head_dim) {
     case 64: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd64(p, dt, plan.ctas, stream, dev.device)); break;
     case 128: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd128(p, dt, plan.ctas, stream, dev.device)); break;
     case 256: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd256(p, dt, plan.ctas, stream, dev.device)); break;
     default: return Status::Internal("decode_run: head_dim " + std::to_string(a.head_dim) + " passed validation");
   }
+  p.pdl = pdl_ok ? 1 : 0;
   if (plan.needs_merge && !plan.fused_merge) FLASHCPP_RETURN_IF_ERROR(decode_merge_launch(p, dt, stream));
   return Status::Ok();
 }
