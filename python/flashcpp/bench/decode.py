@@ -418,7 +418,7 @@ def _flashinfer_fn(torch, flashinfer, q, kc, vc, kp, vp, table, lens_host, c: Ca
     last = torch.tensor([int(n) - (p - 1) * ps for n, p in zip(lens_host, n_pages)], dtype=torch.int32, device=dev)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True,
-                                                      use_tensor_cores=Hq // Hkv >= 4,
+                                                      use_tensor_cores=False,
                                                       paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
                                                       paged_kv_last_page_len_buffer=last)
     w.plan(indptr, indices, last, Hq, Hkv, D, ps, pos_encoding_mode="NONE", q_data_type=q.dtype,
