@@ -318,9 +318,9 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   // row offset per tile, the rest by a constant stride. Paged: one block-table read per tile when
   // a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row.
   constexpr int kRowsPerPass = Cfg::kThreads / kRowChunks;
-  const T* gK = static_cast<const T*>(p.k_cache) + hk * p.k_head_stride + (tid % kRowChunks) * 8;
-  const T* gV = static_cast<const T*>(p.v_cache) + hk * p.v_head_stride + (tid % kRowChunks) * 8;
-  const int r0 = tid / kRowChunks;
+  const int c = tid % kRowChunks, r0 = tid / kRowChunks;
+  const T* gK = static_cast<const T*>(p.k_cache) + hk * p.k_head_stride + c * 8;
+  const T* gV = static_cast<const T*>(p.v_cache) + hk * p.v_head_stride + c * 8;
   const bool page_holds_tile = p.paged && p.page_mask + 1 >= BN;
   auto load_tile = [&](int stage, int tile) {
     T* dK = sK + stage * BN * D;
@@ -339,9 +339,8 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
         if (ok) kv_rows(p, b, j, &ko, &vo);
       }
       if (!ok) ko = vo = 0;
-      const int cc = tid % kRowChunks;
-      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, cc)), gK + ko, ok ? 16 : 0);
-      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, cc)), gV + vo, ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, c)), gK + ko, ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + vo, ok ? 16 : 0);
     }
   };
 #pragma unroll
