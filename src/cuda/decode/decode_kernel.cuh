@@ -72,20 +72,24 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
-/// Element offsets of key j of sequence b in the K and the V cache: contiguous, or through the
-/// block table with the page clamped to the pool (device values are unchecked). One load for both.
-__device__ __forceinline__ void kv_rows(const DecodeKernelParams& p, int b, int j, std::int64_t* ko, std::int64_t* vo) {
-  std::int64_t base, slot;
-  if (p.paged) {
-    int page = __ldg(p.block_table + b * p.block_table_stride + (j >> p.page_shift));
-    base = min(max(page, 0), p.num_pages - 1);
-    slot = j & p.page_mask;
-  } else {
-    base = b;
-    slot = j;
-  }
+/// Element offsets of slot `slot` of page (or contiguous sequence) `base` in the K and V cache.
+__device__ __forceinline__ void kv_offsets(const DecodeKernelParams& p, std::int64_t base, std::int64_t slot,
+                                           std::int64_t* ko, std::int64_t* vo) {
   *ko = base * p.k_batch_stride + slot * p.k_seq_stride;
   *vo = base * p.v_batch_stride + slot * p.v_seq_stride;
+}
+
+/// The page of key j of sequence b, clamped to the pool (device values are unchecked).
+__device__ __forceinline__ int page_of(const DecodeKernelParams& p, int b, int j) {
+  const int page = __ldg(p.block_table + b * p.block_table_stride + (j >> p.page_shift));
+  return min(max(page, 0), p.num_pages - 1);
+}
+
+/// Element offsets of key j of sequence b in the K and the V cache: contiguous, or through the
+/// block table. One load for both.
+__device__ __forceinline__ void kv_rows(const DecodeKernelParams& p, int b, int j, std::int64_t* ko, std::int64_t* vo) {
+  if (p.paged) kv_offsets(p, page_of(p, b, j), j & p.page_mask, ko, vo);
+  else kv_offsets(p, b, j, ko, vo);
 }
 
 /// (cos, sin) of rotary pair i at position pos (decode.h). Tables: row clamped to the table.
@@ -316,31 +320,42 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   // ---- K/V tiles: cp.async, 16 bytes per thread and row ---------------------------------------
   // A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. Contiguous cache: one
   // row offset per tile, the rest by a constant stride. Paged: one block-table read per tile when
-  // a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row.
+  // a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row,
+  // all loaded before the first copy is issued.
   constexpr int kRowsPerPass = Cfg::kThreads / kRowChunks;
   const int c = tid % kRowChunks, r0 = tid / kRowChunks;
   const T* gK = static_cast<const T*>(p.k_cache) + hk * p.k_head_stride + c * 8;
   const T* gV = static_cast<const T*>(p.v_cache) + hk * p.v_head_stride + c * 8;
   const bool page_holds_tile = p.paged && p.page_mask + 1 >= BN;
   auto load_tile = [&](int stage, int tile) {
+    constexpr int kIt = BN / kRowsPerPass;
     T* dK = sK + stage * BN * D;
     T* dV = sV + stage * BN * D;
     const int j0 = tile * BN + r0;
-    std::int64_t kb = 0, vb = 0;  // offsets of row j0 (contiguous, or a page holding the tile)
-    if (!p.paged || page_holds_tile) kv_rows(p, b, j0, &kb, &vb);
+    std::int64_t ko[kIt], vo[kIt];
+    if (!p.paged || page_holds_tile) {
+      kv_rows(p, b, j0, &ko[0], &vo[0]);
 #pragma unroll
-    for (int it = 0; it < BN / kRowsPerPass; ++it) {
-      const int r = r0 + it * kRowsPerPass, j = j0 + it * kRowsPerPass;
-      const bool ok = j < key_hi;  // keys at or past the visible end are zero-filled, never read
-      std::int64_t ko = kb + static_cast<std::int64_t>(it * kRowsPerPass) * p.k_seq_stride;
-      std::int64_t vo = vb + static_cast<std::int64_t>(it * kRowsPerPass) * p.v_seq_stride;
-      if (p.paged && !page_holds_tile) {
-        ko = vo = 0;
-        if (ok) kv_rows(p, b, j, &ko, &vo);
+      for (int it = 1; it < kIt; ++it) {
+        ko[it] = ko[0] + static_cast<std::int64_t>(it * kRowsPerPass) * p.k_seq_stride;
+        vo[it] = vo[0] + static_cast<std::int64_t>(it * kRowsPerPass) * p.v_seq_stride;
       }
-      if (!ok) ko = vo = 0;
-      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, c)), gK + ko, ok ? 16 : 0);
-      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + vo, ok ? 16 : 0);
+    } else {
+      // Small pages: one block-table read per row, all issued before any is used (one round
+      // trip per tile, not kIt in a row). Rows past the visible end read the last visible key's
+      // entry and copy nothing.
+      int page[kIt];
+#pragma unroll
+      for (int it = 0; it < kIt; ++it) page[it] = page_of(p, b, min(j0 + it * kRowsPerPass, key_hi - 1));
+#pragma unroll
+      for (int it = 0; it < kIt; ++it) kv_offsets(p, page[it], (j0 + it * kRowsPerPass) & p.page_mask, &ko[it], &vo[it]);
+    }
+#pragma unroll
+    for (int it = 0; it < kIt; ++it) {
+      const int r = r0 + it * kRowsPerPass;
+      const bool ok = j0 + it * kRowsPerPass < key_hi;  // keys at or past the visible end are zero-filled, never read
+      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, c)), gK + (ok ? ko[it] : 0), ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + (ok ? vo[it] : 0), ok ? 16 : 0);
     }
   };
 #pragma unroll
