@@ -100,6 +100,10 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.item_batch = wl.item_batch;
   p.item_split = wl.item_split;
   p.fused_append = plan.fused_append && p.append ? 1 : 0;
+  p.uniform_splits =
+      plan.max_splits > 0 && static_cast<std::int64_t>(plan.num_items) == static_cast<std::int64_t>(a.batch) * plan.max_splits
+          ? plan.max_splits
+          : 0;
   if (plan.fused_merge)
     p.merge_counters = static_cast<int*>(plan.int_workspace) + decode::worklist_int_count(a.batch, plan.num_items);
   if (plan.needs_merge) {

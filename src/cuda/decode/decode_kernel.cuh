@@ -180,8 +180,8 @@ __device__ __forceinline__ void merge_row(const DecodeKernelParams& p, int b, in
 #else
   constexpr int kBatch = 8;  // partial rows in flight per lane (measured on the H200)
 #endif
-  const int n = p.num_splits[b];
-  const int first = p.first_item[b], hk = h / p.group, r = (h % p.group) * p.seqlen_q + t, D = p.head_dim;
+  const int n = p.uniform_splits > 0 ? p.uniform_splits : p.num_splits[b];
+  const int first = p.uniform_splits > 0 ? b * p.uniform_splits : p.first_item[b], hk = h / p.group, r = (h % p.group) * p.seqlen_q + t, D = p.head_dim;
   auto at = [&](int i) { return (static_cast<std::int64_t>(first + i) * p.heads_kv + hk) * p.rows + r; };
   float w[kRounds];
   float mx = -INFINITY;
@@ -291,7 +291,18 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   bid /= p.row_blocks;
   const int hk = bid % p.heads_kv;
   const int item = bid / p.heads_kv;
-  const int b = p.item_batch[item], split = p.item_split[item], nsplit = p.num_splits[b];
+  // (sequence, split): from the item index when every sequence has the same split count (one
+  // dependent load fewer before the first copy), else from the work list.
+  int b, split, nsplit;
+  if (p.uniform_splits > 0) {
+    nsplit = p.uniform_splits;
+    b = item / nsplit;
+    split = item - b * nsplit;
+  } else {
+    b = p.item_batch[item];
+    split = p.item_split[item];
+    nsplit = p.num_splits[b];
+  }
   const int Sq = p.seqlen_q;
   const int len = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, Sq, p.append != 0);
   const MaskRules rules = flashcpp::decode::sequence_rules(Sq, len, p.causal != 0, p.window_left, p.window_right);

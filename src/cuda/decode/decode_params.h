@@ -72,6 +72,9 @@ struct DecodeKernelParams {
   /// Fused append (DecodePlan::fused_append, with append): the split-KV kernel writes the new K/V
   /// of the tokens in each split's tiles before loading them; no append launch.
   int fused_append;
+  /// > 0: every sequence has this many splits (the plan's num_items == batch * max_splits), so a
+  /// CTA derives (sequence, split) from its item index instead of reading the work list first.
+  int uniform_splits;
 
   /// Host side only: launch programmatically (RunOptions::programmatic_launch on sm_90+). Every
   /// decode kernel starts with griddepcontrol.wait, a no-op for an ordinary launch.
