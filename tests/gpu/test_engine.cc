@@ -4,6 +4,10 @@
 
 #include "../cpu/engine_tiny.h"
 #include "engine/engine.h"
+#include "engine/sampling.h"
+
+#include <cmath>
+#include <random>
 
 using namespace flashcpp;
 using namespace flashcpp::engine;
@@ -113,4 +117,48 @@ TEST(EngineGpu, SamplingMatchesTheHostRule) {
   ASSERT_TRUE(generate(*m, g, &greedy).ok());
   EXPECT_EQ(nucleus.tokens, greedy.tokens) << "top_p -> 0 is greedy";
   fs::remove_all(dir);
+}
+
+// Greedy sampling on the device against the host rule of sampling.h: a 128k vocabulary (the
+// 16-byte path, eight loads in flight, its remainder loop), odd sizes (rows not 16-byte aligned:
+// the scalar path), a tie between two maxima (lowest index), NaN (the first NaN wins), and a
+// row of -inf (index 0). Poisoned outputs: every token starts at -7.
+TEST(EngineGpu, GreedySampleMatchesTheHostRule) {
+  std::unique_ptr<Ops> ops = cuda_ops();
+  ASSERT_TRUE(ops);
+  std::mt19937 rng(41);
+  std::normal_distribution<float> nd(0.f, 3.f);
+  for (int vocab : {128256, 128000 + 4 * 1024 * 8 + 4, 1001, 4099, 7}) {
+    const int rows = 4;
+    std::vector<float> l(static_cast<std::size_t>(rows) * vocab);
+    for (auto& x : l) x = nd(rng);
+    float* r0 = l.data();
+    r0[vocab - 2] = 50.f;  // a tie: the lower index wins
+    r0[vocab / 3] = 50.f;
+    float* r1 = l.data() + vocab;
+    r1[vocab - 1] = std::nanf("");
+    if (vocab > 2) r1[vocab / 2] = std::nanf("");
+    float* r2 = l.data() + 2 * static_cast<std::size_t>(vocab);
+    std::fill(r2, r2 + vocab, -INFINITY);
+    float* r3 = l.data() + 3 * static_cast<std::size_t>(vocab);
+    r3[vocab - 1] = 60.f;  // the maximum in the last element (remainder of the vector loop)
+    void* d_l = nullptr;
+    void* d_t = nullptr;
+    ASSERT_TRUE(ops->alloc(l.size() * 4, &d_l).ok());
+    ASSERT_TRUE(ops->alloc(rows * 4, &d_t).ok());
+    std::vector<std::int32_t> poison(rows, -7), got(rows, 0);
+    ASSERT_TRUE(ops->upload(d_l, l.data(), l.size() * 4).ok());
+    ASSERT_TRUE(ops->upload(d_t, poison.data(), rows * 4).ok());
+    SampleArgs a;  // temperature 0: greedy
+    ASSERT_TRUE(ops->sample(static_cast<const float*>(d_l), rows, vocab, a, static_cast<std::int32_t*>(d_t), nullptr, nullptr).ok());
+    ASSERT_TRUE(ops->download(got.data(), d_t, rows * 4).ok());
+    for (int r = 0; r < rows; ++r)
+      EXPECT_EQ(got[r], sample_row_host(l.data() + static_cast<std::size_t>(r) * vocab, vocab, a, 0.f))
+          << "vocab " << vocab << " row " << r;
+    EXPECT_EQ(got[0], vocab / 3) << "vocab " << vocab;
+    EXPECT_EQ(got[2], 0) << "vocab " << vocab;
+    EXPECT_EQ(got[3], vocab - 1) << "vocab " << vocab;
+    ops->release(d_l);
+    ops->release(d_t);
+  }
 }
