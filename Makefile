@@ -74,6 +74,7 @@ bench: build
 	./$(BUILD)/flashcpp audit --backend cuda --json reports/numerics/audit.json
 	$(PYTHON) -m flashcpp.bench.audit_plot reports/numerics/audit.json --out reports/numerics
 	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(CURDIR)/reports
+	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(CURDIR)/reports
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
