@@ -3,6 +3,7 @@
 #   make run       build and run `flashcpp check` (CUDA if a GPU is present, else the CPU backend)
 #   make gpu-test  on an NVIDIA machine: build, GPU tests, correctness reports
 #   make bench     on an NVIDIA machine: peers vs flashcpp, reports/<area>/benchmark.{csv,png}
+#                  (QUICK=1: the --quick subsets, written under $(BUILD)/bench-quick)
 SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
@@ -15,6 +16,11 @@ DEPS_PREFIX := $(CURDIR)/.deps/usr
 CMAKE_ARGS ?=
 CMAKE_PREFIX := $(if $(wildcard $(DEPS_PREFIX)),-DCMAKE_PREFIX_PATH=$(DEPS_PREFIX),)
 GIT_COMMIT ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
+# make bench QUICK=1: each area's --quick subset (about two minutes of sweeps), written under
+# $(BUILD)/bench-quick so the shipped full-sweep figures in reports/ are not replaced by a subset.
+QUICK ?=
+BENCH_FLAGS := $(if $(QUICK),--quick,)
+BENCH_OUT ?= $(if $(QUICK),$(CURDIR)/$(BUILD)/bench-quick,$(CURDIR)/reports)
 IS_HOPPER := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9' && echo yes || echo no)
 
 .PHONY: all deps configure build test run gpu-test bench fuzz python-test clean
@@ -66,15 +72,16 @@ endif
 # Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused,decode,masks,engine,numerics}.
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill --out $(CURDIR)/reports/prefill
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused --out $(CURDIR)/reports/fused
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode --out $(CURDIR)/reports/decode
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks --out $(CURDIR)/reports/masks
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(CURDIR)/reports/engine
-	./$(BUILD)/flashcpp audit --backend cuda --json reports/numerics/audit.json
-	$(PYTHON) -m flashcpp.bench.audit_plot reports/numerics/audit.json --out reports/numerics
-	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(CURDIR)/reports
-	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(CURDIR)/reports
+	mkdir -p $(BENCH_OUT)/numerics
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_OUT)/prefill
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_OUT)/fused
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_OUT)/decode
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_OUT)/masks
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_OUT)/engine
+	./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_OUT)/numerics/audit.json
+	$(PYTHON) -m flashcpp.bench.audit_plot $(BENCH_OUT)/numerics/audit.json --out $(BENCH_OUT)/numerics
+	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(BENCH_OUT)
+	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(BENCH_OUT)
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
