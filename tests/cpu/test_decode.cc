@@ -747,6 +747,56 @@ TEST(DecodeCpu, SplitHeuristic) {
   EXPECT_EQ(s.splits[1], 2);
 }
 
+// The work list numbers items sequence by sequence (first_item[b] = sum of the earlier split
+// counts, then splits 0 .. n_b - 1 in order). The CUDA kernels rely on it: when every sequence has
+// n splits (num_items == batch * n) they take (sequence, split) = (item / n, item % n) and a
+// sequence's first item b * n without reading the list (decode_dispatch.cc, uniform_splits).
+TEST(DecodeCpu, WorkListNumbersItemsSequenceBySequence) {
+  int uniform_plans = 0, ragged_plans = 0;
+  for (const auto& [lens, forced] : std::vector<std::pair<std::vector<int>, int>>{
+           {{6000, 700, 0, 2500}, 0}, {{3000, 3000, 3000}, 0}, {{300, 7000}, 3}, {{1}, 0}}) {
+    DCase c;
+    c.batch = static_cast<int>(lens.size());
+    c.hq = 2;
+    c.hkv = 2;
+    c.lens = lens;
+    c.num_splits = forced;
+    Problem pr(c, 11);
+    DecodePlanOptions po;
+    po.backend = Backend::kCpu;
+    po.num_splits = forced;
+    po.host_cache_seqlens = pr.lens.data();  // plan for these lengths: ragged split counts
+    DecodeWorkspaceSize ws;
+    ASSERT_TRUE(decode_workspace_size(pr.p, po, &ws).ok());
+    Workspace iw(ws.int_bytes), fw(std::max<std::size_t>(ws.float_bytes, 16));
+    DecodePlan plan;
+    ASSERT_TRUE(decode_plan(pr.p, po, iw.ptr, iw.bytes, fw.ptr, fw.bytes, &plan).ok());
+    const decode::WorkList wl = decode::worklist_view(iw.ptr, c.batch, plan.num_items);
+    int next = 0;
+    bool uniform = true;
+    for (int b = 0; b < c.batch; ++b) {
+      EXPECT_EQ(wl.first_item[b], next) << "sequence " << b;
+      EXPECT_GE(wl.num_splits[b], 1);
+      uniform = uniform && wl.num_splits[b] == plan.max_splits;
+      for (int i = 0; i < wl.num_splits[b]; ++i, ++next) {
+        EXPECT_EQ(wl.item_batch[next], b);
+        EXPECT_EQ(wl.item_split[next], i);
+      }
+    }
+    EXPECT_EQ(next, plan.num_items);
+    // The kernels' test for "every sequence has max_splits splits".
+    EXPECT_EQ(uniform, plan.num_items == c.batch * plan.max_splits);
+    ++(uniform ? uniform_plans : ragged_plans);
+    if (uniform)
+      for (int item = 0; item < plan.num_items; ++item) {
+        EXPECT_EQ(wl.item_batch[item], item / plan.max_splits);
+        EXPECT_EQ(wl.item_split[item], item % plan.max_splits);
+      }
+  }
+  EXPECT_GT(uniform_plans, 0);  // both kinds of plan were checked
+  EXPECT_GT(ragged_plans, 0);
+}
+
 TEST(DecodeCpu, EmptyBatchAndWorkspaceChecks) {
   DCase c;
   c.batch = 2;
