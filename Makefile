@@ -18,6 +18,8 @@ CMAKE_PREFIX := $(if $(wildcard $(DEPS_PREFIX)),-DCMAKE_PREFIX_PATH=$(DEPS_PREFI
 GIT_COMMIT ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 # make bench QUICK=1: each area's --quick subset (about two minutes of sweeps), written under
 # $(BUILD)/bench-quick so the shipped full-sweep figures in reports/ are not replaced by a subset.
+# Any run written outside reports/ (QUICK=1, or BENCH_OUT=dir) ends with a reproduction check
+# against reports/: COMPARE.md, every shared (case, peer) ratio and its drift (tolerance 10%).
 QUICK ?=
 BENCH_FLAGS := $(if $(QUICK),--quick,)
 BENCH_OUT ?= $(if $(QUICK),$(CURDIR)/$(BUILD)/bench-quick,$(CURDIR)/reports)
@@ -82,6 +84,7 @@ bench: build
 	$(PYTHON) -m flashcpp.bench.audit_plot $(BENCH_OUT)/numerics/audit.json --out $(BENCH_OUT)/numerics
 	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(BENCH_OUT)
 	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(BENCH_OUT)
+	$(if $(filter $(CURDIR)/reports,$(BENCH_OUT)),,-cd /tmp && $(PYTHON) -m flashcpp.bench.compare $(CURDIR)/reports $(BENCH_OUT) --out $(BENCH_OUT)/COMPARE.md)
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz

@@ -1,0 +1,112 @@
+"""Does a new benchmark run reproduce the shipped one? Compares the ratios against each peer of two
+report directories, case by case.
+
+    python -m flashcpp.bench.compare REFERENCE NEW [--tolerance 0.10] [--out FILE.md]
+
+For every area with a benchmark.csv in both directories, the rows are matched on (case, peer)
+and the ratio (`speedup`: peer time / our time, or our tokens/s / the peer's) of the new run is
+set against the reference: drift = new / reference - 1. A row is out of tolerance when |drift| >
+tolerance (10% by default: what "reproduces within ~10%" means for `make bench`). A `--quick` run
+compares on the cases it shares with a full one. Prints a markdown report (and writes it with
+--out); the exit status is 0 when every matched row is within tolerance, 1 when one is not, 2 when
+no row could be matched.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+from typing import Dict, List, Optional, Tuple
+
+from flashcpp.bench.summary import AREAS
+
+
+def _ratio(r: Dict[str, str]) -> Optional[float]:
+    try:
+        v = float(r.get("speedup", "") or "nan")
+    except ValueError:
+        return None
+    return v if math.isfinite(v) and v > 0 else None
+
+
+def _rows(path: str) -> Dict[Tuple[str, str], Dict[str, str]]:
+    with open(path, newline="") as fh:
+        return {(r.get("case", ""), r.get("peer", "")): r for r in csv.DictReader(fh)}
+
+
+def compare(ref_dir: str, new_dir: str, tolerance: float = 0.10) -> List[Dict[str, object]]:
+    """One entry per (area, case, peer) present in both runs with a ratio in each."""
+    out: List[Dict[str, object]] = []
+    for area in AREAS:
+        ref_path = os.path.join(ref_dir, area, "benchmark.csv")
+        new_path = os.path.join(new_dir, area, "benchmark.csv")
+        if not (os.path.exists(ref_path) and os.path.exists(new_path)):
+            continue
+        ref, new = _rows(ref_path), _rows(new_path)
+        for key in sorted(set(ref) & set(new)):
+            a, b = _ratio(ref[key]), _ratio(new[key])
+            if a is None or b is None:
+                continue
+            drift = b / a - 1.0
+            out.append({"area": area, "case": key[0], "peer": key[1], "reference": a, "new": b, "drift": drift,
+                        "ok": abs(drift) <= tolerance,
+                        "ref_commit": ref[key].get("git_commit", ""), "new_commit": new[key].get("git_commit", "")})
+    return out
+
+
+def render(rows: List[Dict[str, object]], ref_dir: str, new_dir: str, tolerance: float) -> str:
+    lines = [f"# Reproduction check: {new_dir} against {ref_dir}", "",
+             f"Ratio drift = new / reference - 1 on every (case, peer) both runs have; tolerance ±{tolerance:.0%}.", ""]
+    if not rows:
+        lines.append("No (case, peer) row is in both runs: nothing to compare.")
+        return "\n".join(lines) + "\n"
+    lines += ["| area | rows | within tolerance | median drift | largest drift |", "| --- | --- | --- | --- | --- |"]
+    by_area: Dict[str, List[Dict[str, object]]] = {}
+    for r in rows:
+        by_area.setdefault(str(r["area"]), []).append(r)
+    for area, rs in by_area.items():
+        drifts = sorted(float(r["drift"]) for r in rs)
+        worst = max(rs, key=lambda r: abs(float(r["drift"])))
+        lines.append(f"| {area} | {len(rs)} | {sum(bool(r['ok']) for r in rs)} | {drifts[len(drifts) // 2]:+.1%} | "
+                     f"{float(worst['drift']):+.1%} ({worst['case']} vs {worst['peer']}) |")
+    bad = [r for r in rows if not r["ok"]]
+    lines += ["", f"## Out of tolerance: {len(bad)} of {len(rows)}", ""]
+    if bad:
+        lines += ["| area | case | peer | reference | new | drift |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in sorted(bad, key=lambda r: -abs(float(r["drift"]))):
+            lines.append(f"| {r['area']} | {r['case']} | {r['peer']} | {float(r['reference']):.3f}x | "
+                         f"{float(r['new']):.3f}x | {float(r['drift']):+.1%} |")
+    else:
+        lines.append("Every matched row is within tolerance.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashcpp.bench.compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("reference", help="report directory of the reference run (e.g. reports)")
+    ap.add_argument("new", help="report directory of the new run (e.g. build/bench-quick)")
+    ap.add_argument("--tolerance", type=float, default=0.10, help="largest |drift| that counts as reproduced")
+    ap.add_argument("--out", default=None, help="also write the report to this file")
+    a = ap.parse_args(argv)
+    for d in (a.reference, a.new):
+        if not os.path.isdir(d):
+            print(f"flashcpp.bench.compare: {d} is not a directory", file=sys.stderr)
+            return 2
+    if not a.tolerance > 0:
+        print("flashcpp.bench.compare: --tolerance must be positive", file=sys.stderr)
+        return 2
+    rows = compare(a.reference, a.new, a.tolerance)
+    text = render(rows, a.reference, a.new, a.tolerance)
+    print(text, end="")
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write(text)
+    if not rows:
+        return 2
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
