@@ -2,12 +2,14 @@
 #include "decode_cmd.h"
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "engine/engine.h"
+#include "harness/kernel_trace.h"
 
 #ifndef FLASHCPP_GIT_COMMIT
 #define FLASHCPP_GIT_COMMIT "unknown"
@@ -47,6 +49,10 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
       ->capture_default_str();
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all)");
   sub->add_flag("--no-profile", o->no_profile, "skip the per-step kernel-time measurement");
+  sub->add_option("--trace", o->trace,
+                  "CUDA (CUPTI): run --trace-steps more steps under a kernel tracer, write their timeline here (CSV) "
+                  "and print each kernel's share of the step: launch gap and busy time");
+  sub->add_option("--trace-steps", o->trace_steps, "steps the --trace timeline covers")->capture_default_str();
 }
 
 namespace {
@@ -120,6 +126,16 @@ int decode_main(const DecodeCliOptions& o) {
     g.batch = o.batch;
   }
 
+  std::vector<harness::KernelRecord> trace;
+  if (!o.trace.empty()) {
+    if (!ops->cuda()) {
+      std::cerr << "flashcpp decode: --trace needs the CUDA backend\n";
+      return 2;
+    }
+    g.trace_steps = o.trace_steps;
+    g.trace = [&trace](bool begin) { return begin ? harness::trace_begin() : harness::trace_end(&trace); };
+  }
+
   GenerateResult r;
   if (Status s = generate(*model, g, &r); !s.ok()) return fail(s);
 
@@ -140,6 +156,21 @@ int decode_main(const DecodeCliOptions& o) {
     std::cout << "per op (us/step, alone):";
     for (const auto& t : r.op_times) std::cout << " " << t.name << " " << t.us;
     std::cout << "\n";
+  }
+  if (!o.trace.empty()) {
+    if (trace.empty()) {
+      std::cerr << "flashcpp decode: the tracer recorded no kernel (CUPTI returned no kernel records)\n";
+      return 1;
+    }
+    if (Status s = harness::write_trace_csv(trace, o.trace); !s.ok()) return fail(s);
+    const harness::TraceSummary t = harness::summarize(trace);
+    const double n = o.trace_steps;
+    std::printf("trace (%s, %d steps, %zu kernels): wall %.1f us/step = busy %.1f + launch gaps %.1f\n", o.trace.c_str(),
+                o.trace_steps, trace.size(), t.wall_us / n, t.busy_us / n, t.gap_us / n);
+    std::printf("  %-44s %6s %10s %10s %10s\n", "kernel", "/step", "busy us", "gap us", "span us");
+    for (const auto& k : t.by_name)
+      std::printf("  %-44.44s %6.1f %10.1f %10.1f %10.1f\n", k.name.c_str(), k.count / n, k.busy_us / n, k.gap_us / n,
+                  k.duration_us / n);
   }
   std::cout << "seq 0:";
   for (std::size_t i = 0; i < std::min<std::size_t>(r.tokens[0].size(), 16); ++i) std::cout << " " << r.tokens[0][i];

@@ -21,6 +21,8 @@ struct DecodeCliOptions {
   std::string dump_logits, json, backend = "auto", gemm = "auto";
   int threads = 0;
   bool no_profile = false;
+  std::string trace;     ///< CUDA + CUPTI: kernel timeline of trace_steps more steps, as CSV
+  int trace_steps = 3;
 };
 
 void add_decode_options(CLI::App* sub, DecodeCliOptions* o);

@@ -197,6 +197,23 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
       out->graph_gpu_us_per_step = 1e3 * ops->event_ms(0, 1) / kReplays;
     }
   }
+
+  // ---- traced steps (a kernel timeline of the real step, launch gaps included) ----
+  if (ops->cuda() && opt.trace && steps > 0) {
+    if (opt.trace_steps < 1 || opt.trace_steps > steps + margin)
+      return Status::Invalid("trace_steps " + std::to_string(opt.trace_steps) + " must be in [1, " +
+                             std::to_string(steps + margin) + "] (the lengths the plan covers)");
+    FLASHCPP_RETURN_IF_ERROR(restore());
+    FLASHCPP_RETURN_IF_ERROR(ops->sync());
+    FLASHCPP_RETURN_IF_ERROR(opt.trace(true));
+    Status st;
+    for (int i = 0; i < opt.trace_steps && st.ok(); ++i) st = opt.eager ? s.decode_step(opt.sampling) : ops->replay(graph_id);
+    Status st2 = ops->sync();
+    Status st3 = opt.trace(false);
+    FLASHCPP_RETURN_IF_ERROR(st);
+    FLASHCPP_RETURN_IF_ERROR(st2);
+    FLASHCPP_RETURN_IF_ERROR(st3);
+  }
   return Status::Ok();
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,6 +28,11 @@ struct GenerateOptions {
   int warmup_steps = 2;
   bool profile = true;           ///< CUDA: measure kernel time per step after the timed run
   bool dump_logits = false;      ///< keep seq 0's logits (prompt positions, then every step)
+  /// CUDA: after the timed steps and the profile, `trace_steps` more steps (graph replays, or eager
+  /// steps with `eager`) run between trace(true) and trace(false), from the same starting state as
+  /// the timed run: a kernel tracer (`flashcpp decode --trace`) records exactly those steps.
+  std::function<Status(bool begin)> trace;
+  int trace_steps = 3;
 };
 
 struct GenerateResult {
