@@ -157,13 +157,15 @@ int decode_main(const DecodeCliOptions& o) {
     for (const auto& t : r.op_times) std::cout << " " << t.name << " " << t.us;
     std::cout << "\n";
   }
+  harness::TraceSummary tsum;
   if (!o.trace.empty()) {
     if (trace.empty()) {
       std::cerr << "flashcpp decode: the tracer recorded no kernel (CUPTI returned no kernel records)\n";
       return 1;
     }
     if (Status s = harness::write_trace_csv(trace, o.trace); !s.ok()) return fail(s);
-    const harness::TraceSummary t = harness::summarize(trace);
+    tsum = harness::summarize(trace);
+    const harness::TraceSummary& t = tsum;
     const double n = o.trace_steps;
     std::printf("trace (%s, %d steps, %zu kernels): wall %.1f us/step = busy %.1f + launch gaps %.1f\n", o.trace.c_str(),
                 o.trace_steps, trace.size(), t.wall_us / n, t.busy_us / n, t.gap_us / n);
@@ -211,6 +213,16 @@ int decode_main(const DecodeCliOptions& o) {
     j["gpu"] = ops->describe();
     j["git_commit"] = FLASHCPP_GIT_COMMIT;
     j["vocab"] = c.vocab_size;
+    if (!trace.empty()) {
+      const double n = o.trace_steps;
+      nlohmann::json by = nlohmann::json::array();
+      for (const auto& k : tsum.by_name)
+        by.push_back({{"name", k.name}, {"per_step", k.count / n}, {"busy_us", k.busy_us / n}, {"gap_us", k.gap_us / n},
+                      {"span_us", k.duration_us / n}});
+      j["trace"] = {{"file", o.trace}, {"steps", o.trace_steps}, {"kernels", trace.size()},
+                    {"wall_us_per_step", tsum.wall_us / n}, {"busy_us_per_step", tsum.busy_us / n},
+                    {"gap_us_per_step", tsum.gap_us / n}, {"by_kernel", by}};
+    }
     std::ofstream f(o.json);
     f << j.dump(1) << "\n";
     if (!f) { std::cerr << "flashcpp decode: cannot write " << o.json << "\n"; return 1; }

@@ -138,6 +138,19 @@ def run_flashcpp(binary: str, args: Sequence[str], workdir: str, tag: str, timeo
         return json.load(f)
 
 
+def trace_step(binary: str, model_dir: str, out: str, workdir: str, context: int = 512) -> dict:
+    """The kernel timeline of the batch-1 step as it runs in the CUDA graph (`flashcpp decode
+    --trace`, CUPTI): CSV under out/raw/, and per kernel its launch gap and busy time per step."""
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    csv_path = os.path.join(out, "raw", f"trace_b1_ctx{context}.csv")
+    j = run_flashcpp(binary, ["--model", model_dir, "--context", context, "--max-new-tokens", 32, "--no-profile",
+                              "--trace", csv_path], workdir, f"trace_b1_ctx{context}")
+    t = j.get("trace")
+    if not t:
+        raise RuntimeError("flashcpp decode --trace wrote no trace section")
+    return dict(t, file=os.path.relpath(csv_path, out), wall_us_per_step_timed=j.get("wall_us_per_step"))
+
+
 def read_dump(path: str, vocab: int):
     import numpy as np
     a = np.fromfile(path, dtype="<f4")
@@ -726,7 +739,18 @@ def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", m
             rows = speed(model, binary, model_dir, workdir, cases_for(quick, cases), steps or (32 if quick else 128),
                          repeats or (1 if quick else 3), modes, device, env, errors)
         write_csv(os.path.join(out, "benchmark.csv"), rows)
+        trace = None
+        if binary and device == "cuda":
+            try:  # where the batch-1 step's time goes in the graph itself (needs a CUPTI build)
+                trace = trace_step(binary, model_dir, out, workdir)
+                progress(f"[bench engine] trace b1 ctx512: wall {trace['wall_us_per_step']:.1f} us/step = busy "
+                         f"{trace['busy_us_per_step']:.1f} + launch gaps {trace['gap_us_per_step']:.1f}")
+            except Exception as e:  # noqa: BLE001 -- the trace is extra evidence, not a benchmark row
+                trace = {"error": str(e)[:300]}
+                progress(f"[bench engine] trace skipped: {trace['error']}")
         env_out = dict(env, errors=errors, total_seconds=round(time.perf_counter() - t_start, 1))
+        if trace is not None:
+            env_out["trace_b1_ctx512"] = trace
         write_json(os.path.join(out, "benchmark_env.json"), env_out)
         if rows:
             plot(rows, os.path.join(out, "benchmark.png"), env)
