@@ -358,6 +358,12 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const float* __r
   // 16-byte loads, eight in flight per thread: one CTA reads the 0.5 MB row of a 128k vocabulary
   // in a few L2 round trips instead of one per element. `better` is a strict total order on
   // (value, index), so the result does not depend on the order the elements are visited in.
+  auto take4 = [&best](const float4& c, int i) {  // elements i .. i + 3, in index order
+    if (better({c.x, i}, best)) best = {c.x, i};
+    if (better({c.y, i + 1}, best)) best = {c.y, i + 1};
+    if (better({c.z, i + 2}, best)) best = {c.z, i + 2};
+    if (better({c.w, i + 3}, best)) best = {c.w, i + 3};
+  };
   int tail = 0;
   if (vocab % 4 == 0 && (reinterpret_cast<std::uintptr_t>(l) & 15) == 0) {
     const float4* l4 = reinterpret_cast<const float4*>(l);
@@ -369,22 +375,9 @@ __global__ void __launch_bounds__(kSampleThreads) sample_kernel(const float* __r
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) c[u] = __ldg(l4 + v + u * kSampleThreads);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = 4 * (v + u * kSampleThreads);
-        if (better({c[u].x, i}, best)) best = {c[u].x, i};
-        if (better({c[u].y, i + 1}, best)) best = {c[u].y, i + 1};
-        if (better({c[u].z, i + 2}, best)) best = {c[u].z, i + 2};
-        if (better({c[u].w, i + 3}, best)) best = {c[u].w, i + 3};
-      }
+      for (int u = 0; u < kUnroll; ++u) take4(c[u], 4 * (v + u * kSampleThreads));
     }
-    for (; v < n4; v += kSampleThreads) {
-      const float4 c = __ldg(l4 + v);
-      const int i = 4 * v;
-      if (better({c.x, i}, best)) best = {c.x, i};
-      if (better({c.y, i + 1}, best)) best = {c.y, i + 1};
-      if (better({c.z, i + 2}, best)) best = {c.z, i + 2};
-      if (better({c.w, i + 3}, best)) best = {c.w, i + 3};
-    }
+    for (; v < n4; v += kSampleThreads) take4(__ldg(l4 + v), 4 * v);
     tail = vocab;
   }
   for (int i = tail + threadIdx.x; i < vocab; i += kSampleThreads) {
