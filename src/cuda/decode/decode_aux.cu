@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(32 * decode_dev::kMergeWarps) decode_merge_ker
   __shared__ float4 scratch[(decode_dev::kMergeWarps - 1) * 2 * 32];
   const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = row % p.heads_q, t = (row / p.heads_q) % p.seqlen_q, b = row / (p.heads_q * p.seqlen_q);
-  if ((p.uniform_splits > 0 ? p.uniform_splits : p.num_splits[b]) <= 1) return;  // written by the split kernel (whole CTA returns)
+  if (decode_dev::num_splits_of(p, b) <= 1) return;  // written by the split-KV kernel directly (the whole CTA returns)
   decode_dev::merge_row<T>(p, b, t, h, warp, lane, scratch);
 }
 

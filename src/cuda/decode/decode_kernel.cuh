@@ -154,6 +154,12 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
   }
 }
 
+/// Sequence b's split count: from the plan when it is the same for every sequence (no work-list
+/// read), else from the work list.
+__device__ __forceinline__ int num_splits_of(const DecodeKernelParams& p, int b) {
+  return p.uniform_splits > 0 ? p.uniform_splits : p.num_splits[b];
+}
+
 /// Warps that merge one output row together (the merge kernel's CTA; the fused merge's CTA).
 constexpr int kMergeWarps = 4;
 
@@ -187,7 +193,7 @@ struct MergeRow {
     return (static_cast<std::int64_t>(first + i) * p.heads_kv + hk) * p.rows + r;
   }
   __device__ __forceinline__ MergeRow(const DecodeKernelParams& p, int b, int t, int h) {
-    n = p.uniform_splits > 0 ? p.uniform_splits : p.num_splits[b];
+    n = num_splits_of(p, b);
     first = p.uniform_splits > 0 ? b * p.uniform_splits : p.first_item[b];
     hk = h / p.group;
     r = (h % p.group) * p.seqlen_q + t;
