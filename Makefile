@@ -23,6 +23,8 @@ GIT_COMMIT ?= $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
 QUICK ?=
 BENCH_FLAGS := $(if $(QUICK),--quick,)
 BENCH_OUT ?= $(if $(QUICK),$(CURDIR)/$(BUILD)/bench-quick,$(CURDIR)/reports)
+# The steps run from /tmp: a relative BENCH_OUT is made absolute.
+BENCH_DIR := $(abspath $(BENCH_OUT))
 IS_HOPPER := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9' && echo yes || echo no)
 
 .PHONY: all deps configure build test run gpu-test bench fuzz python-test clean
@@ -74,17 +76,17 @@ endif
 # Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused,decode,masks,engine,numerics}.
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
-	mkdir -p $(BENCH_OUT)/numerics
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_OUT)/prefill
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_OUT)/fused
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_OUT)/decode
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_OUT)/masks
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_OUT)/engine
-	./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_OUT)/numerics/audit.json
-	$(PYTHON) -m flashcpp.bench.audit_plot $(BENCH_OUT)/numerics/audit.json --out $(BENCH_OUT)/numerics
-	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(BENCH_OUT)
-	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(BENCH_OUT)
-	$(if $(filter $(CURDIR)/reports,$(BENCH_OUT)),,-cd /tmp && $(PYTHON) -m flashcpp.bench.compare $(CURDIR)/reports $(BENCH_OUT) --out $(BENCH_OUT)/COMPARE.md)
+	mkdir -p $(BENCH_DIR)/numerics
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_DIR)/prefill
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks
+	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine
+	./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json
+	$(PYTHON) -m flashcpp.bench.audit_plot $(BENCH_DIR)/numerics/audit.json --out $(BENCH_DIR)/numerics
+	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(BENCH_DIR)
+	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(BENCH_DIR)
+	$(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),,-cd /tmp && $(PYTHON) -m flashcpp.bench.compare $(CURDIR)/reports $(BENCH_DIR) --out $(BENCH_DIR)/COMPARE.md)
 
 fuzz:
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
