@@ -1,17 +1,9 @@
 """flashcpp.bench.compare: the reproduction check between two report directories (no GPU: hand-made
 CSVs; what is tested is the matching, the drift and the exit status)."""
-import csv
 import os
 
+from bench_csv import write_csv
 from flashcpp.bench import compare
-
-
-def write_csv(path, rows):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def runs(tmp_path, new_decode):

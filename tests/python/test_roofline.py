@@ -6,15 +6,8 @@ import os
 
 import pytest
 
+from bench_csv import write_csv
 from flashcpp.bench import roofline
-
-
-def write_csv(path, rows):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0].keys()))
-        w.writeheader()
-        w.writerows(rows)
 
 
 @pytest.fixture

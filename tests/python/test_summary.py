@@ -1,21 +1,10 @@
 """flashcpp.bench.summary: the generated reports/SUMMARY.md from small hand-made CSVs (no GPU:
 what is tested is the aggregation; the figures of a real run come from make bench)."""
-import csv
 import json
 import os
 
+from bench_csv import write_csv
 from flashcpp.bench import summary
-
-
-def write_csv(path, rows):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    with open(path, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
 
 
 def make_reports(d):

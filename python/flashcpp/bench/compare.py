@@ -15,20 +15,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from flashcpp.bench.summary import AREAS
-
-
-def _ratio(r: Dict[str, str]) -> Optional[float]:
-    try:
-        v = float(r.get("speedup", "") or "nan")
-    except ValueError:
-        return None
-    return v if math.isfinite(v) and v > 0 else None
+from flashcpp.bench.summary import AREAS, ratio as _ratio
 
 
 def _rows(path: str) -> Dict[Tuple[str, str], Dict[str, str]]:

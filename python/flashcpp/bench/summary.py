@@ -35,7 +35,8 @@ ENV_KEYS = (("gpu", "GPU"), ("sms", "SMs"), ("driver", "driver"), ("cuda_runtime
 LOSS_ROWS_PER_AREA = 12
 
 
-def _ratio(r: Dict[str, str]) -> Optional[float]:
+def ratio(r: Dict[str, str]) -> Optional[float]:
+    """A row's `speedup` as a positive finite float, else None (missing, NaN, not a number)."""
     try:
         v = float(r.get("speedup", "") or "nan")
     except ValueError:
@@ -75,7 +76,7 @@ def peer_table(rows: List[Dict[str, str]]) -> List[Dict[str, object]]:
     missing: Dict[str, int] = {}
     for r in rows:
         peer = r.get("peer", "") or "?"
-        v = _ratio(r)
+        v = ratio(r)
         if v is None:
             missing[peer] = missing.get(peer, 0) + 1
         else:
@@ -115,7 +116,7 @@ def losses(rows: List[Dict[str, str]]) -> List[Dict[str, object]]:
     """External peers' rows below 1.0x, worst first."""
     out = []
     for r in rows:
-        v = _ratio(r)
+        v = ratio(r)
         if v is None or v >= 1.0 or _is_internal(r.get("peer", "")):
             continue
         out.append({"case": r.get("case", ""), "peer": r.get("peer", ""), "ratio": v})
