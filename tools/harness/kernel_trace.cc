@@ -45,26 +45,48 @@ std::string short_kernel_name(const std::string& demangled) {
   return s.substr(cut);
 }
 
+namespace {
+
+double us(std::uint64_t ns) { return 1e-3 * static_cast<double>(ns); }
+
+/// Kernel i's place on the critical path (kernel_trace.h): launch gap and busy time, in us.
+struct PathShare {
+  double gap_us = 0, busy_us = 0;
+};
+std::vector<PathShare> critical_path(const std::vector<KernelRecord>& records) {
+  std::vector<PathShare> out(records.size());
+  std::uint64_t prev_end = records.empty() ? 0 : records.front().start_ns;
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const KernelRecord& r = records[i];
+    const std::uint64_t begin = std::max(r.start_ns, prev_end);
+    out[i].gap_us = r.start_ns > prev_end ? us(r.start_ns - prev_end) : 0.0;
+    out[i].busy_us = r.end_ns > begin ? us(r.end_ns - begin) : 0.0;
+    prev_end = std::max(prev_end, r.end_ns);
+  }
+  return out;
+}
+
+}  // namespace
+
 TraceSummary summarize(const std::vector<KernelRecord>& records) {
   TraceSummary t;
   if (records.empty()) return t;
+  const std::vector<PathShare> path = critical_path(records);
   std::map<std::string, KernelShare> by;
-  std::uint64_t prev_end = records.front().start_ns;
-  for (const KernelRecord& r : records) {
-    const std::uint64_t begin = std::max(r.start_ns, prev_end);
-    const double gap = r.start_ns > prev_end ? 1e-3 * static_cast<double>(r.start_ns - prev_end) : 0.0;
-    const double busy = r.end_ns > begin ? 1e-3 * static_cast<double>(r.end_ns - begin) : 0.0;
+  std::uint64_t last_end = 0;
+  for (std::size_t i = 0; i < records.size(); ++i) {
+    const KernelRecord& r = records[i];
     KernelShare& k = by[r.name];
     k.name = r.name;
     ++k.count;
-    k.gap_us += gap;
-    k.busy_us += busy;
-    k.duration_us += r.end_ns > r.start_ns ? 1e-3 * static_cast<double>(r.end_ns - r.start_ns) : 0.0;
-    t.gap_us += gap;
-    t.busy_us += busy;
-    prev_end = std::max(prev_end, r.end_ns);
+    k.gap_us += path[i].gap_us;
+    k.busy_us += path[i].busy_us;
+    k.duration_us += r.end_ns > r.start_ns ? us(r.end_ns - r.start_ns) : 0.0;
+    t.gap_us += path[i].gap_us;
+    t.busy_us += path[i].busy_us;
+    last_end = std::max(last_end, r.end_ns);
   }
-  t.wall_us = 1e-3 * static_cast<double>(prev_end - records.front().start_ns);
+  t.wall_us = us(last_end - records.front().start_ns);
   for (auto& [name, k] : by) t.by_name.push_back(k);
   std::sort(t.by_name.begin(), t.by_name.end(), [](const KernelShare& a, const KernelShare& b) {
     return a.busy_us + a.gap_us != b.busy_us + b.gap_us ? a.busy_us + a.gap_us > b.busy_us + b.gap_us : a.name < b.name;
@@ -77,20 +99,16 @@ Status write_trace_csv(const std::vector<KernelRecord>& records, const std::stri
   if (!f) return Status::Invalid("cannot write the trace to " + path);
   f << "index,name,start_us,end_us,duration_us,gap_us,busy_us,grid,block,registers,graph_id\n";
   const std::uint64_t t0 = records.empty() ? 0 : records.front().start_ns;
-  std::uint64_t prev_end = t0;
+  const std::vector<PathShare> share = critical_path(records);
   char buf[160];
   for (std::size_t i = 0; i < records.size(); ++i) {
     const KernelRecord& r = records[i];
-    const std::uint64_t begin = std::max(r.start_ns, prev_end);
-    std::snprintf(buf, sizeof(buf), ",%.3f,%.3f,%.3f,%.3f,%.3f,", 1e-3 * static_cast<double>(r.start_ns - t0),
-                  1e-3 * static_cast<double>(r.end_ns - t0), 1e-3 * static_cast<double>(r.end_ns - r.start_ns),
-                  r.start_ns > prev_end ? 1e-3 * static_cast<double>(r.start_ns - prev_end) : 0.0,
-                  r.end_ns > begin ? 1e-3 * static_cast<double>(r.end_ns - begin) : 0.0);
+    std::snprintf(buf, sizeof(buf), ",%.3f,%.3f,%.3f,%.3f,%.3f,", us(r.start_ns - t0), us(r.end_ns - t0),
+                  us(r.end_ns - r.start_ns), share[i].gap_us, share[i].busy_us);
     std::string name = r.name;
     std::replace(name.begin(), name.end(), ',', ';');  // template arguments: keep the CSV's columns
     f << i << ',' << name << buf << r.grid[0] << 'x' << r.grid[1] << 'x' << r.grid[2] << ',' << r.block[0] << 'x'
       << r.block[1] << 'x' << r.block[2] << ',' << r.registers << ',' << r.graph_id << '\n';
-    prev_end = std::max(prev_end, r.end_ns);
   }
   return f ? Status::Ok() : Status::Invalid("writing the trace to " + path + " failed");
 }
