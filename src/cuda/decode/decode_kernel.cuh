@@ -154,10 +154,28 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
   }
 }
 
-/// Sequence b's split count: from the plan when it is the same for every sequence (no work-list
-/// read), else from the work list.
+/// The work list (decode_common.h) read where it must be: when every sequence has the same split
+/// count n (p.uniform_splits), items are numbered sequence by sequence, so item i is split i % n of
+/// sequence i / n and sequence b's first item is b * n, with no load before a CTA's first copy.
+/// Sequence b's split count.
 __device__ __forceinline__ int num_splits_of(const DecodeKernelParams& p, int b) {
   return p.uniform_splits > 0 ? p.uniform_splits : p.num_splits[b];
+}
+/// Sequence b's first work item.
+__device__ __forceinline__ int first_item_of(const DecodeKernelParams& p, int b) {
+  return p.uniform_splits > 0 ? b * p.uniform_splits : p.first_item[b];
+}
+/// The sequence, split and split count of work item `item`.
+__device__ __forceinline__ void item_of(const DecodeKernelParams& p, int item, int* b, int* split, int* nsplit) {
+  if (p.uniform_splits > 0) {
+    *nsplit = p.uniform_splits;
+    *b = item / *nsplit;
+    *split = item - *b * *nsplit;
+  } else {
+    *b = p.item_batch[item];
+    *split = p.item_split[item];
+    *nsplit = p.num_splits[*b];
+  }
 }
 
 /// Warps that merge one output row together (the merge kernel's CTA; the fused merge's CTA).
@@ -194,7 +212,7 @@ struct MergeRow {
   }
   __device__ __forceinline__ MergeRow(const DecodeKernelParams& p, int b, int t, int h) {
     n = num_splits_of(p, b);
-    first = p.uniform_splits > 0 ? b * p.uniform_splits : p.first_item[b];
+    first = first_item_of(p, b);
     hk = h / p.group;
     r = (h % p.group) * p.seqlen_q + t;
     D = p.head_dim;
@@ -350,18 +368,8 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   bid /= p.row_blocks;
   const int hk = bid % p.heads_kv;
   const int item = bid / p.heads_kv;
-  // (sequence, split): from the item index when every sequence has the same split count (one
-  // dependent load fewer before the first copy), else from the work list.
   int b, split, nsplit;
-  if (p.uniform_splits > 0) {
-    nsplit = p.uniform_splits;
-    b = item / nsplit;
-    split = item - b * nsplit;
-  } else {
-    b = p.item_batch[item];
-    split = p.item_split[item];
-    nsplit = p.num_splits[b];
-  }
+  item_of(p, item, &b, &split, &nsplit);
   const int Sq = p.seqlen_q;
   const int len = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, Sq, p.append != 0);
   const MaskRules rules = flashcpp::decode::sequence_rules(Sq, len, p.causal != 0, p.window_left, p.window_right);
