@@ -165,12 +165,11 @@ int decode_main(const DecodeCliOptions& o) {
     }
     if (Status s = harness::write_trace_csv(trace, o.trace); !s.ok()) return fail(s);
     tsum = harness::summarize(trace);
-    const harness::TraceSummary& t = tsum;
     const double n = o.trace_steps;
     std::printf("trace (%s, %d steps, %zu kernels): wall %.1f us/step = busy %.1f + launch gaps %.1f\n", o.trace.c_str(),
-                o.trace_steps, trace.size(), t.wall_us / n, t.busy_us / n, t.gap_us / n);
+                o.trace_steps, trace.size(), tsum.wall_us / n, tsum.busy_us / n, tsum.gap_us / n);
     std::printf("  %-44s %6s %10s %10s %10s\n", "kernel", "/step", "busy us", "gap us", "span us");
-    for (const auto& k : t.by_name)
+    for (const auto& k : tsum.by_name)
       std::printf("  %-44.44s %6.1f %10.1f %10.1f %10.1f\n", k.name.c_str(), k.count / n, k.busy_us / n, k.gap_us / n,
                   k.duration_us / n);
   }
