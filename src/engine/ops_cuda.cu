@@ -154,7 +154,7 @@ __device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red
 }
 
 template <int M, class OutT>
-__global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const __grid_constant__ GemvArgs a) {
+__global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(const __grid_constant__ GemvArgs a) {
   extern __shared__ uint4 gemv_smem[];
   bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
   __shared__ float red[kGemvWarps];
@@ -166,14 +166,25 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const __grid_constan
   const int per_warp = (kvec + kGemvWarps - 1) / kGemvWarps;
   const int kv0 = min(kvec, warp * per_warp), kv1 = min(kvec, kv0 + per_warp);
   const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
+  // A lane's first chunk of each row of group g (zero past the warp's K range): loaded one group
+  // ahead, so it is in flight while the current group is reduced, and for the CTA's first group
+  // before the wait below, while the previous kernel finishes.
+  auto first_chunks = [&](int g, uint4 (&dst)[kGemvRows]) {
+    const int n0 = g * kGemvRows, kv = kv0 + lane;
+#pragma unroll
+    for (int r = 0; r < kGemvRows; ++r)
+      dst[r] = kv < kv1 ? __ldcs(w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec + kv) : make_uint4(0, 0, 0, 0);
+  };
+  uint4 head[kGemvRows];
+  if (static_cast<int>(blockIdx.x) < groups) first_chunks(blockIdx.x, head);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The weights do not depend on the previous kernel: pull the first group's slice toward L2
-  // while that kernel finishes, then wait for it (programmatic dependent launch).
+  // The weights do not depend on the previous kernel: pull the rest of the first group's slice
+  // toward L2 while that kernel finishes, then wait for it (programmatic dependent launch).
   if (static_cast<int>(blockIdx.x) < groups) {
     const int n0 = blockIdx.x * kGemvRows;
     for (int r = 0; r < kGemvRows; ++r) {
       const char* row = reinterpret_cast<const char*>(w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec + kv0);
-      for (int i = lane * 128; i < (kv1 - kv0) * 16; i += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + i));
+      for (int i = 32 * 16 + lane * 128; i < (kv1 - kv0) * 16; i += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + i));
     }
   }
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -191,25 +202,33 @@ __global__ void __launch_bounds__(kGemvThreads) gemv_kernel(const __grid_constan
   OutT* y = static_cast<OutT*>(a.y);
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
     const int n0 = g * kGemvRows;
-    const uint4* wr[kGemvRows];
+    // Rows n0 .. n0 + kGemvRows - 1 (clamped to the last row) as 32-bit offsets from row n0 (a
+    // group spans kGemvRows * K / 8 chunks; K fits the shared-memory row, gemv_ok).
+    const uint4* w0 = w4 + static_cast<std::int64_t>(n0) * kvec;
+    int roff[kGemvRows];
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) wr[r] = w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec;
+    for (int r = 0; r < kGemvRows; ++r) roff[r] = (min(n0 + r, N - 1) - n0) * kvec;
     float acc[kGemvRows][M];
 #pragma unroll
     for (int r = 0; r < kGemvRows; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-#pragma unroll 2
-    for (int kv = kv0 + lane; kv < kv1; kv += 32) {
-      uint4 wv[kGemvRows];
-#pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) wv[r] = __ldcs(wr[r] + kv);
+    auto fma_chunk = [&](const uint4 (&wv)[kGemvRows], int kv) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const uint4 x8 = xv[m * kvec + kv];
 #pragma unroll
         for (int r = 0; r < kGemvRows; ++r) acc[r][m] += dot8(wv[r], x8);
       }
+    };
+    if (kv0 + lane < kv1) fma_chunk(head, kv0 + lane);
+    if (g + static_cast<int>(gridDim.x) < groups) first_chunks(g + gridDim.x, head);  // the next group's, now
+#pragma unroll 2
+    for (int kv = kv0 + lane + 32; kv < kv1; kv += 32) {
+      uint4 wv[kGemvRows];
+#pragma unroll
+      for (int r = 0; r < kGemvRows; ++r) wv[r] = __ldcs(w0 + roff[r] + kv);
+      fma_chunk(wv, kv);
     }
 #pragma unroll
     for (int r = 0; r < kGemvRows; ++r)

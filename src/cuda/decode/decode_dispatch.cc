@@ -148,6 +148,7 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
   if (p.append && !p.fused_append) {
     FLASHCPP_RETURN_IF_ERROR(decode_append_launch(p, dt, stream));
     p.pdl = pdl_ok ? 1 : 0;
+    p.after_own_append = pdl_ok ? 1 : 0;  // the split kernel may start its loads beside the append
   }
   switch (a.head_dim) {
     case 64: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd64(p, dt, plan.ctas, stream, dev.device)); break;
@@ -156,6 +157,7 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
     default: return Status::Internal("decode_run: head_dim " + std::to_string(a.head_dim) + " passed validation");
   }
   p.pdl = pdl_ok ? 1 : 0;
+  p.after_own_append = 0;
   if (plan.needs_merge && !plan.fused_merge) FLASHCPP_RETURN_IF_ERROR(decode_merge_launch(p, dt, stream));
   return Status::Ok();
 }

@@ -37,6 +37,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "common/mask_rules.h"
@@ -347,7 +348,10 @@ __device__ __forceinline__ void merge_row_warp(const DecodeKernelParams& p, int 
 template <int D, typename T>
 __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     decode_split_kernel(const __grid_constant__ DecodeKernelParams p) {
-  pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
+  // The kernel before it on the stream (RunOptions::programmatic_launch): waited for here, or,
+  // after this step's own append kernel, once everything but the appended keys is in flight.
+  const bool early = p.after_own_append != 0;
+  if (!early) pdl_wait_then_release();
   using Cfg = Config<D>;
   constexpr int BN = Cfg::kBlockN, S = Cfg::kStages, DT = D / 8, KT = D / 16;
   constexpr int kRowChunks = D / 8;  // 16-byte chunks per row
@@ -436,9 +440,15 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
       ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + (ok ? vo[it] : 0), ok ? 16 : 0);
     }
   };
+  // The first S - 1 stages. After the append kernel (early), the stages before the first tile that
+  // holds an appended key ([len - Sq, len): the last tiles of the sequence, so a suffix of the
+  // stages) are issued now and the rest after the wait below; the commit order is the same.
+  const int first_new_tile = early ? (len - Sq) / BN : INT_MAX;
+  int s_early = 0;
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < n_iters) load_tile(s, tile_begin + s);
+  for (; s_early < S - 1; ++s_early) {
+    if (s_early < n_iters && tile_begin + s_early >= first_new_tile) break;
+    if (s_early < n_iters) load_tile(s_early, tile_begin + s_early);
     ptx::cp_async_commit();
   }
 
@@ -467,6 +477,14 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
       T* qa = sQ + swz<D>(rr, ea >> 3) + (ea & 7);
       T* qb = sQ + swz<D>(rr, eb >> 3) + (eb & 7);
       rotate_pair(qa, qb, qa, qb, c, s);
+    }
+  }
+
+  if (early) {
+    pdl_wait_then_release();  // the append kernel: the appended keys are in the cache now
+    for (int s = s_early; s < S - 1; ++s) {
+      if (s < n_iters) load_tile(s, tile_begin + s);
+      ptx::cp_async_commit();
     }
   }
 

@@ -75,6 +75,12 @@ struct DecodeKernelParams {
   /// > 0: every sequence has this many splits (the plan's num_items == batch * max_splits), so a
   /// CTA derives (sequence, split) from its item index instead of reading the work list first.
   int uniform_splits;
+  /// 1: the split-KV kernel is launched programmatically right after this step's own append kernel
+  /// (sm_90+). That kernel waited for every grid before it before releasing its dependents, so all
+  /// the split kernel reads is final except the appended slots: it reads lengths, block table, Q
+  /// and the tiles without an appended key before its own griddepcontrol.wait, overlapping the
+  /// append (decode_kernel.cuh).
+  int after_own_append;
 
   /// Host side only: launch programmatically (RunOptions::programmatic_launch on sm_90+). Every
   /// decode kernel starts with griddepcontrol.wait, a no-op for an ordinary launch.
