@@ -5,6 +5,7 @@ driver (python/flashcpp/bench/engine.py) end to end with an in-process stand-in 
 (skipped otherwise, as in CI)."""
 import csv
 import json
+import math
 import os
 import time
 
@@ -169,3 +170,48 @@ def test_decode_reads_only_kv_pos_prefix(tmp_path):
             b.attn.k_cache, b.attn.v_cache = k, v
         _, short_logits = em.decode_one(m, tok0, pos)
     assert torch.equal(long_logits, short_logits)
+
+
+def test_isolated_mode_runs_in_a_child_process(tmp_path):
+    """--isolate: a mode timed in a process of its own comes back as the parent's cells (runs and the
+    logits check against the child's torch_eager)."""
+    d = str(tmp_path / "ckpt")
+    engine.make_checkpoint(d, device="cpu", shape=tiny())
+    errors = []
+    got = engine.run_isolated("torch_eager", d, str(tmp_path), [(1, 64), (2, 32)], 2, 2, "cpu", errors)
+    assert errors == []
+    assert set(got) == {"b1_ctx64", "b2_ctx32"}
+    for runs, diff in got.values():
+        assert len(runs) == 2 and all(v > 0 and math.isfinite(v) for v in runs)
+        assert diff == 0.0
+
+
+def test_isolated_mode_that_dies_costs_only_its_cells(tmp_path, monkeypatch):
+    """A child killed by a signal (as PyTorch's SIGSEGV was) records an error naming the empty cells."""
+    crash = tmp_path / "python"
+    crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    monkeypatch.setattr(engine.sys, "executable", str(crash))
+    errors = []
+    got = engine.run_isolated("torch_compile_graph", str(tmp_path), str(tmp_path), [(1, 512)], 2, 1, "cpu", errors)
+    assert got == {}
+    assert len(errors) == 1 and "signal 11" in errors[0] and "b1_ctx512" in errors[0]
+
+
+def test_driver_merges_an_isolated_mode_into_its_rows(tmp_path, monkeypatch):
+    """The parent's benchmark.csv carries the child's runs for an isolated mode, with ours beside them."""
+    pytest.importorskip("matplotlib")
+    binary = tmp_path / "flashcpp"
+    binary.write_text("#!/bin/sh\nexit 1\n")
+    binary.chmod(0o755)
+    monkeypatch.setattr(engine, "run_flashcpp", fake_flashcpp)
+    out = tmp_path / "out"
+    rc = engine.run(quick=True, out=str(out), flashcpp_bin=str(binary), model_dir=str(tmp_path / "ckpt"), steps=2,
+                    repeats=2, modes=["torch_eager"], device="cpu", shape=tiny(), skip_correctness=True,
+                    cases="1x64", isolate=["torch_eager"])
+    assert rc == 0
+    rows = {r["peer"]: r for r in csv.DictReader(open(out / "benchmark.csv"))}
+    r = rows["torch_eager"]
+    assert len(r["peer_tok_s_runs"].split()) == 2 and float(r["peer_tok_s"]) > 0
+    assert float(r["max_abs_logit_diff_vs_torch_eager"]) == 0.0
+    assert float(r["ours_tok_s"]) > 0 and r["speedup"] != ""

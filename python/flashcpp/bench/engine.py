@@ -26,6 +26,10 @@
    compile captured the same way), flashcpp_eager (--eager); ours = flashcpp_graph. The floor is
    batch / ((weight bytes + KV bytes of `context` tokens) / 4.3 TB/s). The issue's bar: b1_ctx512
    flashcpp_graph >= 1300 tok/s and >= 2x the best PyTorch row (`meets_bar`).
+   Modes listed in --isolate (default torch_compile_graph) are timed in a child process of their own,
+   next to a torch_eager reference for the logits check: PyTorch 2.11 crashed (SIGSEGV) replaying a
+   default-mode compile captured in a torch.cuda.CUDAGraph after reduce-overhead compiles of another
+   batch size in the same process. A child that dies costs only its own cells (an error is recorded).
 """
 from __future__ import annotations
 
@@ -503,12 +507,56 @@ def case_id(batch: int, ctx: int) -> str:
     return f"b{batch}_ctx{ctx // 1024}k" if ctx >= 1024 and ctx % 1024 == 0 else f"b{batch}_ctx{ctx}"
 
 
+def cases_spec(cases) -> str:
+    return ",".join(f"{b}x{c}" for b, c in cases)
+
+
+def run_isolated(mode: str, model_dir: str, workdir: str, cases, steps: int, repeats: int, device: str,
+                 errors: List[str]) -> Dict[str, Tuple[List[float], float]]:
+    """Time one PyTorch mode in a child process (with torch_eager as its logits reference and no flashcpp
+    rows): {case id: (tokens/s of each repeat, max |logits - torch_eager|)}. A child that fails or dies
+    records an error and leaves that mode's cells empty."""
+    out = os.path.join(workdir, f"isolated_{mode}")
+    cmd = [sys.executable, "-m", "flashcpp.bench.engine", "--out", out, "--model-dir", model_dir,
+           "--flashcpp-bin", "", "--skip-correctness", "--isolate", "", "--device", device,
+           "--modes", ",".join(dict.fromkeys(("torch_eager", mode))), "--cases", cases_spec(cases),
+           "--steps", str(steps), "--repeats", str(repeats)]
+    progress(f"  {mode}: in a process of its own: " + " ".join(cmd[1:]))
+    got: Dict[str, Tuple[List[float], float]] = {}
+    try:
+        pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        pypath = os.pathsep.join(d for d in (pkg_root, os.environ.get("PYTHONPATH", "")) if d)
+        p = subprocess.run(cmd, timeout=3600, env=dict(os.environ, FLASHCPP_BENCH_CHILD="1", PYTHONPATH=pypath))
+        path = os.path.join(out, "benchmark.csv")
+        if os.path.exists(path):
+            import csv
+            with open(path) as f:
+                for r in csv.DictReader(f):
+                    if r["peer"] == mode and r["peer_tok_s_runs"]:
+                        d = r.get("max_abs_logit_diff_vs_torch_eager", "")
+                        got[r["case"]] = ([float(v) for v in r["peer_tok_s_runs"].split()],
+                                          float(d) if d else float("nan"))
+        if p.returncode != 0:
+            how = f"died of signal {-p.returncode}" if p.returncode < 0 else f"exited {p.returncode}"
+            missing = [case_id(b, c) for b, c in cases if case_id(b, c) not in got]
+            errors.append(f"{mode} (own process) {how}; cells without a measurement: {', '.join(missing) or 'none'}")
+            progress(f"  {errors[-1]}")
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"{mode} (own process): {e}")
+        progress(f"  {errors[-1]}")
+    return got
+
+
 def speed(model, binary: Optional[str], model_dir: str, workdir: str, cases, steps: int, repeats: int,
-          modes: Sequence[str], device: str, env: dict, errors: List[str]) -> List[Dict[str, object]]:
+          modes: Sequence[str], device: str, env: dict, errors: List[str],
+          isolate: Sequence[str] = ()) -> List[Dict[str, object]]:
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    compiled = make_compiled(modes)
+    own = [m for m in modes if m in isolate]
+    inproc = [m for m in modes if m not in own]
+    isolated = {m: run_isolated(m, model_dir, workdir, cases, steps, repeats, device, errors) for m in own}
+    compiled = make_compiled(inproc)
     wbytes = weight_bytes(model)
     kv_tok = kv_bytes_per_token(model)
     rows: List[Dict[str, object]] = []
@@ -526,7 +574,10 @@ def speed(model, binary: Optional[str], model_dir: str, workdir: str, cases, ste
         fc_json: Dict[str, dict] = {}
         check: Dict[str, float] = {}
         ref_lg = None
-        for m in modes:
+        for m in own:
+            runs, diff = isolated[m].get(cid, ([], float("nan")))
+            tok_s[m], check[m] = list(runs), diff
+        for m in inproc:
             try:
                 t0 = time.perf_counter()
                 d = TorchDecoder(m, model, tok0, kv_pos, ctx, compiled)
@@ -677,7 +728,8 @@ def table(rows: List[Dict[str, object]]) -> str:
 def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", model_dir: str = "/tmp/llama1b",
         steps: Optional[int] = None, repeats: Optional[int] = None, modes: Sequence[str] = TORCH_MODES,
         device: str = "cuda", skip_speed: bool = False, skip_correctness: bool = False,
-        shape: Optional[dict] = None, cases: Optional[str] = None) -> int:
+        shape: Optional[dict] = None, cases: Optional[str] = None,
+        isolate: Sequence[str] = ("torch_compile_graph",)) -> int:
     import torch
 
     from .engine_model import Llama
@@ -688,7 +740,8 @@ def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", m
     if device == "cuda":
         from .common import ceilings, environment
         env = environment()
-        env.update(ceilings())
+        if not os.environ.get("FLASHCPP_BENCH_CHILD"):  # a child's parent has measured them
+            env.update(ceilings())
     else:
         from .common import git_commit
         env = {"gpu": "cpu", "torch": torch.__version__, "git_commit": git_commit()}
@@ -737,7 +790,7 @@ def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", m
     if not skip_speed:
         with torch.no_grad():
             rows = speed(model, binary, model_dir, workdir, cases_for(quick, cases), steps or (32 if quick else 128),
-                         repeats or (1 if quick else 3), modes, device, env, errors)
+                         repeats or (1 if quick else 3), modes, device, env, errors, isolate=isolate)
         write_csv(os.path.join(out, "benchmark.csv"), rows)
         trace = None
         if binary and device == "cuda":
@@ -778,10 +831,14 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", default=None, help="batch x context list, e.g. 1x512,1x16384,8x512,32x512")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--isolate", default="torch_compile_graph",
+                    help="PyTorch modes timed in a child process of their own ('' for none)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     a = ap.parse_args(argv)
     return run(a.quick, a.out, a.flashcpp_bin, a.model_dir, a.steps, a.repeats,
-               [m for m in a.modes.split(",") if m], skip_speed=a.skip_speed, skip_correctness=a.skip_correctness,
-               cases=a.cases)
+               [m for m in a.modes.split(",") if m], device=a.device, skip_speed=a.skip_speed,
+               skip_correctness=a.skip_correctness, cases=a.cases,
+               isolate=[m for m in a.isolate.split(",") if m])
 
 
 if __name__ == "__main__":
