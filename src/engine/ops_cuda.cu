@@ -17,11 +17,13 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/common/launch.cuh"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_math.h"
+#include "engine/gemv_plan.h"
 #include "engine/ops.h"
 
 namespace flashcpp::engine {
@@ -51,7 +53,8 @@ using bf16 = __nv_bfloat16;
 // prologue runs once per CTA. On sm_90 the launch is programmatic (PDL): the CTA prefetches
 // its first weight rows into L2, only then waits for the kernel that produced x
 // (griddepcontrol.wait), and lets the next GEMV launch early.
-constexpr int kGemvRows = 4;  // output rows per CTA iteration (the 8 warps split K)
+constexpr int kGemvRows = 4;  // output rows per CTA iteration (the 8 warps split K); 2 where
+                              // gemv_rows_per_group says the wave quantizes badly (gemv_plan.h)
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr std::size_t kGemvMaxSmem = 160 * 1024;
@@ -153,15 +156,16 @@ __device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red
   }
 }
 
-template <int M, class OutT>
+template <int M, class OutT, int R = kGemvRows>
 __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(const __grid_constant__ GemvArgs a) {
+  static_assert(R == 2 || R == 4, "row groups of 2 or 4");
   extern __shared__ uint4 gemv_smem[];
   bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
   __shared__ float red[kGemvWarps];
-  __shared__ float part[kGemvWarps][kGemvRows][M];
+  __shared__ float part[kGemvWarps][R][M];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int N = a.N, K = a.K, kvec = K / 8;
-  const int groups = (N + kGemvRows - 1) / kGemvRows;
+  const int groups = (N + R - 1) / R;
   // The warps of a CTA split K: warp w owns 16-byte chunks [kv0, kv1) of every row.
   const int per_warp = (kvec + kGemvWarps - 1) / kGemvWarps;
   const int kv0 = min(kvec, warp * per_warp), kv1 = min(kvec, kv0 + per_warp);
@@ -169,20 +173,20 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
   // A lane's first chunk of each row of group g (zero past the warp's K range): loaded one group
   // ahead, so it is in flight while the current group is reduced, and for the CTA's first group
   // before the wait below, while the previous kernel finishes.
-  auto first_chunks = [&](int g, uint4 (&dst)[kGemvRows]) {
-    const int n0 = g * kGemvRows, kv = kv0 + lane;
+  auto first_chunks = [&](int g, uint4 (&dst)[R]) {
+    const int n0 = g * R, kv = kv0 + lane;
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r)
+    for (int r = 0; r < R; ++r)
       dst[r] = kv < kv1 ? __ldcs(w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec + kv) : make_uint4(0, 0, 0, 0);
   };
-  uint4 head[kGemvRows];
+  uint4 head[R];
   if (static_cast<int>(blockIdx.x) < groups) first_chunks(blockIdx.x, head);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The weights do not depend on the previous kernel: pull the rest of the first group's slice
   // toward L2 while that kernel finishes, then wait for it (programmatic dependent launch).
   if (static_cast<int>(blockIdx.x) < groups) {
-    const int n0 = blockIdx.x * kGemvRows;
-    for (int r = 0; r < kGemvRows; ++r) {
+    const int n0 = blockIdx.x * R;
+    for (int r = 0; r < R; ++r) {
       const char* row = reinterpret_cast<const char*>(w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec + kv0);
       for (int i = 32 * 16 + lane * 128; i < (kv1 - kv0) * 16; i += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + i));
     }
@@ -201,37 +205,37 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
   const uint4* xv = reinterpret_cast<const uint4*>(xs);
   OutT* y = static_cast<OutT*>(a.y);
   for (int g = blockIdx.x; g < groups; g += gridDim.x) {
-    const int n0 = g * kGemvRows;
-    // Rows n0 .. n0 + kGemvRows - 1 (clamped to the last row) as 32-bit offsets from row n0 (a
-    // group spans kGemvRows * K / 8 chunks; K fits the shared-memory row, gemv_ok).
+    const int n0 = g * R;
+    // Rows n0 .. n0 + R - 1 (clamped to the last row) as 32-bit offsets from row n0 (a
+    // group spans R * K / 8 chunks; K fits the shared-memory row, gemv_ok).
     const uint4* w0 = w4 + static_cast<std::int64_t>(n0) * kvec;
-    int roff[kGemvRows];
+    int roff[R];
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r) roff[r] = (min(n0 + r, N - 1) - n0) * kvec;
-    float acc[kGemvRows][M];
+    for (int r = 0; r < R; ++r) roff[r] = (min(n0 + r, N - 1) - n0) * kvec;
+    float acc[R][M];
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-    auto fma_chunk = [&](const uint4 (&wv)[kGemvRows], int kv) {
+    auto fma_chunk = [&](const uint4 (&wv)[R], int kv) {
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         const uint4 x8 = xv[m * kvec + kv];
 #pragma unroll
-        for (int r = 0; r < kGemvRows; ++r) acc[r][m] += dot8(wv[r], x8);
+        for (int r = 0; r < R; ++r) acc[r][m] += dot8(wv[r], x8);
       }
     };
     if (kv0 + lane < kv1) fma_chunk(head, kv0 + lane);
     if (g + static_cast<int>(gridDim.x) < groups) first_chunks(g + gridDim.x, head);  // the next group's, now
-#pragma unroll 2
+#pragma unroll (8 / R)  // 8 chunks of a lane in flight per iteration
     for (int kv = kv0 + lane + 32; kv < kv1; kv += 32) {
-      uint4 wv[kGemvRows];
+      uint4 wv[R];
 #pragma unroll
-      for (int r = 0; r < kGemvRows; ++r) wv[r] = __ldcs(w0 + roff[r] + kv);
+      for (int r = 0; r < R; ++r) wv[r] = __ldcs(w0 + roff[r] + kv);
       fma_chunk(wv, kv);
     }
 #pragma unroll
-    for (int r = 0; r < kGemvRows; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int m = 0; m < M; ++m) {
         float v = acc[r][m];
@@ -240,7 +244,7 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
         if (lane == 0) part[warp][r][m] = v;
       }
     __syncthreads();
-    if (threadIdx.x < kGemvRows * M) {
+    if (threadIdx.x < R * M) {
       const int r = threadIdx.x / M, m = threadIdx.x % M;
       float v = 0.f;
 #pragma unroll
@@ -251,32 +255,50 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
   }
 }
 
-template <int M, class OutT>
-Status launch_gemv_m(const GemvArgs& a, bool pdl, int num_sms, int smem_per_sm, cudaStream_t s) {
-  const std::size_t smem = static_cast<std::size_t>(M) * a.K * sizeof(bf16);
+/// CTAs of gemv_kernel<M, OutT, R> that fit an SM at this dynamic shared memory (cached).
+template <int M, class OutT, int R>
+Status gemv_per_sm(std::size_t smem, int* per_sm) {
   static bool configured = false;  // one attribute call per instantiation (first use is never inside a capture: warm-up runs first)
   if (!configured) {
     FLASHCPP_RETURN_IF_ERROR(cuda_status(
-        cudaFuncSetAttribute(gemv_kernel<M, OutT>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvMaxSmem)),
+        cudaFuncSetAttribute(gemv_kernel<M, OutT, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvMaxSmem)),
         "cudaFuncSetAttribute(gemv)"));
     configured = true;
   }
-  // Enough CTAs to fill every SM (up to 8 of 256 threads each), no more: each CTA builds the
-  // prologue once and then strides over row groups.
   static std::map<std::size_t, int> occupancy;  // by dynamic smem bytes
   auto it = occupancy.find(smem);
   if (it == occupancy.end()) {
     int n = 0;
     FLASHCPP_RETURN_IF_ERROR(cuda_status(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_kernel<M, OutT>, kGemvThreads, smem), "gemv occupancy"));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_kernel<M, OutT, R>, kGemvThreads, smem), "gemv occupancy"));
     it = occupancy.emplace(smem, std::max(1, n)).first;
   }
-  (void)smem_per_sm;
-  const int per_sm = it->second;
-  const int groups = (a.N + kGemvRows - 1) / kGemvRows;
-  return cuda_status(cuda::launch_kernel(gemv_kernel<M, OutT>, dim3(static_cast<unsigned>(std::min(groups, num_sms * per_sm))),
+  *per_sm = it->second;
+  return Status::Ok();
+}
+
+// Enough CTAs to fill every SM (up to 8 of 256 threads each), no more: each CTA builds the
+// prologue once and then strides over row groups.
+template <int M, class OutT, int R>
+Status launch_gemv_mr(const GemvArgs& a, bool pdl, int num_sms, std::size_t smem, cudaStream_t s) {
+  int per_sm = 1;
+  FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, R>(smem, &per_sm)));
+  const int groups = (a.N + R - 1) / R;
+  return cuda_status(cuda::launch_kernel(gemv_kernel<M, OutT, R>, dim3(static_cast<unsigned>(std::min(groups, num_sms * per_sm))),
                                          dim3(kGemvThreads), smem, s, pdl, a),
                      "gemv launch");
+}
+
+template <int M, class OutT>
+Status launch_gemv_m(const GemvArgs& a, bool pdl, int num_sms, int smem_per_sm, cudaStream_t s) {
+  (void)smem_per_sm;
+  const std::size_t smem = static_cast<std::size_t>(M) * a.K * sizeof(bf16);
+  if constexpr (M <= 2 && std::is_same_v<OutT, bf16>) {  // the 2-row instantiations: bf16 out, 1-2 rows only
+    int per_sm = 1;
+    FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, kGemvRows>(smem, &per_sm)));
+    if (engine::gemv_rows_per_group(a.N, num_sms * per_sm) == 2) return launch_gemv_mr<M, OutT, 2>(a, pdl, num_sms, smem, s);
+  }
+  return launch_gemv_mr<M, OutT, kGemvRows>(a, pdl, num_sms, smem, s);
 }
 
 template <class OutT>

@@ -13,6 +13,7 @@
 
 #include "common/half.h"
 #include "engine/engine.h"
+#include "engine/gemv_plan.h"
 #include "engine/safetensors.h"
 #include "engine/sampling.h"
 #include "engine_tiny.h"
@@ -199,4 +200,23 @@ TEST(EngineModelCpu, ClearErrors) {
   ASSERT_TRUE(parse_token_ids("1, 2 3\n4", 97, &ids).ok());
   EXPECT_EQ(ids, (std::vector<std::int32_t>{1, 2, 3, 4}));
   fs::remove_all(dir);
+}
+
+// The GEMV's row grouping: 2-row groups only where they cut the most-loaded CTA's rows by 10%.
+TEST(EngineModelCpu, GemvRowsPerGroupFollowsTheWave) {
+  const int slots = 132 * 3;  // H200, three 256-thread CTAs per SM
+  EXPECT_EQ(gemv_rows_per_group(2048, slots), 2);    // o/down of a 1B Llama: 8 rows -> 6 on the critical path
+  EXPECT_EQ(gemv_rows_per_group(3072, slots), 4);    // qkv: 768 groups, 2 each either way (8 rows)
+  EXPECT_EQ(gemv_rows_per_group(16384, slots), 4);   // gate_up: 44 -> 42 rows, under 10%
+  EXPECT_EQ(gemv_rows_per_group(128256, slots), 4);  // lm_head: 324 either way
+  EXPECT_EQ(gemv_rows_per_group(77, slots), 2);      // one group per CTA: 2 rows instead of 4
+  EXPECT_EQ(gemv_rows_per_group(4 * slots, slots), 4);
+  EXPECT_EQ(gemv_rows_per_group(4 * slots + 4, slots), 2);  // one group more than a wave: 8 -> 6 rows (25% less)
+  EXPECT_EQ(gemv_rows_per_group(0, slots), 4);
+  EXPECT_EQ(gemv_rows_per_group(100, 0), 4);
+  for (int n = 1; n < 20000; n += 37) {  // never more rows on the critical path than 4-row groups
+    const int r = gemv_rows_per_group(n, slots);
+    auto critical = [&](int rows) { return ((n + rows - 1) / rows + slots - 1) / slots * rows; };
+    EXPECT_LE(critical(r), critical(4)) << n;
+  }
 }

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include "../cpu/engine_tiny.h"
+#include "common/half.h"
+#include "cuda/fused/fused_math.h"
 #include "engine/engine.h"
 #include "engine/sampling.h"
 
@@ -160,5 +162,107 @@ TEST(EngineGpu, GreedySampleMatchesTheHostRule) {
     EXPECT_EQ(got[3], vocab - 1) << "vocab " << vocab;
     ops->release(d_l);
     ops->release(d_t);
+  }
+}
+
+// The batch-1/2 GEMV (every prologue kind) against a host fp64 dot of the same bf16-rounded
+// prologue. The shapes take both row groupings of gemv_rows_per_group on a 132-SM part (N 77,
+// 2048, 2050: rows of 2; N 3072, 16384: rows of 4; N 2050 and 77 end in a partial group).
+// Outputs are poisoned with NaN, and 8 guard elements past N must stay poisoned.
+TEST(EngineGpu, GemvMatchesTheHostForBothRowGroupings) {
+  std::unique_ptr<Ops> ops = cuda_ops();
+  ASSERT_TRUE(ops);
+  ASSERT_TRUE(ops->set_gemm_mode("auto").ok());
+  using Kind = GemvPrologue::Kind;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto bf = [](float f) { return float_to_bf16_bits(f); };
+  auto fl = [](std::uint16_t h) { return bf16_bits_to_float(h); };
+  const std::uint16_t kPoison = 0x7FC0;  // bf16 NaN
+  for (auto [N, K] : {std::pair{77, 2048}, {2048, 2048}, {2050, 8192}, {3072, 2048}, {16384, 2048}}) {
+    std::vector<std::uint16_t> w(static_cast<std::size_t>(N) * K);
+    for (auto& v : w) v = bf(0.05f * nd(rng));
+    void* d_w = nullptr;
+    ASSERT_TRUE(ops->alloc(w.size() * 2, &d_w).ok());
+    ASSERT_TRUE(ops->upload(d_w, w.data(), w.size() * 2).ok());
+    for (int M : {1, 2}) {
+      for (Kind kind : {Kind::kNone, Kind::kRmsNorm, Kind::kAddRmsNorm, Kind::kSiluMul}) {
+        const int ldx = kind == Kind::kSiluMul ? 2 * K : K;
+        std::vector<std::uint16_t> x(static_cast<std::size_t>(M) * ldx), res(static_cast<std::size_t>(M) * K), g(K);
+        for (auto& v : x) v = bf(nd(rng));
+        for (auto& v : res) v = bf(nd(rng));
+        for (auto& v : g) v = bf(1.f + 0.1f * nd(rng));
+        // host prologue, rounded to bf16 where the kernel rounds
+        std::vector<float> xp(static_cast<std::size_t>(M) * K);
+        std::vector<std::uint16_t> res_out(static_cast<std::size_t>(M) * K);
+        for (int m = 0; m < M; ++m) {
+          double ss = 0;
+          for (int k = 0; k < K; ++k) {
+            const float a = fl(x[static_cast<std::size_t>(m) * ldx + k]);
+            float h = a;
+            if (kind == Kind::kSiluMul) h = fl(bf(fused::silu_mul(a, fl(x[static_cast<std::size_t>(m) * ldx + K + k]))));
+            if (kind == Kind::kAddRmsNorm) {
+              res_out[static_cast<std::size_t>(m) * K + k] = bf(a + fl(res[static_cast<std::size_t>(m) * K + k]));
+              h = fl(res_out[static_cast<std::size_t>(m) * K + k]);
+            }
+            xp[static_cast<std::size_t>(m) * K + k] = h;
+            ss += static_cast<double>(h) * h;
+          }
+          if (kind == Kind::kRmsNorm || kind == Kind::kAddRmsNorm) {
+            const float rstd = static_cast<float>(1.0 / std::sqrt(ss / K + 1e-5));
+            for (int k = 0; k < K; ++k) {
+              float& h = xp[static_cast<std::size_t>(m) * K + k];
+              h = fl(bf(fl(bf(h)) * rstd * fl(g[k])));
+            }
+          }
+        }
+        void *d_x = nullptr, *d_res = nullptr, *d_ro = nullptr, *d_g = nullptr, *d_y = nullptr;
+        const std::size_t ny = static_cast<std::size_t>(M) * N + 8;
+        ASSERT_TRUE(ops->alloc(x.size() * 2, &d_x).ok());
+        ASSERT_TRUE(ops->alloc(res.size() * 2, &d_res).ok());
+        ASSERT_TRUE(ops->alloc(res.size() * 2, &d_ro).ok());
+        ASSERT_TRUE(ops->alloc(g.size() * 2, &d_g).ok());
+        ASSERT_TRUE(ops->alloc(ny * 2, &d_y).ok());
+        ASSERT_TRUE(ops->upload(d_x, x.data(), x.size() * 2).ok());
+        ASSERT_TRUE(ops->upload(d_res, res.data(), res.size() * 2).ok());
+        ASSERT_TRUE(ops->upload(d_g, g.data(), g.size() * 2).ok());
+        std::vector<std::uint16_t> y(ny, kPoison);
+        ASSERT_TRUE(ops->upload(d_y, y.data(), ny * 2).ok());
+        GemvPrologue pro;
+        pro.kind = kind;
+        pro.weight = d_g;
+        pro.residual = d_res;
+        pro.residual_out = d_ro;
+        ASSERT_TRUE(ops->gemv_fused(M, N, K, d_x, ldx, pro, d_w, d_y, N, DType::kBF16).ok());
+        ASSERT_TRUE(ops->download(y.data(), d_y, ny * 2).ok());
+        int bad = 0;
+        for (int m = 0; m < M; ++m)
+          for (int n = 0; n < N; ++n) {
+            double ref = 0, mag = 0;
+            for (int k = 0; k < K; ++k) {
+              const double p = static_cast<double>(xp[static_cast<std::size_t>(m) * K + k]) * fl(w[static_cast<std::size_t>(n) * K + k]);
+              ref += p;
+              mag += p * p;
+            }
+            const float got = fl(y[static_cast<std::size_t>(m) * N + n]);
+            // bf16 output rounding (2^-8 relative) plus fp32 accumulation and an occasional
+            // one-ulp difference of a prologue element, far below a wrong row or chunk (O(1)).
+            const double tol = 8e-3 * std::fabs(ref) + 4e-3 * std::sqrt(mag) + 1e-6;
+            if (!(std::fabs(got - ref) <= tol) && bad++ < 5)
+              ADD_FAILURE() << "N " << N << " K " << K << " M " << M << " kind " << static_cast<int>(kind) << " row " << m
+                            << " col " << n << ": " << got << " vs " << ref << " (tol " << tol << ")";
+          }
+        for (std::size_t i = static_cast<std::size_t>(M) * N; i < ny; ++i)
+          EXPECT_EQ(y[i], kPoison) << "N " << N << " M " << M << ": write past the output at " << i;
+        if (kind == Kind::kAddRmsNorm) {
+          std::vector<std::uint16_t> ro(res.size());
+          ASSERT_TRUE(ops->download(ro.data(), d_ro, ro.size() * 2).ok());
+          EXPECT_EQ(ro, res_out) << "N " << N << " M " << M << ": residual_out";
+        }
+        EXPECT_EQ(bad, 0) << "N " << N << " K " << K << " M " << M << " kind " << static_cast<int>(kind);
+        for (void* p : {d_x, d_res, d_ro, d_g, d_y}) ops->release(p);
+      }
+    }
+    ops->release(d_w);
   }
 }
