@@ -15,6 +15,9 @@
 //   min_tiles = ceil(max(256, 16 * rows) / 64): a split reads at least 256 keys, and at least 16
 //     keys per query row it serves, so the partials it writes and the merge reads (8 bytes per
 //     row and dim) stay under 1/8 of the K/V bytes it reads (4 bytes per key and dim).
+//   small problems (ceil(sum_b tiles_b * units / target) < min_tiles: 256-key splits cannot fill
+//     a wave) are latency-bound: base = min(base, max(ceil(16 * rows / 64), ceil(sum_b tiles_b *
+//     units / budget))), budget = 5/8 of num_sms CTAs; more splits than above, never fewer.
 // Splits are proportional to each sequence's length, so a ragged batch gives every CTA about the
 // same number of tiles. A forced count (DecodePlanOptions::num_splits) gives every sequence that
 // count, even beyond its tile count (the extra splits are empty and merge as LSE = -inf).
@@ -37,6 +40,10 @@ namespace {
 constexpr int kCpuPlanSms = 132;  // the CPU backend plans as for an H200, so it walks the GPU's splits
 constexpr int kMinSplitKeys = 256;
 constexpr int kMinKeysPerRow = 16;
+/// A problem too small to fill a wave with kMinSplitKeys-key splits is latency-bound: it splits
+/// further, down to one tile per split, up to a budget of 5/8 of the SM count in CTAs (82 on an
+/// H200; the engine's short contexts measured best at 72-80 CTAs and worse at 128+, docs/decode.md).
+constexpr int kSmallPlanBudgetEighths = 5;
 constexpr std::size_t kWorkspaceAlign = 16;
 }  // namespace
 
@@ -109,7 +116,13 @@ Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int force
     if (static_cast<std::int64_t>(p.batch) * units < target) {
       const std::int64_t min_keys = std::max<std::int64_t>(kMinSplitKeys, kMinKeysPerRow * rl.rows);
       const std::int64_t min_tiles = (min_keys + kDecodeBlockN - 1) / kDecodeBlockN;
-      const std::int64_t base = std::max(min_tiles, (total_tiles + target - 1) / target);
+      const std::int64_t fill = (total_tiles + target - 1) / target;  // tiles per CTA for one full wave
+      std::int64_t base = std::max(min_tiles, fill);
+      if (fill < min_tiles) {  // small: more splits (never fewer), up to the CTA budget
+        const std::int64_t one = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;
+        const std::int64_t budget = std::max<std::int64_t>(1, std::max(num_sms, 1) * kSmallPlanBudgetEighths / 8);
+        base = std::min(base, std::max<std::int64_t>({1, one, (total_tiles + budget - 1) / budget}));
+      }
       const std::int64_t chunk = wave_aware_chunk(tiles, units, target, base, cap);
       for (int b = 0; b < p.batch; ++b)
         out->splits[b] = split_count(tiles[b], chunk, cap);

@@ -729,9 +729,21 @@ TEST(DecodeCpu, SplitHeuristic) {
   EXPECT_EQ(splits(4, 32, 8, 128, 8192).max_splits, 8);
   // B=64 GQA: 512 CTAs unsplit already fill the GPU.
   EXPECT_EQ(splits(64, 32, 8, 128, 8192).max_splits, 1);
-  // Short caches never split below 256 keys.
-  EXPECT_EQ(splits(1, 32, 8, 128, 300).max_splits, 2);
-  EXPECT_EQ(splits(1, 32, 8, 128, 200).max_splits, 1);
+  // Too small to fill a wave with 256-key splits: latency-bound, so it splits further, down to one
+  // 64-key tile (and >= 16 keys per row), until 5/8 of the SMs' worth of CTAs (82 on 132 SMs),
+  // never to fewer splits than 256-key splits give. The engine's shapes (D 64, GQA 32/8, times
+  // with forced split counts, reports/engine): ctx 512 at batch 1 -> 9 splits, 72 CTAs (3 splits
+  // 992 us/step, 9 splits 955); batch 2 -> 5 splits, 80 CTAs (3: 1125, 4: 1117, 5: 1102, 9: 1169);
+  // ctx 2048 -> 9 splits as before (9: 999, 16: 1099, 33: 1091).
+  EXPECT_EQ(splits(1, 32, 8, 64, 513).max_splits, 9);
+  EXPECT_EQ(splits(2, 32, 8, 64, 513).max_splits, 5);
+  EXPECT_EQ(splits(1, 32, 8, 64, 2049).max_splits, 9);
+  EXPECT_EQ(splits(8, 32, 8, 64, 513).max_splits, 3);  // 256-key splits (3) beat the budget's 2
+  EXPECT_EQ(splits(1, 32, 8, 128, 300).max_splits, 5);
+  EXPECT_EQ(splits(1, 32, 8, 128, 64).max_splits, 1);
+  // ... and never below 16 keys per row: a 4-token speculative step of GQA 32/8 (16 rows) keeps
+  // 256 keys per split.
+  EXPECT_EQ(splits(1, 32, 8, 128, 300, 4).max_splits, 2);
   // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
   // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.
   DecodeParams p;
