@@ -37,6 +37,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "common/mask_rules.h"
@@ -442,22 +443,13 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   // The first S - 1 stages. After the append kernel (early), the stages before the first tile that
   // holds an appended key ([len - Sq, len): the last tiles of the sequence, so a suffix of the
   // stages) are issued now and the rest after the wait below; the commit order is the same.
-  // The ordinary path keeps its own fully unrolled loop (stage indices known at compile time): one
-  // shared loop with the early exit cost the many-split decode rows ~2% (session 22's bench).
-  int s_early = S - 1;
-  if (!early) {
+  const int first_new_tile = early ? (len - Sq) / BN : INT_MAX;
+  int s_early = 0;
 #pragma unroll
-    for (int s = 0; s < S - 1; ++s) {
-      if (s < n_iters) load_tile(s, tile_begin + s);
-      ptx::cp_async_commit();
-    }
-  } else {
-    const int first_new_tile = (len - Sq) / BN;
-    for (s_early = 0; s_early < S - 1; ++s_early) {
-      if (s_early < n_iters && tile_begin + s_early >= first_new_tile) break;
-      if (s_early < n_iters) load_tile(s_early, tile_begin + s_early);
-      ptx::cp_async_commit();
-    }
+  for (; s_early < S - 1; ++s_early) {
+    if (s_early < n_iters && tile_begin + s_early >= first_new_tile) break;
+    if (s_early < n_iters) load_tile(s_early, tile_begin + s_early);
+    ptx::cp_async_commit();
   }
 
   // ---- Q: the CTA's rows, rotated at their positions, into swizzled shared memory -------------
