@@ -106,12 +106,18 @@ def fake_flashcpp(binary, args, workdir, tag, timeout=600):
             "gpu": "cpu", "git_commit": "test", "vocab": m.args.vocab_size}
 
 
-def test_driver_end_to_end_cpu(tmp_path, monkeypatch):
+def stand_in_binary(tmp_path, monkeypatch):
+    """An executable path for --flashcpp-bin whose runs go to fake_flashcpp (needs matplotlib for the plot)."""
     pytest.importorskip("matplotlib")
     binary = tmp_path / "flashcpp"
     binary.write_text("#!/bin/sh\nexit 1\n")
     binary.chmod(0o755)
     monkeypatch.setattr(engine, "run_flashcpp", fake_flashcpp)
+    return binary
+
+
+def test_driver_end_to_end_cpu(tmp_path, monkeypatch):
+    binary = stand_in_binary(tmp_path, monkeypatch)
     monkeypatch.setattr(engine, "cases_for", lambda quick, spec=None: [(1, 512), (2, 64)])
     monkeypatch.setattr(engine, "NEW_TOKENS", 8)
     out = tmp_path / "out"
@@ -200,11 +206,7 @@ def test_isolated_mode_that_dies_costs_only_its_cells(tmp_path, monkeypatch):
 
 def test_driver_merges_an_isolated_mode_into_its_rows(tmp_path, monkeypatch):
     """The parent's benchmark.csv carries the child's runs for an isolated mode, with ours beside them."""
-    pytest.importorskip("matplotlib")
-    binary = tmp_path / "flashcpp"
-    binary.write_text("#!/bin/sh\nexit 1\n")
-    binary.chmod(0o755)
-    monkeypatch.setattr(engine, "run_flashcpp", fake_flashcpp)
+    binary = stand_in_binary(tmp_path, monkeypatch)
     out = tmp_path / "out"
     rc = engine.run(quick=True, out=str(out), flashcpp_bin=str(binary), model_dir=str(tmp_path / "ckpt"), steps=2,
                     repeats=2, modes=["torch_eager"], device="cpu", shape=tiny(), skip_correctness=True,
