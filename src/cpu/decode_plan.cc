@@ -114,14 +114,15 @@ Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int force
   } else {
     const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(p.head_dim);
     if (static_cast<std::int64_t>(p.batch) * units < target) {
-      const std::int64_t min_keys = std::max<std::int64_t>(kMinSplitKeys, kMinKeysPerRow * rl.rows);
-      const std::int64_t min_tiles = (min_keys + kDecodeBlockN - 1) / kDecodeBlockN;
+      // >= 16 keys per row it serves, and >= kMinSplitKeys keys unless the problem is small (below)
+      const std::int64_t row_tiles = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;
+      static_assert(kMinSplitKeys % kDecodeBlockN == 0, "the key floor is whole tiles");
+      const std::int64_t min_tiles = std::max<std::int64_t>(kMinSplitKeys / kDecodeBlockN, row_tiles);
       const std::int64_t fill = (total_tiles + target - 1) / target;  // tiles per CTA for one full wave
       std::int64_t base = std::max(min_tiles, fill);
       if (fill < min_tiles) {  // small: more splits (never fewer), up to the CTA budget
-        const std::int64_t one = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;
         const std::int64_t budget = std::max<std::int64_t>(1, std::max(num_sms, 1) * kSmallPlanBudgetEighths / 8);
-        base = std::min(base, std::max<std::int64_t>({1, one, (total_tiles + budget - 1) / budget}));
+        base = std::min(base, std::max<std::int64_t>({1, row_tiles, (total_tiles + budget - 1) / budget}));
       }
       const std::int64_t chunk = wave_aware_chunk(tiles, units, target, base, cap);
       for (int b = 0; b < p.batch; ++b)

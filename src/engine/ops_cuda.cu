@@ -280,9 +280,7 @@ Status gemv_per_sm(std::size_t smem, int* per_sm) {
 // Enough CTAs to fill every SM (up to 8 of 256 threads each), no more: each CTA builds the
 // prologue once and then strides over row groups.
 template <int M, class OutT, int R>
-Status launch_gemv_mr(const GemvArgs& a, bool pdl, int num_sms, std::size_t smem, cudaStream_t s) {
-  int per_sm = 1;
-  FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, R>(smem, &per_sm)));
+Status launch_gemv_mr(const GemvArgs& a, bool pdl, int num_sms, int per_sm, std::size_t smem, cudaStream_t s) {
   const int groups = (a.N + R - 1) / R;
   return cuda_status(cuda::launch_kernel(gemv_kernel<M, OutT, R>, dim3(static_cast<unsigned>(std::min(groups, num_sms * per_sm))),
                                          dim3(kGemvThreads), smem, s, pdl, a),
@@ -293,12 +291,16 @@ template <int M, class OutT>
 Status launch_gemv_m(const GemvArgs& a, bool pdl, int num_sms, int smem_per_sm, cudaStream_t s) {
   (void)smem_per_sm;
   const std::size_t smem = static_cast<std::size_t>(M) * a.K * sizeof(bf16);
+  int per_sm = 1;
+  FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, kGemvRows>(smem, &per_sm)));
   if constexpr (M <= 2 && std::is_same_v<OutT, bf16>) {  // the 2-row instantiations: bf16 out, 1-2 rows only
-    int per_sm = 1;
-    FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, kGemvRows>(smem, &per_sm)));
-    if (engine::gemv_rows_per_group(a.N, num_sms * per_sm) == 2) return launch_gemv_mr<M, OutT, 2>(a, pdl, num_sms, smem, s);
+    if (engine::gemv_rows_per_group(a.N, num_sms * per_sm) == 2) {
+      int per_sm2 = 1;
+      FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, 2>(smem, &per_sm2)));
+      return launch_gemv_mr<M, OutT, 2>(a, pdl, num_sms, per_sm2, smem, s);
+    }
   }
-  return launch_gemv_mr<M, OutT, kGemvRows>(a, pdl, num_sms, smem, s);
+  return launch_gemv_mr<M, OutT, kGemvRows>(a, pdl, num_sms, per_sm, smem, s);
 }
 
 template <class OutT>

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import csv
 import glob
 import json
 import math
@@ -529,7 +530,6 @@ def run_isolated(mode: str, model_dir: str, workdir: str, cases, steps: int, rep
         p = subprocess.run(cmd, timeout=3600, env=dict(os.environ, FLASHCPP_BENCH_CHILD="1", PYTHONPATH=pypath))
         path = os.path.join(out, "benchmark.csv")
         if os.path.exists(path):
-            import csv
             with open(path) as f:
                 for r in csv.DictReader(f):
                     if r["peer"] == mode and r["peer_tok_s_runs"]:
