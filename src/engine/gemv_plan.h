@@ -16,4 +16,30 @@ inline int gemv_rows_per_group(int n, int slots) {
   return critical(2) * 10 <= critical(4) * 9 ? 2 : 4;
 }
 
+/// Row grouping and K split of the batch-1/2 GEMV. ksplit 2 (sm_90, a cluster of two CTAs per row
+/// group, each streaming half of K; the second adds its row sums into the first's shared memory):
+/// the same balance as 2-row groups (n 2048: 6 rows' worth on the critical path instead of 8) with
+/// every lane keeping 4 rows of loads in flight, which 2-row groups halve (they made the down
+/// projection alone 192 -> 217 us). Only where each lane still streams >= 2 chunks of a row in its
+/// half (K >= 8192 with 256 threads: the down projection) and the prologue needs no whole-row sum
+/// (`can_split_k`: no RMSNorm).
+struct GemvGrouping {
+  int rows = 4;
+  int ksplit = 1;
+};
+
+inline GemvGrouping gemv_grouping(int n, int k, int slots, bool can_split_k) {
+  GemvGrouping g;
+  if (n <= 0 || slots <= 0) return g;
+  // critical path in half-rows of K: groups per CTA (or per CTA pair) x rows x (2 / ksplit)
+  auto critical = [&](int rows, int ks) {
+    const long long units = slots / ks;
+    return units <= 0 ? (1LL << 62) : (static_cast<long long>(n + rows - 1) / rows + units - 1) / units * rows * (2 / ks);
+  };
+  const long long base = critical(4, 1);
+  if (can_split_k && k % 16 == 0 && k / 16 >= 2 * 256 && critical(4, 2) * 10 <= base * 9) return {4, 2};
+  if (gemv_rows_per_group(n, slots) == 2) return {2, 1};
+  return g;
+}
+
 }  // namespace flashcpp::engine

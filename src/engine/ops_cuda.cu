@@ -6,6 +6,7 @@
 // consecutive output rows; each lane streams 16-byte chunks of those weight rows (evict-first,
 // they are never reused) and dots them with the M input rows (L1-resident); a warp shuffle
 // reduction finishes each dot product. cuBLASLt takes everything else (prefill, M > 8).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <cublasLt.h>
@@ -108,8 +109,10 @@ union Bf16x8 {
 };
 
 /// Row m of prologue(x) into xs (K bf16), 8 elements (16 bytes) per access; K % 8 == 0 and
-/// every row start is 16-byte aligned (gemv_ok checks). Every thread of the CTA takes part.
-__device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red) {
+/// every row start is 16-byte aligned (gemv_ok checks). Every thread of the CTA takes part. Only
+/// the 16-byte chunks [v0, v1) are built (half of K for a K-split CTA; all of it for the norms,
+/// whose sum of squares needs the whole row).
+__device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red, int v0, int v1) {
   using Kind = GemvPrologue::Kind;
   const Kind kind = static_cast<Kind>(a.kind);
   const int K = a.K, kvec = K / 8;
@@ -118,7 +121,7 @@ __device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red
   uint4* ro = reinterpret_cast<uint4*>(a.residual_out + static_cast<std::int64_t>(m) * K);
   uint4* xs4 = reinterpret_cast<uint4*>(xs);
   float ss = 0.f;
-  for (int v = threadIdx.x; v < kvec; v += kGemvThreads) {
+  for (int v = v0 + threadIdx.x; v < v1; v += kGemvThreads) {
     Bf16x8 in, out;
     in.u = xr[v];
     if (kind == Kind::kSiluMul) {
@@ -146,7 +149,7 @@ __device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red
   if (kind != Kind::kRmsNorm && kind != Kind::kAddRmsNorm) return;
   const float rstd = rsqrtf(gemv_block_sum(ss, red) / static_cast<float>(K) + a.eps);
   const uint4* w4 = reinterpret_cast<const uint4*>(a.norm_w);
-  for (int v = threadIdx.x; v < kvec; v += kGemvThreads) {
+  for (int v = v0 + threadIdx.x; v < v1; v += kGemvThreads) {
     Bf16x8 h, g;
     h.u = xs4[v];
     g.u = w4[v];
@@ -156,9 +159,10 @@ __device__ void gemv_prologue_row(const GemvArgs& a, int m, bf16* xs, float* red
   }
 }
 
-template <int M, class OutT, int R = kGemvRows>
+template <int M, class OutT, int R = kGemvRows, int KS = 1>
 __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(const __grid_constant__ GemvArgs a) {
   static_assert(R == 2 || R == 4, "row groups of 2 or 4");
+  static_assert(KS == 1 || KS == 2, "K whole, or in halves over a cluster of two CTAs");
   extern __shared__ uint4 gemv_smem[];
   bf16* xs = reinterpret_cast<bf16*>(gemv_smem);
   __shared__ float red[kGemvWarps];
@@ -166,9 +170,18 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int N = a.N, K = a.K, kvec = K / 8;
   const int groups = (N + R - 1) / R;
-  // The warps of a CTA split K: warp w owns 16-byte chunks [kv0, kv1) of every row.
-  const int per_warp = (kvec + kGemvWarps - 1) / kGemvWarps;
-  const int kv0 = min(kvec, warp * per_warp), kv1 = min(kvec, kv0 + per_warp);
+  // KS 2 (sm_90): CTAs 2u and 2u + 1 form a cluster that takes unit u's row groups, CTA rank r
+  // streaming K half r (gemv_grouping: K % 16 == 0, no norm prologue).
+  int krank = 0, unit = blockIdx.x, units = gridDim.x;
+  if constexpr (KS == 2) {
+    krank = blockIdx.x & 1;  // a cluster's CTAs are consecutive along x: its rank
+    unit = blockIdx.x >> 1;
+    units = gridDim.x >> 1;
+  }
+  const int khalf = kvec / KS, kbase = krank * khalf;
+  // The warps of a CTA split its K range: warp w owns 16-byte chunks [kv0, kv1) of every row.
+  const int per_warp = (khalf + kGemvWarps - 1) / kGemvWarps;
+  const int kv0 = kbase + min(khalf, warp * per_warp), kv1 = kbase + min(khalf, warp * per_warp + per_warp);
   const uint4* w4 = reinterpret_cast<const uint4*>(a.w);
   // A lane's first chunk of each row of group g (zero past the warp's K range): loaded one group
   // ahead, so it is in flight while the current group is reduced, and for the CTA's first group
@@ -180,12 +193,12 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
       dst[r] = kv < kv1 ? __ldcs(w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec + kv) : make_uint4(0, 0, 0, 0);
   };
   uint4 head[R];
-  if (static_cast<int>(blockIdx.x) < groups) first_chunks(blockIdx.x, head);
+  if (unit < groups) first_chunks(unit, head);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // The weights do not depend on the previous kernel: pull the rest of the first group's slice
   // toward L2 while that kernel finishes, then wait for it (programmatic dependent launch).
-  if (static_cast<int>(blockIdx.x) < groups) {
-    const int n0 = blockIdx.x * R;
+  if (unit < groups) {
+    const int n0 = unit * R;
     for (int r = 0; r < R; ++r) {
       const char* row = reinterpret_cast<const char*>(w4 + static_cast<std::int64_t>(min(n0 + r, N - 1)) * kvec + kv0);
       for (int i = 32 * 16 + lane * 128; i < (kv1 - kv0) * 16; i += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + i));
@@ -196,15 +209,16 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
 #endif
   for (int m = 0; m < M; ++m) {
     if (m < a.M) {
-      gemv_prologue_row(a, m, xs + static_cast<std::int64_t>(m) * K, red);
+      gemv_prologue_row(a, m, xs + static_cast<std::int64_t>(m) * K, red, kbase, kbase + khalf);
     } else {
-      for (int k = threadIdx.x; k < K; k += kGemvThreads) xs[static_cast<std::int64_t>(m) * K + k] = __float2bfloat16_rn(0.f);
+      for (int k = kbase * 8 + threadIdx.x; k < (kbase + khalf) * 8; k += kGemvThreads)
+        xs[static_cast<std::int64_t>(m) * K + k] = __float2bfloat16_rn(0.f);
     }
   }
   __syncthreads();
   const uint4* xv = reinterpret_cast<const uint4*>(xs);
   OutT* y = static_cast<OutT*>(a.y);
-  for (int g = blockIdx.x; g < groups; g += gridDim.x) {
+  for (int g = unit; g < groups; g += units) {
     const int n0 = g * R;
     // Rows n0 .. n0 + R - 1 (clamped to the last row) as 32-bit offsets from row n0 (a
     // group spans R * K / 8 chunks; K fits the shared-memory row, gemv_ok).
@@ -226,7 +240,7 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
       }
     };
     if (kv0 + lane < kv1) fma_chunk(head, kv0 + lane);
-    if (g + static_cast<int>(gridDim.x) < groups) first_chunks(g + gridDim.x, head);  // the next group's, now
+    if (g + units < groups) first_chunks(g + units, head);  // the next group's, now
 #pragma unroll (8 / R)  // 8 chunks of a lane in flight per iteration
     for (int kv = kv0 + lane + 32; kv < kv1; kv += 32) {
       uint4 wv[R];
@@ -244,71 +258,124 @@ __global__ void __launch_bounds__(kGemvThreads, M <= 2 ? 3 : 1) gemv_kernel(cons
         if (lane == 0) part[warp][r][m] = v;
       }
     __syncthreads();
-    if (threadIdx.x < R * M) {
+    if constexpr (KS == 1) {
+      if (threadIdx.x < R * M) {
+        const int r = threadIdx.x / M, m = threadIdx.x % M;
+        float v = 0.f;
+#pragma unroll
+        for (int w = 0; w < kGemvWarps; ++w) v += part[w][r][m];
+        if (m < a.M && n0 + r < N) store_out(y + m * a.ldy + n0 + r, v);
+      }
+    } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      // The second CTA's sums go into the first's shared memory, in a buffer per group parity (the
+      // first reads this group's buffer before it arrives at the next group's barrier, so the
+      // second cannot overwrite it early), then both wait at the cluster barrier.
+      namespace cg = cooperative_groups;
+      __shared__ float peer[2][R][M];
+      const int parity = ((g - unit) / units) & 1;
+      cg::cluster_group cluster = cg::this_cluster();
       const int r = threadIdx.x / M, m = threadIdx.x % M;
       float v = 0.f;
+      if (threadIdx.x < R * M) {
 #pragma unroll
-      for (int w = 0; w < kGemvWarps; ++w) v += part[w][r][m];
-      if (m < a.M && n0 + r < N) store_out(y + m * a.ldy + n0 + r, v);
+        for (int w = 0; w < kGemvWarps; ++w) v += part[w][r][m];
+        if (krank == 1) *cluster.map_shared_rank(&peer[parity][r][m], 0) = v;
+      }
+      cluster.sync();
+      if (krank == 0 && threadIdx.x < R * M && m < a.M && n0 + r < N) store_out(y + m * a.ldy + n0 + r, v + peer[parity][r][m]);
+#else
+      __trap();  // launched only on sm_90+ (gemv_grouping's can_split_k)
+#endif
     }
     __syncthreads();
   }
 }
 
-/// CTAs of gemv_kernel<M, OutT, R> that fit an SM at this dynamic shared memory (cached).
-template <int M, class OutT, int R>
-Status gemv_per_sm(std::size_t smem, int* per_sm) {
+/// CTAs of gemv_kernel<M, OutT, R, KS> that fit an SM at this dynamic shared memory, or for KS 2
+/// the clusters of two that fit the GPU (cached per instantiation and size).
+template <int M, class OutT, int R, int KS>
+Status gemv_capacity(std::size_t smem, int* out) {
+  auto kernel = gemv_kernel<M, OutT, R, KS>;
   static bool configured = false;  // one attribute call per instantiation (first use is never inside a capture: warm-up runs first)
   if (!configured) {
     FLASHCPP_RETURN_IF_ERROR(cuda_status(
-        cudaFuncSetAttribute(gemv_kernel<M, OutT, R>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvMaxSmem)),
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kGemvMaxSmem)),
         "cudaFuncSetAttribute(gemv)"));
     configured = true;
   }
-  static std::map<std::size_t, int> occupancy;  // by dynamic smem bytes
-  auto it = occupancy.find(smem);
-  if (it == occupancy.end()) {
+  static std::map<std::size_t, int> capacity;  // by dynamic smem bytes
+  auto it = capacity.find(smem);
+  if (it == capacity.end()) {
     int n = 0;
-    FLASHCPP_RETURN_IF_ERROR(cuda_status(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, gemv_kernel<M, OutT, R>, kGemvThreads, smem), "gemv occupancy"));
-    it = occupancy.emplace(smem, std::max(1, n)).first;
+    if constexpr (KS == 1) {
+      FLASHCPP_RETURN_IF_ERROR(cuda_status(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kGemvThreads, smem), "gemv occupancy"));
+    } else {
+      cudaLaunchConfig_t cfg{};
+      cfg.gridDim = dim3(2 * 1024);
+      cfg.blockDim = dim3(kGemvThreads);
+      cfg.dynamicSmemBytes = smem;
+      cudaLaunchAttribute attr{};
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 2;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg), "gemv cluster occupancy"));
+    }
+    it = capacity.emplace(smem, std::max(1, n)).first;
   }
-  *per_sm = it->second;
+  *out = it->second;
   return Status::Ok();
 }
 
-// Enough CTAs to fill every SM (up to 8 of 256 threads each), no more: each CTA builds the
-// prologue once and then strides over row groups.
-template <int M, class OutT, int R>
-Status launch_gemv_mr(const GemvArgs& a, bool pdl, int num_sms, int per_sm, std::size_t smem, cudaStream_t s) {
+// One wave, no more: each CTA builds the prologue once and then strides over row groups (KS 2:
+// each cluster of two).
+template <int M, class OutT, int R, int KS>
+Status launch_gemv_mr(const GemvArgs& a, bool pdl, int num_sms, int cap, std::size_t smem, cudaStream_t s) {
   const int groups = (a.N + R - 1) / R;
-  return cuda_status(cuda::launch_kernel(gemv_kernel<M, OutT, R>, dim3(static_cast<unsigned>(std::min(groups, num_sms * per_sm))),
-                                         dim3(kGemvThreads), smem, s, pdl, a),
-                     "gemv launch");
+  if constexpr (KS == 1) {
+    return cuda_status(cuda::launch_kernel(gemv_kernel<M, OutT, R, 1>, dim3(static_cast<unsigned>(std::min(groups, num_sms * cap))),
+                                           dim3(kGemvThreads), smem, s, pdl, a),
+                       "gemv launch");
+  } else {
+    return cuda_status(cuda::launch_kernel_clustered(gemv_kernel<M, OutT, R, 2>,
+                                                     dim3(2 * static_cast<unsigned>(std::min(groups, cap))),
+                                                     dim3(kGemvThreads), smem, s, pdl, 2, a),
+                       "gemv launch (clusters of 2)");
+  }
 }
 
 template <int M, class OutT>
-Status launch_gemv_m(const GemvArgs& a, bool pdl, int num_sms, int smem_per_sm, cudaStream_t s) {
-  (void)smem_per_sm;
+Status launch_gemv_m(const GemvArgs& a, bool pdl, int num_sms, int sm_major, cudaStream_t s) {
   const std::size_t smem = static_cast<std::size_t>(M) * a.K * sizeof(bf16);
   int per_sm = 1;
-  FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, kGemvRows>(smem, &per_sm)));
-  if constexpr (M <= 2 && std::is_same_v<OutT, bf16>) {  // the 2-row instantiations: bf16 out, 1-2 rows only
-    if (engine::gemv_rows_per_group(a.N, num_sms * per_sm) == 2) {
-      int per_sm2 = 1;
-      FLASHCPP_RETURN_IF_ERROR((gemv_per_sm<M, OutT, 2>(smem, &per_sm2)));
-      return launch_gemv_mr<M, OutT, 2>(a, pdl, num_sms, per_sm2, smem, s);
+  FLASHCPP_RETURN_IF_ERROR((gemv_capacity<M, OutT, kGemvRows, 1>(smem, &per_sm)));
+  if constexpr (M <= 2 && std::is_same_v<OutT, bf16>) {  // the 2-row and K-split instantiations: bf16 out, 1-2 rows only
+    using Kind = GemvPrologue::Kind;
+    const bool can_split_k = sm_major >= 9 && (a.kind == static_cast<int>(Kind::kNone) || a.kind == static_cast<int>(Kind::kSiluMul));
+    const GemvGrouping g = engine::gemv_grouping(a.N, a.K, num_sms * per_sm, can_split_k);
+    int cap = 1;
+    if (g.ksplit == 2) {
+      FLASHCPP_RETURN_IF_ERROR((gemv_capacity<M, OutT, kGemvRows, 2>(smem, &cap)));
+      return launch_gemv_mr<M, OutT, kGemvRows, 2>(a, pdl, num_sms, cap, smem, s);
+    }
+    if (g.rows == 2) {
+      FLASHCPP_RETURN_IF_ERROR((gemv_capacity<M, OutT, 2, 1>(smem, &cap)));
+      return launch_gemv_mr<M, OutT, 2, 1>(a, pdl, num_sms, cap, smem, s);
     }
   }
-  return launch_gemv_mr<M, OutT, kGemvRows>(a, pdl, num_sms, per_sm, smem, s);
+  return launch_gemv_mr<M, OutT, kGemvRows, 1>(a, pdl, num_sms, per_sm, smem, s);
 }
 
 template <class OutT>
-Status launch_gemv(const GemvArgs& a, bool pdl, int num_sms, int smem_per_sm, cudaStream_t s) {
-  if (a.M <= 1) return launch_gemv_m<1, OutT>(a, pdl, num_sms, smem_per_sm, s);
-  if (a.M <= 2) return launch_gemv_m<2, OutT>(a, pdl, num_sms, smem_per_sm, s);
-  if (a.M <= 4) return launch_gemv_m<4, OutT>(a, pdl, num_sms, smem_per_sm, s);
-  return launch_gemv_m<8, OutT>(a, pdl, num_sms, smem_per_sm, s);
+Status launch_gemv(const GemvArgs& a, bool pdl, int num_sms, int sm_major, cudaStream_t s) {
+  if (a.M <= 1) return launch_gemv_m<1, OutT>(a, pdl, num_sms, sm_major, s);
+  if (a.M <= 2) return launch_gemv_m<2, OutT>(a, pdl, num_sms, sm_major, s);
+  if (a.M <= 4) return launch_gemv_m<4, OutT>(a, pdl, num_sms, sm_major, s);
+  return launch_gemv_m<8, OutT>(a, pdl, num_sms, sm_major, s);
 }
 
 // ---- small kernels ------------------------------------------------------------------------
@@ -522,7 +589,6 @@ class CudaOps final : public Ops {
     FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
     sm_major_ = dev.sm_major;
     num_sms_ = dev.num_sms;
-    ENGINE_CUDA(cudaDeviceGetAttribute(&smem_per_sm_, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev.device));
     pdl_ = sm_major_ >= 9;  // programmatic dependent launch: Hopper and newer
     name_ = dev.name + " (" + std::to_string(dev.num_sms) + " SMs, bf16)";
     ENGINE_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -660,8 +726,8 @@ class CudaOps final : public Ops {
     GemvArgs a{static_cast<const bf16*>(x), ldx, static_cast<const bf16*>(w), y, ldy, M, N, K,
                static_cast<int>(pro.kind), static_cast<const bf16*>(pro.weight), pro.eps,
                static_cast<const bf16*>(pro.residual), static_cast<bf16*>(pro.residual_out)};
-    return y_dtype == DType::kF32 ? launch_gemv<float>(a, pdl_, num_sms_, smem_per_sm_, stream_)
-                                   : launch_gemv<bf16>(a, pdl_, num_sms_, smem_per_sm_, stream_);
+    return y_dtype == DType::kF32 ? launch_gemv<float>(a, pdl_, num_sms_, sm_major_, stream_)
+                                   : launch_gemv<bf16>(a, pdl_, num_sms_, sm_major_, stream_);
   }
   Status lt_gemm(int M, int N, int K, const void* x, std::int64_t ldx, const void* w, void* y, std::int64_t ldy,
                  DType y_dtype) {
@@ -707,7 +773,7 @@ class CudaOps final : public Ops {
   std::string name_;
   int gemv_max_rows_ = kGemvAutoRows;  ///< rows up to which gemm() takes the GEMV (0: never)
   bool pdl_ = true;
-  int sm_major_ = 0, num_sms_ = 1, smem_per_sm_ = 0;
+  int sm_major_ = 0, num_sms_ = 1;
   std::vector<cudaEvent_t> events_;
   std::map<int, cudaGraphExec_t> graphs_;
   std::map<std::tuple<int, int, int, std::int64_t, std::int64_t, int>, LtEntry> lt_cache_;

@@ -203,7 +203,7 @@ TEST(EngineModelCpu, ClearErrors) {
 }
 
 // The GEMV's row grouping: 2-row groups only where they cut the most-loaded CTA's rows by 10%.
-TEST(EngineModelCpu, GemvRowsPerGroupFollowsTheWave) {
+TEST(EngineModelCpu, GemvGroupingFollowsTheWave) {
   const int slots = 132 * 3;  // H200, three 256-thread CTAs per SM
   EXPECT_EQ(gemv_rows_per_group(2048, slots), 2);    // o/down of a 1B Llama: 8 rows -> 6 on the critical path
   EXPECT_EQ(gemv_rows_per_group(3072, slots), 4);    // qkv: 768 groups, 2 each either way (8 rows)
@@ -214,6 +214,15 @@ TEST(EngineModelCpu, GemvRowsPerGroupFollowsTheWave) {
   EXPECT_EQ(gemv_rows_per_group(4 * slots + 4, slots), 2);  // one group more than a wave: 8 -> 6 rows (25% less)
   EXPECT_EQ(gemv_rows_per_group(0, slots), 4);
   EXPECT_EQ(gemv_rows_per_group(100, 0), 4);
+  // K split over a cluster of two: only the down projection's K (>= 8192) and no norm prologue.
+  EXPECT_EQ(gemv_grouping(2048, 8192, slots, true).ksplit, 2);   // down: 8 -> 6 rows' worth, 4 rows in flight
+  EXPECT_EQ(gemv_grouping(2048, 8192, slots, true).rows, 4);
+  EXPECT_EQ(gemv_grouping(2048, 8192, slots, false).ksplit, 1);  // no clusters (sm_80) or a norm prologue
+  EXPECT_EQ(gemv_grouping(2048, 8192, slots, false).rows, 2);
+  EXPECT_EQ(gemv_grouping(2048, 2048, slots, true).ksplit, 1);   // o_proj: half of K is 1 chunk a lane: rows of 2
+  EXPECT_EQ(gemv_grouping(2048, 2048, slots, true).rows, 2);
+  EXPECT_EQ(gemv_grouping(16384, 2048, slots, true).ksplit, 1);  // gate_up's K is too short
+  EXPECT_EQ(gemv_grouping(3072, 8192, slots, true).ksplit, 1);   // 768 groups: 8 rows' worth either way
   for (int n = 1; n < 20000; n += 37) {  // never more rows on the critical path than 4-row groups
     const int r = gemv_rows_per_group(n, slots);
     auto critical = [&](int rows) { return ((n + rows - 1) / rows + slots - 1) / slots * rows; };

@@ -166,10 +166,12 @@ TEST(EngineGpu, GreedySampleMatchesTheHostRule) {
 }
 
 // The batch-1/2 GEMV (every prologue kind) against a host fp64 dot of the same bf16-rounded
-// prologue. The shapes take both row groupings of gemv_rows_per_group on a 132-SM part (N 77,
-// 2048, 2050: rows of 2; N 3072, 16384: rows of 4; N 2050 and 77 end in a partial group).
+// prologue. The shapes take every grouping of gemv_grouping on a 132-SM part: N 77 and 2048 at
+// K 2048 rows of 2; N 3072, 16384 rows of 4; N 2048 and 2050 at K 8192 K split over a cluster
+// of two CTAs for the prologues without a norm (sm_90), rows of 2 with one (N 2050 and 77 end in
+// a partial group).
 // Outputs are poisoned with NaN, and 8 guard elements past N must stay poisoned.
-TEST(EngineGpu, GemvMatchesTheHostForBothRowGroupings) {
+TEST(EngineGpu, GemvMatchesTheHostForEveryGrouping) {
   std::unique_ptr<Ops> ops = cuda_ops();
   ASSERT_TRUE(ops);
   ASSERT_TRUE(ops->set_gemm_mode("auto").ok());
@@ -179,7 +181,7 @@ TEST(EngineGpu, GemvMatchesTheHostForBothRowGroupings) {
   auto bf = [](float f) { return float_to_bf16_bits(f); };
   auto fl = [](std::uint16_t h) { return bf16_bits_to_float(h); };
   const std::uint16_t kPoison = 0x7FC0;  // bf16 NaN
-  for (auto [N, K] : {std::pair{77, 2048}, {2048, 2048}, {2050, 8192}, {3072, 2048}, {16384, 2048}}) {
+  for (auto [N, K] : {std::pair{77, 2048}, {2048, 2048}, {2048, 8192}, {2050, 8192}, {3072, 2048}, {16384, 2048}}) {
     std::vector<std::uint16_t> w(static_cast<std::size_t>(N) * K);
     for (auto& v : w) v = bf(0.05f * nd(rng));
     void* d_w = nullptr;

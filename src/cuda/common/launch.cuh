@@ -36,4 +36,25 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+/// The same with thread-block clusters of `cluster_x` CTAs along x (sm_90+; grid.x a multiple of it).
+template <class... KArgs, class... Args>
+cudaError_t launch_kernel_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem,
+                                    cudaStream_t stream, bool pdl, unsigned cluster_x, Args&&... args) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 2 : 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 }  // namespace flashcpp::cuda
