@@ -79,12 +79,12 @@ endif
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	mkdir -p $(BENCH_DIR)/numerics
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_DIR)/prefill
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks
-	cd /tmp && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine
-	./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json
+	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_DIR)/prefill && echo "[make bench] prefill: $$(( $$(date +%s) - s )) s"
+	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused && echo "[make bench] fused: $$(( $$(date +%s) - s )) s"
+	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode && echo "[make bench] decode: $$(( $$(date +%s) - s )) s"
+	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks && echo "[make bench] masks: $$(( $$(date +%s) - s )) s"
+	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine && echo "[make bench] engine: $$(( $$(date +%s) - s )) s"
+	s=$$(date +%s) && ./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json && echo "[make bench] audit: $$(( $$(date +%s) - s )) s"
 	$(PYTHON) -m flashcpp.bench.audit_plot $(BENCH_DIR)/numerics/audit.json --out $(BENCH_DIR)/numerics
 	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(BENCH_DIR)
 	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(BENCH_DIR)
