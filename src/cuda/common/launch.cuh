@@ -19,24 +19,8 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
-/// kernel<<<grid, block, smem, stream>>>(args...), programmatic when `pdl`.
-template <class... KArgs, class... Args>
-cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
-                          bool pdl, Args&&... args) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
-}
-
-/// The same with thread-block clusters of `cluster_x` CTAs along x (sm_90+; grid.x a multiple of it).
+/// kernel<<<grid, block, smem, stream>>>(args...) in thread-block clusters of `cluster_x` CTAs along x
+/// when cluster_x > 1 (sm_90+; grid.x a multiple of it), programmatic when `pdl`.
 template <class... KArgs, class... Args>
 cudaError_t launch_kernel_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem,
                                     cudaStream_t stream, bool pdl, unsigned cluster_x, Args&&... args) {
@@ -46,15 +30,29 @@ cudaError_t launch_kernel_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 bl
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster_x;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[1].val.programmaticStreamSerializationAllowed = 1;
+  unsigned n = 0;
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 2 : 1;
+  cfg.numAttrs = n;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...), programmatic when `pdl`.
+template <class... KArgs, class... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream,
+                          bool pdl, Args&&... args) {
+  return launch_kernel_clustered(kernel, grid, block, smem, stream, pdl, 1u, std::forward<Args>(args)...);
 }
 
 }  // namespace flashcpp::cuda
