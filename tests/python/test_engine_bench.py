@@ -208,7 +208,7 @@ def test_driver_merges_an_isolated_mode_into_its_rows(tmp_path, monkeypatch):
     """The parent's benchmark.csv carries the child's runs for an isolated mode, with ours beside them."""
     binary = stand_in_binary(tmp_path, monkeypatch)
     out = tmp_path / "out"
-    rc = engine.run(quick=True, out=str(out), flashcpp_bin=str(binary), model_dir=str(tmp_path / "ckpt"), steps=2,
+    rc = engine.run(quick=False, out=str(out), flashcpp_bin=str(binary), model_dir=str(tmp_path / "ckpt"), steps=2,
                     repeats=2, modes=["torch_eager"], device="cpu", shape=tiny(), skip_correctness=True,
                     cases="1x64", isolate=["torch_eager"])
     assert rc == 0
@@ -217,3 +217,17 @@ def test_driver_merges_an_isolated_mode_into_its_rows(tmp_path, monkeypatch):
     assert len(r["peer_tok_s_runs"].split()) == 2 and float(r["peer_tok_s"]) > 0
     assert float(r["max_abs_logit_diff_vs_torch_eager"]) == 0.0
     assert float(r["ours_tok_s"]) > 0 and r["speedup"] != ""
+
+
+def test_quick_skips_the_isolated_modes(tmp_path, monkeypatch):
+    """--quick times batch 1 only and leaves out the modes that need a child process (no child runs)."""
+    assert engine.cases_for(True) == [(1, 512)]
+    binary = stand_in_binary(tmp_path, monkeypatch)
+    monkeypatch.setattr(engine, "run_isolated", lambda *a, **k: (_ for _ in ()).throw(AssertionError("child started")))
+    out = tmp_path / "out"
+    rc = engine.run(quick=True, out=str(out), flashcpp_bin=str(binary), model_dir=str(tmp_path / "ckpt"), steps=2,
+                    repeats=1, modes=["torch_eager", "torch_graph"], device="cpu", shape=tiny(),
+                    skip_correctness=True, cases="1x64", isolate=["torch_graph"])
+    assert rc == 0
+    peers = {r["peer"] for r in csv.DictReader(open(out / "benchmark.csv"))}
+    assert "torch_eager" in peers and "torch_graph" not in peers
