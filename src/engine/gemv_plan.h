@@ -10,10 +10,17 @@ namespace flashcpp::engine {
 /// groups give 512 groups, 116 CTAs with two of them, 8 rows on the critical path; 2-row groups
 /// give 6. Rows of 2 halve the loads a lane has in flight per iteration, so they are taken only
 /// when they cut the critical path by at least 10%.
+/// The slowest CTA's work in half-rows of K: groups per CTA (per cluster of `ksplit` CTAs) x rows
+/// x (2 / ksplit). `slots` > 0 CTAs in one wave.
+inline long long gemv_critical_half_rows(int n, int slots, int rows, int ksplit) {
+  const long long units = slots / ksplit;
+  if (units <= 0) return 1LL << 62;
+  return (static_cast<long long>(n + rows - 1) / rows + units - 1) / units * rows * (2 / ksplit);
+}
+
 inline int gemv_rows_per_group(int n, int slots) {
   if (n <= 0 || slots <= 0) return 4;
-  auto critical = [&](int rows) { return (static_cast<long long>(n + rows - 1) / rows + slots - 1) / slots * rows; };
-  return critical(2) * 10 <= critical(4) * 9 ? 2 : 4;
+  return gemv_critical_half_rows(n, slots, 2, 1) * 10 <= gemv_critical_half_rows(n, slots, 4, 1) * 9 ? 2 : 4;
 }
 
 /// Row grouping and K split of the batch-1/2 GEMV. ksplit 2 (sm_90, a cluster of two CTAs per row
@@ -29,17 +36,11 @@ struct GemvGrouping {
 };
 
 inline GemvGrouping gemv_grouping(int n, int k, int slots, bool can_split_k) {
-  GemvGrouping g;
-  if (n <= 0 || slots <= 0) return g;
-  // critical path in half-rows of K: groups per CTA (or per CTA pair) x rows x (2 / ksplit)
-  auto critical = [&](int rows, int ks) {
-    const long long units = slots / ks;
-    return units <= 0 ? (1LL << 62) : (static_cast<long long>(n + rows - 1) / rows + units - 1) / units * rows * (2 / ks);
-  };
-  const long long base = critical(4, 1);
-  if (can_split_k && k % 16 == 0 && k / 16 >= 2 * 256 && critical(4, 2) * 10 <= base * 9) return {4, 2};
-  if (gemv_rows_per_group(n, slots) == 2) return {2, 1};
-  return g;
+  if (n <= 0 || slots <= 0) return {};
+  const long long base = gemv_critical_half_rows(n, slots, 4, 1);
+  if (can_split_k && k % 16 == 0 && k / 16 >= 2 * 256 && gemv_critical_half_rows(n, slots, 4, 2) * 10 <= base * 9)
+    return {4, 2};
+  return {gemv_rows_per_group(n, slots), 1};
 }
 
 }  // namespace flashcpp::engine

@@ -55,7 +55,7 @@ using bf16 = __nv_bfloat16;
 // its first weight rows into L2, only then waits for the kernel that produced x
 // (griddepcontrol.wait), and lets the next GEMV launch early.
 constexpr int kGemvRows = 4;  // output rows per CTA iteration (the 8 warps split K); 2 where
-                              // gemv_rows_per_group says the wave quantizes badly (gemv_plan.h)
+                              // gemv_grouping says the wave quantizes badly (gemv_plan.h)
 constexpr int kGemvThreads = 256;
 constexpr int kGemvWarps = kGemvThreads / 32;
 constexpr std::size_t kGemvMaxSmem = 160 * 1024;
@@ -312,17 +312,8 @@ Status gemv_capacity(std::size_t smem, int* out) {
       FLASHCPP_RETURN_IF_ERROR(cuda_status(
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kGemvThreads, smem), "gemv occupancy"));
     } else {
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(2 * 1024);
-      cfg.blockDim = dim3(kGemvThreads);
-      cfg.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr{};
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 2;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
+      cudaLaunchAttribute attr[2];
+      const cudaLaunchConfig_t cfg = cuda::launch_config(dim3(2 * 1024), dim3(kGemvThreads), smem, nullptr, false, 2, attr);
       FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg), "gemv cluster occupancy"));
     }
     it = capacity.emplace(smem, std::max(1, n)).first;

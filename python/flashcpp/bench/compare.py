@@ -20,17 +20,15 @@ when no row could be matched.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from flashcpp.bench.summary import AREAS, ratio as _ratio
+from flashcpp.bench.summary import load, ratio as _ratio
 
 
-def _rows(path: str) -> Dict[Tuple[str, str], Dict[str, str]]:
-    with open(path, newline="") as fh:
-        return {(r.get("case", ""), r.get("peer", "")): r for r in csv.DictReader(fh)}
+def _by_key(rows: List[Dict[str, str]]) -> Dict[Tuple[str, str], Dict[str, str]]:
+    return {(r.get("case", ""), r.get("peer", "")): r for r in rows}
 
 
 RUN_COLUMNS = ("peer_tok_s_runs", "ours_tok_s_runs")
@@ -54,12 +52,11 @@ def repeat_spread(row: Dict[str, str]) -> Optional[float]:
 def compare(ref_dir: str, new_dir: str, tolerance: float = 0.10) -> List[Dict[str, object]]:
     """One entry per (area, case, peer) present in both runs with a ratio in each."""
     out: List[Dict[str, object]] = []
-    for area in AREAS:
-        ref_path = os.path.join(ref_dir, area, "benchmark.csv")
-        new_path = os.path.join(new_dir, area, "benchmark.csv")
-        if not (os.path.exists(ref_path) and os.path.exists(new_path)):
+    ref_runs, new_runs = load(ref_dir), load(new_dir)
+    for area, (ref_rows, _) in ref_runs.items():  # in AREAS order
+        if area not in new_runs:
             continue
-        ref, new = _rows(ref_path), _rows(new_path)
+        ref, new = _by_key(ref_rows), _by_key(new_runs[area][0])
         for key in sorted(set(ref) & set(new)):
             a, b = _ratio(ref[key]), _ratio(new[key])
             if a is None or b is None:

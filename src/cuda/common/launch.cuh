@@ -19,17 +19,16 @@ __device__ __forceinline__ void pdl_wait_then_release() {
 #endif
 }
 
-/// kernel<<<grid, block, smem, stream>>>(args...) in thread-block clusters of `cluster_x` CTAs along x
-/// when cluster_x > 1 (sm_90+; grid.x a multiple of it), programmatic when `pdl`.
-template <class... KArgs, class... Args>
-cudaError_t launch_kernel_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem,
-                                    cudaStream_t stream, bool pdl, unsigned cluster_x, Args&&... args) {
+/// A launch configuration with its attributes in `attr`: thread-block clusters of `cluster_x` CTAs
+/// along x when cluster_x > 1 (sm_90+; grid.x a multiple of it), programmatic when `pdl`. Also what
+/// cudaOccupancyMaxActiveClusters takes.
+inline cudaLaunchConfig_t launch_config(dim3 grid, dim3 block, std::size_t smem, cudaStream_t stream, bool pdl,
+                                        unsigned cluster_x, cudaLaunchAttribute (&attr)[2]) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
   unsigned n = 0;
   if (cluster_x > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
@@ -45,6 +44,15 @@ cudaError_t launch_kernel_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 bl
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
+  return cfg;
+}
+
+/// kernel<<<grid, block, smem, stream>>>(args...) in clusters of `cluster_x` CTAs (launch_config).
+template <class... KArgs, class... Args>
+cudaError_t launch_kernel_clustered(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem,
+                                    cudaStream_t stream, bool pdl, unsigned cluster_x, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  const cudaLaunchConfig_t cfg = launch_config(grid, block, smem, stream, pdl, cluster_x, attr);
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
