@@ -49,6 +49,7 @@ test: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
 	./$(BUILD)/flashcpp check --backend cpu --quick --area all --json $(BUILD)/cpu_correctness_report.json
 	bash scripts/check_install.sh $(BUILD)
+	bash scripts/deps.sh --fuzz
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
 	bash python/ci_test.sh
 
@@ -91,6 +92,7 @@ bench: build
 	$(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),,-cd /tmp && $(PYTHON) -m flashcpp.bench.compare $(CURDIR)/reports $(BENCH_DIR) --out $(BENCH_DIR)/COMPARE.md)
 
 fuzz:
+	bash scripts/deps.sh --fuzz
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
 
 clean:
