@@ -22,6 +22,7 @@ GIT_COMMIT ?= $(or $(FLASHCPP_GIT_COMMIT),$(shell git rev-parse --short=12 HEAD 
 # $(BUILD)/bench-quick so the shipped full-sweep figures in reports/ are not replaced by a subset.
 # Any run written outside reports/ (QUICK=1, or BENCH_OUT=dir) ends with a reproduction check
 # against reports/: COMPARE.md, every shared (case, peer) ratio and its drift (tolerance 10%).
+# The audit plots, roofline, SUMMARY.md and COMPARE.md come from one process (flashcpp.bench.finish).
 QUICK ?=
 BENCH_FLAGS := $(if $(QUICK),--quick,)
 BENCH_OUT ?= $(if $(QUICK),$(CURDIR)/$(BUILD)/bench-quick,$(CURDIR)/reports)
@@ -86,10 +87,7 @@ bench: build
 	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks && echo "[make bench] masks: $$(( $$(date +%s) - s )) s"
 	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine && echo "[make bench] engine: $$(( $$(date +%s) - s )) s"
 	s=$$(date +%s) && ./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json && echo "[make bench] audit: $$(( $$(date +%s) - s )) s"
-	$(PYTHON) -m flashcpp.bench.audit_plot $(BENCH_DIR)/numerics/audit.json --out $(BENCH_DIR)/numerics
-	cd /tmp && $(PYTHON) -m flashcpp.bench.roofline $(BENCH_DIR)
-	cd /tmp && $(PYTHON) -m flashcpp.bench.summary $(BENCH_DIR)
-	$(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),,-cd /tmp && $(PYTHON) -m flashcpp.bench.compare $(CURDIR)/reports $(BENCH_DIR) --out $(BENCH_DIR)/COMPARE.md)
+	cd /tmp && s=$$(date +%s) && $(PYTHON) -m flashcpp.bench.finish $(BENCH_DIR) $(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),,--reference $(CURDIR)/reports) && echo "[make bench] plots, roofline, summary$(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),, and compare): $$(( $$(date +%s) - s )) s"
 
 fuzz:
 	bash scripts/deps.sh --fuzz

@@ -38,25 +38,38 @@ def environment() -> Dict[str, object]:
     return env
 
 
-def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+# Repetition time of one measurement: milliseconds of back-to-back calls. triton's do_bench times
+# rep_ms of calls once; do_bench_cudagraph captures rep_ms of calls in a graph and replays it ten times,
+# so a graph measurement costs about 11 x rep_ms. The full suite uses 100 ms; --quick uses 25 ms, which
+# still times 50 to 300 calls of a prefill or fused kernel per replay (a quarter of the time per number).
+FULL_REP_MS = 100
+QUICK_REP_MS = 25
+
+
+def rep_ms_for(quick: bool) -> int:
+    return QUICK_REP_MS if quick else FULL_REP_MS
+
+
+def bench_us(fn: Callable[[], object], warmup_ms: int = 25, rep_ms: int = FULL_REP_MS) -> float:
     """Median time of fn in microseconds (CUDA events; triton's do_bench clears L2 between runs)."""
     import triton.testing
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def bench_graph_us(fn: Callable[[], object], rep_ms: int = 100) -> float:
+def bench_graph_us(fn: Callable[[], object], rep_ms: int = FULL_REP_MS) -> float:
     """Median time of fn in microseconds replayed from a CUDA graph: launch and Python overhead
     removed for every implementation alike, so this compares the kernels themselves."""
     import triton.testing
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
 
 
-def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 2, graph: bool = False) -> Dict[str, float]:
+def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 2, graph: bool = False,
+                rep_ms: int = FULL_REP_MS) -> Dict[str, float]:
     """Time each implementation `rounds` times in alternating order; the median of the rounds."""
     times: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(bench_graph_us(fn) if graph else bench_us(fn))
+            times[name].append(bench_graph_us(fn, rep_ms) if graph else bench_us(fn, rep_ms=rep_ms))
     return {k: statistics.median(v) for k, v in times.items()}
 
 

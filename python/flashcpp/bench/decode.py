@@ -40,11 +40,10 @@ failed check prints CORRECTNESS FAIL (the case is still timed) and makes the exi
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
-from .common import bench_graph_us, ceilings, environment, progress, write_csv, write_json
+from .common import ceilings, environment, interleaved, progress, write_csv, write_json
 
 HBM_TBPS = 4.3
 BW_FRAC_BAR = 0.85
@@ -105,16 +104,6 @@ def _peers_available() -> Tuple[Dict[str, Any], Dict[str, str]]:
     except Exception as e:
         skipped["flashinfer"] = f"does not import ({type(e).__name__}: {str(e)[:100]})"
     return have, skipped
-
-
-def _interleaved(fns: Dict[str, Callable[[], object]], rounds: int, rep_ms: int) -> Dict[str, float]:
-    """common.interleaved with CUDA-graph replays and a shorter repetition time (decode steps are
-    tens of microseconds: 20 ms of replays is hundreds of steps)."""
-    times: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench_graph_us(fn, rep_ms=rep_ms))
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _reference(torch, q, kc, vc, lens, causal):
@@ -362,7 +351,7 @@ def _run_case(c: Case, idx: int, env: Dict[str, object], libs: Dict[str, Any], r
     del ref, got, err
 
     # ---- timing ---------------------------------------------------------------------------------
-    t = _interleaved(fns, rounds=rounds, rep_ms=rep_ms)
+    t = interleaved(fns, rounds=rounds, graph=True, rep_ms=rep_ms)
     ours_us = t["flashcpp"]
     ours_tbps = kv_bytes / ours_us / 1e6
     line = [f"{c.name:44s} ours {ours_us:8.1f} us {ours_tbps:5.2f} TB/s  err {max_err:.1e}"]

@@ -30,8 +30,9 @@
    next to a torch_eager reference for the logits check: PyTorch 2.11 crashed (SIGSEGV) replaying a
    default-mode compile captured in a torch.cuda.CUDAGraph after reduce-overhead compiles of another
    batch size in the same process. A child that dies costs only its own cells (an error is recorded).
-   --quick: batch 1 at 512 tokens of context only, 32 steps, one repeat, and without the isolated modes
-   (their child process and its compiles were a third of the quick run).
+   --quick: batch 1 at 512 tokens of context only, 32 steps, three repeats (a repeat costs about two
+   seconds; with one, the check against reports/ could not tell a noisy row from a drift), and without
+   the isolated modes (their child process and its compiles were a third of the quick run).
 """
 from __future__ import annotations
 
@@ -795,7 +796,7 @@ def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", m
     if not skip_speed:
         with torch.no_grad():
             rows = speed(model, binary, model_dir, workdir, cases_for(quick, cases), steps or (32 if quick else 128),
-                         repeats or (1 if quick else 3), modes, device, env, errors, isolate=isolate)
+                         repeats or 3, modes, device, env, errors, isolate=isolate)
         write_csv(os.path.join(out, "benchmark.csv"), rows)
         trace = None
         if binary and device == "cuda":
@@ -831,7 +832,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="reports/engine")
     ap.add_argument("--steps", type=int, default=None, help="decode steps per measurement (128; 32 quick)")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3; 1 quick)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (3)")
     ap.add_argument("--modes", default=",".join(TORCH_MODES), help="PyTorch modes to time")
     ap.add_argument("--cases", default=None, help="batch x context list, e.g. 1x512,1x16384,8x512,32x512")
     ap.add_argument("--skip-speed", action="store_true")

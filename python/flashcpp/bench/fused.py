@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Tuple
 
-from .common import ceilings, environment, interleaved, progress, write_csv, write_json
+from .common import ceilings, environment, interleaved, progress, rep_ms_for, write_csv, write_json
 
 HBM_TBPS = 4.3
 EAGER_BAR = {"rmsnorm_residual": 1.8, "swiglu_fused": 1.5, "swiglu_two": 1.5}
@@ -172,6 +172,8 @@ def run(quick: bool, out: str) -> int:
     os.makedirs(out, exist_ok=True)
     env = environment()
     env.update(ceilings())
+    rep_ms = rep_ms_for(quick)
+    env["timing"] = f"cuda_graph_median and eager median, rep {rep_ms} ms, 3 interleaved rounds"
     progress(f"[bench fused] {env}")
     rows: List[Dict[str, object]] = []
     for name, dtype in _cases(torch, quick):
@@ -187,8 +189,8 @@ def run(quick: bool, out: str) -> int:
                "torch_compile": compiled}
         if hasattr(ours, "cache_variant"):
             fns["flashcpp_cache"] = ours.cache_variant
-        t = interleaved(fns, rounds=3, graph=True)
-        te = interleaved(fns, rounds=3, graph=False)
+        t = interleaved(fns, rounds=3, graph=True, rep_ms=rep_ms)
+        te = interleaved(fns, rounds=3, graph=False, rep_ms=rep_ms)
         dts = "bf16" if dtype == torch.bfloat16 else "fp16"
         cid = f"{name}_{'x'.join(str(v) for v in shape.values())}_{dts}"
         floor_us = nbytes / (HBM_TBPS * 1e12) * 1e6
@@ -263,7 +265,7 @@ def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> Lis
 
         exact = bool(torch.equal(fused(), separate()))
         t = interleaved({"fused": fused, "fused_cache": fused_cache, "separate": separate, "attn_only": attn_only},
-                        rounds=3, graph=True)
+                        rounds=3, graph=True, rep_ms=rep_ms_for(quick))
         sp = t["separate"] / t["fused"]
         cid = f"rope_attn_b{b}_s{s}_h{hq}kv{hk}_d{d}_bf16_causal"
         rows.append({"case": cid, "batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": d,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Tuple
 
-from .common import ceilings, environment, interleaved, progress, write_csv, write_json
+from .common import ceilings, environment, interleaved, progress, rep_ms_for, write_csv, write_json
 
 B, H, N, D = 2, 16, 8192, 128
 WINDOW = 1024
@@ -216,6 +216,8 @@ def run(quick: bool, out: str) -> int:
     os.makedirs(out, exist_ok=True)
     env = environment()
     env.update(ceilings())
+    rep_ms = rep_ms_for(quick)
+    env["timing"] = f"cuda_graph_median, rep {rep_ms} ms, 2 interleaved rounds"
     progress(f"[bench masks] {env}")
     dev = "cuda"
     dtype = torch.bfloat16
@@ -311,7 +313,7 @@ def run(quick: bool, out: str) -> int:
             progress(f"  check {name:14s} max |err| {errs[name]:.2e} {'ok' if errs[name] <= CHECK_ATOL else 'FAIL'}")
         del ref
 
-        t = interleaved(fns, graph=True)
+        t = interleaved(fns, graph=True, rep_ms=rep_ms)
         ours_ok = errs["flashcpp"] <= CHECK_ATOL
         tf = {n: flops / us / 1e6 for n, us in t.items()}
         for peer in ("flex", "sdpa_dense"):

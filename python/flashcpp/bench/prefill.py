@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
-from .common import bench_graph_us, ceilings, environment, interleaved, progress, write_csv, write_json
+from .common import bench_graph_us, ceilings, environment, interleaved, progress, rep_ms_for, write_csv, write_json
 
 SHAPES = [  # batch, heads, seqlen, head_dim
     (1, 8, 512, 64), (1, 8, 2048, 64), (2, 16, 4096, 64), (2, 16, 16384, 64),
@@ -63,6 +63,8 @@ def run(quick: bool, out: str) -> int:
     os.makedirs(out, exist_ok=True)
     env = environment()
     env.update(ceilings())
+    rep_ms = rep_ms_for(quick)
+    env["timing"] = f"cuda_graph_median and eager median, rep {rep_ms} ms, 2 interleaved rounds"
     progress(f"[bench prefill] {env}")
     rows: List[Dict[str, object]] = []
     peers = {"torch_flash": SDPBackend.FLASH_ATTENTION, "torch_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -109,8 +111,8 @@ def run(quick: bool, out: str) -> int:
             if not fi_err <= 0.05:
                 progress(f"  flashinfer dropped for this case: max |diff| vs SDPA {fi_err:.3e}")
                 fns.pop("flashinfer")
-        t = interleaved(fns, graph=True)
-        te = interleaved(fns, graph=False)
+        t = interleaved(fns, graph=True, rep_ms=rep_ms)
+        te = interleaved(fns, graph=False, rep_ms=rep_ms)
         dts = "bf16" if dtype == torch.bfloat16 else "fp16"
         cid = f"b{b}_h{h}_n{n}_d{d}{'_causal' if causal else ''}_{dts}"
         fl = _flops(b, h, n, d, causal)
