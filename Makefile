@@ -18,7 +18,7 @@ CMAKE_PREFIX := $(if $(wildcard $(DEPS_PREFIX)),-DCMAKE_PREFIX_PATH=$(DEPS_PREFI
 # FLASHCPP_GIT_COMMIT (the label the Python tools read too) wins over the checkout's HEAD: a copy of a
 # working tree can carry stale git metadata.
 GIT_COMMIT ?= $(or $(FLASHCPP_GIT_COMMIT),$(shell git rev-parse --short=12 HEAD 2>/dev/null || echo unknown))
-# make bench QUICK=1: each area's --quick subset (about two minutes of sweeps), written under
+# make bench QUICK=1: each area's --quick subset (about three minutes on an H200), written under
 # $(BUILD)/bench-quick so the shipped full-sweep figures in reports/ are not replaced by a subset.
 # Any run written outside reports/ (QUICK=1, or BENCH_OUT=dir) ends with a reproduction check
 # against reports/: COMPARE.md, every shared (case, peer) ratio and its drift (tolerance 10%).

@@ -7,7 +7,7 @@ import sys
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashcpp.bench", description=__doc__)
     ap.add_argument("area", choices=["prefill", "fused", "decode", "engine", "masks"], help="which kernels to compare")
-    ap.add_argument("--quick", action="store_true", help="a small subset (about a minute)")
+    ap.add_argument("--quick", action="store_true", help="a small subset with shorter measurements (about 20 to 60 s per area on an H200)")
     ap.add_argument("--out", default=None, help="report folder (default reports/<area>)")
     ap.add_argument("--flashcpp-bin", default="build/flashcpp", help="engine: the flashcpp CLI to run")
     ap.add_argument("--model-dir", default="/tmp/llama1b",
