@@ -28,6 +28,12 @@ BENCH_FLAGS := $(if $(QUICK),--quick,)
 BENCH_OUT ?= $(if $(QUICK),$(CURDIR)/$(BUILD)/bench-quick,$(CURDIR)/reports)
 # The steps run from /tmp: a relative BENCH_OUT is made absolute.
 BENCH_DIR := $(abspath $(BENCH_OUT))
+# A run written outside reports/ is checked against reports/ (COMPARE.md).
+COMPARE_REF := $(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),,$(CURDIR)/reports)
+# $(call timed,NAME,COMMAND): run COMMAND, then print "[make bench] NAME: N s".
+comma := ,
+timed = s=$$(date +%s) && $(2) && echo "[make bench] $(1): $$(( $$(date +%s) - s )) s"
+AREA_ENV = FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON)
 IS_HOPPER := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9' && echo yes || echo no)
 
 .PHONY: all deps configure build test run gpu-test bench fuzz python-test clean
@@ -81,13 +87,13 @@ endif
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	mkdir -p $(BENCH_DIR)/numerics
-	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_DIR)/prefill && echo "[make bench] prefill: $$(( $$(date +%s) - s )) s"
-	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused && echo "[make bench] fused: $$(( $$(date +%s) - s )) s"
-	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode && echo "[make bench] decode: $$(( $$(date +%s) - s )) s"
-	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks && echo "[make bench] masks: $$(( $$(date +%s) - s )) s"
-	cd /tmp && s=$$(date +%s) && FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine && echo "[make bench] engine: $$(( $$(date +%s) - s )) s"
-	s=$$(date +%s) && ./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json && echo "[make bench] audit: $$(( $$(date +%s) - s )) s"
-	cd /tmp && s=$$(date +%s) && $(PYTHON) -m flashcpp.bench.finish $(BENCH_DIR) $(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),,--reference $(CURDIR)/reports) && echo "[make bench] plots, roofline, summary$(if $(filter $(CURDIR)/reports,$(BENCH_DIR)),, and compare): $$(( $$(date +%s) - s )) s"
+	$(call timed,prefill,cd /tmp && $(AREA_ENV) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_DIR)/prefill)
+	$(call timed,fused,cd /tmp && $(AREA_ENV) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused)
+	$(call timed,decode,cd /tmp && $(AREA_ENV) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode)
+	$(call timed,masks,cd /tmp && $(AREA_ENV) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks)
+	$(call timed,engine,cd /tmp && $(AREA_ENV) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine)
+	$(call timed,audit,./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json)
+	$(call timed,plots$(comma) roofline$(comma) summary$(if $(COMPARE_REF), and compare),cd /tmp && $(PYTHON) -m flashcpp.bench.finish $(BENCH_DIR) $(if $(COMPARE_REF),--reference $(COMPARE_REF)))
 
 fuzz:
 	bash scripts/deps.sh --fuzz
