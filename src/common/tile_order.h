@@ -52,7 +52,7 @@ inline int persistent_tile_heads(std::int64_t seqlen_k, int head_dim, int heads_
 }
 
 /// The sm90 dispatch rules (fa3_dispatch.cc), as plain arithmetic so that CPU tests check them on
-/// the shapes they were measured on (H200, reports/hopper/raw/persist_s18.txt and d64_m192_s19.txt).
+/// the shapes they were measured on (H200, reports/hopper/raw/persist_a367a06_* and d64_m192_275afeb_*).
 ///
 /// Whether a causal problem's persistent work units fill their last wave of CTAs (one per SM) at
 /// least 3/4 full. Persistent over its twin, causal: 1.31x at 128 units, 1.12x at 256, 0.99-1.08x

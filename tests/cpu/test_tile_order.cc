@@ -85,7 +85,7 @@ TEST(TileOrder, RoundRobinOverUnitsBalancesCausalWork) {
 }
 
 // The sm90 dispatch rules on the H200 shapes they were measured on (132 SMs; the faster config of
-// each pair is in reports/hopper/raw/persist_s18.txt and d64_m192_s19.txt).
+// each pair is in reports/hopper/raw/persist_a367a06_2026-11-30.txt and d64_m192_275afeb_2026-11-30.txt).
 TEST(Sm90Rules, PersistentTwinWhereItsUnitsFillTheirWaves) {
   auto units = [](int n, int heads, int batch) { return persistent_units((n + 127) / 128, heads, batch); };
   EXPECT_TRUE(persistent_units_fill_waves(units(2048, 16, 1), 132));   // d64 (1,16,2048) causal: 251.9 vs 191.4

@@ -3,7 +3,7 @@
 
 namespace flashcpp::cuda {
 namespace {
-// Measured on the H200 (reports/hopper/raw/d128_configs_s18.txt): with K and V released apart, the
+// Measured on the H200 (reports/hopper/raw/d128_configs_099a65f_2026-11-30.txt): with K and V released apart, the
 // pipelined ping-pong consumers beat the sequential ones by 6-17%; the overlap without ping-pong
 // ("o"), FA3's 176-key tile (spills at 240 registers) and the sequential persistent twin lost to
 // them everywhere and are no longer compiled.

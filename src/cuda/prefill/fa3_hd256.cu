@@ -7,7 +7,7 @@ const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<256, 64, 2, true>>(),   // default: pipelined consumers + ping-pong (+12% with K/V released apart)
     fa3_entry<Fa3Config<256, 64, 2>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     // The default config, persistent: causal 1.11x / 1.02x the default and 1.10x / 1.12x the plain
-    // persistent config (no longer compiled) at 512 / 2048 tiles (reports/hopper/raw/persist_s18.txt).
+    // persistent config (no longer compiled) at 512 / 2048 tiles (reports/hopper/raw/persist_a367a06_2026-11-30.txt).
     fa3_entry<Fa3Config<256, 64, 2, true, true, true>>(),
 };
 }  // namespace

@@ -8,7 +8,7 @@ const Fa3Entry kEntries[] = {
     // pipelined, the ping-pong turns in round robin (two warpgroups' softmax under one's GEMMs).
     // Dispatch takes it where its per-row gain beats its coarser waves (fa3_dispatch.cc, suits):
     // up to 1.14x the 128-row config in process, 0.83x on one partial wave
-    // (reports/hopper/raw/d64_m192_s19.txt). No persistent twin: it spilled and lost everywhere.
+    // (reports/hopper/raw/d64_m192_275afeb_2026-11-30.txt). No persistent twin: it spilled and lost everywhere.
     fa3_entry<Fa3Config<64, 128, 4, true, true, false, 3>>(),
     fa3_entry<Fa3Config<64, 128, 4, true>>(),   // pipelined consumers + ping-pong (+10-15% at hd64)
     fa3_entry<Fa3Config<64, 128, 4>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
