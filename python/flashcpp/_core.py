@@ -11,6 +11,7 @@ what the C++ validator rejects -> ValueError (invalid) or NotImplementedError (u
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -123,6 +124,9 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
         raise ValueError(f"k and v must have the same shape; got k {mk.shape}, v {mv.shape}")
     if mq.shape[-1] != mk.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim; got {mq.shape[-1]} and {mk.shape[-1]}")
+    if mq.shape[-1] == 0:
+        raise ValueError(f"head_dim (the last dimension of q, k and v) is 0; flashcpp takes head_dim in "
+                         f"{{{', '.join(map(str, _C.SUPPORTED_HEAD_DIMS))}}}")
     heads_q, heads_kv = mq.shape[-2], mk.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv}) "
@@ -139,20 +143,51 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
     return dims, mq, mk, mv
 
 
+def _is_int(x: Any) -> bool:
+    """A Python or numpy integer (not a bool, not a float that happens to be whole)."""
+    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_window(window_size: Any) -> Tuple[int, int]:
     try:
         left, right = window_size
-        left, right = int(left), int(right)
     except (TypeError, ValueError):
         raise ValueError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; "
                          f"got {window_size!r}") from None
+    for x in (left, right):
+        if not _is_int(x):
+            raise ValueError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
+                             f"{window_size!r}, with a {type(x).__name__} (a float is not truncated)")
+    left, right = int(left), int(right)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got {window_size!r}")
+    if left > _INT32_MAX or right > _INT32_MAX:
+        raise ValueError(f"window_size entries must be at most 2**31-1 (-1 = unbounded); got {window_size!r}")
     return left, right
 
 
+# The C++ API reads softmax_scale 0 as "1/sqrt(head_dim)"; Python's default is None, and 0.0 is a
+# scale like any other (every score 0: uniform weights over the visible keys). It goes to C++ as
+# 2**-100: scores below 1e-26 for any |q.k| < 1e4, so exp() rounds each to 1 exactly (fp32 and
+# fp64), and 1/scale stays finite for the CUDA kernels' softcap and ALiBi (kept in q.k units).
+ZERO_SCALE = 2.0 ** -100
+
+
 def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
-    return float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    """The scale to run with: softmax_scale itself (only None means the default 1/sqrt(head_dim))."""
+    if softmax_scale is not None:
+        scale = float(softmax_scale)
+        return ZERO_SCALE if scale == 0.0 else scale
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be > 0 (the last dimension of q); got {head_dim}")
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_writable(x: Any, name: str) -> None:
+    """Refuses a read-only numpy array as something flashcpp writes (torch tensors are writable)."""
+    if isinstance(x, np.ndarray) and not x.flags.writeable:
+        raise ValueError(f"{name} is a read-only numpy array (its WRITEABLE flag is off) and flashcpp would "
+                         f"write into it; pass a writable array (np.array({name}) makes a copy)")
 
 
 def check_alibi(alibi: Any, dims: Dims, mq: Meta) -> int:
@@ -414,6 +449,9 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
 def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int, ...], mq: Meta) -> None:
     """Checks caller-provided outputs of the low-level `attention` function."""
     mo = meta(out, "out")
+    check_writable(out, "out")
+    if lse is not None:
+        check_writable(lse, "lse")
     if mo.shape != tuple(shape_o):
         raise ValueError(f"out must have shape {tuple(shape_o)}; got {mo.shape}")
     if mo.dtype != mq.dtype:

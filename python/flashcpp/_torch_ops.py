@@ -14,7 +14,9 @@ Ops:
                            rotary_theta=1e4, rotary_llama3_factor=0, rotary_llama3_low=1,
                            rotary_llama3_high=4, rotary_llama3_orig=8192,
                            rotary_cos_sin_cache?=None, rotary_positions_q?=None,
-                           rotary_positions_k?=None, rotary_k_rotated(a!)?=None) -> (out, lse)
+                           rotary_positions_k?=None) -> (out, lse)
+  flashcpp::flash_attn_fwd_rotary_k_out(q, k, v, rotary_k_out(a!), softmax_scale, ...the same...)
+                           -> (out, lse)
   flashcpp::flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
                            softcap, alibi_slopes?, return_lse) -> (out, lse)
@@ -25,13 +27,17 @@ on q's device, as BlockSparse.to(device) makes them) and block_sparse_sizes = [b
 num_batch, num_heads, num_q_blocks, num_k_blocks, seqlen_q, seqlen_k] (_core.sparse_to_args).
 Four optional tensors, not one optional list: torch 2.11's schema inference has no Tensor[]?.
 Rotary in attention travels flattened the same way (rotary_dim 0 = none; attention._rotary_op_args).
-rotary_k_rotated is Rotary.k_out: the op writes the rotated keys into it (the one mutated
-argument; it may be k itself). Without it, a CUDA call rotates the keys into a temporary that the
-op body allocates with torch.empty, as it allocates its outputs (the C++ library allocates nothing).
+rotary_k_out is Rotary.k_out: flash_attn_fwd_rotary_k_out writes the rotated keys into it (its one
+mutated argument; it may be k itself). Without it, a CUDA call rotates the keys into a temporary
+that the op body allocates with torch.empty, as it allocates its outputs (the C++ library
+allocates nothing).
+  flashcpp::flash_attn_with_kvcache(q, k_cache, v_cache, ...) and
+  flashcpp::flash_attn_with_kvcache_append(q, k_cache(a!), v_cache(a!), k, v, ...): decode's
+  flash_attn_with_kvcache as ops, used inside torch.compile (eager calls skip the dispatcher).
 
 No annotations from __future__ here: torch.library reads the real annotations for the schema.
 """
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -67,9 +73,9 @@ def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, 
                          rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
                          rotary_positions_k: Optional[Tensor] = None,
                          rotary_k_rotated: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """The body of flashcpp::flash_attn_fwd. Eager callers use it directly: going through the
-    torch.library dispatcher costs tens of microseconds per call, which is the whole kernel time
-    of a short sequence."""
+    """The body of flashcpp::flash_attn_fwd and flash_attn_fwd_rotary_k_out. Eager callers use it
+    directly: going through the torch.library dispatcher costs tens of microseconds per call, which
+    is the whole kernel time of a short sequence."""
     p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
                bs_partial, bs_element_masks, block_sparse_sizes, rotary_dim, rotary_style, rotary_theta,
                rotary_llama3_factor, rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig,
@@ -80,21 +86,85 @@ def flash_attn_fwd_eager(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, 
     return out, lse
 
 
-# The op is the eager body itself (one signature: its annotations are the op's schema). It writes
-# rotary_k_rotated (Rotary.k_out) when one is given, so torch.compile functionalizes that.
-flash_attn_fwd = torch.library.custom_op("flashcpp::flash_attn_fwd",
-                                         mutates_args=("rotary_k_rotated",))(flash_attn_fwd_eager)
+# Two ops, one body. flash_attn_fwd mutates nothing. flash_attn_fwd_rotary_k_out writes the rotated
+# keys into rotary_k_out (Rotary.k_out; torch.compile functionalizes that), which is a required
+# argument right after v: torch 2.11's ADInplaceOrView kernel of a mutating custom op indexes the
+# boxed arguments by the mutated argument's position, and the dispatcher drops trailing arguments
+# that equal their defaults, so a mutated Optional[Tensor] = None at the end of the schema raised
+# IndexError('tuple index out of range') in every traced or autograd-visible call.
+@torch.library.custom_op("flashcpp::flash_attn_fwd", mutates_args=())
+def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal: bool,
+                   window_left: int, window_right: int, softcap: float,
+                   alibi_slopes: Optional[Tensor], return_lse: bool,
+                   bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
+                   bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
+                   block_sparse_sizes: Optional[List[int]] = None,
+                   rotary_dim: int = 0, rotary_style: int = 1, rotary_theta: float = 10000.0,
+                   rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
+                   rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
+                   rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
+                   rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                alibi_slopes, return_lse, bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks,
+                                block_sparse_sizes, rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor,
+                                rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig, rotary_cos_sin_cache,
+                                rotary_positions_q, rotary_positions_k)
+
+
+@torch.library.custom_op("flashcpp::flash_attn_fwd_rotary_k_out", mutates_args=("rotary_k_out",))
+def flash_attn_fwd_rotary_k_out(q: Tensor, k: Tensor, v: Tensor, rotary_k_out: Tensor, softmax_scale: float,
+                                causal: bool, window_left: int, window_right: int, softcap: float,
+                                alibi_slopes: Optional[Tensor], return_lse: bool,
+                                bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
+                                bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
+                                block_sparse_sizes: Optional[List[int]] = None,
+                                rotary_dim: int = 0, rotary_style: int = 1, rotary_theta: float = 10000.0,
+                                rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
+                                rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
+                                rotary_cos_sin_cache: Optional[Tensor] = None,
+                                rotary_positions_q: Optional[Tensor] = None,
+                                rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    if rotary_dim == 0:
+        raise ValueError("flash_attn_fwd_rotary_k_out needs rotary (rotary_dim > 0): rotary_k_out receives "
+                         "the rotated keys")
+    return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                                alibi_slopes, return_lse, bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks,
+                                block_sparse_sizes, rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor,
+                                rotary_llama3_low, rotary_llama3_high, rotary_llama3_orig, rotary_cos_sin_cache,
+                                rotary_positions_q, rotary_positions_k, rotary_k_out)
+
+
+def _dense_fake(q, k, v, window_left, window_right, alibi_slopes, return_lse, mask_args, mask_kwargs,
+                k_out=None):
+    # The block-sparse and rotary arguments go to _dense as the op received them.
+    # softmax_scale 1.0: the fake needs shapes only (and math.sqrt of a SymInt is best avoided).
+    # The block-sparse checks read shapes, dtypes and devices only: bad masks fail at trace time.
+    if k_out is not None:
+        mask_kwargs = dict(mask_kwargs, rotary_k_rotated=k_out)
+    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, *mask_args, **mask_kwargs)
+    return (q.new_empty(p.shape_o),
+            q.new_empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
 
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                          alibi_slopes, return_lse, *mask_args, **mask_kwargs):
-    # The block-sparse and rotary arguments go to _dense as the op received them.
-    # softmax_scale 1.0: the fake needs shapes only (and math.sqrt of a SymInt is best avoided).
-    # The block-sparse checks read shapes, dtypes and devices only: bad masks fail at trace time.
-    p = _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, *mask_args, **mask_kwargs)
-    return (q.new_empty(p.shape_o),
-            q.new_empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
+    return _dense_fake(q, k, v, window_left, window_right, alibi_slopes, return_lse, mask_args, mask_kwargs)
+
+
+@flash_attn_fwd_rotary_k_out.register_fake
+def _flash_attn_fwd_rotary_k_out_fake(q, k, v, rotary_k_out, softmax_scale, causal, window_left, window_right,
+                                      softcap, alibi_slopes, return_lse, *mask_args, **mask_kwargs):
+    return _dense_fake(q, k, v, window_left, window_right, alibi_slopes, return_lse, mask_args, mask_kwargs,
+                       rotary_k_out)
+
+
+def call_flash_attn_fwd(*args: Any, rotary_k_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The registered op for flash_attn_fwd's arguments: flash_attn_fwd, or with rotary_k_out
+    flash_attn_fwd_rotary_k_out (the same arguments with rotary_k_out after v)."""
+    if rotary_k_out is None:
+        return torch.ops.flashcpp.flash_attn_fwd(*args)
+    return torch.ops.flashcpp.flash_attn_fwd_rotary_k_out(*args[:3], rotary_k_out, *args[3:])
 
 
 def _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -157,3 +227,105 @@ def _merge_attention_states_fake(v_a, s_a, v_b, s_b):
 
     check_merge(v_a, s_a, v_b, s_b)
     return v_a.new_empty(v_a.shape), s_a.new_empty(s_a.shape, dtype=torch.float32)
+
+
+# ---- decode: flash_attn_with_kvcache --------------------------------------------------------------
+# Host values of cache_seqlens (an int, a list, a numpy array) travel as cache_seqlens_host (a list
+# of ints, checked at trace time); a tensor as cache_seqlens. The append op takes k and v and
+# writes them into k_cache and v_cache (its mutated arguments, required ones: see flash_attn_fwd).
+
+def _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
+                  rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  alibi_slopes, num_splits, return_softmax_lse, rope_theta):
+    from .decode import _with_kvcache
+
+    lens = cache_seqlens if cache_seqlens is not None else cache_seqlens_host
+    res = _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lens, block_table, softmax_scale, causal,
+                        (window_left, window_right), softcap, rotary_interleaved, alibi_slopes, num_splits,
+                        return_softmax_lse, rope_theta)
+    if return_softmax_lse:
+        return res
+    return res, q.new_empty(_NO_LSE, dtype=torch.float32)
+
+
+def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
+                  rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                  alibi_slopes, num_splits, return_softmax_lse, rope_theta):
+    from .decode import _check_kvcache_call
+
+    lens = cache_seqlens if cache_seqlens is not None else cache_seqlens_host
+    st, _ = _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lens, block_table,
+                                (window_left, window_right), softcap, alibi_slopes, num_splits, rope_theta,
+                                check_values=False)
+    shape_lse = (st.batch, st.heads_q, st.seqlen_q) if return_softmax_lse else _NO_LSE
+    return q.new_empty(q.shape), q.new_empty(shape_lse, dtype=torch.float32)
+
+
+@torch.library.custom_op("flashcpp::flash_attn_with_kvcache", mutates_args=())
+def flash_attn_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+                               cache_seqlens_host: Optional[List[int]], block_table: Optional[Tensor],
+                               rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
+                               softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                               softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
+                               num_splits: int, return_softmax_lse: bool,
+                               rope_theta: Optional[float]) -> Tuple[Tensor, Tensor]:
+    return _kvcache_body(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_host, block_table,
+                         rotary_cos, rotary_sin, softmax_scale, causal, window_left, window_right, softcap,
+                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, rope_theta)
+
+
+@flash_attn_with_kvcache_op.register_fake
+def _flash_attn_with_kvcache_fake(q, k_cache, v_cache, *args):
+    return _kvcache_fake(q, k_cache, v_cache, None, None, *args)
+
+
+@torch.library.custom_op("flashcpp::flash_attn_with_kvcache_append", mutates_args=("k_cache", "v_cache"))
+def flash_attn_with_kvcache_append_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor,
+                                      cache_seqlens: Optional[Tensor], cache_seqlens_host: Optional[List[int]],
+                                      block_table: Optional[Tensor], rotary_cos: Optional[Tensor],
+                                      rotary_sin: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
+                                      window_left: int, window_right: int, softcap: float,
+                                      rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int,
+                                      return_softmax_lse: bool,
+                                      rope_theta: Optional[float]) -> Tuple[Tensor, Tensor]:
+    return _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
+                         rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
+                         alibi_slopes, num_splits, return_softmax_lse, rope_theta)
+
+
+@flash_attn_with_kvcache_append_op.register_fake
+def _flash_attn_with_kvcache_append_fake(q, k_cache, v_cache, k, v, *args):
+    return _kvcache_fake(q, k_cache, v_cache, k, v, *args)
+
+
+def _as_tensor(x: Any, dtype: torch.dtype, like: Tensor) -> Optional[Tensor]:
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(x, dtype=dtype, device=like.device)
+
+
+def call_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                                 softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                                 num_splits, return_softmax_lse, rope_theta) -> Any:
+    """flash_attn_with_kvcache through its registered op (what torch.compile traces)."""
+    wl, wr = _core.check_window(window_size)
+    lens_host = None
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        if isinstance(cache_seqlens, int) or (hasattr(cache_seqlens, "ndim") and cache_seqlens.ndim == 0):
+            lens_host = [int(cache_seqlens)] * int(q.shape[0])
+        else:
+            lens_host = [int(c) for c in cache_seqlens]
+        cache_seqlens = None
+    args = (cache_seqlens, lens_host, block_table if block_table is None or isinstance(block_table, torch.Tensor)
+            else torch.as_tensor(block_table, dtype=torch.int32, device=q.device),
+            _as_tensor(rotary_cos, torch.float32, q), _as_tensor(rotary_sin, torch.float32, q),
+            None if softmax_scale is None else float(softmax_scale), bool(causal), wl, wr, float(softcap),
+            bool(rotary_interleaved), _as_tensor(alibi_slopes, torch.float32, q), int(num_splits),
+            bool(return_softmax_lse), None if rope_theta is None else float(rope_theta))
+    if k is None and v is None:
+        out, lse = torch.ops.flashcpp.flash_attn_with_kvcache(q, k_cache, v_cache, *args)
+    else:
+        if k is None or v is None:
+            raise ValueError("k and v come together (the new tokens' keys and values)")
+        out, lse = torch.ops.flashcpp.flash_attn_with_kvcache_append(q, k_cache, v_cache, k, v, *args)
+    return (out, lse) if return_softmax_lse else out

@@ -348,17 +348,17 @@ def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = No
     return KernelChoice(*choice)
 
 
-_NO_ROTARY_OP_ARGS = (0, 1, 10000.0, 0.0, 1.0, 4.0, 8192, None, None, None, None)
+_NO_ROTARY_OP_ARGS = (0, 1, 10000.0, 0.0, 1.0, 4.0, 8192, None, None, None)
 _STYLE_NAMES = {int(code): name for name, code in _STYLES.items()}
 
 
-def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
-    """The flashcpp::flash_attn_fwd arguments of a Rotary (rotary_dim 0 = none): scalars, its
-    arrays as tensors on q's device (positions int32, the cache float32), and k_out as it is (the
-    op writes the rotated keys into it: rotary_k_rotated). Shapes are checked by the op itself
-    (_prepare), at trace time too."""
+def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> Tuple[tuple, Any]:
+    """(args, k_out): the flashcpp::flash_attn_fwd arguments of a Rotary (rotary_dim 0 = none):
+    scalars, its arrays as tensors on q's device (positions int32, the cache float32); and k_out
+    as it is (None, or the tensor flashcpp::flash_attn_fwd_rotary_k_out writes the rotated keys
+    into). Shapes are checked by the op itself (_prepare), at trace time too."""
     if rotary is None:
-        return _NO_ROTARY_OP_ARGS
+        return _NO_ROTARY_OP_ARGS, None
     rot, style = _rotary_scalars(rotary, q.shape[-1])
 
     def tensor(x, dtype, name):
@@ -375,8 +375,8 @@ def _rotary_op_args(rotary: Optional[Rotary], q: Any) -> tuple:
         raise TypeError(f"rotary.k_out must be a torch tensor like k; got {type(k_out).__name__}")
     return (rot, style, float(rotary.theta), factor, low, high, orig,
             tensor(rotary.cos_sin_cache, torch.float32, "cos_sin_cache"),
-            tensor(rotary.positions_q, torch.int32, "positions_q"), tensor(rotary.positions_k, torch.int32, "positions_k"),
-            k_out)
+            tensor(rotary.positions_q, torch.int32, "positions_q"),
+            tensor(rotary.positions_k, torch.int32, "positions_k")), k_out
 
 
 def _rotary_from_op_args(rotary_dim, style, theta, factor, low, high, orig, cache, pos_q, pos_k,
@@ -458,16 +458,18 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
+        rot_args, k_out = _rotary_op_args(rotary, q)
         args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
-                bool(return_lse), *_core.sparse_to_args(sparse), *_rotary_op_args(rotary, q))
+                bool(return_lse), *_core.sparse_to_args(sparse), *rot_args)
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
         if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
                                              (q.requires_grad or k.requires_grad or v.requires_grad)):
-            out, lse = torch.ops.flashcpp.flash_attn_fwd(*args)
+            from ._torch_ops import call_flash_attn_fwd
+            out, lse = call_flash_attn_fwd(*args, rotary_k_out=k_out)
         else:
             from ._torch_ops import flash_attn_fwd_eager
-            out, lse = flash_attn_fwd_eager(*args)
+            out, lse = flash_attn_fwd_eager(*args, rotary_k_rotated=k_out)
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -433,6 +433,8 @@ class BatchDecodeWithKVCache:
                              "the plan has append=True: pass k and v (the new tokens)")
         mkn = mvn = None
         if k is not None:
+            _core.check_writable(k_cache, "k_cache")  # the append writes the new tokens into the cache
+            _core.check_writable(v_cache, "v_cache")
             mkn, mvn = _core.meta(k, "k"), _core.meta(v, "v")
             for m in (mkn, mvn):
                 if m.dtype != c["dtype"] or m.device != mq.device:
@@ -455,6 +457,17 @@ class BatchDecodeWithKVCache:
         table = _small(block_table, "block_table", "int32", q, is_cuda, device)
         if table is not None and (table.ndim != 2 or table.shape[0] != B or table.shape[1] < 1):
             raise ValueError(f"block_table must be (batch, pages_per_seq) = ({B}, n >= 1); got {tuple(table.shape)}")
+        if is_cuda and not (_is_torch(cache_seqlens) and cache_seqlens.device.type == "cuda"):
+            # host lengths for a CUDA step: their values are here, check them (no synchronization)
+            slots = table.shape[1] * c["page_size"] if c["page_size"] else mk.shape[1]
+            add = Sq if c["append"] else 0
+            host = _ints(cache_seqlens, "cache_seqlens").reshape(-1)
+            for b, n in enumerate(host):
+                if n < 0:
+                    raise ValueError(f"cache_seqlens[{b}] {int(n)} is negative")
+                if n + add > slots:
+                    raise ValueError(f"cache_seqlens[{b}] {int(n)}" + (f" + seqlen_q {add}" if add else "") +
+                                     f" = {int(n) + add} keys exceed the cache's {slots} slots per sequence")
         rot = c["rotary"]
         cos = sin = None
         rd, max_pos = c["rotary_dim"], 0
@@ -483,6 +496,9 @@ class BatchDecodeWithKVCache:
         if out is None:
             out = torch.empty(mq.shape, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(mq.shape, q.dtype)
         mo = _core.meta(out, "out")
+        _core.check_writable(out, "out")
+        if lse is not None:
+            _core.check_writable(lse, "lse")
         if mo.dtype != mq.dtype or mo.device != mq.device:
             raise ValueError(f"out must be {mq.dtype} on {mq.device}; got {mo.dtype} on {mo.device}")
         _check_4d(mo, tuple(mq.shape), "q's shape")
@@ -525,7 +541,8 @@ class _Step:
     """Checked shapes of one flash_attn_with_kvcache call (values too, for host memory)."""
 
     def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
-                 alibi_slopes):
+                 alibi_slopes, check_values: bool = True):
+        # check_values False: shapes, dtypes and devices only (the fake of the torch op: no data).
         mq, mkc, mvc = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
         extra = [x for x in (k, v) if x is not None]
         _core._same_library("q, k_cache, v_cache, k and v", q, k_cache, v_cache, *extra)
@@ -594,21 +611,25 @@ class _Step:
                                  "tokens an append writes")
         if (rotary_cos is None) != (rotary_sin is None):
             raise ValueError("rotary_cos and rotary_sin come together")
+        if alibi_slopes is not None:
+            shape = tuple(alibi_slopes.shape) if hasattr(alibi_slopes, "shape") else np.shape(alibi_slopes)
+            if shape not in ((self.heads_q,), (self.batch, self.heads_q)):
+                raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {shape}")
         add = self.seqlen_q if self.append else 0
         self.lens = None  # host values (None on CUDA, where only the device holds them)
-        if self.is_cuda:  # the values live on the device: shapes only (the kernels clamp the values)
+        if self.is_cuda or not check_values:
+            # Values on the device are not read (the kernels clamp them); host values (an int, a
+            # list, a numpy array, a CPU tensor) are checked: that needs no synchronization.
             if isinstance(cache_seqlens, (int, np.integer)):
-                if cache_seqlens < 0:
-                    raise ValueError(f"cache_seqlens {int(cache_seqlens)} is negative")
-                if cache_seqlens + add > self.slots:
-                    raise ValueError(f"cache_seqlens {int(cache_seqlens)}" + (f" + seqlen_q {add}" if add else "") +
-                                     f" = {int(cache_seqlens) + add} keys exceed the cache's {self.slots} slots "
-                                     "per sequence")
+                self._check_lens(np.full(self.batch, int(cache_seqlens), dtype=np.int64), add, one=True)
             elif cache_seqlens is not None:
                 n = tuple(cache_seqlens.shape) if hasattr(cache_seqlens, "shape") else (len(cache_seqlens),)
                 if n != (self.batch,):
                     raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({self.batch},); "
                                      f"got {n}")
+                # a list or a numpy array always; a CPU tensor unless this is a fake (no data)
+                if not _is_torch(cache_seqlens) or (check_values and cache_seqlens.device.type == "cpu"):
+                    self._check_lens(_ints(cache_seqlens, "cache_seqlens").reshape(-1), add)
             return
         if cache_seqlens is None:
             lens = np.full(self.batch, self.slots - add, dtype=np.int64)
@@ -619,12 +640,7 @@ class _Step:
             if lens.shape != (self.batch,):
                 raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({self.batch},); "
                                  f"got {lens.shape}")
-        for b, c in enumerate(lens):
-            if c < 0:
-                raise ValueError(f"cache_seqlens[{b}] {int(c)} is negative")
-            if c + add > self.slots:
-                raise ValueError(f"cache_seqlens[{b}] {int(c)}" + (f" + seqlen_q {add}" if add else "") +
-                                 f" = {int(c) + add} keys exceed the cache's {self.slots} slots per sequence")
+        self._check_lens(lens, add)
         self.lens = lens
         if self.paged:
             table = _ints(block_table, "block_table")
@@ -634,10 +650,17 @@ class _Step:
                 if row.size and (row.min() < 0 or row.max() >= self.num_pages):
                     bad = int(row[(row < 0) | (row >= self.num_pages)][0])
                     raise ValueError(f"block_table[{b}] holds page {bad}, outside [0, num_pages {self.num_pages})")
-        if alibi_slopes is not None:
-            a = np.asarray(alibi_slopes.detach().float().cpu() if _is_torch(alibi_slopes) else alibi_slopes)
-            if a.shape not in ((self.heads_q,), (self.batch, self.heads_q)):
-                raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {a.shape}")
+
+    def _check_lens(self, lens: np.ndarray, add: int, one: bool = False) -> None:
+        for b, c in enumerate(lens):
+            name = "cache_seqlens" if one else f"cache_seqlens[{b}]"
+            if c < 0:
+                raise ValueError(f"{name} {int(c)} is negative")
+            if c + add > self.slots:
+                raise ValueError(f"{name} {int(c)}" + (f" + seqlen_q {add}" if add else "") +
+                                 f" = {int(c) + add} keys exceed the cache's {self.slots} slots per sequence")
+            if one:
+                return
 
 
 _PLAN_CACHE: "collections.OrderedDict[tuple, BatchDecodeWithKVCache]" = collections.OrderedDict()
@@ -688,6 +711,24 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         raise NotImplementedError("cache_batch_idx is not built in flashcpp decode (index the cache instead)")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not built in flashcpp decode")
+    torch = _core.torch
+    if _is_torch(q) and torch.compiler.is_compiling():
+        # Traced by torch.compile: one opaque op (flashcpp::flash_attn_with_kvcache, or
+        # ..._append, which mutates the caches); eager calls skip the dispatcher.
+        from ._torch_ops import call_flash_attn_with_kvcache
+        return call_flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale, causal,
+            window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, rope_theta)
+    return _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                         softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+                         return_softmax_lse, rope_theta)
+
+
+def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                        window_size, softcap, alibi_slopes, num_splits, rope_theta,
+                        check_values: bool = True) -> Tuple["_Step", Tuple[int, int]]:
+    """The checks of a flash_attn_with_kvcache call (shapes only with check_values False: the
+    fake of the torch op). Returns the checked step and the window."""
     if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic); got {num_splits!r}")
     window = _core.check_window(window_size)
@@ -695,12 +736,22 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         raise ValueError(f"softcap must be finite and >= 0; got {softcap}")
     if rotary_cos is not None and rope_theta is not None:
         raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")
-    st = _Step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes)
+    st = _Step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
+               check_values)
     if rotary_cos is not None:
         cols = _core.meta(rotary_cos, "rotary_cos").shape
         rd = 2 * cols[1] if len(cols) == 2 else 0
         if not 2 <= rd <= st.head_dim:
             raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {st.head_dim}]")
+    return st, window
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale,
+                  causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+                  rope_theta) -> Any:
+    """The body of flash_attn_with_kvcache (eager, and the torch ops' body)."""
+    st, window = _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                                     window_size, softcap, alibi_slopes, num_splits, rope_theta)
     rotary = None
     if rotary_cos is not None or rope_theta is not None:
         rotary = "interleaved" if rotary_interleaved else "neox"
@@ -768,7 +819,15 @@ class BatchDecodeWithPagedKVCache:
     def plan(self, indptr: Any, indices: Any, last_page_len: Any, num_qo_heads: int, num_kv_heads: int,
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: Optional[float] = 0.0, q_data_type: Any = None, kv_data_type: Any = None,
-             data_type: Any = None, sm_scale: Optional[float] = None, num_splits: int = 0, **unused: Any) -> None:
+             data_type: Any = None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+             rope_theta: Optional[float] = None, non_blocking: bool = True, num_splits: int = 0) -> None:
+        """FlashInfer's plan(). Its keywords that flashcpp has no use for are accepted as FlashInfer
+        spells them: rope_scale / rope_theta only as None (they belong to pos_encoding_mode
+        "ROPE_LLAMA", which is not built), non_blocking (ignored: the work list is uploaded and
+        waited for). Any other keyword is a TypeError, as a misspelling must be."""
+        if rope_scale is not None or rope_theta is not None:
+            raise NotImplementedError("rope_scale / rope_theta belong to pos_encoding_mode 'ROPE_LLAMA', which is not "
+                                      "built: rotate keys when they are appended (flash_attn_with_kvcache with rotary)")
         if pos_encoding_mode != "NONE":
             raise NotImplementedError(f"pos_encoding_mode {pos_encoding_mode!r} is not built: flashcpp rotates keys "
                                       "when they are appended (flash_attn_with_kvcache with rotary), so the cache "

@@ -83,6 +83,7 @@ def _empty(like: Any, shape, dtype=None) -> Any:
 
 def _check_out(out: Any, name: str, shape, like: _core.Meta) -> _core.Meta:
     m = _core.meta(out, name)
+    _core.check_writable(out, name)
     if m.lib != like.lib:
         raise TypeError(f"{name} must be a {like.lib} array like {like.name}; got {m.lib}")
     if tuple(m.shape) != tuple(shape):
@@ -175,8 +176,12 @@ def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
     In place by default, as vLLM/FlashInfer: ``residual`` receives h and ``x`` the normalized
     output. Pass ``out`` / ``residual_out`` to keep the inputs. Returns ``(out, residual_out)``.
     """
-    out = x if out is None else out
-    residual_out = residual if residual_out is None else residual_out
+    if out is None:
+        _core.check_writable(x, "x")  # in place: x receives the normalized output
+        out = x
+    if residual_out is None:
+        _core.check_writable(residual, "residual")  # in place: residual receives x + residual
+        residual_out = residual
     _norm(x, residual, weight, eps, out, residual_out, backend, cpu_threads, cuda_config, stream)
     return out, residual_out
 
@@ -331,6 +336,9 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     tokens = batch * seqlen
     if inplace and (q_out is not None or k_out is not None):
         raise ValueError("inplace=True writes into q and k: do not pass q_out / k_out too")
+    if inplace:
+        _core.check_writable(q, "q")
+        _core.check_writable(k, "k")
     if not inplace:
         q_out = _empty(q, mq.shape) if q_out is None else q_out
         if k is not None and k_out is None:

@@ -103,7 +103,9 @@ def test_flash_attn_func_op_opcheck_and_compile(rng):
     eager = flashcpp.flash_attn_func(q, k, v, causal=True, rotary=spec)
     np.testing.assert_array_equal(eager.numpy(), want)
     from flashcpp.attention import _rotary_op_args
-    args = (q, k, v, 0.125, True, -1, -1, 0.0, None, True, None, None, None, None, None, *_rotary_op_args(spec, q))
+    rot_args, k_out = _rotary_op_args(spec, q)
+    assert k_out is None
+    args = (q, k, v, 0.125, True, -1, -1, 0.0, None, True, None, None, None, None, None, *rot_args)
     torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default, args)
     out, _ = torch.ops.flashcpp.flash_attn_fwd(*args)
     np.testing.assert_array_equal(out.numpy(), flashcpp.attention(q.numpy(), k.numpy(), v.numpy(), causal=True,
@@ -207,14 +209,15 @@ def test_k_out_torch_op_and_compile(rng):
     kin = k.clone()
     out = flashcpp.flash_attn_func(q, kin, v, causal=True, rotary=flashcpp.Rotary(k_out=kin))
     assert torch.equal(out, want) and torch.equal(kin, want_k)
-    # Through the registered op: rotary_k_rotated is its one mutated argument.
+    # Through the registered op: rotary_k_out is its one mutated argument.
     from flashcpp.attention import _rotary_op_args
     buf = torch.full_like(k, float("nan"))
-    args = (q, k, v, 0.125, True, -1, -1, 0.0, None, True, None, None, None, None, None,
-            *_rotary_op_args(flashcpp.Rotary(k_out=buf), q))
-    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd.default, args)
+    rot_args, k_out = _rotary_op_args(flashcpp.Rotary(k_out=buf), q)
+    assert k_out is buf
+    args = (q, k, v, buf, 0.125, True, -1, -1, 0.0, None, True, None, None, None, None, None, *rot_args)
+    torch.library.opcheck(torch.ops.flashcpp.flash_attn_fwd_rotary_k_out.default, args)
     buf.fill_(float("nan"))
-    torch.ops.flashcpp.flash_attn_fwd(*args)
+    torch.ops.flashcpp.flash_attn_fwd_rotary_k_out(*args)
     assert torch.equal(buf, want_k)
     # torch.compile functionalizes the mutation and writes the keys back, out of place and in place.
     for in_place in (False, True):

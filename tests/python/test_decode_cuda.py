@@ -562,3 +562,30 @@ def test_errors_on_cuda(gen):
               v=rand((2, 1, 2, 128), torch.bfloat16, gen))
     with pytest.raises(TypeError, match="the plan is for bfloat16"):
         w.run(q.half(), kc, kc.clone(), lens)
+
+
+def test_host_cache_seqlens_are_checked_on_cuda(gen):
+    # Host values (a list, a numpy array, a CPU tensor) are checked without a synchronization;
+    # device tensors keep the documented clamp (not read by the host).
+    import numpy as np
+    q = rand((2, 1, 8, 128), torch.bfloat16, gen)
+    kc, vc = rand((2, 64, 2, 128), torch.bfloat16, gen), rand((2, 64, 2, 128), torch.bfloat16, gen)
+    for lens in ([200, 3], np.array([3, 65], np.int32), torch.tensor([70, 3], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="exceed the cache's 64 slots"):
+            flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="negative"):
+        flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=[-1, 3])
+    k, v = rand((2, 1, 2, 128), torch.bfloat16, gen), rand((2, 1, 2, 128), torch.bfloat16, gen)
+    with pytest.raises(ValueError, match=r"64 \+ seqlen_q 1 = 65 keys exceed"):
+        flashcpp.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=[64, 3])
+    w = BatchDecodeWithKVCache()
+    w.plan(2, 8, 2, 128, kv_capacity=64, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="exceed the cache's 64 slots"):
+        w.run(q, kc, vc, [65, 1])
+    # the host lengths that fit run and agree with the same lengths on the device
+    want = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([64, 3], dtype=torch.int32,
+                                                                                   device=DEV))
+    assert torch.equal(flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=[64, 3]), want)
+    # a device tensor past the cache is not read by the host: accepted, clamped by the kernels
+    flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([500, 3], dtype=torch.int32, device=DEV))
+    torch.cuda.synchronize()

@@ -118,3 +118,118 @@ def test_non_native_byte_order_is_type_error():
     q, k, v = (x.astype(">f4") for x in arrays())
     with pytest.raises(TypeError, match="byte order"):
         flashcpp.flash_attn_func(q, k, v)
+
+
+# ---- issue 25, item 7 ------------------------------------------------------------------------------
+
+def _read_only(a):
+    a = np.array(a)
+    a.flags.writeable = False
+    return a
+
+
+def test_read_only_outputs_are_refused():
+    q, k, v = arrays()
+    out = _read_only(np.zeros_like(q))
+    with pytest.raises(ValueError, match="out is a read-only numpy array"):
+        flashcpp.attention(q, k, v, out=out)
+    assert not out.any()  # nothing was written
+    lse = _read_only(np.zeros((1, 2, 8), np.float32))
+    with pytest.raises(ValueError, match="lse is a read-only numpy array"):
+        flashcpp.attention(q, k, v, lse=lse)
+    with pytest.raises(ValueError, match="rotary.k_out is a read-only numpy array"):
+        flashcpp.attention(q, k, v, rotary=flashcpp.Rotary(k_out=_read_only(np.zeros_like(k))))
+
+
+def test_read_only_arrays_are_not_rotated_in_place():
+    x = np.random.default_rng(0).standard_normal((1, 8, 2, 64)).astype(np.float32)
+    q, k = _read_only(x), _read_only(x[:, :, :1])
+    with pytest.raises(ValueError, match="q is a read-only numpy array"):
+        flashcpp.apply_rotary(q, inplace=True)
+    with pytest.raises(ValueError, match="k is a read-only numpy array"):
+        flashcpp.apply_rotary(np.array(x), k, inplace=True)
+    with pytest.raises(ValueError, match="q_out is a read-only numpy array"):
+        flashcpp.apply_rotary(x, q_out=_read_only(np.zeros_like(x)))
+    assert np.array_equal(q, x) and np.array_equal(k, x[:, :, :1])
+    w = np.ones(64, np.float32)
+    with pytest.raises(ValueError, match="x is a read-only numpy array"):
+        flashcpp.fused_add_rms_norm(q, np.array(x), w)
+    with pytest.raises(ValueError, match="out is a read-only numpy array"):
+        flashcpp.rms_norm(x, w, out=q)
+
+
+def test_read_only_cache_is_not_appended_to():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
+    kc, vc = (_read_only(rng.standard_normal((2, 32, 2, 64)).astype(np.float32)) for _ in range(2))
+    k, v = (rng.standard_normal((2, 1, 2, 64)).astype(np.float32) for _ in range(2))
+    before = kc.copy(), vc.copy()
+    with pytest.raises(ValueError, match="k_cache is a read-only numpy array"):
+        flashcpp.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=5)
+    with pytest.raises(ValueError, match="v_cache is a read-only numpy array"):
+        flashcpp.flash_attn_with_kvcache(q, np.array(kc), vc, k, v, cache_seqlens=5)
+    assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1])
+    # reading a read-only cache (no append) is fine
+    flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_scale_zero_is_a_scale(causal):
+    # every score 0: uniform weights over the visible keys (the default 1/sqrt(d) would not be)
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 8, 2, 64)).astype(np.float32) * 4 for _ in range(3))
+    out, lse = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, return_lse=True)
+    n = np.arange(1, 9) if causal else np.full(8, 8)
+    want = (np.cumsum(v, axis=1) / n[None, :, None, None]) if causal else np.broadcast_to(v.mean(1, keepdims=True), v.shape)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+    np.testing.assert_allclose(lse, np.broadcast_to(np.log(n), lse.shape), atol=1e-5)
+    ref, _ = flashcpp.attention(q, k, v, softmax_scale=0.0, causal=causal, backend="cpu-reference")
+    np.testing.assert_allclose(ref, want, atol=1e-5)
+    # decode too
+    kv = rng.standard_normal((1, 16, 2, 64)).astype(np.float32)
+    out = flashcpp.flash_attn_with_kvcache(q[:, :1], kv, kv, cache_seqlens=10, softmax_scale=0.0)
+    np.testing.assert_allclose(out, np.broadcast_to(kv[:, :10].mean(1, keepdims=True), out.shape), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [(1.5, 2), (2, 0.5), (2.0, 2), (True, 0)])
+def test_window_entries_must_be_ints(window):
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match="a float is not truncated|pair .* of ints"):
+        flashcpp.flash_attn_func(q, k, v, window_size=window)
+    with pytest.raises(ValueError, match="window_size"):
+        flashcpp.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=4, window_size=window)
+
+
+@pytest.mark.parametrize("window", [(2**40, 0), (0, 2**31), (2**63, -1)])
+def test_window_out_of_range_is_a_sentence(window):
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"window_size entries must be at most 2\*\*31-1"):
+        flashcpp.flash_attn_func(q, k, v, window_size=window)
+    flashcpp.flash_attn_func(q, k, v, window_size=(2**31 - 1, 0))  # the largest is fine
+
+
+def test_numpy_int_windows_are_ints():
+    q, k, v = arrays()
+    flashcpp.flash_attn_func(q, k, v, window_size=np.array([3, 0]))
+    flashcpp.flash_attn_func(q, k, v, window_size=(np.int64(3), np.int32(0)))
+
+
+def test_head_dim_zero_is_a_value_error():
+    q, k, v = arrays(D=0)
+    with pytest.raises(ValueError, match="head_dim .*is 0"):
+        flashcpp.flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match="head_dim"):
+        flashcpp.flash_attn_varlen_func(q[0], k[0], v[0], [0, 8], [0, 8], 8, 8)
+
+
+def test_paged_plan_refuses_unknown_keywords():
+    args = (np.array([0, 1]), np.array([0]), np.array([1]), 4, 2, 64, 16)
+    with pytest.raises(TypeError, match="num_split"):
+        flashcpp.BatchDecodeWithPagedKVCache().plan(*args, num_split=2)
+    with pytest.raises(TypeError, match="sm_sacle"):
+        flashcpp.BatchDecodeWithPagedKVCache().plan(*args, sm_sacle=0.1)
+    with pytest.raises(NotImplementedError, match="ROPE_LLAMA"):
+        flashcpp.BatchDecodeWithPagedKVCache().plan(*args, rope_theta=1e4)
+    # FlashInfer's spelling of its other keywords is accepted
+    flashcpp.BatchDecodeWithPagedKVCache().plan(*args, rope_scale=None, rope_theta=None, non_blocking=True,
+                                                q_data_type=np.float32)

@@ -154,3 +154,29 @@ def test_cuda_tensors_on_a_build_without_cuda():
     x = torch.zeros(1, 8, 2, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(NotImplementedError, match="no CUDA kernels"):
         flashcpp.flash_attn_func(x, x, x)
+
+
+def test_head_dim_zero_and_scale_zero_through_torch(rng):
+    z = torch.zeros(1, 8, 2, 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        flashcpp.flash_attn_func(z, z, z)
+    q, k, v = (t(rng, (1, 8, 2, 64)) * 4 for _ in range(3))
+    out = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.0)  # uniform weights, not 1/sqrt(d)
+    assert (out - v.mean(1, keepdim=True)).abs().max().item() < 1e-5
+    op_out, _ = torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.0, False, -1, -1, 0.0, None, False)
+    assert torch.equal(op_out, out)
+
+
+def test_host_cache_seqlens_checked_for_cuda_tensors_without_a_gpu():
+    # The CUDA branch of flash_attn_with_kvcache's checks, on fake CUDA tensors: host lengths
+    # past the cache are refused before anything runs (device tensors are left to the kernels).
+    import numpy as np
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+        kc = torch.empty(2, 64, 2, 128, dtype=torch.bfloat16, device="cuda")
+        for lens in ([200, 3], np.array([3, 65], np.int32), 65):
+            with pytest.raises(ValueError, match="exceed the cache's 64 slots"):
+                flashcpp.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens)
+        with pytest.raises(ValueError, match="negative"):
+            flashcpp.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=[3, -1])
