@@ -12,7 +12,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
 echo "== python: build dependencies"
-"$py" -m pip install --quiet nanobind scikit-build-core numpy pytest
+"$py" -m pip install --quiet nanobind scikit-build-core numpy ml_dtypes pytest
 
 echo "== python: package build (FLASHCPP_CUDA=OFF, build dir $build_dir)"
 start=$(date +%s)

@@ -2,6 +2,25 @@
                            [--flashcpp-bin build/flashcpp] [--model-dir /tmp/llama1b]   (engine only)"""
 import argparse
 import sys
+from typing import Optional
+
+
+def _no_gpu_reason() -> Optional[str]:
+    """Why the benchmarks cannot run here (one sentence), or None. Every area measures CUDA
+    kernels against PyTorch's on a GPU."""
+    try:
+        import torch
+    except ImportError:
+        return "the benchmarks need PyTorch with CUDA and an NVIDIA GPU, and torch is not installed"
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            return (f"the benchmarks need an NVIDIA GPU, and this torch ({torch.__version__}) is a CPU-only build")
+        return "the benchmarks need an NVIDIA GPU, and no NVIDIA driver or GPU was found"
+    import flashcpp
+    if not flashcpp.WITH_CUDA:
+        return ("this flashcpp build has no CUDA kernels (built with FLASHCPP_CUDA=OFF); reinstall it with the "
+                "CUDA toolkit present to benchmark it")
+    return None
 
 
 def main(argv=None) -> int:
@@ -13,6 +32,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", default="/tmp/llama1b",
                     help="engine: a Llama checkpoint (a random Llama-3.2-1B-shaped one is made if absent)")
     args = ap.parse_args(argv)
+    reason = _no_gpu_reason()
+    if reason is not None:
+        print(f"python -m flashcpp.bench {args.area}: {reason}.", file=sys.stderr)
+        return 2
     if args.area == "prefill":
         from . import prefill
         return prefill.run(quick=args.quick, out=args.out or "reports/prefill")
