@@ -26,6 +26,7 @@
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
+#include "cuda/common/device.h"
 #include "cuda/cuda_api.h"
 #endif
 
@@ -77,7 +78,7 @@ class InfoBuffers {
     *out = nullptr;
     const cudaError_t e = cudaMalloc(out, std::max<std::size_t>(bytes, 256));
     if (e != cudaSuccess)
-      return Status::Cuda(fmt::format("cudaMalloc of {} bytes failed: {}", bytes, cudaGetErrorString(e)));
+      return Status::Cuda(fmt::format("cudaMalloc of {} bytes failed: {}", bytes, flashcpp::cuda::error_string(e)));
     device_.push_back(*out);
     return Status::Ok();
   }
@@ -130,7 +131,7 @@ int cmd_info(ShapeOptions s) {
     int n = 0;
     const cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
-      fmt::print("devices: no CUDA device{}\n", e != cudaSuccess ? fmt::format(" ({})", cudaGetErrorString(e)) : "");
+      fmt::print("devices: no CUDA device{}\n", e != cudaSuccess ? ": " + flashcpp::cuda::error_string(e) : std::string());
     } else {
       fmt::print("devices:\n");
       for (int d = 0; d < n; ++d) {

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/common/device.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_math.h"
@@ -32,7 +33,7 @@ namespace {
 
 Status cuda_status(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return Status::Ok();
-  return Status::Cuda(std::string(what) + " failed: " + cudaGetErrorString(e));
+  return Status::Cuda(std::string(what) + " failed: " + cuda::error_string(e));
 }
 #define ENGINE_CUDA(expr) FLASHCPP_RETURN_IF_ERROR(cuda_status((expr), #expr))
 

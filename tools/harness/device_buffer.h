@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/common/device.h"
 #include "flashcpp/status.h"
 
 /// Returns Status::Cuda with the call and the error's name and sentence when `call` fails.
@@ -16,7 +17,7 @@
     const cudaError_t e_ = (call);                                                                                 \
     if (e_ != cudaSuccess)                                                                                         \
       return ::flashcpp::Status::Cuda(                                                                             \
-          fmt::format("{} failed: {} ({})", #call, cudaGetErrorName(e_), cudaGetErrorString(e_)));                 \
+          fmt::format("{} failed: {} ({})", #call, cudaGetErrorName(e_), ::flashcpp::cuda::error_string(e_)));     \
   } while (0)
 
 namespace flashcpp::harness {

@@ -1,4 +1,7 @@
-// Device queries for the dispatcher (cached per device; cudaGetDeviceProperties is slow).
+// Device queries for the dispatcher (cached per device; cudaGetDeviceProperties is slow) and the
+// sentence every CUDA path reports for a device or driver failure (device.h).
+#include "cuda/common/device.h"
+
 #include <cuda_runtime_api.h>
 
 #include <array>
@@ -9,12 +12,39 @@
 
 namespace flashcpp::cuda {
 
+namespace {
+std::string cuda_version(int v) { return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10); }
+}  // namespace
+
+std::string error_string(cudaError_t e, int driver_version, int runtime_version) {
+  constexpr const char* kUseCpu = "use the CPU backend (--backend cpu)";
+  if (e == cudaErrorInsufficientDriver) {
+    // The runtime says this both when no driver is installed (version 0) and when it is too old.
+    if (driver_version <= 0) return std::string("no NVIDIA driver or GPU was found on this machine; ") + kUseCpu;
+    return "the NVIDIA driver supports CUDA " + cuda_version(driver_version) + ", older than the CUDA " +
+           cuda_version(runtime_version) + " runtime of this build: update the driver, or " + kUseCpu;
+  }
+  if (e == cudaErrorNoDevice)
+    return std::string("no NVIDIA GPU was found (the driver sees none, or CUDA_VISIBLE_DEVICES hides them); ") +
+           kUseCpu;
+  return cudaGetErrorString(e);
+}
+
+std::string error_string(cudaError_t e) {
+  int driver = 0, runtime = 0;
+  if (e == cudaErrorInsufficientDriver) {
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = CUDART_VERSION;
+  }
+  return error_string(e, driver, runtime);
+}
+
 Status current_device(DeviceInfo* info) {
   int dev = -1;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error so later calls are not confused
-    return Status::Unsupported(std::string("no usable CUDA device: ") + cudaGetErrorString(e));
+    return Status::Unsupported("no usable CUDA device: " + error_string(e));
   }
   static std::mutex mu;
   static std::array<DeviceInfo, 64> cache{};
@@ -23,7 +53,7 @@ Status current_device(DeviceInfo* info) {
   if (c.device != dev) {
     cudaDeviceProp prop{};
     e = cudaGetDeviceProperties(&prop, dev);
-    if (e != cudaSuccess) return Status::Cuda(std::string("cudaGetDeviceProperties failed: ") + cudaGetErrorString(e));
+    if (e != cudaSuccess) return Status::Cuda("cudaGetDeviceProperties failed: " + error_string(e));
     c.device = dev;
     c.sm_major = prop.major;
     c.sm_minor = prop.minor;
