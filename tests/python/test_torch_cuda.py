@@ -512,3 +512,22 @@ def test_rotary_k_out_in_place_and_compiled(gen):
     with torch.no_grad():
         assert torch.equal(compiled(q, kin, v), want)
     assert torch.equal(kin, want_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softmax_scale_zero_is_a_scale_on_cuda(gen, causal):
+    # 0.0 is a scale (uniform weights over the visible keys), not the default 1/sqrt(d); also with
+    # ALiBi, which the kernels keep in q.k units (slope / scale stays finite)
+    q, k, v = (rand((2, 300, 4, 128), torch.bfloat16, gen) * 4 for _ in range(3))
+    vis = bottom_right_mask(300, 300, causal).double()
+    want = torch.einsum("ij,bjhd->bihd", vis / vis.sum(-1, keepdim=True), v.double())
+    out = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal)
+    assert (out.double() - want).abs().max().item() < 3e-2
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEV)
+    i = torch.arange(300, device=DEV)[:, None]
+    j = torch.arange(300, device=DEV)[None, :]
+    bias = slopes[:, None, None].double() * (j - i)[None]  # (H, Nq, Nk)
+    p = torch.softmax(bias.masked_fill(vis[None] == 0, float("-inf")), -1)
+    want = torch.einsum("hij,bjhd->bihd", p, v.double())
+    out = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, alibi_slopes=slopes)
+    assert (out.double() - want).abs().max().item() < 3e-2

@@ -14,7 +14,7 @@ def _no_gpu_reason() -> Optional[str]:
         return "the benchmarks need PyTorch with CUDA and an NVIDIA GPU, and torch is not installed"
     if not torch.cuda.is_available():
         if torch.version.cuda is None:
-            return (f"the benchmarks need an NVIDIA GPU, and this torch ({torch.__version__}) is a CPU-only build")
+            return f"the benchmarks need an NVIDIA GPU, and this torch ({torch.__version__}) is a CPU-only build"
         return "the benchmarks need an NVIDIA GPU, and no NVIDIA driver or GPU was found"
     import flashcpp
     if not flashcpp.WITH_CUDA:
