@@ -29,6 +29,24 @@
 //                                     each sequence is an independent problem).
 //
 //   A query row that sees no key at all has O = 0 and LSE = -inf.
+//
+//   NaN propagates as in PyTorch SDPA and flash-attn: a NaN score s(i,j) at a key j that row i
+//   sees (a NaN in q, in a visible key's k, or in the head's ALiBi slope; an inf that makes
+//   inf - inf) gives that row O = NaN (every element) and LSE = NaN, on every backend. A NaN in
+//   the k of a key the row does not see is masked out before the softmax and does not reach the
+//   row. A NaN in v reaches O through the keys the row sees; through keys hidden from it, the
+//   fp64 references never read it, while the tiled CPU backend and the CUDA kernels multiply a
+//   zero weight by every value row of a key tile they visit (0 * NaN = NaN, as SDPA's math path
+//   does for the whole sequence), so there it is unspecified. A row that sees no key stays
+//   O = 0, LSE = -inf whatever its inputs hold.
+//
+//   Varlen rows that no sequence covers (packed rows past cu_seqlens_q[batch], all of them when
+//   batch is 0): when MaskParams::total_q gives the packed row count, batch 0 (or seqlen_q 0)
+//   writes O = 0 and LSE = -inf into all total_q rows on every backend, and the CPU backends do
+//   the same for the rows past cu_seqlens_q[batch] of any batch. The CUDA kernels leave the rows
+//   past a non-empty batch's cu_seqlens_q[batch] as they are (flash-attn's behaviour): the count
+//   is in device memory and reading it would synchronize. With total_q = 0 (unknown) no such
+//   row is written anywhere.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +100,11 @@ struct MaskParams {
   /// seqlen_q / seqlen_k of AttnParams are the maximum lengths (used to size the grid).
   const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
+  /// Varlen only: the packed rows of q and o (q.shape[0] of a (total, heads, dim) tensor), at
+  /// least cu_seqlens_q[batch]; 0 = unknown, taken as cu_seqlens_q[batch]. It is also the LSE's
+  /// row count: LSE is (heads_q, total_q), head h's row r at lse[h * total_q + r]. When given,
+  /// the rows that no sequence covers are defined (header comment: O = 0, LSE = -inf).
+  std::int64_t total_q = 0;
   /// Block-sparse restriction; nullptr = off.
   const BlockSparseMask* block_sparse = nullptr;
 
@@ -139,7 +162,8 @@ struct AttnParams {
   int head_dim = 0;   ///< one of kSupportedHeadDims
   TensorView q, k, v; ///< inputs, all of the same dtype
   TensorView o;       ///< output, same dtype and shape as q; must not overlap the inputs
-  /// Optional fp32 log-sum-exp, contiguous (batch, heads_q, seqlen_q); (heads_q, total_q) if varlen.
+  /// Optional fp32 log-sum-exp, contiguous (batch, heads_q, seqlen_q); (heads_q, total_q) if
+  /// varlen, total_q = mask.total_q, or cu_seqlens_q[batch] when that is 0.
   float* lse = nullptr;
   /// Multiplies q.k; 0 means 1/sqrt(head_dim).
   float softmax_scale = 0.f;
@@ -199,7 +223,9 @@ Status validate(const AttnParams& p, Backend backend);
 Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* out);
 
 /// Validates, selects and runs. CUDA: asynchronous on opt.stream, allocates nothing,
-/// never synchronizes (capturable in a CUDA graph). batch 0 or seqlen_q 0: writes nothing.
+/// never synchronizes (capturable in a CUDA graph). batch 0 or seqlen_q 0: writes nothing,
+/// except for varlen with mask.total_q > 0, where all total_q rows get O = 0 and LSE = -inf
+/// (on CUDA one small kernel on opt.stream; q, k and v are not read and may be null).
 Status attention_forward(const AttnParams& p, const RunOptions& opt = {});
 
 }  // namespace flashcpp

@@ -13,7 +13,9 @@
 //     causal alignment is BOTTOM-RIGHT over the total length: row t sits at key position
 //       ia = t + L_b - seqlen_q and, with mask.causal, sees keys j <= ia;
 //     mask.window_left / window_right, mask.softcap and ALiBi (slope * (j - ia)) as in attention.h;
-//     a row that sees no key writes O = 0 and LSE = -inf.
+//     a row that sees no key writes O = 0 and LSE = -inf; a NaN score at a key the row sees (a
+//     NaN in q, in a visible cached key, in the head's ALiBi slope) makes the row NaN, O and LSE,
+//     whatever the split count and the merge (attention.h's NaN rule).
 //
 //   Rotary (RotaryParams): query row t and, with append, new key t are rotated at position
 //   ia = c_b + t (with append) / L_b - seqlen_q + t (without). For pair i < rotary_dim/2:
@@ -200,7 +202,8 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
 
 /// Two partial attention outputs over disjoint key sets, merged by their LSEs:
 ///   lse = log(exp(lse_a) + exp(lse_b)),  o = o_a exp(lse_a - lse) + o_b exp(lse_b - lse)
-/// (an empty side, lse = -inf, contributes nothing; both empty give o = 0, lse = -inf).
+/// (an empty side, lse = -inf, contributes nothing; both empty give o = 0, lse = -inf; a NaN
+/// lse on either side gives lse = NaN, and o = NaN unless the other side is empty).
 struct MergeStatesParams {
   int batch = 1, seqlen = 0, heads = 0;
   int head_dim = 0;                ///< any size >= 1

@@ -161,7 +161,21 @@ Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* o
 Status attention_forward(const AttnParams& p, const RunOptions& opt) {
   KernelChoice choice;
   FLASHCPP_RETURN_IF_ERROR(select_kernel(p, opt, &choice));
-  if (empty_problem(p)) return Status::Ok();
+  if (empty_problem(p)) {
+    // Varlen with the packed row count: every row is uncovered, O = 0 and LSE = -inf
+    // (attention.h), whatever the backend; without it there is nothing to write.
+    if (!(p.mask.is_varlen() && p.mask.total_q > 0)) return Status::Ok();
+    switch (choice.id) {
+      case KernelId::kCpuReference:
+      case KernelId::kCpuTiled: cpu::fill_uncovered_rows(p); return Status::Ok();
+#if FLASHCPP_WITH_CUDA
+      case KernelId::kCudaSm80:
+      case KernelId::kCudaSm90: return cuda::fill_uncovered_rows(p, opt.stream);
+#endif
+      default: break;
+    }
+    return Status::Unsupported(std::string("kernel ") + kernel_name(choice.id) + " is not available in this build");
+  }
   switch (choice.id) {
     case KernelId::kCpuReference:
       return detail::run_with_rotary(p, opt, [&](const AttnParams& r) { return cpu::reference_forward(r, opt); });

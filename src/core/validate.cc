@@ -5,7 +5,8 @@
 // Order of the checks (the first failure is reported):
 //   1. scalars: backend, shape, dtypes, mask scalars, varlen/block-sparse descriptors, rotary
 //      scalars (and rotary.k_rotated's dtype); an empty problem (batch 0 or seqlen_q 0) writes
-//      nothing and is accepted here;
+//      nothing and is accepted here, unless it is varlen with mask.total_q > 0: then it writes
+//      O = 0 and LSE = -inf into the total_q packed rows, and only o and lse are checked;
 //   2. varlen prefix sums (read on the CPU backends only: host memory);
 //   3. each tensor: null, alignment, strides (sign, CUDA vector width, 64-bit span, 32-bit
 //      in-sequence offsets, injective index map); with rotary, rotary.k_rotated like k (required
@@ -138,6 +139,12 @@ Status check_mask_scalars(const AttnParams& p) {
                                p.seqlen_q, ") overflows int64"));
   if (m.is_varlen() && m.block_sparse)
     return Status::Unsupported("varlen (cu_seqlens) together with a block-sparse mask is not supported");
+  if (m.total_q < 0) return Status::Invalid(cat("mask.total_q ", m.total_q, " is negative (must be >= 0; 0 = unknown)"));
+  if (m.total_q > 0 && !m.is_varlen())
+    return Status::Invalid(cat("mask.total_q ", m.total_q,
+                               " is set without cu_seqlens (it counts the packed rows of a varlen q)"));
+  if (m.total_q > kInt32Max)
+    return Status::Invalid(cat("mask.total_q ", m.total_q, " exceeds 2^31-1 (packed rows are int32, as cu_seqlens_q)"));
   return Status::Ok();
 }
 
@@ -416,25 +423,35 @@ Status validate(const AttnParams& p, Backend backend) {
   FLASHCPP_RETURN_IF_ERROR(check_mask_scalars(p));
   if (p.mask.block_sparse) FLASHCPP_RETURN_IF_ERROR(check_block_sparse_scalars(p));
   if (p.rotary.enabled()) FLASHCPP_RETURN_IF_ERROR(check_rotary(p, br));
-  if (is_empty_problem(p)) return Status::Ok();  // writes nothing, so needs no pointers
+  const bool varlen = p.mask.is_varlen();
+  // An empty problem writes nothing, so needs no pointers; varlen with total_q fills the packed
+  // rows (O = 0, LSE = -inf) and reads nothing: only o and lse are checked below.
+  const bool fill_only = is_empty_problem(p);
+  if (fill_only && !(varlen && p.mask.total_q > 0)) return Status::Ok();
 
   // 2. Varlen: the packed row counts. On the device they are unknown and the maximum lengths
-  // stand in (the kernels clamp every sequence to them).
-  const bool varlen = p.mask.is_varlen();
+  // stand in (the kernels clamp every sequence to them), or mask.total_q for q when given.
   std::int64_t rows_q = p.seqlen_q, rows_k = p.seqlen_k;
   if (varlen) {
     FLASHCPP_RETURN_IF_ERROR(
         check_cu_seqlens("q", p.mask.cu_seqlens_q, p.batch, p.seqlen_q, "seqlen_q", br, &rows_q));
-    FLASHCPP_RETURN_IF_ERROR(
-        check_cu_seqlens("k", p.mask.cu_seqlens_k, p.batch, p.seqlen_k, "seqlen_k", br, &rows_k));
+    if (!fill_only)
+      FLASHCPP_RETURN_IF_ERROR(
+          check_cu_seqlens("k", p.mask.cu_seqlens_k, p.batch, p.seqlen_k, "seqlen_k", br, &rows_k));
+    if (p.mask.total_q > 0) {
+      if (br.reads_host_arrays && p.mask.total_q < rows_q)
+        return Status::Invalid(cat("mask.total_q ", p.mask.total_q, " is less than cu_seqlens_q[batch] ", rows_q,
+                                   " (it counts every packed row of q and o)"));
+      rows_q = p.mask.total_q;
+    }
   }
 
   // 3. Tensors. With seqlen_k == 0 every row sees no key: k and v are never read (may be null).
   const Extents eq{p.batch, rows_q, p.seqlen_q, p.heads_q, p.head_dim, varlen, "seqlen_q", "heads_q"};
   const Extents ek{p.batch, rows_k, p.seqlen_k, p.heads_kv, p.head_dim, varlen, "seqlen_k", "heads_kv"};
   Span sq, sk, sv, so, slse;
-  FLASHCPP_RETURN_IF_ERROR(check_tensor("q", p.q, eq, br, &sq));
-  if (p.seqlen_k > 0) {
+  if (!fill_only) FLASHCPP_RETURN_IF_ERROR(check_tensor("q", p.q, eq, br, &sq));
+  if (!fill_only && p.seqlen_k > 0) {
     FLASHCPP_RETURN_IF_ERROR(check_tensor("k", p.k, ek, br, &sk));
     FLASHCPP_RETURN_IF_ERROR(check_tensor("v", p.v, ek, br, &sv));
   }
@@ -444,7 +461,7 @@ Status validate(const AttnParams& p, Backend backend) {
   // itself (same data and index map) rotates k in place: its span is then k's, checked as k.
   Span skr;
   skr.name = "rotary.k_rotated";
-  if (p.rotary.enabled() && p.seqlen_k > 0) {
+  if (!fill_only && p.rotary.enabled() && p.seqlen_k > 0) {
     const TensorView& kr = p.rotary.k_rotated;
     if (kr.data == nullptr) {
       if (br.cuda)
@@ -467,7 +484,7 @@ Status validate(const AttnParams& p, Backend backend) {
   }
 
   // 4. lse: contiguous fp32 (batch, heads_q, seqlen_q), or (heads_q, total_q) when varlen. Its
-  // per-head extent (seqlen_q or the int32 total cu_seqlens_q[batch]) fits int32 by construction.
+  // per-head extent (seqlen_q, mask.total_q or the int32 cu_seqlens_q[batch]) fits int32.
   slse.name = "lse";
   if (p.lse) {
     if (addr(p.lse) % alignof(float) != 0)

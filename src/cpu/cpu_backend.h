@@ -27,6 +27,14 @@ Status reference_attention(const AttnParams& p, RefOutput* out, int threads = 0)
 /// Backend::kCpuReference: reference_attention, then writes p.o (rounded to its dtype) and p.lse.
 Status reference_forward(const AttnParams& p, const RunOptions& opt);
 
+/// Varlen (host cu_seqlens): the LSE's row count, mask.total_q or cu_seqlens_q[batch] when 0.
+std::int64_t varlen_lse_rows(const AttnParams& p);
+
+/// Varlen with mask.total_q > 0: O = 0 and LSE = -inf in the packed rows no sequence covers,
+/// [cu_seqlens_q[batch], total_q) (all of them when batch or seqlen_q is 0). Host memory; does
+/// nothing otherwise. attention.h states the rule; both CPU backends call this.
+void fill_uncovered_rows(const AttnParams& p);
+
 /// Backend::kCpu: Br x Bc tiles, running max m, denominator l, rescaled accumulator O, exp2 with
 /// the scale folded in, fp32 throughout, walking the key blocks that MaskRules gives (same as the
 /// GPU). Multithreaded over (batch, head, query block).

@@ -184,15 +184,18 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
         y[jj] = v;
         tile_max = std::max(tile_max, v);
       }
-      if (tile_max == kNegInf) continue;  // the row sees no key of this tile
+      // As in the kernel: no skip of a tile whose max is -inf (a NaN score never wins the max,
+      // so a tile of NaN scores has max -inf too, and its NaN must reach l); exponentiate
+      // against 0 while the row has seen nothing, so that -inf - (-inf) never makes a NaN.
       const float m_new = std::max(m[r], tile_max);
-      const float corr = std::exp2(m[r] - m_new);  // m = -inf: 0, and l, acc are 0
+      const float m_use = m_new == kNegInf ? 0.f : m_new;
+      const float corr = std::exp2(m[r] - m_use);  // m = -inf: 0, and l, acc are 0 (or NaN)
       float* ar = &acc[static_cast<std::size_t>(r) * D];
       for (int d = 0; d < D; ++d) ar[d] *= corr;
       float sum = 0.f;
       for (int jj = 0; jj < jn; ++jj) {
-        if (y[jj] == kNegInf) continue;
-        const float w = std::exp2(y[jj] - m_new);
+        if (y[jj] == kNegInf) continue;  // masked: weight 0
+        const float w = std::exp2(y[jj] - m_use);
         sum += w;
         const float* vr = &vt[static_cast<std::size_t>(jj) * D];
         for (int d = 0; d < D; ++d) ar[d] = std::fma(w, vr[d], ar[d]);
@@ -203,10 +206,11 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
   }
 
   // Epilogue: O = acc / l and LSE = (m + log2 l) ln 2; to the output (n = 1) or the workspace.
+  // l == 0: the row saw no key (O = 0, LSE = -inf); l = NaN (a NaN score) gives NaN in both.
   for (int r = 0; r < rows; ++r) {
     const int h = hk * st.group + r / Sq, t = r % Sq;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    const float lse = l[r] > 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+    const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
+    const float lse = l[r] != 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
     const float* ar = &acc[static_cast<std::size_t>(r) * D];
     if (n == 1) {
       const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
@@ -231,23 +235,24 @@ void merge_sequence(const Step& st, int b) {
     for (int t = 0; t < Sq; ++t) {
       const int r = (h % st.group) * Sq + t;
       auto at = [&](int i) { return (static_cast<std::size_t>(first + i) * p.heads_kv + hk) * rows + r; };
+      // The merge kernel's rule: weights against the largest LSE (0 while every split is empty,
+      // so that -inf - (-inf) never makes a NaN); an empty split adds nothing; a NaN LSE never
+      // wins the max but makes its weight, the sum, O and the LSE NaN; sum == 0: all empty.
       float lse_max = kNegInf;
       for (int i = 0; i < n; ++i) lse_max = std::max(lse_max, st.part_lse[at(i)]);
+      const float m_use = lse_max == kNegInf ? 0.f : lse_max;
       std::fill(o.begin(), o.end(), 0.f);
-      float lse = kNegInf;
-      if (lse_max != kNegInf) {
-        float sum = 0.f;
-        for (int i = 0; i < n; ++i) {
-          const float li = st.part_lse[at(i)];
-          if (li == kNegInf) continue;  // an empty split contributes nothing
-          const float w = std::exp2((li - lse_max) * kLog2e);
-          sum += w;
-          for (int d = 0; d < D; ++d) o[d] = std::fma(w, st.part_o[at(i) * D + d], o[d]);
-        }
-        const float inv = 1.f / sum;
-        for (int d = 0; d < D; ++d) o[d] *= inv;
-        lse = lse_max + std::log(sum);
+      float sum = 0.f;
+      for (int i = 0; i < n; ++i) {
+        const float li = st.part_lse[at(i)];
+        if (li == kNegInf) continue;  // an empty split contributes nothing
+        const float w = std::exp2((li - m_use) * kLog2e);
+        sum += w;
+        for (int d = 0; d < D; ++d) o[d] = std::fma(w, st.part_o[at(i) * D + d], o[d]);
       }
+      const float inv = sum != 0.f ? 1.f / sum : 0.f;
+      for (int d = 0; d < D; ++d) o[d] *= inv;
+      const float lse = sum != 0.f ? lse_max + std::log(sum) : kNegInf;
       const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
       for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, o[d]);
       if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = lse;

@@ -3,7 +3,17 @@
 // backend (tiled.cc) and the GPU kernels run the same recurrence a tile at a time.
 //
 // A row whose every entry is -inf has no mass at all: softmax_plain/softmax_online write 0 there
-// (the attention convention for a row that sees no key), never NaN.
+// (the attention convention for a row that sees no key), never NaN. A NaN entry makes the whole
+// row NaN, as torch.softmax does. Both come from one rule, applied at the end: the row is empty
+// when its sum l is 0, not when its max is -inf. The max never becomes NaN (std::max keeps its
+// first argument when a comparison with NaN is false), so a row whose only finite-looking
+// entries are NaN keeps m = -inf; its terms exp2(NaN - 0) are NaN, l is NaN, and testing l
+// (rather than m) lets that NaN reach the output instead of being mistaken for an empty row.
+//
+// The exponent is taken of a difference, (x - m) * log2(e), never of fma(x, log2e, -m*log2e):
+// x - m is exact for every x within a factor 2 of m and the max's own term is exactly
+// exp2(0) = 1 at any magnitude. The fma form exponentiates the rounding residual of m*log2e,
+// which exceeds 128 once |m*log2e| >= 2^31 and then overflows exp2 (or flushes it to 0).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -41,55 +51,55 @@ void softmax_plain(const float* x, int n, float* y) {
   if (n <= 0) return;
   float m = kNegInf;
   for (int i = 0; i < n; ++i) m = std::max(m, x[i]);
-  if (m == kNegInf) {
+  const float m_use = m == kNegInf ? 0.f : m;  // all -inf (or NaN): exp(-inf - 0) = 0, exp(NaN) = NaN
+  for (int i = 0; i < n; ++i) y[i] = std::exp(x[i] - m_use);
+  const float sum = pairwise_sum(y, n);
+  if (sum == 0.f) {  // every entry -inf: no mass (a NaN entry makes sum NaN, not 0)
     std::fill(y, y + n, 0.f);
     return;
   }
-  for (int i = 0; i < n; ++i) y[i] = std::exp(x[i] - m);
-  const float sum = pairwise_sum(y, n);
   for (int i = 0; i < n; ++i) y[i] /= sum;
 }
 
 void softmax_online(const float* x, int n, float* y) {
   if (n <= 0) return;
-  // As in the kernels: the max m is kept in the units of x, the exponent is evaluated in the
-  // log2 domain as fma(x, log2e, -m*log2e), and the same rounded m*log2e is used for every
-  // term and for the rescale factor, so its rounding cancels in y.
-  float m = kNegInf, m_fold = kNegInf;
+  // As in the tiled backend: the max m is kept in the units of x and every exponent is
+  // exp2((x - m) * log2e), so the max's own term is exactly 1 and no exponent exceeds 0.
+  float m = kNegInf;
   float l = 0.f, carry = 0.f;  // l and its Kahan compensation (the low part lost so far)
   for (int i = 0; i < n; ++i) {
     if (x[i] == kNegInf) continue;  // contributes exp(-inf) = 0
     if (x[i] > m) {  // new max: rescale what was summed so far (0 * anything while l == 0)
-      const float m_fold_new = x[i] * kLog2e;
-      const float alpha = std::exp2(m_fold - m_fold_new);
+      const float alpha = std::exp2((m - x[i]) * kLog2e);
       l *= alpha;
       carry *= alpha;
       m = x[i];
-      m_fold = m_fold_new;
     }
-    // The new max's own term is exp2(fma(x, log2e, -round(x*log2e))), not exactly 1: it carries
-    // the rounding residual of m_fold like every other term, which is what makes it cancel.
-    const float term = std::exp2(std::fma(x[i], kLog2e, -m_fold)) - carry;
+    // A NaN x fails the comparison above and lands here: its term, and so l, is NaN.
+    const float term = std::exp2((x[i] - (m == kNegInf ? 0.f : m)) * kLog2e) - carry;
     const float next = l + term;
     carry = (next - l) - term;
     l = next;
   }
-  if (m == kNegInf) {
+  if (l == 0.f) {  // every entry -inf (a NaN entry leaves l NaN, never 0)
     std::fill(y, y + n, 0.f);
     return;
   }
-  for (int i = 0; i < n; ++i) y[i] = std::exp2(std::fma(x[i], kLog2e, -m_fold)) / l;
+  const float m_use = m == kNegInf ? 0.f : m;
+  for (int i = 0; i < n; ++i) y[i] = std::exp2((x[i] - m_use) * kLog2e) / l;
 }
 
 void merge_states(SoftmaxState* a, float* o_a, const SoftmaxState& b, const float* o_b, int d) {
-  if (b.m == kNegInf) return;  // b saw nothing
-  if (a->m == kNegInf) {       // a saw nothing: the merge is b
+  // Emptiness is l == 0 (m = -inf with l = NaN is a side that saw a NaN score, which must spread).
+  if (b.l == 0.f) return;  // b saw nothing
+  if (a->l == 0.f) {       // a saw nothing: the merge is b
     *a = b;
     std::copy(o_b, o_b + d, o_a);
     return;
   }
   const float m = std::max(a->m, b.m);
-  const float ca = std::exp2(a->m - m), cb = std::exp2(b.m - m);  // one of them is exactly 1
+  const float m_use = m == kNegInf ? 0.f : m;  // both m = -inf: both sides are NaN already
+  const float ca = std::exp2(a->m - m_use), cb = std::exp2(b.m - m_use);  // one of them is exactly 1
   a->l = a->l * ca + b.l * cb;
   for (int i = 0; i < d; ++i) o_a[i] = o_a[i] * ca + o_b[i] * cb;
   a->m = m;
@@ -111,7 +121,10 @@ void merge_by_lse(const float* o_a, float lse_a, const float* o_b, float lse_b, 
     *lse = kept;
     return;
   }
-  const float hi = std::max(lse_a, lse_b), lo = std::min(lse_a, lse_b);
+  // hi and lo by one comparison, which is false when either is NaN: then a NaN lands in hi or lo
+  // and so in the merged LSE (std::max / std::min would drop a NaN second argument).
+  const bool a_hi = lse_a > lse_b;
+  const float hi = a_hi ? lse_a : lse_b, lo = a_hi ? lse_b : lse_a;
   // log(e^a + e^b) = hi + log1p(e^(lo - hi)), which cannot overflow.
   const float merged = hi + std::log1p(std::exp(lo - hi));
   const float wa = std::exp(lse_a - merged), wb = std::exp(lse_b - merged);

@@ -175,6 +175,7 @@ void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
     vis.begin_row(i);
     const double ia = static_cast<double>(i) + len_k - s.len_q;
     double mx = kNegInfD;
+    bool nan_score = false;  // a NaN score at a visible key: the row is NaN (attention.h)
     for (int j = 0; j < len_k; ++j) {
       seen[j] = vis.visible(i, j);
       if (!seen[j]) continue;
@@ -182,11 +183,15 @@ void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
       if (softcap > 0) x = softcap * std::tanh(x / softcap);
       if (m.alibi_slopes) x += slope * (j - ia);
       score[j] = x;
+      nan_score |= std::isnan(x);
       mx = std::max(mx, x);
     }
     std::fill(o.begin(), o.end(), 0.0);
     double lse = kNegInfD;
-    if (mx != kNegInfD) {  // at least one visible key
+    if (nan_score) {
+      std::fill(o.begin(), o.end(), std::numeric_limits<double>::quiet_NaN());
+      lse = std::numeric_limits<double>::quiet_NaN();
+    } else if (mx != kNegInfD) {  // at least one visible key with weight
       double sum = 0;
       for (int j = 0; j < len_k; ++j) {
         if (!seen[j]) continue;
@@ -238,6 +243,22 @@ Status check_reference_params(const AttnParams& p) {
 
 }  // namespace
 
+std::int64_t varlen_lse_rows(const AttnParams& p) {
+  return p.mask.total_q > 0 ? p.mask.total_q : p.mask.cu_seqlens_q[p.batch];
+}
+
+void fill_uncovered_rows(const AttnParams& p) {
+  const MaskParams& m = p.mask;
+  if (m.cu_seqlens_q == nullptr || m.total_q <= 0 || p.o.data == nullptr) return;
+  const std::int64_t first = p.batch == 0 || p.seqlen_q == 0 ? 0 : m.cu_seqlens_q[p.batch];
+  for (std::int64_t row = first; row < m.total_q; ++row)
+    for (int h = 0; h < p.heads_q; ++h) {
+      const std::int64_t at = row * p.o.seq_stride + h * p.o.head_stride;
+      for (int d = 0; d < p.head_dim; ++d) store_from_float(p.o.data, p.o.dtype, at + d, 0.f);
+      if (p.lse) p.lse[h * m.total_q + row] = -std::numeric_limits<float>::infinity();
+    }
+}
+
 Status reference_attention(const AttnParams& p, RefOutput* out, int threads) {
   FLASHCPP_RETURN_IF_ERROR(check_reference_params(p));
   *out = RefOutput{};
@@ -253,10 +274,15 @@ Status reference_attention(const AttnParams& p, RefOutput* out, int threads) {
 Status reference_forward(const AttnParams& p, const RunOptions& opt) {
   RefOutput ref;
   FLASHCPP_RETURN_IF_ERROR(reference_attention(p, &ref, opt.cpu_threads));
-  if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
+  if (p.batch == 0 || p.seqlen_q == 0) {
+    fill_uncovered_rows(p);  // varlen with total_q: every packed row is uncovered
+    return Status::Ok();
+  }
   if (!p.o.data) return Status::Invalid("o must not be null");
   const bool varlen = p.mask.is_varlen();
   const int dim = p.head_dim;
+  const std::int64_t lse_rows = varlen ? varlen_lse_rows(p) : 0;
+  fill_uncovered_rows(p);  // varlen rows past cu_seqlens_q[batch], when total_q says how many
   for (int b = 0; b < p.batch; ++b) {
     const Sequence s = sequence(p, b);
     for (int i = 0; i < s.len_q; ++i) {
@@ -267,8 +293,9 @@ Status reference_forward(const AttnParams& p, const RunOptions& opt) {
         for (int d = 0; d < dim; ++d)
           store_from_float(p.o.data, p.o.dtype, dst + d, static_cast<float>(src[d]));
         if (p.lse) {
-          // LSE layout: (heads_q, total_q) when varlen, else (batch, heads_q, seqlen_q).
-          const std::int64_t at = varlen ? h * ref.total_q + row
+          // LSE layout: (heads_q, total_q) when varlen (mask.total_q, or cu_seqlens_q[batch]),
+          // else (batch, heads_q, seqlen_q).
+          const std::int64_t at = varlen ? h * lse_rows + row
                                          : (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i;
           p.lse[at] = static_cast<float>(ref.lse[static_cast<std::size_t>(h * ref.total_q + row)]);
         }

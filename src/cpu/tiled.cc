@@ -5,12 +5,13 @@
 //
 //   S   = Q_tile . K_tile^T                     (fp32 dot products)
 //   m'  = max(m, rowmax(S))                     (per row)
-//   P   = exp2(S * fold - m' * fold)            (fold = softmax_scale * log2(e): one multiply)
+//   P   = exp2((S - m') * fold)                 (fold = softmax_scale * log2(e): one multiply)
 //   l   = l * exp2((m - m') * fold) + rowsum(P)
 //   acc = acc * exp2((m - m') * fold) + P . V_tile
 //
-// and at the end O = acc / l and LSE = (m * fold + log2(l)) * ln(2), natural log. A row that saw
-// no key keeps m = -inf and gets O = 0, LSE = -inf. The derivation is in docs/online_softmax.md.
+// and at the end O = acc / l and LSE = m * scale + ln(l), natural log. A row that saw no key
+// keeps l = 0 and gets O = 0, LSE = -inf; a row that saw a NaN score has l = NaN and gets NaN
+// (attention.h). The derivation is in docs/online_softmax.md.
 //
 // Which key tiles are visited mirrors the GPU kernel exactly (src/common/mask_rules.h): the tiles
 // of [lo, hi) that some row of the query tile sees through its window, from the last down to the
@@ -24,15 +25,19 @@
 //   then + slope*(j - ia)) and only then converted to the log2 domain with fold = log2(e): the
 //   bias is defined in natural units and tanh is not linear, so neither commutes with the fold.
 //   Without them the row max is kept on the raw dot products and scale*log2(e) is applied once.
-// - exp2 takes fmaf(s, fold, -m*fold): the product is exact inside the FMA, so the only rounding
-//   that differs between keys is that of a small number (s*fold - m*fold). The rounding of
-//   m*fold itself is shared by every key of the row (the same rounded value is used for P, for
-//   the rescale factor and for the LSE), so it cancels in O and in LSE.
+// - exp2 takes (s - m) * fold, a difference first: s - m is exact for the keys within a factor 2
+//   of the max, the max's own term is exactly exp2(0) = 1, and no exponent is ever above 0, at
+//   any magnitude. Here the CPU differs from the GPU kernels, which take fma(s, fold, -m*fold)
+//   (one FFMA per score): that exponentiates the rounding residual of m*fold along with the
+//   score, harmless for ordinary scores, but once |m*fold| >= 2^31 the residual passes 128 and
+//   exp2 overflows to inf (or flushes to 0), which made this backend return NaN for scores
+//   above ~4e9 (fp16 inputs of 3e4; tests/cpu/test_tiled.cc, Tiled.HugeScoresStayFinite).
 // - q.k over head_dim, and P.V and the row sum of P over a tile's keys, are pairwise (tree) sums,
 //   added once per tile to the rescaled running values; see pairwise_sum_rows() for why. With
 //   running sums this backend missed the 1e-6 bar against the fp64 reference (tests/cpu/
 //   test_tiled.cc tells the measurements); the GPU's MMA reduces k in hardware trees too.
-// - LSE is formed as fma(m * fold, ln 2, log l): one rounding fewer than (m + log2 l) * ln 2.
+// - LSE is formed as fma(m, scale, log l) (scale 1 when softcap or ALiBi made m natural units):
+//   the product is exact inside the FMA, one rounding fewer than (m * fold + log2 l) * ln 2.
 // - P stays fp32 for the P.V product; the GPU rounds P to fp16/bf16 for the tensor cores. So
 //   this backend is the "fp32 everywhere" version of the algorithm, used to test the algorithm
 //   and the mask walk, not the GPU's 16-bit rounding.
@@ -57,7 +62,6 @@ namespace flashcpp::cpu {
 namespace {
 
 constexpr float kLog2e = 1.44269504088896340736f;  // log2(e)
-constexpr float kLn2 = 0.69314718055994530942f;    // ln(2) = 1 / log2(e)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kDefaultBlockM = 64;  // Br: query rows per tile (the GPU kernel's BlockM)
 constexpr int kDefaultBlockN = 64;  // Bc: key columns per tile (the GPU kernel's BlockN)
@@ -110,6 +114,7 @@ struct Logits {
   bool alibi = false;
   float slope = 0.f;     // ALiBi slope of this (batch, head), natural units
   float fold = 0.f;      // u * fold = log2-domain logit
+  float lse_scale = 0.f;  // u * lse_scale = natural-units logit (the LSE's units)
 
   static Logits make(const AttnParams& p, int b, int h) {
     Logits g;
@@ -125,6 +130,7 @@ struct Logits {
     // The raw-dot fast path needs scale > 0: the max of s must be the max of s * scale.
     g.natural = g.alibi || g.softcap > 0.f || !(scale > 0.f);
     g.fold = g.natural ? kLog2e : scale * kLog2e;
+    g.lse_scale = g.natural ? 1.f : scale;
     return g;
   }
   /// u for dot product s of query position ia (bottom-right aligned) and key j.
@@ -144,13 +150,13 @@ struct Scratch {
   std::vector<float> prod;  // products before their pairwise sum: Q.K^T [D][Bc], then P.V [Bc][D]
   std::vector<float> s;     // [Br][Bc] scores, then logits, then P
   std::vector<float> acc;   // [Br][D] unnormalized output accumulator
-  std::vector<float> m_u, m_fold, l;  // [Br] running max (u units and log2 units), denominator
+  std::vector<float> m_u, l;         // [Br] running max (u units), denominator
   std::vector<int> row_hi, row_lo;    // [Br] MaskRules key_hi / key_lo of each row of the tile
   Scratch(int br, int bc, int dim)
       : q(static_cast<std::size_t>(br) * dim), kt(static_cast<std::size_t>(dim) * bc),
         v(static_cast<std::size_t>(bc) * dim), prod(static_cast<std::size_t>(dim) * bc),
         s(static_cast<std::size_t>(br) * bc), acc(static_cast<std::size_t>(br) * dim), m_u(br),
-        m_fold(br), l(br), row_hi(br), row_lo(br) {}
+        l(br), row_hi(br), row_lo(br) {}
 };
 
 /// Everything one work item needs to visit key tiles.
@@ -240,15 +246,14 @@ void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool
       m_new = std::max(m_new, u);
     }
     // While the row has seen nothing, m stays -inf; exponentiate against 0 instead so that
-    // exp2(-inf - (-inf)) never produces NaN (P = 0, and the rescale factor of the empty
-    // accumulator is 0).
-    const float m_fold_new = m_new * c.logits.fold;
-    const float m_fold_use = m_new == kNegInf ? 0.f : m_fold_new;
-    const float alpha = std::exp2(w.m_fold[r] - m_fold_use);
-    // P = exp2(s * fold - m * fold); then this tile's P.V and row sum, each a pairwise sum over
-    // the tile's keys (P.V vectorized over d), added once to the rescaled running values.
+    // -inf - (-inf) never produces NaN (P = 0, and the rescale factor of the empty accumulator
+    // is 0). A NaN score never wins the max (std::max keeps m), so its P is NaN and so is l.
+    const float m_use = m_new == kNegInf ? 0.f : m_new;
+    const float alpha = std::exp2((w.m_u[r] - m_use) * c.logits.fold);
+    // P = exp2((s - m) * fold); then this tile's P.V and row sum, each a pairwise sum over the
+    // tile's keys (P.V vectorized over d), added once to the rescaled running values.
     for (int col = 0; col < cols; ++col) {
-      const float pr = std::exp2(std::fma(srow[col], c.logits.fold, -m_fold_use));
+      const float pr = std::exp2((srow[col] - m_use) * c.logits.fold);
       srow[col] = pr;
       const float* vrow = &w.v[static_cast<std::size_t>(col) * dim];
       float* pd = &prod[static_cast<std::size_t>(col) * dim];
@@ -260,7 +265,6 @@ void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool
     float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
     for (int d = 0; d < dim; ++d) acc[d] = acc[d] * alpha + prod[d];
     w.m_u[r] = m_new;
-    w.m_fold[r] = m_fold_new;
   }
 }
 
@@ -323,7 +327,6 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
     w.row_lo[r] = c.rules.key_lo(i0 + r);
   }
   std::fill(w.m_u.begin(), w.m_u.end(), kNegInf);
-  std::fill(w.m_fold.begin(), w.m_fold.end(), kNegInf);
   std::fill(w.l.begin(), w.l.end(), 0.f);
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
 
@@ -366,22 +369,23 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
       visit(kb * t.bc, std::min((kb + 1) * t.bc, len_k), kFullBlock);
   }
 
-  // Epilogue: O = acc / l and LSE; a row that saw no key has O = 0 and LSE = -inf.
+  // Epilogue: O = acc / l and LSE; a row that saw no key has O = 0 and LSE = -inf. Emptiness is
+  // l == 0, not m == -inf: a row whose every visible score is NaN keeps m = -inf but has l = NaN,
+  // and must come out NaN (attention.h), as it does through acc / l and log(l).
+  const std::int64_t lse_rows = c.varlen ? varlen_lse_rows(p) : 0;
   for (int r = 0; r < c.rows; ++r) {
     const int i = i0 + r;
-    const bool empty = w.m_u[r] == kNegInf;
+    const bool empty = w.l[r] == 0.f;
     const float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
     const std::int64_t dst = row_offset(p.o, c.varlen, b, c.seq.first_q, i, h);
     for (int d = 0; d < dim; ++d)
       store_from_float(p.o.data, p.o.dtype, dst + d, empty ? 0.f : acc[d] / w.l[r]);
     if (p.lse) {
-      const std::int64_t total_q =
-          m.cu_seqlens_q ? m.cu_seqlens_q[p.batch] : static_cast<std::int64_t>(p.batch) * p.seqlen_q;
-      const std::int64_t at = c.varlen ? h * total_q + c.seq.first_q + i
+      const std::int64_t at = c.varlen ? h * lse_rows + c.seq.first_q + i
                                        : (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i;
-      // LSE = ln(2) * (m_fold + log2(l)) = m_fold * ln(2) + ln(l), as one FMA: the product is
-      // exact inside it, so the only roundings are ln(l)'s and the final one.
-      p.lse[at] = empty ? kNegInf : std::fma(w.m_fold[r], kLn2, std::log(w.l[r]));
+      // LSE = m * scale + ln(l) in natural units, as one FMA: the product is exact inside it, so
+      // the only roundings are ln(l)'s and the final one. (m = -inf with l = NaN gives NaN.)
+      p.lse[at] = empty ? kNegInf : std::fma(w.m_u[r], c.logits.lse_scale, std::log(w.l[r]));
     }
   }
 }
@@ -389,7 +393,10 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
 }  // namespace
 
 Status tiled_forward(const AttnParams& p, const RunOptions& opt) {
-  if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
+  if (p.batch == 0 || p.seqlen_q == 0) {
+    fill_uncovered_rows(p);  // varlen with total_q: every packed row is uncovered
+    return Status::Ok();
+  }
   if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
       p.heads_q % p.heads_kv != 0 || p.head_dim <= 0)
     return Status::Invalid("tiled_forward: bad problem shape (call validate() first)");
@@ -424,6 +431,7 @@ Status tiled_forward(const AttnParams& p, const RunOptions& opt) {
   for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
   worker();
   for (auto& th : pool) th.join();
+  fill_uncovered_rows(p);  // varlen rows past cu_seqlens_q[batch], when total_q says how many
   return Status::Ok();
 }
 

@@ -33,6 +33,10 @@ Status reference_attention_f64(const AttnParams& p, double* o_f64, double* lse_f
 /// Fill n elements with pseudo-random ~normal(0, stddev) values on the device (bench/tune inputs).
 Status fill_random(void* ptr, DType dt, std::int64_t n, std::uint64_t seed, float stddev, Stream stream);
 
+/// Varlen batch 0 (or seqlen_q 0) with mask.total_q > 0: O = 0 and LSE = -inf in all total_q
+/// packed rows (attention.h), by one small kernel on `stream`: no allocation, no synchronization.
+Status fill_uncovered_rows(const AttnParams& p, Stream stream);
+
 /// Names of the compiled tile configs of the sm80 prefill kernel for a head dim.
 std::vector<std::string> prefill_sm80_configs(int head_dim);
 /// Runs the sm80 prefill kernel with the named config (empty: the tuned choice).

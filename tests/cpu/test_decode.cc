@@ -330,14 +330,15 @@ double unit_roundoff(DType dt) {
   return dt == DType::kBF16 ? 1.0 / 256 : dt == DType::kF16 ? 1.0 / 2048 : 0.0;
 }
 
-/// Compares O, LSE and the cache against the model; returns max |O - O_ref|.
-double compare(const Problem& pr, const Expected& e) {
+/// Compares O, LSE and the cache against the model; returns max |O - O_ref|. Where the fp64
+/// model is NaN (NaN inputs) O and LSE must be NaN; `nan_elements` gets how many such O elements.
+double compare(const Problem& pr, const Expected& e, std::int64_t* nan_elements = nullptr) {
   const DCase& c = pr.c;
   const int D = c.d;
   const std::int64_t total_q = static_cast<std::int64_t>(c.batch) * c.sq;
   const double u = unit_roundoff(c.dt);
   double max_err = 0;
-  std::int64_t bad = 0, nan = 0, lse_bad = 0;
+  std::int64_t bad = 0, nan = 0, lse_bad = 0, nan_expected = 0;
   for (int b = 0; b < c.batch; ++b)
     for (int t = 0; t < c.sq; ++t)
       for (int h = 0; h < c.hq; ++h) {
@@ -345,6 +346,11 @@ double compare(const Problem& pr, const Expected& e) {
         for (int d = 0; d < D; ++d) {
           const double out = pr.o.get(((b * c.sq + t) * c.hq + h) * D + d);
           const double ref = e.ref.o[static_cast<std::size_t>((row * c.hq + h) * D + d)];
+          if (std::isnan(ref)) {  // NaN inputs: NaN is the expected answer (attention.h)
+            ++nan_expected;
+            bad += !std::isnan(out);
+            continue;
+          }
           if (std::isnan(out)) {
             ++nan;
             continue;
@@ -355,13 +361,16 @@ double compare(const Problem& pr, const Expected& e) {
         }
         const double lo = pr.lse[static_cast<std::size_t>((b * c.hq + h) * c.sq + t)];
         const double lr = e.ref.lse[static_cast<std::size_t>(h * total_q + row)];
-        if (std::isinf(lr)) {
+        if (std::isnan(lr)) {
+          lse_bad += !std::isnan(lo);
+        } else if (std::isinf(lr)) {
           lse_bad += !(std::isinf(lo) && lo < 0);
         } else {
           lse_bad += !(std::fabs(lo - lr) <= kAtol + std::fabs(lr) / 16777216.0);
         }
       }
   EXPECT_EQ(nan, 0) << "NaN in O (unwritten, or a read past a sequence's length)";
+  if (nan_elements) *nan_elements = nan_expected;
   EXPECT_EQ(bad, 0) << "O elements over tolerance; max |err| " << max_err;
   EXPECT_EQ(lse_bad, 0) << "LSE rows over tolerance";
   if (c.append) {
@@ -957,6 +966,85 @@ TEST(DecodeValidate, CudaAlignmentRules) {
   EXPECT_TRUE(st.ok() || st.message().find("share one element") != std::string::npos) << st.message();
   const Status sc = validate(p, Backend::kCuda);
   EXPECT_NE(sc.message().find("not a multiple of 8 elements"), std::string::npos) << sc.message();
+}
+
+// ---- NaN inputs (attention.h: a NaN score at a visible key makes the row NaN) ---------------------
+
+// One NaN in q: its (token, head) row is NaN in O and LSE, with one split (the kernel writes O)
+// and with several (the merge combines NaN partials), while the other heads of its KV group,
+// which share the tiles and the merge, stay finite. Before, the split skipped a tile whose max
+// was -inf (every score NaN) and the row came out finite (0) with LSE -inf.
+TEST(DecodeCpu, NanQueryMakesItsRowNan) {
+  for (int splits : {1, 3}) {
+    for (int sq : {1, 4}) {
+      DCase c;
+      c.name = "nan_q_splits" + std::to_string(splits) + "_sq" + std::to_string(sq);
+      SCOPED_TRACE(c.name);
+      c.batch = 2;
+      c.hq = 8;
+      c.hkv = 2;
+      c.sq = sq;
+      c.lens = {300, 77};
+      c.num_splits = splits;
+      Problem pr(c, salt_of(c.name));
+      pr.q.set(((1 * sq + sq - 1) * c.hq + 5) * c.d + 3, NAN);  // sequence 1, last token, head 5
+      Expected e;
+      expected(pr, &e);
+      RunResult rr;
+      ASSERT_TRUE(plan_and_run(pr, &rr).ok());
+      std::int64_t nan_elements = 0;
+      compare(pr, e, &nan_elements);
+      EXPECT_EQ(nan_elements, c.d) << "exactly one row of the fp64 model is NaN";
+      EXPECT_TRUE(std::isnan(pr.lse[static_cast<std::size_t>((1 * c.hq + 5) * sq + sq - 1)]));
+    }
+  }
+}
+
+// A NaN ALiBi slope makes its head NaN; a NaN in the k of a key left of the window does not
+// reach any row (it is masked before the softmax).
+TEST(DecodeCpu, NanSlopeSpreadsNanKeyOutsideTheWindowDoesNot) {
+  DCase c;
+  c.name = "nan_slope_window";
+  c.batch = 2;
+  c.hq = 4;
+  c.hkv = 4;
+  c.lens = {200, 90};
+  c.wl = 32;
+  c.alibi = true;
+  c.num_splits = 2;
+  Problem pr(c, salt_of(c.name));
+  pr.slopes[2] = NAN;                                    // head 2, every sequence
+  pr.kc.set(pr.offset(pr.p.cache.k, 0, 160, 1) + 0, NAN);  // sequence 0, key 160: in a visited tile, left of the window (167..199)
+  Expected e;
+  expected(pr, &e);
+  RunResult rr;
+  ASSERT_TRUE(plan_and_run(pr, &rr).ok());
+  std::int64_t nan_elements = 0;
+  compare(pr, e, &nan_elements);
+  EXPECT_EQ(nan_elements, 2 * c.d) << "head 2 of both sequences";
+}
+
+// merge_attention_states: a NaN LSE on either side gives NaN (O and LSE), like merge_by_lse.
+TEST(DecodeCpu, MergeAttentionStatesPropagatesNan) {
+  const int D = 64;
+  HostBuffer oa(DType::kF32, 2 * D), ob(DType::kF32, 2 * D), o(DType::kF32, 2 * D);
+  for (std::int64_t i = 0; i < oa.size(); ++i) oa.set(i, 1.f), ob.set(i, 2.f);
+  std::vector<float> la = {NAN, 0.5f}, lb = {0.25f, NAN}, lo(2, 0.f);
+  MergeStatesParams m;
+  m.batch = 1;
+  m.seqlen = 1;
+  m.heads = 2;
+  m.head_dim = D;
+  m.o_a = bshd_view(oa.data(), DType::kF32, 1, 2, D);
+  m.o_b = bshd_view(ob.data(), DType::kF32, 1, 2, D);
+  m.o = bshd_view(o.data(), DType::kF32, 1, 2, D);
+  m.lse_a = la.data();
+  m.lse_b = lb.data();
+  m.lse = lo.data();
+  ASSERT_TRUE(merge_attention_states(m).ok());
+  EXPECT_TRUE(std::isnan(lo[0]));
+  EXPECT_TRUE(std::isnan(lo[1]));  // was 0.5 + log1p(e^-0.25)-ish: std::max dropped the NaN
+  for (std::int64_t i = 0; i < o.size(); ++i) EXPECT_TRUE(std::isnan(o.get(i))) << i;
 }
 
 // ---- merge_attention_states -------------------------------------------------------------------------

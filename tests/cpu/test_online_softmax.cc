@@ -95,6 +95,39 @@ TEST(OnlineSoftmax, AllMinusInfGivesZeros) {
   for (float v : y) EXPECT_EQ(v, 0.f);
 }
 
+// A NaN entry makes the whole row NaN, as torch.softmax does, also when every other entry is
+// -inf or the NaN comes first (the max never takes a NaN, so the row looked empty before).
+TEST(OnlineSoftmax, NanEntryMakesTheRowNan) {
+  const std::vector<std::vector<float>> rows = {
+      {NAN}, {NAN, NAN, NAN}, {-kInf, NAN, -kInf}, {NAN, 1.f, 2.f}, {1.f, NAN, 2.f}, {3.f, -kInf, NAN}};
+  for (const auto& x : rows) {
+    const int n = static_cast<int>(x.size());
+    std::vector<float> plain(n, 0.f), online(n, 0.f);
+    cpu::softmax_plain(x.data(), n, plain.data());
+    cpu::softmax_online(x.data(), n, online.data());
+    for (int i = 0; i < n; ++i) {
+      EXPECT_TRUE(std::isnan(plain[i])) << "softmax_plain, entry " << i << " of a row of " << n;
+      EXPECT_TRUE(std::isnan(online[i])) << "softmax_online, entry " << i << " of a row of " << n;
+    }
+  }
+}
+
+// Entries of ~1e10: x * log2(e) ~ 2^33.7, whose fp32 rounding residual (up to 512) is no
+// exponent exp2 survives. The recurrence takes exp2((x - m) * log2e), so the max's term is 1.
+TEST(OnlineSoftmax, HugeMagnitudesStayFinite) {
+  for (float base : {3e9f, 1e10f, 1.3e10f, 4e10f, -1e10f}) {
+    for (const std::vector<float>& x :
+         {std::vector<float>(6, base), std::vector<float>{base, base * (1 - 1e-6f), base, base * (1 + 2e-7f)}}) {
+      SCOPED_TRACE("base " + std::to_string(base) + " n " + std::to_string(x.size()));
+      const int n = static_cast<int>(x.size());
+      std::vector<float> online(n);
+      cpu::softmax_online(x.data(), n, online.data());
+      const auto want = softmax_fp64(x);
+      for (int i = 0; i < n; ++i) EXPECT_NEAR(online[i], want[i], kTol) << "i=" << i;  // NaN fails
+    }
+  }
+}
+
 // ---- merge of raw states -----------------------------------------------------------------------
 
 constexpr int kD = 8;  // accumulator width
@@ -225,6 +258,37 @@ TEST(MergeByLse, BothSidesEmpty) {
   cpu::merge_by_lse(garbage.data(), -kInf, garbage.data(), -kInf, kD, o.data(), &lse);
   EXPECT_EQ(lse, -kInf);
   for (float e : o) EXPECT_EQ(e, 0.f);
+}
+
+// A side whose every score was NaN keeps m = -inf but has l = NaN: it must spread, not be taken
+// for an empty side; an empty side stays harmless next to it.
+TEST(MergeStates, NanSideSpreads) {
+  std::vector<float> o_a(kD, 1.f), o_nan(kD, NAN);
+  cpu::SoftmaxState a{2.f, 3.f}, nan_side{-kInf, NAN};
+  cpu::merge_states(&a, o_a.data(), nan_side, o_nan.data(), kD);
+  EXPECT_TRUE(std::isnan(a.l));
+  for (float e : o_a) EXPECT_TRUE(std::isnan(e));
+  cpu::SoftmaxState empty, b = nan_side;
+  std::vector<float> o_b = o_nan, zeros(kD, 0.f);
+  cpu::merge_states(&b, o_b.data(), empty, zeros.data(), kD);  // NaN side + empty side
+  EXPECT_TRUE(std::isnan(b.l));
+  cpu::merge_states(&empty, zeros.data(), nan_side, o_nan.data(), kD);  // empty side + NaN side
+  EXPECT_TRUE(std::isnan(empty.l));
+}
+
+// A NaN LSE on either side gives a NaN LSE and NaN O (std::max / std::min used to drop a NaN
+// second argument and return a finite LSE beside a NaN O).
+TEST(MergeByLse, NanSideSpreads) {
+  std::vector<float> o_a(kD, 1.f), o_b(kD, 2.f), o(kD);
+  for (auto [la, lb] : {std::pair{NAN, 1.f}, std::pair{1.f, NAN}, std::pair{NAN, NAN}, std::pair{NAN, -kInf},
+                        std::pair{-kInf, NAN}}) {
+    SCOPED_TRACE("lse_a " + std::to_string(la) + " lse_b " + std::to_string(lb));
+    float lse = 0.f;
+    cpu::merge_by_lse(o_a.data(), la, o_b.data(), lb, kD, o.data(), &lse);
+    EXPECT_TRUE(std::isnan(lse));
+    if (!(std::isinf(la) || std::isinf(lb)))  // with one side empty, O is the other side's as given
+      for (float e : o) EXPECT_TRUE(std::isnan(e));
+  }
 }
 
 TEST(MergeStates, EmptySides) {

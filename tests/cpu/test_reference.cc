@@ -335,6 +335,70 @@ TEST(Reference, ForwardVarlenLseLayoutIsHeadsByTotal) {
   for (std::int64_t x = 0; x < t.o.size(); ++x) EXPECT_FALSE(std::isnan(t.o.get(x)));
 }
 
+// The NaN rule of attention.h, from the ground truth: a NaN score at a visible key makes the row
+// NaN (O and LSE); a NaN that the row cannot see does not reach it; a row that sees no key stays
+// 0 / -inf. Before, a row whose every score was NaN kept the max at -inf and came out 0 / -inf.
+TEST(Reference, NanScoreAtAVisibleKeyMakesTheRowNan) {
+  Tiny t(1, 5, 4, 2, 1, 61);  // 5 query rows, 4 keys, causal bottom-right: row 0 sees nothing
+  auto g = testing::rng(61);
+  t.q.fill_normal(g);
+  t.p.mask.causal = true;
+  t.qk_raw(t.q, 2, 0, 1, 0) = NAN;  // row 0 head 1: sees no key
+  t.qk_raw(t.q, 2, 2, 0, 5) = NAN;  // row 2 head 0: sees keys 0, 1
+  t.qk_raw(t.k, 1, 3, 0, 9) = NAN;  // key 3: seen by row 4 only
+  const auto r = t.run();
+  for (int row = 0; row < 5; ++row)
+    for (int h = 0; h < 2; ++h) {
+      SCOPED_TRACE("row " + std::to_string(row) + " head " + std::to_string(h));
+      const bool nan = (row == 2 && h == 0) || row == 4;
+      const double lse = ref_lse(r, row, h);
+      if (row == 0) {
+        EXPECT_EQ(lse, kNegInf);
+      } else {
+        EXPECT_EQ(std::isnan(lse), nan);
+        EXPECT_TRUE(nan || std::isfinite(lse));
+      }
+      for (int d = 0; d < kDim; ++d) {
+        const double o = ref_o(r, 2, row, h, d);
+        if (row == 0) EXPECT_EQ(o, 0.0);
+        else EXPECT_EQ(std::isnan(o), nan) << "d=" << d;
+      }
+    }
+}
+
+TEST(Reference, NanAlibiSlopeMakesItsHeadNan) {
+  Tiny t(2, 3, 3, 2, 2, 62);
+  auto g = testing::rng(62);
+  t.q.fill_normal(g);
+  t.p.mask.causal = true;
+  const std::vector<float> slopes = {0.25f, NAN, 0.5f, 0.125f};  // per batch: (b=0, h=1) is NaN
+  t.p.mask.alibi_slopes = slopes.data();
+  t.p.mask.alibi_batch_stride = 2;
+  const auto r = t.run();
+  for (int b = 0; b < 2; ++b)
+    for (int i = 0; i < 3; ++i)
+      for (int h = 0; h < 2; ++h) {
+        const bool nan = b == 0 && h == 1;
+        EXPECT_EQ(std::isnan(ref_lse(r, b * 3 + i, h)), nan) << b << " " << i << " " << h;
+        for (int d = 0; d < kDim; ++d) EXPECT_EQ(std::isnan(ref_o(r, 2, b * 3 + i, h, d)), nan);
+      }
+}
+
+// reference_forward writes what the rule says, and a NaN row is NaN in every element.
+TEST(Reference, ForwardWritesNanRows) {
+  Tiny t(1, 2, 2, 1, 1, 63);
+  t.qk_raw(t.q, 1, 1, 0, 0) = NAN;
+  std::vector<float> lse(2, 0.f);
+  t.p.lse = lse.data();
+  ASSERT_TRUE(cpu::reference_forward(t.p, RunOptions{}).ok());
+  EXPECT_TRUE(std::isfinite(lse[0]));
+  EXPECT_TRUE(std::isnan(lse[1]));
+  for (int d = 0; d < kDim; ++d) {
+    EXPECT_TRUE(std::isfinite(t.o.get(d)));
+    EXPECT_TRUE(std::isnan(t.o.get(kDim + d)));
+  }
+}
+
 TEST(Reference, SameResultForAnyThreadCount) {
   Tiny t(2, 9, 11, 4, 2, 51);
   auto g = testing::rng(51);

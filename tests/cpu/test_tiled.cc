@@ -34,6 +34,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -84,6 +85,11 @@ struct Case {
   int block_m = 0, block_n = 0;  // tiled backend tile sizes (0 = default 64)
   float qk_std = 1.f;            // std of q and k (v is always N(0, 1)): sets the logit range
   double atol_override = 0;      // > 0: documented looser bar for that case
+  // NaN inputs (attention.h: a NaN score at a visible key makes the row NaN, O and LSE):
+  std::vector<std::array<int, 3>> nan_q;  // (packed token, head, dim) of q set to NaN
+  std::vector<std::array<int, 3>> nan_k;  // (packed token, kv head, dim) of k set to NaN
+  int nan_alibi_head = -1;                // >= 0: this head's ALiBi slope is NaN (every batch)
+  std::int64_t expect_nan_rows = 0;       // (query, head) rows the case must produce as NaN
 };
 
 std::string print_case(const ::testing::TestParamInfo<Case>& info) { return info.param.name; }
@@ -158,6 +164,12 @@ struct Problem {
       p.mask.alibi_batch_stride = c.alibi == Alibi::kPerBatch ? c.heads_q : 0;
     }
     if (c.sparse.block_m > 0) build_sparse(g, max_q, max_k);
+    const std::int64_t q_row = static_cast<std::int64_t>(c.heads_q) * c.dim + c.row_pad;
+    const std::int64_t k_row = static_cast<std::int64_t>(c.heads_kv) * c.dim + c.row_pad;
+    for (const auto& [t, h, d] : c.nan_q) q.set(t * q_row + h * c.dim + d, NAN);  // bshd only
+    for (const auto& [t, h, d] : c.nan_k) k.set(t * k_row + h * c.dim + d, NAN);
+    if (c.nan_alibi_head >= 0)
+      for (std::size_t x = c.nan_alibi_head; x < slopes.size(); x += c.heads_q) slopes[x] = NAN;
   }
 
   /// Allocates and fills one tensor of `tokens` rows; returns its view (bshd, padded or bhsd).
@@ -224,6 +236,7 @@ struct Errors {
   double max_o = 0, max_lse = 0, worst_o_ratio = 0;  // worst |dO| / tolerance
   double mean_row_o = 0;                             // mean over rows of the row's max |dO|
   std::int64_t o_fail = 0, lse_fail = 0, rows_empty = 0, rows = 0;
+  std::int64_t rows_nan = 0;  // rows the reference has as NaN (NaN inputs), matched by the backend
   std::string first_failure;
 };
 
@@ -242,12 +255,13 @@ std::string where(int b, int i, int h) {
 }
 
 /// Compares the tiled output in `pr` with the reference; also checks that nothing but the
-/// output rows was written (the padding between rows must still hold the poison).
+/// output rows was written (the padding between rows must still hold the poison). Where the
+/// reference is NaN (NaN inputs) the output must be NaN too; anywhere else NaN fails.
 /// `atol_override` > 0 replaces both bars (for cases that document a looser one).
 Errors compare(const Problem& pr, const cpu::RefOutput& ref, double atol_override) {
   Errors e;
   const Case& c = pr.c;
-  std::int64_t written = 0;
+  std::int64_t written = 0, written_nan = 0;
   double sum_row_o = 0;
   for (int b = 0; b < c.batch; ++b) {
     for (int i = 0; i < pr.len_q(b); ++i) {
@@ -255,12 +269,21 @@ Errors compare(const Problem& pr, const cpu::RefOutput& ref, double atol_overrid
       for (int h = 0; h < c.heads_q; ++h) {
         ++e.rows;
         double row_o = 0;
+        const bool nan_row = std::isnan(ref.lse[static_cast<std::size_t>(h * ref.total_q + row)]);
+        e.rows_nan += nan_row;
         for (int d = 0; d < c.dim; ++d) {
           const double want = ref.o[static_cast<std::size_t>((row * c.heads_q + h) * c.dim + d)];
           const double got = pr.o.get(pr.o_offset(b, i, h) + d);
+          ++written;
+          if (std::isnan(want)) {  // NaN expected: NaN is the only right answer
+            ++written_nan;
+            if (!std::isnan(got) && e.o_fail++ == 0)
+              e.first_failure += "O " + where(b, i, h) + " d=" + std::to_string(d) + " is " + std::to_string(got) +
+                                 " where the reference is NaN; ";
+            continue;
+          }
           const double err = std::fabs(got - want);
           const double tol = atol_override > 0 ? atol_override : o_tolerance(c.dt, want);
-          ++written;
           if (!(err <= tol) && e.o_fail++ == 0)  // !(<=) also catches NaN
             e.first_failure += "O " + where(b, i, h) + " d=" + std::to_string(d) + " got " +
                                std::to_string(got) + " want " + std::to_string(want) + "; ";
@@ -273,7 +296,10 @@ Errors compare(const Problem& pr, const cpu::RefOutput& ref, double atol_overrid
         sum_row_o += row_o;
         const double want = ref.lse[static_cast<std::size_t>(h * ref.total_q + row)];
         const double got = pr.lse[static_cast<std::size_t>(pr.lse_index(b, i, h))];
-        if (std::isinf(want)) {  // a row that sees no key: exactly -inf
+        if (std::isnan(want)) {  // a row with a NaN score: NaN
+          if (!std::isnan(got) && e.lse_fail++ == 0)
+            e.first_failure += "LSE " + where(b, i, h) + " is " + std::to_string(got) + " where the reference is NaN; ";
+        } else if (std::isinf(want)) {  // a row that sees no key: exactly -inf
           ++e.rows_empty;
           if (!(std::isinf(got) && got < 0) && e.lse_fail++ == 0)
             e.first_failure += "LSE of empty row " + where(b, i, h) + " is " + std::to_string(got) + "; ";
@@ -289,11 +315,11 @@ Errors compare(const Problem& pr, const cpu::RefOutput& ref, double atol_overrid
     }
   }
   e.mean_row_o = e.rows ? sum_row_o / static_cast<double>(e.rows) : 0;
-  // Every output element is finite (the reference never yields NaN), so the poison left in
-  // the buffer counts exactly the elements the backend did not write.
+  // Every output element is finite except where the reference is NaN (checked NaN above), so
+  // the poison left in the buffer counts exactly the elements the backend did not write.
   std::int64_t poisoned = 0;
   for (std::int64_t x = 0; x < pr.o.size(); ++x) poisoned += std::isnan(pr.o.get(x));
-  EXPECT_EQ(poisoned, pr.o.size() - written) << "the backend wrote outside the output rows";
+  EXPECT_EQ(poisoned, pr.o.size() - written + written_nan) << "the backend wrote outside the output rows";
   return e;
 }
 
@@ -321,6 +347,9 @@ TEST_P(TiledVsReference, MatchesReference) {
               ms(t1 - t0).count(), ms(t2 - t1).count());
   EXPECT_EQ(e.o_fail, 0) << e.first_failure;
   EXPECT_EQ(e.lse_fail, 0) << e.first_failure;
+  // NaN inputs: the reference's NaN rows are the rows the rule of attention.h names (a row that
+  // reads none of the NaNs stays finite), so a case cannot pass with no NaN to propagate.
+  EXPECT_EQ(e.rows_nan, c.expect_nan_rows) << "rows the fp64 reference gives as NaN";
 }
 
 // ---- the case table --------------------------------------------------------------------------
@@ -679,6 +708,83 @@ std::vector<Case> tile_cases() {
   return v;
 }
 
+// NaN inputs (attention.h): a NaN in q, in a visible key's k or in a head's ALiBi slope makes the
+// rows that see it NaN (O and LSE) and nothing else; a NaN in the k of a key a row does not see
+// stays out; a row that sees no key stays 0 / -inf. Before the rule, the tiled backend took a row
+// whose every score was NaN for an empty row (its max stays -inf) and wrote 0 / -inf.
+std::vector<Case> nan_cases() {
+  std::vector<Case> v;
+  {
+    Case c = base("nan_q_one_row", 127);  // batch 2 x 2 heads, 127 rows: one (row, head) poisoned
+    c.causal = true;
+    c.nan_q = {{127 + 40, 1, 7}};  // sequence 1, row 40, head 1
+    c.expect_nan_rows = 1;
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_q_rows_across_tiles_gqa", 127);
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.block_m = 16;
+    c.nan_q = {{0, 0, 0}, {63, 3, 63}, {64, 2, 1}, {126, 1, 5}};
+    c.expect_nan_rows = 4;
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_k_visible_to_later_rows", 127);
+    c.batch = c.heads_q = c.heads_kv = 1;
+    c.causal = true;
+    c.nan_k = {{100, 0, 3}};  // causal: rows 100..126 see key 100, rows 0..99 do not
+    c.expect_nan_rows = 27;
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_k_outside_the_window", 127);
+    c.batch = c.heads_q = c.heads_kv = 1;
+    c.causal = true;
+    c.window_left = 8;  // key 50 is visible to rows 50..58 only
+    c.nan_k = {{50, 0, 0}};
+    c.expect_nan_rows = 9;
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_alibi_slope_head1", 127);
+    c.causal = true;
+    c.alibi = Alibi::kPerHead;
+    c.nan_alibi_head = 1;
+    c.expect_nan_rows = 2 * 127;  // head 1 of both sequences, every row
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_q_row_sees_no_key", 7);  // q rows 0..3 see no key (bottom-right causal)
+    c.batch = c.heads_q = c.heads_kv = 1;
+    c.seqlen_k = 3;
+    c.causal = true;
+    c.nan_q = {{1, 0, 0}, {5, 0, 0}};  // row 1 sees nothing (stays 0 / -inf), row 5 sees keys
+    c.expect_nan_rows = 1;
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_q_bf16_softcap", 127);
+    c.dt = DType::kBF16;
+    c.softcap = 30.f;
+    c.nan_q = {{3, 0, 0}};
+    c.expect_nan_rows = 1;
+    v.push_back(c);
+  }
+  {
+    Case c = base("nan_q_varlen", 1);
+    c.heads_q = c.heads_kv = 2;
+    c.len_q = {5, 70, 1};
+    c.len_k = {5, 70, 1};
+    c.causal = true;
+    c.nan_q = {{5 + 69, 0, 2}, {75, 1, 0}};  // last row of sequence 1 (head 0), sequence 2 (head 1)
+    c.expect_nan_rows = 2;
+    v.push_back(c);
+  }
+  return v;
+}
+
 INSTANTIATE_TEST_SUITE_P(Seqlens, TiledVsReference, ::testing::ValuesIn(seqlen_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(Windows, TiledVsReference, ::testing::ValuesIn(window_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(Global, TiledVsReference, ::testing::ValuesIn(global_cases()), print_case);
@@ -688,6 +794,7 @@ INSTANTIATE_TEST_SUITE_P(BlockSparse, TiledVsReference, ::testing::ValuesIn(spar
 INSTANTIATE_TEST_SUITE_P(Shapes, TiledVsReference, ::testing::ValuesIn(shape_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(DTypes, TiledVsReference, ::testing::ValuesIn(dtype_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(Tiles, TiledVsReference, ::testing::ValuesIn(tile_cases()), print_case);
+INSTANTIATE_TEST_SUITE_P(Nan, TiledVsReference, ::testing::ValuesIn(nan_cases()), print_case);
 
 // ---- properties that are not a comparison with the reference ----------------------------------
 
@@ -744,6 +851,179 @@ TEST(Tiled, HugeLogitsStayFinite) {
   const Errors e = compare(pr, ref, kHugeLogitAtol);
   EXPECT_EQ(e.o_fail, 0) << e.first_failure;
   EXPECT_EQ(e.lse_fail, 0) << e.first_failure;
+}
+
+// Scores of ~3e9..1e10 (fp16 q and k filled with one value x: q.k = 128 x^2, times 1/sqrt(128)).
+// The exponent used to be fma(s, fold, -round(m * fold)): once |m * fold| passes 2^31 the
+// rounding residual of m * fold (up to 256 there, 512 at 1e10) is exponentiated with the score,
+// exp2 overflows to inf or flushes to 0, and O came out NaN where the fp64 reference is finite.
+// The residuals for these fills (d = 128): x = 16448: +224 (inf / inf), x = 16416: -218 (0 / 0),
+// x = 3e4 (the fill): +99 (finite, 2^99 per key). With exp2((s - m) * fold) the max's
+// own term is exactly 1 at any magnitude.
+TEST(Tiled, HugeScoresStayFinite) {
+  for (const float fill : {16448.f, 16416.f, 3e4f})
+  for (bool mixed_signs : {false, true}) {
+    SCOPED_TRACE("fill " + std::to_string(fill) +
+                 (mixed_signs ? ", keys of both signs (a one-hot-like softmax)" : ", every score equal"));
+    Case c = base("huge_scores", 100);
+    c.dt = DType::kF16;
+    c.dim = 128;
+    c.causal = true;
+    Problem pr(c, 16);
+    for (std::int64_t x = 0; x < pr.q.size(); ++x) pr.q.set(x, fill);
+    for (std::int64_t x = 0; x < pr.k.size(); ++x) pr.k.set(x, mixed_signs && (x / c.dim) % 3 == 1 ? -fill : fill);
+    cpu::RefOutput ref;
+    ASSERT_TRUE(cpu::reference_attention(pr.p, &ref).ok());
+    for (const Backend be : {Backend::kCpu, Backend::kCpuReference}) {
+      SCOPED_TRACE(backend_name(be));
+      pr.o.poison();
+      std::fill(pr.lse.begin(), pr.lse.end(), NAN);
+      RunOptions opt;
+      opt.backend = be;
+      ASSERT_TRUE(attention_forward(pr.p, opt).ok());
+      std::int64_t bad = 0;
+      for (int b = 0; b < c.batch; ++b)
+        for (int i = 0; i < c.seqlen_q; ++i)
+          for (int h = 0; h < c.heads_q; ++h) {
+            const std::int64_t row = b * c.seqlen_q + i;
+            for (int d = 0; d < c.dim; ++d) {
+              const double want = ref.o[static_cast<std::size_t>((row * c.heads_q + h) * c.dim + d)];
+              const double got = pr.o.get(pr.o_offset(b, i, h) + d);
+              bad += !(std::fabs(got - want) <= o_tolerance(DType::kF16, want));  // NaN counts as bad
+            }
+            const double want = ref.lse[static_cast<std::size_t>(h * ref.total_q + row)];
+            const double got = pr.lse[static_cast<std::size_t>(pr.lse_index(b, i, h))];
+            ASSERT_GT(std::fabs(want), 1e9);
+            // fp32 holds 1e10 to 1024; the bar is a few ulps of it.
+            EXPECT_NEAR(got, want, 4 * kUnitRoundoffF32 * std::fabs(want)) << where(b, i, h);
+          }
+      EXPECT_EQ(bad, 0) << "O elements off the fp64 reference (or NaN)";
+    }
+  }
+}
+
+// The NaN rule through the public entry point, on both CPU backends: the row of the NaN, and
+// only it, is NaN in O (every element) and in the LSE; the same for a NaN ALiBi slope's head.
+TEST(Tiled, NanRuleThroughAttentionForwardOnBothCpuBackends) {
+  for (const Backend be : {Backend::kCpu, Backend::kCpuReference}) {
+    SCOPED_TRACE(backend_name(be));
+    Case c = base("nan_forward", 127);
+    c.causal = true;
+    c.alibi = Alibi::kPerHead;
+    c.nan_alibi_head = 0;
+    c.nan_q = {{127 + 9, 1, 0}};  // sequence 1, row 9, head 1
+    Problem pr(c, 17);
+    RunOptions opt;
+    opt.backend = be;
+    ASSERT_TRUE(attention_forward(pr.p, opt).ok());
+    for (int b = 0; b < c.batch; ++b)
+      for (int i = 0; i < c.seqlen_q; ++i)
+        for (int h = 0; h < c.heads_q; ++h) {
+          const bool nan = h == 0 || (b == 1 && i == 9);
+          std::int64_t nans = 0;
+          for (int d = 0; d < c.dim; ++d) nans += std::isnan(pr.o.get(pr.o_offset(b, i, h) + d));
+          ASSERT_EQ(nans, nan ? c.dim : 0) << where(b, i, h);
+          const float lse = pr.lse[static_cast<std::size_t>(pr.lse_index(b, i, h))];
+          ASSERT_EQ(std::isnan(lse), nan) << where(b, i, h) << " lse " << lse;
+          if (!nan) ASSERT_TRUE(std::isfinite(lse)) << where(b, i, h);
+        }
+  }
+}
+
+/// Varlen buffers of `rows` packed rows, heads 2, fp32, with the given sequence lengths.
+struct PackedVarlen {
+  std::vector<std::int32_t> cu;
+  HostBuffer q, k, v, o;
+  std::vector<float> lse;
+  AttnParams p;
+  PackedVarlen(const std::vector<int>& lens, std::int64_t rows, int heads = 2, int dim = 64) {
+    cu = {0};
+    int max_len = 0;
+    for (int l : lens) {
+      cu.push_back(cu.back() + l);
+      max_len = std::max(max_len, l);
+    }
+    auto g = testing::rng(18);
+    const std::int64_t n = std::max<std::int64_t>(rows, 1) * heads * dim;
+    q = k = v = o = HostBuffer(DType::kF32, n);
+    q.fill_normal(g);
+    k.fill_normal(g);
+    v.fill_normal(g);
+    o.poison();
+    lse.assign(static_cast<std::size_t>(std::max<std::int64_t>(rows, 1) * heads), NAN);
+    p.batch = static_cast<int>(lens.size());
+    p.seqlen_q = p.seqlen_k = max_len;
+    p.heads_q = p.heads_kv = heads;
+    p.head_dim = dim;
+    const TensorView packed{nullptr, DType::kF32, 0, static_cast<std::int64_t>(heads) * dim, dim};
+    p.q = p.k = p.v = p.o = packed;
+    p.q.data = q.data();
+    p.k.data = k.data();
+    p.v.data = v.data();
+    p.o.data = o.data();
+    p.lse = lse.data();
+    p.mask.cu_seqlens_q = p.mask.cu_seqlens_k = cu.data();
+    p.mask.total_q = rows;
+  }
+};
+
+// Varlen with batch 0 (cu_seqlens = [0]): every packed row is uncovered and, with total_q known,
+// comes out O = 0 and LSE = -inf on both CPU backends, through attention_forward and through the
+// backends themselves (attention.h). Before, nothing was written: the caller's buffer stayed as
+// it was (torch.empty garbage in Python: 3.4e38 and NaN on the H200).
+TEST(Tiled, VarlenBatchZeroFillsEveryPackedRow) {
+  for (int path = 0; path < 4; ++path) {
+    SCOPED_TRACE("path " + std::to_string(path));
+    PackedVarlen pv({}, 8, 16, 128);
+    RunOptions opt;
+    Status st;
+    if (path == 0) opt.backend = Backend::kCpu, st = attention_forward(pv.p, opt);
+    if (path == 1) opt.backend = Backend::kCpuReference, st = attention_forward(pv.p, opt);
+    if (path == 2) st = cpu::tiled_forward(pv.p, opt);
+    if (path == 3) st = cpu::reference_forward(pv.p, opt);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    for (std::int64_t x = 0; x < pv.o.size(); ++x) ASSERT_EQ(pv.o.get(x), 0.f) << x;
+    for (float l : pv.lse) ASSERT_EQ(l, -INFINITY);
+  }
+  // seqlen_q 0 with sequences (all empty) is the same; total_q = 0 (unknown) writes nothing.
+  PackedVarlen empty_seqs({0, 0}, 3);
+  ASSERT_TRUE(attention_forward(empty_seqs.p, RunOptions{}).ok());
+  for (std::int64_t x = 0; x < empty_seqs.o.size(); ++x) ASSERT_EQ(empty_seqs.o.get(x), 0.f);
+  PackedVarlen unknown({}, 8);
+  unknown.p.mask.total_q = 0;
+  ASSERT_TRUE(attention_forward(unknown.p, RunOptions{}).ok());
+  for (std::int64_t x = 0; x < unknown.o.size(); ++x) ASSERT_TRUE(std::isnan(unknown.o.get(x)));
+  for (float l : unknown.lse) ASSERT_TRUE(std::isnan(l));
+}
+
+// Rows past cu_seqlens_q[batch] with total_q given: O = 0, LSE = -inf, and the LSE is laid out
+// (heads_q, total_q), the shape Python allocates for a (total_q, heads, dim) q. The covered rows
+// agree between the backends and with a problem cut to exactly the covered rows.
+TEST(Tiled, VarlenRowsPastTheLastSequence) {
+  for (const Backend be : {Backend::kCpu, Backend::kCpuReference}) {
+    SCOPED_TRACE(backend_name(be));
+    PackedVarlen pv({3, 5}, 11);  // rows 8, 9 and 10 are uncovered
+    PackedVarlen cut({3, 5}, 8);
+    cut.p.mask.total_q = 0;  // unknown: LSE (heads, 8)
+    for (HostBuffer* x : {&cut.q, &cut.k, &cut.v})  // the same inputs in the 8 covered rows
+      std::memcpy(x->data(), (x == &cut.q ? pv.q : x == &cut.k ? pv.k : pv.v).data(), x->bytes.size());
+    RunOptions opt;
+    opt.backend = be;
+    ASSERT_TRUE(attention_forward(pv.p, opt).ok());
+    ASSERT_TRUE(attention_forward(cut.p, opt).ok());
+    const int hd = 2 * 64;
+    for (std::int64_t r = 0; r < 11; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const float lse = pv.lse[static_cast<std::size_t>(h * 11 + r)];
+        if (r >= 8) {
+          EXPECT_EQ(lse, -INFINITY) << "row " << r << " head " << h;
+          for (int d = 0; d < 64; ++d) EXPECT_EQ(pv.o.get(r * hd + h * 64 + d), 0.f);
+        } else {
+          EXPECT_EQ(lse, cut.lse[static_cast<std::size_t>(h * 8 + r)]) << "row " << r << " head " << h;
+          for (int d = 0; d < 64; ++d) EXPECT_EQ(pv.o.get(r * hd + h * 64 + d), cut.o.get(r * hd + h * 64 + d));
+        }
+      }
+  }
 }
 
 TEST(Tiled, RejectsBadShape) {

@@ -486,6 +486,57 @@ TEST(ValidateVarlen, NoKeysAtAll) {
   EXPECT_TRUE(Passes(validate(v.p, Backend::kCpu)));
 }
 
+// mask.total_q: the packed row count of a varlen q (attention.h). It bounds the q/o spans and the
+// LSE, must cover cu_seqlens_q[batch] where that can be read, and is for varlen only.
+TEST(ValidateVarlen, TotalQ) {
+  Varlen v;
+  v.p.mask.total_q = 14;  // = cu_seqlens_q[3]
+  for (Backend b : kAllBackends) EXPECT_TRUE(Passes(validate(v.p, b))) << backend_name(b);
+  v.p.mask.total_q = 20;  // rows past the last sequence
+  EXPECT_TRUE(Passes(validate(v.p, Backend::kCpu)));
+  v.p.mask.total_q = 13;
+  for (Backend b : kHostBackends)
+    EXPECT_TRUE(Invalid(validate(v.p, b), {"mask.total_q 13", "less than cu_seqlens_q[batch] 14"}));
+  EXPECT_TRUE(Passes(validate(v.p, Backend::kCuda)));  // device arrays: not read
+  v.p.mask.total_q = -1;
+  EXPECT_TRUE(Invalid(validate(v.p, Backend::kCpu), {"mask.total_q -1", "negative"}));
+  v.p.mask.total_q = std::int64_t{1} << 31;
+  EXPECT_TRUE(Invalid(validate(v.p, Backend::kCuda), {"mask.total_q 2147483648", "2^31-1"}));
+  auto p = base();
+  p.mask.total_q = 5;
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"mask.total_q 5", "without cu_seqlens"}));
+  // Head-major packing (heads, total, dim) over 20 rows: head_stride must step past 20 rows.
+  v.p.mask.total_q = 20;
+  v.p.q.head_stride = v.p.o.head_stride = 20 * 128;
+  v.p.q.seq_stride = v.p.o.seq_stride = 128;
+  EXPECT_TRUE(Passes(validate(v.p, Backend::kCpu)));
+  v.p.o.head_stride = 19 * 128;
+  EXPECT_TRUE(Invalid(validate(v.p, Backend::kCpu), {"o.head_stride 2432", "share one element"}));
+}
+
+// Varlen batch 0 with total_q writes O = 0 and LSE = -inf into the packed rows: o and lse are
+// checked (and only they: q, k and v are not read), where a plain empty problem checks nothing.
+TEST(ValidateVarlen, BatchZeroWithTotalQChecksTheOutputs) {
+  std::vector<std::int32_t> cu = {0};
+  auto p = base();
+  p.batch = 0;
+  p.seqlen_q = p.seqlen_k = 0;
+  p.q = p.k = p.v = TensorView{};  // null: never read
+  p.o = bshd_view(fake(kO), DType::kBF16, 0, 8, 128);
+  p.mask.cu_seqlens_q = p.mask.cu_seqlens_k = cu.data();
+  EXPECT_TRUE(Passes(validate(p, Backend::kCpu)));  // total_q unknown: writes nothing
+  p.mask.total_q = 8;
+  for (Backend b : kHostBackends) EXPECT_TRUE(Passes(validate(p, b))) << backend_name(b);
+  p.lse = fake_as<float>(kLse);
+  EXPECT_TRUE(Passes(validate(p, Backend::kCuda)));
+  p.o.data = nullptr;
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"o.data is null"}));
+  p.o.data = fake(kLse + 4);  // overlaps the lse
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"o overlaps lse"}));
+  p.o.data = fake(kO + 2);
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCuda), {"o.data", "16-byte"}));
+}
+
 // ---- rule 9: block-sparse ------------------------------------------------------------------------
 
 /// 128 queries x 192 keys in 64 x 64 blocks (2 x 3), one mask for every batch and head:

@@ -1,9 +1,12 @@
 // Device-side random fill (counter-based hash -> approx. normal), for benchmarks and the tuner,
-// so multi-GB inputs do not cross PCIe.
+// so multi-GB inputs do not cross PCIe; and the fill of the varlen rows that no sequence covers
+// (attention.h: O = 0, LSE = -inf), for a problem whose batch is 0.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "cuda/cuda_api.h"
@@ -33,7 +36,36 @@ __global__ void fill_kernel(T* out, std::int64_t n, std::uint64_t seed, float st
   }
 }
 
+/// O = 0 in `rows` packed rows (16-byte stores: the data is 16-byte aligned and every stride
+/// that matters is a multiple of 8 elements, validate.cc), and LSE = -inf in its heads * rows
+/// contiguous entries. Zero bits are 0.0 in fp16 and bf16.
+__global__ void fill_uncovered_kernel(std::uint16_t* o, std::int64_t seq_stride, std::int64_t head_stride, int heads,
+                                      int chunks, std::int64_t rows, float* lse) {
+  const std::int64_t n = rows * heads * chunks, step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
+  const std::int64_t first = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  for (std::int64_t i = first; i < n; i += step) {
+    const std::int64_t c = i % chunks, rest = i / chunks, h = rest % heads, r = rest / heads;
+    *reinterpret_cast<uint4*>(o + r * seq_stride + h * head_stride + c * 8) = make_uint4(0, 0, 0, 0);
+  }
+  if (lse != nullptr)
+    for (std::int64_t i = first; i < rows * heads; i += step) lse[i] = -INFINITY;
+}
+
 }  // namespace
+
+Status fill_uncovered_rows(const AttnParams& p, Stream stream) {
+  const std::int64_t rows = p.mask.total_q;
+  if (rows <= 0 || p.o.data == nullptr) return Status::Ok();
+  const int chunks = p.head_dim / 8;  // head_dim is 64, 128 or 256
+  const std::int64_t n = rows * p.heads_q * chunks;
+  const int threads = 256;
+  const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + threads - 1) / threads, 1024));
+  fill_uncovered_kernel<<<blocks, threads, 0, stream>>>(static_cast<std::uint16_t*>(p.o.data), p.o.seq_stride,
+                                                        p.o.head_stride, p.heads_q, chunks, rows, p.lse);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok()
+                          : Status::Cuda(std::string("fill of the uncovered varlen rows: ") + cudaGetErrorString(e));
+}
 
 Status fill_random(void* ptr, DType dt, std::int64_t n, std::uint64_t seed, float stddev, Stream stream) {
   const int blocks = 1024, threads = 256;
