@@ -374,9 +374,11 @@ void reference(const Step& st, cpu::RefOutput* ref) {
 struct Errors {
   double max_abs = 0, cpu_max_abs = 0, lse_max = 0;
   std::int64_t bad = 0, nan = 0, lse_bad = 0;
+  std::int64_t nan_rows = 0;  ///< rows the fp64 reference gives as NaN (NaN inputs): O and LSE must be NaN there
 };
 
-/// Compares the device outputs (already downloaded into st.o.h / st.lse.h) with fp64.
+/// Compares the device outputs (already downloaded into st.o.h / st.lse.h) with fp64. Where the
+/// reference is NaN (NaN inputs, attention.h) every element and the LSE must be NaN too.
 Errors compare_outputs(const Step& st, const cpu::RefOutput& ref) {
   const GCase& c = st.c;
   const int D = c.d;
@@ -391,6 +393,13 @@ Errors compare_outputs(const Step& st, const cpu::RefOutput& ref) {
     for (int t = 0; t < c.sq; ++t)
       for (int h = 0; h < c.hq; ++h) {
         const std::int64_t row = static_cast<std::int64_t>(b) * c.sq + t;
+        const double lo_row = st.lse.h[(static_cast<std::int64_t>(b) * c.hq + h) * c.sq + t];
+        if (std::isnan(ref.lse[h * total_q + row])) {
+          ++e.nan_rows;
+          for (int d = 0; d < D; ++d) e.bad += !std::isnan(bits_to_float(st.o.h[(row * c.hq + h) * D + d], c.dt));
+          e.lse_bad += !std::isnan(lo_row);
+          continue;
+        }
         for (int d = 0; d < D; ++d) {
           const std::int64_t at = (row * c.hq + h) * D + d;
           const double out = bits_to_float(st.o.h[at], c.dt), r = ref.o[at];
@@ -838,6 +847,89 @@ TEST(DecodeGpu, MergeAttentionStates) {
       else ASSERT_NEAR(l_gpu[r], l_cpu[r], 1e-5) << r;
     }
   }
+}
+
+// NaN inputs (attention.h): a NaN in q makes its (token, head) row NaN in O and the LSE, a NaN
+// ALiBi slope its head's rows; the other heads of the same KV group (which share the CTA, its
+// tiles and the merge) stay finite. With one split (the split kernel writes O), several (the
+// merge kernel, or the fused merge), and 1 or 4 query tokens. The case is among them:
+// GQA 32/8, d128, NaN at q[0, 0, 1, 0]. Before, the split kernel's epilogue skipped a row whose
+// warps all had max -inf (fmaxf drops NaN) and wrote a finite row with LSE -inf.
+TEST(DecodeGpu, NanQueryOrSlopeMakesItsRowNan) {
+  for (int splits : {1, 4})
+    for (bool fused_merge : {false, true})
+      for (int sq : {1, 4}) {
+        if (splits == 1 && fused_merge) continue;  // nothing to merge
+        GCase c;
+        c.name = "nan";
+        c.batch = 2;
+        c.sq = sq;
+        c.lens = {1000, 300};
+        c.alibi = true;
+        c.num_splits = splits;
+        SCOPED_TRACE(describe(c) + (fused_merge ? " fused merge" : ""));
+        std::mt19937_64 g(gpu_seed() ^ (0xA7 + splits * 16 + sq + fused_merge));
+        Step st(c, g);
+        const std::uint16_t nan_bits = 0x7FC0;  // bf16 NaN
+        auto q_at = [&](int b, int t, int h, int d) { return ((static_cast<std::size_t>(b) * sq + t) * c.hq + h) * c.d + d; };
+        st.q.h[q_at(0, 0, 1, 0)] = nan_bits;
+        st.q.h[q_at(1, sq - 1, 9, 5)] = nan_bits;
+        st.slopes.h[20] = NAN;
+        st.upload_all();
+        GpuPlan gp;
+        Status s = plan_gpu(st, &gp, nullptr, nullptr, fused_merge);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        RunOptions ro;
+        ro.backend = Backend::kCuda;
+        s = decode_run(st.dp, gp.plan, ro);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        CUDA_OK(cudaDeviceSynchronize());
+        cpu::RefOutput ref;
+        reference(st, &ref);
+        st.o.download();
+        st.lse.download();
+        const Errors e = compare_outputs(st, ref);
+        EXPECT_EQ(e.nan_rows, 2 + 2 * sq) << "the fp64 reference's NaN rows: two q rows and head 20 of every token";
+        EXPECT_EQ(e.nan, 0) << "NaN where the reference is finite";
+        EXPECT_EQ(e.bad, 0) << "O over tolerance, or finite where the reference is NaN";
+        EXPECT_EQ(e.lse_bad, 0) << "LSE over tolerance, or finite where the reference is NaN";
+        EXPECT_EQ(gp.plan.max_splits, splits);
+      }
+}
+
+// merge_attention_states on CUDA: a NaN LSE on either side gives NaN O and LSE (fmaxf used to
+// drop it from the merged LSE), like the CPU rule; the other rows agree with the CPU.
+TEST(DecodeGpu, MergeAttentionStatesPropagatesNan) {
+  const int H = 4, D = 64;
+  std::vector<std::uint16_t> a(H * D), b(H * D), o(H * D);
+  for (int i = 0; i < H * D; ++i) a[i] = float_to_bf16_bits(1.f), b[i] = float_to_bf16_bits(2.f);
+  std::vector<float> la = {NAN, 0.5f, NAN, 1.f}, lb = {0.25f, NAN, -INFINITY, 2.f}, l(H);
+  DeviceBuffer da(a.size() * 2), db(b.size() * 2), dout(o.size() * 2), dla(H * 4), dlb(H * 4), dl(H * 4);
+  CUDA_OK(cudaMemcpy(da.ptr, a.data(), a.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(db.ptr, b.data(), b.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dla.ptr, la.data(), H * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dlb.ptr, lb.data(), H * 4, cudaMemcpyHostToDevice));
+  MergeStatesParams m;
+  m.batch = 1;
+  m.seqlen = 1;
+  m.heads = H;
+  m.head_dim = D;
+  m.o_a = bshd_view(da.ptr, DType::kBF16, 1, H, D);
+  m.o_b = bshd_view(db.ptr, DType::kBF16, 1, H, D);
+  m.o = bshd_view(dout.ptr, DType::kBF16, 1, H, D);
+  m.lse_a = static_cast<float*>(dla.ptr);
+  m.lse_b = static_cast<float*>(dlb.ptr);
+  m.lse = static_cast<float*>(dl.ptr);
+  RunOptions ro;
+  ro.backend = Backend::kCuda;
+  ASSERT_TRUE(merge_attention_states(m, ro).ok());
+  CUDA_OK(cudaMemcpy(o.data(), dout.ptr, o.size() * 2, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(l.data(), dl.ptr, H * 4, cudaMemcpyDeviceToHost));
+  for (int h = 0; h < 3; ++h) EXPECT_TRUE(std::isnan(l[h])) << "head " << h << ": " << l[h];
+  for (int h = 0; h < 2; ++h)  // head 2's other side is empty: its O is o_a as given
+    for (int d = 0; d < D; ++d) EXPECT_TRUE(std::isnan(bf16_bits_to_float(o[h * D + d]))) << h << " " << d;
+  EXPECT_NEAR(l[3], 2.f + std::log1p(std::exp(-1.f)), 1e-5);
+  for (int d = 0; d < D; ++d) EXPECT_TRUE(std::isfinite(bf16_bits_to_float(o[3 * D + d])));
 }
 
 TEST(DecodeGpu, ValidationReachesNoKernel) {

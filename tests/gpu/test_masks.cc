@@ -9,6 +9,7 @@
 // docs/tolerances.md: |O - ref| <= 1e-2 + 1e-2 |ref|, |LSE - ref| <= 1e-3, and a row that sees
 // no key must give exactly O = 0 and LSE = -inf. Fresh random inputs each run (FLASHCPP_SEED).
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -41,6 +42,15 @@ struct MaskCase {
   bool bs_per_head = false; ///< one mask per (batch, head) instead of one shared mask
   BsFn bs_fn;               ///< visibility of the block-sparse mask
   std::string bs_name;
+  // NaN inputs (attention.h: a NaN score at a visible key makes that row NaN, O and LSE, and
+  // nothing else): the fp64 reference reads the same NaNs, and where it is NaN the kernel must be.
+  std::vector<std::array<int, 3>> nan_q;  ///< (packed row, head, dim) of q set to NaN
+  std::vector<std::array<int, 3>> nan_k;  ///< (packed row, kv head, dim) of k set to NaN
+  int nan_slope_head = -1;                ///< >= 0: this head's ALiBi slope is NaN (every batch)
+  std::int64_t expect_nan_rows = 0;       ///< (row, head) pairs the reference must give as NaN
+  /// Varlen: packed rows past cu_seqlens_q[batch] in q and o, passed as mask.total_q (0 = none,
+  /// total_q unset). The LSE is then (heads, total_q); on CUDA those rows stay as they were.
+  int extra_rows = 0;
 };
 
 bool varlen(const MaskCase& c) { return !c.lq.empty(); }
@@ -64,6 +74,10 @@ std::string describe(const MaskCase& c) {
   if (c.scale > 0.f) s += " scale" + std::to_string(c.scale).substr(0, 4);
   if (c.alibi) s += c.alibi == 2 ? " alibi/b" : " alibi";
   if (c.bsm) s += " bs" + std::to_string(c.bsm) + "x" + std::to_string(c.bsn) + (c.bs_per_head ? "/h " : " ") + c.bs_name;
+  if (!c.nan_q.empty()) s += " nan_q" + std::to_string(c.nan_q.size());
+  if (!c.nan_k.empty()) s += " nan_k" + std::to_string(c.nan_k.size());
+  if (c.nan_slope_head >= 0) s += " nan_slope_h" + std::to_string(c.nan_slope_head);
+  if (c.extra_rows) s += " total_q+" + std::to_string(c.extra_rows);
   return s;
 }
 
@@ -101,13 +115,19 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   const std::vector<std::int32_t>& cu_q = sl.cu_q;
   const std::vector<std::int32_t>& cu_k = sl.cu_k;
   const std::int64_t rows_q = sl.rows_q, rows_k = sl.rows_k;
+  // total_q: rows_q covered rows, then extra_rows that no sequence covers (varlen only).
+  const std::int64_t total_q = rows_q + (vl ? c.extra_rows : 0);
   const std::int64_t nq = rows_q * c.hq * c.d, nk = std::max<std::int64_t>(rows_k * c.hkv * c.d, 8);
-  const std::int64_t n_lse = rows_q * c.hq;
+  const std::int64_t nq_all = total_q * c.hq * c.d;
+  const std::int64_t n_lse = rows_q * c.hq, n_lse_all = total_q * c.hq;
 
-  auto hq_bits = random_half_bits(nq, c.dt, gen), hk_bits = random_half_bits(nk, c.dt, gen),
+  auto hq_bits = random_half_bits(nq_all, c.dt, gen), hk_bits = random_half_bits(nk, c.dt, gen),
        hv_bits = random_half_bits(nk, c.dt, gen);
-  const std::int64_t o_elems = nq + static_cast<std::int64_t>(kGuardRows) * c.hq * c.d;
-  DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(o_elems * 2), lse(sizeof(float) * (n_lse + 64));
+  const std::uint16_t nan_bits = c.dt == kBf16 ? 0x7FC0 : 0x7E00;
+  for (const auto& [r, h, dd] : c.nan_q) hq_bits[(static_cast<std::int64_t>(r) * c.hq + h) * c.d + dd] = nan_bits;
+  for (const auto& [r, h, dd] : c.nan_k) hk_bits[(static_cast<std::int64_t>(r) * c.hkv + h) * c.d + dd] = nan_bits;
+  const std::int64_t o_elems = nq_all + static_cast<std::int64_t>(kGuardRows) * c.hq * c.d;
+  DeviceBuffer q(nq_all * 2), k(nk * 2), v(nk * 2), o(o_elems * 2), lse(sizeof(float) * (n_lse_all + 64));
   ASSERT_TRUE(q.ptr && k.ptr && v.ptr && o.ptr && lse.ptr);
   upload(q, hq_bits);
   upload(k, hk_bits);
@@ -135,6 +155,7 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
     upload(d_cu_k, cu_k);
     p.mask.cu_seqlens_q = static_cast<const std::int32_t*>(d_cu_q.ptr);
     p.mask.cu_seqlens_k = static_cast<const std::int32_t*>(d_cu_k.ptr);
+    if (c.extra_rows) p.mask.total_q = total_q;
   }
   std::vector<float> slopes;
   if (c.alibi) {
@@ -145,6 +166,8 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
       for (int b = 0; b < batch; ++b)
         for (int h = 0; h < c.hq; ++h) slopes.push_back(bloom[h] * (1.f + 0.5f * static_cast<float>(b)));
     }
+    if (c.nan_slope_head >= 0)
+      for (std::size_t x = c.nan_slope_head; x < slopes.size(); x += c.hq) slopes[x] = NAN;
   }
   DeviceBuffer d_slopes(sizeof(float) * std::max<std::size_t>(slopes.size(), 1));
   if (c.alibi) {
@@ -208,8 +231,10 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   } else {
     DeviceBuffer oref(sizeof(double) * nq), lseref(sizeof(double) * std::max<std::int64_t>(n_lse, 1));
     ASSERT_TRUE(oref.ptr && lseref.ptr);
+    AttnParams rp = p;
+    rp.mask.total_q = 0;  // the reference's own packed layout: (hq, rows_q)
     const Status rs =
-        cuda::reference_attention_f64(p, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr);
+        cuda::reference_attention_f64(rp, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr);
     ASSERT_TRUE(rs.ok()) << rs.to_string();
     CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, sizeof(double) * nq, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(rlse.data(), lseref.ptr, sizeof(double) * n_lse, cudaMemcpyDeviceToHost));
@@ -217,22 +242,27 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
 
   // ---- compare ------------------------------------------------------------------------------
   std::vector<std::uint16_t> ho(o_elems);
-  std::vector<float> hlse(n_lse + 64);
+  std::vector<float> hlse(n_lse_all + 64);
   CUDA_OK(cudaMemcpy(ho.data(), o.ptr, o.bytes, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(hlse.data(), lse.ptr, lse.bytes, cudaMemcpyDeviceToHost));
+  // Guards: the rows after O and the floats after the LSE, and (total_q given) the packed rows
+  // past cu_seqlens_q[batch], which the CUDA kernels leave as they are (attention.h).
   std::int64_t guard_bad = 0;
   for (std::int64_t x = nq; x < o_elems; ++x) guard_bad += ho[x] != 0xFFFF;
-  for (std::int64_t x = n_lse; x < n_lse + 64; ++x) {
+  auto lse_poisoned = [&](std::int64_t x) {
     std::uint32_t u;
     std::memcpy(&u, &hlse[x], 4);
-    guard_bad += u != 0xFFFFFFFFu;
-  }
+    return u == 0xFFFFFFFFu;
+  };
+  for (std::int64_t x = n_lse_all; x < n_lse_all + 64; ++x) guard_bad += !lse_poisoned(x);
+  for (int h = 0; h < c.hq; ++h)
+    for (std::int64_t r = rows_q; r < total_q; ++r) guard_bad += !lse_poisoned(h * total_q + r);
   // Kernel LSE index of packed row `row` (sequence b, local row i) and head h.
   auto lse_at = [&](std::int64_t row, int b, int i, int h) -> std::int64_t {
-    return vl ? h * rows_q + row : (static_cast<std::int64_t>(b) * c.hq + h) * c.sq + i;
+    return vl ? h * total_q + row : (static_cast<std::int64_t>(b) * c.hq + h) * c.sq + i;
   };
   double max_abs = 0, lse_err = 0;
-  std::int64_t nan = 0, bad = 0, lse_bad = 0, empty_rows = 0;
+  std::int64_t nan = 0, bad = 0, lse_bad = 0, empty_rows = 0, nan_rows = 0;
   std::vector<double> row_err;
   row_err.reserve(static_cast<std::size_t>(rows_q * c.hq));
   for (int b = 0; b < batch; ++b) {
@@ -244,6 +274,12 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
         const double kl = hlse[lse_at(row, b, i, h)];
         const bool empty = std::isinf(rl) && rl < 0;
         empty_rows += empty;
+        if (std::isnan(rl)) {  // a NaN score at a visible key: every element and the LSE are NaN
+          ++nan_rows;
+          for (int dd = 0; dd < c.d; ++dd) bad += !std::isnan(bits_to_float(ho[(row * c.hq + h) * c.d + dd], c.dt));
+          lse_bad += !std::isnan(kl);
+          continue;
+        }
         double rerr = 0;
         for (int dd = 0; dd < c.d; ++dd) {
           const std::int64_t idx = (row * c.hq + h) * c.d + dd;
@@ -274,6 +310,7 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   EXPECT_EQ(bad, 0) << "elements over tolerance (or non-zero O in a row that sees no key); max_abs_err " << max_abs;
   EXPECT_EQ(lse_bad, 0) << "LSE rows over " << kLseAtol << " (or not -inf for a row that sees no key); max " << lse_err;
   EXPECT_EQ(guard_bad, 0) << "writes past the packed rows of O or the LSE";
+  EXPECT_EQ(nan_rows, c.expect_nan_rows) << "(row, head) pairs the fp64 reference gives as NaN";
   if (family == "sm90" && !c.bsm) EXPECT_EQ(out->choice.id, KernelId::kCudaSm90) << out->choice.reason;
   std::printf("    %-88s %-5s %-14s max_abs %.2e p50_row %.2e lse %.2e%s\n", describe(c).c_str(), family.c_str(),
               out->choice.config.c_str(), max_abs, p50, lse_err,
@@ -461,6 +498,48 @@ TEST(MasksGpuWideTile, EveryMaskOnTheD64WideTile) {
 #endif
 }
 
+// ---- NaN inputs ---------------------------------------------------------------------------------
+
+// attention.h: a NaN score at a key a row sees makes that row NaN (every element of O and the
+// LSE) on both kernel families, like SDPA and flash-attn; a NaN in the k of a key the row cannot
+// see (causal, left of a window, even inside a visited key tile) does not reach it; a row that
+// sees no key stays O = 0, LSE = -inf. Before, fmaxf dropped the NaN from the row max, the row max
+// stayed -inf, and the epilogue's l > 0 test took the row for an empty one: the sm90 kernel wrote
+// NaN O with LSE -inf, the sm80 kernel the same (NaN * 0), and a NaN slope's head likewise.
+TEST(MasksGpuNan, NanInQKeysAndSlopesOnBothFamilies) {
+  std::uint64_t salt = 1590;
+  for (int d : {64, 128, 256}) {
+    MaskCase a = dense(2, 300, 300, 4, 2, d, kBf16, true);
+    a.nan_q = {{5, 3, 7}, {300 + 299, 0, 0}};  // batch 0 row 5 head 3; batch 1 row 299 head 0
+    a.nan_k = {{250, 1, 3}};                   // batch 0 key 250, kv head 1: q heads 2, 3 of rows 250..299
+    a.expect_nan_rows = 2 + 2 * 50;
+    run_all(a, salt++);
+  }
+  MaskCase w = window(dense(1, 500, 500, 2, 2, 64, kF16, true), 32, -1);
+  w.nan_k = {{100, 0, 0}};  // seen by rows 100..132 of head 0 only; masked in the tiles of later rows
+  w.expect_nan_rows = 33;
+  run_all(w, salt++);
+  MaskCase al = dense(2, 200, 200, 4, 4, 64, kBf16, true);
+  al.alibi = 1;
+  al.nan_slope_head = 2;
+  al.expect_nan_rows = 2 * 200;
+  run_all(al, salt++);
+  MaskCase empty = dense(1, 100, 40, 2, 2, 64, kBf16, true);  // rows 0..59 see no key
+  empty.nan_q = {{10, 0, 0}, {80, 1, 5}};                     // row 10 stays 0 / -inf, row 80 is NaN
+  empty.expect_nan_rows = 1;
+  run_all(empty, salt++);
+  MaskCase sc = dense(1, 129, 129, 2, 2, 128, kF16, false);
+  sc.softcap = 30.f;
+  sc.nan_q = {{128, 1, 127}};
+  sc.expect_nan_rows = 1;
+  run_all(sc, salt++);
+  MaskCase vl = packed({5, 130, 1}, {}, 4, 2, 128, kBf16, true);
+  vl.nan_q = {{5 + 129, 1, 0}, {135, 3, 2}};  // last row of sequence 1 (head 1), sequence 2 (head 3)
+  vl.expect_nan_rows = 2;
+  vl.extra_rows = 3;
+  run_all(vl, salt++);
+}
+
 // ---- varlen ----------------------------------------------------------------------------------
 
 TEST(MasksGpuVarlen, DocumentsOfOddLengths) {
@@ -475,6 +554,19 @@ TEST(MasksGpuVarlen, DocumentsOfOddLengths) {
   MaskCase pad = packed({200, 513, 64}, {}, 2, 2, 128, kBf16, true);  // max_seqlen above every length
   pad.max_pad = 150;
   run_all(pad, salt++);
+}
+
+// mask.total_q (attention.h): packed rows past cu_seqlens_q[batch] in q and o; the LSE is
+// (heads, total_q), as Python allocates it for a (total_q, heads, d) q, and the kernels leave the
+// uncovered rows of O and the LSE as they were (run_mask_case checks both, guards included).
+TEST(MasksGpuVarlen, TotalQSetsTheLseLayoutAndLeavesUncoveredRows) {
+  std::uint64_t salt = 1650;
+  MaskCase t = packed({100, 37, 200}, {}, 2, 2, 64, kBf16, true);
+  t.extra_rows = 13;
+  run_all(t, salt++);
+  MaskCase u = packed({1, 513, 64}, {40, 513, 64}, 4, 2, 128, kF16, false);
+  u.extra_rows = 1;
+  run_all(u, salt++);
 }
 
 TEST(MasksGpuVarlen, WithEveryOtherMask) {

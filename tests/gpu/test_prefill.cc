@@ -401,6 +401,64 @@ TEST(Prefill, EmptyProblemsWriteNothingAndNoKeysGiveZero) {
   for (auto x : h) ASSERT_EQ(x, 0x5A);
 }
 
+// Varlen with batch 0 (cu_seqlens = [0]) and mask.total_q = 8: every packed row is uncovered,
+// and O = 0, LSE = -inf on both kernel families (attention.h), by one small kernel on the stream:
+// nothing allocated, no synchronization, so it is captured into a CUDA graph and replayed too.
+// q, k and v are null (never read). Before, nothing was written: the torch.empty output of the
+// Python wrapper came back as 3.4e38 and NaN. With total_q = 0 (unknown) nothing is written.
+TEST(Prefill, VarlenBatchZeroFillsEveryPackedRow) {
+  constexpr int kRows = 8, kHeads = 16, kD = 128;
+  DeviceBuffer o(kRows * kHeads * kD * 2), lse(sizeof(float) * kRows * kHeads), cu(sizeof(std::int32_t));
+  ASSERT_TRUE(o.ptr && lse.ptr && cu.ptr);
+  CUDA_OK(cudaMemset(cu.ptr, 0, sizeof(std::int32_t)));
+  AttnParams p = attn_params(0, 0, 0, kHeads, kHeads, kD, DType::kBF16, true, nullptr, nullptr, nullptr, o.ptr);
+  p.lse = static_cast<float*>(lse.ptr);
+  p.mask.cu_seqlens_q = p.mask.cu_seqlens_k = static_cast<const std::int32_t*>(cu.ptr);
+  auto check = [&](bool filled) {
+    std::vector<std::uint16_t> ho(kRows * kHeads * kD);
+    std::vector<float> hl(kRows * kHeads);
+    CUDA_OK(cudaMemcpy(ho.data(), o.ptr, o.bytes, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(hl.data(), lse.ptr, lse.bytes, cudaMemcpyDeviceToHost));
+    for (std::uint16_t x : ho) ASSERT_EQ(x, filled ? 0 : 0xFFFF);
+    for (float x : hl) ASSERT_TRUE(filled ? x == -INFINITY : std::isnan(x)) << x;
+  };
+  for (const std::string& path : kPaths) {
+    SCOPED_TRACE(path.empty() ? "auto" : path);
+    RunOptions opt;
+    opt.backend = Backend::kCuda;
+    opt.cuda_config = path;
+    p.mask.total_q = 0;
+    CUDA_OK(cudaMemset(o.ptr, 0xFF, o.bytes));
+    CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
+    ASSERT_TRUE(attention_forward(p, opt).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    check(false);
+    p.mask.total_q = kRows;
+    ASSERT_TRUE(attention_forward(p, opt).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    check(true);
+    // The same inside a CUDA graph (capture, re-poison, replay).
+    cudaStream_t stream;
+    CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    opt.stream = stream;
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status st = attention_forward(p, opt);
+    CUDA_OK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_OK(cudaMemset(o.ptr, 0xFF, o.bytes));
+    CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    check(true);
+    CUDA_OK(cudaGraphExecDestroy(exec));
+    CUDA_OK(cudaGraphDestroy(graph));
+    CUDA_OK(cudaStreamDestroy(stream));
+  }
+}
+
 TEST(Prefill, UnsupportedHeadDimIsAClearError) {
   DeviceBuffer buf(1 << 20);
   AttnParams p;

@@ -64,7 +64,10 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) merge_states_kernel(const
   // An empty side is skipped outright (its o may hold anything); both empty: 0 and -inf.
   float wa = 0.f, wb = 0.f, merged = -INFINITY;
   if (la != -INFINITY && lb != -INFINITY) {
-    const float hi = fmaxf(la, lb), lo = fminf(la, lb);
+    // One comparison, false when either side is NaN: the NaN then lands in hi or lo and so in the
+    // merged LSE (fmaxf / fminf would drop it, leaving a finite LSE beside a NaN O).
+    const bool a_hi = la > lb;
+    const float hi = a_hi ? la : lb, lo = a_hi ? lb : la;
     merged = hi + log1pf(expf(lo - hi));
     wa = expf(la - merged);
     wb = expf(lb - merged);

@@ -184,7 +184,8 @@ constexpr int kMergeWarps = 4;
 
 /// The merge of one output row (sequence b, token t, query head h) of a sequence with n_b > 1
 /// splits:  w_i = exp(lse_i - max lse),  O = sum_i w_i O_i / sum_i w_i,  LSE = max lse + log(sum_i w_i).
-/// Empty splits (LSE = -inf) contribute nothing; all empty: O = 0, LSE = -inf. The partials are
+/// Empty splits (LSE = -inf) contribute nothing; all empty (sum 0): O = 0, LSE = -inf. A NaN LSE
+/// (a split that saw a NaN score) never wins fmaxf, but its weight, the sum, O and LSE are NaN. The partials are
 /// read through L2 (ld.global.cg): in the fused merge other CTAs wrote them during this launch.
 ///
 /// Latency, not bandwidth, sets its time (a B = 1 merge reads ~130 KB for a few dozen rows): the
@@ -232,12 +233,12 @@ struct MergeRow {
     sum = 0.f;
 #pragma unroll
     for (int k = 0; k < kRounds; ++k) {
-      w[k] = mx == -INFINITY || w[k] == -INFINITY ? 0.f : exp2f((w[k] - mx) * kLog2e);
+      w[k] = w[k] == -INFINITY ? 0.f : exp2f((w[k] - (mx == -INFINITY ? 0.f : mx)) * kLog2e);
       sum += w[k];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    inv = sum > 0.f ? 1.f / sum : 0.f;
+    inv = sum != 0.f ? 1.f / sum : 0.f;
   }
   /// acc = sum over quarter q's splits of w_i O_i, in split order. Lane l owns columns 4l .. 4l + 3
   /// and, for D = 256, 128 + 4l ..; the weights are broadcast from their lanes by every lane
@@ -290,7 +291,7 @@ struct MergeRow {
       *reinterpret_cast<uint2*>(dst + d) = packed;
     }
     if (lane == 0 && p.lse != nullptr)
-      p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] = mx == -INFINITY ? -INFINITY : mx + logf(sum);
+      p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + t] = sum == 0.f ? -INFINITY : mx + logf(sum);
   }
 };
 
@@ -636,21 +637,23 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     const int w0 = (rr / 16) * WK, r16 = rr % 16;
     float m = -INFINITY;
     for (int k = 0; k < WK; ++k) m = fmaxf(m, sM[(w0 + k) * 16 + r16]);
+    // Against 0 while every warp's max is -inf (-inf - (-inf) would be NaN): a warp that saw no
+    // key has l = 0 and O = 0 and adds 0; one whose scores were all NaN kept m = -inf (fmaxf
+    // drops NaN) with l = NaN, and that NaN must reach O and the LSE (attention.h).
+    const float m_use = m == -INFINITY ? 0.f : m;
     float l = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (m != -INFINITY) {
-      for (int k = 0; k < WK; ++k) {
-        const float w = ptx::exp2_approx(sM[(w0 + k) * 16 + r16] - m);
-        const float4 v = *reinterpret_cast<const float4*>(sO + ((w0 + k) * 16 + r16) * kORowStride + d);
-        l = fmaf(sL[(w0 + k) * 16 + r16], w, l);
-        o.x = fmaf(w, v.x, o.x);
-        o.y = fmaf(w, v.y, o.y);
-        o.z = fmaf(w, v.z, o.z);
-        o.w = fmaf(w, v.w, o.w);
-      }
+    for (int k = 0; k < WK; ++k) {
+      const float w = ptx::exp2_approx(sM[(w0 + k) * 16 + r16] - m_use);
+      const float4 v = *reinterpret_cast<const float4*>(sO + ((w0 + k) * 16 + r16) * kORowStride + d);
+      l = fmaf(sL[(w0 + k) * 16 + r16], w, l);
+      o.x = fmaf(w, v.x, o.x);
+      o.y = fmaf(w, v.y, o.y);
+      o.z = fmaf(w, v.z, o.z);
+      o.w = fmaf(w, v.w, o.w);
     }
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no visible key: O = 0, LSE = -inf
-    const float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
+    const float inv = l != 0.f ? 1.f / l : 0.f;  // a row with no visible key: O = 0, LSE = -inf
+    const float lse = l != 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
     const int h = hk * p.group + gr / Sq, t = gr % Sq;
     if (nsplit == 1) {
       T* dst = static_cast<T*>(p.o) + b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride + d;

@@ -346,7 +346,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       float l = row_sum[mt][r];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // a row with no visible key writes O = 0
+      // l == 0: the row saw no key, O = 0 and LSE = -inf. Tested on l, not on the max: fmaxf drops
+      // a NaN score, so a row of NaN scores keeps m = -inf, but its P and hence l are NaN, and
+      // 1 / l and log2(l) carry that NaN into O and the LSE (attention.h).
+      const float inv = l != 0.f ? 1.f / l : 0.f;
       const int row = warp_row0 + mt * 16 + g + 8 * r;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt) {
@@ -355,7 +358,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
       if (p.lse != nullptr && t == 0 && m0 + row < m_end) {
         // The same rounded m * c as every exponent of the row: the rounding cancels in the LSE.
-        const float lse = l > 0.f ? (__fmul_rn(row_max[mt][r], p.scale_log2) + __log2f(l)) * kLn2 : -INFINITY;
+        const float lse = l != 0.f ? (__fmul_rn(row_max[mt][r], p.scale_log2) + __log2f(l)) * kLn2 : -INFINITY;
         p.lse[cta.lse_row0 + m0 + row] = lse;
       }
     }

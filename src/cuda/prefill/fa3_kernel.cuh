@@ -543,12 +543,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     float l = row_sum[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    // l == 0: no visible key (O = 0, LSE = -inf); l = NaN (a NaN score, which fmaxf kept out of
+    // the max) must reach O and the LSE, so the test is on l, not on the max (attention.h).
+    inv[r] = l != 0.f ? 1.f / l : 0.f;
     const int i = row_base + 8 * r;
     if (p.lse != nullptr && t == 0 && i < cta.m_end) {
       // The ALiBi row term left out of the scores (see mask): -slope * (row - ref), raw units.
       const float row_term = -alibi_slope_raw(p, b, h) * static_cast<float>(i + cta.rules.offset() - alibi_ref);
-      p.lse[cta.lse_row0 + i] = l > 0.f ? ((row_max[r] + row_term) * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
+      p.lse[cta.lse_row0 + i] = l != 0.f ? ((row_max[r] + row_term) * p.scale_log2 + __log2f(l)) * kLn2Fa3 : -INFINITY;
     }
   }
   unsigned char* sO = base;  // this warpgroup reads only its own Q rows, all S GEMMs are done

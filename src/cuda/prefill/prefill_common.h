@@ -41,6 +41,7 @@ inline PrefillMask make_prefill_mask(const AttnParams& a) {
     k.flags |= PrefillMask::kVarlen;
     k.cu_seqlens_q = m.cu_seqlens_q;
     k.cu_seqlens_k = m.cu_seqlens_k;
+    k.lse_rows = m.total_q;
   }
   if (const BlockSparseMask* bs = m.block_sparse) {
     k.flags |= PrefillMask::kSparse;

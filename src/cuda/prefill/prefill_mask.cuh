@@ -109,8 +109,9 @@ __device__ __forceinline__ bool make_cta_work(const P& p, int b, int h, int m0, 
     w->rules.seqlen_k = min(max(k1 - k0, 0), p.seqlen_k);
     w->q_row0 = q0;
     w->k_row0 = k0;
-    // LSE of varlen is (heads_q, total_q), total_q = cu_seqlens_q[batch] (attention.h).
-    w->lse_row0 = static_cast<std::int64_t>(h) * __ldg(mk.cu_seqlens_q + p.batch) + q0;
+    // LSE of varlen is (heads_q, total_q), total_q = mask.total_q or cu_seqlens_q[batch] (attention.h).
+    const std::int64_t lse_rows = mk.lse_rows > 0 ? mk.lse_rows : __ldg(mk.cu_seqlens_q + p.batch);
+    w->lse_row0 = static_cast<std::int64_t>(h) * lse_rows + q0;
   } else {
     w->lse_row0 = (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q;
   }

@@ -42,6 +42,9 @@ struct PrefillMask {
   /// [0, seqlen_q] / [0, seqlen_k] (the maxima the grid is sized by).
   const std::int32_t* cu_seqlens_q = nullptr;
   const std::int32_t* cu_seqlens_k = nullptr;
+  /// Varlen: the LSE's row count, (heads_q, lse_rows) (MaskParams::total_q); 0 = read
+  /// cu_seqlens_q[batch] on the device.
+  std::int64_t lse_rows = 0;
 
   /// Block-sparse CSR (BlockSparseMask of attention.h; device arrays). The kernel's BlockM divides
   /// bs_block_m and its BlockN divides bs_block_n (dispatch picks such a config), so one CTA's

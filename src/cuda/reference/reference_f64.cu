@@ -76,9 +76,13 @@ __global__ void softmax_kernel(double* S, SoftmaxArgs a, double* lse, std::int64
   }
   mx = red[0];
   __syncthreads();
+  // Against 0 while the max is -inf (every visible score -inf, or NaN: fmax drops NaN), so that
+  // masked keys give exp(-inf) = 0 and a NaN score gives NaN; the sum then tells an empty row
+  // (0) from a row with a NaN score (NaN), which comes out NaN in O and the LSE (attention.h).
+  const double m_use = mx == -INFINITY ? 0.0 : mx;
   double sum = 0;
   for (int j = threadIdx.x; j < a.sk; j += kThreads) {
-    const double e = mx == -INFINITY ? 0.0 : exp(row[j] - mx);
+    const double e = exp(row[j] - m_use);
     row[j] = e;
     sum += e;
   }
@@ -89,9 +93,9 @@ __global__ void softmax_kernel(double* S, SoftmaxArgs a, double* lse, std::int64
     __syncthreads();
   }
   sum = red[0];
-  const double inv = sum > 0 ? 1.0 / sum : 0.0;
+  const double inv = sum != 0 ? 1.0 / sum : 0.0;
   for (int j = threadIdx.x; j < a.sk; j += kThreads) row[j] *= inv;
-  if (threadIdx.x == 0) lse[static_cast<std::int64_t>(i) * lse_stride] = sum > 0 ? mx + log(sum) : -INFINITY;
+  if (threadIdx.x == 0) lse[static_cast<std::int64_t>(i) * lse_stride] = sum != 0 ? mx + log(sum) : -INFINITY;
 }
 
 struct Scratch {
