@@ -2,6 +2,7 @@
 // fails, and the JSON report carries the area (and page_size / num_splits) of every case.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
@@ -99,6 +100,25 @@ void expect_perturbed_fails(CheckArea area, const std::string& filter) {
 
 TEST(CheckAreas, PerturbedDecodeOutputFails) { expect_perturbed_fails(CheckArea::kDecode, "paged16"); }
 TEST(CheckAreas, PerturbedFusedOutputFails) { expect_perturbed_fails(CheckArea::kFused, "rms_norm_r7_h4097"); }
+
+// The decode area's NaN-input cases (NaN in one q row): they pass on the CPU backend (checked
+// in DecodeQuickPassesWithJson too), and a finite value where the truth is NaN fails.
+TEST(CheckAreas, DecodeNanInputCase) {
+  CheckOptions opt = quick(CheckArea::kDecode, "_nan");
+  std::ostringstream out, err;
+  ASSERT_EQ(run_check(opt, out, err), 0) << out.str() << err.str();
+  EXPECT_NE(out.str().find("passed, 0 failed"), std::string::npos) << out.str();
+  opt.perturb_output = [](const Case&, HostTensor& o, std::vector<float>&) {
+    for (std::int64_t i = 0; i < o.size(); ++i)
+      if (std::isnan(o.get(i))) {
+        o.set(i, 0.f);
+        return;
+      }
+  };
+  std::ostringstream out2;
+  EXPECT_EQ(run_check(opt, out2, err), 1) << out2.str();
+  EXPECT_NE(out2.str().find("where the truth is NaN"), std::string::npos) << out2.str();
+}
 
 TEST(CheckAreas, NanOutputFails) {
   CheckOptions opt = quick(CheckArea::kFused, "silu_and_mul_r7_d8_bf16");

@@ -202,6 +202,49 @@ TEST(HarnessRun, NanOutputFails) {
   EXPECT_EQ(r.violations, 0);
 }
 
+// NaN-input cases (MaskSpec::nan_inputs): the truth has NaN rows, the backend must give NaN
+// exactly there; both CPU backends pass. A finite value where the truth is NaN fails (before,
+// |got - NaN| > tol was false and such a value passed), and so does a NaN LSE turned finite.
+TEST(HarnessRun, NanInputCasesPassOnlyWithNanWhereTheTruthIsNan) {
+  Case c = make_case(2, 127, 127, 4, 2, 64, DType::kBF16, true);
+  c.mask.nan_inputs = true;
+  c.mask.alibi = true;
+  EXPECT_NE(c.name().find("_nan"), std::string::npos) << c.name();
+  for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
+    const CaseResult r = run_case(c, cpu_config(b));
+    EXPECT_EQ(r.status, CaseStatus::kPass) << backend_name(b) << ": " << r.message;
+    EXPECT_GT(r.nan_expected, 0) << backend_name(b);
+  }
+  RunConfig cfg = cpu_config();
+  cfg.perturb_output = [](const Case&, HostTensor& out, std::vector<float>&) {
+    for (std::int64_t i = 0; i < out.size(); ++i)
+      if (std::isnan(out.get(i))) {
+        out.set(i, 0.f);
+        return;
+      }
+  };
+  CaseResult r = run_case(c, cfg);
+  EXPECT_EQ(r.status, CaseStatus::kFail);
+  EXPECT_EQ(r.nan_count, 1);
+  EXPECT_NE(r.message.find("where the truth is NaN"), std::string::npos) << r.message;
+  cfg.perturb_output = [](const Case&, HostTensor&, std::vector<float>& lse) {
+    for (float& x : lse)
+      if (std::isnan(x)) {
+        x = 1.f;
+        return;
+      }
+  };
+  r = run_case(c, cfg);
+  EXPECT_EQ(r.status, CaseStatus::kFail);
+  EXPECT_EQ(r.lse_nan_count, 1);
+}
+
+TEST(HarnessTable, QuickHasNanInputCases) {
+  int nan_cases = 0;
+  for (const Case& c : make_table(TableKind::kQuick, Backend::kCpu)) nan_cases += c.mask.nan_inputs;
+  EXPECT_GE(nan_cases, 3);
+}
+
 TEST(HarnessRun, WrongLseFails) {
   const Case c = make_case(1, 1000, 17, 2, 2, 64, DType::kBF16, true);
   for (float bad : {0.01f, NAN, 0.f}) {  // 0.f lands on a row that sees no key (LSE must be -inf)

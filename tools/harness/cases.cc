@@ -48,6 +48,7 @@ std::string Case::name() const {
     s += fmt::format("_bsparse{}x{}{}", mask.sparse_block_m, mask.sparse_block_n,
                      mask.sparse_per_head ? "h" : "");
   if (mask.rotary_dim > 0) s += fmt::format("_rope{}{}", mask.rotary_interleaved ? "i" : "", mask.rotary_dim);
+  if (mask.nan_inputs) s += "_nan";
   if (layout == Layout::kBhsd) s += "_bhsd";
   s += "_";
   s += dtype_name(dtype);
@@ -74,6 +75,7 @@ std::string Case::mask_description() const {
   if (mask.is_block_sparse())
     parts.push_back(fmt::format("block_sparse({}x{}{})", mask.sparse_block_m, mask.sparse_block_n,
                                 mask.sparse_per_head ? ", per head" : ""));
+  if (mask.nan_inputs) parts.push_back("NaN inputs");
   if (parts.empty()) return "none";
   std::string s;
   for (size_t i = 0; i < parts.size(); ++i) s += (i ? ", " : "") + parts[i];
@@ -188,6 +190,10 @@ Case nolse(Case c) {
   c.return_lse = false;
   return c;
 }
+Case nan_in(Case c) {
+  c.mask.nan_inputs = true;
+  return c;
+}
 
 class Table {
  public:
@@ -274,6 +280,14 @@ void add_quick(Table& t) {
   t.add(rope(shape(1, 127, 127, 2, 1, 128, kF32, false), 32, true));
   t.add(rope(varlen({1, 7, 50}, {10, 7, 127}, 2, 2, 64, kF16, true), 64, true));
   t.add(rope(window(shape(1, 300, 300, 2, 2, 128, kBf16, true), 64, 0), 96, false));
+  // NaN inputs (MaskSpec::nan_inputs): the rows that see a NaN must be NaN, the others exact as
+  // ever; every backend, both kernel families. Causal (later rows see the NaN key), GQA, a
+  // window (rows past it do not see the NaN key), ALiBi with a NaN slope, varlen, fp32.
+  t.add(nan_in(shape(2, 127, 127, 4, 2, 64, kBf16, true)));
+  t.add(nan_in(window(shape(1, 1000, 1000, 2, 2, 128, kF16, true), 64, 0)));
+  t.add(nan_in(alibi(shape(1, 300, 300, 4, 4, 64, kBf16, true), false)));
+  t.add(nan_in(varlen({1, 70, 200}, {}, 2, 2, 128, kBf16, true)));
+  t.add(nan_in(softcap(shape(1, 127, 127, 2, 1, 256, kF32, true), 30.f)));
 }
 
 // Larger problems within kCpuMaxWorkPerCase.

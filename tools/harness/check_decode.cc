@@ -153,6 +153,9 @@ struct DecCase {
   RotaryStyle rot = RotaryStyle::kNone;
   bool causal = true;
   int splits = 1;  ///< forced split count
+  /// NaN in q at the last token of the last sequence, head 1: that row must come out NaN (O and
+  /// LSE, attention.h), every other row as usual, whatever the splits and the merge do.
+  bool nan_q = false;
 
   int total(int b) const { return lens[b] + (append ? sq : 0); }
   int max_total() const {
@@ -169,6 +172,7 @@ struct DecCase {
     if (causal) n += "_causal";
     if (append) n += fmt::format("_append{}", rot != RotaryStyle::kNone ? std::string("_") + rotary_style_name(rot) : "");
     n += fmt::format("_split{}_{}", splits, dtype_name(dt));
+    if (nan_q) n += "_nan";
     return n;
   }
 };
@@ -190,6 +194,8 @@ std::vector<DecCase> decode_cases(TableKind kind) {
     // Append with rotary (neox): contiguous q_len 1 and paged q_len 4 causal.
     add({2, 8, 8, 128, 1, dt, {1, 150}, 0, true, RotaryStyle::kNeox, true, 1});
     add({2, 32, 8, 64, 4, dt, {1, 90}, 16, true, RotaryStyle::kNeox, true, 2});
+    // NaN in q (GQA 32/8: the other heads of its KV group share the tiles and the merge).
+    for (int s : {1, 3}) add({2, 32, 8, 128, s == 1 ? 1 : 4, dt, {300, 77}, s == 1 ? 0 : 16, false, RotaryStyle::kNone, true, s, true});
     if (kind == TableKind::kFull) {
       add({2, 32, 8, 128, 1, dt, {4097, 1}, 0, false, RotaryStyle::kNone, true, 8});
       add({2, 32, 8, 128, 4, dt, {3000, 17}, 64, true, RotaryStyle::kNeox, true, 5});
@@ -262,6 +268,7 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
   const int ilen = sp.add(static_cast<std::size_t>(B) * sizeof(std::int32_t), false);
   const int ibt = c.page_size > 0 ? sp.add(block_table.size() * sizeof(std::int32_t), false) : -1;
   for (std::int64_t i = 0; i < nq; ++i) store_from_float(sp.host(iq), dt, i, nd(rng));
+  if (c.nan_q) store_from_float(sp.host(iq), dt, ((static_cast<std::int64_t>(B - 1) * c.sq + c.sq - 1) * c.hq + 1) * D, NAN);
   // Cache: N(0,1) where a sequence has keys before the step; NaN elsewhere (a read past a length
   // poisons O).
   for (int b = 0; b < B; ++b)
@@ -452,7 +459,9 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
         const std::size_t li = (static_cast<std::size_t>(b) * c.hq + h) * c.sq + t;
         const double got = lse[li], want = ref_lse[li];
         bool bad = false;
-        if (std::isinf(want)) {
+        if (std::isnan(want)) {  // NaN inputs: NaN is the one right answer
+          bad = !std::isnan(got);
+        } else if (std::isinf(want)) {
           bad = !(std::isinf(got) && got < 0);
         } else if (!std::isfinite(got)) {
           bad = true;
@@ -496,8 +505,10 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
                                  "ulp or V at all)", diff);
     }
   }
+  if (c.nan_q && r->nan_expected == 0 && r->message.empty())
+    r->message = "a NaN-input case whose truth has no NaN row tests nothing";
   const bool ok = r->nan_count == 0 && r->lse_nan_count == 0 && r->guard_violations == 0 && r->violations == 0 &&
-                  r->lse_violations == 0;
+                  r->lse_violations == 0 && (!c.nan_q || r->nan_expected > 0);
   r->status = ok ? CaseStatus::kPass : CaseStatus::kFail;
 }
 

@@ -12,7 +12,9 @@
 //                problems with batch*heads_q*seqlen_q*seqlen_k > gpu_reference_threshold;
 //   5. compare : per element |out - ref| <= atol + rtol*|ref|, no NaN/Inf, guards intact, LSE
 //                within lse_atol; also the "floor": the error of the fp64 result merely rounded
-//                to the output dtype, which no kernel can beat.
+//                to the output dtype, which no kernel can beat. NaN fails everywhere except where
+//                the truth itself is NaN (the NaN-input cases, MaskSpec::nan_inputs): there NaN is
+//                the only passing value (attention.h's NaN rule), in O and in the LSE.
 #pragma once
 
 #include <algorithm>
@@ -63,6 +65,10 @@ struct MaskSpec {
   /// the leading rotary_dim dims; the references run on q and k rotated the same way.
   int rotary_dim = 0;
   bool rotary_interleaved = false;
+  /// NaN inputs (attention.h's rule: a NaN score at a visible key makes the row NaN): q gets a NaN
+  /// in one row of every sequence, k in one key of sequence 0, and with ALiBi the last head's
+  /// slope is NaN. The truth's NaN rows must come out NaN, every other row as usual.
+  bool nan_inputs = false;
 
   bool is_varlen() const noexcept { return !varlen_q.empty(); }
   bool is_block_sparse() const noexcept { return sparse_block_m > 0 && sparse_block_n > 0; }
@@ -169,7 +175,10 @@ struct CaseResult {
   double plain_max_abs_err = NAN, plain_lse_max_abs_err = NAN;
   /// The bounds actually applied: atol (+ plain_factor * plain error for fp32) and rtol.
   double effective_atol = NAN, effective_lse_atol = NAN;
-  std::int64_t nan_count = 0;      ///< NaN or Inf elements in O
+  std::int64_t nan_count = 0;      ///< NaN or Inf elements in O (where the truth is finite), or finite where it is NaN
+  /// NaN-input cases: O elements whose truth is NaN and that came out NaN (as they must); a
+  /// NaN-input case whose truth has none fails (it would test nothing).
+  std::int64_t nan_expected = 0;
   /// LSE values that are NaN or +Inf, -inf where the row sees keys, or finite where it sees none.
   std::int64_t lse_nan_count = 0;
   std::int64_t guard_violations = 0;  ///< elements written outside O or the LSE
@@ -338,6 +347,14 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err);
 
 template <class Where>
 void ErrorStats::add(CaseResult* r, double got, double want, Where&& where) {
+  if (std::isnan(want)) {  // NaN inputs: NaN is the one right answer, and it carries no error
+    if (std::isnan(got)) {
+      ++r->nan_expected;
+    } else if (r->nan_count++ == 0 && r->message.empty()) {
+      r->message = where() + " is " + std::to_string(got) + " where the truth is NaN";
+    }
+    return;
+  }
   ++count;
   const double fl = std::fabs(round_to_dtype(dtype, static_cast<float>(want)) - want);
   floor_max = std::max(floor_max, fl);

@@ -142,6 +142,7 @@ nlohmann::json case_json(const CaseResult& r) {
                     {"effective_lse_atol", num(r.effective_lse_atol)}};
   if (r.tol.plain_factor > 0) j["tolerance"]["plain_factor"] = r.tol.plain_factor;
   j["nan_count"] = r.nan_count;
+  j["nan_expected"] = r.nan_expected;
   j["lse_nan_count"] = r.lse_nan_count;
   j["guard_violations"] = r.guard_violations;
   j["violations"] = r.violations;

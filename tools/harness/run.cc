@@ -262,6 +262,29 @@ Pointers host_pointers(HostProblem& hp) {
   return p;
 }
 
+/// MaskSpec::nan_inputs: a NaN in q at the middle row of every sequence (head b % heads_q), in k
+/// at the key 3/4 into sequence 0 (KV head 0), and with ALiBi in the last head's slope. The
+/// references read the same NaNs, so the truth has NaN exactly in the rows the rule names.
+void plant_nans(const Case& c, HostProblem* hp) {
+  if (!c.mask.nan_inputs) return;
+  const AttnParams p = make_params(c, host_pointers(*hp));  // strides of the case's layout
+  const bool vl = c.mask.is_varlen();
+  const int nseq = vl ? static_cast<int>(c.mask.varlen_q.size()) : c.batch;
+  auto at = [&](const TensorView& t, int b, std::int64_t first, int i, int h, int e) {
+    return (vl ? (first + i) * t.seq_stride : b * t.batch_stride + i * t.seq_stride) + h * t.head_stride + e;
+  };
+  for (int b = 0; b < nseq; ++b) {
+    const int lq = vl ? c.mask.varlen_q[b] : c.seqlen_q;
+    if (lq == 0) continue;
+    store_from_float(hp->q.payload(), c.dtype, at(p.q, b, vl ? hp->cu_q[b] : 0, lq / 2, b % c.heads_q, b % c.head_dim),
+                     NAN);
+  }
+  const int lk0 = vl ? hp->cu_k[1] : c.seqlen_k;
+  if (lk0 > 0) store_from_float(hp->k.payload(), c.dtype, at(p.k, 0, 0, lk0 * 3 / 4, 0, 1), NAN);
+  if (c.mask.alibi)
+    for (std::size_t x = c.heads_q - 1; x < hp->alibi.size(); x += c.heads_q) hp->alibi[x] = NAN;
+}
+
 /// What a backend run leaves for the comparison.
 struct RunOutcome {
   Status status;           ///< of select_kernel / attention_forward / a CUDA call
@@ -400,6 +423,8 @@ double percentile(std::vector<double>& v, double q) {
 }
 
 /// Compares the kernel output (packed payload copies) against the fp64 truth; fills the metrics.
+/// Where the truth is NaN (NaN inputs) the output must be NaN (counted in nan_expected); a NaN
+/// anywhere else, or a number where the truth is NaN, counts in nan_count / lse_nan_count.
 void compare(const Case& c, const HostProblem& hp, const HostTensor& out, const std::vector<float>& lse,
              const cpu::RefOutput& ref, CaseResult* r) {
   Tolerance tol = r->tol;
@@ -426,6 +451,14 @@ void compare(const Case& c, const HostProblem& hp, const HostTensor& out, const 
         double rmax = 0;
         for (int e = 0; e < d; ++e) {
           const double o = out.get(base + e), want = rf[e];
+          if (std::isnan(want)) {  // NaN inputs: NaN is the one right answer
+            if (std::isnan(o)) {
+              ++r->nan_expected;
+            } else if (r->nan_count++ == 0 && r->message.empty()) {
+              r->message = fmt::format("O[b={},i={},h={},d={}] is {} where the truth is NaN", b, i, h, e, o);
+            }
+            continue;
+          }
           const double fl = std::fabs(round_to_dtype(c.dtype, want) - want);
           floor_max = std::max(floor_max, fl);
           floor_sum += fl;
@@ -452,7 +485,9 @@ void compare(const Case& c, const HostProblem& hp, const HostTensor& out, const 
           const double got = lse[static_cast<std::size_t>(li)], want = ref.lse[static_cast<std::size_t>(h * tq + r_packed)];
           const bool want_empty = std::isinf(want) && want < 0;
           bool bad = false;
-          if (want_empty) {
+          if (std::isnan(want)) {
+            bad = !std::isnan(got);
+          } else if (want_empty) {
             bad = !(std::isinf(got) && got < 0);
           } else if (!std::isfinite(got)) {
             bad = true;
@@ -484,6 +519,7 @@ void compare(const Case& c, const HostProblem& hp, const HostTensor& out, const 
 void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
   HostProblem hp;
   build_host_problem(c, r->seed, &hp);
+  plant_nans(c, &hp);
   cpu::RefOutput ref;
   RunOutcome run;
   bool gpu_truth = false;
@@ -555,12 +591,17 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
       r->message = "plain fp32 implementation failed: " + st.to_string();
       return;
     }
+    // NaN against NaN agrees (NaN inputs); NaN against a number is a disagreement (infinite).
+    auto gap = [](double got, double want) {
+      if (std::isnan(want) || std::isnan(got)) return std::isnan(want) && std::isnan(got) ? 0.0 : INFINITY;
+      return std::fabs(got - want);
+    };
     double e_o = 0, e_l = 0;
-    for (std::size_t i = 0; i < po.size(); ++i) e_o = std::max(e_o, std::fabs(po[i] - ref.o[i]));
+    for (std::size_t i = 0; i < po.size(); ++i) e_o = std::max(e_o, gap(po[i], ref.o[i]));
     for (std::size_t i = 0; i < pl.size(); ++i) {
       const double want = ref.lse[i];
       if (std::isinf(want) && std::isinf(pl[i]) && want < 0 && pl[i] < 0) continue;
-      e_l = std::max(e_l, std::isfinite(pl[i]) ? std::fabs(pl[i] - want) : INFINITY);
+      e_l = std::max(e_l, std::isfinite(pl[i]) || std::isnan(pl[i]) ? gap(pl[i], want) : INFINITY);
     }
     r->plain_max_abs_err = e_o;
     r->plain_lse_max_abs_err = e_l;
@@ -585,8 +626,10 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
   if (r->guard_violations)
     r->message = fmt::format("{} element(s) written outside the output buffers", r->guard_violations);
   compare(c, hp, out, lse, ref, r);
+  if (c.mask.nan_inputs && r->nan_expected == 0 && r->message.empty())
+    r->message = "a NaN-input case whose truth has no NaN row tests nothing (the planted NaNs reached no row)";
   const bool ok = r->nan_count == 0 && r->lse_nan_count == 0 && r->guard_violations == 0 && r->violations == 0 &&
-                  r->lse_violations == 0;
+                  r->lse_violations == 0 && (!c.mask.nan_inputs || r->nan_expected > 0);
   r->status = ok ? CaseStatus::kPass : CaseStatus::kFail;
 }
 
