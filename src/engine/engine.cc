@@ -4,7 +4,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
+#include <string>
+#include <vector>
 
 namespace flashcpp::engine {
 namespace {
@@ -17,6 +20,36 @@ int bucket_of(int batch) {
 
 double now_ms() {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+/// Downloads `rows` logits rows (fp32, row stride vocab) and refuses a NaN or Inf: greedy
+/// sampling would turn NaN logits into token 0 at every step without a word. `when` says where
+/// in the run ("after the prefill of sequence 0", ...); the first row is sequence `first_seq`.
+Status check_logits(Ops* ops, const float* logits, int rows, int vocab, int first_seq, const std::string& when) {
+  std::vector<float> host(static_cast<std::size_t>(rows) * vocab);
+  FLASHCPP_RETURN_IF_ERROR(ops->download(host.data(), logits, host.size() * sizeof(float)));
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < vocab; ++v) {
+      const float x = host[static_cast<std::size_t>(r) * vocab + v];
+      if (std::isfinite(x)) continue;
+      return Status::Internal(std::string("the logits of sequence ") + std::to_string(first_seq + r) + " " + when +
+                              " are not finite (" + (std::isnan(x) ? "NaN" : "Inf") + " for token " +
+                              std::to_string(v) +
+                              "): the model's activations overflowed or the weights are not what config.json "
+                              "describes; the tokens would be garbage (greedy picks token 0 for NaN logits)");
+    }
+  return Status::Ok();
+}
+
+/// The sampling arguments of ops.h: temperature finite and >= 0 (0 = greedy), top_p in (0, 1].
+Status check_sampling(const SampleArgs& a) {
+  if (!std::isfinite(a.temperature) || a.temperature < 0.f)
+    return Status::Invalid("temperature " + std::to_string(a.temperature) +
+                           " must be a finite number >= 0 (0 = greedy)");
+  if (!(a.top_p > 0.f && a.top_p <= 1.f))
+    return Status::Invalid("top_p " + std::to_string(a.top_p) +
+                           " must be in (0, 1] (the probability mass nucleus sampling keeps; 1 = all tokens)");
+  return Status::Ok();
 }
 
 }  // namespace
@@ -50,8 +83,10 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   if (ctx_mode && !opt.prompts.empty()) return Status::Invalid("--context and a prompt exclude each other");
   if (!ctx_mode && opt.prompts.empty()) return Status::Invalid("no prompt: give token ids or a context length");
   const int B = ctx_mode ? opt.batch : static_cast<int>(opt.prompts.size());
-  if (B < 1 || B > 256) return Status::Invalid("batch " + std::to_string(B) + " is out of range [1, 256]");
+  if (B < 1 || B > kMaxBatch)
+    return Status::Invalid("batch " + std::to_string(B) + " is out of range [1, " + std::to_string(kMaxBatch) + "]");
   if (opt.max_new_tokens < 1) return Status::Invalid("max_new_tokens must be >= 1");
+  FLASHCPP_RETURN_IF_ERROR(check_sampling(opt.sampling));
   if (opt.eager == false && !ops->cuda()) return Status::Unsupported("CUDA graphs need the CUDA backend (use --eager)");
   if (opt.dump_logits && ctx_mode) return Status::Invalid("logits dumps need a prompt (not --context)");
   int prompt_len = 0;
@@ -103,6 +138,11 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
         out->logits.resize(static_cast<std::size_t>(n) * V);
         FLASHCPP_RETURN_IF_ERROR(ops->download(out->logits.data(), s.prefill_logits(), out->logits.size() * 4));
       }
+      // Sequence 0's logits are checked at once, so a model that yields NaN fails before the
+      // rest of the prefill and the decode (one row; the other sequences at the first step).
+      if (b == 0)
+        FLASHCPP_RETURN_IF_ERROR(check_logits(ops, s.prefill_logits() + static_cast<std::int64_t>(rows - 1) * V, 1,
+                                              c.vocab_size, 0, "after its prefill"));
       SampleArgs sa = opt.sampling;
       sa.row_offset = b;
       FLASHCPP_RETURN_IF_ERROR(ops->sample(s.prefill_logits() + static_cast<std::int64_t>(rows - 1) * V, 1,
@@ -132,7 +172,11 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   };
   const int graph_id = bucket;
   if (steps > 0) {
-    for (int w = 0; w < opt.warmup_steps; ++w) FLASHCPP_RETURN_IF_ERROR(s.decode_step(opt.sampling));
+    for (int w = 0; w < opt.warmup_steps; ++w) {
+      FLASHCPP_RETURN_IF_ERROR(s.decode_step(opt.sampling));
+      if (w == 0)  // every real sequence, before anything is timed
+        FLASHCPP_RETURN_IF_ERROR(check_logits(ops, s.step_logits(), B, c.vocab_size, 0, "at the first decode step"));
+    }
     if (!opt.eager) {
       FLASHCPP_RETURN_IF_ERROR(ops->begin_capture());
       Status st = s.decode_step(opt.sampling);
@@ -163,6 +207,9 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   FLASHCPP_RETURN_IF_ERROR(ops->sync());
   out->decode_ms = now_ms() - t1;
   out->decode_steps = steps;
+  // The last step's logits (after the timing): activations that overflow late in a run.
+  if (steps > 0)
+    FLASHCPP_RETURN_IF_ERROR(check_logits(ops, s.step_logits(), B, c.vocab_size, 0, "at the last decode step"));
   if (steps > 0) {
     out->wall_us_per_step = 1e3 * out->decode_ms / steps;
     out->decode_tok_s = 1e3 * B * steps / out->decode_ms;

@@ -10,6 +10,9 @@
 
 namespace flashcpp::engine {
 
+/// The most sequences generate() runs at once (the largest CUDA graph bucket).
+inline constexpr int kMaxBatch = 256;
+
 struct GenerateOptions {
   /// One prompt per sequence (token ids). Empty with `context` > 0.
   std::vector<std::vector<std::int32_t>> prompts;

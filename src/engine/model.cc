@@ -20,7 +20,62 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
   return r + "]";
 }
 
+}  // namespace
+
+namespace {
+
+/// The exponent and mantissa masks of a dtype's bits (fp32, fp16, bf16): non-finite when the
+/// exponent bits are all set, NaN when the mantissa is also non-zero.
+struct FloatBits {
+  std::uint32_t exp, man;
+};
+FloatBits float_bits(DType dt) {
+  if (dt == DType::kF32) return {0x7f800000u, 0x007fffffu};
+  if (dt == DType::kF16) return {0x7c00u, 0x03ffu};
+  return {0x7f80u, 0x007fu};
+}
+
+std::uint32_t bits_at(const unsigned char* data, std::size_t i, DType dt) {
+  if (dt == DType::kF32) return reinterpret_cast<const std::uint32_t*>(data)[i];
+  return reinterpret_cast<const std::uint16_t*>(data)[i];
+}
+
+/// Whether the non-finite element i of `data` is a NaN (else an Inf).
+bool is_nan_at(const unsigned char* data, std::int64_t i, DType dt) {
+  return (bits_at(data, static_cast<std::size_t>(i), dt) & float_bits(dt).man) != 0;
+}
+
+template <class Bits>
+bool any_nonfinite(const Bits* x, std::size_t b, std::size_t e, Bits exp) {
+  bool bad = false;
+  for (std::size_t i = b; i < e; ++i) bad |= (x[i] & exp) == exp;  // no branch: vectorizes
+  return bad;
+}
+
+}  // namespace
+
+std::int64_t first_nonfinite(const void* bytes, std::size_t n, DType dt) {
+  const auto* data = static_cast<const unsigned char*>(bytes);
+  const FloatBits fb = float_bits(dt);
+  constexpr std::size_t kBlock = 4096;
+  for (std::size_t b = 0; b < n; b += kBlock) {
+    const std::size_t e = std::min(n, b + kBlock);
+    const bool bad = dt == DType::kF32
+                         ? any_nonfinite(reinterpret_cast<const std::uint32_t*>(data), b, e, fb.exp)
+                         : any_nonfinite(reinterpret_cast<const std::uint16_t*>(data), b, e,
+                                         static_cast<std::uint16_t>(fb.exp));
+    if (!bad) continue;
+    for (std::size_t i = b; i < e; ++i)
+      if ((bits_at(data, i, dt) & fb.exp) == fb.exp) return static_cast<std::int64_t>(i);
+  }
+  return -1;
+}
+
+namespace {
+
 /// Reads tensor `name` of shape `shape` (converted to ops->dtype()) into dst + byte offset.
+/// A NaN or Inf weight is refused with its tensor and position: the engine would otherwise
+/// turn every logit into NaN and decode token 0 forever.
 Status load_tensor(const SafetensorsArchive& a, const std::string& name, const std::vector<std::int64_t>& shape,
                    Ops* ops, void* dst, std::size_t offset_bytes, std::vector<unsigned char>* staging) {
   const StTensorInfo* t = a.find(name);
@@ -36,10 +91,42 @@ Status load_tensor(const SafetensorsArchive& a, const std::string& name, const s
   } else {
     FLASHCPP_RETURN_IF_ERROR(a.read_bf16(*t, reinterpret_cast<std::uint16_t*>(staging->data()), n));
   }
+  if (const std::int64_t bad = first_nonfinite(staging->data(), n, ops->dtype()); bad >= 0) {
+    std::string where = "element " + std::to_string(bad);
+    if (shape.size() == 2)
+      where += " (row " + std::to_string(bad / shape[1]) + ", column " + std::to_string(bad % shape[1]) + ")";
+    return Status::Invalid("tensor '" + name + "' of the checkpoint holds " +
+                           (is_nan_at(staging->data(), bad, ops->dtype()) ? "a NaN" : "an Inf") + " at " + where +
+                           " (read as " + dtype_name(ops->dtype()) +
+                           "): the weights are damaged; a model with a non-finite weight decodes nothing but NaN");
+  }
   return ops->upload(static_cast<unsigned char*>(dst) + offset_bytes, staging->data(), n * es);
 }
 
 std::int64_t i64(int v) { return static_cast<std::int64_t>(v); }
+
+/// config.json's num_hidden_layers must be the checkpoint's layer count: fewer would run a
+/// truncated model without a word (a missing layer is caught as a missing tensor on load).
+Status check_layer_count(const SafetensorsArchive& a, int layers) {
+  const std::string prefix = "model.layers.";
+  long long top = -1;
+  for (const std::string& name : a.names()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    std::size_t i = prefix.size();
+    long long l = 0;
+    bool digits = false;
+    for (; i < name.size() && name[i] >= '0' && name[i] <= '9' && l < (1ll << 40); ++i, digits = true)
+      l = l * 10 + (name[i] - '0');
+    if (digits && i < name.size() && name[i] == '.') top = std::max(top, l);
+  }
+  if (top >= layers)
+    return Status::Invalid("the checkpoint holds layers up to model.layers." + std::to_string(top) + " (" +
+                           std::to_string(top + 1) + " layers) but config.json says num_hidden_layers " +
+                           std::to_string(layers) +
+                           ": the config does not describe these weights (running the first " + std::to_string(layers) +
+                           " layers alone would produce a different model's tokens)");
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -53,6 +140,7 @@ Status LlamaModel::load(const std::string& dir, Ops* ops, std::unique_ptr<LlamaM
                                " is not supported by the engine's attention kernels (supported: 64, 128, 256)");
   std::unique_ptr<SafetensorsArchive> a;
   FLASHCPP_RETURN_IF_ERROR(SafetensorsArchive::open(dir, &a));
+  FLASHCPP_RETURN_IF_ERROR(check_layer_count(*a, c.num_hidden_layers));
   const std::int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, D = c.head_dim;
   const std::int64_t Q = i64(c.num_attention_heads) * D, KV = i64(c.num_key_value_heads) * D;
   const std::size_t es = dtype_size(ops->dtype());

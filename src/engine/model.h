@@ -24,6 +24,10 @@
 
 namespace flashcpp::engine {
 
+/// Index of the first NaN or Inf among n values of `dt` (fp32, fp16 or bf16 bits), or -1. The
+/// loader refuses a checkpoint with one (LlamaModel::load).
+std::int64_t first_nonfinite(const void* data, std::size_t n, DType dt);
+
 struct LayerWeights {
   Buffer qkv;        ///< ((heads_q + 2 heads_kv) * head_dim, hidden)
   Buffer o;          ///< (hidden, heads_q * head_dim)
@@ -36,6 +40,8 @@ struct LayerWeights {
 class LlamaModel {
  public:
   /// Reads config.json and the safetensors of `dir` onto `ops` (converted to ops->dtype()).
+  /// Refuses, with a sentence: a missing tensor or a wrong shape, a NaN or Inf weight (naming
+  /// the tensor and the element), and layers beyond config.json's num_hidden_layers.
   static Status load(const std::string& dir, Ops* ops, std::unique_ptr<LlamaModel>* out);
   const LlamaConfig& config() const noexcept { return cfg_; }
   Ops* ops() const noexcept { return ops_; }

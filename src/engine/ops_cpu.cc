@@ -34,6 +34,13 @@ class CpuOps final : public Ops {
   Status download(void* dst, const void* src, std::size_t bytes) override { std::memcpy(dst, src, bytes); return {}; }
   Status copy(void* dst, const void* src, std::size_t bytes) override { std::memmove(dst, src, bytes); return {}; }
   Status sync() override { return Status::Ok(); }
+  /// The CPU backend has one GEMM: the CUDA modes would be ignored, so they are refused.
+  Status set_gemm_mode(const std::string& mode) override {
+    if (mode == "auto") return Status::Ok();
+    return Status::Invalid("gemm mode '" + mode +
+                           "' selects a CUDA GEMM, but this run is on the CPU backend, which has one GEMM "
+                           "(leave --gemm at auto, or run with --backend cuda)");
+  }
   Status fill_random(void* p, std::int64_t n, std::uint64_t seed, float stddev) override {
     float* f = static_cast<float*>(p);
     for (std::int64_t i = 0; i < n; ++i) {

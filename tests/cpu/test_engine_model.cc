@@ -202,6 +202,152 @@ TEST(EngineModelCpu, ClearErrors) {
   fs::remove_all(dir);
 }
 
+// ---- what the engine refuses (each used to run silently) ----------------------------------------
+
+namespace {
+
+/// Rewrites dir's model.safetensors from t's weights (after an edit).
+void rewrite_weights(Tiny& t, const fs::path& dir) {
+  std::vector<StWriteTensor> ts;
+  for (auto& [name, v] : t.w) ts.push_back(StWriteTensor{name, StDType::kF32, t.shape[name], v.data()});
+  ASSERT_TRUE(write_safetensors((dir / "model.safetensors").string(), ts).ok());
+}
+
+}  // namespace
+
+// A NaN weight made every logit NaN, and greedy sampling picked token 0 forever without a word.
+TEST(EngineModelCpu, NonFiniteWeightsAreRefusedAtLoad) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "nanw", false, 21);
+  auto ops = make_cpu_ops(1);
+  std::unique_ptr<LlamaModel> m;
+  t.w["model.layers.0.self_attn.k_proj.weight"][2 * 128 + 9] = std::nanf("");
+  rewrite_weights(t, dir);
+  Status s = LlamaModel::load(dir.string(), ops.get(), &m);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.message();
+  EXPECT_NE(s.message().find("tensor 'model.layers.0.self_attn.k_proj.weight' of the checkpoint holds a NaN at "
+                             "element 265 (row 2, column 9)"),
+            std::string::npos)
+      << s.message();
+  t.w["model.layers.0.self_attn.k_proj.weight"][2 * 128 + 9] = 0.f;
+  t.w["model.norm.weight"][100] = -INFINITY;
+  rewrite_weights(t, dir);
+  s = LlamaModel::load(dir.string(), ops.get(), &m);
+  EXPECT_NE(s.message().find("'model.norm.weight' of the checkpoint holds an Inf at element 100"), std::string::npos)
+      << s.message();
+  t.w["model.norm.weight"][100] = 1.f;
+  rewrite_weights(t, dir);
+  EXPECT_TRUE(LlamaModel::load(dir.string(), ops.get(), &m).ok());
+  fs::remove_all(dir);
+}
+
+// The scan the loader runs, on each dtype's bit patterns (the CUDA backend scans bf16).
+TEST(EngineModelCpu, FirstNonFiniteFindsNanAndInfInEveryDtype) {
+  std::vector<float> f(10000, 1.f);
+  EXPECT_EQ(first_nonfinite(f.data(), f.size(), DType::kF32), -1);
+  f[9001] = INFINITY;
+  f[9500] = NAN;
+  EXPECT_EQ(first_nonfinite(f.data(), f.size(), DType::kF32), 9001);
+  f[9001] = 3.4e38f;  // the largest finite values stay finite
+  EXPECT_EQ(first_nonfinite(f.data(), f.size(), DType::kF32), 9500);
+  std::vector<std::uint16_t> bf(5000, float_to_bf16_bits(-2.5f));
+  EXPECT_EQ(first_nonfinite(bf.data(), bf.size(), DType::kBF16), -1);
+  bf[4097] = float_to_bf16_bits(NAN);
+  EXPECT_EQ(first_nonfinite(bf.data(), bf.size(), DType::kBF16), 4097);
+  bf[4097] = float_to_bf16_bits(-INFINITY);
+  bf[3] = float_to_bf16_bits(3.0e38f);
+  EXPECT_EQ(first_nonfinite(bf.data(), bf.size(), DType::kBF16), 4097);
+  std::vector<std::uint16_t> h(100, 0x3c00u);  // fp16 1.0; 0x7bff is 65504, the largest finite
+  h[50] = 0x7bffu;
+  EXPECT_EQ(first_nonfinite(h.data(), h.size(), DType::kF16), -1);
+  h[60] = 0x7c00u;
+  EXPECT_EQ(first_nonfinite(h.data(), h.size(), DType::kF16), 60);
+  EXPECT_EQ(first_nonfinite(h.data(), 0, DType::kF16), -1);
+}
+
+// A config.json with fewer layers than the file ran the truncated model silently.
+TEST(EngineModelCpu, AConfigWithFewerLayersThanTheCheckpointIsRefused) {
+  Tiny t;
+  t.layers = 3;
+  const fs::path dir = write_tiny(&t, "layers", false, 22);
+  auto ops = make_cpu_ops(1);
+  std::unique_ptr<LlamaModel> m;
+  Tiny c = t;
+  c.layers = 2;
+  std::ofstream(dir / "config.json") << config_json(c);
+  Status s = LlamaModel::load(dir.string(), ops.get(), &m);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("holds layers up to model.layers.2 (3 layers) but config.json says num_hidden_layers 2"),
+            std::string::npos)
+      << s.message();
+  c.layers = 4;  // more layers than the file: the first missing tensor is named
+  std::ofstream(dir / "config.json") << config_json(c);
+  s = LlamaModel::load(dir.string(), ops.get(), &m);
+  EXPECT_NE(s.message().find("model.layers.3."), std::string::npos) << s.message();
+  std::ofstream(dir / "config.json") << config_json(t);
+  EXPECT_TRUE(LlamaModel::load(dir.string(), ops.get(), &m).ok());
+  fs::remove_all(dir);
+}
+
+// --temperature nan emitted one token forever with exit 0; top_p outside (0, 1] was taken.
+TEST(EngineModelCpu, BadSamplingArgumentsAreRefused) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "samp", false, 23);
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  GenerateOptions g;
+  g.prompts = {{1, 2, 3}};
+  g.max_new_tokens = 3;
+  g.eager = true;
+  GenerateResult r;
+  const std::pair<float, float> bad[] = {{NAN, 1.f}, {-1.f, 1.f}, {INFINITY, 1.f}, {1.f, 0.f},
+                                         {1.f, 2.f}, {1.f, NAN}, {0.f, -0.5f}};
+  for (const auto& [temp, top_p] : bad) {
+    g.sampling.temperature = temp;
+    g.sampling.top_p = top_p;
+    const Status s = generate(*l.model, g, &r);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << temp << " " << top_p << ": " << s.message();
+    EXPECT_NE(s.message().find(std::isfinite(temp) && temp >= 0 ? "top_p" : "temperature"), std::string::npos)
+        << s.message();
+  }
+  g.sampling.temperature = 0.7f;
+  g.sampling.top_p = 1.f;
+  EXPECT_TRUE(generate(*l.model, g, &r).ok());
+  fs::remove_all(dir);
+}
+
+// Finite weights whose logits overflow: the run fails with a sentence instead of printing the
+// tokens greedy sampling draws from NaN/Inf logits.
+TEST(EngineModelCpu, NonFiniteLogitsAreReported) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "inflogit", false, 24);
+  for (float& x : t.w["lm_head.weight"]) x = x > 0 ? 3e38f : -3e38f;
+  rewrite_weights(t, dir);
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  GenerateOptions g;
+  g.prompts = {{1, 2, 3}, {4, 5}};
+  g.max_new_tokens = 4;
+  g.eager = true;
+  GenerateResult r;
+  const Status s = generate(*l.model, g, &r);
+  EXPECT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("the logits of sequence 0 after its prefill are not finite"), std::string::npos)
+      << s.message();
+  fs::remove_all(dir);
+}
+
+// The CPU backend has one GEMM: a CUDA mode was accepted and ignored.
+TEST(EngineModelCpu, CpuOpsRefuseCudaGemmModes) {
+  auto ops = make_cpu_ops(1);
+  EXPECT_TRUE(ops->set_gemm_mode("auto").ok());
+  for (const char* m : {"cublaslt", "gemv", "gemv-nopdl"}) {
+    const Status s = ops->set_gemm_mode(m);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << m;
+    EXPECT_NE(s.message().find("CPU backend"), std::string::npos) << s.message();
+  }
+}
+
 // The GEMV's row grouping: 2-row groups only where they cut the most-loaded CTA's rows by 10%.
 TEST(EngineModelCpu, GemvGroupingFollowsTheWave) {
   const int slots = 132 * 3;  // H200, three 256-thread CTAs per SM
