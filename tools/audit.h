@@ -266,6 +266,12 @@ struct AuditOptions {
   OutputHook perturb_output;  ///< tests only
 };
 
+/// The largest problem run_audit accepts: N * heads * head_dim elements per tensor (2^30: 4 GiB
+/// of fp32 per input, about 40 GiB of host memory with the fp64 truth; the CUDA preset's largest
+/// is 2^25). Larger ones are refused with a sentence (status 2), not left to fail an allocation.
+inline constexpr int kMaxProblemElementsLog2 = 30;
+inline constexpr std::int64_t kMaxProblemElements = std::int64_t{1} << kMaxProblemElementsLog2;
+
 /// The problems of a run after presets, in run order (N ascending, then dtype, family, mask).
 std::vector<Problem> plan_problems(const AuditOptions& opt, Backend resolved);
 

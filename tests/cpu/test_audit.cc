@@ -510,6 +510,91 @@ TEST(AuditRun, ListAndUsageErrors) {
 #endif
 }
 
+// A negative size used to select the preset without a word (`--heads -2` ran with 2 heads).
+TEST(AuditRun, NegativeSizesAreRefusedNotReplacedByThePreset) {
+  struct Bad {
+    const char* flag;
+    int AuditOptions::*field;
+    int value;
+  };
+  const Bad bad[] = {{"--heads -2", &AuditOptions::heads, -2},
+                     {"--head-dim -64", &AuditOptions::head_dim, -64},
+                     {"--window -5", &AuditOptions::window, -5},
+                     {"--threads -1", &AuditOptions::cpu_threads, -1}};
+  for (const Bad& b : bad) {
+    AuditOptions o = quick_cpu();
+    o.list_only = true;  // refused before anything is planned, even a listing
+    o.*b.field = b.value;
+    std::ostringstream out, err;
+    EXPECT_EQ(run_audit(o, out, err), 2) << b.flag << ": " << out.str();
+    EXPECT_NE(err.str().find(b.flag), std::string::npos) << err.str();
+    EXPECT_NE(err.str().find("negative"), std::string::npos) << err.str();
+  }
+}
+
+// --json was written only after the whole run: an unwritable path now fails before it.
+TEST(AuditRun, AnUnwritableJsonPathFailsBeforeTheRun) {
+  const TempDir dir("json");
+  const std::filesystem::path file = dir.path / "plain_file";
+  std::ofstream(file) << "x";
+  AuditOptions o = quick_cpu();
+  o.json_path = (file / "audit.json").string();  // a folder that is a file: cannot be created
+  std::ostringstream out, err;
+  EXPECT_EQ(run_audit(o, out, err), 2);
+  EXPECT_NE(err.str().find("cannot write --json"), std::string::npos) << err.str();
+  EXPECT_NE(err.str().find("nothing was run"), std::string::npos) << err.str();
+  EXPECT_EQ(out.str().find("passed"), std::string::npos) << "it ran:\n" << out.str();
+  o.json_path = dir.path.string();  // a directory
+  std::ostringstream out2, err2;
+  EXPECT_EQ(run_audit(o, out2, err2), 2);
+  EXPECT_NE(err2.str().find("cannot write --json"), std::string::npos) << err2.str();
+}
+
+// A problem too large for host memory is refused with a sentence, not left to fail an allocation.
+TEST(AuditRun, AProblemTooLargeForHostMemoryIsRefused) {
+  AuditOptions o = quick_cpu();
+  o.list_only = true;
+  o.seqlens = {1 << 20};
+  o.heads = 64;
+  o.head_dim = 128;  // 2^33 elements per tensor
+  std::ostringstream out, err;
+  EXPECT_EQ(run_audit(o, out, err), 2) << out.str();
+  EXPECT_NE(err.str().find("at most 2^30"), std::string::npos) << err.str();
+  o.heads = 4;  // 2^29: listed
+  std::ostringstream out2, err2;
+  EXPECT_EQ(run_audit(o, out2, err2), 0) << err2.str();
+}
+
+// The table's last column is the defect verdict, not the tolerance band: a result 100% over the
+// band passes. Its name and the legend say so ("over_tol 100.00% ... PASS" read as a contradiction).
+TEST(AuditRun, TheTableSaysWhatItsColumnsMean) {
+  std::string text;
+  ASSERT_EQ(run_with_hook(nullptr, &text), 0) << text;
+  std::istringstream in(text);
+  std::string line, header;
+  while (std::getline(in, line))
+    if (line.rfind("problem", 0) == 0) header = line;
+  ASSERT_FALSE(header.empty()) << text;
+  EXPECT_NE(header.find("rows_over_band"), std::string::npos) << header;
+  EXPECT_NE(header.find("err/bound"), std::string::npos) << header;
+  EXPECT_NE(header.find("defect_check"), std::string::npos) << header;
+  EXPECT_EQ(header.find("over_tol"), std::string::npos) << header;
+  EXPECT_EQ(header.find(" status"), std::string::npos) << header;
+  EXPECT_NE(text.find("a finding, never a failure"), std::string::npos) << text;
+  EXPECT_NE(text.find("PASS =\n  no defect"), std::string::npos) << text;
+  // Every result row keeps its columns under the header: the verdict word starts where
+  // "defect_check" does.
+  const std::size_t col = header.find("defect_check");
+  int rows = 0;
+  std::istringstream in2(text);
+  while (std::getline(in2, line))
+    if (line.find("/b1_") != std::string::npos && line.size() > col) {
+      EXPECT_EQ(line.substr(col, 4), "PASS") << line;
+      ++rows;
+    }
+  EXPECT_EQ(rows, 2) << text;
+}
+
 TEST(AuditRun, DumpedInputsAreTheGeneratedOnes) {
   AuditOptions o = quick_cpu();
   o.seqlens = {64};
