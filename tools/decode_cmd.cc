@@ -2,12 +2,16 @@
 #include "decode_cmd.h"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <system_error>
 
+#include "cli_checks.h"
 #include "engine/engine.h"
 #include "harness/kernel_trace.h"
 
@@ -18,21 +22,36 @@
 namespace flashcpp::tools {
 
 void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
+  using engine::kMaxBatch;
   sub->add_option("--model", o->model, "checkpoint directory (config.json + model.safetensors[.index.json])")->required();
   sub->add_option("--prompt-ids", o->prompt_ids, "one prompt as token ids (\"1,2,3\"), used for every sequence");
   sub->add_option("--prompt-file", o->prompt_file, "one prompt per line (ids separated by spaces or commas)");
-  sub->add_option("--prompt-len", o->prompt_len, "random prompt ids of this length (seeded) when no ids are given");
-  sub->add_option("--batch", o->batch, "sequences (with --prompt-ids, --prompt-len or --context)")->capture_default_str();
+  sub->add_option("--prompt-len", o->prompt_len, "random prompt ids of this length (seeded) when no ids are given")
+      ->check(at_least(1));
+  sub->add_option("--batch", o->batch, "sequences (with --prompt-ids, --prompt-len or --context)")
+      ->check(in_range(1, kMaxBatch))
+      ->capture_default_str();
   sub->add_option("--context", o->context,
-                  "start as if this many tokens were cached (random K/V, no prefill): long-context decode speed");
-  sub->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate per sequence")->capture_default_str();
+                  "start as if this many tokens were cached (random K/V, no prefill): long-context decode speed")
+      ->check(at_least(1));
+  sub->add_option("--max-new-tokens", o->max_new_tokens, "tokens to generate per sequence")
+      ->check(at_least(1))
+      ->capture_default_str();
   sub->add_flag("--eager", o->eager, "launch op by op instead of replaying a CUDA graph");
-  sub->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str();
-  sub->add_option("--top-p", o->top_p, "nucleus sampling mass (with --temperature > 0)")->capture_default_str();
-  sub->add_option("--seed", o->seed, "sampling / random-prompt seed")->capture_default_str();
-  sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")->capture_default_str();
-  sub->add_option("--decode-splits", o->decode_splits, "force the decode attention's key splits (0: heuristic)");
-  sub->add_option("--decode-max-splits", o->decode_max_splits, "cap the heuristic's key splits (0: none)");
+  sub->add_option("--temperature", o->temperature, "0 = greedy")->check(at_least(0.f))->capture_default_str();
+  sub->add_option("--top-p", o->top_p, "nucleus sampling mass (with --temperature > 0)")
+      ->check(in_range(0.f, 1.f, /*lo_open=*/true))
+      ->capture_default_str();
+  sub->add_option("--seed", o->seed, "sampling / random-prompt seed")
+      ->check(non_negative_integer<std::uint64_t>())
+      ->capture_default_str();
+  sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")
+      ->check(power_of_two_upto(256))
+      ->capture_default_str();
+  sub->add_option("--decode-splits", o->decode_splits, "force the decode attention's key splits (0: heuristic)")
+      ->check(at_least(0));
+  sub->add_option("--decode-max-splits", o->decode_max_splits, "cap the heuristic's key splits (0: none)")
+      ->check(at_least(0));
   sub->add_flag("--decode-fused-merge", o->decode_fused_merge,
                 "merge the key splits inside the split-KV kernel instead of a merge launch (CUDA)");
   sub->add_flag("--decode-fused-append", o->decode_fused_append,
@@ -47,12 +66,18 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
                   "cuda GEMMs: auto (fused GEMV for <= 2 rows, PDL on Hopper; cuBLASLt above), cublaslt, gemv (<= 8 rows), gemv-nopdl")
       ->check(CLI::IsMember({"auto", "cublaslt", "gemv", "gemv-nopdl"}))
       ->capture_default_str();
-  sub->add_option("--threads", o->threads, "CPU backend threads (0: all)");
+  sub->add_option("--threads", o->threads, "CPU backend threads (0: all)")->check(in_range(0, kMaxThreads));
   sub->add_flag("--no-profile", o->no_profile, "skip the per-step kernel-time measurement");
   sub->add_option("--trace", o->trace,
                   "CUDA (CUPTI): run --trace-steps more steps under a kernel tracer, write their timeline here (CSV) "
                   "and print each kernel's share of the step: launch gap and busy time");
-  sub->add_option("--trace-steps", o->trace_steps, "steps the --trace timeline covers")->capture_default_str();
+  sub->add_option("--trace-steps", o->trace_steps, "steps the --trace timeline covers")
+      ->check(at_least(1))
+      ->capture_default_str();
+  sub->add_option("--print-tokens", o->print_tokens,
+                  "generated tokens printed per sequence, for every sequence (0: none; --json holds them all)")
+      ->check(at_least(0))
+      ->capture_default_str();
 }
 
 namespace {
@@ -62,19 +87,85 @@ int fail(const Status& s) {
   return s.code() == StatusCode::kInvalidArgument ? 2 : 1;
 }
 
+int usage(const std::string& sentence) {
+  std::cerr << "flashcpp decode: " << sentence << "\n";
+  return 2;
+}
+
+/// "" when `path` can be written; else why not. Checked before the model loads, so a typo in
+/// --json fails at once rather than after the whole run. A file that did not exist is created
+/// to prove it and removed again.
+std::string unwritable(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return flag + " " + path + " is a directory; give a file path";
+  const bool existed = fs::exists(path, ec);
+  {
+    std::ofstream f(path, std::ios::app | std::ios::binary);
+    if (!f) {
+      const fs::path parent = fs::path(path).parent_path();
+      if (!parent.empty() && !fs::is_directory(parent, ec))
+        return flag + " " + path + " cannot be written: its folder " + parent.string() + " does not exist";
+      return flag + " " + path + " cannot be written (permission denied or a read-only file system)";
+    }
+  }
+  if (!existed) fs::remove(path, ec);
+  return {};
+}
+
+/// Which of the prompt sources were given, joined ("--prompt-ids and --context").
+std::string given_sources(const DecodeCliOptions& o) {
+  std::vector<std::string> g;
+  if (!o.prompt_ids.empty()) g.push_back("--prompt-ids");
+  if (!o.prompt_file.empty()) g.push_back("--prompt-file");
+  if (o.prompt_len > 0) g.push_back("--prompt-len");
+  if (o.context > 0) g.push_back("--context");
+  std::string s;
+  for (std::size_t i = 0; i < g.size(); ++i) s += (i ? (i + 1 == g.size() ? " and " : ", ") : "") + g[i];
+  return s;
+}
+
 }  // namespace
 
 int decode_main(const DecodeCliOptions& o) {
   using namespace flashcpp::engine;
+  // Usage first, before a device is opened or a weight read (CLI11 has checked each flag's range).
+  const int sources = !o.prompt_ids.empty() + !o.prompt_file.empty() + (o.prompt_len > 0) + (o.context > 0);
+  if (sources == 0)
+    return usage("no prompt: give token ids (--prompt-ids or --prompt-file), a random prompt length (--prompt-len) "
+                 "or a simulated context length (--context)");
+  if (sources > 1)
+    return usage(given_sources(o) + " were given together; they are alternative prompt sources, give one of them");
+  if (!o.prompt_file.empty() && !std::ifstream(o.prompt_file))
+    return usage("cannot open --prompt-file " + o.prompt_file);
+  for (const auto& [flag, path] : {std::pair{"--json", &o.json}, std::pair{"--dump-logits", &o.dump_logits},
+                                   std::pair{"--trace", &o.trace}})
+    if (!path->empty())
+      if (const std::string why = unwritable(flag, *path); !why.empty()) return usage(why);
+
   std::unique_ptr<Ops> ops;
+  std::string cpu_why = "--backend cpu";  // why the run is on the CPU backend, for the sentences below
   if (o.backend == "cpu") {
     ops = make_cpu_ops(o.threads);
   } else {
     Status s = make_cuda_ops(&ops);
     if (!s.ok()) {
       if (o.backend == "cuda") return fail(s);
+      cpu_why = "--backend auto fell back to it: " + s.message();
       ops = make_cpu_ops(o.threads);
     }
+  }
+  if (!ops->cuda()) {
+    // CUDA-only flags would be ignored on the CPU backend: refuse them rather than drop them.
+    if (o.gemm != "auto")
+      return usage("--gemm " + o.gemm + " selects a CUDA GEMM, but the run is on the CPU backend (" + cpu_why +
+                   "), which has one GEMM; leave --gemm at auto");
+    if (o.decode_fused_merge || o.decode_fused_append)
+      return usage(std::string(o.decode_fused_merge ? "--decode-fused-merge" : "--decode-fused-append") +
+                   " changes the CUDA split-KV kernel, but the run is on the CPU backend (" + cpu_why + ")");
+    if (!o.trace.empty()) return usage("--trace needs the CUDA backend (CUPTI); the run is on the CPU (" + cpu_why + ")");
+  } else if (o.threads != 0) {
+    return usage("--threads sets the CPU backend's threads, but the run is on CUDA (add --backend cpu)");
   }
   if (Status s = ops->set_gemm_mode(o.gemm); !s.ok()) return fail(s);
   std::unique_ptr<LlamaModel> model;
@@ -94,12 +185,6 @@ int decode_main(const DecodeCliOptions& o) {
   g.decode_fused_append = o.decode_fused_append;
   g.profile = !o.no_profile;
   g.dump_logits = !o.dump_logits.empty();
-  const int sources = !o.prompt_ids.empty() + !o.prompt_file.empty() + (o.prompt_len > 0) + (o.context > 0);
-  if (sources != 1) {
-    std::cerr << "flashcpp decode: give exactly one of --prompt-ids, --prompt-file, --prompt-len, --context\n";
-    return 2;
-  }
-  if (o.batch < 1) { std::cerr << "flashcpp decode: --batch must be >= 1\n"; return 2; }
   if (!o.prompt_ids.empty()) {
     std::vector<std::int32_t> ids;
     if (Status s = parse_token_ids(o.prompt_ids, c.vocab_size, &ids); !s.ok()) return fail(s);
@@ -114,6 +199,9 @@ int decode_main(const DecodeCliOptions& o) {
       if (!ids.empty()) g.prompts.push_back(std::move(ids));
     }
     if (g.prompts.empty()) { std::cerr << "flashcpp decode: " << o.prompt_file << " holds no prompt\n"; return 2; }
+    if (o.batch != 1 && o.batch != static_cast<int>(g.prompts.size()))
+      return usage("--batch " + std::to_string(o.batch) + " does not match the " + std::to_string(g.prompts.size()) +
+                   " prompts of " + o.prompt_file + " (one sequence per line; leave --batch out)");
   } else if (o.prompt_len > 0) {
     for (int b = 0; b < o.batch; ++b) {
       std::vector<std::int32_t> ids;
@@ -128,10 +216,6 @@ int decode_main(const DecodeCliOptions& o) {
 
   std::vector<harness::KernelRecord> trace;
   if (!o.trace.empty()) {
-    if (!ops->cuda()) {
-      std::cerr << "flashcpp decode: --trace needs the CUDA backend\n";
-      return 2;
-    }
     g.trace_steps = o.trace_steps;
     g.trace = [&trace](bool begin) { return begin ? harness::trace_begin() : harness::trace_end(&trace); };
   }
@@ -173,9 +257,19 @@ int decode_main(const DecodeCliOptions& o) {
       std::printf("  %-44.44s %6.1f %10.1f %10.1f %10.1f\n", k.name.c_str(), k.count / n, k.busy_us / n, k.gap_us / n,
                   k.duration_us / n);
   }
-  std::cout << "seq 0:";
-  for (std::size_t i = 0; i < std::min<std::size_t>(r.tokens[0].size(), 16); ++i) std::cout << " " << r.tokens[0][i];
-  std::cout << (r.tokens[0].size() > 16 ? " ..." : "") << "\n";
+  // Every sequence's tokens, each line cut at --print-tokens (the JSON holds all of them).
+  if (o.print_tokens > 0)
+    for (int b = 0; b < B; ++b) {
+      const auto& t = r.tokens[b];
+      std::cout << "seq " << b << ":";
+      for (std::size_t i = 0; i < std::min<std::size_t>(t.size(), static_cast<std::size_t>(o.print_tokens)); ++i)
+        std::cout << " " << t[i];
+      std::cout << (t.size() > static_cast<std::size_t>(o.print_tokens)
+                        ? " ... (" + std::to_string(t.size()) + " tokens; --print-tokens " + std::to_string(t.size()) +
+                              " or --json for all)"
+                        : std::string())
+                << "\n";
+    }
 
   if (!o.dump_logits.empty()) {
     std::ofstream f(o.dump_logits, std::ios::binary);

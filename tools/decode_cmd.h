@@ -23,6 +23,7 @@ struct DecodeCliOptions {
   bool no_profile = false;
   std::string trace;     ///< CUDA + CUPTI: kernel timeline of trace_steps more steps, as CSV
   int trace_steps = 3;
+  int print_tokens = 32;  ///< generated tokens printed per sequence (every sequence); 0: none
 };
 
 void add_decode_options(CLI::App* sub, DecodeCliOptions* o);

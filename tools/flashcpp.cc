@@ -4,13 +4,12 @@
 //   flashcpp check [--backend ...]   the correctness harness (tools/harness/), JSON report
 //   flashcpp bench | tune            time / tune the CUDA prefill kernels (tools/tune.cc)
 //   flashcpp audit [--quick ...]     numerics under stress inputs, per-row error CDFs (tools/audit.h)
-//   flashcpp decode                  (placeholder in this version)
+//   flashcpp decode --model DIR ...  the Llama decode engine (tools/decode_cmd.cc, src/engine/)
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
 #include <memory>
-#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "audit.h"
+#include "cli_checks.h"
 #include "decode_cmd.h"
 #include "flashcpp/attention.h"
 #include "harness/harness.h"
@@ -59,35 +59,33 @@ DType parse_dtype(const std::string& s) {
   return DType::kBF16;
 }
 
-/// Memory for the tensors select_kernel validates. Host: an aligned allocation that is never
-/// touched (so the OS never backs it); device: cudaMalloc.
-class InfoBuffers {
- public:
-  ~InfoBuffers() {
-    for (void* p : host_) ::operator delete(p, std::align_val_t(256));
-#if FLASHCPP_WITH_CUDA
-    for (void* p : device_) cudaFree(p);
-#endif
-  }
-  void* host(std::size_t bytes) {
-    host_.push_back(::operator new(std::max<std::size_t>(bytes, 256), std::align_val_t(256)));
-    return host_.back();
-  }
-#if FLASHCPP_WITH_CUDA
-  Status device(std::size_t bytes, void** out) {
-    *out = nullptr;
-    const cudaError_t e = cudaMalloc(out, std::max<std::size_t>(bytes, 256));
-    if (e != cudaSuccess)
-      return Status::Cuda(fmt::format("cudaMalloc of {} bytes failed: {}", bytes, flashcpp::cuda::error_string(e)));
-    device_.push_back(*out);
-    return Status::Ok();
-  }
-#endif
-
- private:
-  std::vector<void*> host_;
-  std::vector<void*> device_;
+/// Where info_params puts q, k, v and o. Validation and kernel selection read no element, so
+/// `flashcpp info` allocates nothing for the shape it is asked about: the tensors are laid out
+/// back to back from a fake base address (256-byte aligned, never dereferenced).
+struct InfoLayout {
+  void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  unsigned __int128 q_bytes = 0, k_bytes = 0;  ///< q and o each; k and v each
+  bool fits = false;  ///< false: the four tensors would not fit in a 64-bit address space
 };
+
+InfoLayout info_layout(const ShapeOptions& s) {
+  using U = unsigned __int128;
+  InfoLayout l;
+  const U es = flashcpp::dtype_size(parse_dtype(s.dtype));
+  l.q_bytes = U(s.batch) * U(s.seqlen_q) * U(s.heads_q) * U(s.head_dim) * es;
+  l.k_bytes = U(s.batch) * U(s.seqlen_k) * U(s.heads_kv) * U(s.head_dim) * es;
+  constexpr U kBase = U(1) << 20, kAlign = 256;
+  auto up = [&](U x) { return (x + kAlign - 1) / kAlign * kAlign; };
+  const U q = kBase, k = up(q + l.q_bytes), v = up(k + l.k_bytes), o = up(v + l.k_bytes), end = o + l.q_bytes;
+  l.fits = end < (U(1) << 63);
+  if (l.fits) {
+    l.q = reinterpret_cast<void*>(static_cast<std::uintptr_t>(q));
+    l.k = reinterpret_cast<void*>(static_cast<std::uintptr_t>(k));
+    l.v = reinterpret_cast<void*>(static_cast<std::uintptr_t>(v));
+    l.o = reinterpret_cast<void*>(static_cast<std::uintptr_t>(o));
+  }
+  return l;
+}
 
 AttnParams info_params(const ShapeOptions& s, void* q, void* k, void* v, void* o) {
   AttnParams p;
@@ -108,6 +106,27 @@ AttnParams info_params(const ShapeOptions& s, void* q, void* k, void* v, void* o
   return p;
 }
 
+std::string bytes_str(unsigned __int128 b) {
+  const double x = static_cast<double>(b);
+  if (x < 1024) return fmt::format("{:.0f} B", x);
+  if (x < 1024.0 * 1024) return fmt::format("{:.1f} KiB", x / 1024);
+  if (x < 1024.0 * 1024 * 1024) return fmt::format("{:.1f} MiB", x / (1024.0 * 1024));
+  return fmt::format("{:.4g} GiB", x / (1024.0 * 1024 * 1024));
+}
+
+/// What is wrong with a shape whose every flag is in range (CLI11's validators, main()), as one
+/// sentence for exit status 2; "" when info can ask the dispatcher about it.
+std::string info_shape_error(const ShapeOptions& s) {
+  if (s.heads_q % s.heads_kv != 0)
+    return fmt::format("--heads-q {} is not a multiple of --heads-kv {} (each key/value head serves a whole "
+                       "group of query heads)",
+                       s.heads_q, s.heads_kv);
+  if (const InfoLayout l = info_layout(s); !l.fits)
+    return fmt::format("q, k, v and o of this shape would take {}, more than a 64-bit address space holds",
+                       bytes_str(2 * l.q_bytes + 2 * l.k_bytes));
+  return {};
+}
+
 void print_choice(const char* backend, const Status& st, const KernelChoice& kc) {
   if (!st.ok()) {
     fmt::print("  {:<14} {}\n", backend, st.to_string());
@@ -118,8 +137,12 @@ void print_choice(const char* backend, const Status& st, const KernelChoice& kc)
 }
 
 int cmd_info(ShapeOptions s) {
-  if (s.seqlen_k < 0) s.seqlen_k = s.seqlen_q;
+  if (s.seqlen_k < 0) s.seqlen_k = s.seqlen_q;  // not given (the flags' validators refuse negative values)
   if (s.heads_kv < 0) s.heads_kv = s.heads_q;
+  if (const std::string why = info_shape_error(s); !why.empty()) {
+    std::cerr << "flashcpp info: " << why << "\n";
+    return 2;
+  }
   fmt::print("flashcpp {} (git {})\n", kVersion, FLASHCPP_GIT_COMMIT);
   fmt::print("build: CUDA {}\n", FLASHCPP_WITH_CUDA ? "yes" : "no");
 #if FLASHCPP_WITH_CUDA
@@ -152,26 +175,22 @@ int cmd_info(ShapeOptions s) {
   for (int d : flashcpp::kSupportedHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
   fmt::print("supported head dims: {}\n", dims);
 
-  const DType dt = parse_dtype(s.dtype);
-  const std::size_t es = flashcpp::dtype_size(dt);
-  const std::size_t nq = static_cast<std::size_t>(s.batch) * s.seqlen_q * s.heads_q * s.head_dim * es;
-  const std::size_t nk = static_cast<std::size_t>(s.batch) * s.seqlen_k * s.heads_kv * s.head_dim * es;
   std::string mask = s.causal ? "causal" : "";
   if (s.window_left >= 0 || s.window_right >= 0)
     mask += fmt::format("{}window ({}, {})", mask.empty() ? "" : ", ", s.window_left, s.window_right);
   fmt::print("kernel choice for batch {}, seqlen_q {}, seqlen_k {}, heads_q {}, heads_kv {}, head_dim {}, {}{}:\n",
              s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim, s.dtype,
              mask.empty() ? "" : ", " + mask);
-  InfoBuffers buf;
-  {
-    const AttnParams p = info_params(s, buf.host(nq), buf.host(nk), buf.host(nk), buf.host(nq));
-    for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
-      RunOptions opt;
-      opt.backend = b;
-      KernelChoice kc;
-      const Status st = flashcpp::select_kernel(p, opt, &kc);
-      print_choice(flashcpp::backend_name(b), st, kc);
-    }
+  const InfoLayout lay = info_layout(s);
+  fmt::print("  (q and o {} each, k and v {} each; nothing is allocated: the dispatcher reads no element)\n",
+             bytes_str(lay.q_bytes), bytes_str(lay.k_bytes));
+  const AttnParams p = info_params(s, lay.q, lay.k, lay.v, lay.o);
+  for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
+    RunOptions opt;
+    opt.backend = b;
+    KernelChoice kc;
+    const Status st = flashcpp::select_kernel(p, opt, &kc);
+    print_choice(flashcpp::backend_name(b), st, kc);
   }
 #if FLASHCPP_WITH_CUDA
   {
@@ -179,16 +198,9 @@ int cmd_info(ShapeOptions s) {
     Status st = flashcpp::cuda::current_device(&dev);
     KernelChoice kc;
     if (st.ok()) {
-      void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
-      st = buf.device(nq, &q);
-      if (st.ok()) st = buf.device(nk, &k);
-      if (st.ok()) st = buf.device(nk, &v);
-      if (st.ok()) st = buf.device(nq, &o);
-      if (st.ok()) {
-        RunOptions opt;
-        opt.backend = Backend::kCuda;
-        st = flashcpp::select_kernel(info_params(s, q, k, v, o), opt, &kc);
-      }
+      RunOptions opt;
+      opt.backend = Backend::kCuda;
+      st = flashcpp::select_kernel(p, opt, &kc);
     }
     print_choice("cuda", st, kc);
   }
@@ -215,20 +227,29 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("flashcpp ") + kVersion + " (git " FLASHCPP_GIT_COMMIT ")");
 
+  using flashcpp::tools::at_least;
+  using flashcpp::tools::non_negative_integer;
+  // Shared by every subcommand: the head dims the kernels compile, the CPU thread count.
+  const CLI::Validator head_dims = flashcpp::tools::one_of(
+      std::vector<int>(std::begin(flashcpp::kSupportedHeadDims), std::end(flashcpp::kSupportedHeadDims)));
+  const CLI::Validator threads = flashcpp::tools::in_range(0, flashcpp::tools::kMaxThreads);
+
   ShapeOptions shape;
   auto* info = app.add_subcommand("info", "Build, devices, supported head dims and the kernel chosen for a shape");
-  info->add_option("--batch", shape.batch, "batch size")->capture_default_str();
-  info->add_option("--seqlen-q", shape.seqlen_q, "query rows per sequence")->capture_default_str();
-  info->add_option("--seqlen-k", shape.seqlen_k, "key rows per sequence (default: seqlen-q)");
-  info->add_option("--heads-q", shape.heads_q, "query heads")->capture_default_str();
-  info->add_option("--heads-kv", shape.heads_kv, "key/value heads (default: heads-q)");
-  info->add_option("--head-dim", shape.head_dim, "head dimension")->capture_default_str();
+  info->add_option("--batch", shape.batch, "batch size")->check(at_least(1))->capture_default_str();
+  info->add_option("--seqlen-q", shape.seqlen_q, "query rows per sequence")->check(at_least(1))->capture_default_str();
+  info->add_option("--seqlen-k", shape.seqlen_k, "key rows per sequence (default: seqlen-q)")->check(at_least(1));
+  info->add_option("--heads-q", shape.heads_q, "query heads")->check(at_least(1))->capture_default_str();
+  info->add_option("--heads-kv", shape.heads_kv, "key/value heads (default: heads-q)")->check(at_least(1));
+  info->add_option("--head-dim", shape.head_dim, "head dimension")->check(head_dims)->capture_default_str();
   info->add_option("--dtype", shape.dtype, "element type")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))
       ->capture_default_str();
   info->add_flag("--causal", shape.causal, "bottom-right aligned causal mask");
-  info->add_option("--window-left", shape.window_left, "sliding window, keys to the left (-1: unbounded)");
-  info->add_option("--window-right", shape.window_right, "sliding window, keys to the right (-1: unbounded)");
+  info->add_option("--window-left", shape.window_left, "sliding window, keys to the left (-1: unbounded)")
+      ->check(at_least(-1));
+  info->add_option("--window-right", shape.window_right, "sliding window, keys to the right (-1: unbounded)")
+      ->check(at_least(-1));
 
   flashcpp::harness::CheckOptions check_opt;
   std::string backend = "auto";
@@ -244,8 +265,9 @@ int main(int argc, char** argv) {
   quick_flag->excludes(full_flag);
   check->add_option("--json", check_opt.json_path, "write correctness_report.json here");
   check->add_option("--filter", check_opt.filter, "run only cases whose name contains this");
-  auto* seed_opt = check->add_option("--seed", seed, "input seed (default: fresh each run, printed)");
-  check->add_option("--threads", check_opt.cpu_threads, "CPU threads (0: all)")->capture_default_str();
+  auto* seed_opt = check->add_option("--seed", seed, "input seed (default: fresh each run, printed)")
+                       ->check(non_negative_integer<std::uint64_t>());
+  check->add_option("--threads", check_opt.cpu_threads, "CPU threads (0: all)")->check(threads)->capture_default_str();
   check->add_option("--cuda-config", check_opt.cuda_config,
                     "cuda backend: kernel family (sm80, sm90) or config name; default automatic");
   check->add_flag("--list", check_opt.list_only, "print the selected case names and exit");
@@ -257,19 +279,25 @@ int main(int argc, char** argv) {
 
   flashcpp::tools::BenchOptions bench_opt;
   auto* bench = app.add_subcommand("bench", "Time flashcpp's CUDA prefill kernels from C++ (peers: python -m flashcpp.bench)");
-  bench->add_option("--head-dims", bench_opt.head_dims, "head dims to time")->delimiter(',')->capture_default_str();
+  bench->add_option("--head-dims", bench_opt.head_dims, "head dims to time")
+      ->delimiter(',')
+      ->check(head_dims)
+      ->capture_default_str();
   bench->add_flag("--all-configs", bench_opt.all_configs, "time every compiled config, not just the tuned choice");
   bench->add_flag("--quick", bench_opt.quick, "the course shapes only, fewer iterations");
   bench->add_option("--csv", bench_opt.csv, "write the rows to this CSV file");
-  bench->add_option("--warmup", bench_opt.warmup, "warm-up runs per case")->capture_default_str();
-  bench->add_option("--iters", bench_opt.iters, "timed runs per case")->capture_default_str();
+  bench->add_option("--warmup", bench_opt.warmup, "warm-up runs per case")->check(at_least(0))->capture_default_str();
+  bench->add_option("--iters", bench_opt.iters, "timed runs per case")->check(at_least(1))->capture_default_str();
   flashcpp::tools::TuneOptions tune_opt;
   auto* tune = app.add_subcommand("tune", "Choose the tile config per head dim and shape on this device");
   tune->add_option("--out", tune_opt.out, "JSON cache path (default: the library's cache path)");
   tune->add_flag("--emit-table", tune_opt.emit_table, "also print rows for src/cuda/prefill/fa2_tuned_table.inc");
-  tune->add_option("--head-dims", tune_opt.head_dims, "head dims to tune")->delimiter(',')->capture_default_str();
-  tune->add_option("--warmup", tune_opt.warmup, "warm-up runs per config")->capture_default_str();
-  tune->add_option("--iters", tune_opt.iters, "timed runs per config")->capture_default_str();
+  tune->add_option("--head-dims", tune_opt.head_dims, "head dims to tune")
+      ->delimiter(',')
+      ->check(head_dims)
+      ->capture_default_str();
+  tune->add_option("--warmup", tune_opt.warmup, "warm-up runs per config")->check(at_least(0))->capture_default_str();
+  tune->add_option("--iters", tune_opt.iters, "timed runs per config")->check(at_least(1))->capture_default_str();
   flashcpp::audit::AuditOptions audit_opt;
   std::string audit_backend = "auto";
   std::vector<std::string> audit_dtypes, audit_families, audit_masks;
@@ -283,7 +311,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda", "auto"}))
       ->capture_default_str();
   audit->add_flag("--quick", audit_opt.quick, "small N preset (CPU: N 128,512, 2 heads, head_dim 64; seconds)");
-  audit->add_option("--n", audit_opt.seqlens, "sequence lengths (default: the backend's preset)")->delimiter(',');
+  audit->add_option("--n", audit_opt.seqlens, "sequence lengths (default: the backend's preset)")
+      ->delimiter(',')
+      ->check(at_least(1));
   audit->add_option("--dtypes", audit_dtypes, "bf16, fp16, fp32 (default: bf16,fp16 on cuda, all three on cpu)")
       ->delimiter(',')
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}));
@@ -297,13 +327,16 @@ int main(int argc, char** argv) {
                     "kernels (default: all): cuda sm80, sm90, decode; cpu: cpu (the tiled backend), decode")
       ->delimiter(',')
       ->check(CLI::IsMember({"cpu", "sm80", "sm90", "decode"}));
-  audit->add_option("--heads", audit_opt.heads, "heads (default: 4 on cuda, 2 on cpu)");
-  audit->add_option("--head-dim", audit_opt.head_dim, "head dim (default: 128; 64 with --quick on cpu)");
-  audit->add_option("--window", audit_opt.window, "window mask: causal with window_left = this");
+  audit->add_option("--heads", audit_opt.heads, "heads (default: 4 on cuda, 2 on cpu)")->check(at_least(1));
+  audit->add_option("--head-dim", audit_opt.head_dim, "head dim (default: 128; 64 with --quick on cpu)")
+      ->check(head_dims);
+  audit->add_option("--window", audit_opt.window, "window mask: causal with window_left = this")
+      ->check(at_least(1));
   audit->add_flag("--rotary", audit_opt.rotary,
                   "also run every problem with rotary fused into attention (CPU and the sm80/sm90 kernels; decode reports unsupported)");
-  auto* audit_seed_opt = audit->add_option("--seed", audit_seed, "input seed (default: fresh each run, printed)");
-  audit->add_option("--threads", audit_opt.cpu_threads, "CPU threads (0: all)")->capture_default_str();
+  auto* audit_seed_opt = audit->add_option("--seed", audit_seed, "input seed (default: fresh each run, printed)")
+                             ->check(non_negative_integer<std::uint64_t>());
+  audit->add_option("--threads", audit_opt.cpu_threads, "CPU threads (0: all)")->check(threads)->capture_default_str();
   audit->add_option("--json", audit_opt.json_path, "write the audit JSON here (e.g. reports/numerics/audit.json)");
   audit->add_option("--dump-inputs", audit_opt.dump_dir,
                     "write each problem's inputs and a manifest here (python -m flashcpp.bench.audit) and exit");
@@ -312,7 +345,7 @@ int main(int argc, char** argv) {
   auto* decode = app.add_subcommand("decode", "Llama decode engine: prompts in, tokens out, end-to-end tokens/s");
   flashcpp::tools::add_decode_options(decode, &decode_opt);
 
-  CLI11_PARSE(app, argc, argv);
+  if (const int rc = flashcpp::tools::parse_args(app, argc, argv); rc >= 0) return rc;
 
   if (*info) return cmd_info(shape);
   if (*check) {

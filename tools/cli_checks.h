@@ -1,0 +1,134 @@
+// Range checks for the numeric flags of every `flashcpp` subcommand, as CLI11 validators, and
+// the parse step that turns every CLI11 error into exit status 2.
+//
+// CLI::Range lets NaN through (NaN < lo and NaN > hi are both false) and strtoull reads "-5" as
+// 2^64 - 5, so these validators convert the text the way CLI11 does and then require the value
+// to satisfy the range, which NaN never does. The message completes "--flag: ..." (CLI11 puts
+// the flag's name in front), e.g. "--top-p: must be a number in (0, 1]; got 'nan'".
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace flashcpp::tools {
+
+namespace detail {
+
+template <class T>
+std::string num_str(T v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    std::string s = std::to_string(v);
+    while (s.size() > 1 && s.back() == '0') s.pop_back();
+    if (!s.empty() && s.back() == '.') s.pop_back();
+    return s;
+  } else {
+    return std::to_string(v);
+  }
+}
+
+/// The value CLI11 will store for `text`, or false when it does not convert (or is a negative
+/// number for an unsigned type, which strtoull would wrap).
+/// What the text must be to convert at all: "an integer that fits in 32 bits", ...
+template <class T>
+std::string type_words() {
+  if constexpr (std::is_floating_point_v<T>) return "a number";
+  else if constexpr (std::is_unsigned_v<T>) return "a non-negative integer that fits in " + std::to_string(8 * sizeof(T)) + " bits";
+  else return "an integer that fits in " + std::to_string(8 * sizeof(T)) + " bits";
+}
+
+template <class T>
+bool convert(const std::string& text, T* v) {
+  if constexpr (std::is_unsigned_v<T>) {
+    if (text.find('-') != std::string::npos) return false;
+  }
+  return CLI::detail::lexical_cast(text, *v);
+}
+
+}  // namespace detail
+
+/// CPU thread counts of every subcommand (--threads): 0 (all cores) up to this.
+inline constexpr int kMaxThreads = 1024;
+
+/// The value must lie in [lo, hi] (or (lo, hi] with lo_open), and be finite when T is floating.
+template <class T>
+CLI::Validator in_range(T lo, T hi, bool lo_open = false) {
+  const char* kind = std::is_floating_point_v<T> ? "a number" : "an integer";
+  std::string range;
+  if (hi == std::numeric_limits<T>::max())
+    range = std::string(lo_open ? "> " : ">= ") + detail::num_str(lo);
+  else
+    range = std::string("in ") + (lo_open ? "(" : "[") + detail::num_str(lo) + ", " + detail::num_str(hi) + "]";
+  const std::string must = std::string(kind) + " " + range;
+  return CLI::Validator(
+      [must, lo, hi, lo_open](std::string& text) -> std::string {
+        T v{};
+        if (!detail::convert(text, &v))
+          return "must be " + must + "; got '" + text + "', which is not " + detail::type_words<T>();
+        const bool ok = (lo_open ? v > lo : v >= lo) && v <= hi;  // false for NaN
+        return ok ? std::string() : "must be " + must + "; got '" + text + "'";
+      },
+      std::string(std::is_floating_point_v<T> ? "NUMBER " : "INT ") + range);
+}
+
+/// The value must be >= lo (and, for floating T, finite).
+template <class T>
+CLI::Validator at_least(T lo) {
+  return in_range<T>(lo, std::numeric_limits<T>::max());
+}
+
+/// Any value of an unsigned type, but not a negative number (which strtoull would wrap).
+template <class T>
+CLI::Validator non_negative_integer() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        T v{};
+        return detail::convert(text, &v) ? std::string() : "must be " + detail::type_words<T>() + "; got '" + text + "'";
+      },
+      "UINT");
+}
+
+/// The value must be one of `allowed` (integers: head dims).
+inline CLI::Validator one_of(std::vector<int> allowed) {
+  std::string list;
+  for (int a : allowed) list += (list.empty() ? "" : ", ") + std::to_string(a);
+  return CLI::Validator(
+      [allowed, list](std::string& text) -> std::string {
+        int v = 0;
+        if (detail::convert(text, &v))
+          for (int a : allowed)
+            if (a == v) return {};
+        return "must be one of " + list + "; got '" + text + "'";
+      },
+      "INT in {" + list + "}");
+}
+
+/// The value must be a power of two in [1, hi].
+inline CLI::Validator power_of_two_upto(int hi) {
+  const std::string must = "a power of two in [1, " + std::to_string(hi) + "]";
+  return CLI::Validator(
+      [must, hi](std::string& text) -> std::string {
+        int v = 0;
+        const bool ok = detail::convert(text, &v) && v >= 1 && v <= hi && (v & (v - 1)) == 0;
+        return ok ? std::string() : "must be " + must + "; got '" + text + "'";
+      },
+      "INT " + must);
+}
+
+/// Parses argv. Returns -1 when the program should go on; otherwise the exit status: 0 after
+/// --help or --version, 2 after any parse or validation error (CLI11 prints the message; its own
+/// exit codes are 100 and up, which scripts would read as a crash-like failure).
+inline int parse_args(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  return -1;
+}
+
+}  // namespace flashcpp::tools
