@@ -50,15 +50,14 @@ configure: deps $(BUILD)/build.ninja
 
 build: configure
 	@start=$$(date +%s); cmake --build $(BUILD) -j $(JOBS) || exit 1; \
-	echo "build: $$(( $$(date +%s) - start )) s (CUDA=$(CUDA), jobs=$(JOBS))"
+	echo "build: $$(( $$(date +%s) - start )) s (CUDA=$(CUDA), jobs=$(JOBS))"; \
+	if [ -f $(BUILD)/ptxas_report.txt ]; then echo "build: ptxas register report in $(BUILD)/ptxas_report.txt"; fi
 
+# ctest, flashcpp check (cpu, quick), the install check, the fuzzers, the Python tests: each stage's
+# output also in $(BUILD)/test-logs/<stage>.log; ends with the verdict line naming each stage with
+# its counts, then "make-test: N passed, N failed, N skipped" (scripts/test_all.sh).
 test: build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 600
-	./$(BUILD)/flashcpp check --backend cpu --quick --area all --json $(BUILD)/cpu_correctness_report.json
-	bash scripts/check_install.sh $(BUILD)
-	bash scripts/deps.sh --fuzz
-	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
-	bash python/ci_test.sh
+	@JOBS=$(JOBS) FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/test_all.sh $(BUILD)
 
 run: build
 ifeq ($(HAS_GPU),yes)
