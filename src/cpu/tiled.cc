@@ -30,8 +30,9 @@
 //   any magnitude. Here the CPU differs from the GPU kernels, which take fma(s, fold, -m*fold)
 //   (one FFMA per score): that exponentiates the rounding residual of m*fold along with the
 //   score, harmless for ordinary scores, but once |m*fold| >= 2^31 the residual passes 128 and
-//   exp2 overflows to inf (or flushes to 0), which made this backend return NaN for scores
-//   above ~4e9 (fp16 inputs of 3e4; tests/cpu/test_tiled.cc, Tiled.HugeScoresStayFinite).
+//   exp2 overflows to inf (or flushes to 0), which made this backend return NaN for scores of a
+//   few 1e9 (fp16 q and k of ~1.6e4 at head_dim 128: tests/cpu/test_tiled.cc,
+//   Tiled.HugeScoresStayFinite) where the fp64 reference is finite.
 // - q.k over head_dim, and P.V and the row sum of P over a tile's keys, are pairwise (tree) sums,
 //   added once per tile to the rescaled running values; see pairwise_sum_rows() for why. With
 //   running sums this backend missed the 1e-6 bar against the fp64 reference (tests/cpu/
