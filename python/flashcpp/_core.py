@@ -437,7 +437,7 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         alibi_slopes=data_ptr(alibi), alibi_batch_stride=int(alibi_batch_stride),
         global_tokens=int(global_tokens), global_queries=bool(global_queries),
         cu_seqlens_q=data_ptr(cu_seqlens_q), cu_seqlens_k=data_ptr(cu_seqlens_k),
-        block_sparse=_sparse_arg(block_sparse), rotary=rotary, stream=int(stream), backend=backend,
+        total_q=int(mq.shape[0]) if varlen else 0, block_sparse=_sparse_arg(block_sparse), rotary=rotary, stream=int(stream), backend=backend,
         cpu_threads=int(cpu_threads),
         cuda_config=str(cuda_config), select_only=bool(select_only))
     if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():

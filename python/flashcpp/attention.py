@@ -304,8 +304,10 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
              global_tokens: int = 0, global_queries: bool = False, backend: str = "auto",
              cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None) -> None:
     """Runs a checked problem into checked outputs (shared by `attention` and the torch ops)."""
-    if p.dims.batch == 0 or p.dims.seqlen_q == 0 or p.dims.heads_q == 0 or p.mq.shape[0] == 0:
+    if p.dims.heads_q == 0 or p.mq.shape[0] == 0 or (not p.varlen and (p.dims.batch == 0 or p.dims.seqlen_q == 0)):
         return  # nothing to compute (and empty arrays may have null pointers)
+    # varlen with batch 0 (cu_seqlens = [0]) or max_seqlen_q 0 still has packed rows: the C++ entry
+    # point writes O = 0 and LSE = -inf into all of them (MaskParams::total_q), on every backend.
     if p.dims.seqlen_k == 0 or p.mk.shape[0] == 0:
         # No key at all: every row sees nothing, O = 0 and LSE = -inf (the documented rule).
         out[...] = 0
@@ -319,12 +321,6 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
                  cu_seqlens_q=p.cu_q, cu_seqlens_k=p.cu_k, block_sparse=p.sparse,
                  rotary=_rotary_binding(p, stream), backend=backend,
                  cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
-    if p.varlen and not p.mq.is_cuda:
-        used = int(p.cu_q[-1])
-        if used < p.mq.shape[0]:  # packed rows past the last sequence: define them
-            out[used:] = 0
-            if lse is not None:
-                lse[:, used:] = -np.inf
 
 
 def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = None,
@@ -491,7 +487,8 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     synchronization), size the grid by max_seqlen_q and fuse every mask keyword (causal,
     window_size, softcap, alibi_slopes) per sequence. Packed rows past cu_seqlens_q[-1] are left
     as they are on CUDA (flash-attn's behaviour; reading the device array would synchronize) and
-    set to 0 / -inf on the CPU. There is no block_sparse argument: varlen and block-sparse do not
+    set to 0 / -inf on the CPU; with batch 0 (cu_seqlens = [0]) every packed row is 0 / -inf on
+    both. The LSE is (heads_q, q.shape[0]) whatever cu_seqlens_q[-1] is. There is no block_sparse argument: varlen and block-sparse do not
     combine; a document_block_sparse mask over the packed tensors (batch 1) is the block-sparse
     form of a varlen batch.
     """

@@ -150,7 +150,7 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
                      int heads_q, int heads_kv, int head_dim, float softmax_scale, bool causal,
                      int window_left, int window_right, float softcap, std::uintptr_t alibi_slopes,
                      std::int64_t alibi_batch_stride, int global_tokens, bool global_queries,
-                     std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k,
+                     std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k, std::int64_t total_q,
                      const std::optional<BlockSparseArg>& block_sparse, const std::optional<RotaryArg>& rotary,
                      std::uintptr_t stream,
                      const std::string& backend, int cpu_threads, const std::string& cuda_config,
@@ -174,6 +174,7 @@ nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v,
   p.mask.global_queries = global_queries;
   p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_seqlens_q);
   p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_seqlens_k);
+  p.mask.total_q = total_q;  // varlen: the packed row count (LSE layout, batch-0 fill)
   // Lives through the call: the CPU backend computes before returning, and a CUDA launch copies
   // the fields into the kernel's parameters (the arrays it points at must outlive the kernel).
   flashcpp::BlockSparseMask sparse;
@@ -595,7 +596,7 @@ NB_MODULE(_flashcpp, m) {
         "seqlen_q"_a, "seqlen_k"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "softmax_scale"_a,
         "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a, "alibi_slopes"_a,
         "alibi_batch_stride"_a, "global_tokens"_a, "global_queries"_a, "cu_seqlens_q"_a,
-        "cu_seqlens_k"_a, "block_sparse"_a.none(), "rotary"_a.none(), "stream"_a, "backend"_a, "cpu_threads"_a,
+        "cu_seqlens_k"_a, "total_q"_a = 0, "block_sparse"_a.none(), "rotary"_a.none(), "stream"_a, "backend"_a, "cpu_threads"_a,
         "cuda_config"_a, "select_only"_a,
         "Runs flashcpp::attention_forward (select_only=False, returns None) or "
         "flashcpp::select_kernel (select_only=True, returns (kernel, config, reason)). Tensors are "

@@ -168,6 +168,33 @@ def test_varlen_accepts_lists_and_pads_unused_rows(rng):
     assert_close(out, ref_o, tolerance(np.float32))
 
 
+def test_varlen_lse_layout_follows_the_packed_rows_with_padding(rng):
+    # The LSE is (heads_q, q.shape[0]): head h's row r at lse[h, r] even when cu_seqlens_q[-1] <
+    # q.shape[0] (the row stride used to be cu_seqlens_q[-1], misplacing every head past the first).
+    q = randn(rng, (12, 3, 64))  # 10 rows used, 2 of padding, 3 heads
+    k = randn(rng, (10, 3, 64))
+    v = randn(rng, (10, 3, 64))
+    cu_q, cu_k = [0, 4, 10], [0, 6, 10]
+    out, lse = flashcpp.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, return_lse=True)
+    ref_o, ref_lse = varlen_ref(q[:10], k, v, cu_q, cu_k)
+    assert lse.shape == (3, 12)
+    assert_lse_close(lse[:, :10], ref_lse)
+    assert np.all(np.isneginf(lse[:, 10:])) and np.all(out[10:] == 0)
+
+
+def test_varlen_batch_zero_writes_zeros_and_minus_inf():
+    # cu_seqlens = [0]: no sequence, every packed row is O = 0, LSE = -inf (outputs start poisoned).
+    q = np.full((8, 2, 64), 3.0, np.float32)
+    for max_k in (0, 5):
+        out = np.full_like(q, np.nan)
+        lse = np.full((2, 8), np.nan, np.float32)
+        flashcpp.attention(q, q, q, out=out, lse=lse, cu_seqlens_q=[0], cu_seqlens_k=[0],
+                           max_seqlen_q=0, max_seqlen_k=max_k)
+        assert np.all(out == 0) and np.all(np.isneginf(lse)), f"max_seqlen_k {max_k}"
+    out, lse = flashcpp.flash_attn_varlen_func(q, q, q, [0], [0], 0, 0, return_lse=True)
+    assert np.all(out == 0) and np.all(np.isneginf(lse))
+
+
 def test_bfloat16_via_ml_dtypes(rng):
     ml_dtypes = pytest.importorskip("ml_dtypes", reason="numpy bfloat16 needs ml_dtypes")
     q, k, v = (x.astype(ml_dtypes.bfloat16) for x in qkv(rng, 1, 19, 23, 2, 1, 64))

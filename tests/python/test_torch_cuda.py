@@ -254,6 +254,36 @@ def test_varlen_matches_per_sequence_attention(gen, config, dtype):
 
 
 @pytest.mark.parametrize("config", ["", "sm80"])
+def test_varlen_batch_zero_and_padded_lse_layout_on_cuda(gen, config):
+    # cu_seqlens = [0]: every packed row O = 0, LSE = -inf (poisoned outputs first); and with padding
+    # (cu_seqlens_q[-1] < q.shape[0]) each head's LSE sits at lse[h, row] of the (heads, total) tensor.
+    H, D = 4, 128
+    q = rand((8, H, D), torch.bfloat16, gen)
+    zero = torch.zeros(1, dtype=torch.int32, device=DEV)
+    for max_k in (0, 5):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((H, 8), float("nan"), device=DEV)
+        flashcpp.attention(q, q, q, out=out, lse=lse, cu_seqlens_q=zero, cu_seqlens_k=zero, max_seqlen_q=0,
+                           max_seqlen_k=max_k, backend="cuda", cuda_config=config)
+        assert (out == 0).all() and torch.isneginf(lse).all(), f"max_seqlen_k {max_k}"
+    o, l = flashcpp.flash_attn_varlen_func(q, q, q, zero, zero, 0, 0, return_lse=True)
+    assert (o == 0).all() and torch.isneginf(l).all()
+    lq = [3, 200, 1]
+    cu = torch.tensor([0] + list(itertools.accumulate(lq)), dtype=torch.int32, device=DEV)
+    qp = rand((sum(lq) + 9, H, D), torch.bfloat16, gen)  # 9 rows of padding past cu_seqlens_q[-1]
+    k, v = rand((sum(lq), 2, D), torch.bfloat16, gen), rand((sum(lq), 2, D), torch.bfloat16, gen)
+    lse = torch.full((H, qp.shape[0]), float("nan"), device=DEV)
+    out = torch.empty_like(qp)
+    flashcpp.attention(qp, k, v, out=out, lse=lse, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lq),
+                       max_seqlen_k=max(lq), causal=True, backend="cuda", cuda_config=config)
+    for b in range(len(lq)):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        _, ref_lse = flashcpp.flash_attn_func(qp[None, s], k[None, s], v[None, s], causal=True, return_lse=True)
+        assert (lse[:, s] - ref_lse[0]).abs().max().item() < 1e-3, f"sequence {b}"
+    assert torch.isnan(lse[:, sum(lq):]).all()  # rows past the last sequence are left as they are on CUDA
+
+
+@pytest.mark.parametrize("config", ["", "sm80"])
 def test_mask_kwargs_on_cuda(gen, config):
     B, Nq, Nk, H, Hkv, D = 2, 515, 700, 6, 3, 64
     q = rand((B, Nq, H, D), torch.bfloat16, gen)
