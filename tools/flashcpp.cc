@@ -148,9 +148,11 @@ int cmd_info(ShapeOptions s) {
 #if FLASHCPP_WITH_CUDA
   {
     int driver = 0, runtime = 0;
+    // cudaDriverGetVersion reports 0 when no driver is installed: say so rather than "driver 0.0".
     if (cudaDriverGetVersion(&driver) == cudaSuccess && cudaRuntimeGetVersion(&runtime) == cudaSuccess)
-      fmt::print("CUDA driver {}.{}, runtime {}.{}\n", driver / 1000, (driver % 1000) / 10, runtime / 1000,
-                 (runtime % 1000) / 10);
+      fmt::print("CUDA driver {}, runtime {}.{}\n",
+                 driver == 0 ? std::string("none installed") : fmt::format("{}.{}", driver / 1000, (driver % 1000) / 10),
+                 runtime / 1000, (runtime % 1000) / 10);
     int n = 0;
     const cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0) {
