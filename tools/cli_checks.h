@@ -7,7 +7,10 @@
 // the flag's name in front), e.g. "--top-p: must be a number in (0, 1]; got 'nan'".
 #pragma once
 
+#include <cerrno>
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -37,16 +40,35 @@ std::string num_str(T v) {
 template <class T>
 std::string type_words() {
   if constexpr (std::is_floating_point_v<T>) return "a number";
-  else if constexpr (std::is_unsigned_v<T>) return "a non-negative integer that fits in " + std::to_string(8 * sizeof(T)) + " bits";
-  else return "an integer that fits in " + std::to_string(8 * sizeof(T)) + " bits";
+  else if constexpr (std::is_unsigned_v<T>) return "a non-negative integer that fits in " + std::to_string(8 * sizeof(T)) + " bits, written in decimal";
+  else return "an integer that fits in " + std::to_string(8 * sizeof(T)) + " bits, written in decimal";
+}
+
+/// Integers must be written in decimal: strtoll's base 0, which CLI11 uses, reads "010" as 8
+/// and "0x10" as 16, and clamps a number past the type's range to its largest value (ERANGE:
+/// "--seed 99999999999999999999999" became 18446744073709551615 without a word).
+inline bool is_decimal_integer(const std::string& text) {
+  std::size_t i = (!text.empty() && (text[0] == '+' || text[0] == '-')) ? 1 : 0;
+  if (i >= text.size()) return false;
+  if (text[i] == '0' && i + 1 < text.size()) return false;  // a leading zero: octal to strtoll
+  for (; i < text.size(); ++i)
+    if (text[i] < '0' || text[i] > '9') return false;
+  return true;
 }
 
 template <class T>
 bool convert(const std::string& text, T* v) {
-  if constexpr (std::is_unsigned_v<T>) {
-    if (text.find('-') != std::string::npos) return false;
+  if constexpr (std::is_integral_v<T>) {
+    if (!is_decimal_integer(text)) return false;
+    if constexpr (std::is_unsigned_v<T>) {
+      if (text[0] == '-') return false;
+    }
+    errno = 0;
+    const bool ok = CLI::detail::lexical_cast(text, *v);
+    return ok && errno != ERANGE;
+  } else {
+    return CLI::detail::lexical_cast(text, *v);
   }
-  return CLI::detail::lexical_cast(text, *v);
 }
 
 }  // namespace detail
@@ -117,6 +139,27 @@ inline CLI::Validator power_of_two_upto(int hi) {
         return ok ? std::string() : "must be " + must + "; got '" + text + "'";
       },
       "INT " + must);
+}
+
+/// "" when `path` can be written; else why not, as a sentence that starts with the flag. Checked
+/// before any work, so a typo in an output path fails at once rather than after the whole run.
+/// A file that did not exist is created to prove it and removed again.
+inline std::string unwritable(const std::string& flag, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) return flag + " " + path + " is a directory; give a file path";
+  const bool existed = fs::exists(path, ec);
+  {
+    std::ofstream f(path, std::ios::app | std::ios::binary);
+    if (!f) {
+      const fs::path parent = fs::path(path).parent_path();
+      if (!parent.empty() && !fs::is_directory(parent, ec))
+        return flag + " " + path + " cannot be written: its folder " + parent.string() + " does not exist";
+      return flag + " " + path + " cannot be written (permission denied or a read-only file system)";
+    }
+  }
+  if (!existed) fs::remove(path, ec);
+  return {};
 }
 
 /// Parses argv. Returns -1 when the program should go on; otherwise the exit status: 0 after

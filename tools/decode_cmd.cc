@@ -92,27 +92,6 @@ int usage(const std::string& sentence) {
   return 2;
 }
 
-/// "" when `path` can be written; else why not. Checked before the model loads, so a typo in
-/// --json fails at once rather than after the whole run. A file that did not exist is created
-/// to prove it and removed again.
-std::string unwritable(const std::string& flag, const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  if (fs::is_directory(path, ec)) return flag + " " + path + " is a directory; give a file path";
-  const bool existed = fs::exists(path, ec);
-  {
-    std::ofstream f(path, std::ios::app | std::ios::binary);
-    if (!f) {
-      const fs::path parent = fs::path(path).parent_path();
-      if (!parent.empty() && !fs::is_directory(parent, ec))
-        return flag + " " + path + " cannot be written: its folder " + parent.string() + " does not exist";
-      return flag + " " + path + " cannot be written (permission denied or a read-only file system)";
-    }
-  }
-  if (!existed) fs::remove(path, ec);
-  return {};
-}
-
 /// Which of the prompt sources were given, joined ("--prompt-ids and --context").
 std::string given_sources(const DecodeCliOptions& o) {
   std::vector<std::string> g;

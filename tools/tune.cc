@@ -1,7 +1,10 @@
 #include "tune.h"
 
+#include "cli_checks.h"
+
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -122,17 +125,36 @@ std::vector<Shape> course_shapes(const std::vector<int>& dims, bool quick) {
   return out;
 }
 
+/// Why bench and tune cannot run, without the device layer's "use the CPU backend (--backend cpu)":
+/// neither has a --backend, since both time CUDA kernels only.
+std::string no_device(const char* cmd, const Status& st) {
+  std::string why = st.message();
+  if (const auto pos = why.find("; use the CPU backend"); pos != std::string::npos) why.erase(pos);
+  return std::string("flashcpp ") + cmd + ": " + why + "; " + cmd +
+         " times the CUDA kernels only (on the CPU, flashcpp check --backend cpu and flashcpp audit --backend cpu run)";
+}
+
 }  // namespace
 
 int bench_main(const BenchOptions& opt) {
+  // The rows are written as they are timed: a path that cannot be written fails before any work.
+  if (!opt.csv.empty())
+    if (const std::string why = unwritable("--csv", opt.csv); !why.empty()) {
+      std::fprintf(stderr, "flashcpp bench: %s\n", why.c_str());
+      return 2;
+    }
   cuda::DeviceInfo dev;
   if (Status st = cuda::current_device(&dev); !st.ok()) {
-    std::fprintf(stderr, "flashcpp bench: %s\n", st.to_string().c_str());
+    std::fprintf(stderr, "%s\n", no_device("bench", st).c_str());
     return 2;
   }
   std::ofstream csv;
   if (!opt.csv.empty()) {
     csv.open(opt.csv);
+    if (!csv) {
+      std::fprintf(stderr, "flashcpp bench: cannot write --csv %s\n", opt.csv.c_str());
+      return 2;
+    }
     csv << "case,batch,heads_q,heads_kv,seqlen_q,seqlen_k,head_dim,causal,dtype,config,tuned,ours_us,ours_tflops,gpu\n";
   }
   std::printf("%-34s %-14s %6s %10s %9s\n", "case", "config", "tuned", "us", "TFLOP/s");
@@ -168,10 +190,26 @@ int bench_main(const BenchOptions& opt) {
 }
 
 int tune_main(const TuneOptions& opt) {
+  // The cache is written after minutes of timing: a path that cannot be written fails first.
+  if (!opt.out.empty())
+    if (const std::string why = unwritable("--out", opt.out); !why.empty()) {
+      std::fprintf(stderr, "flashcpp tune: %s\n", why.c_str());
+      return 2;
+    }
   cuda::DeviceInfo dev;
   if (Status st = cuda::current_device(&dev); !st.ok()) {
-    std::fprintf(stderr, "flashcpp tune: %s\n", st.to_string().c_str());
+    std::fprintf(stderr, "%s\n", no_device("tune", st).c_str());
     return 2;
+  }
+  const std::string path = opt.out.empty() ? cuda::tune_cache_path(dev) : opt.out;
+  if (opt.out.empty()) {
+    std::error_code ec;
+    const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+    if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+    if (const std::string why = unwritable("the tuning cache", path); !why.empty()) {
+      std::fprintf(stderr, "flashcpp tune: %s; give --out\n", why.c_str());
+      return 2;
+    }
   }
   // One representative shape per seqlen bucket, sized to fill the GPU.
   const int reps[][3] = {{16, 16, 1024}, {4, 16, 4096}, {1, 16, 16384}, {1, 16, 32768}};  // batch, heads, seqlen
@@ -208,12 +246,12 @@ int tune_main(const TuneOptions& opt) {
                           (causal ? "true" : "false") + ", " + dtype_name(dt) + ", " + std::to_string(bucket) + ", \"" +
                           best + "\"},");
         }
-  const std::string path = opt.out.empty() ? cuda::tune_cache_path(dev) : opt.out;
   {
-    const auto slash = path.find_last_of('/');
-    if (slash != std::string::npos) (void)!std::system(("mkdir -p '" + path.substr(0, slash) + "'").c_str());
     std::ofstream f(path);
-    f << cache.dump(1) << '\n';
+    if (!(f << cache.dump(1) << '\n') || !(f.close(), f)) {
+      std::fprintf(stderr, "flashcpp tune: cannot write %s\n", path.c_str());
+      return 1;
+    }
     std::printf("wrote %s\n", path.c_str());
   }
   if (opt.emit_table)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -46,6 +47,15 @@ Status check_sampling(const SampleArgs& a) {
   if (!std::isfinite(a.temperature) || a.temperature < 0.f)
     return Status::Invalid("temperature " + std::to_string(a.temperature) +
                            " must be a finite number >= 0 (0 = greedy)");
+  // 1/temperature must be finite: a subnormal temperature (below FLT_MIN, e.g. 1e-40) made it inf,
+  // (logit - max) * inf NaN for the best token, and the sampler picked the last token forever.
+  if (a.temperature > 0.f && !std::isfinite(1.f / a.temperature)) {
+    char t[32];
+    std::snprintf(t, sizeof t, "%.3g", static_cast<double>(a.temperature));
+    return Status::Invalid(std::string("temperature ") + t +
+                           " is too small to divide by (1/temperature overflows float); give 0 for greedy or "
+                           "a temperature >= 1.2e-38");
+  }
   if (!(a.top_p > 0.f && a.top_p <= 1.f))
     return Status::Invalid("top_p " + std::to_string(a.top_p) +
                            " must be in (0, 1] (the probability mass nucleus sampling keeps; 1 = all tokens)");
@@ -101,7 +111,11 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   const int start_len = ctx_mode ? opt.context : prompt_len;
   const std::int64_t cap64 = static_cast<std::int64_t>(start_len) + steps + margin + 1;
   if (cap64 > c.max_position_embeddings && cap64 > 1 << 20)
-    return Status::Invalid("context + new tokens exceed what the engine plans for");
+    return Status::Invalid(std::string(ctx_mode ? "a context of " : "a prompt of ") + std::to_string(start_len) +
+                           (ctx_mode ? " positions" : " tokens") + " + " + std::to_string(steps) + " decode steps + " +
+                           std::to_string(margin + 1) + " spare positions = " + std::to_string(cap64) +
+                           " positions exceed both config.json's max_position_embeddings " +
+                           std::to_string(c.max_position_embeddings) + " and the engine's cap of 1048576 (2^20)");
   const int bucket = bucket_of(B);
   SessionOptions so;
   so.batch = bucket;

@@ -381,3 +381,90 @@ TEST(CliDecode, EverySequenceIsPrinted) {
   ASSERT_EQ(none.status, 0) << none.err;
   EXPECT_EQ(none.out.find("seq 0"), std::string::npos) << none.out;
 }
+
+// ---- review of issue 25: what still ran silently ---------------------------------------------
+
+// strtoull clamps a number past 2^64-1 to 2^64-1 (--seed 99999999999999999999999 ran with seed
+// 18446744073709551615), and CLI11's base 0 read "010" as 8 and "0x10" as 16.
+TEST(CliFlags, IntegersPastTheirTypeOrNotInDecimalAreRefused) {
+  const std::string huge = "99999999999999999999999";
+  expect_usage_error({"check", "--seed", huge, "--list"}, "--seed: must be a non-negative integer that fits in 64 bits");
+  expect_usage_error({"audit", "--seed", huge, "--list"}, "--seed: must be a non-negative integer that fits in 64 bits");
+  expect_usage_error(cat(decode_cpu(), {"--prompt-len", "4", "--seed", huge}), "--seed: must be a non-negative integer");
+  expect_usage_error({"info", "--seqlen-q", "010"}, "--seqlen-q: must be an integer >= 1; got '010'");
+  expect_usage_error({"info", "--batch", "0x10"}, "written in decimal");
+  expect_usage_error({"check", "--threads", "0x4", "--list"}, "--threads");
+  const Outcome ok = run({"check", "--seed", "18446744073709551615", "--list"});
+  EXPECT_EQ(ok.status, 0) << ok.err;
+  EXPECT_EQ(run({"info", "--seqlen-q", "+8", "--batch", "0"}).status, 2);
+  EXPECT_EQ(run({"info", "--seqlen-q", "+8"}).status, 0);
+}
+
+// audit --kernels sm80 --backend cpu audited the CPU kernel instead, without a word.
+TEST(CliAudit, AKernelOfTheOtherBackendIsRefused) {
+  expect_usage_error({"audit", "--backend", "cpu", "--kernels", "sm80", "--list"},
+                     "--kernels sm80 is a CUDA kernel, but the audit runs on the CPU backend (--backend cpu)");
+  expect_usage_error({"audit", "--backend", "cpu", "--kernels", "cpu,sm90", "--list"}, "--kernels sm90 is a CUDA kernel");
+  const Outcome ok = run({"audit", "--backend", "cpu", "--kernels", "cpu,decode", "--quick", "--list"});
+  EXPECT_EQ(ok.status, 0) << ok.err;
+  EXPECT_NE(ok.out.find("kernels: cpu cpu_decode"), std::string::npos) << ok.out;
+}
+
+// check --json to a path that cannot be written failed only after the whole run (minutes with
+// --full); --cuda-config was dropped on the CPU backend.
+TEST(CliCheck, AnUnwritableJsonPathOrACudaConfigOnTheCpuFailsBeforeTheRun) {
+  const fs::path file = fs::temp_directory_path() / ("flashcpp_cli_file_" + std::to_string(::getpid()));
+  std::ofstream(file) << "a file, not a folder\n";
+  const std::vector<std::string> one = {"check", "--backend", "cpu", "--filter", "b2_h2_n1_d64_bf16"};
+  expect_usage_error(cat(one, {"--json", (file / "report.json").string()}), "cannot write --json");
+  const Outcome r = run(cat(one, {"--json", (file / "report.json").string()}));
+  EXPECT_EQ(r.out.find("passed"), std::string::npos) << "it ran first:\n" << r.out;
+  expect_usage_error(cat(one, {"--json", fs::temp_directory_path().string()}), "cannot write --json");
+  expect_usage_error(cat(one, {"--cuda-config", "sm80"}), "--cuda-config sm80 picks a CUDA kernel config, but the run is on cpu");
+  const fs::path ok = fs::temp_directory_path() / ("flashcpp_cli_check_" + std::to_string(::getpid()) + ".json");
+  const Outcome w = run(cat(one, {"--json", ok.string()}));
+  EXPECT_EQ(w.status, 0) << w.err;
+  EXPECT_TRUE(fs::exists(ok));
+  fs::remove(ok);
+  fs::remove(file);
+}
+
+// bench --csv to a path that cannot be written timed everything and wrote nothing (exit 0);
+// tune --out likewise, and printed "wrote". Without a GPU both named --backend cpu, a flag
+// neither has.
+TEST(CliBench, AnUnwritableOutputFailsFirstAndNoGpuNamesNoMissingFlag) {
+  const fs::path file = fs::temp_directory_path() / ("flashcpp_cli_bfile_" + std::to_string(::getpid()));
+  std::ofstream(file) << "a file, not a folder\n";
+  const Outcome b = run({"bench", "--csv", (file / "b.csv").string()});
+  const Outcome t = run({"tune", "--out", (file / "t.json").string()});
+  const Outcome plain = run({"bench"});
+  fs::remove(file);
+  if (b.err.find("this build has no CUDA kernels") != std::string::npos) GTEST_SKIP() << "a CPU-only build";
+  EXPECT_EQ(b.status, 2) << b.err;
+  EXPECT_NE(b.err.find("flashcpp bench: --csv " + (file / "b.csv").string() + " cannot be written"), std::string::npos)
+      << b.err;
+  EXPECT_EQ(t.status, 2) << t.err;
+  EXPECT_NE(t.err.find("flashcpp tune: --out " + (file / "t.json").string() + " cannot be written"), std::string::npos)
+      << t.err;
+  if (plain.status != 0) EXPECT_EQ(plain.err.find("--backend cpu)"), std::string::npos) << plain.err;
+}
+
+// --temperature 1e-40 (below FLT_MIN) made 1/temperature inf and sampled the vocabulary's last
+// token forever with exit 0.
+TEST(CliDecode, ATemperatureTooSmallToDivideByIsRefused) {
+  expect_usage_error(cat(decode_cpu(), {"--prompt-len", "4", "--max-new-tokens", "3", "--temperature", "1e-40"}),
+                     "temperature 1e-40 is too small to divide by");
+  const Outcome ok = run(cat(decode_cpu(), {"--prompt-len", "4", "--max-new-tokens", "3", "--temperature", "1e-30"}));
+  const Outcome greedy = run(cat(decode_cpu(), {"--prompt-len", "4", "--max-new-tokens", "3"}));
+  ASSERT_EQ(ok.status, 0) << ok.err;
+  ASSERT_EQ(greedy.status, 0) << greedy.err;
+  const auto line = [](const std::string& s) { return s.substr(s.find("seq 0:")); };
+  EXPECT_EQ(line(ok.out), line(greedy.out)) << "a tiny temperature is greedy";
+}
+
+// "context + new tokens exceed what the engine plans for" gave neither the numbers nor the limit.
+TEST(CliDecode, TooLongAContextNamesTheLimit) {
+  expect_usage_error(cat(decode_cpu(), {"--prompt-len", "2000000"}),
+                     "a prompt of 2000000 tokens + 31 decode steps");
+  expect_usage_error(cat(decode_cpu(), {"--context", "2000000"}), "max_position_embeddings 4096 and the engine's cap");
+}

@@ -897,7 +897,7 @@ std::vector<KernelSpec> kernel_specs(const AuditOptions& opt, Backend backend) {
     return opt.kernels.empty() || std::find(opt.kernels.begin(), opt.kernels.end(), k) != opt.kernels.end();
   };
   std::vector<KernelSpec> ks;
-  if (backend != Backend::kCuda) {  // "cpu" (the tiled backend) and "decode"; CUDA-only names alone keep "cpu"
+  if (backend != Backend::kCuda) {  // "cpu" (the tiled backend) and "decode" (run_audit refuses sm80/sm90 here)
     const bool any_cpu_name = wanted("cpu") || wanted("decode");
     if (wanted("cpu") || !any_cpu_name) ks.push_back({"cpu", Backend::kCpu, ""});
     if (wanted("decode")) ks.push_back({"cpu_decode", Backend::kCpu, "", true});
@@ -1087,6 +1087,23 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
       return 2;
     }
   const Backend backend = plan_backend(opt);
+  // A kernel of the other backend would be dropped (kernel_specs keeps what the backend has):
+  // name it instead of auditing something else than what was asked for.
+  for (const std::string& k : opt.kernels) {
+    const bool cuda_only = k == "sm80" || k == "sm90", cpu_only = k == "cpu";
+    if (cuda_only && backend != Backend::kCuda) {
+      err << "flashcpp audit: --kernels " << k << " is a CUDA kernel, but the audit runs on the CPU backend ("
+          << (opt.backend == Backend::kAuto ? "--backend auto found no usable CUDA device" : "--backend cpu")
+          << "); the CPU kernels are cpu and decode\n";
+      return 2;
+    }
+    if (cpu_only && backend == Backend::kCuda) {
+      err << "flashcpp audit: --kernels cpu is the CPU backend's kernel, but the audit runs on CUDA ("
+          << (opt.backend == Backend::kAuto ? "--backend auto found a CUDA device" : "--backend cuda")
+          << "); the CUDA kernels are sm80, sm90 and decode (add --backend cpu for cpu)\n";
+      return 2;
+    }
+  }
   const std::vector<Problem> problems = plan_problems(opt, backend);
   const std::vector<KernelSpec> kernels = kernel_specs(opt, backend);
   if (problems.empty() || kernels.empty()) {

@@ -81,6 +81,28 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     for (const AreaCase& c : cases) out << c.name << "\n";
     return 0;
   }
+  // A CUDA config would be ignored by the CPU backends: refuse it rather than drop it.
+  if (!opt.cuda_config.empty() && backend != Backend::kCuda) {
+    err << "flashcpp check: --cuda-config " << opt.cuda_config << " picks a CUDA kernel config, but the run is on "
+        << backend_name(backend)
+        << (opt.backend == Backend::kAuto ? " (--backend auto found no usable CUDA device)" : "")
+        << "; leave --cuda-config out or add --backend cuda\n";
+    return 2;
+  }
+  // The JSON is written after the whole run (minutes for --full): a path that cannot be written
+  // fails now. A file that did not exist is created to prove it and removed again.
+  if (!opt.json_path.empty()) {
+    std::error_code ec;
+    const std::filesystem::path path(opt.json_path);
+    if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
+    const bool existed = std::filesystem::exists(path, ec);
+    if (std::filesystem::is_directory(path, ec) || !std::ofstream(path, std::ios::app)) {
+      err << "flashcpp check: cannot write --json " << opt.json_path
+          << " (a directory, a missing folder that cannot be created, or no permission); nothing was run\n";
+      return 2;
+    }
+    if (!existed) std::filesystem::remove(path, ec);
+  }
 
   RunConfig cfg;
   cfg.backend = backend;
