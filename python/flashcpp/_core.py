@@ -148,6 +148,21 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
+MAX_CPU_THREADS = 1024  # the CLI's --threads limit (tools/cli_checks.h kMaxThreads)
+
+
+def check_int(value: Any, name: str, lo: int, hi: int = _INT32_MAX, what: str = "") -> int:
+    """An int in [lo, hi] (a float is not truncated, a bool is not a count); returns it as int."""
+    if not _is_int(value) or not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}]{what}; got {value!r}"
+                         + (f" (a {type(value).__name__} is not truncated)" if not _is_int(value) else ""))
+    return int(value)
+
+
+def check_cpu_threads(cpu_threads: Any) -> int:
+    return check_int(cpu_threads, "cpu_threads", 0, MAX_CPU_THREADS, " (0 = all cores)")
+
+
 def check_window(window_size: Any) -> Tuple[int, int]:
     try:
         left, right = window_size
@@ -171,12 +186,17 @@ def check_window(window_size: Any) -> Tuple[int, int]:
 # 2**-100: scores below 1e-26 for any |q.k| < 1e4, so exp() rounds each to 1 exactly (fp32 and
 # fp64), and 1/scale stays finite for the CUDA kernels' softcap and ALiBi (kept in q.k units).
 ZERO_SCALE = 2.0 ** -100
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
     """The scale to run with: softmax_scale itself (only None means the default 1/sqrt(head_dim))."""
     if softmax_scale is not None:
         scale = float(softmax_scale)
+        # The C++ message would say "0 selects 1/sqrt(head_dim)", which is not Python's rule.
+        if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
+            raise ValueError(f"softmax_scale {softmax_scale!r} is not a finite float32 (None selects "
+                             f"1/sqrt(head_dim); 0.0 gives uniform weights)")
         return ZERO_SCALE if scale == 0.0 else scale
     if head_dim <= 0:
         raise ValueError(f"head_dim must be > 0 (the last dimension of q); got {head_dim}")
@@ -435,10 +455,10 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         head_dim=dims.head_dim, softmax_scale=float(softmax_scale), causal=bool(causal),
         window_left=int(window[0]), window_right=int(window[1]), softcap=float(softcap),
         alibi_slopes=data_ptr(alibi), alibi_batch_stride=int(alibi_batch_stride),
-        global_tokens=int(global_tokens), global_queries=bool(global_queries),
+        global_tokens=check_int(global_tokens, "global_tokens", 0), global_queries=bool(global_queries),
         cu_seqlens_q=data_ptr(cu_seqlens_q), cu_seqlens_k=data_ptr(cu_seqlens_k),
         total_q=int(mq.shape[0]) if varlen else 0, block_sparse=_sparse_arg(block_sparse), rotary=rotary, stream=int(stream), backend=backend,
-        cpu_threads=int(cpu_threads),
+        cpu_threads=check_cpu_threads(cpu_threads),
         cuda_config=str(cuda_config), select_only=bool(select_only))
     if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # the C++ launch uses the current device

@@ -171,7 +171,7 @@ def _rotary_scalars(rotary: Any, head_dim: int) -> Tuple[int, int]:
         raise TypeError(f"rotary must be a flashcpp.Rotary; got {type(rotary).__name__}")
     if rotary.style not in _STYLES:
         raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
-    rot = head_dim if rotary.rotary_dim is None else int(rotary.rotary_dim)
+    rot = head_dim if rotary.rotary_dim is None else _core.check_int(rotary.rotary_dim, "rotary.rotary_dim", 0, head_dim)
     if rot == 0:
         raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
     return rot, int(_STYLES[rotary.style])

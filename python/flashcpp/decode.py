@@ -33,6 +33,7 @@ host they are checked, with a sentence naming the bad entry.
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Optional, Tuple
 
 import numpy as np
@@ -531,7 +532,8 @@ class BatchDecodeWithKVCache:
             window_right=c["window"][1], softcap=c["softcap"], alibi_slopes=_core.data_ptr(alibi),
             alibi_batch_stride=alibi_bs)
         with _DeviceGuard(device):
-            _C.decode_run(params, self._plan, _stream(device), "cuda" if is_cuda else "cpu", int(cpu_threads))
+            _C.decode_run(params, self._plan, _stream(device), "cuda" if is_cuda else "cpu",
+                          _core.check_cpu_threads(cpu_threads))
         return (out, lse) if want_lse else out
 
 
@@ -834,6 +836,15 @@ class BatchDecodeWithPagedKVCache:
                                       "holds rotated keys and decode reads them as they are")
         if _capturing(self._device if self._device is not None else "cpu"):
             raise RuntimeError("plan() runs on the host: call it before the CUDA graph capture")
+        # Checked here, not at run(): a float is not truncated (window_left=1.5 ran as 1).
+        for name, val, lo in (("num_qo_heads", num_qo_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                              ("head_dim", head_dim, 1), ("page_size", page_size, 1), ("num_splits", num_splits, 0)):
+            _core.check_int(val, name, lo)
+        _core.check_window((window_left, -1))
+        if logits_soft_cap is not None and not (math.isfinite(float(logits_soft_cap)) and logits_soft_cap >= 0):
+            raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None = off); got {logits_soft_cap!r}")
+        if sm_scale is not None:
+            _core.default_scale(sm_scale, int(head_dim))
         device = self._device
         if device is None and _is_torch(indptr) and indptr.device.type == "cuda":
             device = indptr.device

@@ -115,7 +115,7 @@ def _call(like: Any, m: _core.Meta, fn, /, **kwargs) -> None:
 def _common(backend: str, cpu_threads: int, cuda_config: str, x: Any, m: _core.Meta,
             stream: Optional[int]) -> dict:
     return dict(stream=_stream(x, m, stream), backend=_core.resolve_backend(backend, m),
-                cpu_threads=int(cpu_threads), cuda_config=str(cuda_config))
+                cpu_threads=_core.check_cpu_threads(cpu_threads), cuda_config=str(cuda_config))
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     _check_same(ms, "apply_rotary")
     if style not in _STYLES:
         raise ValueError(f"style must be one of {', '.join(_STYLES)}; got {style!r}")
-    rot = head_dim if rotary_dim is None else int(rotary_dim)
+    rot = head_dim if rotary_dim is None else _core.check_int(rotary_dim, "rotary_dim", 0, head_dim, " (0 = head_dim)")
     tokens = batch * seqlen
     if inplace and (q_out is not None or k_out is not None):
         raise ValueError("inplace=True writes into q and k: do not pass q_out / k_out too")

@@ -233,3 +233,59 @@ def test_paged_plan_refuses_unknown_keywords():
     # FlashInfer's spelling of its other keywords is accepted
     flashcpp.BatchDecodeWithPagedKVCache().plan(*args, rope_scale=None, rope_theta=None, non_blocking=True,
                                                 q_data_type=np.float32)
+
+
+# ---- review of issue 25: counts that were truncated or taken silently ------------------------
+
+@pytest.mark.parametrize("threads", [-1, 10**6, 1.5, True])
+def test_cpu_threads_is_a_checked_int(threads):
+    # -1 and 10**6 ran (the CLI refuses --threads -1); 1.5 ran as 1
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match=r"cpu_threads must be an int in \[0, 1024\]"):
+        flashcpp.attention(q, k, v, cpu_threads=threads)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        flashcpp.apply_rotary(q, positions=np.arange(8), cpu_threads=threads)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        flashcpp.rms_norm(q, np.ones(64, np.float32), cpu_threads=threads)
+    flashcpp.attention(q, k, v, cpu_threads=np.int64(2))
+
+
+@pytest.mark.parametrize("kw", [dict(global_tokens=1.5), dict(global_tokens=-1)])
+def test_global_tokens_is_a_checked_int(kw):
+    q, k, v = arrays()
+    with pytest.raises(ValueError, match="global_tokens"):
+        flashcpp.attention(q, k, v, **kw)
+
+
+def test_rotary_dim_is_not_truncated():
+    # rotary_dim=2.5 rotated 2 dims without a word
+    q = np.zeros((1, 8, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="rotary_dim must be an int .*not truncated"):
+        flashcpp.apply_rotary(q, positions=np.arange(8), rotary_dim=2.5)
+    with pytest.raises(ValueError, match="rotary.rotary_dim must be an int"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(rotary_dim=32.0))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 1e300])
+def test_non_finite_softmax_scale_names_the_python_rule(scale):
+    # the C++ sentence said "0 selects 1/sqrt(head_dim)", which in Python is None's rule
+    q, k, v = arrays()
+    for call in (lambda: flashcpp.flash_attn_func(q, k, v, softmax_scale=scale),
+                 lambda: flashcpp.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=4, softmax_scale=scale)):
+        with pytest.raises(ValueError, match=r"not a finite float32 \(None selects 1/sqrt\(head_dim\)") as e:
+            call()
+        assert "0 selects" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(window_left=1.5), "window_size"), (dict(window_left=-2), "window_size"),
+    (dict(num_splits=1.5), "num_splits"), (dict(head_dim=0), "head_dim"), (dict(head_dim=64.0), "head_dim"),
+    (dict(sm_scale=float("nan")), "softmax_scale"), (dict(logits_soft_cap=-1.0), "logits_soft_cap"),
+    (dict(page_size=1.5), "page_size")])
+def test_paged_plan_checks_its_numbers(kw, match):
+    # window_left=1.5 and num_splits=1.5 were truncated; the others were taken until run()
+    a = dict(indptr=np.array([0, 1]), indices=np.array([0]), last_page_len=np.array([1]), num_qo_heads=4,
+             num_kv_heads=2, head_dim=64, page_size=16)
+    a.update(kw)
+    with pytest.raises(ValueError, match=match):
+        flashcpp.BatchDecodeWithPagedKVCache().plan(**a)
