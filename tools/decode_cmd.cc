@@ -68,11 +68,12 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
       ->capture_default_str();
   sub->add_option("--threads", o->threads, "CPU backend threads (0: all)")->check(in_range(0, kMaxThreads));
   sub->add_flag("--no-profile", o->no_profile, "skip the per-step kernel-time measurement");
-  sub->add_option("--trace", o->trace,
+  auto* trace = sub->add_option("--trace", o->trace,
                   "CUDA (CUPTI): run --trace-steps more steps under a kernel tracer, write their timeline here (CSV) "
                   "and print each kernel's share of the step: launch gap and busy time");
   sub->add_option("--trace-steps", o->trace_steps, "steps the --trace timeline covers")
       ->check(at_least(1))
+      ->needs(trace)  // alone it would be dropped
       ->capture_default_str();
   sub->add_option("--print-tokens", o->print_tokens,
                   "generated tokens printed per sequence, for every sequence (0: none; --json holds them all)")
@@ -115,6 +116,12 @@ int decode_main(const DecodeCliOptions& o) {
                  "or a simulated context length (--context)");
   if (sources > 1)
     return usage(given_sources(o) + " were given together; they are alternative prompt sources, give one of them");
+  if (o.top_p < 1.f && o.temperature == 0.f) {  // greedy would drop it
+    std::ostringstream p;
+    p << o.top_p;
+    return usage("--top-p " + p.str() +
+                 " applies to sampling, but --temperature is 0 (greedy, which ignores it); give --temperature > 0");
+  }
   if (!o.prompt_file.empty() && !std::ifstream(o.prompt_file))
     return usage("cannot open --prompt-file " + o.prompt_file);
   for (const auto& [flag, path] : {std::pair{"--json", &o.json}, std::pair{"--dump-logits", &o.dump_logits},

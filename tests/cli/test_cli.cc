@@ -468,3 +468,13 @@ TEST(CliDecode, TooLongAContextNamesTheLimit) {
                      "a prompt of 2000000 tokens + 31 decode steps");
   expect_usage_error(cat(decode_cpu(), {"--context", "2000000"}), "max_position_embeddings 4096 and the engine's cap");
 }
+
+// --top-p with greedy decoding and --trace-steps without --trace were dropped without a word.
+TEST(CliDecode, FlagsThatWouldBeIgnoredAreRefused) {
+  expect_usage_error(cat(decode_cpu(), {"--prompt-len", "4", "--top-p", "0.5"}),
+                     "--top-p 0.5 applies to sampling, but --temperature is 0");
+  expect_usage_error(cat(decode_cpu(), {"--prompt-len", "4", "--trace-steps", "5"}), "--trace-steps requires --trace");
+  const Outcome ok = run(cat(decode_cpu(), {"--prompt-len", "4", "--max-new-tokens", "2", "--top-p", "0.5",
+                                            "--temperature", "0.7"}));
+  EXPECT_EQ(ok.status, 0) << ok.err;
+}
