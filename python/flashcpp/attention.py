@@ -230,9 +230,11 @@ def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu
         if _core.check_cu_seqlens(cu_k, "cu_seqlens_k", mq) != batch:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); "
                              f"got {batch + 1} and {cu_k.shape[0]}")
+        if not (_core._is_int(max_seqlen_q) and _core._is_int(max_seqlen_k)
+                and 0 <= max_seqlen_q <= _core._INT32_MAX and 0 <= max_seqlen_k <= _core._INT32_MAX):
+            raise ValueError(f"max_seqlen_q/max_seqlen_k must be ints in [0, 2**31-1] (a float is not truncated); "
+                             f"got {max_seqlen_q!r}, {max_seqlen_k!r}")
         max_q, max_k = int(max_seqlen_q), int(max_seqlen_k)
-        if not (0 <= max_q <= _core._INT32_MAX and 0 <= max_k <= _core._INT32_MAX):
-            raise ValueError(f"max_seqlen_q/max_seqlen_k must be in [0, 2**31-1]; got {max_q}, {max_k}")
         if not mq.is_cuda:  # host memory: check the values (device memory would need a sync)
             host = (lambda c: c.numpy()) if torch_in else (lambda c: c)
             _core.check_cu_seqlens_values(host(cu_q), "cu_seqlens_q", mq.shape[0], max_q)

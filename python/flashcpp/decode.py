@@ -320,8 +320,9 @@ class BatchDecodeWithKVCache:
         for name, val, lo in (("batch_size", batch_size, 0), ("num_qo_heads", num_qo_heads, 1),
                               ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1),
                               ("seqlen_q", seqlen_q, 1), ("num_splits", num_splits, 0),
-                              ("max_splits", max_splits, 0), ("num_sms", num_sms, 0), ("page_size", page_size, 0)):
-            if not isinstance(val, (int, np.integer)) or val < lo:
+                              ("max_splits", max_splits, 0), ("num_sms", num_sms, 0), ("page_size", page_size, 0),
+                              ("rotary_dim", rotary_dim, 0)):
+            if not _core._is_int(val) or val < lo:  # a float is not truncated, a bool is not a count
                 raise ValueError(f"{name} must be an int >= {lo}; got {val!r}")
         window = _core.check_window(window_size)
         if rotary not in _ROTARY:

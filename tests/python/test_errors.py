@@ -289,3 +289,19 @@ def test_paged_plan_checks_its_numbers(kw, match):
     a.update(kw)
     with pytest.raises(ValueError, match=match):
         flashcpp.BatchDecodeWithPagedKVCache().plan(**a)
+
+
+def test_varlen_max_seqlen_is_not_truncated():
+    q = np.zeros((8, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="max_seqlen_q/max_seqlen_k must be ints"):
+        flashcpp.flash_attn_varlen_func(q, q, q, [0, 8], [0, 8], 8.5, 8)
+    flashcpp.flash_attn_varlen_func(q, q, q, [0, 8], [0, 8], np.int64(8), 8)
+
+
+@pytest.mark.parametrize("kw", [dict(rotary_dim=2.5), dict(num_qo_heads=True)])
+def test_decode_plan_counts_are_ints(kw):
+    a = dict(kv_capacity=16, cache_seqlens=[4], append=True, rotary="neox", dtype="float32", device="cpu")
+    a.update(kw)
+    heads = a.pop("num_qo_heads", 2)
+    with pytest.raises(ValueError, match="must be an int"):
+        flashcpp.BatchDecodeWithKVCache().plan(1, heads, 2 if heads is not True else True, 64, **a)
