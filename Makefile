@@ -53,9 +53,9 @@ build: configure
 	echo "build: $$(( $$(date +%s) - start )) s (CUDA=$(CUDA), jobs=$(JOBS))"; \
 	if [ -f $(BUILD)/ptxas_report.txt ]; then echo "build: ptxas register report in $(BUILD)/ptxas_report.txt"; fi
 
-# ctest, flashcpp check (cpu, quick), the install check, the fuzzers, the Python tests: each stage's
-# output also in $(BUILD)/test-logs/<stage>.log; ends with the verdict line naming each stage with
-# its counts, then "make-test: N passed, N failed, N skipped" (scripts/test_all.sh).
+# The include-direction check (docs/ARCHITECTURE.md), ctest, flashcpp check (cpu, quick), the
+# install check, the fuzzers, the Python tests: each stage's output also in
+# $(BUILD)/test-logs/<stage>.log; ends with the verdict line naming each stage with its counts, then "make-test: N passed, N failed, N skipped" (scripts/test_all.sh).
 test: build
 	@JOBS=$(JOBS) FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/test_all.sh $(BUILD)
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The stages of `make test` after the build (the Makefile's test target calls this), in order:
+#   includes scripts/check_includes.py: the include directions of docs/ARCHITECTURE.md
 #   ctest    the CPU GoogleTests (ctest in BUILD)
 #   check    flashcpp check --backend cpu --quick --area all (JSON: BUILD/cpu_correctness_report.json)
 #   install  scripts/check_install.sh: install into a scratch prefix, build a find_package consumer
@@ -8,10 +9,10 @@
 # Each stage's output goes to the terminal and to BUILD/test-logs/<stage>.log. Every stage runs even
 # after one fails. The run ends with one row per stage, the verdict line naming each stage with the
 # counts read from its output, and the totals (also written to BUILD/test-logs/verdict.txt):
-#   make test: PASS | ctest 297/297 passed | check 218 passed 0 failed | install ok | fuzz ... | pytest ...
+#   make test: PASS | includes 115 files 0 violations | ctest 297/297 passed | check 218 passed 0 failed | install ok | fuzz ... | pytest ...
 #   make-test: 1234 passed, 0 failed, 19 skipped
-# The totals add ctest's, check's and pytest's cases, the install check (1) and each fuzz target
-# that ran clean; skipped are ctest's and pytest's skips and check's unsupported cases. A stage
+# The totals add ctest's, check's and pytest's cases, the include check (1; failed: its violations),
+# the install check (1) and each fuzz target that ran clean; skipped are ctest's and pytest's skips and check's unsupported cases. A stage
 # fails on a non-zero exit status, and also when its counts are missing from its output or it
 # ran no test at all. Exit status: 0 when every stage passed, 1 otherwise.
 #   scripts/test_all.sh [BUILD]        (default build)
@@ -26,7 +27,7 @@ jobs="${JOBS:-$(nproc)}"
 fuzz_seconds="${FUZZ_SECONDS:-60}"
 logs="$build/test-logs"
 # TEST_STAGES="ctest check": only those stages (to rerun one; make test runs them all).
-all_stages="ctest check install fuzz pytest"
+all_stages="includes ctest check install fuzz pytest"
 stages="$(echo ${TEST_STAGES:-$all_stages})"
 for stage in $stages; do
   [[ " $all_stages " == *" $stage "* ]] || { echo "test_all: unknown stage '$stage' (stages: $all_stages)" >&2; exit 2; }
@@ -61,6 +62,23 @@ record() {
   total_pass=$(( total_pass + $4 ))
   total_fail=$(( total_fail + $5 ))
   total_skip=$(( total_skip + $6 ))
+}
+
+# ---- includes --------------------------------------------------------------------------------
+stage_includes() {
+  run_stage includes python3 scripts/check_includes.py "$root"
+  log="$logs/includes.log"
+  # Its closing line: "115 files checked, 0 violations" (one "file:line: rule" line per violation above it).
+  summary="$(grep -E '^[0-9]+ files checked, [0-9]+ violations$' "$log" | tail -1)"
+  if [[ -n "$summary" ]]; then
+    nfiles="$(num '^[0-9]+ files' <(echo "$summary"))"
+    nviol="$(num '[0-9]+ violations' <(echo "$summary"))"
+    detail="${nfiles} files ${nviol} violations"
+    ok=1; (( rc != 0 || nviol > 0 || nfiles == 0 )) && ok=0
+    if (( ok )); then record includes 1 "$detail" 1 0 0; else record includes 0 "$detail" 0 $(( nviol > 0 ? nviol : 1 )) 0; fi
+  else
+    record includes 0 "no summary in its output (exit $rc)" 0 1 0
+  fi
 }
 
 # ---- ctest -----------------------------------------------------------------------------------

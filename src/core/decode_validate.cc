@@ -23,7 +23,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "cuda/decode/decode_backends.h"
+#include "core/decode_backends.h"
 #include "flashcpp/decode.h"
 
 #include "core/message.h"

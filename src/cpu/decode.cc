@@ -22,8 +22,8 @@
 
 #include "common/half.h"
 #include "cpu/cpu_backend.h"
-#include "cuda/decode/decode_backends.h"
-#include "cuda/decode/decode_common.h"
+#include "core/decode_backends.h"
+#include "common/decode_common.h"
 
 namespace flashcpp::cpu {
 namespace {

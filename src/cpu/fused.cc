@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/half.h"
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 #include "flashcpp/fused.h"
 
 namespace flashcpp {

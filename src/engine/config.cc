@@ -2,7 +2,7 @@
 // process, so every field is checked for its JSON type and range before it is converted.
 #include "engine/config.h"
 
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 
 #include <fmt/format.h>
 

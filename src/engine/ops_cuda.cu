@@ -24,7 +24,7 @@
 #include "cuda/common/device.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/cuda_api.h"
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 #include "engine/gemv_plan.h"
 #include "engine/ops.h"
 

@@ -1,4 +1,4 @@
-// Decode on the CPU backend (src/cpu/decode.cc, planner src/cpu/decode_plan.cc) against the fp64
+// Decode on the CPU backend (src/cpu/decode.cc, planner src/core/decode_api.cc) against the fp64
 // reference (cpu::reference_attention on a dense, packed copy of the cache after the append).
 //
 // What is checked, per case:
@@ -23,8 +23,8 @@
 
 #include "common/half.h"
 #include "cpu/cpu_backend.h"
-#include "cuda/decode/decode_backends.h"
-#include "cuda/decode/decode_common.h"
+#include "core/decode_backends.h"
+#include "common/decode_common.h"
 #include "flashcpp/decode.h"
 #include "test_util.h"
 

@@ -4,7 +4,7 @@
 
 #include "../cpu/engine_tiny.h"
 #include "common/half.h"
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 #include "engine/engine.h"
 #include "engine/sampling.h"
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 
 namespace flashcpp::cuda::rope {
 

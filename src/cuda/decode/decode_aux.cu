@@ -10,7 +10,7 @@
 #include <string>
 
 #include "cuda/cuda_api.h"
-#include "cuda/decode/decode_backends.h"
+#include "core/decode_backends.h"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_launch.h"
 

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "cuda/cuda_api.h"
-#include "cuda/decode/decode_backends.h"
-#include "cuda/decode/decode_common.h"
+#include "core/decode_backends.h"
+#include "common/decode_common.h"
 #include "cuda/decode/decode_launch.h"
 
 namespace flashcpp::cuda {

@@ -44,7 +44,7 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/rope.cuh"
-#include "cuda/decode/decode_common.h"
+#include "common/decode_common.h"
 #include "cuda/decode/decode_params.h"
 
 namespace flashcpp::cuda::decode_dev {

@@ -23,7 +23,7 @@
 
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 
 namespace flashcpp::cuda {
 namespace fused {

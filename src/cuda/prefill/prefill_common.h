@@ -11,7 +11,7 @@
 #include <string>
 
 #include "common/mask_rules.h"
-#include "cuda/fused/fused_math.h"
+#include "common/fused_math.h"
 #include "cuda/prefill/prefill_mask.h"
 #include "cuda/prefill/prefill_rope.h"
 #include "flashcpp/attention.h"

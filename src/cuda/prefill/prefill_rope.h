@@ -2,8 +2,8 @@
 // block of kernel parameters. `half` = 0 means off. The kernels rotate the q tile once after it
 // lands in shared memory, in place, with the same rotation and cos/sin rule as apply_rotary
 // (src/cuda/common/rope.cuh); the keys were rotated before the launch by a pre-pass with
-// apply_rotary's kernel (rotate_keys, src/cuda/fused/rotary.cu). So the scores see exactly the q
-// and k that a separate apply_rotary would have written.
+// apply_rotary's kernel (rotate_keys, src/cuda/prefill/prefill_rotate_keys.cc). So the scores see
+// exactly the q and k that a separate apply_rotary would have written.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Internal entry points of decode, shared by the public API (src/cpu/decode_plan.cc), the CPU
+// Internal entry points of decode, shared by the public API (src/core/decode_api.cc), the CPU
 // backend (src/cpu/decode.cc) and the CUDA backend (src/cuda/decode/). Host-only, no CUDA types.
 #pragma once
 

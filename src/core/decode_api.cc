@@ -1,7 +1,6 @@
 // Decode plan/run: the split heuristic, the work list, and the public entry points that route a
-// step to the CPU or the CUDA backend. Host code shared by both backends (it lives next to the CPU
-// backend because it must build without CUDA; it is the one dispatch point of decode, as
-// src/core/dispatch.cc is for attention_forward).
+// step to the CPU or the CUDA backend. Host code shared by both backends, built with or without
+// CUDA; it is the one dispatch point of decode, as src/core/dispatch.cc is for attention_forward.
 //
 // The split heuristic (docs/decode.md has the reasoning and examples):
 //   units    = heads_kv * row_blocks          CTAs one split of one sequence occupies
@@ -28,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/decode/decode_backends.h"
-#include "cuda/decode/decode_common.h"
+#include "core/decode_backends.h"
+#include "common/decode_common.h"
 #include "flashcpp/decode.h"
 #if FLASHCPP_WITH_CUDA
 #include "cuda/cuda_api.h"
