@@ -29,7 +29,19 @@ double now_ms() {
 Status check_logits(Ops* ops, const float* logits, int rows, int vocab, int first_seq, const std::string& when) {
   std::vector<float> host(static_cast<std::size_t>(rows) * vocab);
   FLASHCPP_RETURN_IF_ERROR(ops->download(host.data(), logits, host.size() * sizeof(float)));
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < rows; ++r) {
+    // Every logit equal: the final hidden state was zero, e.g. RMSNorm's sum of squares overflowed
+    // float (finite activations past ~1e19): greedy would pick token 0 at every step.
+    const float* row = host.data() + static_cast<std::size_t>(r) * vocab;
+    if (vocab > 1 && std::isfinite(row[0]) && std::all_of(row, row + vocab, [&](float x) { return x == row[0]; })) {
+      char v0[32];
+      std::snprintf(v0, sizeof v0, "%g", static_cast<double>(row[0]));
+      return Status::Internal(std::string("the logits of sequence ") + std::to_string(first_seq + r) + " " + when +
+                              " are all " + v0 +
+                              ": the final hidden state is constant (the activations overflowed float, so RMSNorm "
+                              "scaled them to 0, or the weights are zero); the tokens would be garbage (greedy picks "
+                              "token 0 at every step)");
+    }
     for (int v = 0; v < vocab; ++v) {
       const float x = host[static_cast<std::size_t>(r) * vocab + v];
       if (std::isfinite(x)) continue;
@@ -39,6 +51,7 @@ Status check_logits(Ops* ops, const float* logits, int rows, int vocab, int firs
                               "): the model's activations overflowed or the weights are not what config.json "
                               "describes; the tokens would be garbage (greedy picks token 0 for NaN logits)");
     }
+  }
   return Status::Ok();
 }
 

@@ -478,3 +478,16 @@ TEST(CliDecode, FlagsThatWouldBeIgnoredAreRefused) {
                                             "--temperature", "0.7"}));
   EXPECT_EQ(ok.status, 0) << ok.err;
 }
+
+// Finite weights whose activations overflow in RMSNorm's sum of squares gave all-zero logits,
+// and greedy decoded token 0 forever with exit 0 (the check looked for NaN and Inf only).
+TEST(CliDecode, ConstantLogitsAreRefused) {
+  const fs::path dir = edited_model("big", [](Tiny* t) {
+    for (float& x : t->w["model.layers.0.mlp.down_proj.weight"]) x *= 1e37f;
+  });
+  const Outcome r = run({"decode", "--model", dir.string(), "--backend", "cpu", "--eager", "--prompt-len", "4"});
+  fs::remove_all(dir);
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("the logits of sequence 0 after its prefill are all 0"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("seq 0"), std::string::npos) << r.out;
+}
