@@ -42,9 +42,7 @@ def alibi_slopes(num_heads: int, *, device: Any = None) -> Any:
     Returns a numpy array of shape (num_heads,), or a torch tensor on ``device`` when given
     (pass it as ``alibi_slopes=`` to the attention functions).
     """
-    n = int(num_heads)
-    if n <= 0:
-        raise ValueError(f"alibi_slopes: num_heads must be > 0; got {num_heads}")
+    n = _core.check_int(num_heads, "alibi_slopes: num_heads", 1)  # a float is not truncated
     slopes = np.array(_C.alibi_slopes(n), dtype=np.float32)  # a copy: the result owns its memory
     if device is None:
         return slopes
@@ -147,10 +145,17 @@ def _from_dict(d: dict) -> BlockSparse:
 
 
 def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
-    bm, bn = int(block_m), int(block_n)
-    if bm <= 0 or bn <= 0:
-        raise ValueError(f"block_m and block_n must be > 0; got {block_m} and {block_n}")
-    return bm, bn
+    if not (_core._is_int(block_m) and _core._is_int(block_n)) or block_m <= 0 or block_n <= 0:
+        raise ValueError(f"block_m and block_n must be ints > 0 (a float is not truncated); got {block_m!r} and "
+                         f"{block_n!r}")
+    return _core.check_int(block_m, "block_m", 1), _core.check_int(block_n, "block_n", 1)
+
+
+def _counts(**named: Any) -> Tuple[int, ...]:
+    """Sizes and counts for the C++ builders: ints (a float is not truncated) that fit in int32
+    (the binding's own refusal is nanobind's 'incompatible function arguments'). Their sign is
+    the C++ builder's to check, with its sentence."""
+    return tuple(_core.check_int(v, k, -_core._INT32_MAX - 1) for k, v in named.items())
 
 
 def _arity(fn: Callable) -> int:
@@ -235,7 +240,7 @@ def block_sparse_from_mask(mask: Union[Callable, Any], block_m: int, block_n: in
     if callable(mask):
         if seqlen_q is None or seqlen_k is None:
             raise ValueError("block_sparse_from_mask with a mask function needs seqlen_q and seqlen_k")
-        shape = (int(num_batch), int(num_heads), int(seqlen_q), int(seqlen_k))
+        shape = _counts(num_batch=num_batch, num_heads=num_heads, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         if min(shape[2:]) < 0 or min(shape[:2]) < 1:
             raise ValueError(f"seqlen_q/seqlen_k must be >= 0 and num_batch/num_heads >= 1; got "
                              f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, num_batch={num_batch}, "
@@ -273,9 +278,10 @@ def block_sparse_from_rules(seqlen_q: int, seqlen_k: int, block_m: int, block_n:
     """
     bm, bn = _check_blocks(block_m, block_n)
     left, right = _core.check_window(window_size)
-    return _from_dict(_C.block_sparse_from_rules(int(seqlen_q), int(seqlen_k), bm, bn, bool(causal), left,
-                                                 right, int(global_tokens), bool(global_queries),
-                                                 int(num_batch), int(num_heads), bool(share_identical_partials)))
+    sq, sk, gt, nb, nh = _counts(seqlen_q=seqlen_q, seqlen_k=seqlen_k, global_tokens=global_tokens,
+                                 num_batch=num_batch, num_heads=num_heads)
+    return _from_dict(_C.block_sparse_from_rules(sq, sk, bm, bn, bool(causal), left, right, gt,
+                                                 bool(global_queries), nb, nh, bool(share_identical_partials)))
 
 
 def causal_block_sparse(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, **kw) -> BlockSparse:
@@ -303,6 +309,6 @@ def document_block_sparse(cu_seqlens_q: Any, cu_seqlens_k: Any, block_m: int, bl
             raise ValueError(f"{name} values must lie in [0, 2**31-1]")
         cu.append(np.ascontiguousarray(a, dtype=np.int32))
     cu_q, cu_k = cu
-    return _from_dict(_C.block_sparse_document(cu_q, cu_k, bm, bn, bool(causal), left, right,
-                                               int(global_tokens), bool(global_queries), int(num_batch),
-                                               int(num_heads), bool(share_identical_partials)))
+    gt, nb, nh = _counts(global_tokens=global_tokens, num_batch=num_batch, num_heads=num_heads)
+    return _from_dict(_C.block_sparse_document(cu_q, cu_k, bm, bn, bool(causal), left, right, gt,
+                                               bool(global_queries), nb, nh, bool(share_identical_partials)))

@@ -305,3 +305,23 @@ def test_decode_plan_counts_are_ints(kw):
     heads = a.pop("num_qo_heads", 2)
     with pytest.raises(ValueError, match="must be an int"):
         flashcpp.BatchDecodeWithKVCache().plan(1, heads, 2 if heads is not True else True, 64, **a)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: flashcpp.alibi_slopes(2.5),
+    lambda: flashcpp.block_sparse_from_rules(8, 8, 1.5, 4),
+    lambda: flashcpp.block_sparse_from_rules(8.5, 8, 4, 4),
+    lambda: flashcpp.block_sparse_from_rules(8, 8, 4, 4, global_tokens=1.5),
+    lambda: flashcpp.block_sparse_from_rules(8, 8, 4, 4, num_heads=1.5),
+    lambda: flashcpp.block_sparse_from_mask(lambda b, h, q, k: q >= k, 4, 4, seqlen_q=8.5, seqlen_k=8),
+    lambda: flashcpp.document_block_sparse([0, 8], [0, 8], 4, 4, num_batch=1.0)])
+def test_mask_builders_do_not_truncate_floats(call):
+    # each ran with the float truncated
+    with pytest.raises(ValueError, match="not truncated"):
+        call()
+
+
+def test_mask_builders_past_int32_are_a_sentence():
+    # nanobind's "incompatible function arguments" before
+    with pytest.raises(ValueError, match=r"seqlen_q must be an int in \[-2147483648, 2147483647\]"):
+        flashcpp.causal_block_sparse(2**31, 2**31, 1, 1)
