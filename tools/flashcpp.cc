@@ -26,8 +26,8 @@
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/common/device.h"
-#include "cuda/cuda_api.h"
+#include "flashcpp/device.h"
+#include "flashcpp/tune.h"
 #endif
 
 #ifndef FLASHCPP_GIT_COMMIT

@@ -14,8 +14,8 @@
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/cuda_api.h"
-#include "cuda/prefill/fa2_tuning.h"
+#include "flashcpp/device.h"
+#include "flashcpp/tune.h"
 #endif
 
 namespace flashcpp::tools {

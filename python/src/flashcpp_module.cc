@@ -22,11 +22,11 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/cpu_backend.h"
 #include "flashcpp/attention.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "flashcpp/masks.h"
+#include "flashcpp/reference.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;

@@ -7,22 +7,9 @@
 #include <vector>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/reference.h"  // RefOutput, reference_attention, merge_by_lse
 
 namespace flashcpp::cpu {
-
-/// Output of the fp64 reference, in double so the harness can measure errors of any dtype.
-///   o:   (total_q, heads_q, head_dim) with total_q = batch*seqlen_q (or cu_seqlens_q[batch])
-///   lse: (heads_q, total_q) natural log; -inf for rows that see no key
-/// Rows are in the packed order (b * seqlen_q + i, or cu_seqlens_q[b] + i when varlen).
-struct RefOutput {
-  std::vector<double> o;
-  std::vector<double> lse;
-  std::int64_t total_q = 0;
-};
-
-/// Naive fp64 attention with every mask of MaskParams, evaluated element by element from the
-/// rules in attention.h. Multithreaded over (batch, head). Reads p.q/p.k/p.v (any dtype).
-Status reference_attention(const AttnParams& p, RefOutput* out, int threads = 0);
 
 /// Backend::kCpuReference: reference_attention, then writes p.o (rounded to its dtype) and p.lse.
 Status reference_forward(const AttnParams& p, const RunOptions& opt);
@@ -59,11 +46,5 @@ void softmax_online(const float* x, int n, float* y);
 /// (o = sum exp2(x - m) * v). Writes the merged state into (a, o_a). -inf maxima (empty
 /// partials) are handled: an empty side contributes nothing.
 void merge_states(SoftmaxState* a, float* o_a, const SoftmaxState& b, const float* o_b, int d);
-
-/// Merge two normalized partial outputs by their natural-log LSEs (the split-KV / cascade rule):
-///   lse = log(exp(lse_a) + exp(lse_b)); o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse).
-/// Both -inf gives o = 0, lse = -inf.
-void merge_by_lse(const float* o_a, float lse_a, const float* o_b, float lse_b, int d, float* o,
-                  float* lse);
 
 }  // namespace flashcpp::cpu

@@ -28,13 +28,13 @@
 
 #include "common/half.h"
 #include "core/attn_rotary.h"
-#include "cpu/cpu_backend.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
+#include "flashcpp/reference.h"
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/cuda_api.h"
+#include "flashcpp/device.h"
 #include "harness/device_buffer.h"
 #endif
 

@@ -13,7 +13,7 @@
 
 #include "harness/harness.h"
 #if FLASHCPP_WITH_CUDA
-#include "cuda/cuda_api.h"
+#include "flashcpp/device.h"
 #endif
 
 namespace flashcpp::harness {

@@ -27,7 +27,7 @@
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/cuda_api.h"
+#include "flashcpp/device.h"
 #endif
 
 namespace flashcpp::harness {

@@ -8,7 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cuda/common/device.h"
+#include "flashcpp/device.h"
 #include "flashcpp/status.h"
 
 /// Returns Status::Cuda with the call and the error's name and sentence when `call` fails.

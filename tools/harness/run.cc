@@ -15,12 +15,12 @@
 
 #include "common/half.h"
 #include "core/attn_rotary.h"
-#include "cpu/cpu_backend.h"
+#include "flashcpp/reference.h"
 #include "harness/harness.h"
 #if FLASHCPP_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "cuda/cuda_api.h"
+#include "flashcpp/device.h"
 #include "harness/device_buffer.h"
 #endif
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "cuda/cuda_api.h"
+#include "flashcpp/device.h"
 
 namespace flashcpp::cuda {
 
@@ -38,6 +39,8 @@ std::string error_string(cudaError_t e) {
   }
   return error_string(e, driver, runtime);
 }
+
+std::string error_string(int cuda_error) { return error_string(static_cast<cudaError_t>(cuda_error)); }
 
 Status current_device(DeviceInfo* info) {
   int dev = -1;

@@ -8,18 +8,14 @@
 #include <string>
 
 #include "cuda/cuda_api.h"
+#include "flashcpp/tune.h"
 #include "flashcpp/types.h"
 
 namespace flashcpp::cuda {
 
-inline constexpr int kSeqlenBuckets[] = {1024, 4096, 16384};  ///< upper bounds; a 4th bucket is above
-int seqlen_bucket(int seqlen);                                ///< 0..3
-std::string seqlen_bucket_name(int bucket);                   ///< "le1024", ..., "gt16384"
+// kSeqlenBuckets, seqlen_bucket, seqlen_bucket_name and tune_cache_path: flashcpp/tune.h.
 
 /// Tuned config name, or "" when neither the cache nor the shipped table has the key.
 std::string tuned_config(const DeviceInfo& dev, int head_dim, bool causal, DType dtype, int seqlen);
-
-/// Where `flashcpp tune` writes and the library reads the cache for this device.
-std::string tune_cache_path(const DeviceInfo& dev);
 
 }  // namespace flashcpp::cuda
