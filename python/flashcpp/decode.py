@@ -322,8 +322,12 @@ class BatchDecodeWithKVCache:
                               ("seqlen_q", seqlen_q, 1), ("num_splits", num_splits, 0),
                               ("max_splits", max_splits, 0), ("num_sms", num_sms, 0), ("page_size", page_size, 0),
                               ("rotary_dim", rotary_dim, 0)):
-            if not _core._is_int(val) or val < lo:  # a float is not truncated, a bool is not a count
-                raise ValueError(f"{name} must be an int >= {lo}; got {val!r}")
+            # a float is not truncated, a bool is not a count; past int32 the binding refuses
+            # with nanobind's "incompatible function arguments"
+            if not _core._is_int(val) or not lo <= val <= _core._INT32_MAX:
+                raise ValueError(f"{name} must be an int in [{lo}, 2**31-1]; got {val!r}")
+        if kv_capacity is not None:
+            _core.check_int(kv_capacity, "kv_capacity", 0)
         window = _core.check_window(window_size)
         if rotary not in _ROTARY:
             raise ValueError(f"rotary must be None, 'neox' or 'interleaved'; got {rotary!r}")

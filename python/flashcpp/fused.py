@@ -237,12 +237,14 @@ def _llama3(llama3: Optional[Mapping[str, Any]]) -> Tuple[float, float, float, i
         return 0.0, 1.0, 4.0, 8192
     try:
         orig = llama3.get("original_max_position_embeddings", llama3.get("original_max_position"))
-        return (float(llama3["factor"]), float(llama3.get("low_freq_factor", 1.0)),
-                float(llama3.get("high_freq_factor", 4.0)), int(orig if orig is not None else 8192))
+        out = (float(llama3["factor"]), float(llama3.get("low_freq_factor", 1.0)),
+               float(llama3.get("high_freq_factor", 4.0)), 8192 if orig is None else orig)
     except (AttributeError, KeyError, TypeError, ValueError):
         raise ValueError("llama3 must be a mapping with 'factor' and optionally 'low_freq_factor', "
                          "'high_freq_factor', 'original_max_position_embeddings' (a Hugging Face "
                          f"rope_scaling dict); got {llama3!r}") from None
+    # an int (8.5 is not truncated) that fits the binding's int32
+    return out[:3] + (_core.check_int(out[3], "llama3.original_max_position_embeddings", 0),)
 
 
 def _positions_arg(pos: Any, q: Any, name: str, shapes) -> Any:

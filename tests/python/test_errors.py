@@ -325,3 +325,24 @@ def test_mask_builders_past_int32_are_a_sentence():
     # nanobind's "incompatible function arguments" before
     with pytest.raises(ValueError, match=r"seqlen_q must be an int in \[-2147483648, 2147483647\]"):
         flashcpp.causal_block_sparse(2**31, 2**31, 1, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(kv_capacity=2**40), dict(num_sms=2**40), dict(seqlen_q=2**40),
+                                dict(head_dim=2**40), dict(kv_capacity=16.5)])
+def test_decode_plan_sizes_past_int32_or_floats_are_a_sentence(kw):
+    # nanobind's "incompatible function arguments" past int32; kv_capacity=16.5 ran as 16
+    a = dict(kv_capacity=16, cache_seqlens=[4], dtype="float32", device="cpu")
+    a.update(kw)
+    args = [1, 2, 2, a.pop("head_dim", 64)]
+    with pytest.raises(ValueError, match="must be an int in"):
+        flashcpp.BatchDecodeWithKVCache().plan(*args, **a)
+
+
+@pytest.mark.parametrize("orig", [2**40, 8.5])
+def test_llama3_original_positions_is_a_checked_int(orig):
+    q = np.zeros((1, 8, 2, 64), np.float32)
+    l3 = {"factor": 8.0, "original_max_position_embeddings": orig}
+    with pytest.raises(ValueError, match="llama3.original_max_position_embeddings must be an int"):
+        flashcpp.apply_rotary(q, positions=np.arange(8), llama3=l3)
+    with pytest.raises(ValueError, match="llama3.original_max_position_embeddings must be an int"):
+        flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(llama3=l3))
