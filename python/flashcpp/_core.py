@@ -143,9 +143,13 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
     return dims, mq, mk, mv
 
 
+_INT_TYPES = (numbers.Integral, np.integer) + ((torch.SymInt,) if torch is not None and hasattr(torch, "SymInt") else ())
+
+
 def _is_int(x: Any) -> bool:
-    """A Python or numpy integer (not a bool, not a float that happens to be whole)."""
-    return isinstance(x, (numbers.Integral, np.integer)) and not isinstance(x, (bool, np.bool_))
+    """A Python or numpy integer, or a torch.SymInt under torch.compile (not a bool, not a float
+    that happens to be whole)."""
+    return isinstance(x, _INT_TYPES) and not isinstance(x, (bool, np.bool_))
 
 
 MAX_CPU_THREADS = 1024  # the CLI's --threads limit (tools/cli_checks.h kMaxThreads)
