@@ -499,7 +499,8 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         out, lse = torch.ops.flashcpp.flash_attn_varlen_fwd(
             q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
-            int(max_seqlen_q), int(max_seqlen_k), scale, bool(causal), wl, wr, float(softcap),
+            _core.check_int(max_seqlen_q, "max_seqlen_q", 0), _core.check_int(max_seqlen_k, "max_seqlen_k", 0),
+            scale, bool(causal), wl, wr, float(softcap),
             _torch_alibi(alibi_slopes, q), bool(return_lse))
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,

@@ -346,3 +346,12 @@ def test_llama3_original_positions_is_a_checked_int(orig):
         flashcpp.apply_rotary(q, positions=np.arange(8), llama3=l3)
     with pytest.raises(ValueError, match="llama3.original_max_position_embeddings must be an int"):
         flashcpp.attention(q, q, q, rotary=flashcpp.Rotary(llama3=l3))
+
+
+def test_torch_varlen_max_seqlen_is_not_truncated():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros(8, 2, 64)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
+        flashcpp.flash_attn_varlen_func(q, q, q, cu, cu, 8.5, 8)
+    flashcpp.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
