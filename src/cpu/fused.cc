@@ -1,7 +1,7 @@
 // CPU backend of the fused kernels: RMSNorm (+ residual), SwiGLU, rotary. fp32 math on host
 // memory, the formulas of include/flashcpp/fused.h evaluated in the same order as the CUDA
 // kernels (src/cuda/fused/), multithreaded over rows / tokens. Called by the dispatch in
-// src/core/fused_validate.cc after validation, so every pointer and stride here is known good.
+// src/core/fused_api.cc after validation, so every pointer and stride here is known good.
 //
 // Numerics shared with the GPU: h = round_T(x + residual) is formed first and everything after
 // reads the rounded h; the sum of squares is kept in 8 partial sums (the GPU sums per thread,

@@ -1,5 +1,5 @@
 // Host-side entry points of the fused CUDA kernels (src/cuda/fused/*.cu), called by the one
-// dispatch in src/core/fused_validate.cc after validation. Only defined when
+// dispatch in src/core/fused_api.cc after validation. Only defined when
 // FLASHCPP_WITH_CUDA=1. Each launches on `stream`, allocates nothing and never synchronizes.
 #pragma once
 
