@@ -417,13 +417,31 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
     return False
 
 
-def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = None,
+def _check_flash_attn_extras(dropout_p: Any, deterministic: Any) -> None:
+    """flash-attn's positional slots that flashcpp keeps so that ported positional calls land
+    where they did: dropout_p (4th; flashcpp runs no dropout, so only 0 is accepted) and
+    deterministic (the forward kernels are deterministic already)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_p must be a number (0.0: flashcpp runs no dropout); got {dropout_p!r}")
+    if dropout_p != 0:
+        raise NotImplementedError(f"dropout_p={dropout_p!r}: flashcpp's attention runs no dropout (pass 0.0)")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+
+
+def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scale: Optional[float] = None,
                     causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False, *,
-                    block_sparse: Optional[BlockSparse] = None, rotary: Optional[Rotary] = None):
-    """flash-attn's ``flash_attn_func`` (forward only, no dropout).
+                    softcap: float = 0.0, alibi_slopes: Any = None, deterministic: bool = False, *,
+                    return_lse: bool = False, block_sparse: Optional[BlockSparse] = None,
+                    rotary: Optional[Rotary] = None):
+    """flash-attn's ``flash_attn_func`` (forward only, no dropout), with its positional order:
+    (q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic);
+    everything after that is keyword-only (flash-attn's return_attn_probs is return_lse here).
 
     Args:
+        dropout_p: must be 0 (no dropout is run); kept so that positional calls ported from
+            flash-attn put softmax_scale where it belongs.
+        deterministic: accepted for flash-attn compatibility; the forward is deterministic.
         q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
             torch tensors (CPU or CUDA; fp16/bf16, fp32 on CPU) or numpy arrays (CPU backend;
             float16/float32, bfloat16 via ml_dtypes). Only head_dim must be contiguous.
@@ -452,6 +470,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
     Returns:
         out (batch, seqlen_q, heads_q, head_dim) in q's dtype, or (out, lse).
     """
+    _check_flash_attn_extras(dropout_p, deterministic)
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
@@ -476,10 +495,14 @@ def flash_attn_func(q: Any, k: Any, v: Any, softmax_scale: Optional[float] = Non
 
 
 def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
-                           max_seqlen_q: int, max_seqlen_k: int, softmax_scale: Optional[float] = None,
-                           causal: bool = False, window_size: Tuple[int, int] = (-1, -1),
-                           softcap: float = 0.0, alibi_slopes: Any = None, return_lse: bool = False):
-    """flash-attn's ``flash_attn_varlen_func`` (forward only, no dropout).
+                           max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+                           softmax_scale: Optional[float] = None, causal: bool = False,
+                           window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                           alibi_slopes: Any = None, deterministic: bool = False, *,
+                           return_lse: bool = False):
+    """flash-attn's ``flash_attn_varlen_func`` (forward only, no dropout), with its positional order
+    up to ``deterministic`` (dropout_p must be 0, as in :func:`flash_attn_func`); return_lse is
+    keyword-only.
 
     q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim), sequences packed back
     to back; cu_seqlens_q/k: int32 (batch + 1,) prefix sums starting at 0; max_seqlen_q/k: the
@@ -490,10 +513,11 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     window_size, softcap, alibi_slopes) per sequence. Packed rows past cu_seqlens_q[-1] are left
     as they are on CUDA (flash-attn's behaviour; reading the device array would synchronize) and
     set to 0 / -inf on the CPU; with batch 0 (cu_seqlens = [0]) every packed row is 0 / -inf on
-    both. The LSE is (heads_q, q.shape[0]) whatever cu_seqlens_q[-1] is. There is no block_sparse argument: varlen and block-sparse do not
-    combine; a document_block_sparse mask over the packed tensors (batch 1) is the block-sparse
+    both. The LSE is (heads_q, q.shape[0]) whatever cu_seqlens_q[-1] is.
+    There is no block_sparse argument: varlen and block-sparse do not combine; a document_block_sparse mask over the packed tensors (batch 1) is the block-sparse
     form of a varlen batch.
     """
+    _check_flash_attn_extras(dropout_p, deterministic)
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])

@@ -355,3 +355,26 @@ def test_torch_varlen_max_seqlen_is_not_truncated():
     with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
         flashcpp.flash_attn_varlen_func(q, q, q, cu, cu, 8.5, 8)
     flashcpp.flash_attn_varlen_func(q, q, q, cu, cu, 8, 8)
+
+
+def test_flash_attn_positional_order_matches_flash_attn(rng):
+    # flash-attn's 4th positional is dropout_p: a ported call flash_attn_func(q, k, v, 0.0, scale, True)
+    # must put scale and causal where they belong (it used to take the 0.0 as softmax_scale).
+    q = rng.standard_normal((1, 9, 2, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 9, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 9, 2, 64)).astype(np.float32)
+    ported = flashcpp.flash_attn_func(q, k, v, 0.0, 0.3, True)
+    keyword = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.3, causal=True)
+    assert np.array_equal(ported, keyword)
+    cu = np.array([0, 4, 9], np.int32)
+    ported = flashcpp.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, 0.0, 0.3, True)
+    keyword = flashcpp.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, softmax_scale=0.3, causal=True)
+    assert np.array_equal(ported, keyword)
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        flashcpp.flash_attn_func(q, k, v, 0.1)
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        flashcpp.flash_attn_varlen_func(q[0], k[0], v[0], cu, cu, 5, 5, dropout_p=0.5)
+    with pytest.raises(TypeError, match="deterministic"):
+        flashcpp.flash_attn_func(q, k, v, 0.0, None, False, (-1, -1), 0.0, None, "yes")
+    with pytest.raises(TypeError):  # flash-attn's 11th positional (return_attn_probs) has no slot here
+        flashcpp.flash_attn_func(q, k, v, 0.0, None, False, (-1, -1), 0.0, None, False, True)
