@@ -80,9 +80,21 @@ Status check_sampling(const SampleArgs& a) {
 Status parse_token_ids(const std::string& text, int vocab, std::vector<std::int32_t>* out) {
   out->clear();
   std::size_t i = 0;
+  // Ids are separated by whitespace or by one comma: "1,,2" or a leading/trailing comma is a
+  // missing id (a typo), not a separator.
+  bool after_comma = true;  // the start counts as a comma: a leading comma is an empty id
   while (i < text.size()) {
     const char ch = text[i];
-    if (ch == ',' || ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') { ++i; continue; }
+    if (ch == ',') {
+      if (after_comma)
+        return Status::Invalid("token ids: an empty id at character " + std::to_string(i + 1) + " of '" + text +
+                               "' (ids are separated by one comma or by spaces)");
+      after_comma = true;
+      ++i;
+      continue;
+    }
+    if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') { ++i; continue; }
+    after_comma = false;
     if (ch < '0' || ch > '9') return Status::Invalid(std::string("token ids must be non-negative integers; found '") + ch + "'");
     long long v = 0;
     while (i < text.size() && text[i] >= '0' && text[i] <= '9') {
@@ -95,6 +107,8 @@ Status parse_token_ids(const std::string& text, int vocab, std::vector<std::int3
                              std::to_string(vocab) + ")");
     out->push_back(static_cast<std::int32_t>(v));
   }
+  if (after_comma && !out->empty())
+    return Status::Invalid("token ids: '" + text + "' ends with a comma (an empty id)");
   return Status::Ok();
 }
 

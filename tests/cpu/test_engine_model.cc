@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "engine/engine.h"
 #include "engine/gemv_plan.h"
 #include "engine/safetensors.h"
@@ -199,6 +199,12 @@ TEST(EngineModelCpu, ClearErrors) {
   EXPECT_FALSE(parse_token_ids("1 -2", 97, &ids).ok());
   ASSERT_TRUE(parse_token_ids("1, 2 3\n4", 97, &ids).ok());
   EXPECT_EQ(ids, (std::vector<std::int32_t>{1, 2, 3, 4}));
+  // An empty id between, before or after commas is a typo, not a separator (was read as "1,2").
+  for (const char* bad : {"1,,2", ",1,2", "1,2,", "1, ,2"}) {
+    const Status st = parse_token_ids(bad, 97, &ids);
+    EXPECT_FALSE(st.ok()) << bad;
+    EXPECT_NE(st.message().find("empty id"), std::string::npos) << st.message();
+  }
   fs::remove_all(dir);
 }
 
