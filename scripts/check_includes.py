@@ -42,16 +42,10 @@ LAYERS = [
 ]
 
 # Includes from tools/ into src/ that still wait for a public header (file, included path): the
-# host fp16/bf16 conversions, the CPU rotary wrapper of attention, the engine.
+# CPU rotary wrapper of attention, the engine.
 KNOWN = {
     ("tools/decode_cmd.cc", "engine/engine.h"),
-    ("tools/harness/audit.cc", "common/half.h"),
     ("tools/harness/audit.cc", "core/attn_rotary.h"),
-    ("tools/harness/audit_inputs.cc", "common/half.h"),
-    ("tools/harness/check_decode.cc", "common/half.h"),
-    ("tools/harness/check_fused.cc", "common/half.h"),
-    ("tools/harness/harness.h", "common/half.h"),
-    ("tools/harness/run.cc", "common/half.h"),
     ("tools/harness/run.cc", "core/attn_rotary.h"),
 }
 

@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 #include "core/decode_backends.h"
 #include "common/decode_common.h"

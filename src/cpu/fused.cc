@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "common/fused_math.h"
 #include "flashcpp/fused.h"
 

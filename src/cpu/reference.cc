@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 
 namespace flashcpp::cpu {

@@ -55,7 +55,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "common/mask_rules.h"
 #include "cpu/cpu_backend.h"
 

@@ -16,7 +16,7 @@
 #include <set>
 #include <utility>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 
 namespace flashcpp::engine {
 

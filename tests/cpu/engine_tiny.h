@@ -16,7 +16,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
 

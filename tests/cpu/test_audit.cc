@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "audit.h"
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "test_util.h"
 
 namespace flashcpp::audit {

@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 #include "core/decode_backends.h"
 #include "common/decode_common.h"

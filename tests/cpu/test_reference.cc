@@ -10,7 +10,7 @@
 #include <limits>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 #include "test_util.h"
 

@@ -45,7 +45,7 @@
 #include <string>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 #include "test_util.h"
 

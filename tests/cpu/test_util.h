@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "flashcpp/attention.h"
 
 namespace flashcpp::testing {

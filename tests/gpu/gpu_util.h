@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "cuda/cuda_api.h"
 #include "flashcpp/attention.h"
 

@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "../cpu/engine_tiny.h"
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "common/fused_math.h"
 #include "engine/engine.h"
 #include "engine/sampling.h"

@@ -26,7 +26,7 @@
 #include <tuple>
 #include <vector>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "core/attn_rotary.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/fused.h"

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "audit.h"
-#include "common/half.h"
+#include "flashcpp/half.h"
 
 namespace flashcpp::audit {
 

@@ -21,7 +21,7 @@
 
 #include <fmt/format.h>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "flashcpp/decode.h"
 #include "harness/harness.h"
 #if FLASHCPP_WITH_CUDA

@@ -19,7 +19,7 @@
 
 #include <fmt/format.h>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "flashcpp/fused.h"
 #include "harness/harness.h"
 #if FLASHCPP_WITH_CUDA

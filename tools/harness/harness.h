@@ -30,7 +30,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "flashcpp/attention.h"
 
 namespace flashcpp::harness {

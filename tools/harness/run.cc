@@ -13,7 +13,7 @@
 
 #include <fmt/format.h>
 
-#include "common/half.h"
+#include "flashcpp/half.h"
 #include "core/attn_rotary.h"
 #include "flashcpp/reference.h"
 #include "harness/harness.h"

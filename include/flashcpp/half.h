@@ -1,5 +1,6 @@
 // Host-side fp16/bf16 <-> float conversions (round to nearest even), for the CPU backend,
-// the tests and the tools. Device code uses cuda_fp16.h / cuda_bf16.h instead.
+// the tests, the tools and any caller that fills or reads fp16/bf16 host buffers. Device code
+// uses cuda_fp16.h / cuda_bf16.h instead.
 #pragma once
 
 #include <cmath>
