@@ -49,7 +49,7 @@ $(BUILD)/build.ninja:
 configure: deps $(BUILD)/build.ninja
 
 build: configure
-	@start=$$(date +%s); cmake --build $(BUILD) -j $(JOBS) || exit 1; \
+	@start=$$(date +%s); FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) cmake --build $(BUILD) -j $(JOBS) || exit 1; \
 	echo "build: $$(( $$(date +%s) - start )) s (CUDA=$(CUDA), jobs=$(JOBS))"; \
 	if [ -f $(BUILD)/ptxas_report.txt ]; then echo "build: ptxas register report in $(BUILD)/ptxas_report.txt"; fi
 

@@ -15,9 +15,7 @@
 #include "engine/engine.h"
 #include "harness/kernel_trace.h"
 
-#ifndef FLASHCPP_GIT_COMMIT
-#define FLASHCPP_GIT_COMMIT "unknown"
-#endif
+#include "flashcpp_git_commit.h"  // FLASHCPP_GIT_COMMIT, written at build time (cmake/git_commit.cmake)
 
 namespace flashcpp::tools {
 

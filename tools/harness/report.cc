@@ -12,9 +12,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-#ifndef FLASHCPP_GIT_COMMIT
-#define FLASHCPP_GIT_COMMIT "unknown"
-#endif
+#include "flashcpp_git_commit.h"  // FLASHCPP_GIT_COMMIT, written at build time (cmake/git_commit.cmake)
 
 namespace flashcpp::harness {
 
