@@ -551,8 +551,14 @@ def test_softmax_scale_zero_is_a_scale_on_cuda(gen, causal):
     q, k, v = (rand((2, 300, 4, 128), torch.bfloat16, gen) * 4 for _ in range(3))
     vis = bottom_right_mask(300, 300, causal).double()
     want = torch.einsum("ij,bjhd->bihd", vis / vis.sum(-1, keepdim=True), v.double())
+    # Tolerance: the bf16 rounding of the output itself (half an ulp, 2^-9 relative: rows that
+    # average few keys, or ALiBi rows that weight one key, keep |out| up to ~18, where a fixed 3e-2
+    # is below half an ulp) plus a small atol for the fp32 accumulation.
+    def close(out, want):
+        excess = (out.double() - want).abs() - (1e-2 + 2.0 ** -8 * want.abs())
+        return excess.max().item() <= 0
     out = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal)
-    assert (out.double() - want).abs().max().item() < 3e-2
+    assert close(out, want)
     slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEV)
     i = torch.arange(300, device=DEV)[:, None]
     j = torch.arange(300, device=DEV)[None, :]
@@ -560,4 +566,4 @@ def test_softmax_scale_zero_is_a_scale_on_cuda(gen, causal):
     p = torch.softmax(bias.masked_fill(vis[None] == 0, float("-inf")), -1)
     want = torch.einsum("hij,bjhd->bihd", p, v.double())
     out = flashcpp.flash_attn_func(q, k, v, softmax_scale=0.0, causal=causal, alibi_slopes=slopes)
-    assert (out.double() - want).abs().max().item() < 3e-2
+    assert close(out, want)
