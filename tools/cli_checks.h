@@ -143,10 +143,12 @@ inline CLI::Validator power_of_two_upto(int hi) {
 
 /// "" when `path` can be written; else why not, as a sentence that starts with the flag. Checked
 /// before any work, so a typo in an output path fails at once rather than after the whole run.
-/// A file that did not exist is created to prove it and removed again.
-inline std::string unwritable(const std::string& flag, const std::string& path) {
+/// A file that did not exist is created to prove it and removed again. With `create_folder` a
+/// missing folder is created first (the report writers of check and audit make theirs).
+inline std::string unwritable(const std::string& flag, const std::string& path, bool create_folder = false) {
   namespace fs = std::filesystem;
   std::error_code ec;
+  if (create_folder && fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path(), ec);
   if (fs::is_directory(path, ec)) return flag + " " + path + " is a directory; give a file path";
   const bool existed = fs::exists(path, ec);
   {

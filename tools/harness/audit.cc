@@ -10,6 +10,7 @@
 //     scales with (an error of delta in the weights moves O by at most delta * (A + |O|)).
 // Outputs and LSEs start as NaN, so an element a kernel forgets to write is a non-finite row.
 #include "audit.h"
+#include "cli_checks.h"  // unwritable
 
 #include <fmt/format.h>
 
@@ -1143,16 +1144,10 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
   if (!opt.dump_dir.empty()) return dump_inputs(opt, problems, seed, out, err);
   // The JSON is written after the whole run: a path that cannot be written fails now instead.
   if (!opt.json_path.empty()) {
-    std::error_code ec;
-    const std::filesystem::path path(opt.json_path);
-    if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
-    const bool existed = std::filesystem::exists(path, ec);
-    if (std::filesystem::is_directory(path, ec) || !std::ofstream(path, std::ios::app)) {
-      err << "flashcpp audit: cannot write --json " << opt.json_path
-          << " (a directory, a missing folder that cannot be created, or no permission); nothing was run\n";
+    if (const std::string why = tools::unwritable("--json", opt.json_path, /*create_folder=*/true); !why.empty()) {
+      err << "flashcpp audit: cannot write --json: " << why << "; nothing was run\n";
       return 2;
     }
-    if (!existed) std::filesystem::remove(path, ec);
   }
 
   const harness::Environment env = harness::describe_environment(backend, seed);

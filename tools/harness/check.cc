@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "harness/harness.h"
+#include "cli_checks.h"  // unwritable
 #if FLASHCPP_WITH_CUDA
 #include "flashcpp/device.h"
 #endif
@@ -92,16 +93,10 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
   // The JSON is written after the whole run (minutes for --full): a path that cannot be written
   // fails now. A file that did not exist is created to prove it and removed again.
   if (!opt.json_path.empty()) {
-    std::error_code ec;
-    const std::filesystem::path path(opt.json_path);
-    if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
-    const bool existed = std::filesystem::exists(path, ec);
-    if (std::filesystem::is_directory(path, ec) || !std::ofstream(path, std::ios::app)) {
-      err << "flashcpp check: cannot write --json " << opt.json_path
-          << " (a directory, a missing folder that cannot be created, or no permission); nothing was run\n";
+    if (const std::string why = tools::unwritable("--json", opt.json_path, /*create_folder=*/true); !why.empty()) {
+      err << "flashcpp check: cannot write --json: " << why << "; nothing was run\n";
       return 2;
     }
-    if (!existed) std::filesystem::remove(path, ec);
   }
 
   RunConfig cfg;
