@@ -12,7 +12,7 @@
 #include <system_error>
 
 #include "cli_checks.h"
-#include "engine/engine.h"
+#include "flashcpp/engine.h"
 #include "harness/kernel_trace.h"
 
 #include "flashcpp_git_commit.h"  // FLASHCPP_GIT_COMMIT, written at build time (cmake/git_commit.cmake)
@@ -127,19 +127,19 @@ int decode_main(const DecodeCliOptions& o) {
     if (!path->empty())
       if (const std::string why = unwritable(flag, *path); !why.empty()) return usage(why);
 
-  std::unique_ptr<Ops> ops;
+  std::unique_ptr<Engine> eng;
   std::string cpu_why = "--backend cpu";  // why the run is on the CPU backend, for the sentences below
   if (o.backend == "cpu") {
-    ops = make_cpu_ops(o.threads);
+    eng = Engine::cpu(o.threads);
   } else {
-    Status s = make_cuda_ops(&ops);
+    Status s = Engine::cuda(&eng);
     if (!s.ok()) {
       if (o.backend == "cuda") return fail(s);
       cpu_why = "--backend auto fell back to it: " + s.message();
-      ops = make_cpu_ops(o.threads);
+      eng = Engine::cpu(o.threads);
     }
   }
-  if (!ops->cuda()) {
+  if (!eng->is_cuda()) {
     // CUDA-only flags would be ignored on the CPU backend: refuse them rather than drop them.
     if (o.gemm != "auto")
       return usage("--gemm " + o.gemm + " selects a CUDA GEMM, but the run is on the CPU backend (" + cpu_why +
@@ -151,14 +151,13 @@ int decode_main(const DecodeCliOptions& o) {
   } else if (o.threads != 0) {
     return usage("--threads sets the CPU backend's threads, but the run is on CUDA (add --backend cpu)");
   }
-  if (Status s = ops->set_gemm_mode(o.gemm); !s.ok()) return fail(s);
-  std::unique_ptr<LlamaModel> model;
-  if (Status s = LlamaModel::load(o.model, ops.get(), &model); !s.ok()) return fail(s);
-  const LlamaConfig& c = model->config();
+  if (Status s = eng->set_gemm_mode(o.gemm); !s.ok()) return fail(s);
+  if (Status s = eng->load(o.model); !s.ok()) return fail(s);
+  const ModelInfo c = eng->model();
 
   GenerateOptions g;
   g.max_new_tokens = o.max_new_tokens;
-  g.eager = o.eager || !ops->cuda();
+  g.eager = o.eager || !eng->is_cuda();
   g.sampling.temperature = o.temperature;
   g.sampling.top_p = o.top_p;
   g.sampling.seed = o.seed;
@@ -205,12 +204,12 @@ int decode_main(const DecodeCliOptions& o) {
   }
 
   GenerateResult r;
-  if (Status s = generate(*model, g, &r); !s.ok()) return fail(s);
+  if (Status s = eng->generate(g, &r); !s.ok()) return fail(s);
 
   const int B = static_cast<int>(r.tokens.size());
   std::cout << "model: " << c.num_hidden_layers << " layers, hidden " << c.hidden_size << ", heads " << c.num_attention_heads
-            << "/" << c.num_key_value_heads << ", vocab " << c.vocab_size << ", " << model->weight_bytes() / 1e9
-            << " GB on " << ops->describe() << "\n";
+            << "/" << c.num_key_value_heads << ", vocab " << c.vocab_size << ", " << c.weight_bytes / 1e9
+            << " GB on " << eng->describe() << "\n";
   std::cout << "batch " << B << " (graph bucket " << r.bucket << "), " << (g.context ? "context " : "prompt ")
             << (g.context ? g.context : r.prompt_len) << ", " << r.decode_steps << " decode steps, " << r.mode << "\n";
   std::cout << "prefill " << r.prefill_ms << " ms; decode " << r.decode_ms << " ms = " << r.wall_us_per_step
@@ -285,9 +284,9 @@ int decode_main(const DecodeCliOptions& o) {
                         {"needs_merge", r.plan.needs_merge}};
     j["page_size"] = g.page_size;
     j["gemm"] = o.gemm;
-    j["weight_bytes"] = model->weight_bytes();
-    j["step_weight_bytes"] = model->step_weight_bytes();
-    j["gpu"] = ops->describe();
+    j["weight_bytes"] = c.weight_bytes;
+    j["step_weight_bytes"] = c.step_weight_bytes;
+    j["gpu"] = eng->describe();
     j["git_commit"] = FLASHCPP_GIT_COMMIT;
     j["vocab"] = c.vocab_size;
     if (!trace.empty()) {

@@ -55,7 +55,7 @@ Status check_logits(Ops* ops, const float* logits, int rows, int vocab, int firs
   return Status::Ok();
 }
 
-/// The sampling arguments of ops.h: temperature finite and >= 0 (0 = greedy), top_p in (0, 1].
+/// The sampling arguments (SampleArgs, flashcpp/engine.h): temperature finite and >= 0 (0 = greedy), top_p in (0, 1].
 Status check_sampling(const SampleArgs& a) {
   if (!std::isfinite(a.temperature) || a.temperature < 0.f)
     return Status::Invalid("temperature " + std::to_string(a.temperature) +

@@ -20,6 +20,7 @@
 #include "engine/config.h"
 #include "engine/ops.h"
 #include "flashcpp/decode.h"
+#include "flashcpp/engine.h"  // OpTiming, SampleArgs
 #include "flashcpp/status.h"
 
 namespace flashcpp::engine {
@@ -67,11 +68,6 @@ struct StepOp {
   const char* category;  ///< "gemm", "attention", "norm", "other"
   std::function<Status()> run;
   bool repeatable = true;  ///< running it twice in a row is harmless (timing in isolation)
-};
-/// Device time of one op of a step, in isolation (a graph of repeated launches).
-struct OpTiming {
-  std::string name, category;
-  double us = 0;
 };
 
 struct SessionOptions {

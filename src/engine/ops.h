@@ -11,35 +11,11 @@
 #include <memory>
 #include <string>
 
+#include "flashcpp/engine.h"  // SampleArgs, sample_uniform
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
 namespace flashcpp::engine {
-
-/// Sampling of the next token from fp32 logits. temperature 0 = greedy (argmax, lowest index on
-/// ties). Otherwise p = softmax(logits / temperature); top_p < 1 keeps the tokens whose
-/// probability is >= t*, the largest probability value for which the kept mass reaches top_p
-/// (ties at t* are all kept); a token is drawn from the kept set in proportion to p with the
-/// uniform u = sample_uniform(seed, step, row) (a counter-based hash: the same draw on every
-/// backend and in every replay of a CUDA graph).
-struct SampleArgs {
-  float temperature = 0.f;
-  float top_p = 1.f;
-  std::uint64_t seed = 0;
-  int row_offset = 0;  ///< the row index of logits row r in the draw is row_offset + r
-};
-
-/// Uniform in [0, 1) from (seed, step, row): splitmix64 of a mix of the three, top 24 bits.
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-inline float sample_uniform(std::uint64_t seed, std::uint32_t step, std::uint32_t row) {
-  std::uint64_t z = seed + 0x9e3779b97f4a7c15ull * (1ull + step) + 0xbf58476d1ce4e5b9ull * (1ull + row);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z = z ^ (z >> 31);
-  return static_cast<float>(z >> 40) * (1.0f / 16777216.0f);
-}
 
 /// A paged KV cache pool of one layer: (num_pages, page_size, heads_kv, head_dim), contiguous.
 struct KvPool {

@@ -1,4 +1,5 @@
-// The sampling rule of ops.h on the host (the CUDA kernel implements the same rule).
+// The sampling rule of SampleArgs (flashcpp/engine.h) on the host; the CUDA kernel
+// (src/cuda/engine/sample_kernel.cuh) implements the same rule.
 #pragma once
 
 #include <algorithm>
@@ -7,7 +8,7 @@
 #include <cstring>
 #include <vector>
 
-#include "engine/ops.h"
+#include "flashcpp/engine.h"
 
 namespace flashcpp::engine {
 

@@ -17,6 +17,7 @@
 #include "engine/safetensors.h"
 #include "engine/sampling.h"
 #include "engine_tiny.h"
+#include "flashcpp/engine.h"
 
 namespace fs = std::filesystem;
 using namespace flashcpp;
@@ -380,4 +381,52 @@ TEST(EngineModelCpu, GemvGroupingFollowsTheWave) {
     auto critical = [&](int rows) { return ((n + rows - 1) / rows + slots - 1) / slots * rows; };
     EXPECT_LE(critical(r), critical(4)) << n;
   }
+}
+
+// The public Engine (include/flashcpp/engine.h, what `flashcpp decode` drives): the same tokens as
+// generate() on a model loaded by hand, the checkpoint's shape, and a sentence for a second load
+// or a generate before any load.
+TEST(EngineModelCpu, PublicEngineRunsLikeTheInternalPath) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "public", false, 11);
+  std::unique_ptr<Engine> eng = Engine::cpu(2);
+  ASSERT_TRUE(eng);
+  EXPECT_FALSE(eng->is_cuda());
+  EXPECT_NE(eng->describe().find("cpu"), std::string::npos) << eng->describe();
+  EXPECT_EQ(eng->set_gemm_mode("gemv").code(), StatusCode::kInvalidArgument);
+  GenerateOptions g;
+  g.prompts = {{5, 6, 7}, {8, 9}};
+  g.max_new_tokens = 5;
+  g.eager = true;
+  g.sampling.temperature = 0.7f;
+  g.sampling.seed = 3;
+  GenerateResult early;
+  const Status none = eng->generate(g, &early);
+  EXPECT_FALSE(none.ok());
+  EXPECT_NE(none.message().find("no model is loaded"), std::string::npos) << none.message();
+  EXPECT_EQ(eng->model().vocab_size, 0);
+
+  ASSERT_TRUE(eng->load(dir.string()).ok());
+  const ModelInfo m = eng->model();
+  EXPECT_EQ(m.num_hidden_layers, t.layers);
+  EXPECT_EQ(m.hidden_size, t.hidden);
+  EXPECT_EQ(m.num_attention_heads, t.heads);
+  EXPECT_EQ(m.num_key_value_heads, t.kv_heads);
+  EXPECT_EQ(m.vocab_size, t.vocab);
+  EXPECT_GT(m.weight_bytes, 0u);
+  EXPECT_GT(m.step_weight_bytes, 0u);
+  EXPECT_LE(m.step_weight_bytes, m.weight_bytes);
+  const Status twice = eng->load(dir.string());
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.message().find("loaded on this engine already"), std::string::npos) << twice.message();
+
+  GenerateResult pub, internal;
+  ASSERT_TRUE(eng->generate(g, &pub).ok());
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  EXPECT_EQ(m.weight_bytes, l.model->weight_bytes());
+  EXPECT_EQ(m.step_weight_bytes, l.model->step_weight_bytes());
+  ASSERT_TRUE(generate(*l.model, g, &internal).ok());
+  EXPECT_EQ(pub.tokens, internal.tokens);
+  fs::remove_all(dir);
 }
