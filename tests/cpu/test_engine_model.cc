@@ -11,13 +11,13 @@
 #include <string>
 #include <vector>
 
-#include "flashcpp/half.h"
+#include "cuda/engine/gemv_plan.h"
 #include "engine/engine.h"
-#include "engine/gemv_plan.h"
 #include "engine/safetensors.h"
 #include "engine/sampling.h"
 #include "engine_tiny.h"
 #include "flashcpp/engine.h"
+#include "flashcpp/half.h"
 
 namespace fs = std::filesystem;
 using namespace flashcpp;
@@ -357,6 +357,8 @@ TEST(EngineModelCpu, CpuOpsRefuseCudaGemmModes) {
 
 // The GEMV's row grouping: 2-row groups only where they cut the most-loaded CTA's rows by 10%.
 TEST(EngineModelCpu, GemvGroupingFollowsTheWave) {
+  using flashcpp::cuda::engine::gemv_grouping;
+  using flashcpp::cuda::engine::gemv_rows_per_group;
   const int slots = 132 * 3;  // H200, three 256-thread CTAs per SM
   EXPECT_EQ(gemv_rows_per_group(2048, slots), 2);    // o/down of a 1B Llama: 8 rows -> 6 on the critical path
   EXPECT_EQ(gemv_rows_per_group(3072, slots), 4);    // qkv: 768 groups, 2 each either way (8 rows)

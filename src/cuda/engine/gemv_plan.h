@@ -1,7 +1,8 @@
 #pragma once
-// The GEMV's row grouping, a host-side rule (CPU-tested; the kernel is in ops_cuda.cu).
+// The GEMV's row grouping, a host-side rule (CPU-tested; the kernel is gemv_kernel.cuh, its
+// launcher gemv.cu).
 
-namespace flashcpp::engine {
+namespace flashcpp::cuda::engine {
 
 /// Output rows per CTA iteration of the batch-1/2 GEMV: 4, or 2 where that leaves clearly less
 /// wave-quantization idle. The grid is one wave of `slots` CTAs striding over ceil(n / rows)
@@ -43,4 +44,4 @@ inline GemvGrouping gemv_grouping(int n, int k, int slots, bool can_split_k) {
   return {gemv_rows_per_group(n, slots), 1};
 }
 
-}  // namespace flashcpp::engine
+}  // namespace flashcpp::cuda::engine

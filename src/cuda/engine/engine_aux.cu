@@ -1,0 +1,84 @@
+// The engine's small kernels: embedding lookup, the KV scatter of a prompt, the per-step counters
+// and a spin (so the host can queue work ahead of the device). Each is tiny next to a GEMV.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/engine/engine_common.cuh"
+#include "cuda/engine/engine_launch.h"
+
+namespace flashcpp::cuda::engine {
+namespace {
+
+__global__ void embed_kernel(const std::int32_t* __restrict__ tokens, const bf16* __restrict__ table, int vocab,
+                             int hidden, bf16* __restrict__ out) {
+  const int i = blockIdx.x;
+  const int t = min(max(tokens[i], 0), vocab - 1);
+  const bf16* src = table + static_cast<std::int64_t>(t) * hidden;
+  bf16* dst = out + static_cast<std::int64_t>(i) * hidden;
+  if (hidden % 8 == 0) {
+    for (int j = threadIdx.x; j < hidden / 8; j += blockDim.x)
+      reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(src)[j];
+  } else {
+    for (int j = threadIdx.x; j < hidden; j += blockDim.x) dst[j] = src[j];
+  }
+}
+
+__global__ void write_kv_kernel(bf16* __restrict__ kc, bf16* __restrict__ vc, const std::int32_t* __restrict__ table,
+                                int pages_per_seq, int num_pages, int page_size, int seq, int start, int n, int row,
+                                const bf16* __restrict__ k, const bf16* __restrict__ v, std::int64_t ld) {
+  const std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int per_token = row / 8;
+  if (idx >= static_cast<std::int64_t>(n) * per_token) return;
+  const int t = static_cast<int>(idx / per_token), c = static_cast<int>(idx % per_token);
+  const int slot = start + t;
+  const int page = min(max(table[static_cast<std::int64_t>(seq) * pages_per_seq + slot / page_size], 0), num_pages - 1);
+  const std::int64_t dst = (static_cast<std::int64_t>(page) * page_size + slot % page_size) * row + c * 8;
+  reinterpret_cast<uint4*>(kc + dst)[0] = reinterpret_cast<const uint4*>(k + t * ld + c * 8)[0];
+  reinterpret_cast<uint4*>(vc + dst)[0] = reinterpret_cast<const uint4*>(v + t * ld + c * 8)[0];
+}
+
+__global__ void advance_kernel(std::int32_t* seqlens, int n, std::int32_t* step) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) seqlens[i] += 1;
+  if (threadIdx.x == 0 && step) *step += 1;
+}
+
+__global__ void spin_kernel(std::uint64_t ns) {
+  std::uint64_t t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+
+}  // namespace
+
+Status embed(const std::int32_t* tokens, int n, const void* table, int vocab, int hidden, void* out, Stream stream) {
+  if (n == 0) return Status::Ok();
+  embed_kernel<<<n, 256, 0, stream>>>(tokens, static_cast<const bf16*>(table), vocab, hidden, static_cast<bf16*>(out));
+  return cuda_status(cudaGetLastError(), "embed launch");
+}
+
+Status write_kv(const WriteKvParams& p, Stream stream) {
+  if (p.row % 8 != 0 || p.ld % 8 != 0) return Status::Internal("write_kv needs 16-byte rows");
+  const std::int64_t total = static_cast<std::int64_t>(p.n) * (p.row / 8);
+  if (total == 0) return Status::Ok();
+  write_kv_kernel<<<static_cast<unsigned>((total + 255) / 256), 256, 0, stream>>>(
+      static_cast<bf16*>(p.k_cache), static_cast<bf16*>(p.v_cache), p.block_table, p.pages_per_seq, p.num_pages,
+      p.page_size, p.seq, p.start, p.n, p.row, static_cast<const bf16*>(p.k), static_cast<const bf16*>(p.v), p.ld);
+  return cuda_status(cudaGetLastError(), "write_kv launch");
+}
+
+Status advance(std::int32_t* seqlens, int n, std::int32_t* step_counter, Stream stream) {
+  advance_kernel<<<1, 256, 0, stream>>>(seqlens, n, step_counter);
+  return cuda_status(cudaGetLastError(), "advance launch");
+}
+
+Status spin(std::uint64_t ns, Stream stream) {
+  spin_kernel<<<1, 1, 0, stream>>>(ns);
+  return cuda_status(cudaGetLastError(), "spin launch");
+}
+
+}  // namespace flashcpp::cuda::engine
