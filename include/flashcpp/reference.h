@@ -1,9 +1,12 @@
 // The ground truths the correctness harness and the tests compare against: the fp64 CPU
 // reference (every mask of MaskParams, element by element from the rules in attention.h), the fp64
-// GPU reference for long sequences, and the LSE merge rule of split-KV attention. Not for speed.
+// GPU reference for long sequences, the LSE merge rule of split-KV attention, and the rotary of
+// attention as the CPU backends apply it (for a reference that reads q and k as given). Not for
+// speed.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "flashcpp/attention.h"
@@ -21,8 +24,17 @@ struct RefOutput {
 };
 
 /// Naive fp64 attention with every mask of MaskParams, evaluated element by element from the
-/// rules in attention.h. Multithreaded over (batch, head). Reads p.q/p.k/p.v (any dtype, host).
+/// rules in attention.h. Multithreaded over (batch, head). Reads p.q/p.k/p.v (any dtype, host)
+/// as given: with p.rotary on, call it through run_with_rotary.
 Status reference_attention(const AttnParams& p, RefOutput* out, int threads = 0);
+
+/// Attention's rotary (AttnParams::rotary, attention.h) exactly as the CPU backends apply it, for
+/// a reference or a plain implementation that reads q and k as given: runs `run` on p, or with
+/// p.rotary on, on a copy of p whose q and k are host copies rotated by the CPU apply_rotary (in
+/// the input dtype, the rounding the kernels' scores see) and whose rotary is off; afterwards
+/// stores the rotated k in rotary.k_rotated when that is set. Rotates with opt.cpu_threads
+/// threads. Host memory only.
+Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::function<Status(const AttnParams&)>& run);
 
 /// Merge two normalized partial outputs by their natural-log LSEs (the split-KV / cascade rule):
 ///   lse = log(exp(lse_a) + exp(lse_b)); o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse).

@@ -2,7 +2,9 @@
 // apply_rotary (the same code and rounding as a separate apply_rotary call), and the backend runs
 // on the copies. This is the semantics of AttnRotary (attention.h) that the GPU kernels must
 // match: rotated q and k in the input dtype. When rotary.k_rotated is set, the rotated copy of k
-// is stored there too (what the CUDA pre-pass writes).
+// is stored there too (what the CUDA pre-pass writes). Public as cpu::run_with_rotary
+// (flashcpp/reference.h): the harness's fp64 reference and plain fp32 implementation rotate
+// through it.
 #include "core/attn_rotary.h"
 
 #include <cstring>
@@ -10,7 +12,7 @@
 
 #include "flashcpp/fused.h"
 
-namespace flashcpp::detail {
+namespace flashcpp::cpu {
 namespace {
 
 /// A contiguous copy of a q or k view: (batch, seqlen, heads, head_dim), or with `packed` the
@@ -83,8 +85,8 @@ Status rotate(const AttnParams& p, bool query, const RunOptions& opt, Copy* c) {
   const std::int32_t* given = query ? p.rotary.positions_q : p.rotary.positions_k;
   std::vector<std::int32_t> defaults;
   if (given == nullptr) defaults = default_positions(p, query, rows);
-  RopeParams rp = attn_rope_params(p, query, varlen ? 1 : p.batch, static_cast<int>(varlen ? rows : seqlen), heads,
-                                    c->view);
+  RopeParams rp = detail::attn_rope_params(p, query, varlen ? 1 : p.batch, static_cast<int>(varlen ? rows : seqlen),
+                                            heads, c->view);
   if (given == nullptr) rp.positions = defaults.data();
   RunOptions ro;
   ro.backend = Backend::kCpu;
@@ -125,4 +127,4 @@ Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::fu
   return Status::Ok();
 }
 
-}  // namespace flashcpp::detail
+}  // namespace flashcpp::cpu

@@ -1,10 +1,10 @@
-// The rotary fused into attention on the CPU backends (attn_rotary.cc).
+// The rotary fused into attention: the parameters both backends rotate with, and the CPU
+// backends' wrapper (attn_rotary.cc; declared in flashcpp/reference.h).
 #pragma once
-
-#include <functional>
 
 #include "flashcpp/attention.h"
 #include "flashcpp/fused.h"
+#include "flashcpp/reference.h"
 
 namespace flashcpp::detail {
 
@@ -30,9 +30,8 @@ inline RopeParams attn_rope_params(const AttnParams& p, bool query, int batch, i
   return rp;
 }
 
-/// Runs `run` on p, or with p.rotary on, on a copy of p whose q and k are rotated host copies
-/// (input dtype, rotated by the CPU apply_rotary) and whose rotary is off; stores the rotated k in
-/// rotary.k_rotated when it is set. Host memory only.
-Status run_with_rotary(const AttnParams& p, const RunOptions& opt, const std::function<Status(const AttnParams&)>& run);
+/// The CPU backends' rotary wrapper; public as cpu::run_with_rotary (flashcpp/reference.h), which
+/// the harness's references use too, so the backends and their ground truth rotate alike.
+using cpu::run_with_rotary;
 
 }  // namespace flashcpp::detail

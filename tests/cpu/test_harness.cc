@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "flashcpp/fused.h"
+#include "flashcpp/reference.h"
 #include "harness/harness.h"
 #include "test_util.h"
 
@@ -402,6 +404,90 @@ TEST(HarnessCheck, WritesTheJsonFile) {
   EXPECT_EQ(j["cases"].size(), 1u);
   EXPECT_EQ(j["cases"][0]["name"], "b2_h2_n7_d64_bf16");
   EXPECT_TRUE(std::regex_search(out.str(), std::regex("\\n1 passed, 0 failed\\n$")));
+}
+
+// cpu::run_with_rotary (flashcpp/reference.h), through which the harness's fp64 reference and plain
+// fp32 implementation see rotary problems: the callee gets rotary off and q, k rotated by the CPU
+// apply_rotary in the input dtype (default positions: queries bottom-right aligned), so its result
+// is bit-identical to apply_rotary on copies followed by the plain call; the caller's q and k are
+// untouched, rotary.k_rotated receives the rotated keys, and without rotary p passes through.
+TEST(HarnessReference, RunWithRotaryIsApplyRotaryThenTheCall) {
+  const int B = 2, sq = 7, sk = 11, hq = 4, hkv = 2, d = 64;
+  const DType dt = DType::kBF16;
+  auto g = testing::rng(26);
+  testing::HostBuffer q(dt, std::int64_t{B} * sq * hq * d), k(dt, std::int64_t{B} * sk * hkv * d),
+      v(dt, std::int64_t{B} * sk * hkv * d), kr(dt, k.size());
+  q.fill_normal(g);
+  k.fill_normal(g);
+  v.fill_normal(g);
+  kr.poison();
+  const testing::HostBuffer q0 = q, k0 = k;
+  auto params = [&](const void* qd, const void* kd, bool rotary) {
+    AttnParams p;
+    p.batch = B;
+    p.seqlen_q = sq;
+    p.seqlen_k = sk;
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    p.head_dim = d;
+    p.q = bshd_view(const_cast<void*>(qd), dt, sq, hq, d);
+    p.k = bshd_view(const_cast<void*>(kd), dt, sk, hkv, d);
+    p.v = bshd_view(v.data(), dt, sk, hkv, d);
+    p.mask.causal = true;
+    if (rotary) {
+      p.rotary.rotary_dim = d / 2;
+      p.rotary.style = RopeStyle::kInterleaved;
+      p.rotary.k_rotated = bshd_view(kr.data(), dt, sk, hkv, d);
+    }
+    return p;
+  };
+
+  // Expected: apply_rotary on copies (queries at i + sk - sq, keys at j), then the reference.
+  testing::HostBuffer qe = q, ke = k;
+  std::vector<std::int32_t> pos_q, pos_k;
+  for (int b = 0; b < B; ++b) {
+    for (int i = 0; i < sq; ++i) pos_q.push_back(i + sk - sq);
+    for (int j = 0; j < sk; ++j) pos_k.push_back(j);
+  }
+  RunOptions cpu;
+  cpu.backend = Backend::kCpu;
+  for (const bool query : {true, false}) {
+    RopeParams rp;
+    rp.batch = B;
+    rp.seqlen = query ? sq : sk;
+    rp.heads_q = query ? hq : hkv;
+    rp.head_dim = d;
+    rp.rotary_dim = d / 2;
+    rp.style = RopeStyle::kInterleaved;
+    rp.q = query ? bshd_view(qe.data(), dt, sq, hq, d) : bshd_view(ke.data(), dt, sk, hkv, d);
+    rp.positions = query ? pos_q.data() : pos_k.data();
+    const Status s = apply_rotary(rp, cpu);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+  cpu::RefOutput want, got;
+  ASSERT_TRUE(cpu::reference_attention(params(qe.data(), ke.data(), false), &want, 1).ok());
+
+  bool callee_saw_rotary = true;
+  const Status s = cpu::run_with_rotary(params(q.data(), k.data(), true), cpu, [&](const AttnParams& a) {
+    callee_saw_rotary = a.rotary.enabled();
+    return cpu::reference_attention(a, &got, 1);
+  });
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_FALSE(callee_saw_rotary);
+  EXPECT_EQ(got.total_q, want.total_q);
+  EXPECT_EQ(got.o, want.o);
+  EXPECT_EQ(got.lse, want.lse);
+  EXPECT_EQ(q.bytes, q0.bytes) << "q was changed";
+  EXPECT_EQ(k.bytes, k0.bytes) << "k was changed";
+  EXPECT_EQ(kr.bytes, ke.bytes) << "rotary.k_rotated does not hold apply_rotary's keys";
+  EXPECT_NE(ke.bytes, k0.bytes);  // the rotation did something
+
+  const void* seen_q = nullptr;
+  ASSERT_TRUE(cpu::run_with_rotary(params(q.data(), k.data(), false), cpu, [&](const AttnParams& a) {
+                seen_q = a.q.data;
+                return Status::Ok();
+              }).ok());
+  EXPECT_EQ(seen_q, q.data());
 }
 
 }  // namespace

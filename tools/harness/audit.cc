@@ -28,7 +28,6 @@
 #include <vector>
 
 #include "flashcpp/half.h"
-#include "core/attn_rotary.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "flashcpp/reference.h"
@@ -187,10 +186,10 @@ Status cpu_truth(const Problem& p, const HostProblem& hp, int threads, Truth* t)
   // With rotary: on q and k rotated exactly as the backends rotate them (attention.h).
   RunOptions ro;
   ro.cpu_threads = threads;
-  FLASHCPP_RETURN_IF_ERROR(flashcpp::detail::run_with_rotary(
+  FLASHCPP_RETURN_IF_ERROR(cpu::run_with_rotary(
       make_params(p, hp.q.data(), hp.k.data(), hp.v.data(), nullptr, nullptr), ro,
       [&](const AttnParams& a) { return cpu::reference_attention(a, &ref, threads); }));
-  FLASHCPP_RETURN_IF_ERROR(flashcpp::detail::run_with_rotary(
+  FLASHCPP_RETURN_IF_ERROR(cpu::run_with_rotary(
       make_params(p, hp.q.data(), hp.k.data(), hp.vabs.data(), nullptr, nullptr), ro,
       [&](const AttnParams& a) { return cpu::reference_attention(a, &ref_abs, threads); }));
   t->o = std::move(ref.o);

@@ -14,7 +14,6 @@
 #include <fmt/format.h>
 
 #include "flashcpp/half.h"
-#include "core/attn_rotary.h"
 #include "flashcpp/reference.h"
 #include "harness/harness.h"
 #if FLASHCPP_WITH_CUDA
@@ -566,7 +565,7 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
     // With rotary, on q and k rotated exactly as the backends rotate them (attention.h).
     RunOptions ro;
     ro.cpu_threads = cfg.cpu_threads;
-    st = detail::run_with_rotary(make_params(c, host_pointers(hp)), ro, [&](const AttnParams& a) {
+    st = cpu::run_with_rotary(make_params(c, host_pointers(hp)), ro, [&](const AttnParams& a) {
       return cpu::reference_attention(a, &ref, cfg.cpu_threads);
     });
   }
@@ -583,7 +582,7 @@ void run_case_impl(const Case& c, const RunConfig& cfg, CaseResult* r) {
     std::vector<float> po, pl;
     RunOptions ro;
     ro.cpu_threads = cfg.cpu_threads;
-    st = detail::run_with_rotary(make_params(c, host_pointers(hp)), ro, [&](const AttnParams& a) {
+    st = cpu::run_with_rotary(make_params(c, host_pointers(hp)), ro, [&](const AttnParams& a) {
       return plain_attention_fp32(a, &po, &pl, cfg.cpu_threads);
     });
     if (!st.ok()) {
