@@ -1,9 +1,10 @@
 """Framework-neutral plumbing between the public functions and the C++ binding.
 
 Describes numpy arrays and torch tensors alike (shape, element strides, dtype, device), checks
-them with sentences a user can act on, and launches ``flashcpp::attention_forward`` through
-``_flashcpp.attention`` with raw pointers. Nothing here copies an input: strides go to C++ as
-they are, so an SDPA-layout tensor (B, H, N, D) transposed to (B, N, H, D) runs in place.
+them with sentences a user can act on, and launches ``flashcpp::attention_forward`` by filling one
+``_flashcpp.AttnParams`` (raw pointers, element strides) and one ``_flashcpp.RunOptions``. Nothing
+here copies an input: strides go to C++ as they are, so an SDPA-layout tensor (B, H, N, D)
+transposed to (B, N, H, D) runs in place.
 
 Errors: wrong or mixed dtypes -> TypeError; device mismatch, bad shapes or strides -> ValueError;
 what the C++ validator rejects -> ValueError (invalid) or NotImplementedError (unsupported).
@@ -388,18 +389,22 @@ def check_block_sparse_values(bs: BlockSparseSpec) -> None:
                          f"(len(col_idx) = {listed})")
 
 
-def _sparse_arg(bs: Optional[BlockSparseSpec]) -> Optional[tuple]:
-    """The binding's block_sparse tuple: (row_ptr, col_idx, partial, element_masks) data pointers,
-    num_partial, then block_m, block_n, num_batch, num_heads, num_q_blocks, num_k_blocks."""
-    if bs is None:
-        return None
+def block_sparse_mask(bs: BlockSparseSpec) -> Any:
+    """The binding's BlockSparseMask of a checked mask: its arrays as data pointers (the caller
+    keeps the arrays alive through the call)."""
+    m = _C.BlockSparseMask()
     row_ptr = data_ptr(bs.row_ptr)
+    m.row_ptr = row_ptr
     # An empty torch tensor may have a null data pointer, which the validator refuses. With no
     # listed block col_idx and partial are never read, so row_ptr's (never empty) memory stands in.
-    col_idx, partial = data_ptr(bs.col_idx) or row_ptr, data_ptr(bs.partial) or row_ptr
-    return (row_ptr, col_idx, partial, data_ptr(bs.element_masks), int(bs.element_masks.shape[0]),
-            int(bs.block_m), int(bs.block_n), int(bs.num_batch), int(bs.num_heads), int(bs.num_q_blocks),
-            int(bs.num_k_blocks))
+    m.col_idx = data_ptr(bs.col_idx) or row_ptr
+    m.partial = data_ptr(bs.partial) or row_ptr
+    m.element_masks = data_ptr(bs.element_masks)
+    m.num_partial = int(bs.element_masks.shape[0])
+    m.block_m, m.block_n = int(bs.block_m), int(bs.block_n)
+    m.num_batch, m.num_heads = int(bs.num_batch), int(bs.num_heads)
+    m.num_q_blocks, m.num_k_blocks = int(bs.num_q_blocks), int(bs.num_k_blocks)
+    return m
 
 
 def _view(m: Meta, varlen: bool) -> Tuple[int, int, int]:
@@ -411,6 +416,12 @@ def _view(m: Meta, varlen: bool) -> Tuple[int, int, int]:
     if varlen:
         return 0, strides[0], strides[1]
     return strides[0], strides[1], strides[2]
+
+
+def tensor_view(x: Any, m: Meta, dtype_code: int, varlen: bool = False) -> Any:
+    """The binding's TensorView of x (a 4-D (batch, seqlen, heads, head_dim) array, or 3-D packed
+    (total, heads, head_dim) with varlen)."""
+    return _C.TensorView(data_ptr(x), dtype_code, *_view(m, varlen))
 
 
 def data_ptr(x: Any) -> int:
@@ -438,11 +449,12 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
            window: Tuple[int, int] = (-1, -1), softcap: float = 0.0, alibi: Any = None,
            alibi_batch_stride: int = 0, global_tokens: int = 0, global_queries: bool = False,
            cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
-           block_sparse: Optional[BlockSparseSpec] = None, rotary: Optional[tuple] = None,
+           block_sparse: Optional[BlockSparseSpec] = None, rotary: Any = None,
            backend: str = "auto", cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None,
            select_only: bool = False) -> Any:
-    """Fills the binding's arguments from checked inputs and calls it. `out`/`lse` are
-    allocated by the caller (lse may be None). Returns None, or the kernel choice tuple."""
+    """Fills one AttnParams and one RunOptions from checked inputs and makes the call. `out`/`lse`
+    are allocated by the caller (lse may be None); `rotary` is a filled _flashcpp.AttnRotary or
+    None. Returns None, or the kernel choice tuple with select_only."""
     backend = resolve_backend(backend, mq)
     if block_sparse is not None and not mq.is_cuda:
         check_block_sparse_values(block_sparse)
@@ -451,23 +463,36 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         stream = 0
         if mq.is_cuda:
             stream = torch.cuda.current_stream(q.device).cuda_stream
-    tensors = [(data_ptr(x), *_view(m, varlen)) for x, m in ((q, mq), (k, mk), (v, mv), (out, mo))]
-    kwargs = dict(
-        q=tensors[0], k=tensors[1], v=tensors[2], o=tensors[3], lse=data_ptr(lse),
-        dtype=_DTYPE_CODES[mq.dtype], batch=dims.batch, seqlen_q=dims.seqlen_q,
-        seqlen_k=dims.seqlen_k, heads_q=dims.heads_q, heads_kv=dims.heads_kv,
-        head_dim=dims.head_dim, softmax_scale=float(softmax_scale), causal=bool(causal),
-        window_left=int(window[0]), window_right=int(window[1]), softcap=float(softcap),
-        alibi_slopes=data_ptr(alibi), alibi_batch_stride=int(alibi_batch_stride),
-        global_tokens=check_int(global_tokens, "global_tokens", 0), global_queries=bool(global_queries),
-        cu_seqlens_q=data_ptr(cu_seqlens_q), cu_seqlens_k=data_ptr(cu_seqlens_k),
-        total_q=int(mq.shape[0]) if varlen else 0, block_sparse=_sparse_arg(block_sparse), rotary=rotary, stream=int(stream), backend=backend,
-        cpu_threads=check_cpu_threads(cpu_threads),
-        cuda_config=str(cuda_config), select_only=bool(select_only))
+    code = _DTYPE_CODES[mq.dtype]
+    p = _C.AttnParams()
+    p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
+    p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
+    p.q, p.k = tensor_view(q, mq, code, varlen), tensor_view(k, mk, code, varlen)
+    p.v, p.o = tensor_view(v, mv, code, varlen), tensor_view(out, mo, code, varlen)
+    p.lse = data_ptr(lse)
+    p.softmax_scale = float(softmax_scale)
+    mask = p.mask
+    mask.causal = bool(causal)
+    mask.window_left, mask.window_right = int(window[0]), int(window[1])
+    mask.softcap = float(softcap)
+    mask.alibi_slopes, mask.alibi_batch_stride = data_ptr(alibi), int(alibi_batch_stride)
+    mask.global_tokens = check_int(global_tokens, "global_tokens", 0)
+    mask.global_queries = bool(global_queries)
+    if varlen:
+        mask.cu_seqlens_q, mask.cu_seqlens_k = data_ptr(cu_seqlens_q), data_ptr(cu_seqlens_k)
+        mask.total_q = int(mq.shape[0])  # the packed row count (LSE layout, batch-0 fill)
+    # Held here until the call returns: the mask points at it (the binding copies it for the call).
+    sparse = None if block_sparse is None else block_sparse_mask(block_sparse)
+    if sparse is not None:
+        mask.block_sparse = sparse
+    if rotary is not None:
+        p.rotary = rotary
+    opt = _C.RunOptions(backend, int(stream), check_cpu_threads(cpu_threads), str(cuda_config))
+    call = _C.select_kernel if select_only else _C.attention_forward
     if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):  # the C++ launch uses the current device
-            return _C.attention(**kwargs)
-    return _C.attention(**kwargs)
+            return call(p, opt)
+    return call(p, opt)
 
 
 def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int, ...], mq: Meta) -> None:
@@ -498,3 +523,4 @@ def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int
             if n > 1 and s != contiguous and 0 not in ml.shape:
                 raise ValueError(f"lse must be contiguous; got strides {ml.strides}")
             contiguous *= n
+

@@ -38,6 +38,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Tuple
 import numpy as np
 
 from . import _core
+from . import _flashcpp as _C
 from ._core import torch
 from .fused import _STYLES, _cache_arg, _check_out, _llama3, _positions_arg, _rope_view
 from .masks import BlockSparse, _to_torch
@@ -128,13 +129,17 @@ class _RotarySpec(NamedTuple):
     positions_k: Any
     k_out: Any  # Rotary.k_out, checked (None = not given)
 
-    def binding_arg(self, k_rotated: Any, varlen: bool) -> tuple:
-        """The binding's rotary tuple, with k_rotated (k_out or a buffer like it; None = none)."""
-        kr = (0, 0, 0, 0)
-        if k_rotated is not None:
-            kr = (_core.data_ptr(k_rotated), *_core._view(_core.meta(k_rotated, "rotary.k_out"), varlen))
-        return (self.rotary_dim, self.style, self.theta, *self.llama3, _core.data_ptr(self.cos_sin_cache),
-                self.max_position, _core.data_ptr(self.positions_q), _core.data_ptr(self.positions_k), kr)
+    def binding(self, k_rotated: Any, dtype_code: int, varlen: bool) -> Any:
+        """The binding's AttnRotary, with k_rotated (k_out or a buffer like it; None = none) in the
+        inputs' dtype."""
+        r = _C.AttnRotary()
+        r.rotary_dim, r.style, r.theta = self.rotary_dim, self.style, self.theta
+        r.llama3 = _C.Llama3Scaling(*self.llama3)
+        r.cos_sin_cache, r.max_position = _core.data_ptr(self.cos_sin_cache), self.max_position
+        r.positions_q, r.positions_k = _core.data_ptr(self.positions_q), _core.data_ptr(self.positions_k)
+        if k_rotated is not None and _core.data_ptr(k_rotated):
+            r.k_rotated = _core.tensor_view(k_rotated, _core.meta(k_rotated, "rotary.k_out"), dtype_code, varlen)
+        return r
 
 
 def _sparse_for(block_sparse: Any, mq: _core.Meta) -> _core.BlockSparseSpec:
@@ -193,8 +198,8 @@ def _rotary_arg(rotary: Rotary, q: Any, mk: _core.Meta, dims: _core.Dims, varlen
                        rotary.k_out)
 
 
-def _rotary_binding(p: _Problem, stream: Optional[int] = None) -> Optional[tuple]:
-    """The binding's rotary tuple (None without rotary). CUDA rotates the keys once into a buffer
+def _rotary_binding(p: _Problem, stream: Optional[int] = None) -> Any:
+    """The binding's AttnRotary (None without rotary). CUDA rotates the keys once into a buffer
     before the kernel reads them (AttnParams::rotary.k_rotated): Rotary.k_out, or without it a
     fresh one shaped like k that lives until the kernel on `stream` (None = torch's current
     stream) is done with it."""
@@ -205,7 +210,7 @@ def _rotary_binding(p: _Problem, stream: Optional[int] = None) -> Optional[tuple
         k_rotated = torch.empty(p.mk.shape, dtype=p.k.dtype, device=p.k.device)
         if stream is not None:  # freed on return: the caching allocator must wait for that stream
             k_rotated.record_stream(torch.cuda.ExternalStream(int(stream), device=p.k.device))
-    return p.rotary.binding_arg(k_rotated, p.varlen)
+    return p.rotary.binding(k_rotated, _core._DTYPE_CODES[p.mq.dtype], p.varlen)
 
 
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,

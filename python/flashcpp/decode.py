@@ -47,7 +47,6 @@ MAX_SPLITS = _C.DECODE_MAX_SPLITS
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 _ROTARY = {None: _C.ROTARY_NONE, "none": _C.ROTARY_NONE, "neox": _C.ROTARY_NEOX,
            "interleaved": _C.ROTARY_INTERLEAVED}
-_NO_TENSOR = (0, 0, 0, 0)
 _WS_ALIGN = 256  # workspace offsets (the C++ API needs 16)
 
 
@@ -124,9 +123,9 @@ def _capturing(device: Any) -> bool:
             and torch.cuda.is_current_stream_capturing())
 
 
-def _tensor(x: Any, m: _core.Meta) -> Tuple[int, int, int, int]:
-    """(data_ptr, batch_stride, seq_stride, head_stride) of a 4-D view, for the binding."""
-    return (_core.data_ptr(x), *_core._view(m, False))
+def _tensor(x: Any, m: _core.Meta, dtype_code: int) -> Any:
+    """The binding's TensorView of a 4-D view (for a paged cache batch_stride is the page stride)."""
+    return _core.tensor_view(x, m, dtype_code)
 
 
 def _check_4d(m: _core.Meta, shape: Tuple[int, ...], what: str) -> None:
@@ -364,24 +363,32 @@ class BatchDecodeWithKVCache:
                    head_dim=int(head_dim), dtype=dt, device=device, is_cuda=is_cuda, page_size=int(page_size),
                    append=bool(append), causal=bool(causal), window=window, softcap=float(softcap), scale=scale,
                    rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
-        params = _C.decode_params(
-            q=_NO_TENSOR, o=_NO_TENSOR, lse=0, dtype=_core._DTYPE_CODES[dt], batch=batch, seqlen_q=cfg["seqlen_q"],
-            heads_q=cfg["heads_q"], heads_kv=cfg["heads_kv"], head_dim=cfg["head_dim"], k_cache=_NO_TENSOR,
-            v_cache=_NO_TENSOR, capacity=capacity, page_size=cfg["page_size"], num_pages=1 if page_size else 0,
-            block_table=0, block_table_stride=pages_per_seq, pages_per_seq=pages_per_seq, cache_seqlens=0,
-            k_new=_NO_TENSOR, v_new=_NO_TENSOR, rotary_style=cfg["rotary"], rotary_dim=cfg["rotary_dim"],
-            rotary_cos=0, rotary_sin=0, max_position=0, rope_theta=cfg["rope_theta"], softmax_scale=scale,
-            causal=cfg["causal"], window_left=window[0], window_right=window[1], softcap=cfg["softcap"],
-            alibi_slopes=0, alibi_batch_stride=0)
-        backend = "cuda" if is_cuda else "cpu"
-        host_lens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
+        # decode_plan reads the scalars only: the tensors are absent (null views of the planned dtype).
+        code = _core._DTYPE_CODES[dt]
+        params = _C.DecodeParams()
+        params.batch, params.seqlen_q = batch, cfg["seqlen_q"]
+        params.heads_q, params.heads_kv, params.head_dim = cfg["heads_q"], cfg["heads_kv"], cfg["head_dim"]
+        params.q = params.o = _C.TensorView(0, code)
+        cache = params.cache
+        cache.k = cache.v = _C.TensorView(0, code)
+        cache.capacity, cache.page_size, cache.num_pages = capacity, cfg["page_size"], 1 if page_size else 0
+        cache.block_table_stride = cache.pages_per_seq = pages_per_seq
+        rotary_p = params.rotary
+        rotary_p.style, rotary_p.rotary_dim, rotary_p.theta = cfg["rotary"], cfg["rotary_dim"], cfg["rope_theta"]
+        params.softmax_scale = scale
+        mask = params.mask
+        mask.causal, mask.window_left, mask.window_right = cfg["causal"], window[0], window[1]
+        mask.softcap = cfg["softcap"]
+        opt = _C.DecodePlanOptions()
+        opt.backend = "cuda" if is_cuda else "cpu"
+        opt.host_cache_seqlens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
+        opt.num_splits, opt.max_splits, opt.num_sms = int(num_splits), int(max_splits), int(num_sms)
+        opt.fused_merge, opt.fused_append = bool(fused_merge), bool(fused_append)
         with _DeviceGuard(device):
-            ib, fb = _C.decode_workspace_size(params, bool(append), backend, host_lens, int(num_splits),
-                                              int(max_splits), int(num_sms), bool(fused_merge))
+            ib, fb = _C.decode_workspace_size(params, opt, bool(append))
             iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
-            self._plan = _C.decode_plan(params, bool(append), backend, host_lens, int(num_splits), int(max_splits),
-                                        int(num_sms), _stream(device), iptr, ib, fptr, fb, bool(fused_merge),
-                                        bool(fused_append))
+            opt.stream = _stream(device)
+            self._plan = _C.decode_plan(params, opt, bool(append), iptr, ib, fptr, fb)
             if is_cuda and not non_blocking:
                 torch.cuda.current_stream(device).synchronize()
         self._cfg = cfg
@@ -522,23 +529,32 @@ class BatchDecodeWithKVCache:
                 raise ValueError("lse must be contiguous")
         if B == 0:
             return (out, lse) if want_lse else out
-        slots_cache = mk.shape[1] if not c["page_size"] else 0
-        params = _C.decode_params(
-            q=_tensor(q, mq), o=_tensor(out, mo), lse=_core.data_ptr(lse), dtype=_core._DTYPE_CODES[c["dtype"]],
-            batch=B, seqlen_q=Sq, heads_q=Hq, heads_kv=c["heads_kv"], head_dim=D, k_cache=_tensor(k_cache, mk),
-            v_cache=_tensor(v_cache, mv), capacity=slots_cache, page_size=c["page_size"],
-            num_pages=mk.shape[0] if c["page_size"] else 0, block_table=_core.data_ptr(table),
-            block_table_stride=table.shape[1] if table is not None else 0,
-            pages_per_seq=table.shape[1] if table is not None else 0, cache_seqlens=_core.data_ptr(lens),
-            k_new=_tensor(k, mkn) if k is not None else _NO_TENSOR,
-            v_new=_tensor(v, mvn) if v is not None else _NO_TENSOR, rotary_style=rot, rotary_dim=rd,
-            rotary_cos=_core.data_ptr(cos), rotary_sin=_core.data_ptr(sin), max_position=max_pos,
-            rope_theta=c["rope_theta"], softmax_scale=c["scale"], causal=c["causal"], window_left=c["window"][0],
-            window_right=c["window"][1], softcap=c["softcap"], alibi_slopes=_core.data_ptr(alibi),
-            alibi_batch_stride=alibi_bs)
+        code = _core._DTYPE_CODES[c["dtype"]]
+        params = _C.DecodeParams()
+        params.batch, params.seqlen_q, params.heads_q, params.heads_kv, params.head_dim = B, Sq, Hq, c["heads_kv"], D
+        params.q, params.o = _tensor(q, mq, code), _tensor(out, mo, code)
+        params.lse = _core.data_ptr(lse)
+        cache = params.cache
+        cache.k, cache.v = _tensor(k_cache, mk, code), _tensor(v_cache, mv, code)
+        cache.capacity = mk.shape[1] if not c["page_size"] else 0
+        cache.page_size, cache.num_pages = c["page_size"], mk.shape[0] if c["page_size"] else 0
+        if table is not None:
+            cache.block_table = _core.data_ptr(table)
+            cache.block_table_stride = cache.pages_per_seq = table.shape[1]
+        params.cache_seqlens = _core.data_ptr(lens)
+        if k is not None:
+            params.k_new, params.v_new = _tensor(k, mkn, code), _tensor(v, mvn, code)
+        rotary_p = params.rotary
+        rotary_p.style, rotary_p.rotary_dim, rotary_p.theta = rot, rd, c["rope_theta"]
+        rotary_p.cos, rotary_p.sin, rotary_p.max_position = _core.data_ptr(cos), _core.data_ptr(sin), max_pos
+        params.softmax_scale = c["scale"]
+        mask = params.mask
+        mask.causal, mask.window_left, mask.window_right = c["causal"], c["window"][0], c["window"][1]
+        mask.softcap = c["softcap"]
+        mask.alibi_slopes, mask.alibi_batch_stride = _core.data_ptr(alibi), alibi_bs
+        opt = _C.RunOptions("cuda" if is_cuda else "cpu", _stream(device), _core.check_cpu_threads(cpu_threads))
         with _DeviceGuard(device):
-            _C.decode_run(params, self._plan, _stream(device), "cuda" if is_cuda else "cpu",
-                          _core.check_cpu_threads(cpu_threads))
+            _C.decode_run(params, self._plan, opt)
         return (out, lse) if want_lse else out
 
 

@@ -103,19 +103,24 @@ def _stream(x: Any, m: _core.Meta, stream: Optional[int]) -> int:
     return 0
 
 
-def _call(like: Any, m: _core.Meta, fn, /, **kwargs) -> None:
+def _call(like: Any, m: _core.Meta, fn, params: Any, options: Any) -> None:
     """Runs a binding on `like`'s device (the C++ launch uses the current CUDA device)."""
     if m.is_cuda and like.device.index is not None and like.device.index != torch.cuda.current_device():
         with torch.cuda.device(like.device):
-            fn(**kwargs)
+            fn(params, options)
     else:
-        fn(**kwargs)
+        fn(params, options)
 
 
-def _common(backend: str, cpu_threads: int, cuda_config: str, x: Any, m: _core.Meta,
-            stream: Optional[int]) -> dict:
-    return dict(stream=_stream(x, m, stream), backend=_core.resolve_backend(backend, m),
-                cpu_threads=_core.check_cpu_threads(cpu_threads), cuda_config=str(cuda_config))
+def _options(backend: str, cpu_threads: int, cuda_config: str, x: Any, m: _core.Meta,
+             stream: Optional[int]) -> Any:
+    stream = _stream(x, m, stream)
+    return _C.RunOptions(_core.resolve_backend(backend, m), stream, _core.check_cpu_threads(cpu_threads),
+                         str(cuda_config))
+
+
+def _matrix(x: Any, dtype_code: int, row_stride: int) -> Any:
+    return _C.MatrixView(_core.data_ptr(x), dtype_code, row_stride)
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------
@@ -139,18 +144,19 @@ def _norm(x, residual, weight, eps, out, residual_out, backend, cpu_threads, cud
         raise ValueError(f"weight must be contiguous; got stride {mw.strides}")
     mo = _check_out(out, "out", mx.shape, mx)
     _, y_rs, _ = _rows(mo)
-    kw = dict(x=(_core.data_ptr(x), x_rs), residual=(0, 0), residual_out=(0, 0), weight=_core.data_ptr(weight),
-              y=(_core.data_ptr(out), y_rs), dtype=_core._DTYPE_CODES[mx.dtype], rows=rows, hidden=hidden,
-              eps=float(eps), with_residual=residual is not None)
+    code = _core._DTYPE_CODES[mx.dtype]
+    p = _C.RmsNormParams()
+    p.rows, p.hidden, p.eps = rows, hidden, float(eps)
+    p.x, p.y, p.weight = _matrix(x, code, x_rs), _matrix(out, code, y_rs), _core.data_ptr(weight)
     if residual is not None:
         _, r_rs, _ = _rows(mr)
         mro = _check_out(residual_out, "residual_out", mx.shape, mx)
         _, ro_rs, _ = _rows(mro)
-        kw.update(residual=(_core.data_ptr(residual), r_rs), residual_out=(_core.data_ptr(residual_out), ro_rs))
-    kw.update(_common(backend, cpu_threads, cuda_config, x, mx, stream))
+        p.residual, p.residual_out = _matrix(residual, code, r_rs), _matrix(residual_out, code, ro_rs)
+    opt = _options(backend, cpu_threads, cuda_config, x, mx, stream)
     if rows == 0 or hidden == 0:
         return
-    _call(x, mx, _C.rms_norm, **kw)
+    _call(x, mx, _C.fused_add_rms_norm if residual is not None else _C.rms_norm, p, opt)
 
 
 def rms_norm(x: Any, weight: Any, eps: float = 1e-6, *, out: Any = None, backend: str = "auto",
@@ -221,10 +227,13 @@ def silu_and_mul(x: Any, up: Any = None, *, out: Any = None, backend: str = "aut
     _, o_rs, _ = _rows(mo)
     if rows == 0 or d == 0:
         return out
-    kw = dict(gate=(gate_ptr, g_rs), up=(up_ptr, u_rs), out=(_core.data_ptr(out), o_rs),
-              dtype=_core._DTYPE_CODES[mg.dtype], rows=rows, d=d)
-    kw.update(_common(backend, cpu_threads, cuda_config, x, mg, stream))
-    _call(x, mg, _C.silu_and_mul, **kw)
+    code = _core._DTYPE_CODES[mg.dtype]
+    p = _C.SiluMulParams()
+    p.rows, p.d = rows, d
+    p.gate = _C.MatrixView(gate_ptr, code, g_rs)
+    p.up = _C.MatrixView(up_ptr, code, u_rs)
+    p.out = _matrix(out, code, o_rs)
+    _call(x, mg, _C.silu_and_mul, p, _options(backend, cpu_threads, cuda_config, x, mg, stream))
     return out
 
 
@@ -359,15 +368,16 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     factor, low, high, orig = _llama3(llama3)
 
     if tokens > 0 and heads_q > 0:
-        kw = dict(q=(ptrs["q"], *views["q"]), k=(ptrs["k"], *views["k"]), q_out=(ptrs["q_out"], *views["q_out"]),
-                  k_out=(ptrs["k_out"], *views["k_out"]), dtype=_core._DTYPE_CODES[mq.dtype], batch=int(batch),
-                  seqlen=int(seqlen), heads_q=int(heads_q), heads_k=int(heads_k), head_dim=int(head_dim),
-                  rotary_dim=rot, positions=_core.data_ptr(pos), style=_STYLES[style], theta=float(theta),
-                  llama3_factor=factor, llama3_low_freq_factor=low, llama3_high_freq_factor=high,
-                  llama3_original_max_position=orig, cos_sin_cache=_core.data_ptr(cache),
-                  max_position=max_position)
-        kw.update(_common(backend, cpu_threads, cuda_config, q, mq, stream))
-        _call(q, mq, _C.apply_rotary, **kw)
+        code = _core._DTYPE_CODES[mq.dtype]
+        p = _C.RopeParams()
+        p.batch, p.seqlen, p.heads_q, p.heads_k = int(batch), int(seqlen), int(heads_q), int(heads_k)
+        p.head_dim, p.rotary_dim = int(head_dim), rot
+        p.q, p.k = (_C.TensorView(ptrs[n], code, *views[n]) for n in ("q", "k"))
+        p.q_out, p.k_out = (_C.TensorView(ptrs[n], code, *views[n]) for n in ("q_out", "k_out"))
+        p.positions, p.style, p.theta = _core.data_ptr(pos), _STYLES[style], float(theta)
+        p.llama3 = _C.Llama3Scaling(factor, low, high, orig)
+        p.cos_sin_cache, p.max_position = _core.data_ptr(cache), max_position
+        _call(q, mq, _C.apply_rotary, p, _options(backend, cpu_threads, cuda_config, q, mq, stream))
     if inplace:
         return q, k
     return q_out, k_out

@@ -158,6 +158,28 @@ def _counts(**named: Any) -> Tuple[int, ...]:
     return tuple(_core.check_int(v, k, -_core._INT32_MAX - 1) for k, v in named.items())
 
 
+def _shape(**sizes: int) -> Any:
+    """The binding's BlockSparseShape with these fields set (the others keep their defaults)."""
+    shape = _C.BlockSparseShape()
+    for name, value in sizes.items():
+        setattr(shape, name, value)
+    return shape
+
+
+def _rules(causal: bool, window_left: int, window_right: int, global_tokens: int, global_queries: bool) -> Any:
+    """The visibility fields of a MaskParams (the rest stay off)."""
+    rules = _C.MaskParams()
+    rules.causal, rules.global_queries = bool(causal), bool(global_queries)
+    rules.window_left, rules.window_right, rules.global_tokens = window_left, window_right, global_tokens
+    return rules
+
+
+def _options(share_identical_partials: bool) -> Any:
+    opt = _C.BlockSparseOptions()
+    opt.share_identical_partials = bool(share_identical_partials)
+    return opt
+
+
 def _arity(fn: Callable) -> int:
     try:
         params = [p for p in inspect.signature(fn).parameters.values()
@@ -261,7 +283,8 @@ def block_sparse_from_mask(mask: Union[Callable, Any], block_m: int, block_n: in
             if want is not None and int(want) != got:
                 raise ValueError(f"{name}={want} disagrees with the dense mask's shape {arr.shape}")
         dense = np.ascontiguousarray(arr).view(np.uint8)
-    return _from_dict(_C.block_sparse_from_dense(dense, bm, bn, bool(share_identical_partials)))
+    return _from_dict(_C.block_sparse_from_dense(dense, _shape(block_m=bm, block_n=bn),
+                                                 _options(share_identical_partials)))
 
 
 def block_sparse_from_rules(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, *,
@@ -280,8 +303,9 @@ def block_sparse_from_rules(seqlen_q: int, seqlen_k: int, block_m: int, block_n:
     left, right = _core.check_window(window_size)
     sq, sk, gt, nb, nh = _counts(seqlen_q=seqlen_q, seqlen_k=seqlen_k, global_tokens=global_tokens,
                                  num_batch=num_batch, num_heads=num_heads)
-    return _from_dict(_C.block_sparse_from_rules(sq, sk, bm, bn, bool(causal), left, right, gt,
-                                                 bool(global_queries), nb, nh, bool(share_identical_partials)))
+    shape = _shape(seqlen_q=sq, seqlen_k=sk, block_m=bm, block_n=bn, num_batch=nb, num_heads=nh)
+    return _from_dict(_C.block_mask_from_rules(shape, _rules(causal, left, right, gt, global_queries),
+                                               _options(share_identical_partials)))
 
 
 def causal_block_sparse(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, **kw) -> BlockSparse:
@@ -310,5 +334,6 @@ def document_block_sparse(cu_seqlens_q: Any, cu_seqlens_k: Any, block_m: int, bl
         cu.append(np.ascontiguousarray(a, dtype=np.int32))
     cu_q, cu_k = cu
     gt, nb, nh = _counts(global_tokens=global_tokens, num_batch=num_batch, num_heads=num_heads)
-    return _from_dict(_C.block_sparse_document(cu_q, cu_k, bm, bn, bool(causal), left, right, gt,
-                                               bool(global_queries), nb, nh, bool(share_identical_partials)))
+    shape = _shape(block_m=bm, block_n=bn, num_batch=nb, num_heads=nh)
+    return _from_dict(_C.document_block_mask(shape, cu_q, cu_k, _rules(causal, left, right, gt, global_queries),
+                                             _options(share_identical_partials)))

@@ -80,20 +80,23 @@ def merge_cuda(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any = None, out_lse:
     sa, sb = s_a.reshape(rows).contiguous(), s_b.reshape(rows).contiguous()
     o2 = out.view(rows, dim)
 
-    def view(t: Any) -> Tuple[int, int, int, int]:
-        # (batch = rows, seqlen = 1, heads = 1, head_dim): only the row stride is ever stepped
-        return t.data_ptr(), (t.stride(0) if rows > 1 else dim), 0, 0
+    code = _core._DTYPE_CODES[_core.meta(v_a, "v_a").dtype]
 
+    def view(t: Any) -> Any:
+        # (batch = rows, seqlen = 1, heads = 1, head_dim): only the row stride is ever stepped
+        return _C.TensorView(t.data_ptr(), code, t.stride(0) if rows > 1 else dim, 0, 0)
+
+    p = _C.MergeStatesParams()
+    p.batch, p.seqlen, p.heads, p.head_dim = rows, 1, 1, dim
+    p.o_a, p.o_b, p.o = view(va), view(vb), view(o2)
+    p.lse_a, p.lse_b, p.lse = sa.data_ptr(), sb.data_ptr(), out_lse.data_ptr()
     dev = v_a.device
-    kwargs = dict(o_a=view(va), lse_a=sa.data_ptr(), o_b=view(vb), lse_b=sb.data_ptr(), o=view(o2),
-                  lse=out_lse.data_ptr(), dtype=_core._DTYPE_CODES[_core.meta(v_a, "v_a").dtype], batch=rows,
-                  seqlen=1, heads=1, head_dim=dim, stream=torch.cuda.current_stream(dev).cuda_stream,
-                  backend="cuda")
+    opt = _C.RunOptions("cuda", torch.cuda.current_stream(dev).cuda_stream)
     if dev.index is not None and dev.index != torch.cuda.current_device():
         with torch.cuda.device(dev):
-            _C.merge_attention_states(**kwargs)
+            _C.merge_attention_states(p, opt)
     else:
-        _C.merge_attention_states(**kwargs)
+        _C.merge_attention_states(p, opt)
     return out, out_lse
 
 

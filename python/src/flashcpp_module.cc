@@ -3,9 +3,16 @@
 // Framework-free on purpose: a tensor arrives as a raw data pointer (a Python int) with its
 // element strides, the element type as a dtype code (flashcpp::DType), and the CUDA stream as
 // an int (torch.cuda.current_stream().cuda_stream). Nothing here knows about torch or DLPack,
-// so the wheel links no libtorch and a launch never synchronizes. The Python layer
-// (flashcpp/_core.py) checks types, devices and shapes and allocates the outputs; this layer
-// fills AttnParams/RunOptions and turns a non-ok Status into a Python exception:
+// so the wheel links no libtorch and a launch never synchronizes.
+//
+// One parameter shape across the language boundary: the public parameter structs of
+// include/flashcpp/ (AttnParams, MaskParams, TensorView, RunOptions, DecodeParams, the fused
+// ops' params, ...) are nanobind classes whose fields read and write as Python attributes, and
+// each entry point takes the structs the C++ function takes. A pointer field is an int property
+// (0 = null); an enum field is its int code (dtype, rope style) or its name (backend), checked
+// when set. The Python layer (flashcpp/_core.py and the modules above it) checks types, devices
+// and shapes, allocates the outputs, fills one params object per call and makes one call; this
+// layer turns a non-ok Status into a Python exception:
 //   kInvalidArgument -> ValueError, kUnsupported -> NotImplementedError, else RuntimeError.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -19,6 +26,7 @@
 #include <span>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,9 +47,7 @@ using flashcpp::DType;
 using flashcpp::RunOptions;
 using flashcpp::Status;
 using flashcpp::StatusCode;
-
-/// (data pointer, batch_stride, seq_stride, head_stride); strides in elements.
-using TensorArg = std::tuple<std::uintptr_t, std::int64_t, std::int64_t, std::int64_t>;
+using flashcpp::TensorView;
 
 /// Raises the Python exception that matches a non-ok Status. Call with the GIL held.
 [[noreturn]] void raise_status(const Status& st) {
@@ -61,6 +67,18 @@ using TensorArg = std::tuple<std::uintptr_t, std::int64_t, std::int64_t, std::in
   throw nb::python_error();
 }
 
+/// Runs a C++ entry point without the GIL (the CPU backends compute for a while, a CUDA launch
+/// may wait on the driver; neither touches Python objects) and raises its Status.
+template <class F>
+void call_released(F&& f) {
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = f();
+  }
+  if (!st.ok()) raise_status(st);
+}
+
 DType to_dtype(int code) {
   switch (code) {
     case static_cast<int>(DType::kF16): return DType::kF16;
@@ -78,130 +96,220 @@ Backend to_backend(const std::string& name) {
   raise_value_error("backend '" + name + "' is not one of auto, cpu, cpu-reference, cuda");
 }
 
-flashcpp::TensorView to_view(const TensorArg& t, DType dt) {
-  flashcpp::TensorView v;
-  v.data = reinterpret_cast<void*>(std::get<0>(t));
-  v.dtype = dt;
-  v.batch_stride = std::get<1>(t);
-  v.seq_stride = std::get<2>(t);
-  v.head_stride = std::get<3>(t);
-  return v;
-}
-
-/// The mask fields attention and decode share (Python passes the slopes as a data pointer).
-flashcpp::MaskParams element_mask(bool causal, int window_left, int window_right, float softcap,
-                                  std::uintptr_t alibi_slopes, std::int64_t alibi_batch_stride) {
-  flashcpp::MaskParams m;
-  m.causal = causal;
-  m.window_left = window_left;
-  m.window_right = window_right;
-  m.softcap = softcap;
-  m.alibi_slopes = reinterpret_cast<const float*>(alibi_slopes);
-  m.alibi_batch_stride = alibi_batch_stride;
-  return m;
-}
-
-/// A block-sparse mask as Python passes it: (row_ptr, col_idx, partial, element_masks) data
-/// pointers, num_partial, block_m, block_n, num_batch, num_heads, num_q_blocks, num_k_blocks.
-using BlockSparseArg = std::tuple<std::uintptr_t, std::uintptr_t, std::uintptr_t, std::uintptr_t, std::int64_t,
-                                  int, int, int, int, int, int>;
-
-flashcpp::BlockSparseMask block_sparse_mask(const BlockSparseArg& a) {
-  flashcpp::BlockSparseMask m;
-  m.row_ptr = reinterpret_cast<const std::int32_t*>(std::get<0>(a));
-  m.col_idx = reinterpret_cast<const std::int32_t*>(std::get<1>(a));
-  m.partial = reinterpret_cast<const std::int32_t*>(std::get<2>(a));
-  m.element_masks = reinterpret_cast<const std::uint64_t*>(std::get<3>(a));
-  m.num_partial = std::get<4>(a);
-  m.block_m = std::get<5>(a);
-  m.block_n = std::get<6>(a);
-  m.num_batch = std::get<7>(a);
-  m.num_heads = std::get<8>(a);
-  m.num_q_blocks = std::get<9>(a);
-  m.num_k_blocks = std::get<10>(a);
-  return m;
-}
-
-/// The rotary fused into attention as Python passes it: rotary_dim, style (RopeStyle value),
-/// theta, Llama-3 factor / low / high / original_max_position, cos_sin_cache pointer,
-/// max_position, positions_q pointer, positions_k pointer (0 = null), and k_rotated as a tensor
-/// (data pointer 0 = none; CUDA needs one, Python allocates it).
-using RotaryArg = std::tuple<int, int, double, float, float, float, int, std::uintptr_t, int, std::uintptr_t,
-                             std::uintptr_t, TensorArg>;
-
-flashcpp::AttnRotary attn_rotary(const RotaryArg& a, DType dt) {
-  flashcpp::AttnRotary r;
-  r.rotary_dim = std::get<0>(a);
-  r.style = static_cast<flashcpp::RopeStyle>(std::get<1>(a));
-  r.theta = std::get<2>(a);
-  r.llama3 = flashcpp::Llama3Scaling{std::get<3>(a), std::get<4>(a), std::get<5>(a), std::get<6>(a)};
-  r.cos_sin_cache = reinterpret_cast<const float*>(std::get<7>(a));
-  r.max_position = std::get<8>(a);
-  r.positions_q = reinterpret_cast<const std::int32_t*>(std::get<9>(a));
-  r.positions_k = reinterpret_cast<const std::int32_t*>(std::get<10>(a));
-  if (std::get<0>(std::get<11>(a)) != 0) r.k_rotated = to_view(std::get<11>(a), dt);
-  return r;
-}
-
-/// One entry point for both "run" and "select only", so the two can never disagree on how
-/// the arguments map to AttnParams.
-nb::object attention(const TensorArg& q, const TensorArg& k, const TensorArg& v, const TensorArg& o,
-                     std::uintptr_t lse, int dtype, int batch, int seqlen_q, int seqlen_k,
-                     int heads_q, int heads_kv, int head_dim, float softmax_scale, bool causal,
-                     int window_left, int window_right, float softcap, std::uintptr_t alibi_slopes,
-                     std::int64_t alibi_batch_stride, int global_tokens, bool global_queries,
-                     std::uintptr_t cu_seqlens_q, std::uintptr_t cu_seqlens_k, std::int64_t total_q,
-                     const std::optional<BlockSparseArg>& block_sparse, const std::optional<RotaryArg>& rotary,
-                     std::uintptr_t stream,
-                     const std::string& backend, int cpu_threads, const std::string& cuda_config,
-                     bool select_only) {
-  const DType dt = to_dtype(dtype);
-  AttnParams p;
-  p.batch = batch;
-  p.seqlen_q = seqlen_q;
-  p.seqlen_k = seqlen_k;
-  p.heads_q = heads_q;
-  p.heads_kv = heads_kv;
-  p.head_dim = head_dim;
-  p.q = to_view(q, dt);
-  p.k = to_view(k, dt);
-  p.v = to_view(v, dt);
-  p.o = to_view(o, dt);
-  p.lse = reinterpret_cast<float*>(lse);
-  p.softmax_scale = softmax_scale;
-  p.mask = element_mask(causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
-  p.mask.global_tokens = global_tokens;
-  p.mask.global_queries = global_queries;
-  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_seqlens_q);
-  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_seqlens_k);
-  p.mask.total_q = total_q;  // varlen: the packed row count (LSE layout, batch-0 fill)
-  // Lives through the call: the CPU backend computes before returning, and a CUDA launch copies
-  // the fields into the kernel's parameters (the arrays it points at must outlive the kernel).
-  flashcpp::BlockSparseMask sparse;
-  if (block_sparse) {
-    sparse = block_sparse_mask(*block_sparse);
-    p.mask.block_sparse = &sparse;
+flashcpp::RotaryStyle to_rotary(int style) {
+  switch (style) {
+    case static_cast<int>(flashcpp::RotaryStyle::kNone): return flashcpp::RotaryStyle::kNone;
+    case static_cast<int>(flashcpp::RotaryStyle::kNeox): return flashcpp::RotaryStyle::kNeox;
+    case static_cast<int>(flashcpp::RotaryStyle::kInterleaved): return flashcpp::RotaryStyle::kInterleaved;
+    default:
+      raise_value_error("rotary style code " + std::to_string(style) + " is not 0 (none), 1 (neox) or 2 (interleaved)");
   }
-  if (rotary) p.rotary = attn_rotary(*rotary, dt);
-
-  RunOptions opt;
-  opt.backend = to_backend(backend);
-  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
-  opt.cpu_threads = cpu_threads;
-  opt.cuda_config = cuda_config;
-
-  Status st;
-  flashcpp::KernelChoice choice;
-  {
-    // The CPU backend computes for a while; a CUDA launch may wait on the driver. Neither
-    // touches Python objects.
-    nb::gil_scoped_release release;
-    st = select_only ? flashcpp::select_kernel(p, opt, &choice) : flashcpp::attention_forward(p, opt);
-  }
-  if (!st.ok()) raise_status(st);
-  if (!select_only) return nb::none();
-  return nb::make_tuple(std::string(flashcpp::kernel_name(choice.id)), choice.config, choice.reason);
 }
+
+/// A pointer field as an int property (0 = null). The address is not checked here: the C++
+/// validators check what can be checked without reading device memory.
+template <class T, class C, class P>
+void pointer_rw(nb::class_<T>& cls, const char* name, P* C::*member, const char* doc = "") {
+  static_assert(std::is_base_of_v<C, T>, "a member of the bound struct or of its base");
+  cls.def_prop_rw(
+      name, [member](const T& c) { return reinterpret_cast<std::uintptr_t>(c.*member); },
+      [member](T& c, std::uintptr_t address) { c.*member = reinterpret_cast<P*>(address); }, doc);
+}
+
+/// The dtype field of a view as its DType code, checked when set.
+template <class C>
+void dtype_rw(nb::class_<C>& cls) {
+  cls.def_prop_rw(
+      "dtype", [](const C& c) { return static_cast<int>(c.dtype); },
+      [](C& c, int code) { c.dtype = to_dtype(code); }, "element type code: 0 fp16, 1 bf16, 2 fp32");
+}
+
+/// The rope style (flashcpp::RopeStyle) of the attention rotary and apply_rotary as its int code.
+/// Not checked here: the validators name a bad style in their own sentence.
+template <class C>
+void rope_style_rw(nb::class_<C>& cls) {
+  cls.def_prop_rw(
+      "style", [](const C& c) { return static_cast<int>(c.style); },
+      [](C& c, int code) { c.style = static_cast<flashcpp::RopeStyle>(code); },
+      "RopeStyle code: 1 neox, 2 interleaved (ROPE_NEOX, ROPE_INTERLEAVED)");
+}
+
+// ---- shared pieces: views, run options ------------------------------------------------------
+
+void bind_common(nb::module_& m) {
+  nb::class_<TensorView> tv(m, "TensorView",
+                            "flashcpp::TensorView: data pointer (int), dtype code and element strides of a "
+                            "(batch, seqlen, heads, head_dim) view");
+  tv.def(nb::init<>())
+      .def(
+          "__init__",
+          [](TensorView* t, std::uintptr_t data, int dtype, std::int64_t batch_stride, std::int64_t seq_stride,
+             std::int64_t head_stride) {
+            const DType dt = to_dtype(dtype);  // before the object exists: a bad code leaves none behind
+            new (t) TensorView{reinterpret_cast<void*>(data), dt, batch_stride, seq_stride, head_stride};
+          },
+          "data"_a, "dtype"_a, "batch_stride"_a = 0, "seq_stride"_a = 0, "head_stride"_a = 0);
+  pointer_rw(tv, "data", &TensorView::data);
+  dtype_rw(tv);
+  tv.def_rw("batch_stride", &TensorView::batch_stride)
+      .def_rw("seq_stride", &TensorView::seq_stride)
+      .def_rw("head_stride", &TensorView::head_stride);
+
+  nb::class_<RunOptions> opt(m, "RunOptions",
+                             "flashcpp::RunOptions: backend (a name), CUDA stream (int), CPU threads and tiles, "
+                             "cuda_config, programmatic_launch");
+  opt.def(nb::init<>())
+      .def(
+          "__init__",
+          [](RunOptions* o, const std::string& backend, std::uintptr_t stream, int cpu_threads,
+             const std::string& cuda_config) {
+            const Backend b = to_backend(backend);
+            new (o) RunOptions();
+            o->backend = b;
+            o->stream = reinterpret_cast<flashcpp::Stream>(stream);
+            o->cpu_threads = cpu_threads;
+            o->cuda_config = cuda_config;
+          },
+          "backend"_a = "auto", "stream"_a = 0, "cpu_threads"_a = 0, "cuda_config"_a = "")
+      .def_prop_rw(
+          "backend", [](const RunOptions& o) { return std::string(flashcpp::backend_name(o.backend)); },
+          [](RunOptions& o, const std::string& name) { o.backend = to_backend(name); },
+          "auto, cpu, cpu-reference or cuda");
+  pointer_rw(opt, "stream", &RunOptions::stream, "cudaStream_t as an int (0 = the legacy default stream)");
+  opt.def_rw("cpu_threads", &RunOptions::cpu_threads)
+      .def_rw("cpu_block_m", &RunOptions::cpu_block_m)
+      .def_rw("cpu_block_n", &RunOptions::cpu_block_n)
+      .def_rw("cuda_config", &RunOptions::cuda_config)
+      .def_rw("programmatic_launch", &RunOptions::programmatic_launch);
+
+  nb::class_<flashcpp::Llama3Scaling> l3(m, "Llama3Scaling", "flashcpp::Llama3Scaling (factor 0 = off)");
+  l3.def(nb::init<>())
+      .def(
+          "__init__",
+          [](flashcpp::Llama3Scaling* s, float factor, float low, float high, int original_max_position) {
+            new (s) flashcpp::Llama3Scaling{factor, low, high, original_max_position};
+          },
+          "factor"_a, "low_freq_factor"_a = 1.f, "high_freq_factor"_a = 4.f, "original_max_position"_a = 8192)
+      .def_rw("factor", &flashcpp::Llama3Scaling::factor)
+      .def_rw("low_freq_factor", &flashcpp::Llama3Scaling::low_freq_factor)
+      .def_rw("high_freq_factor", &flashcpp::Llama3Scaling::high_freq_factor)
+      .def_rw("original_max_position", &flashcpp::Llama3Scaling::original_max_position);
+}
+
+// ---- attention (include/flashcpp/attention.h) -----------------------------------------------------
+
+void bind_attention(nb::module_& m) {
+  using flashcpp::AttnRotary;
+  using flashcpp::BlockSparseMask;
+  using flashcpp::MaskParams;
+
+  nb::class_<BlockSparseMask> bs(m, "BlockSparseMask",
+                                 "flashcpp::BlockSparseMask: CSR block mask; the arrays are data pointers (ints) "
+                                 "that the caller keeps alive through the call");
+  bs.def(nb::init<>())
+      .def_rw("block_m", &BlockSparseMask::block_m)
+      .def_rw("block_n", &BlockSparseMask::block_n)
+      .def_rw("num_batch", &BlockSparseMask::num_batch)
+      .def_rw("num_heads", &BlockSparseMask::num_heads)
+      .def_rw("num_q_blocks", &BlockSparseMask::num_q_blocks)
+      .def_rw("num_k_blocks", &BlockSparseMask::num_k_blocks)
+      .def_rw("num_partial", &BlockSparseMask::num_partial);
+  pointer_rw(bs, "row_ptr", &BlockSparseMask::row_ptr);
+  pointer_rw(bs, "col_idx", &BlockSparseMask::col_idx);
+  pointer_rw(bs, "partial", &BlockSparseMask::partial);
+  pointer_rw(bs, "element_masks", &BlockSparseMask::element_masks);
+
+  nb::class_<MaskParams> mask(m, "MaskParams", "flashcpp::MaskParams (every field defaults to off)");
+  mask.def(nb::init<>())
+      .def_rw("causal", &MaskParams::causal)
+      .def_rw("window_left", &MaskParams::window_left)
+      .def_rw("window_right", &MaskParams::window_right)
+      .def_rw("global_tokens", &MaskParams::global_tokens)
+      .def_rw("global_queries", &MaskParams::global_queries)
+      .def_rw("softcap", &MaskParams::softcap)
+      .def_rw("alibi_batch_stride", &MaskParams::alibi_batch_stride)
+      .def_rw("total_q", &MaskParams::total_q);
+  pointer_rw(mask, "alibi_slopes", &MaskParams::alibi_slopes);
+  pointer_rw(mask, "cu_seqlens_q", &MaskParams::cu_seqlens_q);
+  pointer_rw(mask, "cu_seqlens_k", &MaskParams::cu_seqlens_k);
+  // A pointer to another bound struct: the setter keeps the BlockSparseMask object alive as long
+  // as this MaskParams object, and the caller holds it through the call (a MaskParams reached as
+  // params.mask is a view that Python may drop before the call). The entry points copy the
+  // struct before they release the GIL.
+  mask.def_prop_rw(
+      "block_sparse",
+      [](const MaskParams& mp) -> nb::object {
+        if (mp.block_sparse == nullptr) return nb::none();
+        return nb::cast(mp.block_sparse, nb::rv_policy::reference);
+      },
+      [](MaskParams& mp, nb::handle value) {
+        mp.block_sparse = value.is_none() ? nullptr : nb::cast<const BlockSparseMask*>(value);
+      },
+      nb::for_setter(nb::keep_alive<1, 2>()), "a BlockSparseMask or None");
+
+  nb::class_<AttnRotary> rot(m, "AttnRotary", "flashcpp::AttnRotary: rotary fused into attention (rotary_dim 0 = off)");
+  rot.def(nb::init<>()).def_rw("rotary_dim", &AttnRotary::rotary_dim);
+  rope_style_rw(rot);
+  rot.def_rw("theta", &AttnRotary::theta)
+      .def_rw("llama3", &AttnRotary::llama3)
+      .def_rw("max_position", &AttnRotary::max_position)
+      .def_rw("k_rotated", &AttnRotary::k_rotated);
+  pointer_rw(rot, "cos_sin_cache", &AttnRotary::cos_sin_cache);
+  pointer_rw(rot, "positions_q", &AttnRotary::positions_q);
+  pointer_rw(rot, "positions_k", &AttnRotary::positions_k);
+
+  nb::class_<AttnParams> ap(m, "AttnParams", "flashcpp::AttnParams: one attention problem");
+  ap.def(nb::init<>())
+      .def_rw("batch", &AttnParams::batch)
+      .def_rw("seqlen_q", &AttnParams::seqlen_q)
+      .def_rw("seqlen_k", &AttnParams::seqlen_k)
+      .def_rw("heads_q", &AttnParams::heads_q)
+      .def_rw("heads_kv", &AttnParams::heads_kv)
+      .def_rw("head_dim", &AttnParams::head_dim)
+      .def_rw("q", &AttnParams::q)
+      .def_rw("k", &AttnParams::k)
+      .def_rw("v", &AttnParams::v)
+      .def_rw("o", &AttnParams::o)
+      .def_rw("softmax_scale", &AttnParams::softmax_scale)
+      .def_rw("mask", &AttnParams::mask)
+      .def_rw("rotary", &AttnParams::rotary);
+  pointer_rw(ap, "lse", &AttnParams::lse, "fp32 LSE output (0 = not wanted)");
+
+  // The params are copied, and the block-sparse struct with them, before the GIL is released: the
+  // call reads nothing that another Python thread could change or free meanwhile.
+  struct Call {
+    AttnParams p;
+    BlockSparseMask sparse;
+    explicit Call(const AttnParams& params) : p(params) {
+      if (p.mask.block_sparse != nullptr) {
+        sparse = *p.mask.block_sparse;
+        p.mask.block_sparse = &sparse;
+      }
+    }
+  };
+  m.def(
+      "attention_forward",
+      [](const AttnParams& params, const RunOptions& options) {
+        const Call c(params);
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::attention_forward(c.p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::attention_forward: validates, selects and runs (CUDA: asynchronous).");
+  m.def(
+      "select_kernel",
+      [](const AttnParams& params, const RunOptions& options) {
+        const Call c(params);
+        const RunOptions opt = options;
+        flashcpp::KernelChoice choice;
+        call_released([&] { return flashcpp::select_kernel(c.p, opt, &choice); });
+        return std::make_tuple(std::string(flashcpp::kernel_name(choice.id)), choice.config, choice.reason);
+      },
+      "params"_a, "options"_a,
+      "flashcpp::select_kernel: validates like attention_forward and returns (kernel, config, reason) "
+      "without running anything.");
+}
+
+// ---- merge of partial states on the host (include/flashcpp/reference.h) --------------------------
 
 using RowsIn = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using LseIn = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -285,46 +393,36 @@ nb::dict build_and_return(Build&& build) {
 using DenseMask = nb::ndarray<const std::uint8_t, nb::ndim<4>, nb::c_contig, nb::device::cpu>;
 using CuSeqlens = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-nb::dict from_dense(const DenseMask& dense, int block_m, int block_n, bool share) {
+/// The dense mask's (num_batch, num_heads, seqlen_q, seqlen_k) come from its shape; the block
+/// sizes from `shape` (whose other fields are ignored).
+nb::dict from_dense(const DenseMask& dense, const BlockSparseShape& shape, const BlockSparseOptions& options) {
   for (std::size_t a = 0; a < 4; ++a)
     if (dense.shape(a) > static_cast<std::size_t>(INT32_MAX))
       raise_value_error("block_sparse_from_dense: the dense mask has a dimension above 2^31-1");
-  const BlockSparseShape s{static_cast<int>(dense.shape(2)), static_cast<int>(dense.shape(3)), block_m,
-                           block_n, static_cast<int>(dense.shape(0)), static_cast<int>(dense.shape(1))};
+  const BlockSparseShape s{static_cast<int>(dense.shape(2)), static_cast<int>(dense.shape(3)), shape.block_m,
+                           shape.block_n, static_cast<int>(dense.shape(0)), static_cast<int>(dense.shape(1))};
   const std::uint8_t* data = dense.data();
-  return build_and_return([&](BlockMask* out) {
-    return flashcpp::build_block_sparse_from_dense(s, data, out, BlockSparseOptions{share});
-  });
+  const BlockSparseOptions opt = options;
+  return build_and_return([&](BlockMask* out) { return flashcpp::build_block_sparse_from_dense(s, data, out, opt); });
 }
 
-flashcpp::MaskParams rules(bool causal, int window_left, int window_right, int global_tokens,
-                           bool global_queries) {
-  flashcpp::MaskParams m;
-  m.causal = causal;
-  m.window_left = window_left;
-  m.window_right = window_right;
-  m.global_tokens = global_tokens;
-  m.global_queries = global_queries;
-  return m;
+nb::dict from_rules(const BlockSparseShape& shape, const flashcpp::MaskParams& rules,
+                    const BlockSparseOptions& options) {
+  const BlockSparseShape s = shape;
+  flashcpp::MaskParams m = rules;
+  m.block_sparse = nullptr;  // a rules mask never reads another block mask; nothing to keep alive
+  const BlockSparseOptions opt = options;
+  return build_and_return([&](BlockMask* out) { return flashcpp::block_mask_from_rules(s, m, out, opt); });
 }
 
-nb::dict from_rules(int seqlen_q, int seqlen_k, int block_m, int block_n, bool causal, int window_left,
-                    int window_right, int global_tokens, bool global_queries, int num_batch, int num_heads,
-                    bool share) {
-  const BlockSparseShape s{seqlen_q, seqlen_k, block_m, block_n, num_batch, num_heads};
-  const flashcpp::MaskParams m = rules(causal, window_left, window_right, global_tokens, global_queries);
-  return build_and_return(
-      [&](BlockMask* out) { return flashcpp::block_mask_from_rules(s, m, out, BlockSparseOptions{share}); });
-}
-
-nb::dict document(const CuSeqlens& cu_q, const CuSeqlens& cu_k, int block_m, int block_n, bool causal,
-                  int window_left, int window_right, int global_tokens, bool global_queries, int num_batch,
-                  int num_heads, bool share) {
-  const BlockSparseShape s{0, 0, block_m, block_n, num_batch, num_heads};
-  const flashcpp::MaskParams m = rules(causal, window_left, window_right, global_tokens, global_queries);
+nb::dict document(const BlockSparseShape& shape, const CuSeqlens& cu_q, const CuSeqlens& cu_k,
+                  const flashcpp::MaskParams& within, const BlockSparseOptions& options) {
+  const BlockSparseShape s = shape;
+  flashcpp::MaskParams m = within;
+  m.block_sparse = nullptr;
+  const BlockSparseOptions opt = options;
   const std::span<const std::int32_t> q(cu_q.data(), cu_q.shape(0)), k(cu_k.data(), cu_k.shape(0));
-  return build_and_return(
-      [&](BlockMask* out) { return flashcpp::document_block_mask(s, q, k, m, out, BlockSparseOptions{share}); });
+  return build_and_return([&](BlockMask* out) { return flashcpp::document_block_mask(s, q, k, m, out, opt); });
 }
 
 nb::object alibi(int num_heads) {
@@ -335,96 +433,149 @@ nb::object alibi(int num_heads) {
   return view_of(slopes->data(), owner, slopes->size());
 }
 
+void bind(nb::module_& m) {
+  nb::class_<BlockSparseShape>(m, "BlockSparseShape", "flashcpp::BlockSparseShape: the problem a block mask is for")
+      .def(nb::init<>())
+      .def_rw("seqlen_q", &BlockSparseShape::seqlen_q)
+      .def_rw("seqlen_k", &BlockSparseShape::seqlen_k)
+      .def_rw("block_m", &BlockSparseShape::block_m)
+      .def_rw("block_n", &BlockSparseShape::block_n)
+      .def_rw("num_batch", &BlockSparseShape::num_batch)
+      .def_rw("num_heads", &BlockSparseShape::num_heads);
+  nb::class_<BlockSparseOptions>(m, "BlockSparseOptions", "flashcpp::BlockSparseOptions")
+      .def(nb::init<>())
+      .def_rw("share_identical_partials", &BlockSparseOptions::share_identical_partials);
+  m.def("alibi_slopes", &alibi, "num_heads"_a,
+        "BLOOM's ALiBi slopes for num_heads heads (float32 numpy array), flashcpp::alibi_slopes.");
+  m.def("block_sparse_from_dense", &from_dense, "dense"_a, "shape"_a, "options"_a,
+        "Block-sparse CSR arrays (a dict) of a dense uint8 (num_batch, num_heads, seqlen_q, seqlen_k) mask, "
+        "flashcpp::build_block_sparse_from_dense (shape gives block_m and block_n).");
+  m.def("block_mask_from_rules", &from_rules, "shape"_a, "rules"_a, "options"_a,
+        "Block-sparse CSR arrays (a dict) of the causal/window/global rules, flashcpp::block_mask_from_rules.");
+  m.def("document_block_mask", &document, "shape"_a, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "within"_a, "options"_a,
+        "Block-sparse CSR arrays (a dict) of a document (packed varlen) mask, flashcpp::document_block_mask.");
+}
+
 }  // namespace masks_binding
 
+// ---- fused kernels (include/flashcpp/fused.h): RMSNorm (+ residual), SwiGLU, rotary -----------------
+// flashcpp/fused.py checks shapes and allocates outputs; same Status -> exception mapping as attention.
+namespace fused_binding {
+
+using flashcpp::MatrixView;
+using flashcpp::RmsNormParams;
+using flashcpp::RopeParams;
+using flashcpp::SiluMulParams;
+
+void bind(nb::module_& m) {
+  nb::class_<MatrixView> mv(m, "MatrixView", "flashcpp::MatrixView: data pointer (int), dtype code, row stride");
+  mv.def(nb::init<>())
+      .def(
+          "__init__",
+          [](MatrixView* v, std::uintptr_t data, int dtype, std::int64_t row_stride) {
+            const DType dt = to_dtype(dtype);
+            new (v) MatrixView{reinterpret_cast<void*>(data), dt, row_stride};
+          },
+          "data"_a, "dtype"_a, "row_stride"_a)
+      .def_rw("row_stride", &MatrixView::row_stride);
+  pointer_rw(mv, "data", &MatrixView::data);
+  dtype_rw(mv);
+
+  nb::class_<RmsNormParams> rn(m, "RmsNormParams", "flashcpp::RmsNormParams (residual views only for fused_add_rms_norm)");
+  rn.def(nb::init<>())
+      .def_rw("rows", &RmsNormParams::rows)
+      .def_rw("hidden", &RmsNormParams::hidden)
+      .def_rw("x", &RmsNormParams::x)
+      .def_rw("residual", &RmsNormParams::residual)
+      .def_rw("residual_out", &RmsNormParams::residual_out)
+      .def_rw("y", &RmsNormParams::y)
+      .def_rw("eps", &RmsNormParams::eps);
+  pointer_rw(rn, "weight", &RmsNormParams::weight);
+
+  nb::class_<SiluMulParams>(m, "SiluMulParams", "flashcpp::SiluMulParams")
+      .def(nb::init<>())
+      .def_rw("rows", &SiluMulParams::rows)
+      .def_rw("d", &SiluMulParams::d)
+      .def_rw("gate", &SiluMulParams::gate)
+      .def_rw("up", &SiluMulParams::up)
+      .def_rw("out", &SiluMulParams::out);
+
+  nb::class_<RopeParams> rp(m, "RopeParams", "flashcpp::RopeParams (q_out/k_out data 0 = in place)");
+  rp.def(nb::init<>())
+      .def_rw("batch", &RopeParams::batch)
+      .def_rw("seqlen", &RopeParams::seqlen)
+      .def_rw("heads_q", &RopeParams::heads_q)
+      .def_rw("heads_k", &RopeParams::heads_k)
+      .def_rw("head_dim", &RopeParams::head_dim)
+      .def_rw("rotary_dim", &RopeParams::rotary_dim)
+      .def_rw("q", &RopeParams::q)
+      .def_rw("k", &RopeParams::k)
+      .def_rw("q_out", &RopeParams::q_out)
+      .def_rw("k_out", &RopeParams::k_out)
+      .def_rw("theta", &RopeParams::theta)
+      .def_rw("llama3", &RopeParams::llama3)
+      .def_rw("max_position", &RopeParams::max_position);
+  rope_style_rw(rp);
+  pointer_rw(rp, "positions", &RopeParams::positions);
+  pointer_rw(rp, "cos_sin_cache", &RopeParams::cos_sin_cache);
+
+  m.def(
+      "rms_norm",
+      [](const RmsNormParams& params, const RunOptions& options) {
+        const RmsNormParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::rms_norm(p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::rms_norm.");
+  m.def(
+      "fused_add_rms_norm",
+      [](const RmsNormParams& params, const RunOptions& options) {
+        const RmsNormParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::fused_add_rms_norm(p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::fused_add_rms_norm.");
+  m.def(
+      "silu_and_mul",
+      [](const SiluMulParams& params, const RunOptions& options) {
+        const SiluMulParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::silu_and_mul(p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::silu_and_mul.");
+  m.def(
+      "apply_rotary",
+      [](const RopeParams& params, const RunOptions& options) {
+        const RopeParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::apply_rotary(p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::apply_rotary.");
+  m.attr("ROPE_NEOX") = static_cast<int>(flashcpp::RopeStyle::kNeox);
+  m.attr("ROPE_INTERLEAVED") = static_cast<int>(flashcpp::RopeStyle::kInterleaved);
+}
+
+}  // namespace fused_binding
+
 // ---- decode (include/flashcpp/decode.h): plan/run over a KV cache, and merge of partial states ----
-// Python (flashcpp/decode.py) checks shapes and devices, owns the workspaces (torch or numpy
-// buffers) and keeps the DecodePlan; this layer only fills DecodeParams from raw pointers and
-// strides and maps a non-ok Status to an exception, like attention() above. decode_run never
-// allocates or synchronizes, so a run can be captured in a CUDA graph.
+// Python (flashcpp/_decode.py) checks shapes and devices, owns the workspaces (torch or numpy
+// buffers) and keeps the DecodePlan; this layer maps the structs and a non-ok Status to an
+// exception. decode_run never allocates or synchronizes, so a run can be captured in a CUDA graph.
 namespace decode_binding {
 
 using flashcpp::DecodeParams;
 using flashcpp::DecodePlan;
-using flashcpp::DecodePlanOptions;
+using flashcpp::KVCacheView;
+using flashcpp::MergeStatesParams;
+using flashcpp::RotaryParams;
 
 using HostInt32 = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-flashcpp::RotaryStyle to_rotary(int style) {
-  switch (style) {
-    case static_cast<int>(flashcpp::RotaryStyle::kNone): return flashcpp::RotaryStyle::kNone;
-    case static_cast<int>(flashcpp::RotaryStyle::kNeox): return flashcpp::RotaryStyle::kNeox;
-    case static_cast<int>(flashcpp::RotaryStyle::kInterleaved): return flashcpp::RotaryStyle::kInterleaved;
-    default:
-      raise_value_error("rotary style code " + std::to_string(style) + " is not 0 (none), 1 (neox) or 2 (interleaved)");
-  }
-}
-
-/// One decode step's DecodeParams. Tensors are (data_ptr, batch_stride, seq_stride, head_stride);
-/// for a paged cache batch_stride is the page stride. A zero pointer means "absent".
-DecodeParams make_params(const TensorArg& q, const TensorArg& o, std::uintptr_t lse, int dtype, int batch,
-                         int seqlen_q, int heads_q, int heads_kv, int head_dim, const TensorArg& k_cache,
-                         const TensorArg& v_cache, int capacity, int page_size, int num_pages,
-                         std::uintptr_t block_table, std::int64_t block_table_stride, int pages_per_seq,
-                         std::uintptr_t cache_seqlens, const TensorArg& k_new, const TensorArg& v_new,
-                         int rotary_style, int rotary_dim, std::uintptr_t rotary_cos, std::uintptr_t rotary_sin,
-                         int max_position, float rope_theta, float softmax_scale, bool causal, int window_left,
-                         int window_right, float softcap, std::uintptr_t alibi_slopes,
-                         std::int64_t alibi_batch_stride) {
-  const DType dt = to_dtype(dtype);
-  DecodeParams p;
-  p.batch = batch;
-  p.seqlen_q = seqlen_q;
-  p.heads_q = heads_q;
-  p.heads_kv = heads_kv;
-  p.head_dim = head_dim;
-  p.q = to_view(q, dt);
-  p.o = to_view(o, dt);
-  p.lse = reinterpret_cast<float*>(lse);
-  p.cache.k = to_view(k_cache, dt);
-  p.cache.v = to_view(v_cache, dt);
-  p.cache.capacity = capacity;
-  p.cache.page_size = page_size;
-  p.cache.num_pages = num_pages;
-  p.cache.block_table = reinterpret_cast<const std::int32_t*>(block_table);
-  p.cache.block_table_stride = block_table_stride;
-  p.cache.pages_per_seq = pages_per_seq;
-  p.cache_seqlens = reinterpret_cast<const std::int32_t*>(cache_seqlens);
-  if (std::get<0>(k_new) != 0 || std::get<0>(v_new) != 0) {
-    p.k_new = to_view(k_new, dt);
-    p.v_new = to_view(v_new, dt);
-  }
-  p.rotary.style = to_rotary(rotary_style);
-  p.rotary.rotary_dim = rotary_dim;
-  p.rotary.cos = reinterpret_cast<const float*>(rotary_cos);
-  p.rotary.sin = reinterpret_cast<const float*>(rotary_sin);
-  p.rotary.max_position = max_position;
-  p.rotary.theta = rope_theta;
-  p.softmax_scale = softmax_scale;
-  p.mask = element_mask(causal, window_left, window_right, softcap, alibi_slopes, alibi_batch_stride);
-  return p;
-}
-
-/// Plan options, with the checked host lengths (one int32 per sequence).
-DecodePlanOptions plan_options(const DecodeParams& p, const std::string& backend,
-                               const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits,
-                               int num_sms, std::uintptr_t stream, bool fused_merge, bool fused_append = false) {
-  DecodePlanOptions opt;
-  opt.fused_merge = fused_merge;
-  opt.fused_append = fused_append;
-  opt.backend = to_backend(backend);
-  if (host_cache_seqlens) {
-    if (host_cache_seqlens->shape(0) != static_cast<std::size_t>(std::max(p.batch, 0)))
-      raise_value_error("host_cache_seqlens has " + std::to_string(host_cache_seqlens->shape(0)) +
-                        " entries; the plan is for batch " + std::to_string(p.batch));
-    opt.host_cache_seqlens = host_cache_seqlens->data();
-  }
-  opt.num_splits = num_splits;
-  opt.max_splits = max_splits;
-  opt.num_sms = num_sms;
-  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
-  return opt;
-}
+/// flashcpp::DecodePlanOptions, plus the length of the host_cache_seqlens array it points at, so
+/// that a plan checks it against the batch before reading it (the struct holds the pointer only).
+struct PlanOptions : flashcpp::DecodePlanOptions {
+  std::size_t host_cache_seqlens_size = 0;
+};
 
 /// decode_plan reads only the scalar fields of DecodeParams, and "is there an append" is "are
 /// k_new/v_new set": at plan time the new tokens may not exist yet, so `append` stands in for them
@@ -439,84 +590,100 @@ DecodeParams for_plan(DecodeParams p, bool append) {
   return p;
 }
 
-std::tuple<std::size_t, std::size_t> workspace_size(const DecodeParams& params, bool append,
-                                                    const std::string& backend,
-                                                    const std::optional<HostInt32>& host_cache_seqlens,
-                                                    int num_splits, int max_splits, int num_sms, bool fused_merge) {
+/// The plan options as the C++ API takes them, with the host lengths checked against the batch.
+flashcpp::DecodePlanOptions checked(const PlanOptions& opt, const DecodeParams& p) {
+  if (opt.host_cache_seqlens != nullptr && opt.host_cache_seqlens_size != static_cast<std::size_t>(std::max(p.batch, 0)))
+    raise_value_error("host_cache_seqlens has " + std::to_string(opt.host_cache_seqlens_size) +
+                      " entries; the plan is for batch " + std::to_string(p.batch));
+  return opt;
+}
+
+std::tuple<std::size_t, std::size_t> workspace_size(const DecodeParams& params, const PlanOptions& options,
+                                                    bool append) {
   const DecodeParams p = for_plan(params, append);
-  const DecodePlanOptions opt =
-      plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, 0, fused_merge);
+  const flashcpp::DecodePlanOptions opt = checked(options, p);
   flashcpp::DecodeWorkspaceSize ws;
-  Status st;
-  {
-    nb::gil_scoped_release release;  // the CUDA backend asks the driver for the SM count
-    st = flashcpp::decode_workspace_size(p, opt, &ws);
-  }
-  if (!st.ok()) raise_status(st);
+  call_released([&] { return flashcpp::decode_workspace_size(p, opt, &ws); });  // CUDA asks the driver for the SM count
   return {ws.int_bytes, ws.float_bytes};
 }
 
-DecodePlan plan(const DecodeParams& params, bool append, const std::string& backend,
-                const std::optional<HostInt32>& host_cache_seqlens, int num_splits, int max_splits, int num_sms,
-                std::uintptr_t stream, std::uintptr_t int_workspace, std::size_t int_bytes,
-                std::uintptr_t float_workspace, std::size_t float_bytes, bool fused_merge, bool fused_append) {
+DecodePlan plan(const DecodeParams& params, const PlanOptions& options, bool append, std::uintptr_t int_workspace,
+                std::size_t int_bytes, std::uintptr_t float_workspace, std::size_t float_bytes) {
   const DecodeParams p = for_plan(params, append);
-  const DecodePlanOptions opt = plan_options(p, backend, host_cache_seqlens, num_splits, max_splits, num_sms, stream,
-                                             fused_merge, fused_append);
+  const flashcpp::DecodePlanOptions opt = checked(options, p);
   DecodePlan out;
-  Status st;
-  {
-    nb::gil_scoped_release release;  // uploads the work list (may wait for the stream)
-    st = flashcpp::decode_plan(p, opt, reinterpret_cast<void*>(int_workspace), int_bytes,
-                               reinterpret_cast<void*>(float_workspace), float_bytes, &out);
-  }
-  if (!st.ok()) raise_status(st);
+  call_released([&] {  // uploads the work list (may wait for the stream)
+    return flashcpp::decode_plan(p, opt, reinterpret_cast<void*>(int_workspace), int_bytes,
+                                 reinterpret_cast<void*>(float_workspace), float_bytes, &out);
+  });
   return out;
 }
 
-void run(const DecodeParams& p, const DecodePlan& plan, std::uintptr_t stream, const std::string& backend,
-         int cpu_threads) {
-  RunOptions opt;
-  opt.backend = to_backend(backend);
-  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
-  opt.cpu_threads = cpu_threads;
-  Status st;
-  {
-    nb::gil_scoped_release release;  // launches only (CUDA), or computes a while (CPU)
-    st = flashcpp::decode_run(p, plan, opt);
-  }
-  if (!st.ok()) raise_status(st);
-}
-
-void merge_states(const TensorArg& o_a, std::uintptr_t lse_a, const TensorArg& o_b, std::uintptr_t lse_b,
-                  const TensorArg& o, std::uintptr_t lse, int dtype, int batch, int seqlen, int heads, int head_dim,
-                  std::uintptr_t stream, const std::string& backend) {
-  const DType dt = to_dtype(dtype);
-  flashcpp::MergeStatesParams p;
-  p.batch = batch;
-  p.seqlen = seqlen;
-  p.heads = heads;
-  p.head_dim = head_dim;
-  p.o_a = to_view(o_a, dt);
-  p.o_b = to_view(o_b, dt);
-  p.o = to_view(o, dt);
-  p.lse_a = reinterpret_cast<const float*>(lse_a);
-  p.lse_b = reinterpret_cast<const float*>(lse_b);
-  p.lse = reinterpret_cast<float*>(lse);
-  RunOptions opt;
-  opt.backend = to_backend(backend);
-  opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = flashcpp::merge_attention_states(p, opt);
-  }
-  if (!st.ok()) raise_status(st);
-}
-
 void bind(nb::module_& m) {
-  nb::class_<DecodeParams>(m, "DecodeParams",
-                           "flashcpp::DecodeParams of one decode step (opaque; made by decode_params)");
+  nb::class_<KVCacheView> kv(m, "KVCacheView", "flashcpp::KVCacheView: contiguous (page_size 0) or paged cache");
+  kv.def(nb::init<>())
+      .def_rw("k", &KVCacheView::k)
+      .def_rw("v", &KVCacheView::v)
+      .def_rw("capacity", &KVCacheView::capacity)
+      .def_rw("page_size", &KVCacheView::page_size)
+      .def_rw("num_pages", &KVCacheView::num_pages)
+      .def_rw("block_table_stride", &KVCacheView::block_table_stride)
+      .def_rw("pages_per_seq", &KVCacheView::pages_per_seq);
+  pointer_rw(kv, "block_table", &KVCacheView::block_table);
+
+  nb::class_<RotaryParams> rp(m, "RotaryParams", "flashcpp::RotaryParams of decode (style 0 = none)");
+  rp.def(nb::init<>())
+      .def_prop_rw(
+          "style", [](const RotaryParams& r) { return static_cast<int>(r.style); },
+          [](RotaryParams& r, int code) { r.style = to_rotary(code); },
+          "RotaryStyle code: 0 none, 1 neox, 2 interleaved (ROTARY_*)")
+      .def_rw("rotary_dim", &RotaryParams::rotary_dim)
+      .def_rw("max_position", &RotaryParams::max_position)
+      .def_rw("theta", &RotaryParams::theta);
+  pointer_rw(rp, "cos", &RotaryParams::cos);
+  pointer_rw(rp, "sin", &RotaryParams::sin);
+
+  nb::class_<DecodeParams> dp(m, "DecodeParams", "flashcpp::DecodeParams of one decode step");
+  dp.def(nb::init<>())
+      .def_rw("batch", &DecodeParams::batch)
+      .def_rw("seqlen_q", &DecodeParams::seqlen_q)
+      .def_rw("heads_q", &DecodeParams::heads_q)
+      .def_rw("heads_kv", &DecodeParams::heads_kv)
+      .def_rw("head_dim", &DecodeParams::head_dim)
+      .def_rw("q", &DecodeParams::q)
+      .def_rw("o", &DecodeParams::o)
+      .def_rw("cache", &DecodeParams::cache)
+      .def_rw("k_new", &DecodeParams::k_new)
+      .def_rw("v_new", &DecodeParams::v_new)
+      .def_rw("rotary", &DecodeParams::rotary)
+      .def_rw("softmax_scale", &DecodeParams::softmax_scale)
+      .def_rw("mask", &DecodeParams::mask);
+  pointer_rw(dp, "lse", &DecodeParams::lse);
+  pointer_rw(dp, "cache_seqlens", &DecodeParams::cache_seqlens);
+
+  nb::class_<PlanOptions> po(m, "DecodePlanOptions",
+                             "flashcpp::DecodePlanOptions; host_cache_seqlens is an int32 host array, kept alive "
+                             "by this object");
+  po.def(nb::init<>())
+      .def_prop_rw(
+          "backend", [](const PlanOptions& o) { return std::string(flashcpp::backend_name(o.backend)); },
+          [](PlanOptions& o, const std::string& name) { o.backend = to_backend(name); })
+      .def_prop_rw(
+          "host_cache_seqlens",
+          [](const PlanOptions& o) { return reinterpret_cast<std::uintptr_t>(o.host_cache_seqlens); },
+          [](PlanOptions& o, const std::optional<HostInt32>& lens) {
+            o.host_cache_seqlens = lens ? lens->data() : nullptr;
+            o.host_cache_seqlens_size = lens ? lens->shape(0) : 0;
+          },
+          nb::for_setter(nb::keep_alive<1, 2>()), nb::for_setter(nb::arg("lens").none()),
+          "an int32 (batch,) host array or None; reads back as its address")
+      .def_rw("num_splits", &PlanOptions::num_splits)
+      .def_rw("max_splits", &PlanOptions::max_splits)
+      .def_rw("num_sms", &PlanOptions::num_sms)
+      .def_rw("fused_merge", &PlanOptions::fused_merge)
+      .def_rw("fused_append", &PlanOptions::fused_append);
+  pointer_rw(po, "stream", &PlanOptions::stream, "cudaStream_t of the work-list upload, as an int");
+
   nb::class_<DecodePlan>(m, "DecodePlan", "flashcpp::DecodePlan: the decisions decode_plan made (read-only)")
       .def_ro("planned", &DecodePlan::planned)
       .def_prop_ro("backend", [](const DecodePlan& p) { return std::string(flashcpp::backend_name(p.backend)); })
@@ -548,28 +715,47 @@ void bind(nb::module_& m) {
                ", append=" + (p.append ? "True" : "False") + ", num_items=" + std::to_string(p.num_items) +
                ", max_splits=" + std::to_string(p.max_splits) + ", ctas=" + std::to_string(p.ctas) + ")";
       });
-  m.def("decode_params", &make_params, "q"_a, "o"_a, "lse"_a, "dtype"_a, "batch"_a, "seqlen_q"_a, "heads_q"_a,
-        "heads_kv"_a, "head_dim"_a, "k_cache"_a, "v_cache"_a, "capacity"_a, "page_size"_a, "num_pages"_a,
-        "block_table"_a, "block_table_stride"_a, "pages_per_seq"_a, "cache_seqlens"_a, "k_new"_a, "v_new"_a,
-        "rotary_style"_a, "rotary_dim"_a, "rotary_cos"_a, "rotary_sin"_a, "max_position"_a, "rope_theta"_a,
-        "softmax_scale"_a, "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a, "alibi_slopes"_a,
-        "alibi_batch_stride"_a,
-        "flashcpp::DecodeParams from raw pointers; tensors are (data_ptr, batch_stride, seq_stride, head_stride) "
-        "in elements (page stride first for a paged cache), 0 = absent.");
-  m.def("decode_workspace_size", &workspace_size, "params"_a, "append"_a, "backend"_a,
-        "host_cache_seqlens"_a.none(), "num_splits"_a, "max_splits"_a, "num_sms"_a, "fused_merge"_a = false,
-        "flashcpp::decode_workspace_size: (int_bytes, float_bytes) of a plan for these scalars.");
-  m.def("decode_plan", &plan, "params"_a, "append"_a, "backend"_a, "host_cache_seqlens"_a.none(), "num_splits"_a,
-        "max_splits"_a, "num_sms"_a, "stream"_a, "int_workspace"_a, "int_bytes"_a, "float_workspace"_a,
-        "float_bytes"_a, "fused_merge"_a = false, "fused_append"_a = false,
+
+  nb::class_<MergeStatesParams> ms(m, "MergeStatesParams", "flashcpp::MergeStatesParams (lse 0 = not wanted)");
+  ms.def(nb::init<>())
+      .def_rw("batch", &MergeStatesParams::batch)
+      .def_rw("seqlen", &MergeStatesParams::seqlen)
+      .def_rw("heads", &MergeStatesParams::heads)
+      .def_rw("head_dim", &MergeStatesParams::head_dim)
+      .def_rw("o_a", &MergeStatesParams::o_a)
+      .def_rw("o_b", &MergeStatesParams::o_b)
+      .def_rw("o", &MergeStatesParams::o);
+  pointer_rw(ms, "lse_a", &MergeStatesParams::lse_a);
+  pointer_rw(ms, "lse_b", &MergeStatesParams::lse_b);
+  pointer_rw(ms, "lse", &MergeStatesParams::lse);
+
+  m.def("decode_workspace_size", &workspace_size, "params"_a, "options"_a, "append"_a,
+        "flashcpp::decode_workspace_size: (int_bytes, float_bytes) of a plan for these params and options; "
+        "append: the steps will bring new k/v (they need not exist yet).");
+  m.def("decode_plan", &plan, "params"_a, "options"_a, "append"_a, "int_workspace"_a, "int_bytes"_a,
+        "float_workspace"_a, "float_bytes"_a,
         "flashcpp::decode_plan into caller-owned workspaces (16-byte aligned, on the run's device); "
         "returns the DecodePlan.");
-  m.def("decode_run", &run, "params"_a, "plan"_a, "stream"_a, "backend"_a, "cpu_threads"_a,
-        "flashcpp::decode_run: launches the step (CUDA: asynchronous on stream, no allocation, no sync).");
-  m.def("merge_attention_states", &merge_states, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a, "lse"_a,
-        "dtype"_a, "batch"_a, "seqlen"_a, "heads"_a, "head_dim"_a, "stream"_a, "backend"_a,
-        "flashcpp::merge_attention_states on (batch, seqlen, heads, head_dim) views and contiguous "
-        "(batch, heads, seqlen) fp32 LSEs; o may be exactly o_a or o_b; lse 0 = not wanted.");
+  m.def(
+      "decode_run",
+      [](const DecodeParams& params, const DecodePlan& plan, const RunOptions& options) {
+        const DecodeParams p = params;
+        const DecodePlan pl = plan;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::decode_run(p, pl, opt); });  // launches only (CUDA), or computes (CPU)
+      },
+      "params"_a, "plan"_a, "options"_a,
+      "flashcpp::decode_run: launches the step (CUDA: asynchronous on the stream, no allocation, no sync).");
+  m.def(
+      "merge_attention_states",
+      [](const MergeStatesParams& params, const RunOptions& options) {
+        const MergeStatesParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::merge_attention_states(p, opt); });
+      },
+      "params"_a, "options"_a,
+      "flashcpp::merge_attention_states on (batch, seqlen, heads, head_dim) views and contiguous "
+      "(batch, heads, seqlen) fp32 LSEs; o may be exactly o_a or o_b.");
   m.attr("ROTARY_NONE") = static_cast<int>(flashcpp::RotaryStyle::kNone);
   m.attr("ROTARY_NEOX") = static_cast<int>(flashcpp::RotaryStyle::kNeox);
   m.attr("ROTARY_INTERLEAVED") = static_cast<int>(flashcpp::RotaryStyle::kInterleaved);
@@ -581,7 +767,8 @@ void bind(nb::module_& m) {
 }  // namespace decode_binding
 
 NB_MODULE(_flashcpp, m) {
-  m.doc() = "flashcpp C++ binding (raw pointers, element strides, dtype codes, stream as int)";
+  m.doc() = "flashcpp C++ binding: the public parameter structs as classes (pointers as ints, dtype codes, "
+            "stream as int), one call per entry point";
   m.attr("WITH_CUDA") = bool(FLASHCPP_WITH_CUDA);
   m.attr("VERSION") = FLASHCPP_VERSION;
   m.attr("GIT_COMMIT") = FLASHCPP_GIT_COMMIT;
@@ -592,147 +779,13 @@ NB_MODULE(_flashcpp, m) {
   m.attr("DTYPE_BF16") = static_cast<int>(DType::kBF16);
   m.attr("DTYPE_F32") = static_cast<int>(DType::kF32);
 
-  m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "o"_a, "lse"_a, "dtype"_a, "batch"_a,
-        "seqlen_q"_a, "seqlen_k"_a, "heads_q"_a, "heads_kv"_a, "head_dim"_a, "softmax_scale"_a,
-        "causal"_a, "window_left"_a, "window_right"_a, "softcap"_a, "alibi_slopes"_a,
-        "alibi_batch_stride"_a, "global_tokens"_a, "global_queries"_a, "cu_seqlens_q"_a,
-        "cu_seqlens_k"_a, "total_q"_a = 0, "block_sparse"_a.none(), "rotary"_a.none(), "stream"_a, "backend"_a, "cpu_threads"_a,
-        "cuda_config"_a, "select_only"_a,
-        "Runs flashcpp::attention_forward (select_only=False, returns None) or "
-        "flashcpp::select_kernel (select_only=True, returns (kernel, config, reason)). Tensors are "
-        "(data_ptr, batch_stride, seq_stride, head_stride) with strides in elements; block_sparse "
-        "is None or (row_ptr, col_idx, partial, element_masks, num_partial, block_m, block_n, "
-        "num_batch, num_heads, num_q_blocks, num_k_blocks) with data pointers first; rotary is None "
-        "or (rotary_dim, style, theta, llama3 factor, low, high, original_max_position, "
-        "cos_sin_cache, max_position, positions_q, positions_k, k_rotated) with 0 for a null pointer "
-        "and k_rotated a tensor like k (k's dtype; data pointer 0 = none, which CUDA refuses).");
+  bind_common(m);
+  bind_attention(m);
   m.def("merge_by_lse", &merge_by_lse, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a.noconvert(),
         "lse"_a.noconvert(),
         "Row-wise merge of two normalized partial attention outputs by their natural-log LSEs "
         "(fp32, C-contiguous host arrays; writes o and lse).");
-
-  // masks (flashcpp/masks.py wraps these)
-  m.def("alibi_slopes", &masks_binding::alibi, "num_heads"_a,
-        "BLOOM's ALiBi slopes for num_heads heads (float32 numpy array), flashcpp::alibi_slopes.");
-  m.def("block_sparse_from_dense", &masks_binding::from_dense, "dense"_a, "block_m"_a, "block_n"_a,
-        "share_identical_partials"_a,
-        "Block-sparse CSR arrays (a dict) of a dense uint8 (num_batch, num_heads, seqlen_q, seqlen_k) mask.");
-  m.def("block_sparse_from_rules", &masks_binding::from_rules, "seqlen_q"_a, "seqlen_k"_a, "block_m"_a,
-        "block_n"_a, "causal"_a, "window_left"_a, "window_right"_a, "global_tokens"_a, "global_queries"_a,
-        "num_batch"_a, "num_heads"_a, "share_identical_partials"_a,
-        "Block-sparse CSR arrays (a dict) of the causal/window/global rules, flashcpp::block_mask_from_rules.");
-  m.def("block_sparse_document", &masks_binding::document, "cu_seqlens_q"_a, "cu_seqlens_k"_a, "block_m"_a,
-        "block_n"_a, "causal"_a, "window_left"_a, "window_right"_a, "global_tokens"_a, "global_queries"_a,
-        "num_batch"_a, "num_heads"_a, "share_identical_partials"_a,
-        "Block-sparse CSR arrays (a dict) of a document (packed varlen) mask, flashcpp::document_block_mask.");
-  // ---- fused kernels (include/flashcpp/fused.h): RMSNorm (+ residual), SwiGLU, rotary ----------
-  // Matrices arrive as (data_ptr, row_stride), 4-D views as TensorArg; flashcpp/fused.py checks
-  // shapes and allocates outputs. Same Status -> exception mapping as attention().
-  using FusedMatrix = std::tuple<std::uintptr_t, std::int64_t>;
-  static auto to_matrix = [](const FusedMatrix& t, DType dt) {
-    return flashcpp::MatrixView{reinterpret_cast<void*>(std::get<0>(t)), dt, std::get<1>(t)};
-  };
-  static auto fused_options = [](std::uintptr_t stream, const std::string& backend, int cpu_threads,
-                                 const std::string& cuda_config) {
-    RunOptions opt;
-    opt.backend = to_backend(backend);
-    opt.stream = reinterpret_cast<flashcpp::Stream>(stream);
-    opt.cpu_threads = cpu_threads;
-    opt.cuda_config = cuda_config;
-    return opt;
-  };
-  m.def(
-      "rms_norm",
-      [](const FusedMatrix& x, const FusedMatrix& residual, const FusedMatrix& residual_out, std::uintptr_t weight,
-         const FusedMatrix& y, int dtype, std::int64_t rows, std::int64_t hidden, float eps, bool with_residual,
-         std::uintptr_t stream, const std::string& backend, int cpu_threads, const std::string& cuda_config) {
-        const DType dt = to_dtype(dtype);
-        flashcpp::RmsNormParams p;
-        p.rows = rows;
-        p.hidden = hidden;
-        p.x = to_matrix(x, dt);
-        if (with_residual) {
-          p.residual = to_matrix(residual, dt);
-          p.residual_out = to_matrix(residual_out, dt);
-        }
-        p.weight = reinterpret_cast<const void*>(weight);
-        p.y = to_matrix(y, dt);
-        p.eps = eps;
-        const RunOptions opt = fused_options(stream, backend, cpu_threads, cuda_config);
-        Status st;
-        {
-          nb::gil_scoped_release release;
-          st = with_residual ? flashcpp::fused_add_rms_norm(p, opt) : flashcpp::rms_norm(p, opt);
-        }
-        if (!st.ok()) raise_status(st);
-      },
-      "x"_a, "residual"_a, "residual_out"_a, "weight"_a, "y"_a, "dtype"_a, "rows"_a, "hidden"_a, "eps"_a,
-      "with_residual"_a, "stream"_a, "backend"_a, "cpu_threads"_a, "cuda_config"_a,
-      "flashcpp::rms_norm / fused_add_rms_norm on (data_ptr, row_stride) matrices.");
-  m.def(
-      "silu_and_mul",
-      [](const FusedMatrix& gate, const FusedMatrix& up, const FusedMatrix& out, int dtype, std::int64_t rows,
-         std::int64_t d, std::uintptr_t stream, const std::string& backend, int cpu_threads,
-         const std::string& cuda_config) {
-        const DType dt = to_dtype(dtype);
-        flashcpp::SiluMulParams p;
-        p.rows = rows;
-        p.d = d;
-        p.gate = to_matrix(gate, dt);
-        p.up = to_matrix(up, dt);
-        p.out = to_matrix(out, dt);
-        const RunOptions opt = fused_options(stream, backend, cpu_threads, cuda_config);
-        Status st;
-        {
-          nb::gil_scoped_release release;
-          st = flashcpp::silu_and_mul(p, opt);
-        }
-        if (!st.ok()) raise_status(st);
-      },
-      "gate"_a, "up"_a, "out"_a, "dtype"_a, "rows"_a, "d"_a, "stream"_a, "backend"_a, "cpu_threads"_a,
-      "cuda_config"_a, "flashcpp::silu_and_mul on (data_ptr, row_stride) matrices.");
-  m.def(
-      "apply_rotary",
-      [](const TensorArg& q, const TensorArg& k, const TensorArg& q_out, const TensorArg& k_out, int dtype, int batch,
-         int seqlen, int heads_q, int heads_k, int head_dim, int rotary_dim, std::uintptr_t positions, int style,
-         double theta, float llama3_factor, float llama3_low_freq_factor, float llama3_high_freq_factor,
-         int llama3_original_max_position, std::uintptr_t cos_sin_cache, int max_position, std::uintptr_t stream,
-         const std::string& backend, int cpu_threads, const std::string& cuda_config) {
-        const DType dt = to_dtype(dtype);
-        flashcpp::RopeParams p;
-        p.batch = batch;
-        p.seqlen = seqlen;
-        p.heads_q = heads_q;
-        p.heads_k = heads_k;
-        p.head_dim = head_dim;
-        p.rotary_dim = rotary_dim;
-        p.q = to_view(q, dt);
-        p.k = to_view(k, dt);
-        p.q_out = to_view(q_out, dt);
-        p.k_out = to_view(k_out, dt);
-        p.positions = reinterpret_cast<const std::int32_t*>(positions);
-        p.style = static_cast<flashcpp::RopeStyle>(style);
-        p.theta = theta;
-        p.llama3 = flashcpp::Llama3Scaling{llama3_factor, llama3_low_freq_factor, llama3_high_freq_factor,
-                                           llama3_original_max_position};
-        p.cos_sin_cache = reinterpret_cast<const float*>(cos_sin_cache);
-        p.max_position = max_position;
-        const RunOptions opt = fused_options(stream, backend, cpu_threads, cuda_config);
-        Status st;
-        {
-          nb::gil_scoped_release release;
-          st = flashcpp::apply_rotary(p, opt);
-        }
-        if (!st.ok()) raise_status(st);
-      },
-      "q"_a, "k"_a, "q_out"_a, "k_out"_a, "dtype"_a, "batch"_a, "seqlen"_a, "heads_q"_a, "heads_k"_a,
-      "head_dim"_a, "rotary_dim"_a, "positions"_a, "style"_a, "theta"_a, "llama3_factor"_a,
-      "llama3_low_freq_factor"_a, "llama3_high_freq_factor"_a, "llama3_original_max_position"_a,
-      "cos_sin_cache"_a, "max_position"_a, "stream"_a, "backend"_a, "cpu_threads"_a, "cuda_config"_a,
-      "flashcpp::apply_rotary; tensors are (data_ptr, batch_stride, seq_stride, head_stride), a null "
-      "q_out/k_out data pointer rotates in place.");
-  // ---- decode and merge (flashcpp/decode.py, flashcpp/merge.py wrap these) ---------------------
+  masks_binding::bind(m);
+  fused_binding::bind(m);
   decode_binding::bind(m);
-  m.attr("ROPE_NEOX") = static_cast<int>(flashcpp::RopeStyle::kNeox);
-  m.attr("ROPE_INTERLEAVED") = static_cast<int>(flashcpp::RopeStyle::kInterleaved);
 }
