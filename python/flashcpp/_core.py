@@ -6,6 +6,9 @@ them with sentences a user can act on, and launches ``flashcpp::attention_forwar
 here copies an input: strides go to C++ as they are, so an SDPA-layout tensor (B, H, N, D)
 transposed to (B, N, H, D) runs in place.
 
+The bottom of the package's imports: this module imports only the binding (and numpy, torch), so
+every other module may import it.
+
 Errors: wrong or mixed dtypes -> TypeError; device mismatch, bad shapes or strides -> ValueError;
 what the C++ validator rejects -> ValueError (invalid) or NotImplementedError (unsupported).
 """
@@ -524,3 +527,38 @@ def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int
                 raise ValueError(f"lse must be contiguous; got strides {ml.strides}")
             contiguous *= n
 
+
+# ---- merging partial states (flashcpp.merge_attention_states) ----------------------------------
+
+def check_merge(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> None:
+    ma, mb = meta(v_a, "v_a"), meta(v_b, "v_b")
+    sa, sb = meta(s_a, "s_a"), meta(s_b, "s_b")
+    _same_library("v_a, s_a, v_b and s_b", v_a, s_a, v_b, s_b)
+    for m in (ma, mb):
+        if m.dtype not in _DTYPE_CODES:
+            raise TypeError(f"{m.name} has dtype {m.dtype}; merge takes float16, bfloat16 or float32")
+    if ma.dtype != mb.dtype:
+        raise TypeError(f"v_a and v_b must have the same dtype; got {ma.dtype} and {mb.dtype}")
+    for m in (sa, sb):
+        if m.dtype != "float32":
+            raise TypeError(f"{m.name} (an LSE) must be float32; got {m.dtype}")
+    if not (ma.device == mb.device == sa.device == sb.device):
+        raise ValueError(f"v_a, s_a, v_b and s_b must be on one device; got {ma.device}, {sa.device}, "
+                         f"{mb.device}, {sb.device}")
+    if len(ma.shape) < 1 or ma.shape != mb.shape:
+        raise ValueError(f"v_a and v_b must have the same shape (..., head_dim); got {ma.shape} and {mb.shape}")
+    if sa.shape != ma.shape[:-1] or sb.shape != ma.shape[:-1]:
+        raise ValueError(f"s_a and s_b must have the shape of v without its last dim, {ma.shape[:-1]}; "
+                         f"got {sa.shape} and {sb.shape}")
+
+
+def merge_host(v_a: np.ndarray, s_a: np.ndarray, v_b: np.ndarray, s_b: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """fp32 host arrays of matching shapes -> fp32 (v, s) through cpu::merge_by_lse."""
+    dim = v_a.shape[-1] if v_a.ndim else 1
+    rows = int(np.prod(v_a.shape[:-1], dtype=np.int64))
+    o = np.empty((rows, dim), dtype=np.float32)
+    lse = np.empty((rows,), dtype=np.float32)
+    if rows and dim:
+        c = lambda x, shape: np.ascontiguousarray(x, dtype=np.float32).reshape(shape)  # noqa: E731
+        _C.merge_by_lse(c(v_a, (rows, dim)), c(s_a, (rows,)), c(v_b, (rows, dim)), c(s_b, (rows,)), o, lse)
+    return o.reshape(v_a.shape), lse.reshape(s_a.shape)

@@ -35,6 +35,12 @@ allocates nothing).
   flashcpp::flash_attn_with_kvcache_append(q, k_cache(a!), v_cache(a!), k, v, ...): decode's
   flash_attn_with_kvcache as ops, used inside torch.compile (eager calls skip the dispatcher).
 
+This module owns the op bodies: the code that allocates the outputs and launches through the lower
+modules (``_attn`` for attention, ``_decode`` for decode, ``_core`` for the merge), for the registered
+ops and for the eager calls that skip the dispatcher. The public modules (``attention``, ``merge``,
+``decode``) call into it; it imports none of them, so the package's imports run one way
+(tests/python/test_import_order.py holds them to it).
+
 No annotations from __future__ here: torch.library reads the real annotations for the schema.
 """
 from typing import Any, List, Optional, Tuple
@@ -43,7 +49,9 @@ import torch
 from torch import Tensor
 
 from . import _core
-from .attention import _execute, _prepare, _rotary_from_op_args
+from . import _flashcpp as _C
+from ._attn import _execute, _prepare, _rotary_from_op_args
+from ._decode import _check_kvcache_call, _with_kvcache
 
 _NO_LSE = (0,)
 
@@ -206,27 +214,88 @@ def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
             q.new_empty(shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
 
 
+# ---- merge_attention_states -----------------------------------------------------------------------
+# The op merges host tensors through cpu::merge_by_lse; its CUDA kernel is merge_cuda
+# (flashcpp::merge_attention_states on the current stream).
+
 @torch.library.custom_op("flashcpp::merge_attention_states", mutates_args=())
 def merge_attention_states_op(v_a: Tensor, s_a: Tensor, v_b: Tensor,
                               s_b: Tensor) -> Tuple[Tensor, Tensor]:
-    from .merge import check_merge, merge_host
-
-    check_merge(v_a, s_a, v_b, s_b)
+    _core.check_merge(v_a, s_a, v_b, s_b)
     if v_a.device.type != "cpu":
         raise NotImplementedError(
             "merge_attention_states on CUDA is not implemented yet (the CPU path merges host "
             "tensors through cpu::merge_by_lse)")
     f32 = lambda t: t.detach().to(torch.float32).contiguous().numpy()  # noqa: E731
-    o, lse = merge_host(f32(v_a), f32(s_a), f32(v_b), f32(s_b))
+    o, lse = _core.merge_host(f32(v_a), f32(s_a), f32(v_b), f32(s_b))
     return torch.from_numpy(o).to(v_a.dtype), torch.from_numpy(lse)
 
 
 @merge_attention_states_op.register_fake
 def _merge_attention_states_fake(v_a, s_a, v_b, s_b):
-    from .merge import check_merge
-
-    check_merge(v_a, s_a, v_b, s_b)
+    _core.check_merge(v_a, s_a, v_b, s_b)
     return v_a.new_empty(v_a.shape), s_a.new_empty(s_a.shape, dtype=torch.float32)
+
+
+def merge_cuda(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, out: Optional[Tensor] = None,
+               out_lse: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """CUDA tensors of matching shapes -> (v, s) through flashcpp::merge_attention_states, on the
+    current stream: no synchronization, and no allocation when ``out``/``out_lse`` are given
+    (contiguous, v_a's shape and dtype / s_a's shape in fp32), so it can be captured in a CUDA graph.
+    ``out`` may be ``v_a`` or ``v_b`` itself (in place)."""
+    dim = v_a.shape[-1] if v_a.dim() else 1
+    rows = v_a.numel() // dim if dim else 0
+    if out is None:
+        out = torch.empty(v_a.shape, dtype=v_a.dtype, device=v_a.device)
+    if out_lse is None:
+        out_lse = torch.empty(s_a.shape, dtype=torch.float32, device=v_a.device)
+    for x, n, shape, dt in ((out, "out", v_a.shape, v_a.dtype), (out_lse, "out_lse", s_a.shape, torch.float32)):
+        if x.shape != shape or x.dtype != dt or x.device != v_a.device or not x.is_contiguous():
+            raise ValueError(f"{n} must be a contiguous {dt} tensor of shape {tuple(shape)} on {v_a.device}; got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if rows == 0 or dim == 0:
+        return out, out_lse
+    if rows > 2**31 - 1:
+        raise ValueError(f"merge_attention_states: {rows} rows exceed 2**31-1")
+    # (rows, dim) views when the layout allows it, else copies (kept alive until the launch is queued)
+    va, vb = (x.reshape(rows, dim) for x in (v_a, v_b))
+    va, vb = (x if dim == 1 or x.stride(1) == 1 else x.contiguous() for x in (va, vb))
+    sa, sb = s_a.reshape(rows).contiguous(), s_b.reshape(rows).contiguous()
+    o2 = out.view(rows, dim)
+    code = _core._DTYPE_CODES[_core.meta(v_a, "v_a").dtype]
+
+    def view(t: Tensor) -> Any:
+        # (batch = rows, seqlen = 1, heads = 1, head_dim): only the row stride is ever stepped
+        return _C.TensorView(t.data_ptr(), code, t.stride(0) if rows > 1 else dim, 0, 0)
+
+    p = _C.MergeStatesParams()
+    p.batch, p.seqlen, p.heads, p.head_dim = rows, 1, 1, dim
+    p.o_a, p.o_b, p.o = view(va), view(vb), view(o2)
+    p.lse_a, p.lse_b, p.lse = sa.data_ptr(), sb.data_ptr(), out_lse.data_ptr()
+    dev = v_a.device
+    opt = _C.RunOptions("cuda", torch.cuda.current_stream(dev).cuda_stream)
+    if dev.index is not None and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            _C.merge_attention_states(p, opt)
+    else:
+        _C.merge_attention_states(p, opt)
+    return out, out_lse
+
+
+def _merge_cuda_kernel(v_a, s_a, v_b, s_b):
+    _core.check_merge(v_a, s_a, v_b, s_b)
+    return merge_cuda(v_a, s_a, v_b, s_b)
+
+
+merge_attention_states_op.register_kernel("cuda", _merge_cuda_kernel)
+
+
+def merge_attention_states(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor) -> Tuple[Tensor, Tensor]:
+    """flashcpp.merge_attention_states on checked torch tensors: eager CUDA calls skip the dispatcher
+    (merge_cuda, the op's own CUDA kernel); traced and CPU calls go through the registered op."""
+    if v_a.device.type == "cuda" and not torch.compiler.is_compiling():
+        return merge_cuda(v_a, s_a, v_b, s_b)
+    return torch.ops.flashcpp.merge_attention_states(v_a, s_a, v_b, s_b)
 
 
 # ---- decode: flash_attn_with_kvcache --------------------------------------------------------------
@@ -237,8 +306,6 @@ def _merge_attention_states_fake(v_a, s_a, v_b, s_b):
 def _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
                   rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                   alibi_slopes, num_splits, return_softmax_lse, rope_theta):
-    from .decode import _with_kvcache
-
     lens = cache_seqlens if cache_seqlens is not None else cache_seqlens_host
     res = _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lens, block_table, softmax_scale, causal,
                         (window_left, window_right), softcap, rotary_interleaved, alibi_slopes, num_splits,
@@ -251,8 +318,6 @@ def _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
                   rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
                   alibi_slopes, num_splits, return_softmax_lse, rope_theta):
-    from .decode import _check_kvcache_call
-
     lens = cache_seqlens if cache_seqlens is not None else cache_seqlens_host
     st, _ = _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lens, block_table,
                                 (window_left, window_right), softcap, alibi_slopes, num_splits, rope_theta,

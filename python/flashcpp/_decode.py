@@ -1,0 +1,885 @@
+"""Decode against a KV cache: the plan/run wrappers and the body of ``flash_attn_with_kvcache``
+(``flashcpp.decode`` is the public face; its module doc has the semantics). Below ``_torch_ops``,
+whose decode ops run ``_with_kvcache``, and below ``decode``, which re-exports the wrappers and
+chooses between the op (inside torch.compile) and ``_with_kvcache`` (eager). Imports only ``_core``
+and the binding.
+"""
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import _core
+from . import _flashcpp as _C
+
+MAX_SEQLEN_Q = _C.DECODE_MAX_SEQLEN_Q
+MAX_PAGE_SIZE = _C.DECODE_MAX_PAGE_SIZE
+MAX_SPLITS = _C.DECODE_MAX_SPLITS
+_FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+_ROTARY = {None: _C.ROTARY_NONE, "none": _C.ROTARY_NONE, "neox": _C.ROTARY_NEOX,
+           "interleaved": _C.ROTARY_INTERLEAVED}
+_WS_ALIGN = 256  # workspace offsets (the C++ API needs 16)
+
+
+# ---- inputs ---------------------------------------------------------------------------------
+
+def _is_torch(x: Any) -> bool:
+    return _core.is_torch(x)
+
+
+def _ints(x: Any, name: str) -> np.ndarray:
+    """Host copy of an integer array (reads a CUDA tensor: only for host-side steps such as plans)."""
+    if _is_torch(x):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+    return a.astype(np.int64)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _dtype_name(dtype: Any) -> str:
+    """'float16' / 'bfloat16' / 'float32' of a torch dtype, numpy dtype or name."""
+    if _core.torch is not None and isinstance(dtype, _core.torch.dtype):
+        name = _core._TORCH_DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+    elif isinstance(dtype, str):
+        name = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32",
+                "float": "float32"}.get(dtype, dtype)
+    else:
+        name = np.dtype(dtype).name
+    if name not in _FLOAT_DTYPES:
+        raise TypeError(f"dtype {dtype!r} is not one of float16, bfloat16, float32")
+    return name
+
+
+def _device_of(x: Any) -> Tuple[bool, Any]:
+    """(is_cuda, torch device or 'cpu')."""
+    if _is_torch(x):
+        return x.device.type == "cuda", x.device
+    return False, "cpu"
+
+
+class _DeviceGuard:
+    """Makes x's CUDA device current for the C++ calls (they use the current device)."""
+
+    def __init__(self, device: Any) -> None:
+        self._ctx = None
+        torch = _core.torch
+        if (torch is not None and isinstance(device, torch.device) and device.type == "cuda"
+                and device.index is not None and device.index != torch.cuda.current_device()):
+            self._ctx = torch.cuda.device(device)
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _stream(device: Any) -> int:
+    torch = _core.torch
+    if torch is not None and isinstance(device, torch.device) and device.type == "cuda":
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+def _capturing(device: Any) -> bool:
+    torch = _core.torch
+    return (torch is not None and isinstance(device, torch.device) and device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing())
+
+
+def _tensor(x: Any, m: _core.Meta, dtype_code: int) -> Any:
+    """The binding's TensorView of a 4-D view (for a paged cache batch_stride is the page stride)."""
+    return _core.tensor_view(x, m, dtype_code)
+
+
+def _check_4d(m: _core.Meta, shape: Tuple[int, ...], what: str) -> None:
+    if tuple(m.shape) != tuple(shape):
+        raise ValueError(f"{m.name} must be {what} = {tuple(shape)}; got {m.shape}")
+    if 0 not in m.shape:
+        if m.shape[-1] > 1 and m.strides[-1] != 1:
+            raise ValueError(f"{m.name}: the last dimension (head_dim) must be contiguous (stride 1); "
+                             f"got strides {m.strides}")
+        if any(s < 0 for s in m.strides):
+            raise ValueError(f"{m.name} has a negative stride {m.strides}")
+
+
+def _small(x: Any, name: str, kind: str, like: Any, is_cuda: bool, device: Any) -> Any:
+    """A small array (lengths, block table, slopes, rotary tables) as the binding wants it: int32 or
+    float32, contiguous, where the step runs. No copy when it already is; a copy otherwise (outside
+    a CUDA graph capture: the run of a captured graph must be handed the right tensors)."""
+    if x is None:
+        return None
+    torch = _core.torch
+    want_np = np.int32 if kind == "int32" else np.float32
+    if is_cuda:
+        want = torch.int32 if kind == "int32" else torch.float32
+        if isinstance(x, torch.Tensor):
+            if kind == "int32" and (x.dtype.is_floating_point or x.dtype.is_complex):
+                raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+            if x.device != device:
+                if x.device.type == "cuda":
+                    raise ValueError(f"{name} must be on q's device ({device}); got {x.device}")
+            elif x.dtype == want and x.is_contiguous():
+                return x
+            if _capturing(device):
+                raise ValueError(f"{name} must already be a contiguous {kind} tensor on {device} inside a CUDA "
+                                 f"graph capture (got {x.dtype} on {x.device}); converting it would copy")
+            return x.to(device=device, dtype=want).contiguous()
+        if _capturing(device):
+            raise ValueError(f"{name} must be a {kind} tensor on {device} inside a CUDA graph capture")
+        a = np.asarray(x)
+        if kind == "int32" and a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        return torch.as_tensor(np.ascontiguousarray(a, dtype=want_np), device=device)
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host like q; got {x.device}")
+        if kind == "int32" and (x.dtype.is_floating_point or x.dtype.is_complex):
+            raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+        x = x.detach().numpy() if x.dtype != torch.bfloat16 else x.detach().float().numpy()
+    a = np.asarray(x)
+    if kind == "int32":
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name} values must fit int32")
+    return np.ascontiguousarray(a, dtype=want_np)
+
+
+# ---- workspaces -----------------------------------------------------------------------------------
+
+class _Workspace:
+    """The int32 work list and the fp32 partials of a plan, carved from one byte buffer: a torch
+    uint8 tensor on the CUDA device, or an aligned numpy array for the CPU backend. The buffer is
+    either the caller's (never replaced: a plan that needs more raises) or ours (grown when a plan
+    needs more; a CUDA graph captured before the growth must be captured again)."""
+
+    def __init__(self, buffer: Any = None) -> None:
+        self._user = buffer is not None
+        self._buf = buffer
+        if buffer is not None:
+            m = _core.meta(buffer, "workspace_buffer")
+            if len(m.shape) != 1 or (m.shape[0] > 1 and m.strides[0] != 1):
+                raise ValueError(f"workspace_buffer must be a contiguous 1-D buffer; got shape {m.shape}, "
+                                 f"strides {m.strides}")
+            self._bytes = m.shape[0] * (buffer.element_size() if _is_torch(buffer) else buffer.itemsize)
+            self._is_cuda = m.is_cuda
+            self._device = m.device
+        else:
+            self._bytes = 0
+            self._is_cuda = False
+            self._device = None
+
+    def carve(self, int_bytes: int, float_bytes: int, is_cuda: bool, device: Any) -> Tuple[int, int]:
+        """(int_ptr, float_ptr) for a plan needing these bytes on this device (0 for an empty part)."""
+        float_off = -(-int_bytes // _WS_ALIGN) * _WS_ALIGN
+        need = float_off + float_bytes + _WS_ALIGN  # + slack to align the start
+        if self._user:
+            if self._is_cuda != is_cuda or (is_cuda and self._device != device):
+                raise ValueError(f"workspace_buffer is on {self._device}; the step runs on {device}")
+            if self._bytes < need:
+                raise ValueError(f"workspace_buffer has {self._bytes} bytes; this plan needs {need} "
+                                 "(pass a larger buffer, e.g. 128 MiB)")
+        elif self._buf is None or self._is_cuda != is_cuda or self._device != device or self._bytes < need:
+            size = max(need, 2 * self._bytes if self._device == device else 0, 1 << 16)
+            if is_cuda:
+                self._buf = _core.torch.empty(size, dtype=_core.torch.uint8, device=device)
+            else:
+                self._buf = np.empty(size, dtype=np.uint8)
+            self._bytes, self._is_cuda, self._device = size, is_cuda, device
+        base = _core.data_ptr(self._buf)
+        base = -(-base // _WS_ALIGN) * _WS_ALIGN
+        return (base if int_bytes else 0), (base + float_off if float_bytes else 0)
+
+
+# ---- plan / run -----------------------------------------------------------------------------------
+
+class BatchDecodeWithKVCache:
+    """Plan/run decode over a contiguous or paged KV cache (flash-attn cache layout), the way
+    FlashInfer's wrappers work: ``plan()`` decides on the host how every sequence's keys are split
+    over CTAs and writes the work list into the workspace; ``run()`` launches only.
+
+    ``run()`` is CUDA-graph capturable: capture it after ``plan()`` (and after one warm-up run) and
+    replay with new cache_seqlens / tensor contents; plan again (and capture again) when batch,
+    seqlen_q, heads, head_dim, dtype, the cache kind or append change, or when the lengths outgrow
+    what was planned for (still correct then, but split for shorter sequences).
+
+    Example::
+
+        w = flashcpp.decode.BatchDecodeWithKVCache()
+        w.plan(batch, heads_q, heads_kv, 128, kv_capacity=k_cache.shape[1], cache_seqlens=lens_host,
+               dtype=torch.bfloat16, device="cuda", causal=True)
+        out = w.run(q, k_cache, v_cache, lens_dev)               # q (batch, 1, heads_q, 128)
+
+    Args of the constructor:
+        workspace_buffer: optional 1-D uint8 buffer (torch on the device, or numpy for the CPU
+            backend) to carve the workspaces from; by default the wrapper allocates and grows its own.
+    """
+
+    def __init__(self, workspace_buffer: Any = None) -> None:
+        self._ws = _Workspace(workspace_buffer)
+        self._plan: Optional[Any] = None
+        self._cfg: Optional[dict] = None
+
+    @property
+    def plan_info(self) -> Any:
+        """The C++ DecodePlan (backend, num_items, max_splits, needs_merge, ctas, ...), or None."""
+        return self._plan
+
+    def plan(self, batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+             seqlen_q: int = 1, kv_capacity: Optional[int] = None, page_size: int = 0,
+             cache_seqlens: Any = None, append: bool = False, causal: bool = False,
+             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, sm_scale: Optional[float] = None,
+             rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
+             dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
+             num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False,
+             fused_append: bool = False) -> Any:
+        """Plans the steps that ``run()`` will compute.
+
+        Args:
+            batch_size, num_qo_heads, num_kv_heads, head_dim, seqlen_q: the step's shape
+                (q is (batch_size, seqlen_q, num_qo_heads, head_dim), 1 <= seqlen_q <= 16).
+            kv_capacity: key slots per sequence: k_cache.shape[1] (contiguous), or
+                pages_per_seq * page_size (paged). Default: the largest planned length (+ seqlen_q
+                with append); required when cache_seqlens is None.
+            page_size: 0 for a contiguous cache, else the page size of the paged cache.
+            cache_seqlens: host lengths to plan for (the meaning of run's cache_seqlens: keys
+                before the step). For a CUDA graph replayed with growing lengths pass the largest
+                it will see. None: every sequence planned at its full capacity.
+            append: run() will get k/v (new tokens written into the cache).
+            causal, window_size, softcap, sm_scale: the mask (as flash_attn_with_kvcache).
+            rotary: None, "neox" or "interleaved" (q and the appended keys rotated in the kernel);
+                rotary_dim (0 = head_dim) and rope_theta when run() gets no cos/sin tables.
+            dtype, device: of q and the cache; device "cpu" plans for the CPU backend.
+            num_splits: force this many key splits per sequence (0 = heuristic); max_splits caps
+                the heuristic (0 = 256); num_sms: plan for this many SMs (0 = the device's).
+            non_blocking: CUDA: the work list is uploaded on the current stream; by default plan()
+                then waits for that stream, so run() may be called on any stream. True skips the
+                wait (run() must then be ordered after the current stream).
+            fused_merge: CUDA: the split-KV kernel merges the splits itself (the last CTA of each
+                sequence and KV head to finish), instead of a merge launch; same results.
+            fused_append: CUDA, with append: the split-KV kernel writes the new k/v into the cache
+                itself (each split the tokens in its tiles), instead of an append launch; same
+                cache bytes and results.
+        Returns:
+            the C++ DecodePlan (also ``self.plan_info``).
+        """
+        torch = _core.torch
+        dt = _dtype_name(dtype)
+        if str(device) != "cpu":
+            if torch is None:
+                raise ValueError(f"device {device!r} needs torch; without it decode runs on the CPU (device='cpu')")
+            device = torch.device(device)
+            if device.type != "cuda":
+                raise ValueError(f"device must be 'cpu' or a CUDA device; got {device}")
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            is_cuda = True
+        else:
+            device, is_cuda = "cpu", False
+        if is_cuda and _capturing(device):
+            raise RuntimeError("plan() runs on the host and uploads the work list: call it before the CUDA "
+                               "graph capture, and capture run() only")
+        for name, val, lo in (("batch_size", batch_size, 0), ("num_qo_heads", num_qo_heads, 1),
+                              ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1),
+                              ("seqlen_q", seqlen_q, 1), ("num_splits", num_splits, 0),
+                              ("max_splits", max_splits, 0), ("num_sms", num_sms, 0), ("page_size", page_size, 0),
+                              ("rotary_dim", rotary_dim, 0)):
+            # a float is not truncated, a bool is not a count; past int32 the binding refuses
+            # with nanobind's "incompatible function arguments"
+            if not _core._is_int(val) or not lo <= val <= _core._INT32_MAX:
+                raise ValueError(f"{name} must be an int in [{lo}, 2**31-1]; got {val!r}")
+        if kv_capacity is not None:
+            _core.check_int(kv_capacity, "kv_capacity", 0)
+        window = _core.check_window(window_size)
+        if rotary not in _ROTARY:
+            raise ValueError(f"rotary must be None, 'neox' or 'interleaved'; got {rotary!r}")
+        batch = int(batch_size)
+        add = int(seqlen_q) if append else 0
+        lens = None
+        if cache_seqlens is not None:
+            if isinstance(cache_seqlens, (int, np.integer)):
+                lens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+            else:
+                lens = _ints(cache_seqlens, "cache_seqlens").reshape(-1)
+            if lens.shape != (batch,):
+                raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({batch},); got {lens.shape}")
+            if lens.size and lens.min() < 0:
+                raise ValueError(f"cache_seqlens[{int(np.argmin(lens))}] {int(lens.min())} is negative")
+        if kv_capacity is None:
+            if lens is None:
+                raise ValueError("plan() needs kv_capacity (key slots per sequence) or cache_seqlens")
+            kv_capacity = int(lens.max()) + add if lens.size else add
+        kv_capacity = int(kv_capacity)
+        if lens is not None and lens.size and int(lens.max()) + add > kv_capacity:
+            b = int(np.argmax(lens))
+            raise ValueError(f"cache_seqlens[{b}] {int(lens[b])}" + (f" + seqlen_q {add}" if add else "") +
+                             f" = {int(lens[b]) + add} keys exceed the cache's {kv_capacity} slots per sequence")
+        if page_size:
+            if not _is_pow2(int(page_size)) or page_size > MAX_PAGE_SIZE:
+                raise ValueError(f"page_size {page_size} is not a power of two in [1, {MAX_PAGE_SIZE}]")
+            pages_per_seq = max(1, -(-kv_capacity // int(page_size)))
+            capacity = 0
+        else:
+            pages_per_seq, capacity = 0, kv_capacity
+        scale = _core.default_scale(sm_scale, int(head_dim))
+        cfg = dict(batch=batch, seqlen_q=int(seqlen_q), heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
+                   head_dim=int(head_dim), dtype=dt, device=device, is_cuda=is_cuda, page_size=int(page_size),
+                   append=bool(append), causal=bool(causal), window=window, softcap=float(softcap), scale=scale,
+                   rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
+        # decode_plan reads the scalars only: the tensors are absent (null views of the planned dtype).
+        code = _core._DTYPE_CODES[dt]
+        params = _C.DecodeParams()
+        params.batch, params.seqlen_q = batch, cfg["seqlen_q"]
+        params.heads_q, params.heads_kv, params.head_dim = cfg["heads_q"], cfg["heads_kv"], cfg["head_dim"]
+        params.q = params.o = _C.TensorView(0, code)
+        cache = params.cache
+        cache.k = cache.v = _C.TensorView(0, code)
+        cache.capacity, cache.page_size, cache.num_pages = capacity, cfg["page_size"], 1 if page_size else 0
+        cache.block_table_stride = cache.pages_per_seq = pages_per_seq
+        rotary_p = params.rotary
+        rotary_p.style, rotary_p.rotary_dim, rotary_p.theta = cfg["rotary"], cfg["rotary_dim"], cfg["rope_theta"]
+        params.softmax_scale = scale
+        mask = params.mask
+        mask.causal, mask.window_left, mask.window_right = cfg["causal"], window[0], window[1]
+        mask.softcap = cfg["softcap"]
+        opt = _C.DecodePlanOptions()
+        opt.backend = "cuda" if is_cuda else "cpu"
+        opt.host_cache_seqlens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
+        opt.num_splits, opt.max_splits, opt.num_sms = int(num_splits), int(max_splits), int(num_sms)
+        opt.fused_merge, opt.fused_append = bool(fused_merge), bool(fused_append)
+        with _DeviceGuard(device):
+            ib, fb = _C.decode_workspace_size(params, opt, bool(append))
+            iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
+            opt.stream = _stream(device)
+            self._plan = _C.decode_plan(params, opt, bool(append), iptr, ib, fptr, fb)
+            if is_cuda and not non_blocking:
+                torch.cuda.current_stream(device).synchronize()
+        self._cfg = cfg
+        return self._plan
+
+    def run(self, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, block_table: Any = None,
+            k: Any = None, v: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
+            alibi_slopes: Any = None, out: Any = None, lse: Any = None, return_lse: bool = False,
+            cpu_threads: int = 0) -> Any:
+        """One decode step as planned.
+
+        Args:
+            q: (batch, seqlen_q, heads_q, head_dim), head_dim contiguous, other strides free.
+            k_cache, v_cache: (batch, capacity, heads_kv, head_dim), or paged (num_pages, page_size,
+                heads_kv, head_dim) with block_table (batch, pages_per_seq) int32.
+            cache_seqlens: (batch,) int32 keys in the cache before the step, on q's device (read by
+                the kernels at run time: a replayed CUDA graph picks up new values).
+            k, v: the new tokens (batch, seqlen_q, heads_kv, head_dim) when planned with append.
+            rotary_cos, rotary_sin: optional fp32 tables (max_position, rotary_dim / 2) when planned
+                with rotary; without them the angles come from rope_theta.
+            alibi_slopes: optional fp32 (heads_q,) or (batch, heads_q).
+            out, lse: optional outputs (q's shape and dtype; fp32 (batch, heads_q, seqlen_q)); pass
+                them to run without allocating (CUDA graphs with static outputs).
+        Returns:
+            out, or (out, lse) when return_lse or lse is given.
+        """
+        c = self._cfg
+        if c is None:
+            raise RuntimeError("call plan() before run()")
+        mq, mk, mv = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
+        for m in (mq, mk, mv):
+            if m.dtype != c["dtype"]:
+                raise TypeError(f"{m.name} has dtype {m.dtype}; the plan is for {c['dtype']}")
+            if m.is_cuda != c["is_cuda"] or (m.is_cuda and m.device != c["device"]):
+                raise ValueError(f"{m.name} is on {m.device}; the plan is for {c['device']}")
+        B, Sq, Hq, Hkv, D = c["batch"], c["seqlen_q"], c["heads_q"], c["heads_kv"], c["head_dim"]
+        _check_4d(mq, (B, Sq, Hq, D), "(batch, seqlen_q, heads_q, head_dim) as planned")
+        if len(mk.shape) != 4 or tuple(mk.shape) != tuple(mv.shape):
+            raise ValueError(f"k_cache and v_cache must be 4-D and of one shape; got {mk.shape} and {mv.shape}")
+        ps = c["page_size"]
+        if ps:
+            if block_table is None:
+                raise ValueError(f"the plan is for a paged cache (page_size {ps}): pass block_table")
+            _check_4d(mk, (mk.shape[0], ps, Hkv, D), "(num_pages, page_size, heads_kv, head_dim)")
+            _check_4d(mv, (mv.shape[0], ps, Hkv, D), "(num_pages, page_size, heads_kv, head_dim)")
+        else:
+            if block_table is not None:
+                raise ValueError("block_table given but the plan is for a contiguous cache (plan with page_size)")
+            _check_4d(mk, (B, mk.shape[1], Hkv, D), "(batch, capacity, heads_kv, head_dim)")
+            _check_4d(mv, (B, mv.shape[1], Hkv, D), "(batch, capacity, heads_kv, head_dim)")
+        if (k is None) != (v is None):
+            raise ValueError("k and v come together (the new tokens' keys and values)")
+        if (k is not None) != c["append"]:
+            raise ValueError("k/v given but the plan has append=False" if k is not None else
+                             "the plan has append=True: pass k and v (the new tokens)")
+        mkn = mvn = None
+        if k is not None:
+            _core.check_writable(k_cache, "k_cache")  # the append writes the new tokens into the cache
+            _core.check_writable(v_cache, "v_cache")
+            mkn, mvn = _core.meta(k, "k"), _core.meta(v, "v")
+            for m in (mkn, mvn):
+                if m.dtype != c["dtype"] or m.device != mq.device:
+                    raise ValueError(f"{m.name} must be {c['dtype']} on {mq.device}; got {m.dtype} on {m.device}")
+                _check_4d(m, (B, Sq, Hkv, D), "(batch, seqlen_q, heads_kv, head_dim)")
+        return self._launch(q, mq, k_cache, mk, v_cache, mv, cache_seqlens, block_table, k, mkn, v, mvn,
+                            rotary_cos, rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads)
+
+    def _launch(self, q, mq, k_cache, mk, v_cache, mv, cache_seqlens, block_table, k, mkn, v, mvn, rotary_cos,
+                rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads):
+        c = self._cfg
+        is_cuda, device = c["is_cuda"], c["device"]
+        B, Sq, Hq, D = c["batch"], c["seqlen_q"], c["heads_q"], c["head_dim"]
+        torch = _core.torch
+        lens = _small(cache_seqlens, "cache_seqlens", "int32", q, is_cuda, device)
+        if lens is None:
+            raise ValueError("cache_seqlens is required by run() (keys in the cache before the step)")
+        if tuple(lens.shape) != (B,):
+            raise ValueError(f"cache_seqlens must have shape (batch,) = ({B},); got {tuple(lens.shape)}")
+        table = _small(block_table, "block_table", "int32", q, is_cuda, device)
+        if table is not None and (table.ndim != 2 or table.shape[0] != B or table.shape[1] < 1):
+            raise ValueError(f"block_table must be (batch, pages_per_seq) = ({B}, n >= 1); got {tuple(table.shape)}")
+        if is_cuda and not (_is_torch(cache_seqlens) and cache_seqlens.device.type == "cuda"):
+            # host lengths for a CUDA step: their values are here, check them (no synchronization)
+            slots = table.shape[1] * c["page_size"] if c["page_size"] else mk.shape[1]
+            add = Sq if c["append"] else 0
+            host = _ints(cache_seqlens, "cache_seqlens").reshape(-1)
+            for b, n in enumerate(host):
+                if n < 0:
+                    raise ValueError(f"cache_seqlens[{b}] {int(n)} is negative")
+                if n + add > slots:
+                    raise ValueError(f"cache_seqlens[{b}] {int(n)}" + (f" + seqlen_q {add}" if add else "") +
+                                     f" = {int(n) + add} keys exceed the cache's {slots} slots per sequence")
+        rot = c["rotary"]
+        cos = sin = None
+        rd, max_pos = c["rotary_dim"], 0
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin come together")
+        if rotary_cos is not None:
+            if rot == _C.ROTARY_NONE:
+                raise ValueError("rotary_cos/rotary_sin given but the plan has rotary=None")
+            cos = _small(rotary_cos, "rotary_cos", "float32", q, is_cuda, device)
+            sin = _small(rotary_sin, "rotary_sin", "float32", q, is_cuda, device)
+            if cos.ndim != 2 or tuple(cos.shape) != tuple(sin.shape):
+                raise ValueError(f"rotary_cos and rotary_sin must be 2-D (max_position, rotary_dim / 2) of one shape; "
+                                 f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+            if rd and rd != 2 * cos.shape[1]:
+                raise ValueError(f"rotary_cos has {cos.shape[1]} columns but the plan has rotary_dim {rd}")
+            rd, max_pos = 2 * cos.shape[1], cos.shape[0]
+            if not 2 <= rd <= D:
+                raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {D}]")
+        alibi = _small(alibi_slopes, "alibi_slopes", "float32", q, is_cuda, device)
+        alibi_bs = 0
+        if alibi is not None:
+            if tuple(alibi.shape) == (B, Hq):
+                alibi_bs = Hq
+            elif tuple(alibi.shape) != (Hq,):
+                raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {tuple(alibi.shape)}")
+        if out is None:
+            out = torch.empty(mq.shape, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(mq.shape, q.dtype)
+        mo = _core.meta(out, "out")
+        _core.check_writable(out, "out")
+        if lse is not None:
+            _core.check_writable(lse, "lse")
+        if mo.dtype != mq.dtype or mo.device != mq.device:
+            raise ValueError(f"out must be {mq.dtype} on {mq.device}; got {mo.dtype} on {mo.device}")
+        _check_4d(mo, tuple(mq.shape), "q's shape")
+        want_lse = return_lse or lse is not None
+        if lse is None and return_lse:
+            shape = (B, Hq, Sq)
+            lse = (torch.empty(shape, dtype=torch.float32, device=q.device) if _is_torch(q)
+                   else np.empty(shape, np.float32))
+        if lse is not None:
+            ml = _core.meta(lse, "lse")
+            if ml.shape != (B, Hq, Sq) or ml.dtype != "float32" or ml.device != mq.device:
+                raise ValueError(f"lse must be float32 (batch, heads_q, seqlen_q) = {(B, Hq, Sq)} on {mq.device}; "
+                                 f"got {ml.dtype} {ml.shape} on {ml.device}")
+            if not (lse.is_contiguous() if _is_torch(lse) else lse.flags.c_contiguous):
+                raise ValueError("lse must be contiguous")
+        if B == 0:
+            return (out, lse) if want_lse else out
+        code = _core._DTYPE_CODES[c["dtype"]]
+        params = _C.DecodeParams()
+        params.batch, params.seqlen_q, params.heads_q, params.heads_kv, params.head_dim = B, Sq, Hq, c["heads_kv"], D
+        params.q, params.o = _tensor(q, mq, code), _tensor(out, mo, code)
+        params.lse = _core.data_ptr(lse)
+        cache = params.cache
+        cache.k, cache.v = _tensor(k_cache, mk, code), _tensor(v_cache, mv, code)
+        cache.capacity = mk.shape[1] if not c["page_size"] else 0
+        cache.page_size, cache.num_pages = c["page_size"], mk.shape[0] if c["page_size"] else 0
+        if table is not None:
+            cache.block_table = _core.data_ptr(table)
+            cache.block_table_stride = cache.pages_per_seq = table.shape[1]
+        params.cache_seqlens = _core.data_ptr(lens)
+        if k is not None:
+            params.k_new, params.v_new = _tensor(k, mkn, code), _tensor(v, mvn, code)
+        rotary_p = params.rotary
+        rotary_p.style, rotary_p.rotary_dim, rotary_p.theta = rot, rd, c["rope_theta"]
+        rotary_p.cos, rotary_p.sin, rotary_p.max_position = _core.data_ptr(cos), _core.data_ptr(sin), max_pos
+        params.softmax_scale = c["scale"]
+        mask = params.mask
+        mask.causal, mask.window_left, mask.window_right = c["causal"], c["window"][0], c["window"][1]
+        mask.softcap = c["softcap"]
+        mask.alibi_slopes, mask.alibi_batch_stride = _core.data_ptr(alibi), alibi_bs
+        opt = _C.RunOptions("cuda" if is_cuda else "cpu", _stream(device), _core.check_cpu_threads(cpu_threads))
+        with _DeviceGuard(device):
+            _C.decode_run(params, self._plan, opt)
+        return (out, lse) if want_lse else out
+
+
+# ---- flash-attn's flash_attn_with_kvcache ------------------------------------------------------------
+
+class _Step:
+    """Checked shapes of one flash_attn_with_kvcache call (values too, for host memory)."""
+
+    def __init__(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin,
+                 alibi_slopes, check_values: bool = True):
+        # check_values False: shapes, dtypes and devices only (the fake of the torch op: no data).
+        mq, mkc, mvc = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
+        extra = [x for x in (k, v) if x is not None]
+        _core._same_library("q, k_cache, v_cache, k and v", q, k_cache, v_cache, *extra)
+        for m in (mq, mkc, mvc):
+            if m.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"{m.name} has dtype {m.dtype}; decode takes float16, bfloat16 or float32")
+        if not (mq.dtype == mkc.dtype == mvc.dtype):
+            raise TypeError(f"q, k_cache and v_cache must share one dtype (got {mq.dtype}, {mkc.dtype}, "
+                            f"{mvc.dtype})")
+        if not (mq.device == mkc.device == mvc.device):
+            raise ValueError(f"q, k_cache and v_cache must be on one device (got {mq.device}, {mkc.device}, "
+                             f"{mvc.device})")
+        self.mq, self.mk, self.mv = mq, mkc, mvc
+        self.is_cuda = mq.is_cuda
+        self.device = mq.device
+        self.dtype = mq.dtype
+        if len(mq.shape) != 4:
+            raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim); got shape {mq.shape}")
+        self.batch, self.seqlen_q, self.heads_q, self.head_dim = mq.shape
+        if not 1 <= self.seqlen_q <= MAX_SEQLEN_Q:
+            raise ValueError(f"seqlen_q {self.seqlen_q} is outside the decode range 1..{MAX_SEQLEN_Q} "
+                             "(longer query blocks go through flash_attn_func)")
+        if self.head_dim not in _C.SUPPORTED_HEAD_DIMS:
+            raise ValueError(f"head_dim {self.head_dim} is not supported (supported: "
+                             f"{', '.join(map(str, _C.SUPPORTED_HEAD_DIMS))})")
+        if len(mkc.shape) != 4 or tuple(mkc.shape) != tuple(mvc.shape):
+            raise ValueError(f"k_cache and v_cache must be 4-D and of one shape; got {mkc.shape} and {mvc.shape}")
+        self.heads_kv = mkc.shape[2]
+        if mkc.shape[3] != self.head_dim:
+            raise ValueError(f"k_cache's head_dim {mkc.shape[3]} differs from q's {self.head_dim}")
+        if self.heads_kv == 0 or self.heads_q % self.heads_kv:
+            raise ValueError(f"heads of q ({self.heads_q}) must be a multiple of heads of the cache "
+                             f"({self.heads_kv}) (GQA/MQA)")
+        self.paged = block_table is not None
+        self.page_size = 0
+        if self.paged:
+            self.num_pages, self.page_size = mkc.shape[0], mkc.shape[1]
+            if not _is_pow2(self.page_size) or self.page_size > MAX_PAGE_SIZE:
+                raise ValueError(f"page_size {self.page_size} (k_cache.shape[1]) is not a power of two in "
+                                 f"[1, {MAX_PAGE_SIZE}]")
+            bt = _core.meta(block_table, "block_table")
+            if len(bt.shape) != 2 or bt.shape[0] != self.batch:
+                raise ValueError(f"block_table must be (batch, pages_per_seq) = ({self.batch}, n); got {bt.shape}")
+            self.pages_per_seq = bt.shape[1]
+            self.slots = self.pages_per_seq * self.page_size
+        else:
+            if mkc.shape[0] != self.batch:
+                raise ValueError(f"k_cache's batch {mkc.shape[0]} differs from q's {self.batch} (cache_batch_idx "
+                                 "is not built)")
+            self.slots = mkc.shape[1]
+        self.append = k is not None or v is not None
+        if self.append:
+            if k is None or v is None:
+                raise ValueError("k and v come together (the new tokens' keys and values)")
+            want = (self.batch, self.seqlen_q, self.heads_kv, self.head_dim)
+            for x, n in ((k, "k"), (v, "v")):
+                m = _core.meta(x, n)
+                if tuple(m.shape) != want:
+                    raise ValueError(f"{n} must be (batch, seqlen_q, heads_kv, head_dim) = {want}; got {m.shape}")
+                if m.dtype != self.dtype:
+                    raise TypeError(f"{n} has dtype {m.dtype}; the cache's is {self.dtype}")
+                if m.device != self.device:
+                    raise ValueError(f"{n} is on {m.device}; the cache is on {self.device}")
+            if self.slots < self.seqlen_q:
+                raise ValueError(f"the cache has {self.slots} slots per sequence, fewer than the {self.seqlen_q} "
+                                 "tokens an append writes")
+        if (rotary_cos is None) != (rotary_sin is None):
+            raise ValueError("rotary_cos and rotary_sin come together")
+        if alibi_slopes is not None:
+            shape = tuple(alibi_slopes.shape) if hasattr(alibi_slopes, "shape") else np.shape(alibi_slopes)
+            if shape not in ((self.heads_q,), (self.batch, self.heads_q)):
+                raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {shape}")
+        add = self.seqlen_q if self.append else 0
+        self.lens = None  # host values (None on CUDA, where only the device holds them)
+        if self.is_cuda or not check_values:
+            # Values on the device are not read (the kernels clamp them); host values (an int, a
+            # list, a numpy array, a CPU tensor) are checked: that needs no synchronization.
+            if isinstance(cache_seqlens, (int, np.integer)):
+                self._check_lens(np.full(self.batch, int(cache_seqlens), dtype=np.int64), add, one=True)
+            elif cache_seqlens is not None:
+                n = tuple(cache_seqlens.shape) if hasattr(cache_seqlens, "shape") else (len(cache_seqlens),)
+                if n != (self.batch,):
+                    raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({self.batch},); "
+                                     f"got {n}")
+                # a list or a numpy array always; a CPU tensor unless this is a fake (no data)
+                if not _is_torch(cache_seqlens) or (check_values and cache_seqlens.device.type == "cpu"):
+                    self._check_lens(_ints(cache_seqlens, "cache_seqlens").reshape(-1), add)
+            return
+        if cache_seqlens is None:
+            lens = np.full(self.batch, self.slots - add, dtype=np.int64)
+        elif isinstance(cache_seqlens, (int, np.integer)):
+            lens = np.full(self.batch, int(cache_seqlens), dtype=np.int64)
+        else:
+            lens = _ints(cache_seqlens, "cache_seqlens").reshape(-1)
+            if lens.shape != (self.batch,):
+                raise ValueError(f"cache_seqlens must be an int or have shape (batch,) = ({self.batch},); "
+                                 f"got {lens.shape}")
+        self._check_lens(lens, add)
+        self.lens = lens
+        if self.paged:
+            table = _ints(block_table, "block_table")
+            for b in range(self.batch):
+                used = (int(lens[b]) + add + self.page_size - 1) // self.page_size
+                row = table[b, :used]
+                if row.size and (row.min() < 0 or row.max() >= self.num_pages):
+                    bad = int(row[(row < 0) | (row >= self.num_pages)][0])
+                    raise ValueError(f"block_table[{b}] holds page {bad}, outside [0, num_pages {self.num_pages})")
+
+    def _check_lens(self, lens: np.ndarray, add: int, one: bool = False) -> None:
+        for b, c in enumerate(lens):
+            name = "cache_seqlens" if one else f"cache_seqlens[{b}]"
+            if c < 0:
+                raise ValueError(f"{name} {int(c)} is negative")
+            if c + add > self.slots:
+                raise ValueError(f"{name} {int(c)}" + (f" + seqlen_q {add}" if add else "") +
+                                 f" = {int(c) + add} keys exceed the cache's {self.slots} slots per sequence")
+            if one:
+                return
+
+
+_PLAN_CACHE: "collections.OrderedDict[tuple, BatchDecodeWithKVCache]" = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 32
+
+
+def _cached_plan(key: tuple, make: Any) -> BatchDecodeWithKVCache:
+    w = _PLAN_CACHE.get(key)
+    if w is not None:
+        _PLAN_CACHE.move_to_end(key)
+        return w
+    w = make()
+    _PLAN_CACHE[key] = w
+    while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
+        _PLAN_CACHE.popitem(last=False)
+    return w
+
+
+def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                        window_size, softcap, alibi_slopes, num_splits, rope_theta,
+                        check_values: bool = True) -> Tuple["_Step", Tuple[int, int]]:
+    """The checks of a flash_attn_with_kvcache call (shapes only with check_values False: the
+    fake of the torch op). Returns the checked step and the window."""
+    if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic); got {num_splits!r}")
+    window = _core.check_window(window_size)
+    if softcap < 0 or not np.isfinite(softcap):
+        raise ValueError(f"softcap must be finite and >= 0; got {softcap}")
+    if rotary_cos is not None and rope_theta is not None:
+        raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")
+    st = _Step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
+               check_values)
+    if rotary_cos is not None:
+        cols = _core.meta(rotary_cos, "rotary_cos").shape
+        rd = 2 * cols[1] if len(cols) == 2 else 0
+        if not 2 <= rd <= st.head_dim:
+            raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {st.head_dim}]")
+    return st, window
+
+
+def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale,
+                  causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+                  rope_theta) -> Any:
+    """The body of flash_attn_with_kvcache (eager, and the torch ops' body)."""
+    st, window = _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
+                                     window_size, softcap, alibi_slopes, num_splits, rope_theta)
+    rotary = None
+    if rotary_cos is not None or rope_theta is not None:
+        rotary = "interleaved" if rotary_interleaved else "neox"
+    device = st.device if st.is_cuda else "cpu"
+    cfg = dict(seqlen_q=st.seqlen_q, kv_capacity=st.slots, page_size=st.page_size, append=st.append,
+               causal=bool(causal), window_size=window, softcap=float(softcap), sm_scale=softmax_scale,
+               rotary=rotary, rope_theta=float(rope_theta) if rope_theta is not None else 10000.0,
+               dtype=st.dtype, device=device, num_splits=int(num_splits))
+    shape = (st.batch, st.heads_q, st.heads_kv, st.head_dim)
+    if st.is_cuda:
+        if isinstance(cache_seqlens, (int, np.integer)):
+            cache_seqlens = _core.torch.full((st.batch,), int(cache_seqlens), dtype=_core.torch.int32, device=device)
+        elif cache_seqlens is None:
+            cache_seqlens = _core.torch.full((st.batch,), st.slots - (st.seqlen_q if st.append else 0),
+                                             dtype=_core.torch.int32, device=device)
+        key = (str(device), shape, tuple(sorted((n, str(x)) for n, x in cfg.items())))
+
+        def make() -> BatchDecodeWithKVCache:
+            if _capturing(device):
+                raise RuntimeError("flash_attn_with_kvcache: no plan for this shape yet and a CUDA graph is being "
+                                   "captured; call it once before the capture (warm-up), or capture "
+                                   "BatchDecodeWithKVCache.run() after its plan()")
+            w = BatchDecodeWithKVCache()
+            w.plan(*shape, **cfg)  # waits for the work-list upload: later calls may use any stream
+            return w
+
+        w = _cached_plan(key, make)
+    else:
+        w = BatchDecodeWithKVCache()
+        w.plan(*shape, cache_seqlens=st.lens, **cfg)
+        cache_seqlens = np.ascontiguousarray(st.lens, dtype=np.int32)
+    return w.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, k=k, v=v, rotary_cos=rotary_cos,
+                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, return_lse=return_softmax_lse)
+
+
+# ---- FlashInfer's paged wrapper ---------------------------------------------------------------------
+
+class BatchDecodeWithPagedKVCache:
+    """Plan/run decode over a paged KV cache (FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``).
+
+    ``plan()`` takes FlashInfer's page description on the host (``indptr``, ``indices``,
+    ``last_page_len``), builds the block table and lengths (on the workspace's device) and plans;
+    ``run()`` computes one step for every sequence and is CUDA-graph capturable.
+    ``kv_layout`` "NHD" caches are (pages, page_size, heads_kv, head_dim), "HND" (pages, heads_kv,
+    page_size, head_dim); ``paged_kv_cache`` is a (k, v) pair or one (pages, 2, ...) array. The LSE
+    is the natural log (FlashInfer's is base 2). Keys are expected already rotated (flashcpp rotates
+    at append time), so ``pos_encoding_mode`` must be "NONE".
+
+    Where it runs: on ``device``, else on ``workspace_buffer``'s CUDA device, else where ``indptr``
+    lives (host arrays: the CPU backend). plan() needs the dtype (``q_data_type`` or ``data_type``)
+    to plan right away; without it the first run() plans (outside a CUDA graph capture), and a
+    run() with another dtype or device than planned plans again.
+    """
+
+    def __init__(self, workspace_buffer: Any = None, kv_layout: str = "NHD", device: Any = None) -> None:
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND'; got {kv_layout!r}")
+        self._layout = kv_layout
+        self._inner = BatchDecodeWithKVCache(workspace_buffer)
+        self._device = device
+        if device is None and _is_torch(workspace_buffer) and workspace_buffer.device.type == "cuda":
+            self._device = workspace_buffer.device
+        self._plan: Optional[dict] = None
+
+    def plan(self, indptr: Any, indices: Any, last_page_len: Any, num_qo_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: Optional[float] = 0.0, q_data_type: Any = None, kv_data_type: Any = None,
+             data_type: Any = None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
+             rope_theta: Optional[float] = None, non_blocking: bool = True, num_splits: int = 0) -> None:
+        """FlashInfer's plan(). Its keywords that flashcpp has no use for are accepted as FlashInfer
+        spells them: rope_scale / rope_theta only as None (they belong to pos_encoding_mode
+        "ROPE_LLAMA", which is not built), non_blocking (ignored: the work list is uploaded and
+        waited for). Any other keyword is a TypeError, as a misspelling must be."""
+        if rope_scale is not None or rope_theta is not None:
+            raise NotImplementedError("rope_scale / rope_theta belong to pos_encoding_mode 'ROPE_LLAMA', which is not "
+                                      "built: rotate keys when they are appended (flash_attn_with_kvcache with rotary)")
+        if pos_encoding_mode != "NONE":
+            raise NotImplementedError(f"pos_encoding_mode {pos_encoding_mode!r} is not built: flashcpp rotates keys "
+                                      "when they are appended (flash_attn_with_kvcache with rotary), so the cache "
+                                      "holds rotated keys and decode reads them as they are")
+        if _capturing(self._device if self._device is not None else "cpu"):
+            raise RuntimeError("plan() runs on the host: call it before the CUDA graph capture")
+        # Checked here, not at run(): a float is not truncated (window_left=1.5 ran as 1).
+        for name, val, lo in (("num_qo_heads", num_qo_heads, 1), ("num_kv_heads", num_kv_heads, 1),
+                              ("head_dim", head_dim, 1), ("page_size", page_size, 1), ("num_splits", num_splits, 0)):
+            _core.check_int(val, name, lo)
+        _core.check_window((window_left, -1))
+        if logits_soft_cap is not None and not (math.isfinite(float(logits_soft_cap)) and logits_soft_cap >= 0):
+            raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None = off); got {logits_soft_cap!r}")
+        if sm_scale is not None:
+            _core.default_scale(sm_scale, int(head_dim))
+        device = self._device
+        if device is None and _is_torch(indptr) and indptr.device.type == "cuda":
+            device = indptr.device
+        indptr, indices, last = (_ints(x, n) for x, n in ((indptr, "indptr"), (indices, "indices"),
+                                                           (last_page_len, "last_page_len")))
+        batch = indptr.size - 1
+        if batch < 0 or last.shape != (batch,):
+            raise ValueError(f"last_page_len must have one entry per sequence ({batch}); got {last.shape}")
+        if not _is_pow2(int(page_size)) or page_size > MAX_PAGE_SIZE:
+            raise ValueError(f"page_size {page_size} is not a power of two in [1, {MAX_PAGE_SIZE}]")
+        pages = np.diff(indptr)
+        if pages.size and pages.min() < 0:
+            raise ValueError("indptr must be non-decreasing")
+        width = max(int(pages.max()) if pages.size else 1, 1)
+        table = np.zeros((batch, width), dtype=np.int32)
+        lens = np.zeros(batch, dtype=np.int32)
+        for b in range(batch):
+            n = int(pages[b])
+            table[b, :n] = indices[indptr[b]:indptr[b + 1]]
+            if n and not 1 <= last[b] <= page_size:
+                raise ValueError(f"last_page_len[{b}] {int(last[b])} must be in [1, page_size {page_size}]")
+            lens[b] = (n - 1) * page_size + int(last[b]) if n else 0
+        if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        dtype = q_data_type if q_data_type is not None else data_type
+        self._plan = dict(table=table, lens=lens, heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
+                          head_dim=int(head_dim), page_size=int(page_size), window=(int(window_left), -1),
+                          softcap=float(logits_soft_cap or 0.0), scale=sm_scale, num_splits=int(num_splits),
+                          device=device, dtype=None, table_dev=table, lens_dev=lens)
+        if dtype is not None:
+            self._plan_for(_dtype_name(dtype), device)
+
+    def _plan_for(self, dtype: str, device: Any) -> None:
+        p = self._plan
+        is_cuda = device is not None and str(device) != "cpu"
+        torch = _core.torch
+        if is_cuda:
+            device = torch.device(device)
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            p["table_dev"] = torch.as_tensor(p["table"], device=device)
+            p["lens_dev"] = torch.as_tensor(p["lens"], device=device)
+        else:
+            device = "cpu"
+            p["table_dev"], p["lens_dev"] = p["table"], p["lens"]
+        self._inner.plan(p["lens"].size, p["heads_q"], p["heads_kv"], p["head_dim"],
+                         kv_capacity=p["table"].shape[1] * p["page_size"], page_size=p["page_size"],
+                         cache_seqlens=p["lens"], causal=True, window_size=p["window"], softcap=p["softcap"],
+                         sm_scale=p["scale"], dtype=dtype, device=device, num_splits=p["num_splits"])
+        p["dtype"], p["device"] = dtype, device
+
+    def run(self, q: Any, paged_kv_cache: Any, return_lse: bool = False, out: Any = None, lse: Any = None) -> Any:
+        if self._plan is None:
+            raise RuntimeError("call plan() before run()")
+        p = self._plan
+        if isinstance(paged_kv_cache, (tuple, list)):
+            k_cache, v_cache = paged_kv_cache
+        else:
+            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        if self._layout == "HND":
+            k_cache, v_cache = (x.transpose(0, 2, 1, 3) if isinstance(x, np.ndarray) else x.transpose(1, 2)
+                                for x in (k_cache, v_cache))
+        mq = _core.meta(q, "q")
+        shape = tuple(mq.shape)
+        if shape != (p["lens"].size, p["heads_q"], p["head_dim"]):
+            raise ValueError(f"q must be (batch, num_qo_heads, head_dim) = ({p['lens'].size}, {p['heads_q']}, "
+                             f"{p['head_dim']}) as planned; got {shape}")
+        if _core.meta(k_cache, "k_cache").shape[1] != p["page_size"]:
+            raise ValueError(f"the cache's page size {_core.meta(k_cache, 'k_cache').shape[1]} differs from the "
+                             f"planned {p['page_size']}")
+        is_cuda, device = _device_of(q)
+        want_dev = device if is_cuda else "cpu"
+        if p["dtype"] != mq.dtype or str(p["device"]) != str(want_dev):
+            if mq.dtype not in _FLOAT_DTYPES:
+                raise TypeError(f"q has dtype {mq.dtype}; decode takes float16, bfloat16 or float32")
+            if _capturing(want_dev):
+                raise RuntimeError("run() inside a CUDA graph capture needs a plan for q's dtype and device: pass "
+                                   "q_data_type to plan() or run once before the capture")
+            self._plan_for(mq.dtype, want_dev)
+        q4 = q[:, None]
+        o4 = None if out is None else out[:, None]
+        l3 = None if lse is None else lse[:, :, None]
+        res = self._inner.run(q4, k_cache, v_cache, p["lens_dev"], block_table=p["table_dev"], out=o4, lse=l3,
+                              return_lse=return_lse)
+        if not (return_lse or lse is not None):
+            return res[:, 0]
+        o, l = res
+        return o[:, 0], l[:, :, 0]
