@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "common/attention_algebra.h"
 #include "common/mask_rules.h"
 #include "cuda/prefill/prefill_mask.h"
 #include "cuda/prefill/prefill_rope.h"
@@ -19,7 +20,7 @@ struct Fa2Params {
   std::int32_t q_seq_stride, k_seq_stride, v_seq_stride, o_seq_stride;          ///< elements
   std::int32_t q_head_stride, k_head_stride, v_head_stride, o_head_stride;      ///< elements
   int batch, seqlen_q, seqlen_k, heads_q, group;  ///< group = heads_q / heads_kv; seqlens: maxima when varlen
-  float scale_log2;                               ///< softmax_scale * log2(e)
+  algebra::ScoreTransform score;                  ///< scale, softcap and ALiBi units (raw q.k units)
   MaskRules rules;                                ///< causal / window / global tokens (max seqlens)
   PrefillMask mask;                               ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
   PrefillRope rope;  ///< rotary fused into the q/k loads (prefill_rope.h); on iff mask.flags has kRotary

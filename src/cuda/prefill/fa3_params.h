@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "common/attention_algebra.h"
 #include "common/mask_rules.h"
 #include "cuda/prefill/prefill_mask.h"
 #include "cuda/prefill/prefill_rope.h"
@@ -21,7 +22,7 @@ struct Fa3Params {
   std::int64_t o_batch_stride;
   std::int32_t o_seq_stride, o_head_stride;
   int batch, seqlen_q, seqlen_k, heads_q, group;
-  float scale_log2;
+  algebra::ScoreTransform score;                  ///< scale, softcap and ALiBi units (raw q.k units)
   /// Persistent configs: n_units work units of two row blocks (common/tile_order.h) over
   /// m_blocks row blocks, in groups of tile_heads (head, batch) pairs.
   int m_blocks, tile_heads, n_units;

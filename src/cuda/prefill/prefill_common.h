@@ -10,32 +10,25 @@
 #include <cstdint>
 #include <string>
 
-#include "common/mask_rules.h"
+#include "common/attention_algebra.h"
 #include "common/fused_math.h"
+#include "common/mask_rules.h"
 #include "cuda/prefill/prefill_mask.h"
 #include "cuda/prefill/prefill_rope.h"
 #include "flashcpp/attention.h"
 
 namespace flashcpp::cuda {
 
-inline constexpr float kLog2e = 1.4426950408889634f;
-
 /// The optional mask features (prefill_mask.h) of a validated problem whose scale is > 0 (the
 /// dispatcher refuses the rest). The block-sparse struct is host memory pointing at device arrays.
 inline PrefillMask make_prefill_mask(const AttnParams& a) {
   const MaskParams& m = a.mask;
-  const float scale = a.effective_scale();
   PrefillMask k;
-  if (m.softcap > 0.f) {
-    k.flags |= PrefillMask::kSoftcap;
-    k.softcap_raw = m.softcap / scale;
-    k.softcap_k = 2.f * kLog2e / k.softcap_raw;
-  }
+  if (m.softcap > 0.f) k.flags |= PrefillMask::kSoftcap;
   if (m.alibi_slopes != nullptr) {
     k.flags |= PrefillMask::kAlibi;
     k.alibi_slopes = m.alibi_slopes;
     k.alibi_batch_stride = m.alibi_batch_stride;
-    k.inv_scale = 1.f / scale;
   }
   if (m.is_varlen()) {
     k.flags |= PrefillMask::kVarlen;
@@ -86,7 +79,7 @@ inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a) {
                                                 a.llama3.high_freq_factor, a.llama3.original_max_position);
 }
 
-/// Output, LSE, sizes, scale and mask rules: the fields Fa2Params and Fa3Params share by name.
+/// Output, LSE, sizes, score transform and mask rules: the fields Fa2Params and Fa3Params share by name.
 template <class P>
 void fill_prefill_common(P& p, const AttnParams& a) {
   p.o = a.o.data;
@@ -100,7 +93,7 @@ void fill_prefill_common(P& p, const AttnParams& a) {
   p.seqlen_k = a.seqlen_k;
   p.heads_q = a.heads_q;
   p.group = a.heads_q / a.heads_kv;
-  p.scale_log2 = a.effective_scale() * kLog2e;
+  p.score = algebra::ScoreTransform::make(a.effective_scale(), a.mask.softcap);
   p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
                             a.mask.global_tokens, a.mask.global_queries);
   p.mask = make_prefill_mask(a);

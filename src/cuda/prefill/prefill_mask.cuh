@@ -1,9 +1,8 @@
 // Device side of the prefill masks, shared by the sm80 (fa2) and sm90 (fa3) kernels:
 //   - CtaWork: one CTA's (sequence, head) problem: the sequence's lengths and first rows (varlen),
 //     its LSE row, and the key tiles it visits, in order;
-//   - the score modifiers (softcap, ALiBi) in raw q.k units (prefill_mask.h says why);
-//   - the element bits of a partial block-sparse block.
-// Each kernel keeps its own fragment loops (their register layouts differ) and calls these.
+//   - the ALiBi slope of a (batch, head) in raw q.k units (common/attention_algebra.h says why);
+//   - the element mask of a boundary or partial key tile, on an accumulator fragment.
 //
 // Key tiles a CTA visits (work proportional to the unmasked blocks):
 //   window walk (no block-sparse mask): the tiles of MaskRules::key_range, last to first (the
@@ -23,26 +22,6 @@
 #include "cuda/prefill/prefill_mask.h"
 
 namespace flashcpp::cuda {
-
-/// 1 / x, approximate (MUFU.RCP, ~1 ulp); 1 / inf = 0.
-__device__ __forceinline__ float rcp_approx(float x) {
-  float y;
-  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-__device__ __forceinline__ float ex2_approx_mask(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-/// cap * tanh(s / cap) as cap - 2 cap / (1 + exp2(s * k)), k = 2 log2(e) / cap: two MUFU ops and
-/// an absolute error of a few ulp of cap (tanh.approx.f32 would be one MUFU op but has a relative
-/// error of 2^-11, i.e. up to cap * 5e-4 on the logit: too coarse for fp16 outputs). Saturates
-/// correctly: exp2 -> inf gives cap, exp2 -> 0 gives -cap.
-__device__ __forceinline__ float softcap_raw(float s, float cap, float k) {
-  return fmaf(-2.f * cap, rcp_approx(1.f + ex2_approx_mask(s * k)), cap);
-}
 
 /// One key tile of a CTA's walk.
 struct KeyTile {
@@ -206,7 +185,40 @@ template <class P>
 __device__ __forceinline__ float alibi_slope_raw(const P& p, int b, int h) {
   const PrefillMask& mk = p.mask;
   if (!(mk.flags & PrefillMask::kAlibi)) return 0.f;
-  return __ldg(mk.alibi_slopes + b * mk.alibi_batch_stride + h) * mk.inv_scale;
+  return p.score.slope_raw(__ldg(mk.alibi_slopes + b * mk.alibi_batch_stride + h));
+}
+
+/// The element mask of one row of a boundary or partial key tile: the scores of the keys query
+/// row i does not see become -inf. s(j, 2r + e) is key kt.n0 + 8j + 2t + e of the row (the
+/// accumulator layout of common/softmax.cuh), NC chunks = BN / 8 keys. kSparseBits: also read the
+/// block-sparse element bits of a partial block (kt.partial >= 0), one 64-bit word at a time next to
+/// its use (the ping-pong consumer, short of registers, passes false: dispatch gives it no
+/// block-sparse masks). bs_q0: the first query row of the CTA's block-sparse block.
+template <int NC, bool kSparseBits, class Frag>
+__device__ __forceinline__ void mask_row(Frag&& s, int r, int i, int t, const KeyTile& kt, const MaskRules& rules,
+                                         const PrefillMask& mk, int bs_q0) {
+  constexpr int BN = 8 * NC;
+  static_assert(!kSparseBits || BN % 64 == 0 || 64 % BN == 0, "a key tile covers whole 64-bit words or lies in one");
+  constexpr int kWords = kSparseBits && BN >= 64 ? BN / 64 : 1;  // element-mask words a tile row spans
+  constexpr int kChunksPerWord = NC / kWords;
+  const int hi = rules.key_hi(i), lo = rules.key_lo(i);
+  const std::uint64_t* rb = nullptr;
+  if constexpr (kSparseBits)
+    if (kt.partial >= 0) rb = sparse_row_bits(mk, kt.partial, i - bs_q0, kt.c0);
+  const int bit0 = (kt.c0 & 63) + 2 * t;
+#pragma unroll
+  for (int wd = 0; wd < kWords; ++wd) {
+    const std::uint64_t bits = rb != nullptr ? __ldg(rb + wd) : ~0ull;
+#pragma unroll
+    for (int jj = 0; jj < kChunksPerWord; ++jj)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = wd * kChunksPerWord + jj;
+        const int col = kt.n0 + 8 * j + 2 * t + e;
+        const bool bit = !kSparseBits || ((bits >> (bit0 + 8 * jj + e)) & 1u);
+        if (!(col < hi && (col >= lo || col < rules.global_tokens) && bit)) s(j, 2 * r + e) = -INFINITY;
+      }
+  }
 }
 
 }  // namespace flashcpp::cuda

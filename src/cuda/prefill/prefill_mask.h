@@ -6,12 +6,8 @@
 // value, uniform over the launch, so a feature that is off costs one predicated-off branch per
 // key block and no template instantiation (docs/masks.md, "CUDA kernels").
 //
-// Score modifiers are stored in RAW q.k units, the units the kernels keep the running row max
-// in (they fold softmax_scale * log2(e) into exp2). With c = softmax_scale > 0:
-//   softcap:  c * s' = cap * tanh(c * s / cap)  <=>  s' = cap_raw * tanh(s / cap_raw), cap_raw = cap / c
-//   ALiBi:    c * s' = c * s + slope * (j - ia) <=>  s' = s + (slope / c) * (j - ia)
-// so the softmax recurrence is unchanged and the bias is applied after the cap, as attention.h
-// orders them.
+// The softcap and the ALiBi slope unit live in the kernels' ScoreTransform (raw q.k units,
+// common/attention_algebra.h); this struct says which modifiers are on and where the slopes are.
 #pragma once
 
 #include <cstdint>
@@ -24,17 +20,14 @@ inline constexpr int kCtaWorkBytes = 128;
 
 struct PrefillMask {
   enum Flag : std::uint32_t {
-    kSoftcap = 1u << 0,  ///< s = cap_raw * tanh(s / cap_raw)
-    kAlibi = 1u << 1,    ///< s += slope / softmax_scale * (j - ia)
+    kSoftcap = 1u << 0,  ///< u = ScoreTransform::softcap(u)
+    kAlibi = 1u << 1,    ///< u += ScoreTransform::slope_raw(slope) * (j - ia)
     kVarlen = 1u << 2,   ///< cu_seqlens_q / cu_seqlens_k give each sequence's rows
     kSparse = 1u << 3,   ///< walk the listed key blocks of bs_* instead of the window range
     kRotary = 1u << 4,   ///< rotate q and k tiles in shared memory (the params' PrefillRope)
   };
   std::uint32_t flags = 0;
 
-  float softcap_raw = 0.f;  ///< cap / softmax_scale
-  float softcap_k = 0.f;    ///< 2 * log2(e) / softcap_raw: tanh(s / cap_raw) = 1 - 2 / (1 + exp2(s * softcap_k))
-  float inv_scale = 1.f;    ///< 1 / softmax_scale (ALiBi slopes to raw units)
   const float* alibi_slopes = nullptr;  ///< [b * alibi_batch_stride + h]
   std::int64_t alibi_batch_stride = 0;
 

@@ -1,0 +1,94 @@
+// The tile configs of the sm90 prefill kernel and the shared memory of one CTA. Tuning only: a
+// config changes speed, registers and shared memory, never results (up to fp32 summation order).
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/prefill/fa3_params.h"
+#include "cuda/prefill/prefill_mask.cuh"
+
+namespace flashcpp::cuda {
+
+template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
+          int Consumers = 2>
+struct Fa3Config {
+  static constexpr int kHeadDim = HeadDim;
+  /// Consumer warpgroups, 64 query rows each: 2 (BlockM 128), or 3 (BlockM 192, FA3's d64 tile:
+  /// more rows per K/V stage, and with ping-pong two warpgroups' softmax under one's GEMMs).
+  static constexpr int kConsumers = Consumers;
+  static constexpr int kBlockM = 64 * Consumers;
+  static constexpr int kBlockN = BlockN;           ///< keys per stage
+  static constexpr int kStages = Stages;           ///< K/V ring depth
+  /// Software-pipelined consumers (Q K^T of block j overlaps softmax of j and P V of j-1) with
+  /// ping-pong scheduling: the consumer warpgroups take turns issuing their wgmmas, so one
+  /// warpgroup's softmax runs while another's matrix products occupy the tensor cores.
+  static constexpr bool kPingPong = PingPong;
+  /// With kPingPong: whether the named-barrier turn-taking runs (false = the in-warpgroup
+  /// overlap alone, config suffix "o").
+  static constexpr bool kSched = PingPong && Sched;
+  /// Persistent CTAs (config suffix "_persist"): the tile scheduler (fa3_scheduler.cuh), the next
+  /// tile's K/V loads overlapping the current tile's last blocks and epilogue, O stored by TMA.
+  static constexpr bool kPersistent = Persistent;
+  static constexpr int kThreads = 128 * (1 + Consumers);  ///< producer warpgroup + the consumers
+  static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
+  static constexpr int kQBytes = kBlockM * HeadDim * 2;
+  static constexpr int kKVBytes = BlockN * HeadDim * 2;
+  static constexpr int kBarrierBytes = 256;
+  /// Rotary: each consumer warpgroup's copy of the fp64 inv_freq table (128 pairs at most).
+  static constexpr int kRopeBytes = Consumers * 128 * 8;
+  static constexpr int kSmemBytes =
+      kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
+  /// setmaxnreg budgets (multiples of 8; the 64K-register file split over the warpgroups).
+  static constexpr int kProducerRegs = Consumers == 3 ? 32 : BlockN > 128 ? 24 : 40;
+  static constexpr int kConsumerRegs = Consumers == 3 ? 160 : BlockN > 128 ? 240 : 232;
+  static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
+  static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory fits an sm_90 SM (227 KB per block)");
+  static_assert(Consumers == 2 || Consumers == 3, "two or three consumer warpgroups");
+  static_assert(kProducerRegs * 128 + Consumers * kConsumerRegs * 128 <= 65536, "register file");
+};
+
+/// The CTA's shared memory: the CtaWork record first (a fixed address: no register holds its
+/// base), then, 1024-byte aligned for the 128B-swizzle atoms that TMA writes and wgmma reads:
+///   Q [panel][BlockM][64]   K ring [stage][panel][BlockN][64]   V ring (same)
+///   mbarriers: q_full, k_full[S], v_full[S], k_empty[S], v_empty[S], q_empty
+///   rotary: each consumer warpgroup's inv_freq copy (fp64)
+/// k_empty / v_empty: every consumer warp has read stage s's keys (values); the producer may
+/// refill it. q_empty (persistent): every consumer warpgroup is done with the tile's Q buffer,
+/// which is also the O staging area, so the next tile's Q may land.
+/// The kernel's dynamic shared memory. Read from the symbol wherever it is needed, never kept in a
+/// variable: an address derived from the symbol is known to be shared memory (LDS/STS), one that
+/// went through a struct or a reference may come back as a generic address (LD/ST).
+__device__ __forceinline__ unsigned char* fa3_smem_raw() {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  return smem_raw;
+}
+
+template <class Cfg, typename T>
+struct Fa3Smem {
+  static constexpr int S = Cfg::kStages;
+  __device__ __forceinline__ static CtaWork& work() { return *reinterpret_cast<CtaWork*>(fa3_smem_raw()); }
+  /// The 1024-byte aligned start of the Q buffer.
+  __device__ __forceinline__ static unsigned char* base() {
+    return reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<std::uintptr_t>(fa3_smem_raw() + kCtaWorkBytes) + 1023) & ~std::uintptr_t(1023));
+  }
+  __device__ __forceinline__ static T* q() { return reinterpret_cast<T*>(base()); }
+  __device__ __forceinline__ static T* k() { return reinterpret_cast<T*>(base() + Cfg::kQBytes); }
+  __device__ __forceinline__ static T* v() { return reinterpret_cast<T*>(base() + Cfg::kQBytes + S * Cfg::kKVBytes); }
+  __device__ __forceinline__ static std::uint64_t* bars() {
+    return reinterpret_cast<std::uint64_t*>(base() + Cfg::kQBytes + 2 * S * Cfg::kKVBytes);
+  }
+  __device__ __forceinline__ static std::uint64_t* q_full() { return bars(); }
+  __device__ __forceinline__ static std::uint64_t* k_full(int s) { return bars() + 1 + s; }
+  __device__ __forceinline__ static std::uint64_t* v_full(int s) { return bars() + 1 + S + s; }
+  __device__ __forceinline__ static std::uint64_t* k_empty(int s) { return bars() + 1 + 2 * S + s; }
+  __device__ __forceinline__ static std::uint64_t* v_empty(int s) { return bars() + 1 + 3 * S + s; }
+  __device__ __forceinline__ static std::uint64_t* q_empty() { return bars() + 1 + 4 * S; }
+  /// Consumer warpgroup c's inv_freq copy (rotary without a cache).
+  __device__ __forceinline__ static double* inv_freq(int c) {
+    return reinterpret_cast<double*>(reinterpret_cast<unsigned char*>(bars()) + Cfg::kBarrierBytes) + 128 * c;
+  }
+};
+
+}  // namespace flashcpp::cuda
