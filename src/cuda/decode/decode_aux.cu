@@ -9,17 +9,18 @@
 
 #include <string>
 
+#include "cuda/common/launch.cuh"
 #include "cuda/cuda_api.h"
 #include "core/decode_backends.h"
-#include "cuda/decode/decode_kernel.cuh"
+#include "cuda/decode/decode_append.cuh"
+#include "cuda/decode/decode_merge.cuh"
 #include "cuda/decode/decode_launch.h"
 
 namespace flashcpp::cuda {
 namespace {
 
-using decode_dev::from_float;
-using decode_dev::to_float;
-using flashcpp::decode::kLog2e;
+using ptx::from_float;
+using ptx::to_float;
 
 constexpr int kWarpsPerBlock = 4;
 
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(32 * decode_dev::kMergeWarps) decode_merge_ker
   decode_dev::merge_row<T>(p, b, t, h, warp, lane, scratch);
 }
 
-/// merge_attention_states: one warp per (batch, position, head); the rule of cpu::merge_by_lse.
+/// merge_attention_states: one warp per (batch, position, head); algebra::merge_two, as on the CPU.
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) merge_states_kernel(const __grid_constant__ MergeStatesKernelParams p) {
   const std::int64_t w = static_cast<std::int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
@@ -61,23 +62,8 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) merge_states_kernel(const
   const T* a = static_cast<const T*>(p.o_a) + b * p.a_batch_stride + s * p.a_seq_stride + h * p.a_head_stride;
   const T* bb = static_cast<const T*>(p.o_b) + b * p.b_batch_stride + s * p.b_seq_stride + h * p.b_head_stride;
   T* o = static_cast<T*>(p.o) + b * p.o_batch_stride + s * p.o_seq_stride + h * p.o_head_stride;
-  // An empty side is skipped outright (its o may hold anything); both empty: 0 and -inf.
-  float wa = 0.f, wb = 0.f, merged = -INFINITY;
-  if (la != -INFINITY && lb != -INFINITY) {
-    // One comparison, false when either side is NaN: the NaN then lands in hi or lo and so in the
-    // merged LSE (fmaxf / fminf would drop it, leaving a finite LSE beside a NaN O).
-    const bool a_hi = la > lb;
-    const float hi = a_hi ? la : lb, lo = a_hi ? lb : la;
-    merged = hi + log1pf(expf(lo - hi));
-    wa = expf(la - merged);
-    wb = expf(lb - merged);
-  } else if (la != -INFINITY) {
-    wa = 1.f;
-    merged = la;
-  } else if (lb != -INFINITY) {
-    wb = 1.f;
-    merged = lb;
-  }
+  float wa, wb, merged;
+  algebra::merge_two(la, lb, &wa, &wb, &merged);  // an empty side weighs 0 and is skipped below
   for (int d = lane; d < p.head_dim; d += 32) {
     float v = 0.f;
     if (wa != 0.f) v = to_float(a[d]) * wa;

@@ -82,12 +82,7 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.row_blocks = plan.row_blocks;
   p.warp_rows = plan.warp_rows;
 
-  const float scale = a.effective_scale();
-  p.scale_log2 = scale * decode::kLog2e;
-  if (a.mask.softcap > 0.f) {
-    p.cap_log2 = a.mask.softcap * decode::kLog2e;
-    p.scale_over_cap = scale / a.mask.softcap;
-  }
+  p.score = algebra::ScoreTransform::make(a.effective_scale(), a.mask.softcap);
   p.alibi = a.mask.alibi_slopes;
   p.alibi_batch_stride = a.mask.alibi_batch_stride;
   p.causal = a.mask.causal ? 1 : 0;

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "common/attention_algebra.h"
+
 namespace flashcpp::cuda {
 
 struct DecodeKernelParams {
@@ -43,9 +45,9 @@ struct DecodeKernelParams {
   const float* rot_cos;
   const float* rot_sin;
   int rot_max_pos;
-  /// Without tables: inv_freq[i] = 1 / powf(theta, 2i / rot_dim), computed on the host with the
-  /// CPU backend's very expression, so both backends rotate by bit-identical fp32 angles.
-  float rot_inv_freq[128];
+  /// Without tables: inv_freq[i] = theta^(-2i / rot_dim) in fp64 (fused::inv_freq, on the host),
+  /// the angles then reduced and rotated by the rule every rotary path shares (fused_math.h).
+  double rot_inv_freq[128];
 
   // shape
   int batch, seqlen_q, heads_q, heads_kv, head_dim, group;
@@ -53,8 +55,8 @@ struct DecodeKernelParams {
   int row_blocks;  ///< CTAs along the rows
   int warp_rows;   ///< warps along the rows in a CTA (1, 2, 4); 4 / warp_rows split the keys
 
-  // scores (decode::ScoreRule) and mask
-  float scale_log2, cap_log2, scale_over_cap;
+  // scores (raw q.k units, common/attention_algebra.h) and mask
+  algebra::ScoreTransform score;
   const float* alibi;  ///< slopes or nullptr
   std::int64_t alibi_batch_stride;
   int causal, window_left, window_right;  ///< windows pre-clamped (decode::clamp_window)

@@ -1,0 +1,67 @@
+// The append role of decode: a step's new K (rotated) and V into the cache, one warp per
+// (sequence, token, KV head). Run by its own kernel (decode_aux.cu) or, with
+// DecodePlan::fused_append, by the split-KV kernel for the tokens inside each split's tiles.
+#pragma once
+
+#include <cstdint>
+
+#include "common/decode_common.h"
+#include "common/fused_math.h"
+#include "cuda/common/ptx.cuh"
+#include "cuda/decode/decode_device.cuh"
+
+namespace flashcpp::cuda::decode_dev {
+
+/// (cos, sin) of rotary pair i at position pos (decode.h): from the tables, the position clamped to
+/// them, or from the angle pos * inv_freq[i] by the rule every rotary path shares
+/// (fused::cos_sin_angle: fp64 reduction, then MUFU sin/cos).
+__device__ __forceinline__ void rotary_cos_sin(const DecodeKernelParams& p, int pos, int i, float* c, float* s) {
+  if (p.rot_cos != nullptr) {
+    pos = min(max(pos, 0), p.rot_max_pos - 1);
+    const std::int64_t at = static_cast<std::int64_t>(pos) * (p.rot_dim / 2) + i;
+    *c = __ldg(p.rot_cos + at);
+    *s = __ldg(p.rot_sin + at);
+    return;
+  }
+  fused::cos_sin_angle(pos, p.rot_inv_freq[i], c, s);
+}
+
+/// Rotates the pair (src_a, src_b) in fp32 (fused::rotate_pair, the expression every rotary path
+/// shares) and stores the rounded results to (dst_a, dst_b) (decode.h's rule); in place when equal.
+template <typename T>
+__device__ __forceinline__ void rotate_pair(const T* src_a, const T* src_b, T* dst_a, T* dst_b, float c, float s) {
+  float x1 = ptx::to_float(*src_a), x2 = ptx::to_float(*src_b);
+  fused::rotate_pair(x1, x2, c, s);
+  *dst_a = ptx::from_float<T>(x1);
+  *dst_b = ptx::from_float<T>(x2);
+}
+
+/// Appends token t of sequence b, KV head hk, at cache slot `pos`, by one warp: V copied, K
+/// rotated (dims past rotary_dim copied). The append kernel and the fused append of the split-KV
+/// kernel both call this, so the cache bytes are the same either way.
+template <typename T>
+__device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, int t, int hk, int pos, int lane) {
+  const T* kn = static_cast<const T*>(p.k_new) + b * p.kn_batch_stride + t * p.kn_seq_stride + hk * p.kn_head_stride;
+  const T* vn = static_cast<const T*>(p.v_new) + b * p.vn_batch_stride + t * p.vn_seq_stride + hk * p.vn_head_stride;
+  std::int64_t ko, vo;
+  kv_rows(p, b, pos, &ko, &vo);
+  T* kc = static_cast<T*>(p.k_cache_w) + ko + hk * p.k_head_stride;
+  T* vc = static_cast<T*>(p.v_cache_w) + vo + hk * p.v_head_stride;
+  const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
+  for (int e = lane; e < D; e += 32) {
+    vc[e] = vn[e];
+    if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
+  }
+  if (rd > 0) {
+    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
+    for (int i = lane; i < rd / 2; i += 32) {
+      float c, s;
+      rotary_cos_sin(p, pos, i, &c, &s);
+      int ea, eb;
+      flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
+      rotate_pair(kn + ea, kn + eb, kc + ea, kc + eb, c, s);
+    }
+  }
+}
+
+}  // namespace flashcpp::cuda::decode_dev
