@@ -21,10 +21,12 @@
 //   ia = c_b + t (with append) / L_b - seqlen_q + t (without). For pair i < rotary_dim/2:
 //     neox:        (x[i], x[i + rotary_dim/2]);   interleaved: (x[2i], x[2i+1])
 //     x1' = fma(x1, c, -(x2*s)),  x2' = fma(x2, c, x1*s)      in fp32, rounded to the dtype,
-//   with (c, s) = (cos[pos][i], sin[pos][i]) from the tables, or computed in fp32 as
-//     inv_freq = 1 / powf(theta, 2i / rotary_dim),  angle = float(pos) * inv_freq,  c, s = cos, sin(angle)
-//   (the Hugging Face / flash-attn convention). Dims >= rotary_dim pass through. The rotated q is
-//   used for the attention only: q itself is never written.
+//   with (c, s) = (cos[pos][i], sin[pos][i]) from the tables, or computed as every rotary path of
+//   the library computes them (apply_rotary and the rotary fused into attention too):
+//     inv_freq = theta^(-2i / rotary_dim) in fp64,  angle = pos * inv_freq reduced to [-pi, pi] in
+//     fp64 and rounded to fp32,  c, s = cos, sin(angle) in fp32
+//   (the Hugging Face / flash-attn convention, accurate at any position). Dims >= rotary_dim pass
+//   through. The rotated q is used for the attention only: q itself is never written.
 //
 //   The KV cache is either contiguous, k/v views over (batch, capacity, heads_kv, head_dim), or
 //   paged, k/v views over (num_pages, page_size, heads_kv, head_dim) whose batch_stride is the

@@ -1,6 +1,6 @@
 // What the decode kernels and the CPU decode backend share, as plain host/device arithmetic:
-// the tile config, the work-list layout, the per-sequence length rule, the split of a key range,
-// the score transform and the rotary rule. The CPU backend (src/cpu/decode.cc) includes this
+// the tile config, the work-list layout, the per-sequence length rule, the split of a key range
+// and the rotary pairing (the score algebra is common/attention_algebra.h's). The CPU backend (src/cpu/decode.cc) includes this
 // file too, so both walk exactly the same splits and tiles (as common/mask_rules.h does for
 // prefill). No CUDA types here.
 #pragma once
@@ -9,13 +9,11 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/fused_math.h"
 #include "common/mask_rules.h"  // FC_HD, MaskRules
 #include "flashcpp/decode.h"
 
 namespace flashcpp::decode {
-
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr float kLn2 = 0.6931471805599453f;
 
 /// Tile config of the split-KV kernel per head dim. Tuning only: none of it changes results
 /// beyond fp32 rounding, except kBlockN, which fixes where split boundaries may fall.
@@ -135,24 +133,10 @@ inline int clamp_window(int w, std::int64_t slots) {
   return w < 0 ? -1 : static_cast<int>(w > cap ? cap : w);
 }
 
-/// Scores in the exp2 domain: y = log2(e) * x with x the score of attention.h.
-///   plain:    x = scale * qk
-///   softcap:  x = softcap * tanh(scale * qk / softcap)
-///   ALiBi:    x += slope * (j - ia)
-/// The constants are folded: scale_log2 = scale*log2e, cap_log2 = softcap*log2e,
-/// scale_over_cap = scale/softcap, slope_log2 = slope*log2e.
-struct ScoreRule {
-  float scale_log2 = 0.f;
-  float cap_log2 = 0.f;       ///< 0 = no softcap
-  float scale_over_cap = 0.f;
-};
-
-/// inv_freq of rotary pair i from theta, fp32 as in decode.h. Evaluated on the host only: the
-/// CPU backend uses it directly and the CUDA dispatch passes the values in the kernel params, so
-/// both rotate by the same fp32 angles (cos/sin then differ by < 1e-6: double on the host, MUFU
-/// after an exact range reduction on the device).
-inline float rotary_inv_freq_host(int i, int rotary_dim, float theta) {
-  return 1.f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(rotary_dim));
+/// inv_freq of rotary pair i from theta (fp64, no scaling): what the CUDA dispatch passes in the
+/// kernel params and the CPU backend uses, so both rotate by the same angles (fused_math.h).
+inline double rotary_inv_freq_host(int i, int rotary_dim, float theta) {
+  return fused::inv_freq(i, rotary_dim, static_cast<double>(theta), 0.f, 1.f, 4.f, 8192);
 }
 
 /// Element indices of rotary pair i: neox (i, i + rd/2), interleaved (2i, 2i+1).

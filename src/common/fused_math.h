@@ -5,15 +5,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/hd.h"
 #include "flashcpp/fused.h"
-
-#ifndef FLASHCPP_HD
-#if defined(__CUDACC__)
-#define FLASHCPP_HD __host__ __device__ __forceinline__
-#else
-#define FLASHCPP_HD inline
-#endif
-#endif
 
 namespace flashcpp::fused {
 
@@ -24,7 +17,7 @@ constexpr double kTwoPiHi = 6.283185307179586232;
 constexpr double kTwoPiLo = 2.4492935982947064e-16;
 
 /// silu(g) * u in fp32: g / (1 + exp(-g)) * u. For g -> -inf, exp(-g) = inf and silu -> -0.
-FLASHCPP_HD float silu_mul(float g, float u) {
+FC_HD float silu_mul(float g, float u) {
 #if defined(__CUDA_ARCH__)
   return g / (1.f + __expf(-g)) * u;  // ex2.approx: relative error ~2^-22, far below bf16/fp16
 #else
@@ -33,7 +26,7 @@ FLASHCPP_HD float silu_mul(float g, float u) {
 }
 
 /// inv_freq[i] = theta^(-2i / rotary_dim), then the Llama-3 scaling (see fused.h), in fp64.
-FLASHCPP_HD double inv_freq(int i, int rotary_dim, double theta, float factor, float low_freq_factor,
+FC_HD double inv_freq(int i, int rotary_dim, double theta, float factor, float low_freq_factor,
                             float high_freq_factor, int original_max_position) {
   const double f = pow(theta, -2.0 * i / rotary_dim);
   if (factor == 0.f) return f;
@@ -51,12 +44,39 @@ FLASHCPP_HD double inv_freq(int i, int rotary_dim, double theta, float factor, f
 /// int32 position and inv_freq is exact to ~2^-53 relative, and k = rint(a / 2pi) < 2^31 keeps
 /// k * kTwoPiHi exact in an FMA, so the reduced angle carries ~1e-15 absolute error before the
 /// final rounding: an fp32 sincos of it is as accurate as fp32 allows at any position.
-FLASHCPP_HD float reduced_angle(std::int32_t pos, double inv_freq) {
+FC_HD float reduced_angle(std::int32_t pos, double inv_freq) {
   const double a = static_cast<double>(pos) * inv_freq;
   const double k = rint(a * kInvTwoPi);
   double r = fma(-k, kTwoPiHi, a);
   r = fma(-k, kTwoPiLo, r);
   return static_cast<float>(r);
+}
+
+/// cos and sin of rotary angle pos * inv_freq: the fp64-reduced angle rounded to fp32 (above), then
+/// the hardware sin/cos on the device (|angle| <= pi there: within ~4e-7) or libm on the host. Every
+/// rotary path (apply_rotary, the rotary fused into attention, decode's append) takes its angles
+/// from here.
+FC_HD void cos_sin_angle(std::int32_t pos, double inv_freq, float* c, float* s) {
+  const float a = reduced_angle(pos, inv_freq);
+#if defined(__CUDA_ARCH__)
+  __sincosf(a, s, c);
+#else
+  *c = std::cos(a);
+  *s = std::sin(a);
+#endif
+}
+
+/// (x0, x1) -> (x0 c - x1 s, x1 c + x0 s) in fp32, with the FMAs spelled out, so that every rotary
+/// path rounds the same way on every backend (not left to a compiler's contraction).
+FC_HD void rotate_pair(float& x0, float& x1, float c, float s) {
+  const float a = x0, b = x1;
+#if defined(__CUDA_ARCH__)
+  x0 = fmaf(a, c, -(b * s));
+  x1 = fmaf(b, c, a * s);
+#else
+  x0 = std::fma(a, c, -(b * s));
+  x1 = std::fma(b, c, a * s);
+#endif
 }
 
 }  // namespace flashcpp::fused

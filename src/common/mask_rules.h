@@ -4,11 +4,7 @@
 // the rules of attention.h element by element, so the two can check each other.
 #pragma once
 
-#if defined(__CUDACC__)
-#define FC_HD __host__ __device__ __forceinline__
-#else
-#define FC_HD inline
-#endif
+#include "common/hd.h"
 
 namespace flashcpp {
 

@@ -6,11 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FC_TILE_HD __host__ __device__ __forceinline__
-#else
-#define FC_TILE_HD inline
-#endif
+#include "common/hd.h"
 
 namespace flashcpp {
 
@@ -26,10 +22,10 @@ struct TileCoord {
 /// (head, batch) pairs hb = b * heads_q + h (the last group may be smaller); inside a group p
 /// ascends over all of the group's pairs. Consecutive query heads share K/V under GQA, so a group
 /// is the K/V the CTAs working on it keep in L2, and a unit's two tiles read the same K/V.
-FC_TILE_HD int persistent_units(int m_blocks, int heads_q, int batch) { return (m_blocks + 1) / 2 * heads_q * batch; }
+FC_HD int persistent_units(int m_blocks, int heads_q, int batch) { return (m_blocks + 1) / 2 * heads_q * batch; }
 
 /// Tile `half` (0: the heavy row block, 1: the light one) of unit u.
-FC_TILE_HD TileCoord persistent_tile(int u, int half, int m_blocks, int heads_q, int batch, int tile_heads) {
+FC_HD TileCoord persistent_tile(int u, int half, int m_blocks, int heads_q, int batch, int tile_heads) {
   const int pairs_per_head = (m_blocks + 1) / 2;
   const int per_group = tile_heads * pairs_per_head;
   const int grp = u / per_group, in = u - grp * per_group;

@@ -4,7 +4,7 @@
 //      addressing as the kernels (page = block_table[b][j / page_size], slot j % page_size);
 //   2. split-KV: for every work item of the plan (sequence b, split s of n_b) and KV head, the
 //      split's 64-key tiles (decode::split_tiles over the rows' visible range) are folded into an
-//      online-softmax state (m, l, acc) per query row, in the exp2 domain, fp32; a sequence with
+//      online-softmax state (m, l, acc) per query row (common/attention_algebra.h, raw q.k units); a sequence with
 //      n_b = 1 writes O and the LSE directly, else the normalized partial O and its LSE go to the
 //      float workspace;
 //   3. merge: the n_b partials of each row combined by their LSEs, in split order.
@@ -23,13 +23,13 @@
 #include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 #include "core/decode_backends.h"
+#include "common/attention_algebra.h"
 #include "common/decode_common.h"
+#include "common/fused_math.h"
 
 namespace flashcpp::cpu {
 namespace {
 
-using decode::kLn2;
-using decode::kLog2e;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <class F>
@@ -61,7 +61,9 @@ std::int64_t kv_offset(const KVCacheView& c, const TensorView& t, int b, int j, 
   return b * t.batch_stride + static_cast<std::int64_t>(j) * t.seq_stride + hk * t.head_stride;
 }
 
-/// The rotary rule of decode.h for one row of x (fp32, in place; the caller rounds to the dtype).
+/// The rotary rule of decode.h for one row of x (fp32, in place; the caller rounds to the dtype):
+/// the tables, or the angles of every rotary path (fused::cos_sin_angle), rotated by
+/// fused::rotate_pair, as the CUDA kernels do.
 class Rotary {
  public:
   Rotary(const RotaryParams& ro, int head_dim) : ro_(ro), rd_(ro.rotary_dim == 0 ? head_dim : ro.rotary_dim) {
@@ -76,22 +78,18 @@ class Rotary {
         c = ro_.cos[static_cast<std::int64_t>(pos) * (rd_ / 2) + i];
         s = ro_.sin[static_cast<std::int64_t>(pos) * (rd_ / 2) + i];
       } else {
-        const float angle = static_cast<float>(pos) * inv_freq_[i];
-        c = static_cast<float>(std::cos(static_cast<double>(angle)));
-        s = static_cast<float>(std::sin(static_cast<double>(angle)));
+        fused::cos_sin_angle(pos, inv_freq_[i], &c, &s);
       }
       int a, b;
       decode::rotary_pair(ro_.style, i, rd_, &a, &b);
-      const float x1 = x[a], x2 = x[b];
-      x[a] = std::fma(x1, c, -(x2 * s));
-      x[b] = std::fma(x2, c, x1 * s);
+      fused::rotate_pair(x[a], x[b], c, s);
     }
   }
 
  private:
   const RotaryParams& ro_;
   int rd_;
-  std::vector<float> inv_freq_;
+  std::vector<double> inv_freq_;
 };
 
 void load_row(const TensorView& t, std::int64_t off, int d, float* dst) {
@@ -124,7 +122,7 @@ struct Step {
   const DecodeParams& p;
   const DecodePlan& plan;
   decode::WorkList wl;
-  decode::ScoreRule score;
+  algebra::ScoreTransform score;
   int slots = 0, wl_left = -1, wl_right = -1, group = 1;
   float* part_o = nullptr;
   float* part_lse = nullptr;
@@ -152,11 +150,12 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
       rot.apply(qr, len - Sq + t);
       for (int d = 0; d < D; ++d) qr[d] = round_to(p.q.dtype, qr[d]);
     }
-    if (p.mask.alibi_slopes) slope[r] = p.mask.alibi_slopes[b * p.mask.alibi_batch_stride + h] * kLog2e;
+    if (p.mask.alibi_slopes) slope[r] = st.score.slope_raw(p.mask.alibi_slopes[b * p.mask.alibi_batch_stride + h]);
   }
-  std::vector<float> m(static_cast<std::size_t>(rows), kNegInf), l(static_cast<std::size_t>(rows), 0.f);
+  std::vector<algebra::RowSoftmax> row(static_cast<std::size_t>(rows));
   std::vector<float> acc(static_cast<std::size_t>(rows) * D, 0.f);
   std::vector<float> kt(static_cast<std::size_t>(BN) * D), vt(kt.size()), y(static_cast<std::size_t>(BN));
+  const float c = st.score.c;
 
   for (int tile = t_begin; tile < t_end; ++tile) {
     const int j0 = tile * BN, jn = std::min(BN, hi - j0);  // keys at or past hi are never loaded
@@ -178,48 +177,47 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
         const float* kr = &kt[static_cast<std::size_t>(jj) * D];
         float dot = 0.f;
         for (int d = 0; d < D; ++d) dot = std::fma(qr[d], kr[d], dot);
-        float v = st.score.cap_log2 > 0.f ? st.score.cap_log2 * std::tanh(dot * st.score.scale_over_cap)
-                                          : dot * st.score.scale_log2;
-        if (p.mask.alibi_slopes) v += slope[r] * static_cast<float>(j - ia);
-        y[jj] = v;
-        tile_max = std::max(tile_max, v);
+        // Raw q.k units, as the kernel keeps them (common/attention_algebra.h).
+        float u = st.score.raw(dot);
+        if (st.score.cap > 0.f) u = st.score.softcap(u);
+        if (p.mask.alibi_slopes) u = algebra::alibi(u, slope[r], static_cast<float>(j - ia));
+        y[jj] = u;
+        tile_max = std::max(tile_max, u);
       }
       // As in the kernel: no skip of a tile whose max is -inf (a NaN score never wins the max,
-      // so a tile of NaN scores has max -inf too, and its NaN must reach l); exponentiate
-      // against 0 while the row has seen nothing, so that -inf - (-inf) never makes a NaN.
-      const float m_new = std::max(m[r], tile_max);
-      const float m_use = m_new == kNegInf ? 0.f : m_new;
-      const float corr = std::exp2(m[r] - m_use);  // m = -inf: 0, and l, acc are 0 (or NaN)
+      // so a tile of NaN scores has max -inf too, and its NaN must reach l).
+      algebra::RowSoftmax& rs = row[static_cast<std::size_t>(r)];
+      const float corr = rs.rescale(std::max(rs.m, tile_max), c);  // m = -inf: 0, and l, acc are 0 (or NaN)
       float* ar = &acc[static_cast<std::size_t>(r) * D];
       for (int d = 0; d < D; ++d) ar[d] *= corr;
+      const float mc = rs.offset(c);
       float sum = 0.f;
       for (int jj = 0; jj < jn; ++jj) {
         if (y[jj] == kNegInf) continue;  // masked: weight 0
-        const float w = std::exp2(y[jj] - m_use);
+        const float w = rs.p(y[jj], c, mc);
         sum += w;
         const float* vr = &vt[static_cast<std::size_t>(jj) * D];
         for (int d = 0; d < D; ++d) ar[d] = std::fma(w, vr[d], ar[d]);
       }
-      l[r] = l[r] * corr + sum;
-      m[r] = m_new;
+      rs.accumulate(corr, sum);
     }
   }
 
-  // Epilogue: O = acc / l and LSE = (m + log2 l) ln 2; to the output (n = 1) or the workspace.
-  // l == 0: the row saw no key (O = 0, LSE = -inf); l = NaN (a NaN score) gives NaN in both.
+  // Epilogue: O = acc / l and the LSE; to the output (n = 1) or the workspace. l == 0: the row saw
+  // no key (O = 0, LSE = -inf); l = NaN (a NaN score) gives NaN in both.
   for (int r = 0; r < rows; ++r) {
     const int h = hk * st.group + r / Sq, t = r % Sq;
-    const float inv = l[r] != 0.f ? 1.f / l[r] : 0.f;
-    const float lse = l[r] != 0.f ? (m[r] + std::log2(l[r])) * kLn2 : kNegInf;
+    const algebra::RowSoftmax& rs = row[static_cast<std::size_t>(r)];
+    const algebra::RowResult res = rs.finalize(rs.l, c);
     const float* ar = &acc[static_cast<std::size_t>(r) * D];
     if (n == 1) {
       const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
-      for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, ar[d] * inv);
-      if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = lse;
+      for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, ar[d] * res.inv);
+      if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = res.lse;
     } else {
       const std::size_t idx = (static_cast<std::size_t>(item) * p.heads_kv + hk) * rows + r;
-      for (int d = 0; d < D; ++d) st.part_o[idx * D + d] = ar[d] * inv;
-      st.part_lse[idx] = lse;
+      for (int d = 0; d < D; ++d) st.part_o[idx * D + d] = ar[d] * res.inv;
+      st.part_lse[idx] = res.lse;
     }
   }
 }
@@ -235,24 +233,22 @@ void merge_sequence(const Step& st, int b) {
     for (int t = 0; t < Sq; ++t) {
       const int r = (h % st.group) * Sq + t;
       auto at = [&](int i) { return (static_cast<std::size_t>(first + i) * p.heads_kv + hk) * rows + r; };
-      // The merge kernel's rule: weights against the largest LSE (0 while every split is empty,
-      // so that -inf - (-inf) never makes a NaN); an empty split adds nothing; a NaN LSE never
-      // wins the max but makes its weight, the sum, O and the LSE NaN; sum == 0: all empty.
+      // The merge kernel's rule (algebra::lse_weight / merged_lse): weights against the largest
+      // LSE; an empty split adds nothing; a NaN LSE never wins the max but makes its weight, the
+      // sum, O and the LSE NaN; sum == 0: all empty.
       float lse_max = kNegInf;
       for (int i = 0; i < n; ++i) lse_max = std::max(lse_max, st.part_lse[at(i)]);
-      const float m_use = lse_max == kNegInf ? 0.f : lse_max;
       std::fill(o.begin(), o.end(), 0.f);
       float sum = 0.f;
       for (int i = 0; i < n; ++i) {
-        const float li = st.part_lse[at(i)];
-        if (li == kNegInf) continue;  // an empty split contributes nothing
-        const float w = std::exp2((li - m_use) * kLog2e);
+        const float w = algebra::lse_weight(st.part_lse[at(i)], lse_max);
+        if (w == 0.f) continue;  // an empty split contributes nothing
         sum += w;
         for (int d = 0; d < D; ++d) o[d] = std::fma(w, st.part_o[at(i) * D + d], o[d]);
       }
       const float inv = sum != 0.f ? 1.f / sum : 0.f;
       for (int d = 0; d < D; ++d) o[d] *= inv;
-      const float lse = sum != 0.f ? lse_max + std::log(sum) : kNegInf;
+      const float lse = algebra::merged_lse(lse_max, sum);
       const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
       for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, o[d]);
       if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = lse;
@@ -271,12 +267,7 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
   st.wl_left = decode::clamp_window(p.mask.window_left, st.slots);
   st.wl_right = decode::clamp_window(p.mask.window_right, st.slots);
   st.group = p.heads_q / p.heads_kv;
-  const float scale = p.effective_scale();
-  st.score.scale_log2 = scale * kLog2e;
-  if (p.mask.softcap > 0.f) {
-    st.score.cap_log2 = p.mask.softcap * kLog2e;
-    st.score.scale_over_cap = scale / p.mask.softcap;
-  }
+  st.score = algebra::ScoreTransform::make(p.effective_scale(), p.mask.softcap);
   if (plan.needs_merge) {
     st.part_o = static_cast<float*>(plan.float_workspace);
     st.part_lse = st.part_o + decode::partial_lse_offset(plan.num_items, p.heads_kv, plan.rows_per_kv, p.head_dim);

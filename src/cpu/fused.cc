@@ -6,8 +6,8 @@
 // Numerics shared with the GPU: h = round_T(x + residual) is formed first and everything after
 // reads the rounded h; the sum of squares is kept in 8 partial sums (the GPU sums per thread,
 // then over a tree), so it is far below the 1e-3 tolerance for any hidden size; y is rounded
-// once from (h * rstd) * w. Rotary angles come from fused::reduced_angle (fp64 product and
-// reduction, then fp32 cos/sin), as on the GPU.
+// once from (h * rstd) * w. Rotary angles and the rotation are common/fused_math.h's
+// (cos_sin_angle: fp64 product and reduction, then fp32 cos/sin; rotate_pair), as on the GPU.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -127,9 +127,10 @@ void rotate_head(const typename E::S* in, typename E::S* out, const float* cs, c
   for (int i = 0; i < half; ++i) {
     const int ia = style == RopeStyle::kNeox ? i : 2 * i;
     const int ib = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
-    const float a = E::ld(in[ia]), b = E::ld(in[ib]);
-    out[ia] = E::st(a * cs[i] - b * sn[i]);
-    out[ib] = E::st(b * cs[i] + a * sn[i]);
+    float a = E::ld(in[ia]), b = E::ld(in[ib]);
+    fused::rotate_pair(a, b, cs[i], sn[i]);  // the kernels' expression, FMAs included
+    out[ia] = E::st(a);
+    out[ib] = E::st(b);
   }
   if (copy_tail)
     for (int j = 2 * half; j < head_dim; ++j) out[j] = in[j];
@@ -195,9 +196,7 @@ Status fused_apply_rotary(const RopeParams& p, int threads) {
             cs[i] = row[i];
             sn[i] = row[half + i];
           } else {
-            const float a = fused::reduced_angle(pos, inv_freq[i]);
-            cs[i] = std::cos(a);
-            sn[i] = std::sin(a);
+            fused::cos_sin_angle(pos, inv_freq[i], &cs[i], &sn[i]);
           }
         }
         for (int which = 0; which < 2; ++which) {

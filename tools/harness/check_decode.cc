@@ -205,16 +205,17 @@ std::vector<DecCase> decode_cases(TableKind kind) {
   return v;
 }
 
-/// The rotary rule of decode.h (fp32, computed angles), applied to x[0, head_dim).
+/// The rotary rule of decode.h (computed angles: fp64 inv_freq and reduction, fp32 cos/sin),
+/// written out from the header comment and applied to x[0, head_dim).
 void rotate(RotaryStyle style, int head_dim, int pos, float* x) {
   if (style == RotaryStyle::kNone) return;
   const int rd = head_dim, half = rd / 2;
-  const float theta = 10000.f;
+  constexpr double kTwoPi = 6.283185307179586476925286766559;
   for (int i = 0; i < half; ++i) {
-    const float inv_freq = 1.f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(rd));
-    const float angle = static_cast<float>(pos) * inv_freq;
-    const float c = static_cast<float>(std::cos(static_cast<double>(angle)));
-    const float s = static_cast<float>(std::sin(static_cast<double>(angle)));
+    const double inv_freq = std::pow(10000.0, -2.0 * i / rd);
+    const float angle = static_cast<float>(std::remainder(pos * inv_freq, kTwoPi));
+    const float c = std::cos(angle);
+    const float s = std::sin(angle);
     const int a = style == RotaryStyle::kNeox ? i : 2 * i;
     const int b = style == RotaryStyle::kNeox ? i + half : 2 * i + 1;
     const float x1 = x[a], x2 = x[b];

@@ -1,6 +1,7 @@
-// Rotary embedding math shared by apply_rotary (src/cuda/fused/rotary.cu) and the rotary fused into
-// the prefill kernels (fa2/fa3): one rotation expression and one cos/sin rule, so a q or k rotated
-// inside attention is bit for bit the q or k that apply_rotary writes.
+// Rotary embedding on the device, shared by apply_rotary (src/cuda/fused/rotary.cu), the rotary fused
+// into the prefill kernels (fa2/fa3) and decode's append: the rotation and the angle's cos/sin are
+// common/fused_math.h's (the CPU backends use the same functions), so a q or k rotated inside
+// attention is bit for bit the q or k that apply_rotary writes.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,13 +13,8 @@
 
 namespace flashcpp::cuda::rope {
 
-/// (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), fp32, with the FMAs spelled out so that every kernel
-/// that includes this rounds the same way (not left to the compiler's contraction).
-__device__ __forceinline__ void rotate_pair(float& x0, float& x1, float c, float s) {
-  const float a = x0, b = x1;
-  x0 = fmaf(a, c, -(b * s));
-  x1 = fmaf(b, c, a * s);
-}
+using ::flashcpp::fused::cos_sin_angle;
+using ::flashcpp::fused::rotate_pair;
 
 /// cos/sin of rotary pair i at position pos from an fp32 cache of rows [cos(half) | sin(half)]; NaN
 /// for a position outside [0, max_position) (poisons the row, never reads out of bounds).
@@ -31,12 +27,6 @@ __device__ __forceinline__ void cos_sin_cached(const float* cache, int half, int
   } else {
     *c = *sn = __int_as_float(0x7fffffff);
   }
-}
-
-/// cos/sin of the fp64-reduced angle pos * inv_freq (|angle| <= pi there: the hardware sin/cos is
-/// within ~4e-7).
-__device__ __forceinline__ void cos_sin_angle(std::int32_t pos, double inv_freq, float* c, float* sn) {
-  __sincosf(::flashcpp::fused::reduced_angle(pos, inv_freq), sn, c);
 }
 
 /// cos/sin of rotary pair i at position pos: from the cache when there is one, else from the angle.

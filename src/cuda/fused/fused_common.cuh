@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/common/ptx.cuh"
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -18,19 +19,8 @@ namespace flashcpp::cuda::fused {
 constexpr int kVec16 = 8;
 constexpr int kScalar = 1;
 
-template <class T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-template <class T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+using ptx::from_float;
+using ptx::to_float;
 
 /// N consecutive elements in registers; N * sizeof(T) bytes, one load/store instruction when the
 /// address is aligned to that size (ld.global.v4.b32 for N = 8).
