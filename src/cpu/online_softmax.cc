@@ -10,20 +10,19 @@
 // entries are NaN keeps m = -inf; its terms exp2(NaN - 0) are NaN, l is NaN, and testing l
 // (rather than m) lets that NaN reach the output instead of being mistaken for an empty row.
 //
-// The exponent is taken of a difference, (x - m) * log2(e), never of fma(x, log2e, -m*log2e):
-// x - m is exact for every x within a factor 2 of m and the max's own term is exactly
-// exp2(0) = 1 at any magnitude. The fma form exponentiates the rounding residual of m*log2e,
-// which exceeds 128 once |m*log2e| >= 2^31 and then overflows exp2 (or flushes it to 0).
+// The recurrence itself is common/attention_algebra.h's (RowSoftmax), which the GPU kernels and
+// the tiled backend use too; on the host it takes the exponent of a difference, (x - m) * log2(e),
+// so the max's own term is exactly exp2(0) = 1 at any magnitude.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "common/attention_algebra.h"
 #include "cpu/cpu_backend.h"
 
 namespace flashcpp::cpu {
 namespace {
 
-constexpr float kLog2e = 1.44269504088896340736f;  // log2(e)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kPairwiseLeaf = 8;  // below this many terms a plain loop is as accurate
 
@@ -63,30 +62,28 @@ void softmax_plain(const float* x, int n, float* y) {
 
 void softmax_online(const float* x, int n, float* y) {
   if (n <= 0) return;
-  // As in the tiled backend: the max m is kept in the units of x and every exponent is
-  // exp2((x - m) * log2e), so the max's own term is exactly 1 and no exponent exceeds 0.
-  float m = kNegInf;
-  float l = 0.f, carry = 0.f;  // l and its Kahan compensation (the low part lost so far)
+  // The kernels' recurrence (common/attention_algebra.h's RowSoftmax) one element at a time, in
+  // natural units: c = log2(e), so p = exp2(x c - m c) = e^(x - m). On the host RowSoftmax takes
+  // the difference x - m first (exact), so the max's own term is exactly 1 at any magnitude.
+  constexpr float c = algebra::kLog2e;
+  algebra::RowSoftmax row;
+  float carry = 0.f;  // Kahan compensation of row.l (the low part lost so far), rescaled with it
   for (int i = 0; i < n; ++i) {
     if (x[i] == kNegInf) continue;  // contributes exp(-inf) = 0
-    if (x[i] > m) {  // new max: rescale what was summed so far (0 * anything while l == 0)
-      const float alpha = std::exp2((m - x[i]) * kLog2e);
-      l *= alpha;
-      carry *= alpha;
-      m = x[i];
-    }
-    // A NaN x fails the comparison above and lands here: its term, and so l, is NaN.
-    const float term = std::exp2((x[i] - (m == kNegInf ? 0.f : m)) * kLog2e) - carry;
-    const float next = l + term;
-    carry = (next - l) - term;
-    l = next;
+    // A NaN x never moves the max (std::max keeps m): its term, and so l, is NaN.
+    const float corr = row.rescale(std::max(row.m, x[i]), c);  // exactly 1 unless the max moved
+    row.l *= corr;
+    carry *= corr;
+    const float term = row.p(x[i], c, row.offset(c)) - carry;
+    const float next = row.l + term;
+    carry = (next - row.l) - term;
+    row.l = next;
   }
-  if (l == 0.f) {  // every entry -inf (a NaN entry leaves l NaN, never 0)
+  if (row.l == 0.f) {  // every entry -inf (a NaN entry leaves l NaN, never 0)
     std::fill(y, y + n, 0.f);
     return;
   }
-  const float m_use = m == kNegInf ? 0.f : m;
-  for (int i = 0; i < n; ++i) y[i] = std::exp2((x[i] - m_use) * kLog2e) / l;
+  for (int i = 0; i < n; ++i) y[i] = row.p(x[i], c, row.offset(c)) / row.l;
 }
 
 void merge_states(SoftmaxState* a, float* o_a, const SoftmaxState& b, const float* o_b, int d) {
@@ -97,9 +94,9 @@ void merge_states(SoftmaxState* a, float* o_a, const SoftmaxState& b, const floa
     std::copy(o_b, o_b + d, o_a);
     return;
   }
+  // The states are in the exp2 domain: the partial-state rule with c = 1 (one weight is exactly 1).
   const float m = std::max(a->m, b.m);
-  const float m_use = m == kNegInf ? 0.f : m;  // both m = -inf: both sides are NaN already
-  const float ca = std::exp2(a->m - m_use), cb = std::exp2(b.m - m_use);  // one of them is exactly 1
+  const float ca = algebra::partial_weight(a->m, m, 1.f), cb = algebra::partial_weight(b.m, m, 1.f);
   a->l = a->l * ca + b.l * cb;
   for (int i = 0; i < d; ++i) o_a[i] = o_a[i] * ca + o_b[i] * cb;
   a->m = m;
@@ -107,28 +104,16 @@ void merge_states(SoftmaxState* a, float* o_a, const SoftmaxState& b, const floa
 
 void merge_by_lse(const float* o_a, float lse_a, const float* o_b, float lse_b, int d, float* o,
                   float* lse) {
-  if (lse_a == kNegInf && lse_b == kNegInf) {  // neither side saw a key
-    std::fill(o, o + d, 0.f);
-    *lse = kNegInf;
-    return;
+  float wa, wb, merged;
+  algebra::merge_two(lse_a, lse_b, &wa, &wb, &merged);
+  // A zero weight (an empty side) is skipped, not multiplied: its o is 0 by convention, but NaN
+  // garbage there must not leak. o may alias o_a or o_b.
+  for (int i = 0; i < d; ++i) {
+    float v = 0.f;
+    if (wa != 0.f) v = o_a[i] * wa;
+    if (wb != 0.f) v = std::fma(o_b[i], wb, v);
+    o[i] = v;
   }
-  // An empty side contributes nothing; skip it explicitly so that whatever its o holds (it is
-  // 0 by convention, but NaN garbage must not leak either) is never multiplied in.
-  if (lse_a == kNegInf || lse_b == kNegInf) {
-    const float* src = lse_a == kNegInf ? o_b : o_a;
-    const float kept = lse_a == kNegInf ? lse_b : lse_a;
-    for (int i = 0; i < d; ++i) o[i] = src[i];  // o may alias src
-    *lse = kept;
-    return;
-  }
-  // hi and lo by one comparison, which is false when either is NaN: then a NaN lands in hi or lo
-  // and so in the merged LSE (std::max / std::min would drop a NaN second argument).
-  const bool a_hi = lse_a > lse_b;
-  const float hi = a_hi ? lse_a : lse_b, lo = a_hi ? lse_b : lse_a;
-  // log(e^a + e^b) = hi + log1p(e^(lo - hi)), which cannot overflow.
-  const float merged = hi + std::log1p(std::exp(lo - hi));
-  const float wa = std::exp(lse_a - merged), wb = std::exp(lse_b - merged);
-  for (int i = 0; i < d; ++i) o[i] = o_a[i] * wa + o_b[i] * wb;  // o may alias o_a or o_b
   *lse = merged;
 }
 

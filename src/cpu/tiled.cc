@@ -1,15 +1,15 @@
 // Tiled fp32 online-softmax attention on the CPU: the FA2 forward algorithm, tile for tile.
 //
-// One work item = one (batch, head, query tile of Br rows). Per row it keeps the running max m,
-// the denominator l and an unnormalized output accumulator acc, and visits Br x Bc key tiles:
+// One work item = one (batch, head, query tile of Br rows). Per row it keeps the online-softmax
+// state (m, l) of common/attention_algebra.h (RowSoftmax, the state every GPU kernel keeps) and an
+// unnormalized output accumulator acc, and visits Br x Bc key tiles:
 //
-//   S   = Q_tile . K_tile^T                     (fp32 dot products)
-//   m'  = max(m, rowmax(S))                     (per row)
-//   P   = exp2((S - m') * fold)                 (fold = softmax_scale * log2(e): one multiply)
-//   l   = l * exp2((m - m') * fold) + rowsum(P)
-//   acc = acc * exp2((m - m') * fold) + P . V_tile
+//   S   = Q_tile . K_tile^T                     (fp32 dot products, raw q.k units u)
+//   u   = transform(S), masked                  (ScoreTransform: softcap, ALiBi; -inf where hidden)
+//   m'  = max(m, rowmax(u)),  corr = exp2((m - m') c)          c = |softmax_scale| * log2(e)
+//   P   = exp2((u - m') c),   l = l corr + rowsum(P),  acc = acc corr + P . V_tile
 //
-// and at the end O = acc / l and LSE = m * scale + ln(l), natural log. A row that saw no key
+// and at the end O = acc / l and LSE = (m c + log2 l) ln 2, natural log. A row that saw no key
 // keeps l = 0 and gets O = 0, LSE = -inf; a row that saw a NaN score has l = NaN and gets NaN
 // (attention.h). The derivation is in docs/online_softmax.md.
 //
@@ -21,24 +21,17 @@
 // sparse query block and a key tile never straddles a sparse key block.
 //
 // Numerics, and where they differ from the GPU on purpose:
-// - Softcap and ALiBi are applied in natural units (s = scale*q.k, then softcap*tanh(s/softcap),
-//   then + slope*(j - ia)) and only then converted to the log2 domain with fold = log2(e): the
-//   bias is defined in natural units and tanh is not linear, so neither commutes with the fold.
-//   Without them the row max is kept on the raw dot products and scale*log2(e) is applied once.
-// - exp2 takes (s - m) * fold, a difference first: s - m is exact for the keys within a factor 2
-//   of the max, the max's own term is exactly exp2(0) = 1, and no exponent is ever above 0, at
-//   any magnitude. Here the CPU differs from the GPU kernels, which take fma(s, fold, -m*fold)
-//   (one FFMA per score): that exponentiates the rounding residual of m*fold along with the
-//   score, harmless for ordinary scores, but once |m*fold| >= 2^31 the residual passes 128 and
-//   exp2 overflows to inf (or flushes to 0), which made this backend return NaN for scores of a
-//   few 1e9 (fp16 q and k of ~1.6e4 at head_dim 128: tests/cpu/test_tiled.cc,
-//   Tiled.HugeScoresStayFinite) where the fp64 reference is finite.
+// - The rules are the kernels' (common/attention_algebra.h, the same functions), evaluated as the
+//   host evaluates them: exactly, in double, rounded once to fp32. So exp2 takes (u - m) c, a
+//   difference first: the max's own term is exactly exp2(0) = 1 and no exponent is ever above 0,
+//   at any magnitude, where the GPU's one FFMA fma(u, c, -fl(m c)) exponentiates the rounding
+//   residual of m c (harmless for ordinary scores; past |m c| ~ 2^31 it overflows exp2: fp16 q and
+//   k of ~1.6e4 at head_dim 128, tests/cpu/test_tiled.cc Tiled.HugeScoresStayFinite). Softcap is
+//   cap tanh(u / cap) in double where the GPU uses two MUFU operations.
 // - q.k over head_dim, and P.V and the row sum of P over a tile's keys, are pairwise (tree) sums,
 //   added once per tile to the rescaled running values; see pairwise_sum_rows() for why. With
 //   running sums this backend missed the 1e-6 bar against the fp64 reference (tests/cpu/
 //   test_tiled.cc tells the measurements); the GPU's MMA reduces k in hardware trees too.
-// - LSE is formed as fma(m, scale, log l) (scale 1 when softcap or ALiBi made m natural units):
-//   the product is exact inside the FMA, one rounding fewer than (m * fold + log2 l) * ln 2.
 // - P stays fp32 for the P.V product; the GPU rounds P to fp16/bf16 for the tensor cores. So
 //   this backend is the "fp32 everywhere" version of the algorithm, used to test the algorithm
 //   and the mask walk, not the GPU's 16-bit rounding.
@@ -56,13 +49,13 @@
 #include <vector>
 
 #include "flashcpp/half.h"
+#include "common/attention_algebra.h"
 #include "common/mask_rules.h"
 #include "cpu/cpu_backend.h"
 
 namespace flashcpp::cpu {
 namespace {
 
-constexpr float kLog2e = 1.44269504088896340736f;  // log2(e)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kDefaultBlockM = 64;  // Br: query rows per tile (the GPU kernel's BlockM)
 constexpr int kDefaultBlockN = 64;  // Bc: key columns per tile (the GPU kernel's BlockN)
@@ -105,40 +98,27 @@ void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {
   }
 }
 
-/// How a dot product becomes a logit. The kernel keeps the row max in "u" units and converts to
-/// the log2 domain with one multiply by `fold`.
+/// How a dot product becomes a score in raw units (the kernels' rule, common/attention_algebra.h):
+/// sign, softcap, then ALiBi with the (batch, head)'s slope in raw units.
 struct Logits {
-  bool natural = false;  // softcap or ALiBi on: u = natural-units logit, fold = log2(e)
-  float scale = 1.f;     // softmax_scale (natural path)
-  float softcap = 0.f;   // > 0: u = softcap * tanh(s * scale / softcap)
-  float softcap_in = 0.f;  // scale / softcap, folded into one multiply
-  bool alibi = false;
-  float slope = 0.f;     // ALiBi slope of this (batch, head), natural units
-  float fold = 0.f;      // u * fold = log2-domain logit
-  float lse_scale = 0.f;  // u * lse_scale = natural-units logit (the LSE's units)
+  algebra::ScoreTransform score;
+  bool softcap = false, alibi = false;
+  float slope_raw = 0.f;
 
   static Logits make(const AttnParams& p, int b, int h) {
     Logits g;
-    const float scale = p.effective_scale();
     const MaskParams& m = p.mask;
-    g.scale = scale;
+    g.score = algebra::ScoreTransform::make(p.effective_scale(), m.softcap);
+    g.softcap = m.softcap > 0.f;
     g.alibi = m.alibi_slopes != nullptr;
-    if (g.alibi) g.slope = m.alibi_slopes[b * m.alibi_batch_stride + h];
-    if (m.softcap > 0.f) {
-      g.softcap = m.softcap;
-      g.softcap_in = scale / m.softcap;
-    }
-    // The raw-dot fast path needs scale > 0: the max of s must be the max of s * scale.
-    g.natural = g.alibi || g.softcap > 0.f || !(scale > 0.f);
-    g.fold = g.natural ? kLog2e : scale * kLog2e;
-    g.lse_scale = g.natural ? 1.f : scale;
+    if (g.alibi) g.slope_raw = g.score.slope_raw(m.alibi_slopes[b * m.alibi_batch_stride + h]);
     return g;
   }
   /// u for dot product s of query position ia (bottom-right aligned) and key j.
   float operator()(float s, int ia, int j) const {
-    if (!natural) return s;
-    float u = softcap > 0.f ? softcap * std::tanh(s * softcap_in) : s * scale;
-    if (alibi) u += slope * static_cast<float>(j - ia);
+    float u = score.raw(s);
+    if (softcap) u = score.softcap(u);
+    if (alibi) u = algebra::alibi(u, slope_raw, static_cast<float>(j - ia));
     return u;
   }
 };
@@ -151,13 +131,13 @@ struct Scratch {
   std::vector<float> prod;  // products before their pairwise sum: Q.K^T [D][Bc], then P.V [Bc][D]
   std::vector<float> s;     // [Br][Bc] scores, then logits, then P
   std::vector<float> acc;   // [Br][D] unnormalized output accumulator
-  std::vector<float> m_u, l;         // [Br] running max (u units), denominator
+  std::vector<algebra::RowSoftmax> row;  // [Br] online-softmax state (m in raw units, l)
   std::vector<int> row_hi, row_lo;    // [Br] MaskRules key_hi / key_lo of each row of the tile
   Scratch(int br, int bc, int dim)
       : q(static_cast<std::size_t>(br) * dim), kt(static_cast<std::size_t>(dim) * bc),
         v(static_cast<std::size_t>(bc) * dim), prod(static_cast<std::size_t>(dim) * bc),
-        s(static_cast<std::size_t>(br) * bc), acc(static_cast<std::size_t>(br) * dim), m_u(br),
-        l(br), row_hi(br), row_lo(br) {}
+        s(static_cast<std::size_t>(br) * bc), acc(static_cast<std::size_t>(br) * dim), row(br),
+        row_hi(br), row_lo(br) {}
 };
 
 /// Everything one work item needs to visit key tiles.
@@ -233,8 +213,9 @@ void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool
     }
     pairwise_sum_rows(prod, dim, cols, bc);
     std::copy(prod, prod + cols, srow);
-    // Logits (u units), masking, row max.
-    float m_new = w.m_u[r];
+    // Scores (raw units), masking, row max.
+    algebra::RowSoftmax& rs = w.row[r];
+    float m_new = rs.m;
     for (int col = 0; col < cols; ++col) {
       const int j = j0 + col;
       float u = c.logits(srow[col], ia, j);
@@ -244,17 +225,17 @@ void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool
         if (!vis) u = kNegInf;
       }
       srow[col] = u;
-      m_new = std::max(m_new, u);
+      m_new = std::max(m_new, u);  // a NaN score never wins the max: its P, and l, are NaN
     }
-    // While the row has seen nothing, m stays -inf; exponentiate against 0 instead so that
-    // -inf - (-inf) never produces NaN (P = 0, and the rescale factor of the empty accumulator
-    // is 0). A NaN score never wins the max (std::max keeps m), so its P is NaN and so is l.
-    const float m_use = m_new == kNegInf ? 0.f : m_new;
-    const float alpha = std::exp2((w.m_u[r] - m_use) * c.logits.fold);
-    // P = exp2((s - m) * fold); then this tile's P.V and row sum, each a pairwise sum over the
-    // tile's keys (P.V vectorized over d), added once to the rescaled running values.
+    // The kernels' step (RowSoftmax): corr = exp2((m - m') c), P = exp2((u - m') c); while the row
+    // has seen nothing, P is taken against 0 (never -inf - (-inf) = NaN) and corr is 0.
+    const float cf = c.logits.score.c;
+    const float corr = rs.rescale(m_new, cf);
+    const float mc = rs.offset(cf);
+    // This tile's P.V and row sum, each a pairwise sum over the tile's keys (P.V vectorized over
+    // d), added once to the rescaled running values.
     for (int col = 0; col < cols; ++col) {
-      const float pr = std::exp2((srow[col] - m_use) * c.logits.fold);
+      const float pr = rs.p(srow[col], cf, mc);
       srow[col] = pr;
       const float* vrow = &w.v[static_cast<std::size_t>(col) * dim];
       float* pd = &prod[static_cast<std::size_t>(col) * dim];
@@ -262,10 +243,9 @@ void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool
     }
     pairwise_sum_rows(prod, cols, dim, dim);
     pairwise_sum_rows(srow, cols, 1, 1);
-    w.l[r] = w.l[r] * alpha + srow[0];
+    rs.accumulate(corr, srow[0]);
     float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
-    for (int d = 0; d < dim; ++d) acc[d] = acc[d] * alpha + prod[d];
-    w.m_u[r] = m_new;
+    for (int d = 0; d < dim; ++d) acc[d] = acc[d] * corr + prod[d];
   }
 }
 
@@ -327,8 +307,7 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
     w.row_hi[r] = c.rules.key_hi(i0 + r);
     w.row_lo[r] = c.rules.key_lo(i0 + r);
   }
-  std::fill(w.m_u.begin(), w.m_u.end(), kNegInf);
-  std::fill(w.l.begin(), w.l.end(), 0.f);
+  std::fill(w.row.begin(), w.row.end(), algebra::RowSoftmax{});
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
 
   int lo = 0, hi = 0;
@@ -370,23 +349,22 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
       visit(kb * t.bc, std::min((kb + 1) * t.bc, len_k), kFullBlock);
   }
 
-  // Epilogue: O = acc / l and LSE; a row that saw no key has O = 0 and LSE = -inf. Emptiness is
-  // l == 0, not m == -inf: a row whose every visible score is NaN keeps m = -inf but has l = NaN,
-  // and must come out NaN (attention.h), as it does through acc / l and log(l).
+  // Epilogue (RowSoftmax::finalize): O = acc / l and the LSE; a row that saw no key (l == 0) has
+  // O = 0 and LSE = -inf. Emptiness is l == 0, not m == -inf: a row whose every visible score is
+  // NaN keeps m = -inf but has l = NaN, and must come out NaN (attention.h), as it does through
+  // acc / l and log(l).
   const std::int64_t lse_rows = c.varlen ? varlen_lse_rows(p) : 0;
   for (int r = 0; r < c.rows; ++r) {
     const int i = i0 + r;
-    const bool empty = w.l[r] == 0.f;
+    const algebra::RowResult res = w.row[r].finalize(w.row[r].l, c.logits.score.c);
     const float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
     const std::int64_t dst = row_offset(p.o, c.varlen, b, c.seq.first_q, i, h);
     for (int d = 0; d < dim; ++d)
-      store_from_float(p.o.data, p.o.dtype, dst + d, empty ? 0.f : acc[d] / w.l[r]);
+      store_from_float(p.o.data, p.o.dtype, dst + d, w.row[r].l == 0.f ? 0.f : acc[d] / w.row[r].l);
     if (p.lse) {
       const std::int64_t at = c.varlen ? h * lse_rows + c.seq.first_q + i
                                        : (static_cast<std::int64_t>(b) * p.heads_q + h) * p.seqlen_q + i;
-      // LSE = m * scale + ln(l) in natural units, as one FMA: the product is exact inside it, so
-      // the only roundings are ln(l)'s and the final one. (m = -inf with l = NaN gives NaN.)
-      p.lse[at] = empty ? kNegInf : std::fma(w.m_u[r], c.logits.lse_scale, std::log(w.l[r]));
+      p.lse[at] = res.lse;
     }
   }
 }
