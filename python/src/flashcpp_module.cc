@@ -232,10 +232,11 @@ void bind_attention(nb::module_& m) {
   pointer_rw(mask, "alibi_slopes", &MaskParams::alibi_slopes);
   pointer_rw(mask, "cu_seqlens_q", &MaskParams::cu_seqlens_q);
   pointer_rw(mask, "cu_seqlens_k", &MaskParams::cu_seqlens_k);
-  // A pointer to another bound struct: the setter keeps the BlockSparseMask object alive as long
-  // as this MaskParams object, and the caller holds it through the call (a MaskParams reached as
-  // params.mask is a view that Python may drop before the call). The entry points copy the
-  // struct before they release the GIL.
+  // A pointer to another bound struct. The setter ties the BlockSparseMask object's life to the
+  // Python MaskParams object it is set on; `params.mask` is a fresh view of the struct inside
+  // params each time it is read, so a caller that sets it through such a view holds the
+  // BlockSparseMask itself until the call returns (as _core.launch does). The entry points copy
+  // the struct before they release the GIL.
   mask.def_prop_rw(
       "block_sparse",
       [](const MaskParams& mp) -> nb::object {
@@ -243,9 +244,12 @@ void bind_attention(nb::module_& m) {
         return nb::cast(mp.block_sparse, nb::rv_policy::reference);
       },
       [](MaskParams& mp, nb::handle value) {
+        if (!value.is_none() && !nb::isinstance<BlockSparseMask>(value))
+          throw nb::type_error("MaskParams.block_sparse takes a BlockSparseMask or None");
         mp.block_sparse = value.is_none() ? nullptr : nb::cast<const BlockSparseMask*>(value);
       },
-      nb::for_setter(nb::keep_alive<1, 2>()), "a BlockSparseMask or None");
+      nb::for_setter(nb::keep_alive<1, 2>()), nb::for_setter(nb::arg("value").none()),
+      "a BlockSparseMask or None");
 
   nb::class_<AttnRotary> rot(m, "AttnRotary", "flashcpp::AttnRotary: rotary fused into attention (rotary_dim 0 = off)");
   rot.def(nb::init<>()).def_rw("rotary_dim", &AttnRotary::rotary_dim);
