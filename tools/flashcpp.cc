@@ -291,7 +291,7 @@ int main(int argc, char** argv) {
   flashcpp::tools::TuneOptions tune_opt;
   auto* tune = app.add_subcommand("tune", "Choose the tile config per head dim and shape on this device");
   tune->add_option("--out", tune_opt.out, "JSON cache path (default: the library's cache path)");
-  tune->add_flag("--emit-table", tune_opt.emit_table, "also print rows for src/cuda/prefill/fa2_tuned_table.inc");
+  tune->add_flag("--emit-table", tune_opt.emit_table, "also print rows for src/core/sm80_tuned_table.inc");
   tune->add_option("--head-dims", tune_opt.head_dims, "head dims to tune")
       ->delimiter(',')
       ->check(head_dims)

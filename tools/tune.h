@@ -18,7 +18,7 @@ struct BenchOptions {
 };
 struct TuneOptions {
   std::string out;           ///< JSON cache path ("" = the library's default cache path)
-  bool emit_table = false;   ///< also print rows for src/cuda/prefill/fa2_tuned_table.inc
+  bool emit_table = false;   ///< also print rows for src/core/sm80_tuned_table.inc
   std::vector<int> head_dims = {64, 128, 256};
   int warmup = 3, iters = 15;
 };

@@ -191,9 +191,29 @@ enum class KernelId : std::uint8_t {
 };
 const char* kernel_name(KernelId k) noexcept;
 
+/// The tile config a CUDA prefill kernel runs with. Tuning only: a config changes speed, registers
+/// and shared memory, never results beyond fp32 summation order.
+struct TileConfig {
+  int block_m = 0;  ///< query rows per CTA (sm90: 64 per consumer warpgroup)
+  int block_n = 0;  ///< keys per pipeline stage
+  int stages = 0;   ///< K/V ring depth
+  // sm80 (mma.sync)
+  int warps = 0;           ///< warps per CTA
+  bool q_in_regs = false;  ///< Q fragments held in registers (else re-read by ldmatrix)
+  int min_blocks = 1;      ///< CTAs per SM the register allocation must allow
+  // sm90 (wgmma + TMA)
+  bool ping_pong = false;   ///< pipelined consumers (Q K^T of block j with P V of block j-1)
+  bool sched = false;       ///< with ping_pong: the warpgroups take turns (named barriers)
+  bool persistent = false;  ///< persistent CTAs (tile scheduler, TMA-store epilogue)
+  friend bool operator==(const TileConfig&, const TileConfig&) = default;
+};
+
+/// What select_kernel chose, and what attention_forward runs: the kernel, its tile config (CUDA)
+/// and why.
 struct KernelChoice {
   KernelId id = KernelId::kNone;
-  std::string config;  ///< tile config name, e.g. "m128n64w4s2"; empty for CPU
+  TileConfig tile;     ///< CUDA kernels: the config that runs; zero for CPU
+  std::string config;  ///< its name, e.g. "m128n64w4s2q" or "sm90_m128n128s2p"; empty for CPU
   std::string reason;  ///< one sentence: why this kernel (and config) was chosen
 };
 

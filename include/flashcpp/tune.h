@@ -23,7 +23,7 @@ std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev);
 
 /// Names of the compiled configs of the sm_90a (wgmma + TMA) prefill kernel for a head dim.
 std::vector<std::string> prefill_sm90_configs(int head_dim);
-/// Runs the sm_90a prefill kernel (config "" = the first listed for the head dim).
+/// Runs the sm_90a prefill kernel with the named config ("" = the selector's sm90 choice).
 Status prefill_sm90(const AttnParams& p, const std::string& config, Stream stream);
 
 /// The tuned table's seqlen buckets: upper bounds; a 4th bucket is above.

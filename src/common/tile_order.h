@@ -47,33 +47,4 @@ inline int persistent_tile_heads(std::int64_t seqlen_k, int head_dim, int heads_
   return static_cast<int>(std::min<std::int64_t>(per_group, static_cast<std::int64_t>(heads_q) * batch));
 }
 
-/// The sm90 dispatch rules (fa3_dispatch.cc), as plain arithmetic so that CPU tests check them on
-/// the shapes they were measured on (H200, reports/hopper/raw/persist_a367a06_* and d64_m192_275afeb_*).
-///
-/// Whether a causal problem's persistent work units fill their last wave of CTAs (one per SM) at
-/// least 3/4 full. Persistent over its twin, causal: 1.31x at 128 units, 1.12x at 256, 0.99-1.08x
-/// from 512 up; 0.79x at 64 units (half the SMs idle) and 0.78x at 144 (a second wave of 12).
-/// For a single wave this is "at least 1.5 tiles per SM".
-inline bool persistent_units_fill_waves(std::int64_t units, int sms) {
-  if (units <= 0 || sms <= 0) return false;
-  const std::int64_t waves = (units + sms - 1) / sms;
-  return 4 * units >= 3 * waves * sms;
-}
-
-/// Whether a tile of `wide_rows` (> 128) query rows beats the 128-row tile on a problem of
-/// `heads_batch` (head, batch) pairs of `seqlen_q` query rows each. d64's 192-row tile costs
-/// 0.88x per query row once the SMs are full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s) but comes
-/// in coarser waves:
-///  - non-causal: taken when waves(wide tiles) x wide_rows x 0.88 < waves(128-row tiles) x 128,
-///    a wave being one tile per SM;
-///  - causal: from 10 wide tiles per SM (below, the 128-row persistent twin balances the triangle
-///    better: 339.0 vs 318.0 at 5.3 per SM; at 20.9 per SM the wide tile wins, 438.5 vs 403.8).
-inline bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal, int wide_rows, int sms) {
-  if (seqlen_q <= 0 || heads_batch <= 0 || sms <= 0) return false;
-  auto tiles = [&](int rows) { return (seqlen_q + rows - 1) / rows * heads_batch; };
-  auto waves = [&](int rows) { return static_cast<double>((tiles(rows) + sms - 1) / sms); };
-  if (causal) return tiles(wide_rows) >= std::int64_t{10} * sms;
-  return waves(wide_rows) * wide_rows * 0.88 < waves(128) * 128;
-}
-
 }  // namespace flashcpp

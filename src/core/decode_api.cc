@@ -1,25 +1,7 @@
-// Decode plan/run: the split heuristic, the work list, and the public entry points that route a
-// step to the CPU or the CUDA backend. Host code shared by both backends, built with or without
-// CUDA; it is the one dispatch point of decode, as src/core/dispatch.cc is for attention_forward.
-//
-// The split heuristic (docs/decode.md has the reasoning and examples):
-//   units    = heads_kv * row_blocks          CTAs one split of one sequence occupies
-//   target   = num_sms * ctas_per_sm(D)       one full wave (ctas_per_sm from the tile config)
-//   tiles_b  = 64-key tiles of the keys some query row of sequence b can see (window-aware)
-//   if batch * units >= target: no split (the batch alone fills the GPU; merging would only add
-//     traffic)
-//   else: base = max(min_tiles, ceil(sum_b tiles_b * units / target)) tiles per split; chunk =
-//     the candidate >= base (base, or where the longest sequence's count changes) of least
-//     waves x longest split (wave_aware_chunk), and n_b = clamp(ceil(tiles_b / chunk), 1, max_splits)
-//   min_tiles = ceil(max(256, 16 * rows) / 64): a split reads at least 256 keys, and at least 16
-//     keys per query row it serves, so the partials it writes and the merge reads (8 bytes per
-//     row and dim) stay under 1/8 of the K/V bytes it reads (4 bytes per key and dim).
-//   small problems (ceil(sum_b tiles_b * units / target) < min_tiles: 256-key splits cannot fill
-//     a wave) are latency-bound: base = min(base, max(ceil(16 * rows / 64), ceil(sum_b tiles_b *
-//     units / budget))), budget = 5/8 of num_sms CTAs; more splits than above, never fewer.
-// Splits are proportional to each sequence's length, so a ragged batch gives every CTA about the
-// same number of tiles. A forced count (DecodePlanOptions::num_splits) gives every sequence that
-// count, even beyond its tile count (the extra splits are empty and merge as LSE = -inf).
+// Decode plan/run: the work list and the public entry points that route a step to the CPU or the
+// CUDA backend. Host code shared by both backends, built with or without CUDA; it is the one
+// dispatch point of decode, as src/core/dispatch.cc is for attention_forward. How many splits each
+// sequence gets is the selector's rule (core/selector.cc, decode_splits).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +10,7 @@
 #include <vector>
 
 #include "core/decode_backends.h"
+#include "core/selector.h"
 #include "common/decode_common.h"
 #include "flashcpp/decode.h"
 #if FLASHCPP_WITH_CUDA
@@ -36,117 +19,13 @@
 
 namespace flashcpp {
 namespace {
-constexpr int kCpuPlanSms = 132;  // the CPU backend plans as for an H200, so it walks the GPU's splits
-constexpr int kMinSplitKeys = 256;
-constexpr int kMinKeysPerRow = 16;
-/// A problem too small to fill a wave with kMinSplitKeys-key splits is latency-bound: it splits
-/// further, down to one tile per split, up to a budget of 5/8 of the SM count in CTAs (82 on an
-/// H200; the engine's short contexts measured best at 72-80 CTAs and worse at 128+, docs/decode.md).
-constexpr int kSmallPlanBudgetEighths = 5;
 constexpr std::size_t kWorkspaceAlign = 16;
 }  // namespace
-
-namespace decode {
-namespace {
-
-std::int32_t split_count(std::int64_t tiles, std::int64_t chunk, int cap) {
-  return static_cast<std::int32_t>(std::clamp<std::int64_t>((tiles + chunk - 1) / chunk, 1, cap));
-}
-
-/// The chunk (tiles per split) to plan with, >= base. Splitting at `base` fills one wave when the
-/// splits divide evenly, but each n_b rounds up, and a few extra CTAs past the wave cost a whole
-/// second wave: B=16, 8 KV heads, 8192 keys gets base 63 -> 3 splits -> 384 CTAs (1.45 waves,
-/// 175 us on the H200) where 2 splits -> 256 CTAs take 137 us. So the candidates are base and
-/// every chunk at which the longest sequence's split count changes; the cost of one is
-/// waves x (tiles of the longest split), and a larger chunk (fewer splits, less merge traffic)
-/// wins ties.
-std::int64_t wave_aware_chunk(const std::vector<std::int64_t>& tiles, std::int64_t units, std::int64_t target,
-                              std::int64_t base, int cap) {
-  const std::int64_t max_tiles = *std::max_element(tiles.begin(), tiles.end());
-  auto cost = [&](std::int64_t chunk) {
-    std::int64_t items = 0, longest = 0;
-    for (const std::int64_t t : tiles) {
-      const std::int64_t n = split_count(t, chunk, cap);
-      items += n;
-      longest = std::max(longest, (t + n - 1) / n);
-    }
-    return ((items * units + target - 1) / target) * longest;
-  };
-  std::int64_t best = base, best_cost = cost(base);
-  for (int n = cap; n >= 1; --n) {  // chunks in increasing order
-    const std::int64_t chunk = (max_tiles + n - 1) / n;
-    if (chunk <= base) continue;
-    const std::int64_t c = cost(chunk);
-    if (c <= best_cost) best = chunk, best_cost = c;
-  }
-  return best;
-}
-
-}  // namespace
-
-Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
-                   SplitDecision* out) {
-  *out = SplitDecision{};
-  out->splits.assign(static_cast<std::size_t>(p.batch), 1);
-  if (p.batch == 0) return Status::Ok();
-  const RowLayout rl = row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
-  const std::int64_t units = static_cast<std::int64_t>(p.heads_kv) * rl.row_blocks;
-  const bool append = p.has_append();
-  const int slots = static_cast<int>(p.cache.slots());
-  const int wl = clamp_window(p.mask.window_left, slots), wr = clamp_window(p.mask.window_right, slots);
-  const int cap = max_splits > 0 ? std::min(max_splits, kDecodeMaxSplits) : kDecodeMaxSplits;
-
-  std::vector<std::int64_t> tiles(static_cast<std::size_t>(p.batch));
-  std::int64_t total_tiles = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    const int raw = lengths ? lengths[b] : slots - (append ? p.seqlen_q : 0);
-    const int len = total_len(raw, slots, p.seqlen_q, append);
-    const MaskRules rules = sequence_rules(p.seqlen_q, len, p.mask.causal, wl, wr);
-    int lo = 0, hi = 0;
-    rules.key_range(0, p.seqlen_q, &lo, &hi);
-    const int t0 = lo / kDecodeBlockN;
-    tiles[b] = hi > lo ? (hi + kDecodeBlockN - 1) / kDecodeBlockN - t0 : 0;
-    total_tiles += tiles[b] * units;
-  }
-  if (forced > 0) {
-    std::fill(out->splits.begin(), out->splits.end(), forced);
-  } else {
-    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(p.head_dim);
-    if (static_cast<std::int64_t>(p.batch) * units < target) {
-      // >= 16 keys per row it serves, and >= kMinSplitKeys keys unless the problem is small (below)
-      const std::int64_t row_tiles = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;
-      static_assert(kMinSplitKeys % kDecodeBlockN == 0, "the key floor is whole tiles");
-      const std::int64_t min_tiles = std::max<std::int64_t>(kMinSplitKeys / kDecodeBlockN, row_tiles);
-      const std::int64_t fill = (total_tiles + target - 1) / target;  // tiles per CTA for one full wave
-      std::int64_t base = std::max(min_tiles, fill);
-      if (fill < min_tiles) {  // small: more splits (never fewer), up to the CTA budget
-        const std::int64_t budget = std::max<std::int64_t>(1, std::max(num_sms, 1) * kSmallPlanBudgetEighths / 8);
-        base = std::min(base, std::max<std::int64_t>({1, row_tiles, (total_tiles + budget - 1) / budget}));
-      }
-      const std::int64_t chunk = wave_aware_chunk(tiles, units, target, base, cap);
-      for (int b = 0; b < p.batch; ++b)
-        out->splits[b] = split_count(tiles[b], chunk, cap);
-    }
-  }
-  std::int64_t items = 0;
-  for (int b = 0; b < p.batch; ++b) {
-    items += out->splits[b];
-    out->max_splits = std::max<int>(out->max_splits, out->splits[b]);
-  }
-  if (items * units > std::numeric_limits<std::int32_t>::max())
-    return Status::Unsupported("the plan needs " + std::to_string(items) + " work items x " + std::to_string(units) +
-                               " CTAs each, more than a grid holds (2^31 - 1); lower num_splits or the batch");
-  out->num_items = static_cast<int>(items);
-  out->needs_merge = out->max_splits > 1;
-  return Status::Ok();
-}
-
-}  // namespace decode
 
 namespace {
 
 using decode::RowLayout;
-using decode::SplitDecision;
+using select::SplitDecision;
 
 bool on_device(const void* ptr) {
 #if FLASHCPP_WITH_CUDA
@@ -193,13 +72,13 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
   if (opt.num_sms < 0) return Status::Invalid("num_sms " + std::to_string(opt.num_sms) + " is negative (0 = the device's)");
   out->num_sms = opt.num_sms;
   if (out->num_sms == 0) {
-    out->num_sms = kCpuPlanSms;
+    out->num_sms = select::kCpuPlanSms;
 #if FLASHCPP_WITH_CUDA
     if (backend == Backend::kCuda) FLASHCPP_RETURN_IF_ERROR(cuda::decode_num_sms(&out->num_sms));
 #endif
   }
   FLASHCPP_RETURN_IF_ERROR(
-      decode::plan_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split));
+      select::decode_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split));
   out->rows = decode::row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
   out->fused_merge = opt.fused_merge && backend == Backend::kCuda && out->split.needs_merge;
   out->fused_append = opt.fused_append && backend == Backend::kCuda && p.has_append();

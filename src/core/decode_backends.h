@@ -9,19 +9,6 @@
 
 namespace flashcpp::decode {
 
-/// The split decision of the planner, before it becomes a work list.
-struct SplitDecision {
-  std::vector<std::int32_t> splits;  ///< n_b per sequence
-  int num_items = 0;
-  int max_splits = 0;
-  bool needs_merge = false;
-};
-
-/// The split heuristic (documented in docs/decode.md and at its definition). `lengths` are the
-/// host lengths in the meaning of cache_seqlens (nullptr: full caches).
-Status plan_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
-                   SplitDecision* out);
-
 /// Only the scalar checks of validate(DecodeParams) (what plan needs: no pointer is read).
 Status validate_decode_shape(const DecodeParams& p, Backend backend);
 

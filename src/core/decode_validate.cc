@@ -27,6 +27,7 @@
 #include "flashcpp/decode.h"
 
 #include "core/message.h"
+#include "core/score_checks.h"
 
 namespace flashcpp {
 namespace {
@@ -254,6 +255,7 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
                                " is not finite (0 selects 1/sqrt(head_dim))"));
   if (!std::isfinite(m.softcap) || m.softcap < 0.f)
     return Status::Invalid(cat("mask.softcap ", static_cast<double>(m.softcap), " must be finite and >= 0 (0 = off)"));
+  FLASHCPP_RETURN_IF_ERROR(check_score_units(p.effective_scale(), m.softcap, m.alibi_slopes != nullptr));
   if (m.window_left < -1)
     return Status::Invalid(cat("mask.window_left ", m.window_left, " must be >= -1 (-1 = unbounded)"));
   if (m.window_right < -1)

@@ -33,6 +33,7 @@
 
 #include "core/message.h"
 #include "core/rope_checks.h"
+#include "core/score_checks.h"
 
 namespace flashcpp {
 namespace {
@@ -115,6 +116,7 @@ Status check_mask_scalars(const AttnParams& p) {
   if (!std::isfinite(m.softcap) || m.softcap < 0.f)
     return Status::Invalid(
         cat("mask.softcap ", static_cast<double>(m.softcap), " must be finite and >= 0 (0 = off)"));
+  FLASHCPP_RETURN_IF_ERROR(check_score_units(p.effective_scale(), m.softcap, m.alibi_slopes != nullptr));
   if (m.window_left < -1)
     return Status::Invalid(cat("mask.window_left ", m.window_left, " must be >= -1 (-1 = unbounded)"));
   if (m.window_right < -1)

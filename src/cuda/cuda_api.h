@@ -17,6 +17,11 @@ namespace flashcpp::cuda {
 /// True when `ptr` is device (or managed) memory according to the CUDA runtime.
 bool is_device_pointer(const void* ptr);
 
+/// The prefill kernels with the tile config the selector chose (KernelChoice::tile); the named
+/// forms of flashcpp/tune.h look the name up and call these.
+Status prefill_sm80(const AttnParams& p, const TileConfig& tile, Stream stream);
+Status prefill_sm90(const AttnParams& p, const TileConfig& tile, Stream stream);
+
 /// Varlen batch 0 (or seqlen_q 0) with mask.total_q > 0: O = 0 and LSE = -inf in all total_q
 /// packed rows (attention.h), by one small kernel on `stream`: no allocation, no synchronization.
 Status fill_uncovered_rows(const AttnParams& p, Stream stream);

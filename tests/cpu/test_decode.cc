@@ -24,6 +24,7 @@
 #include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
 #include "core/decode_backends.h"
+#include "core/selector.h"
 #include "common/decode_common.h"
 #include "common/fused_math.h"
 #include "flashcpp/decode.h"
@@ -723,9 +724,9 @@ TEST(DecodeCpu, SplitHeuristic) {
     p.head_dim = d;
     p.seqlen_q = sq;
     p.cache.capacity = len;
-    decode::SplitDecision s;
+    select::SplitDecision s;
     std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
-    EXPECT_TRUE(decode::plan_splits(p, lens.data(), 0, 0, sms, &s).ok());
+    EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, sms, &s).ok());
     return s;
   };
   // B=1, Hq=32, Hkv=8, N=8192, D=128: 8 CTAs unsplit; one wave is 132*2 = 264 CTAs;
@@ -764,8 +765,8 @@ TEST(DecodeCpu, SplitHeuristic) {
   p.head_dim = 128;
   p.cache.capacity = 16384;
   const std::vector<std::int32_t> lens = {16384, 1024};
-  decode::SplitDecision s;
-  ASSERT_TRUE(decode::plan_splits(p, lens.data(), 0, 0, 132, &s).ok());
+  select::SplitDecision s;
+  ASSERT_TRUE(select::decode_splits(p, lens.data(), 0, 0, 132, &s).ok());
   EXPECT_EQ(s.splits[0], 29);
   EXPECT_EQ(s.splits[1], 2);
 }

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/tile_order.h"
+#include "core/selector.h"
 
 namespace flashcpp::testing {
 namespace {
@@ -88,33 +89,33 @@ TEST(TileOrder, RoundRobinOverUnitsBalancesCausalWork) {
 // each pair is in reports/hopper/raw/persist_a367a06_2026-11-30.txt and d64_m192_275afeb_2026-11-30.txt).
 TEST(Sm90Rules, PersistentTwinWhereItsUnitsFillTheirWaves) {
   auto units = [](int n, int heads, int batch) { return persistent_units((n + 127) / 128, heads, batch); };
-  EXPECT_TRUE(persistent_units_fill_waves(units(2048, 16, 1), 132));   // d64 (1,16,2048) causal: 251.9 vs 191.4
-  EXPECT_TRUE(persistent_units_fill_waves(units(2048, 16, 2), 132));   // (2,16,2048): 266.7 vs 231.3
-  EXPECT_TRUE(persistent_units_fill_waves(units(4096, 16, 2), 132));   // (2,16,4096): 339.0 vs 312.0
-  EXPECT_TRUE(persistent_units_fill_waves(units(8192, 8, 1), 132));    // (1,8,8192): 385.3 vs 325.3
-  EXPECT_TRUE(persistent_units_fill_waves(units(4096, 32, 4), 132));   // d128 (4,32,4096): many waves
-  EXPECT_FALSE(persistent_units_fill_waves(units(2048, 8, 1), 132));   // 64 units: 132.1 vs 166.3
-  EXPECT_FALSE(persistent_units_fill_waves(units(3072, 12, 1), 132));  // 144 units, a second wave of 12: 175.9 vs 225.3
-  EXPECT_TRUE(persistent_units_fill_waves(99, 132));                   // one wave: 1.5 tiles per SM
-  EXPECT_FALSE(persistent_units_fill_waves(98, 132));
-  EXPECT_FALSE(persistent_units_fill_waves(0, 132));
-  EXPECT_FALSE(persistent_units_fill_waves(100, 0));
+  EXPECT_TRUE(select::persistent_units_fill_waves(units(2048, 16, 1), 132));   // d64 (1,16,2048) causal: 251.9 vs 191.4
+  EXPECT_TRUE(select::persistent_units_fill_waves(units(2048, 16, 2), 132));   // (2,16,2048): 266.7 vs 231.3
+  EXPECT_TRUE(select::persistent_units_fill_waves(units(4096, 16, 2), 132));   // (2,16,4096): 339.0 vs 312.0
+  EXPECT_TRUE(select::persistent_units_fill_waves(units(8192, 8, 1), 132));    // (1,8,8192): 385.3 vs 325.3
+  EXPECT_TRUE(select::persistent_units_fill_waves(units(4096, 32, 4), 132));   // d128 (4,32,4096): many waves
+  EXPECT_FALSE(select::persistent_units_fill_waves(units(2048, 8, 1), 132));   // 64 units: 132.1 vs 166.3
+  EXPECT_FALSE(select::persistent_units_fill_waves(units(3072, 12, 1), 132));  // 144 units, a second wave of 12: 175.9 vs 225.3
+  EXPECT_TRUE(select::persistent_units_fill_waves(99, 132));                   // one wave: 1.5 tiles per SM
+  EXPECT_FALSE(select::persistent_units_fill_waves(98, 132));
+  EXPECT_FALSE(select::persistent_units_fill_waves(0, 132));
+  EXPECT_FALSE(select::persistent_units_fill_waves(100, 0));
 }
 
 TEST(Sm90Rules, WideD64TileWhereItsRowGainBeatsItsWaves) {
   // Non-causal: the measured winner of each pair (192-row vs 128-row tile, TFLOP/s).
-  EXPECT_FALSE(wide_tile_pays(2048, 8, false, 192, 132));     // (1,8,2048): 298.5 vs 357.8
-  EXPECT_FALSE(wide_tile_pays(2048, 16, false, 192, 132));    // (1,16,2048): 305.2 vs 370.3
-  EXPECT_TRUE(wide_tile_pays(3072, 12, false, 192, 132));     // (1,12,3072): 361.8 vs 295.1
-  EXPECT_TRUE(wide_tile_pays(2048, 32, false, 192, 132));     // (2,16,2048): 397.1 vs 373.9
-  EXPECT_TRUE(wide_tile_pays(8192, 8, false, 192, 132));      // (1,8,8192): 438.4 vs 418.6
-  EXPECT_TRUE(wide_tile_pays(4096, 32, false, 192, 132));     // (2,16,4096): 416.0 vs 402.5
-  EXPECT_TRUE(wide_tile_pays(16384, 32, false, 192, 132));    // (2,16,16384): 476.5 vs 419.1
+  EXPECT_FALSE(select::wide_tile_pays(2048, 8, false, 192, 132));     // (1,8,2048): 298.5 vs 357.8
+  EXPECT_FALSE(select::wide_tile_pays(2048, 16, false, 192, 132));    // (1,16,2048): 305.2 vs 370.3
+  EXPECT_TRUE(select::wide_tile_pays(3072, 12, false, 192, 132));     // (1,12,3072): 361.8 vs 295.1
+  EXPECT_TRUE(select::wide_tile_pays(2048, 32, false, 192, 132));     // (2,16,2048): 397.1 vs 373.9
+  EXPECT_TRUE(select::wide_tile_pays(8192, 8, false, 192, 132));      // (1,8,8192): 438.4 vs 418.6
+  EXPECT_TRUE(select::wide_tile_pays(4096, 32, false, 192, 132));     // (2,16,4096): 416.0 vs 402.5
+  EXPECT_TRUE(select::wide_tile_pays(16384, 32, false, 192, 132));    // (2,16,16384): 476.5 vs 419.1
   // Causal: the 128-row persistent twin below 10 wide tiles per SM, the wide tile above.
-  EXPECT_FALSE(wide_tile_pays(4096, 32, true, 192, 132));     // 5.3 per SM: 318.0 vs 339.0 (twin)
-  EXPECT_TRUE(wide_tile_pays(16384, 32, true, 192, 132));     // 20.9 per SM: 438.5 vs 403.8 (twin)
-  EXPECT_FALSE(wide_tile_pays(0, 32, false, 192, 132));
-  EXPECT_FALSE(wide_tile_pays(4096, 32, false, 192, 0));
+  EXPECT_FALSE(select::wide_tile_pays(4096, 32, true, 192, 132));     // 5.3 per SM: 318.0 vs 339.0 (twin)
+  EXPECT_TRUE(select::wide_tile_pays(16384, 32, true, 192, 132));     // 20.9 per SM: 438.5 vs 403.8 (twin)
+  EXPECT_FALSE(select::wide_tile_pays(0, 32, false, 192, 132));
+  EXPECT_FALSE(select::wide_tile_pays(4096, 32, false, 192, 0));
 }
 
 }  // namespace

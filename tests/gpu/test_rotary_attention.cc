@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "cpu/cpu_backend.h"
+#include "core/selector.h"
 #include "cuda/prefill/fa2_registry.h"
 #if FLASHCPP_HAS_SM90
 #include "cuda/prefill/fa3_registry.h"
@@ -59,12 +60,12 @@ std::string describe(const RotCase& c) {
 /// Every compiled config of the families this device runs that takes rotary.
 std::vector<std::string> configs(int d) {
   std::vector<std::string> out;
-  for (const auto& e : cuda::fa2_entries(d)) out.push_back(cuda::fa2_config_name(e));
+  for (const auto& e : cuda::fa2_entries(d)) out.push_back(select::sm80_config_name(e.tile));
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
     for (const auto& e : cuda::fa3_entries(d))
-      out.push_back(cuda::fa3_config_name(e));
+      out.push_back(select::sm90_config_name(e.tile));
 #endif
   return out;
 }

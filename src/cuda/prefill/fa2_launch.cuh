@@ -18,8 +18,14 @@ Status fa2_run(const Fa2Params& p, Stream stream, int device) {
 
 template <class Cfg>
 constexpr Fa2Entry fa2_entry() {
-  return Fa2Entry{Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::kWarps, Cfg::kStages, Cfg::kQInRegs,
-                  Cfg::kMinBlocks, Cfg::kSmemBytes, &fa2_run<Cfg, __nv_bfloat16>, &fa2_run<Cfg, __half>};
+  TileConfig t;
+  t.block_m = Cfg::kBlockM;
+  t.block_n = Cfg::kBlockN;
+  t.stages = Cfg::kStages;
+  t.warps = Cfg::kWarps;
+  t.q_in_regs = Cfg::kQInRegs;
+  t.min_blocks = Cfg::kMinBlocks;
+  return Fa2Entry{Cfg::kHeadDim, t, Cfg::kSmemBytes, &fa2_run<Cfg, __nv_bfloat16>, &fa2_run<Cfg, __half>};
 }
 
 }  // namespace flashcpp::cuda

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/selector.h"
 #include "cuda/prefill/fa3_params.h"
 #include "cuda/prefill/prefill_mask.cuh"
 
@@ -38,9 +39,9 @@ struct Fa3Config {
   static constexpr int kRopeBytes = Consumers * 128 * 8;
   static constexpr int kSmemBytes =
       kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
-  /// setmaxnreg budgets (multiples of 8; the 64K-register file split over the warpgroups).
-  static constexpr int kProducerRegs = Consumers == 3 ? 32 : BlockN > 128 ? 24 : 40;
-  static constexpr int kConsumerRegs = Consumers == 3 ? 160 : BlockN > 128 ? 240 : 232;
+  /// setmaxnreg budgets: the selector's rule (core/selector.h, sm90_registers).
+  static constexpr int kProducerRegs = select::sm90_registers(Consumers, BlockN).producer;
+  static constexpr int kConsumerRegs = select::sm90_registers(Consumers, BlockN).consumer;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
   static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory fits an sm_90 SM (227 KB per block)");

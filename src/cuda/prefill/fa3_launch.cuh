@@ -26,9 +26,15 @@ Status fa3_run(const Fa3Params& p, Stream stream, int device) {
 
 template <class Cfg>
 constexpr Fa3Entry fa3_entry() {
-  return Fa3Entry{Cfg::kHeadDim,   Cfg::kBlockM,   Cfg::kBlockN, Cfg::kStages,
-                  Cfg::kSmemBytes, Cfg::kPingPong, Cfg::kSched,  Cfg::kPersistent,
-                  &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
+  TileConfig t;
+  t.block_m = Cfg::kBlockM;
+  t.block_n = Cfg::kBlockN;
+  t.stages = Cfg::kStages;
+  t.warps = Cfg::kThreads / 32;
+  t.ping_pong = Cfg::kPingPong;
+  t.sched = Cfg::kSched;
+  t.persistent = Cfg::kPersistent;
+  return Fa3Entry{Cfg::kHeadDim, t, Cfg::kSmemBytes, &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
 }
 
 }  // namespace flashcpp::cuda

@@ -55,13 +55,6 @@ inline PrefillMask make_prefill_mask(const AttnParams& a) {
   return k;
 }
 
-/// Whether a kernel with BlockM x BlockN tiles can walk `bs` (the sparse block sizes are whole
-/// multiples of the tile, so a CTA lies in one mask row and a mask block is whole tiles) and read
-/// its element bits (a tile never straddles a 64-bit word boundary unevenly).
-inline bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n) {
-  return bs.block_m % block_m == 0 && bs.block_n % block_n == 0 && (block_n % 64 == 0 || 64 % block_n == 0);
-}
-
 /// The q side of the rotary of a validated problem (validate.cc checks the CUDA chunk rules:
 /// rotary_dim % 8 for neox, % 4 for interleaved): inv_freq in fp64 by the formula apply_rotary
 /// uses. The keys were rotated before the launch (rotate_keys).

@@ -1,0 +1,531 @@
+// The selector (selector.h): every rule that turns a problem into a kernel choice.
+#include "core/selector.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <tuple>
+
+#include <nlohmann/json.hpp>
+
+#include "common/decode_common.h"
+#include "common/tile_order.h"
+#include "flashcpp/tune.h"
+#if FLASHCPP_WITH_CUDA
+#include "cuda/prefill/fa2_registry.h"
+#if FLASHCPP_HAS_SM90
+#include "cuda/prefill/fa3_registry.h"
+#endif
+#endif
+
+namespace flashcpp::select {
+
+// ---- names and fits -------------------------------------------------------------------------------
+std::string sm80_config_name(const TileConfig& t) {
+  // Appends, not a chain of operator+ (GCC 12 warns falsely about -Wrestrict on the chain).
+  std::string s = "m";
+  s += std::to_string(t.block_m);
+  s += 'n';
+  s += std::to_string(t.block_n);
+  s += 'w';
+  s += std::to_string(t.warps);
+  s += 's';
+  s += std::to_string(t.stages);
+  s += t.q_in_regs ? 'r' : 'q';
+  if (t.min_blocks > 1) {
+    s += 'b';
+    s += std::to_string(t.min_blocks);
+  }
+  return s;
+}
+
+std::string sm90_config_name(const TileConfig& t) {
+  return "sm90_m" + std::to_string(t.block_m) + "n" + std::to_string(t.block_n) + "s" + std::to_string(t.stages) +
+         (t.ping_pong ? (t.sched ? "p" : "o") : "") + (t.persistent ? "_persist" : "");
+}
+
+bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n) {
+  return bs.block_m % block_m == 0 && bs.block_n % block_n == 0 && (block_n % 64 == 0 || 64 % block_n == 0);
+}
+
+bool persistent_units_fill_waves(std::int64_t units, int sms) {
+  if (units <= 0 || sms <= 0) return false;
+  const std::int64_t waves = (units + sms - 1) / sms;
+  return 4 * units >= 3 * waves * sms;
+}
+
+bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal, int wide_rows, int sms) {
+  if (seqlen_q <= 0 || heads_batch <= 0 || sms <= 0) return false;
+  auto tiles = [&](int rows) { return (seqlen_q + rows - 1) / rows * heads_batch; };
+  auto waves = [&](int rows) { return static_cast<double>((tiles(rows) + sms - 1) / sms); };
+  if (causal) return tiles(wide_rows) >= std::int64_t{10} * sms;
+  return waves(wide_rows) * wide_rows * 0.88 < waves(128) * 128;
+}
+
+// ---- the sm80 tuned table ------------------------------------------------------------------------
+namespace {
+
+struct TableRow {
+  int sm, head_dim;
+  bool causal;
+  DType dtype;
+  int bucket;
+  const char* config;
+};
+constexpr DType bf16 = DType::kBF16, fp16 = DType::kF16;
+const TableRow kShipped[] = {
+#include "core/sm80_tuned_table.inc"
+    {0, 0, false, DType::kF32, 0, ""},  // sentinel
+};
+
+using Key = std::tuple<int, bool, int, int>;  // head_dim, causal, dtype, bucket
+
+std::map<Key, std::string> load_cache(const std::string& path) {
+  std::map<Key, std::string> out;
+  std::ifstream in(path);
+  if (!in) return out;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(in);
+    for (const auto& e : j.at("entries")) {
+      const std::string dt = e.at("dtype").get<std::string>();
+      const int dtc = dt == "bf16" ? static_cast<int>(DType::kBF16) : static_cast<int>(DType::kF16);
+      out[{e.at("head_dim").get<int>(), e.at("causal").get<bool>(), dtc, e.at("bucket").get<int>()}] =
+          e.at("config").get<std::string>();
+    }
+  } catch (const std::exception&) {
+    out.clear();  // a corrupt cache is ignored, never fatal
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string sm80_tuned_name(const cuda::DeviceInfo& dev, int head_dim, bool causal, DType dtype, int seqlen) {
+  static std::mutex mu;
+  static std::map<std::string, std::map<Key, std::string>> caches;  // per cache path
+  const Key key{head_dim, causal, static_cast<int>(dtype), cuda::seqlen_bucket(seqlen)};
+  {
+    const std::string path = cuda::tune_cache_path(dev);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = caches.find(path);
+    if (it == caches.end()) it = caches.emplace(path, load_cache(path)).first;
+    auto hit = it->second.find(key);
+    if (hit != it->second.end()) return hit->second;
+  }
+  const int sm = dev.sm_major * 10 + dev.sm_minor;
+  for (const auto& r : kShipped)
+    if (r.sm == sm && r.head_dim == head_dim && r.causal == causal && r.dtype == dtype && r.bucket == std::get<3>(key))
+      return r.config;
+  return {};
+}
+
+}  // namespace flashcpp::select
+
+// The tuned table's buckets and cache path, declared in flashcpp/tune.h for `flashcpp tune`.
+namespace flashcpp::cuda {
+
+int seqlen_bucket(int seqlen) {
+  int b = 0;
+  for (int ub : kSeqlenBuckets) {
+    if (seqlen <= ub) return b;
+    ++b;
+  }
+  return b;
+}
+
+std::string seqlen_bucket_name(int bucket) {
+  constexpr int n = sizeof(kSeqlenBuckets) / sizeof(kSeqlenBuckets[0]);
+  if (bucket < n) return "le" + std::to_string(kSeqlenBuckets[bucket]);
+  return "gt" + std::to_string(kSeqlenBuckets[n - 1]);
+}
+
+std::string tune_cache_path(const DeviceInfo& dev) {
+  if (const char* p = std::getenv("FLASHCPP_TUNE_CACHE")) return p;
+  std::string name;
+  for (char c : dev.name) name += (std::isalnum(static_cast<unsigned char>(c)) ? c : '_');
+  const char* home = std::getenv("HOME");
+  return std::string(home ? home : ".") + "/.cache/flashcpp/prefill_sm80_" + name + ".json";
+}
+
+}  // namespace flashcpp::cuda
+
+namespace flashcpp::select {
+
+// ---- the CUDA prefill choice ---------------------------------------------------------------------
+#if FLASHCPP_WITH_CUDA
+namespace {
+
+/// The optional masks a problem uses, for KernelChoice::reason ("" when none).
+std::string fused_masks(const AttnParams& p) {
+  const MaskParams& m = p.mask;
+  std::string s;
+  auto add = [&](const std::string& x) { s += (s.empty() ? "" : ", ") + x; };
+  if (m.causal) add("causal");
+  if (m.has_window()) add("window");
+  if (m.global_tokens > 0) add(m.global_queries ? "global tokens and queries" : "global tokens");
+  if (m.softcap > 0.f) add("softcap");
+  if (m.alibi_slopes) add("ALiBi");
+  if (m.is_varlen()) add("varlen");
+  if (m.block_sparse)
+    add("block-sparse " + std::to_string(m.block_sparse->block_m) + "x" + std::to_string(m.block_sparse->block_n));
+  return s.empty() ? s : "; masks fused in the kernel: " + s;
+}
+
+/// The tile shapes of the compiled configs, e.g. "128x32, 64x64" (for sentences).
+template <class Entries>
+std::string tiles_of(const Entries& entries) {
+  std::string out;
+  for (const auto& e : entries) {
+    const std::string t = std::to_string(e.tile.block_m) + "x" + std::to_string(e.tile.block_n);
+    if (out.find(t) == std::string::npos) out += (out.empty() ? "" : ", ") + t;
+  }
+  return out;
+}
+
+bool sm80_fits(const TileConfig& t, const AttnParams& p) {
+  return p.mask.block_sparse == nullptr || tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n);
+}
+
+/// The automatic sm80 config: the tuned table's, else the first listed config (table order) that
+/// fits the device's shared memory and the problem's masks; null when none does.
+const cuda::Fa2Entry* sm80_auto(const AttnParams& p, const cuda::DeviceInfo& dev) {
+  const auto entries = cuda::fa2_entries(p.head_dim);
+  const std::string tuned = sm80_tuned_name(dev, p.head_dim, p.mask.causal, p.q.dtype, std::max(p.seqlen_q, p.seqlen_k));
+  auto usable = [&](const cuda::Fa2Entry& e) {
+    return static_cast<std::size_t>(e.smem_bytes) <= dev.smem_optin && sm80_fits(e.tile, p);
+  };
+  for (const auto& e : entries)
+    if (sm80_config_name(e.tile) == tuned && usable(e)) return &e;
+  for (const auto& e : entries)
+    if (usable(e)) return &e;
+  return nullptr;
+}
+
+std::string sm80_misfit(const AttnParams& p, const TileConfig& t) {
+  if (sm80_fits(t, p)) return {};
+  return "sm80 config " + sm80_config_name(t) + " has " + std::to_string(t.block_m) + "x" + std::to_string(t.block_n) +
+         " tiles, which do not divide the " + std::to_string(p.mask.block_sparse->block_m) + "x" +
+         std::to_string(p.mask.block_sparse->block_n) + " block-sparse blocks";
+}
+
+#if FLASHCPP_HAS_SM90
+/// Same tiles and stages (twins differ in scheduling or persistence only).
+bool same_tiles(const TileConfig& x, const TileConfig& y) {
+  return x.block_m == y.block_m && x.block_n == y.block_n && x.stages == y.stages;
+}
+
+/// Whether a config can run the problem's block-sparse mask (always true without one). The
+/// pipelined consumers do not read element bits (no registers left for it; fa3_mainloop.cuh).
+bool sm90_fits(const TileConfig& t, const AttnParams& p) {
+  return p.mask.block_sparse == nullptr ||
+         (!t.ping_pong && tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n));
+}
+
+/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
+/// where wide_tile_pays. Its own persistent twin lost everywhere (spills at 160 registers) and is
+/// not built.
+bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
+  if (t.block_m <= 128) return true;
+  return wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms);
+}
+
+/// Whether the automatic choice is the persistent twin of `base`: causal problems of dense (or
+/// window / sink) masks, without varlen or block-sparse walks, whose work units fill their last
+/// wave (persistent_units_fill_waves). Non-causal problems keep the default (the twin measured
+/// 0.93-1.00x there).
+bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num_sms) {
+  if (!p.mask.causal || p.mask.is_varlen() || p.mask.block_sparse != nullptr) return false;
+  const int m_blocks = (p.seqlen_q + base.block_m - 1) / base.block_m;
+  if (static_cast<std::int64_t>(m_blocks) * p.heads_q * p.batch > std::numeric_limits<std::int32_t>::max())
+    return false;  // units fit an int
+  return persistent_units_fill_waves(persistent_units(m_blocks, p.heads_q, p.batch), num_sms);
+}
+
+/// The automatic sm90 config: the first config (table order) that fits and suits the problem, or
+/// its persistent twin (same tiles, stages and scheduling) when sm90_prefer_persistent says so.
+const cuda::Fa3Entry* sm90_auto(const AttnParams& p, int num_sms) {
+  const cuda::Fa3Entry* base = nullptr;
+  for (const auto& e : cuda::fa3_entries(p.head_dim))
+    if (!e.tile.persistent && sm90_fits(e.tile, p) && sm90_suits(e.tile, p, num_sms)) {
+      base = &e;
+      break;
+    }
+  if (base == nullptr || !sm90_prefer_persistent(p, base->tile, num_sms)) return base;
+  for (const auto& e : cuda::fa3_entries(p.head_dim))
+    if (e.tile.persistent && same_tiles(e.tile, base->tile) && e.tile.ping_pong == base->tile.ping_pong &&
+        e.tile.sched == base->tile.sched)
+      return &e;
+  return base;
+}
+
+std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
+  if (sm90_fits(t, p)) return {};
+  const std::string name = sm90_config_name(t);
+  if (t.ping_pong) {
+    std::string twin;  // same tiles, stages and persistence with plain consumers, if compiled
+    for (const auto& e : cuda::fa3_entries(p.head_dim))
+      if (!e.tile.ping_pong && same_tiles(e.tile, t) && e.tile.persistent == t.persistent)
+        twin = sm90_config_name(e.tile);
+    return "sm90 config " + name + " (pipelined consumers) does not run block-sparse masks; " +
+           (twin.empty() ? std::string("leave cuda_config empty and dispatch picks a config that does")
+                         : "its plain twin " + twin + " does");
+  }
+  return "sm90 config " + name + " has " + std::to_string(t.block_m) + "x" + std::to_string(t.block_n) +
+         " tiles, which do not divide the " + std::to_string(p.mask.block_sparse->block_m) + "x" +
+         std::to_string(p.mask.block_sparse->block_n) + " block-sparse blocks";
+}
+#endif
+
+}  // namespace
+
+Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out) {
+  if (dev.sm_major < 8)
+    return Status::Unsupported("the CUDA kernels need compute capability 8.0 or newer; device '" + dev.name + "' is " +
+                               std::to_string(dev.sm_major) + "." + std::to_string(dev.sm_minor));
+  if (p.q.dtype == DType::kF32)
+    return Status::Unsupported("fp32 inputs run on the CPU backend only; the CUDA kernels take fp16 or bf16");
+  const float scale = p.effective_scale();
+  if (scale < 0.f)
+    return Status::Unsupported(
+        "a negative softmax_scale runs on the CPU backends only (the CUDA prefill kernels fold a positive scale into exp2)");
+  const std::string masks = fused_masks(p);
+  const BlockSparseMask* bs = p.mask.block_sparse;
+  const std::string bs_blocks = bs ? std::to_string(bs->block_m) + "x" + std::to_string(bs->block_n) : "";
+  // opt.cuda_config: "" = automatic, "sm80" / "sm90" = that kernel family with its automatic
+  // choice, anything else = an exact config name of either family.
+  const std::string& want = opt.cuda_config;
+  std::string sm90_note;  // why an automatic choice on Hopper fell back to the sm80 kernel
+#if FLASHCPP_HAS_SM90
+  const cuda::Fa3Entry* named90 = nullptr;
+  for (const auto& e : cuda::fa3_entries(p.head_dim))
+    if (sm90_config_name(e.tile) == want) named90 = &e;
+  if ((want == "sm90" || named90 != nullptr) && dev.sm_major != 9)
+    return Status::Unsupported("the sm90 kernel family needs a Hopper (sm_90) device; '" + dev.name + "' is not one");
+  if (dev.sm_major == 9 && !cuda::fa3_entries(p.head_dim).empty() && (want.empty() || want == "sm90" || named90)) {
+    const cuda::Fa3Entry* e = named90;
+    if (named90 != nullptr) {
+      const std::string misfit = sm90_misfit(p, named90->tile);
+      if (!misfit.empty()) return Status::Unsupported(misfit);
+    } else {
+      e = sm90_auto(p, dev.num_sms);
+      if (e == nullptr && want == "sm90")
+        return Status::Unsupported("no sm90 config has tiles (" + tiles_of(cuda::fa3_entries(p.head_dim)) +
+                                   ") that divide the " + bs_blocks +
+                                   " block-sparse blocks; build the mask with multiples of them (e.g. 128x128), "
+                                   "or run it on the sm80 kernel (cuda_config \"sm80\")");
+      if (e == nullptr)
+        sm90_note = "; the sm90 tiles (" + tiles_of(cuda::fa3_entries(p.head_dim)) + ") do not divide the " +
+                    bs_blocks + " block-sparse blocks, so this mask runs on the sm80 kernel";
+    }
+    if (e != nullptr) {
+      out->id = KernelId::kCudaSm90;
+      out->tile = e->tile;
+      out->config = sm90_config_name(e->tile);
+      out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named90 ? " (config forced)" : "") + masks;
+      return Status::Ok();
+    }
+  }
+#else
+  if (want == "sm90") return Status::Unsupported("this build has no sm_90a kernels (FLASHCPP_CUDA_ARCHS lacks 90a)");
+#endif
+  out->id = KernelId::kCudaSm80;
+  const auto entries = cuda::fa2_entries(p.head_dim);
+  if (!want.empty() && want != "sm80" && want != "sm90") {
+    const cuda::Fa2Entry* named = nullptr;
+    std::string names;
+    for (const auto& e : entries) {
+      if (sm80_config_name(e.tile) == want) named = &e;
+      names += (names.empty() ? "" : ", ") + sm80_config_name(e.tile);
+    }
+    if (named == nullptr)
+      return Status::Invalid("unknown config '" + want + "' for head_dim " + std::to_string(p.head_dim) +
+                             " (compiled: " + names + ")");
+    const std::string misfit = sm80_misfit(p, named->tile);
+    if (!misfit.empty()) return Status::Unsupported(misfit);
+    out->tile = named->tile;
+    out->config = want;
+    out->reason = "config forced by the caller" + masks;
+    return Status::Ok();
+  }
+  const cuda::Fa2Entry* e = sm80_auto(p, dev);
+  if (e == nullptr)
+    return Status::Unsupported(
+        bs ? "no sm80 config for head_dim " + std::to_string(p.head_dim) + " has tiles (" + tiles_of(entries) +
+                 ") that divide the " + bs_blocks +
+                 " block-sparse blocks and fit this device's shared memory; build the mask with multiples of "
+                 "128x128 (FlexAttention's default), or run it on the CPU backend"
+           : "no sm80 config for head_dim " + std::to_string(p.head_dim) + " fits the shared memory of " + dev.name);
+  out->tile = e->tile;
+  out->config = sm80_config_name(e->tile);
+  out->reason = "FA2-style mma.sync kernel on " + dev.name + " (sm_" + std::to_string(dev.sm_major * 10 + dev.sm_minor) +
+                "), config from the tuned table" +
+                (bs ? " (first config whose tiles divide the block-sparse blocks if the tuned one does not)" : "") +
+                masks + sm90_note;
+  return Status::Ok();
+}
+#endif
+
+Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
+  *out = KernelChoice{};
+  switch (b) {
+    case Backend::kCpuReference:
+      out->id = KernelId::kCpuReference;
+      out->reason = "fp64 reference requested";
+      return Status::Ok();
+    case Backend::kCpu:
+      out->id = KernelId::kCpuTiled;
+      out->reason = "CPU backend (host pointers)";
+      return Status::Ok();
+    case Backend::kCuda: {
+#if FLASHCPP_WITH_CUDA
+      cuda::DeviceInfo dev;
+      FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
+      return cuda_prefill(p, opt, dev, out);
+#else
+      (void)p;
+      (void)opt;
+      return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+#endif
+    }
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("select::prefill: the backend was not resolved");
+}
+
+// ---- decode: the split rule ------------------------------------------------------------------------
+// The split heuristic (docs/decode.md has the reasoning and examples):
+//   units    = heads_kv * row_blocks          CTAs one split of one sequence occupies
+//   target   = num_sms * ctas_per_sm(D)       one full wave (ctas_per_sm from the tile config)
+//   tiles_b  = 64-key tiles of the keys some query row of sequence b can see (window-aware)
+//   if batch * units >= target: no split (the batch alone fills the GPU; merging would only add
+//     traffic)
+//   else: base = max(min_tiles, ceil(sum_b tiles_b * units / target)) tiles per split; chunk =
+//     the candidate >= base (base, or where the longest sequence's count changes) of least
+//     waves x longest split (wave_aware_chunk), and n_b = clamp(ceil(tiles_b / chunk), 1, max_splits)
+//   min_tiles = ceil(max(256, 16 * rows) / 64): a split reads at least 256 keys, and at least 16
+//     keys per query row it serves, so the partials it writes and the merge reads (8 bytes per
+//     row and dim) stay under 1/8 of the K/V bytes it reads (4 bytes per key and dim).
+//   small problems (ceil(sum_b tiles_b * units / target) < min_tiles: 256-key splits cannot fill
+//     a wave) are latency-bound: base = min(base, max(ceil(16 * rows / 64), ceil(sum_b tiles_b *
+//     units / budget))), budget = 5/8 of num_sms CTAs; more splits than above, never fewer.
+// Splits are proportional to each sequence's length, so a ragged batch gives every CTA about the
+// same number of tiles. A forced count (DecodePlanOptions::num_splits) gives every sequence that
+// count, even beyond its tile count (the extra splits are empty and merge as LSE = -inf).
+namespace {
+constexpr int kMinSplitKeys = 256;
+constexpr int kMinKeysPerRow = 16;
+/// A problem too small to fill a wave with kMinSplitKeys-key splits is latency-bound: it splits
+/// further, down to one tile per split, up to a budget of 5/8 of the SM count in CTAs (82 on an
+/// H200; the engine's short contexts measured best at 72-80 CTAs and worse at 128+, docs/decode.md).
+constexpr int kSmallPlanBudgetEighths = 5;
+
+std::int32_t split_count(std::int64_t tiles, std::int64_t chunk, int cap) {
+  return static_cast<std::int32_t>(std::clamp<std::int64_t>((tiles + chunk - 1) / chunk, 1, cap));
+}
+
+/// The chunk (tiles per split) to plan with, >= base. Splitting at `base` fills one wave when the
+/// splits divide evenly, but each n_b rounds up, and a few extra CTAs past the wave cost a whole
+/// second wave: B=16, 8 KV heads, 8192 keys gets base 63 -> 3 splits -> 384 CTAs (1.45 waves,
+/// 175 us on the H200) where 2 splits -> 256 CTAs take 137 us. So the candidates are base and
+/// every chunk at which the longest sequence's split count changes; the cost of one is
+/// waves x (tiles of the longest split), and a larger chunk (fewer splits, less merge traffic)
+/// wins ties.
+std::int64_t wave_aware_chunk(const std::vector<std::int64_t>& tiles, std::int64_t units, std::int64_t target,
+                              std::int64_t base, int cap) {
+  const std::int64_t max_tiles = *std::max_element(tiles.begin(), tiles.end());
+  auto cost = [&](std::int64_t chunk) {
+    std::int64_t items = 0, longest = 0;
+    for (const std::int64_t t : tiles) {
+      const std::int64_t n = split_count(t, chunk, cap);
+      items += n;
+      longest = std::max(longest, (t + n - 1) / n);
+    }
+    return ((items * units + target - 1) / target) * longest;
+  };
+  std::int64_t best = base, best_cost = cost(base);
+  for (int n = cap; n >= 1; --n) {  // chunks in increasing order
+    const std::int64_t chunk = (max_tiles + n - 1) / n;
+    if (chunk <= base) continue;
+    const std::int64_t c = cost(chunk);
+    if (c <= best_cost) best = chunk, best_cost = c;
+  }
+  return best;
+}
+
+}  // namespace
+
+Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
+                     SplitDecision* out) {
+  using namespace flashcpp::decode;
+  *out = SplitDecision{};
+  out->splits.assign(static_cast<std::size_t>(p.batch), 1);
+  if (p.batch == 0) return Status::Ok();
+  const RowLayout rl = row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
+  const std::int64_t units = static_cast<std::int64_t>(p.heads_kv) * rl.row_blocks;
+  const bool append = p.has_append();
+  const int slots = static_cast<int>(p.cache.slots());
+  const int wl = clamp_window(p.mask.window_left, slots), wr = clamp_window(p.mask.window_right, slots);
+  const int cap = max_splits > 0 ? std::min(max_splits, kDecodeMaxSplits) : kDecodeMaxSplits;
+
+  std::vector<std::int64_t> tiles(static_cast<std::size_t>(p.batch));
+  std::int64_t total_tiles = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const int raw = lengths ? lengths[b] : slots - (append ? p.seqlen_q : 0);
+    const int len = total_len(raw, slots, p.seqlen_q, append);
+    const MaskRules rules = sequence_rules(p.seqlen_q, len, p.mask.causal, wl, wr);
+    int lo = 0, hi = 0;
+    rules.key_range(0, p.seqlen_q, &lo, &hi);
+    const int t0 = lo / kDecodeBlockN;
+    tiles[b] = hi > lo ? (hi + kDecodeBlockN - 1) / kDecodeBlockN - t0 : 0;
+    total_tiles += tiles[b] * units;
+  }
+  if (forced > 0) {
+    std::fill(out->splits.begin(), out->splits.end(), forced);
+  } else {
+    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(p.head_dim);
+    if (static_cast<std::int64_t>(p.batch) * units < target) {
+      // >= 16 keys per row it serves, and >= kMinSplitKeys keys unless the problem is small (below)
+      const std::int64_t row_tiles = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;
+      static_assert(kMinSplitKeys % kDecodeBlockN == 0, "the key floor is whole tiles");
+      const std::int64_t min_tiles = std::max<std::int64_t>(kMinSplitKeys / kDecodeBlockN, row_tiles);
+      const std::int64_t fill = (total_tiles + target - 1) / target;  // tiles per CTA for one full wave
+      std::int64_t base = std::max(min_tiles, fill);
+      if (fill < min_tiles) {  // small: more splits (never fewer), up to the CTA budget
+        const std::int64_t budget = std::max<std::int64_t>(1, std::max(num_sms, 1) * kSmallPlanBudgetEighths / 8);
+        base = std::min(base, std::max<std::int64_t>({1, row_tiles, (total_tiles + budget - 1) / budget}));
+      }
+      const std::int64_t chunk = wave_aware_chunk(tiles, units, target, base, cap);
+      for (int b = 0; b < p.batch; ++b) out->splits[b] = split_count(tiles[b], chunk, cap);
+    }
+  }
+  std::int64_t items = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    items += out->splits[b];
+    out->max_splits = std::max<int>(out->max_splits, out->splits[b]);
+  }
+  if (items * units > std::numeric_limits<std::int32_t>::max())
+    return Status::Unsupported("the plan needs " + std::to_string(items) + " work items x " + std::to_string(units) +
+                               " CTAs each, more than a grid holds (2^31 - 1); lower num_splits or the batch");
+  out->num_items = static_cast<int>(items);
+  out->needs_merge = out->max_splits > 1;
+  return Status::Ok();
+}
+
+}  // namespace flashcpp::select
+
+// The tuned pick as `flashcpp tune` and the GPU tests name it (flashcpp/tune.h).
+#if FLASHCPP_WITH_CUDA
+namespace flashcpp::cuda {
+std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev) {
+  const Fa2Entry* e = select::sm80_auto(p, dev);
+  return e != nullptr ? select::sm80_config_name(e->tile) : std::string{};
+}
+}  // namespace flashcpp::cuda
+#endif

@@ -1,0 +1,99 @@
+// The selector: the one place where a problem's runtime values (backend, device, head_dim, dtype,
+// lengths, masks) become a kernel choice, and where every heuristic behind that choice lives:
+//   prefill  the CUDA family (sm80 mma.sync or sm90a wgmma/TMA) and its tile config, as a typed
+//            KernelChoice (TileConfig), from the tuned table (sm80), the wide-tile and persistent
+//            rules (sm90) and the block-sparse fit;
+//   decode   the split rule of the planner (how many splits per sequence);
+//   budgets  the sm90 kernel's setmaxnreg register split.
+// attention_forward, decode_plan / decode_workspace_size and `flashcpp info` all read it; the
+// kernels only run what it chose. Rules are plain functions so the CPU tests check them on the
+// shapes they were measured on.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashcpp/attention.h"
+#include "flashcpp/decode.h"
+#include "flashcpp/device.h"
+
+namespace flashcpp::select {
+
+// ---- prefill ----------------------------------------------------------------------------------
+/// The kernel for a validated problem on the backend `b` (kCpu, kCpuReference or kCuda): the CPU
+/// kernels directly, a CUDA kernel family and tile config via cuda_prefill.
+Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoice* out);
+
+#if FLASHCPP_WITH_CUDA
+/// The CUDA choice on device `dev`: opt.cuda_config "" (automatic), "sm80" / "sm90" (that family,
+/// its automatic config) or an exact config name of either family.
+Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out);
+#endif
+
+/// Config names (what RunOptions::cuda_config and `flashcpp tune` take): "m128n64w4s2q" (sm80:
+/// BlockM, BlockN, warps, stages, q = Q re-read / r = Q in registers, "bN" = registers for N CTAs
+/// per SM) and "sm90_m128n128s2p" (sm90: BlockM, BlockN, stages; "p" pipelined consumers with
+/// ping-pong turns, "o" pipelined without; "_persist" persistent CTAs).
+std::string sm80_config_name(const TileConfig& t);
+std::string sm90_config_name(const TileConfig& t);
+
+/// Whether a tile of block_m x block_n keys can walk a block-sparse mask: the mask's blocks are
+/// whole multiples of the tile (a CTA's rows lie in one mask row, a listed block is whole key
+/// tiles) and a tile reads its element bits from whole 64-bit words or from inside one.
+bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n);
+
+/// The sm90 persistent rule: a causal problem's persistent work units (two row blocks of equal
+/// causal cost) fill their last wave of CTAs (one per SM) at least 3/4 full. Persistent over its
+/// twin, causal, on the H200: 1.31x at 128 units, 1.12x at 256, 0.99-1.08x from 512 up; 0.79x at
+/// 64 units (half the SMs idle) and 0.78x at 144 (a second wave of 12). For a single wave this is
+/// "at least 1.5 tiles per SM".
+bool persistent_units_fill_waves(std::int64_t units, int sms);
+
+/// The sm90 wide-tile rule: whether a tile of `wide_rows` (> 128) query rows beats the 128-row tile
+/// on `heads_batch` (head, batch) pairs of `seqlen_q` rows. d64's 192-row tile costs 0.88x per
+/// query row once the SMs are full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s) but comes in coarser
+/// waves. Non-causal: taken when waves(wide) x wide_rows x 0.88 < waves(128) x 128, a wave being one
+/// tile per SM. Causal: from 10 wide tiles per SM (below, the 128-row persistent twin balances the
+/// triangle better: 339.0 vs 318.0 at 5.3 per SM; at 20.9 per SM the wide tile wins, 438.5 vs 403.8).
+bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal, int wide_rows, int sms);
+
+// ---- the sm80 tuned table ------------------------------------------------------------------------
+/// The tuned table's seqlen buckets (flashcpp/tune.h: kSeqlenBuckets). Lookup order: the JSON cache
+/// written by `flashcpp tune` (FLASHCPP_TUNE_CACHE, else ~/.cache/flashcpp/prefill_sm80_<device>.json),
+/// then the table shipped in src/core/sm80_tuned_table.inc (measured on an H200, applied to sm_90
+/// devices). "" when neither has the key.
+std::string sm80_tuned_name(const cuda::DeviceInfo& dev, int head_dim, bool causal, DType dtype, int seqlen);
+
+// ---- decode ------------------------------------------------------------------------------------
+/// The planner's split decision, before it becomes a work list.
+struct SplitDecision {
+  std::vector<std::int32_t> splits;  ///< n_b per sequence
+  int num_items = 0;
+  int max_splits = 0;
+  bool needs_merge = false;
+};
+
+/// The SM count the CPU backend plans for when none is given: an H200's, so the CPU walks the
+/// splits the GPU would.
+inline constexpr int kCpuPlanSms = 132;
+
+/// The split rule (selector.cc has it in full; docs/decode.md the reasoning). `lengths`: host
+/// lengths in the meaning of cache_seqlens (nullptr: full caches); `forced` > 0 gives every
+/// sequence that many splits; `max_splits` caps the count (0: kDecodeMaxSplits).
+Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
+                     SplitDecision* out);
+
+// ---- register budgets ----------------------------------------------------------------------------
+/// The sm90 prefill kernel's setmaxnreg split of the 64K-register file (multiples of 8): the
+/// producer warpgroup needs few (one thread issues TMA), the consumers as many as their S and O
+/// accumulators take. Three consumer warpgroups (the 192-row tile) leave 160 each; a key tile wider
+/// than 128 needs 240 for S (its producer gets 24).
+struct Sm90Registers {
+  int producer, consumer;
+};
+constexpr Sm90Registers sm90_registers(int consumers, int block_n) {
+  return consumers == 3 ? Sm90Registers{32, 160} : block_n > 128 ? Sm90Registers{24, 240} : Sm90Registers{40, 232};
+}
+
+}  // namespace flashcpp::select
