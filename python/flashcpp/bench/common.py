@@ -109,5 +109,22 @@ def write_json(path: str, obj: object) -> None:
         f.write("\n")
 
 
+def fa4():
+    """FlashAttention-4's forward (flash_attn.cute.flash_attn_func, CuTe DSL; its sm90 kernels run on
+    Hopper), when it imports here: (flash_attn_func, version), else (None, why). On a machine without
+    network it travels as wheels (../shared/tools/fa4-carry.sh); each kernel variant is compiled at its
+    first call (seconds), so callers run it once before timing."""
+    try:
+        from flash_attn.cute import flash_attn_func  # noqa: F401
+        try:
+            from importlib.metadata import version
+            ver = version("flash-attn-4")
+        except Exception:
+            ver = "?"
+        return flash_attn_func, ver
+    except Exception as e:  # not installed, or a build for another torch / CUDA
+        return None, f"{type(e).__name__}: {str(e)[:120]}"
+
+
 def progress(msg: str) -> None:
     print(msg, flush=True)

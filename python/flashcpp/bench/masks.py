@@ -1,5 +1,7 @@
-"""Fused masks: flashcpp vs FlexAttention (torch.compile'd, same masks as BlockMask / score_mod)
-and vs SDPA with the equivalent dense attn_mask, one process, (2, 16, 8192, 128) bf16.
+"""Fused masks: flashcpp vs FlexAttention (torch.compile'd, same masks as BlockMask / score_mod),
+vs FlashAttention-4 where it expresses the mask natively (window, softcap, document as varlen; when
+flash_attn.cute imports) and vs SDPA with the equivalent dense attn_mask, one process,
+(2, 16, 8192, 128) bf16.
 
 Cases (causal except block_sparse; bottom-right = top-left here since seqlen_q == seqlen_k):
   window        sliding window: key j visible to query i iff i - 1024 <= j <= i
@@ -23,14 +25,15 @@ Before timing, every implementation's output (flashcpp on both kernel families, 
 checked against a dense fp32 reference (SDPA with the dense mask / bias, or the softcap written
 out) on batch 0 and two heads; a case whose check fails is reported, its bar marked unmet.
 
-Bars (issue #6): flashcpp >= 1.0x Flex on every case, >= 8x SDPA-with-a-dense-mask on window.
+Bars (issue #6): flashcpp >= 1.0x Flex on every case, >= 8x SDPA-with-a-dense-mask on window;
+issue [fa4]: >= 1.0x FA4 where FA4 runs the mask.
 """
 from __future__ import annotations
 
 import os
 from typing import Callable, Dict, List, Tuple
 
-from .common import ceilings, environment, interleaved, progress, rep_ms_for, write_csv, write_json
+from .common import ceilings, environment, fa4, interleaved, progress, rep_ms_for, write_csv, write_json
 
 B, H, N, D = 2, 16, 8192, 128
 WINDOW = 1024
@@ -44,7 +47,8 @@ BS_SEED = 7
 CASES = ["window", "document", "alibi", "window_global", "softcap", "block_sparse", "document_bs"]
 QUICK = ["window", "document", "block_sparse"]
 SPARSE_CASES = ("block_sparse", "document_bs")
-FLEX_BAR, SDPA_BAR = 1.0, 8.0
+FLEX_BAR, SDPA_BAR, FA4_BAR = 1.0, 8.0, 1.0
+FA4_CASES = ("window", "softcap", "document")  # the masks FA4 takes as arguments (window_size, softcap, varlen)
 CHECK_ATOL = 2e-2  # bf16 output vs an fp32 reference (max over batch 0, two heads)
 
 
@@ -213,8 +217,15 @@ def run(quick: bool, out: str) -> int:
         progress(f"[bench masks] FlexAttention unavailable: {type(e).__name__}: {e}")
         flex_compiled = create_block_mask = None
 
+    fa4_fn, fa4_ver = fa4()
+    fa4_varlen = None
+    if fa4_fn is not None:
+        from flash_attn.cute import flash_attn_varlen_func as fa4_varlen
+    progress("[bench masks] fa4: " + (f"flash-attn-4 {fa4_ver}" if fa4_fn else f"does not import, not timed ({fa4_ver})"))
+
     os.makedirs(out, exist_ok=True)
     env = environment()
+    env["fa4"] = fa4_ver if fa4_fn else f"not available: {fa4_ver}"
     env.update(ceilings())
     rep_ms = rep_ms_for(quick)
     env["timing"] = f"cuda_graph_median, rep {rep_ms} ms, 2 interleaved rounds"
@@ -296,6 +307,20 @@ def run(quick: bool, out: str) -> int:
             except Exception as e:
                 progress(f"  flex unavailable for {case}: {type(e).__name__}: {str(e)[:160]}")
                 fns.pop("flex", None)
+        if fa4_fn is not None and case in FA4_CASES:
+            def f4(case=case):
+                with torch.no_grad():
+                    if case == "document":
+                        qv, kv, vv = (x.view(B * N, H, D) for x in (q, k, v))
+                        return fa4_varlen(qv, kv, vv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(DOCS),
+                                          max_seqlen_k=max(DOCS), causal=True)[0]
+                    kw = {"window_size": (WINDOW, 0)} if case == "window" else {"softcap": SOFTCAP}
+                    return fa4_fn(q, k, v, causal=True, **kw)[0]
+            try:
+                f4()  # compile outside the timing
+                fns["fa4"] = f4
+            except Exception as e:
+                progress(f"  fa4 unavailable for {case}: {type(e).__name__}: {str(e)[:160]}")
         vis = dense_visibility(case, doc_id, dev, kinds)
         if case == "window":  # the dense-mask route users fall back to
             fns["sdpa_dense"] = lambda: F.scaled_dot_product_attention(qt, kt, vt, attn_mask=vis)
@@ -316,10 +341,10 @@ def run(quick: bool, out: str) -> int:
         t = interleaved(fns, graph=True, rep_ms=rep_ms)
         ours_ok = errs["flashcpp"] <= CHECK_ATOL
         tf = {n: flops / us / 1e6 for n, us in t.items()}
-        for peer in ("flex", "sdpa_dense"):
+        for peer in ("flex", "fa4", "sdpa_dense"):
             if peer not in t:
                 continue
-            bar = FLEX_BAR if peer == "flex" else SDPA_BAR
+            bar = {"flex": FLEX_BAR, "fa4": FA4_BAR, "sdpa_dense": SDPA_BAR}[peer]
             speedup = t[peer] / t["flashcpp"]
             rows.append({"case": f"b{B}_h{H}_n{N}_d{D}_{case}", "peer": peer, "ours_us": round(t["flashcpp"], 2),
                          "peer_us": round(t[peer], 2), "speedup": round(speedup, 3), "batch": B, "heads_q": H,
@@ -334,7 +359,7 @@ def run(quick: bool, out: str) -> int:
                          "max_abs_err_ours": f"{errs['flashcpp']:.3e}", "max_abs_err_sm80": f"{errs['flashcpp_sm80']:.3e}",
                          "max_abs_err_peer": f"{errs[peer]:.3e}", "timing": "cuda_graph_median",
                          "gpu": env["gpu"], "git_commit": env["git_commit"]})
-        summary.append((case, tf, {p: t[p] / t["flashcpp"] for p in t if p.startswith(("flex", "sdpa"))}))
+        summary.append((case, tf, {p: t[p] / t["flashcpp"] for p in t if p.startswith(("flex", "sdpa", "fa4"))}))
         progress("  " + "  ".join(f"{n} {tf[n]:6.1f} TF/s" for n in tf))
         del vis, sparse
         torch.cuda.empty_cache()
@@ -348,12 +373,14 @@ def run(quick: bool, out: str) -> int:
     plot(summary, os.path.join(out, "benchmark.png"), env, hopper)
     # ---- the short table, last --------------------------------------------------------------------
     progress(f"\n[bench masks] TFLOP/s on visible pairs, {env['gpu']}, (B, H, N, D) = ({B}, {H}, {N}, {D}) bf16")
-    progress(f"{'case':15s} {'flashcpp':>9s} {'sm80':>7s} {'flex':>7s} {'sdpa':>7s}  {'vs flex':>8s} {'vs sdpa':>8s}  bar")
+    progress(f"{'case':15s} {'flashcpp':>9s} {'sm80':>7s} {'flex':>7s} {'fa4':>7s} {'sdpa':>7s}  {'vs flex':>8s} "
+             f"{'vs fa4':>8s} {'vs sdpa':>8s}  bars")
+    nan = float("nan")
     for case, tf, sp in summary:
         met = [r["meets_bar"] for r in rows if r["mask"] == case]
-        progress(f"{case:15s} {tf['flashcpp']:9.1f} {tf['flashcpp_sm80']:7.1f} {tf.get('flex', float('nan')):7.1f} "
-                 f"{tf.get('sdpa_dense', float('nan')):7.1f}  {sp.get('flex', float('nan')):7.2f}x "
-                 f"{sp.get('sdpa_dense', float('nan')):7.2f}x  {'met' if met and all(met) else 'NOT met'}")
+        progress(f"{case:15s} {tf['flashcpp']:9.1f} {tf['flashcpp_sm80']:7.1f} {tf.get('flex', nan):7.1f} "
+                 f"{tf.get('fa4', nan):7.1f} {tf.get('sdpa_dense', nan):7.1f}  {sp.get('flex', nan):7.2f}x "
+                 f"{sp.get('fa4', nan):7.2f}x {sp.get('sdpa_dense', nan):7.2f}x  {'met' if met and all(met) else 'NOT met'}")
     return 0
 
 
@@ -363,14 +390,14 @@ def plot(summary, path: str, env: Dict[str, object], hopper: bool) -> None:
     import matplotlib.pyplot as plt
 
     impls = [("flashcpp", "flashcpp (sm90)" if hopper else "flashcpp"), ("flashcpp_sm80", "flashcpp sm80"),
-             ("flex", "FlexAttention"), ("sdpa_dense", "SDPA + dense mask")]
+             ("flex", "FlexAttention"), ("fa4", "FlashAttention-4"), ("sdpa_dense", "SDPA + dense mask")]
     cases = [c for c, _, _ in summary]
     fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(cases)), 4.5))
-    w = 0.2
+    w = 0.8 / len(impls)
     for n, (key, label) in enumerate(impls):
         vals = [tf.get(key, 0.0) for _, tf, _ in summary]
         if any(vals):
-            ax.bar([x + (n - 1.5) * w for x in range(len(cases))], vals, w, label=label)
+            ax.bar([x + (n - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals, w, label=label)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(cases)
     ax.set_ylabel("TFLOP/s on visible pairs (bf16, CUDA-graph replay)")

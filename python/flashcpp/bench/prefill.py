@@ -1,25 +1,35 @@
-"""Prefill attention: flashcpp vs torch SDPA's FLASH (FA2), CUDNN and EFFICIENT backends, one process
-(and flashinfer's ragged prefill with FLASHCPP_BENCH_FLASHINFER=1, when it imports).
+"""Prefill attention: flashcpp vs FlashAttention-4 (flash_attn.cute, when it imports) and torch SDPA's
+FLASH (FA2), CUDNN and EFFICIENT backends, one process (and flashinfer's ragged prefill with
+FLASHCPP_BENCH_FLASHINFER=1, when it imports). FA4 is the strongest peer on Hopper: the bar.
 
 Two timings per implementation, both medians of interleaved rounds: `*_us` replays each call from
 a CUDA graph (kernel time: launch and Python overhead removed for everyone alike), `*_eager_us`
 calls it from Python with triton's do_bench (L2 flushed between runs: what an eager user sees).
 
-TFLOP/s = 4*B*H*Nq*Nk*D / time, halved for causal (DESIGN.md). Every implementation reads the same
-(B, N, H, D) bf16/fp16 tensors; SDPA gets the (B, H, N, D) view of them through strides.
+TFLOP/s = 4*B*H*Nq*Nk*D / time, halved for causal (DESIGN.md; H = query heads). Every implementation
+reads the same (B, N, H, D) bf16/fp16 tensors (K/V with fewer heads for GQA); SDPA gets the (B, H, N, D)
+view of them through strides (enable_gqa for GQA). A peer that does not import, refuses a shape or
+computes something else (max |diff| vs SDPA over 0.05) is reported on the progress lines and left out
+of that row, never timed silently.
 """
 from __future__ import annotations
 
 import os
 from typing import Dict, List
 
-from .common import bench_graph_us, ceilings, environment, interleaved, progress, rep_ms_for, write_csv, write_json
+from .common import bench_graph_us, ceilings, environment, fa4, interleaved, progress, rep_ms_for, write_csv, write_json
 
-SHAPES = [  # batch, heads, seqlen, head_dim
+SHAPES = [  # batch, heads (query), seqlen, head_dim[, KV heads: GQA]
     (1, 8, 512, 64), (1, 8, 2048, 64), (2, 16, 4096, 64), (2, 16, 16384, 64),
     (4, 32, 4096, 128), (1, 8, 8192, 128), (1, 16, 16384, 128), (1, 16, 4096, 256),
+    # short and batched prefill, and GQA 64/8: the shapes of the FA4 bar (issue [fa4])
+    (16, 32, 512, 128), (8, 16, 1024, 128), (1, 64, 8192, 128, 8),
 ]
 QUICK = [(2, 16, 4096, 64), (4, 32, 4096, 128)]
+
+
+def _kv_heads(shape) -> int:
+    return shape[4] if len(shape) > 4 else shape[1]
 
 
 def _flops(b, h, n, d, causal):
@@ -72,15 +82,22 @@ def run(quick: bool, out: str) -> int:
     fi, fi_why = _flashinfer()
     progress("[bench prefill] flashinfer: " + (f"version {getattr(fi, '__version__', '?')}" if fi else f"not used ({fi_why})"))
     env["flashinfer"] = getattr(fi, "__version__", "?") if fi else f"not available: {fi_why}"
-    peer_names = list(peers) + (["flashinfer"] if fi else [])
+    fa4_fn, fa4_ver = fa4()
+    progress("[bench prefill] fa4: " + (f"flash-attn-4 {fa4_ver}" if fa4_fn else f"does not import, not timed ({fa4_ver})"))
+    env["fa4"] = fa4_ver if fa4_fn else f"not available: {fa4_ver}"
+    peer_names = (["fa4"] if fa4_fn else []) + list(peers) + (["flashinfer"] if fi else [])
     # bf16 on every shape; fp16 on the QUICK shapes (same kernels, other mma type)
     cases = [(s, c, torch.bfloat16) for s in (QUICK if quick else SHAPES) for c in (False, True)]
     if not quick:
         cases += [(s, c, torch.float16) for s in QUICK for c in (False, True)]
-    for idx, ((b, h, n, d), causal, dtype) in enumerate(cases):
+    for idx, (shape, causal, dtype) in enumerate(cases):
+        b, h, n, d = shape[:4]
+        hkv = _kv_heads(shape)
         g = torch.Generator(device="cuda").manual_seed(1000 + idx)
-        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+        q = torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g)
+        k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+        gqa = {"enable_gqa": True} if hkv != h else {}
         o_sm80 = torch.empty_like(q)
         fns = {"flashcpp": lambda: flashcpp.flash_attn_func(q, k, v, causal=causal),
                # the FA2-style mma.sync kernel on the same GPU (what A100-class devices run)
@@ -89,13 +106,23 @@ def run(quick: bool, out: str) -> int:
         for name, be in peers.items():
             def f(be=be):
                 with sdpa_kernel(be):
-                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, **gqa)
             try:
                 f()
                 fns[name] = f
             except Exception as e:  # a backend that refuses a shape is reported, not hidden
                 progress(f"  {name} unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
-        if fi is not None:
+        if fa4_fn is not None:
+            def f4():
+                with torch.no_grad():
+                    return fa4_fn(q, k, v, causal=causal)[0]
+            try:
+                f4()  # compiles this variant (seconds), outside the timing
+                bench_graph_us(f4, rep_ms=1)  # and it must capture into a graph like the others
+                fns["fa4"] = f4
+            except Exception as e:  # a shape FA4 refuses is reported, not hidden
+                progress(f"  fa4 unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
+        if fi is not None and hkv == h:  # the ragged wrapper here is set up for MHA
             try:
                 fns["flashinfer"] = _flashinfer_prefill(torch, fi, q, k, v, causal)
                 fns["flashinfer"]()
@@ -106,22 +133,23 @@ def run(quick: bool, out: str) -> int:
         # sanity: same function (SDPA causal is top-left; equal lengths here, so identical)
         ref = fns["torch_cudnn" if "torch_cudnn" in fns else "torch_flash"]().transpose(1, 2).float()
         err = max((fns[n]().float() - ref).abs().max().item() for n in ("flashcpp", "flashcpp_sm80"))
-        if "flashinfer" in fns:  # a peer that computes something else would make its ratio meaningless
-            fi_err = (fns["flashinfer"]().float() - ref).abs().max().item()
-            if not fi_err <= 0.05:
-                progress(f"  flashinfer dropped for this case: max |diff| vs SDPA {fi_err:.3e}")
-                fns.pop("flashinfer")
+        for peer in ("fa4", "flashinfer"):  # a peer that computes something else would make its ratio meaningless
+            if peer in fns:
+                p_err = (fns[peer]().float() - ref).abs().max().item()
+                if not p_err <= 0.05:
+                    progress(f"  {peer} dropped for this case: max |diff| vs SDPA {p_err:.3e}")
+                    fns.pop(peer)
         t = interleaved(fns, graph=True, rep_ms=rep_ms)
         te = interleaved(fns, graph=False, rep_ms=rep_ms)
         dts = "bf16" if dtype == torch.bfloat16 else "fp16"
-        cid = f"b{b}_h{h}_n{n}_d{d}{'_causal' if causal else ''}_{dts}"
+        cid = f"b{b}_h{h}{f'kv{hkv}' if hkv != h else ''}_n{n}_d{d}{'_causal' if causal else ''}_{dts}"
         fl = _flops(b, h, n, d, causal)
         line = [f"{cid:34s} ours {fl / t['flashcpp'] / 1e6:6.1f} sm80 {fl / t['flashcpp_sm80'] / 1e6:6.1f} TF/s"]
         for peer in peer_names:
             if peer not in t:
                 continue
             rows.append({"case": cid, "peer": peer, "ours_us": round(t["flashcpp"], 2), "peer_us": round(t[peer], 2),
-                         "speedup": round(t[peer] / t["flashcpp"], 3), "batch": b, "heads_q": h, "heads_kv": h,
+                         "speedup": round(t[peer] / t["flashcpp"], 3), "batch": b, "heads_q": h, "heads_kv": hkv,
                          "seqlen_q": n, "seqlen_k": n, "head_dim": d, "causal": int(causal), "mask": "causal" if causal else "none",
                          "dtype": dts, "ours_tflops": round(fl / t["flashcpp"] / 1e6, 1),
                          "peer_tflops": round(fl / t[peer] / 1e6, 1), "max_abs_diff_vs_sdpa": f"{err:.3e}",
@@ -133,7 +161,7 @@ def run(quick: bool, out: str) -> int:
                          "gpu": env["gpu"], "git_commit": env["git_commit"]})
             line.append(f"{peer} {fl / t[peer] / 1e6:6.1f} ({t[peer] / t['flashcpp']:.2f}x, eager {te[peer] / te['flashcpp']:.2f}x)")
         progress("  ".join(line) + f"  maxdiff {err:.1e}")
-        del q, k, v, qt, kt, vt
+        del q, k, v, qt, kt, vt, fns
     # The raw measurement (both kernels), then the per-area views: reports/prefill (sm80 kernel)
     # and reports/hopper (sm90 kernel) from the same rows.
     os.makedirs(os.path.join(out, "raw"), exist_ok=True)
@@ -153,8 +181,9 @@ def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> No
 
     cases = sorted({r["case"] for r in rows if r["dtype"] == "bf16"}, key=lambda c: [r["case"] for r in rows].index(c))
     impls = ["flashcpp", "flashcpp_sm80", "torch_flash", "torch_cudnn", "torch_efficient"]
-    if any(r["peer"] == "flashinfer" for r in rows):
-        impls.append("flashinfer")
+    for extra in ("fa4", "flashinfer"):
+        if any(r["peer"] == extra for r in rows):
+            impls.append(extra)
     vals = {i: [] for i in impls}
     for c in cases:
         rs = [r for r in rows if r["case"] == c]

@@ -58,7 +58,7 @@ def plot_vs_seqlen(rows: List[Dict[str, object]], path: str, title: str) -> None
         ax.plot(ns, series("ours_tflops"), "o-", lw=2, label=f"flashcpp ({rows[0]['ours_kernel']})")
         if all(r.get("other_tflops") not in (None, "") for r in sel):
             ax.plot(ns, series("other_tflops"), "o:", label=f"flashcpp ({rows[0]['other_kernel']})")
-        for peer in ("torch_flash", "torch_cudnn", "torch_efficient", "flashinfer"):
+        for peer in ("fa4", "torch_flash", "torch_cudnn", "torch_efficient", "flashinfer"):
             if any(r["peer"] == peer for r in sel):
                 ax.plot(ns, series("peer_tflops", peer), "s--", label=peer)
         ax.set_xscale("log", base=2)
