@@ -72,7 +72,8 @@ inline std::uint16_t float_to_half_bits(float f) {
 /// x rounded to the nearest value of dtype t (through float), as a kernel storing x would.
 inline float round_to_dtype(DType t, float x) {
   switch (t) {
-    case DType::kF32: return x;
+    case DType::kF32:
+    case DType::kF64: return x;
     case DType::kBF16: return bf16_bits_to_float(float_to_bf16_bits(x));
     case DType::kF16: return half_bits_to_float(float_to_half_bits(x));
   }
@@ -85,8 +86,13 @@ inline float load_as_float(const void* base, DType t, std::int64_t idx) {
     case DType::kF32: return static_cast<const float*>(base)[idx];
     case DType::kBF16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
     case DType::kF16: return half_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
+    case DType::kF64: return static_cast<float>(static_cast<const double*>(base)[idx]);
   }
   return NAN;
+}
+/// Load element `idx` as double: exact for every dtype (the fp64 references read fp64 inputs so).
+inline double load_as_double(const void* base, DType t, std::int64_t idx) {
+  return t == DType::kF64 ? static_cast<const double*>(base)[idx] : static_cast<double>(load_as_float(base, t, idx));
 }
 /// Store `v` (rounded to nearest even) as element `idx` of a host buffer of dtype `t`.
 inline void store_from_float(void* base, DType t, std::int64_t idx, float v) {
@@ -94,6 +100,16 @@ inline void store_from_float(void* base, DType t, std::int64_t idx, float v) {
     case DType::kF32: static_cast<float*>(base)[idx] = v; break;
     case DType::kBF16: static_cast<std::uint16_t*>(base)[idx] = float_to_bf16_bits(v); break;
     case DType::kF16: static_cast<std::uint16_t*>(base)[idx] = float_to_half_bits(v); break;
+    case DType::kF64: static_cast<double*>(base)[idx] = v; break;
+  }
+}
+/// Store `v` as element `idx` of dtype `t`: exactly for fp64, else through float as
+/// store_from_float (double -> float -> the dtype, as the fp64 reference always stored).
+inline void store_from_double(void* base, DType t, std::int64_t idx, double v) {
+  if (t == DType::kF64) {
+    static_cast<double*>(base)[idx] = v;
+  } else {
+    store_from_float(base, t, idx, static_cast<float>(v));
   }
 }
 

@@ -15,10 +15,14 @@ enum class DType : std::uint8_t {
   kF16 = 0,   ///< IEEE half
   kBF16 = 1,  ///< bfloat16
   kF32 = 2,   ///< float (CPU backend only for attention)
+  /// double: attention forward and backward on the fp64 reference backend only
+  /// (Backend::kCpuReference), so that torch.autograd.gradcheck sees a function evaluated in
+  /// double; every other backend and entry point refuses it with a sentence.
+  kF64 = 3,
 };
 
-constexpr std::size_t dtype_size(DType t) noexcept { return t == DType::kF32 ? 4 : 2; }
-const char* dtype_name(DType t) noexcept;  // "fp16", "bf16", "fp32"
+constexpr std::size_t dtype_size(DType t) noexcept { return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2; }
+const char* dtype_name(DType t) noexcept;  // "fp16", "bf16", "fp32", "fp64"
 
 /// A strided view of a rank-3 (seqlen, heads, head_dim) slab repeated over a batch.
 /// Strides are in elements. The innermost (head_dim) stride is always 1.

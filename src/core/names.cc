@@ -29,6 +29,7 @@ const char* dtype_name(DType t) noexcept {
     case DType::kF16: return "fp16";
     case DType::kBF16: return "bf16";
     case DType::kF32: return "fp32";
+    case DType::kF64: return "fp64";
   }
   return "unknown";
 }

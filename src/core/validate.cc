@@ -49,13 +49,14 @@ using detail::cat;
 struct BackendRules {
   bool reads_host_arrays = false;  ///< cu_seqlens / block-sparse arrays are host memory
   bool cuda = false;               ///< 16-byte vector loads, no fp32
+  bool f64 = false;                ///< takes DType::kF64 (the fp64 reference only)
 };
 
 bool backend_rules(Backend b, BackendRules* r) {
   switch (b) {
     case Backend::kAuto: *r = {false, false}; return true;
-    case Backend::kCpu:
-    case Backend::kCpuReference: *r = {true, false}; return true;
+    case Backend::kCpu: *r = {true, false}; return true;
+    case Backend::kCpuReference: *r = {true, false, true}; return true;
     case Backend::kCuda: *r = {false, true}; return true;
   }
   return false;
@@ -66,7 +67,7 @@ constexpr std::int64_t kCudaVectorBytes = 16;
 constexpr std::int64_t kCudaVectorElems = 8;
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 
-bool known_dtype(DType t) { return t == DType::kF16 || t == DType::kBF16 || t == DType::kF32; }
+bool known_dtype(DType t) { return t == DType::kF16 || t == DType::kBF16 || t == DType::kF32 || t == DType::kF64; }
 
 std::uintptr_t addr(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
@@ -98,13 +99,18 @@ Status check_dtypes(const AttnParams& p, const BackendRules& br) {
   for (const auto& [name, dt] : ts)
     if (!known_dtype(dt))
       return Status::Invalid(
-          cat(name, ".dtype ", static_cast<int>(dt), " is not a known dtype (fp16, bf16 or fp32)"));
+          cat(name, ".dtype ", static_cast<int>(dt), " is not a known dtype (fp16, bf16, fp32 or fp64)"));
   for (std::size_t i = 1; i < ts.size(); ++i)
     if (ts[i].second != p.q.dtype)
       return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
                                  dtype_name(p.q.dtype), " (q, k, v and o must share one dtype)"));
   if (br.cuda && p.q.dtype == DType::kF32)
     return Status::Unsupported("fp32 runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
+  if (p.q.dtype == DType::kF64 && !br.f64)
+    return Status::Unsupported("fp64 runs on the fp64 reference backend only (Backend::kCpuReference, for gradcheck); "
+                               "the other backends take fp16, bf16 or fp32");
+  if (p.q.dtype == DType::kF64 && p.rotary.enabled())
+    return Status::Unsupported("rotary with fp64 inputs is not supported (the rotary rounds to fp16, bf16 or fp32)");
   return Status::Ok();
 }
 

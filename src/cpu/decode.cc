@@ -47,7 +47,7 @@ void parallel_for(int n, int threads, F&& f) {
 }
 
 float round_to(DType dt, float x) {
-  std::uint32_t buf = 0;
+  std::uint64_t buf = 0;  // room for one element of any dtype (fp64 is 8 bytes)
   store_from_float(&buf, dt, 0, x);
   return load_as_float(&buf, dt, 0);
 }
