@@ -399,6 +399,31 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
   return Status::Internal("select::prefill: the backend was not resolved");
 }
 
+// ---- backward ----------------------------------------------------------------------------------------
+Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
+  (void)p;
+  (void)opt;
+  *out = KernelChoice{};
+  switch (b) {
+    case Backend::kCpuReference:
+      out->id = KernelId::kCpuReference;
+      out->reason = "fp64 reference backward requested (src/cpu/reference_backward.cc)";
+      return Status::Ok();
+    case Backend::kCpu:
+      out->id = KernelId::kCpuTiled;
+      out->reason = "tiled fp32 backward on the CPU (host pointers; src/cpu/tiled_backward.cc)";
+      return Status::Ok();
+    case Backend::kCuda:
+      // The sm90 (wgmma) and sm80 (mma.sync) backward kernels of issue 28 plug in here, with the
+      // workspace layout of attention_backward_workspace_size (docs/backward.md).
+      return Status::Unsupported(
+          "no backward kernel in this build yet: attention_backward runs on the CPU backends only (Backend::kCpu, "
+          "Backend::kCpuReference)");
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("select::backward: the backend was not resolved");
+}
+
 // ---- decode: the split rule ------------------------------------------------------------------------
 // The split heuristic (docs/decode.md has the reasoning and examples):
 //   units    = heads_kv * row_blocks          CTAs one split of one sequence occupies

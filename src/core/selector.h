@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/backward.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/device.h"
 
@@ -57,6 +58,12 @@ bool persistent_units_fill_waves(std::int64_t units, int sms);
 /// tile per SM. Causal: from 10 wide tiles per SM (below, the 128-row persistent twin balances the
 /// triangle better: 339.0 vs 318.0 at 5.3 per SM; at 20.9 per SM the wide tile wins, 438.5 vs 403.8).
 bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal, int wide_rows, int sms);
+
+// ---- backward ---------------------------------------------------------------------------------
+/// The backward's implementation for a validated problem on backend `b`: the fp64 reference or the
+/// tiled CPU backward; kCuda answers Unsupported ("no backward kernel in this build yet") until the
+/// backward kernels land.
+Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out);
 
 // ---- the sm80 tuned table ------------------------------------------------------------------------
 /// The tuned table's seqlen buckets (flashcpp/tune.h: kSeqlenBuckets). Lookup order: the JSON cache

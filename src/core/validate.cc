@@ -34,6 +34,7 @@
 #include "core/message.h"
 #include "core/rope_checks.h"
 #include "core/score_checks.h"
+#include "core/validate_parts.h"
 
 namespace flashcpp {
 namespace {
@@ -535,6 +536,15 @@ Status validate(const AttnParams& p, Backend backend) {
   // 6. Block-sparse arrays.
   if (p.mask.block_sparse) FLASHCPP_RETURN_IF_ERROR(check_block_sparse_arrays(*p.mask.block_sparse, br));
   return Status::Ok();
+}
+
+Status detail::check_attention_view(const char* name, const TensorView& t, const ViewExtents& e, Backend backend,
+                                    Span* span) {
+  BackendRules br;
+  if (!backend_rules(backend, &br))
+    return Status::Invalid(cat("backend ", static_cast<int>(backend), " is not a known backend"));
+  const Extents x{e.batch, e.seq, e.seq_max, e.heads, e.dim, e.varlen, e.seqlen_name, e.heads_name};
+  return check_tensor(name, t, x, br, span);
 }
 
 }  // namespace flashcpp
