@@ -113,10 +113,11 @@ struct MaskParams {
 };
 
 /// Rotary embedding fused into attention: q and k are rotated as apply_rotary (fused.h) rotates
-/// them, then attention runs on the rotated q and k (v is not rotated); q and v themselves are
-/// not modified. The rotated values enter the scores rounded to the input dtype, exactly as a
-/// separate apply_rotary followed by attention gives them; every backend, the fp64 reference
-/// included, computes that. Backends: CPU (both) and CUDA (sm80 and sm90 kernels).
+/// them with the same RotarySpec (rope.h), then attention runs on the rotated q and k (v is not
+/// rotated); q and v themselves are not modified. The rotated values enter the scores rounded
+/// to the input dtype, exactly as a separate apply_rotary followed by attention gives them;
+/// every backend, the fp64 reference included, computes that. Backends: CPU (both) and CUDA
+/// (sm80 and sm90 kernels).
 ///
 /// CUDA: the keys are rotated once, by a pre-pass with apply_rotary's kernel, into k_rotated (a
 /// caller buffer: attention allocates nothing, and a model stores exactly these keys in its
@@ -124,22 +125,17 @@ struct MaskParams {
 /// shared memory as it lands, with apply_rotary's arithmetic, so the result equals apply_rotary +
 /// attention bit for bit. (Rotating every k tile inside the kernel instead repeats the work once
 /// per query block: measured at a tenth of the speed, reports/fused.) The q tiles are rotated in
-/// 8-byte pieces: rotary_dim % 8 == 0 for neox, % 4 == 0 for interleaved (Unsupported otherwise).
-/// With a cos_sin_cache, a position outside [0, max_position) is an error on the CPU backends
-/// and NaN rows on CUDA (it cannot read device positions before launching), as for apply_rotary.
+/// 8-byte pieces: rotary_dim % 8 == 0 for neox, % 4 == 0 for interleaved (Unsupported otherwise),
+/// and tables must be one cos_sin_cache (RotarySpec::is_cos_sin_cache; Unsupported otherwise).
+/// With tables, a position outside [0, max_position) is an error on the CPU backends and NaN
+/// rows on CUDA (it cannot read device positions before launching), as for apply_rotary.
 ///
 /// Positions (int32): query row i of sequence b at positions_q[b * seqlen_q + i] (varlen:
 /// [total_q], packed like q), key row j at positions_k[b * seqlen_k + j] ([total_k]); null
 /// defaults to ia = i + len_k - len_q for queries (bottom-right, the causal alignment) and j for
 /// keys, so a prompt with a cached prefix needs no arrays.
 struct AttnRotary {
-  int rotary_dim = 0;  ///< 0: off; else even and <= head_dim (the leading dims rotate)
-  RopeStyle style = RopeStyle::kNeox;
-  double theta = 10000.0;  ///< > 0; unused with a cache
-  Llama3Scaling llama3;    ///< unused with a cache
-  /// Optional fp32 [max_position][rotary_dim] table, [cos | sin] per row (fused.h's layout).
-  const float* cos_sin_cache = nullptr;
-  int max_position = 0;
+  RotarySpec spec;  ///< style kNone (the default) = off; rotary_dim 0 = head_dim
   const std::int32_t* positions_q = nullptr;
   const std::int32_t* positions_k = nullptr;
   /// Where the rotated keys go: a view with k's dtype and extents ((batch, seqlen_k, heads_kv,
@@ -148,7 +144,7 @@ struct AttnRotary {
   /// and strides: k is rotated in place); otherwise it must not overlap q, k, v, o or lse.
   TensorView k_rotated;
 
-  bool enabled() const noexcept { return rotary_dim != 0; }
+  bool enabled() const noexcept { return spec.enabled(); }
 };
 
 /// Attention forward problem. Pointers are device pointers for the CUDA backend and host

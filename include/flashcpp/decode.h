@@ -17,16 +17,11 @@
 //     NaN in q, in a visible cached key, in the head's ALiBi slope) makes the row NaN, O and LSE,
 //     whatever the split count and the merge (attention.h's NaN rule).
 //
-//   Rotary (RotaryParams): query row t and, with append, new key t are rotated at position
-//   ia = c_b + t (with append) / L_b - seqlen_q + t (without). For pair i < rotary_dim/2:
-//     neox:        (x[i], x[i + rotary_dim/2]);   interleaved: (x[2i], x[2i+1])
-//     x1' = fma(x1, c, -(x2*s)),  x2' = fma(x2, c, x1*s)      in fp32, rounded to the dtype,
-//   with (c, s) = (cos[pos][i], sin[pos][i]) from the tables, or computed as every rotary path of
-//   the library computes them (apply_rotary and the rotary fused into attention too):
-//     inv_freq = theta^(-2i / rotary_dim) in fp64,  angle = pos * inv_freq reduced to [-pi, pi] in
-//     fp64 and rounded to fp32,  c, s = cos, sin(angle) in fp32
-//   (the Hugging Face / flash-attn convention, accurate at any position). Dims >= rotary_dim pass
-//   through. The rotated q is used for the attention only: q itself is never written.
+//   Rotary (DecodeParams::rotary, a RotarySpec of rope.h): query row t and, with append, new key
+//   t are rotated at position ia = c_b + t (with append) / L_b - seqlen_q + t (without), by the
+//   rotation every rotary path computes (rope.h: tables of either layout, or theta with the
+//   optional Llama-3 scaling), in fp32 and rounded to the dtype. The rotated q is used for the
+//   attention only: q itself is never written.
 //
 //   The KV cache is either contiguous, k/v views over (batch, capacity, heads_kv, head_dim), or
 //   paged, k/v views over (num_pages, page_size, heads_kv, head_dim) whose batch_stride is the
@@ -35,8 +30,8 @@
 //
 // Safety against device-resident values the host cannot check (CUDA backend): a length outside
 // [0, slots - (append ? seqlen_q : 0)] is clamped into it, a block-table entry outside
-// [0, num_pages) is clamped into it and a rotary position outside the table is clamped to its
-// rows, so no kernel reads or writes outside the views it was given. The CPU backend reads
+// [0, num_pages) is clamped into it and a rotary position outside the tables is clamped to their
+// rows (rope.h), so no kernel reads or writes outside the views it was given. The CPU backend reads
 // those arrays and refuses bad values with a sentence instead.
 #pragma once
 
@@ -44,6 +39,7 @@
 #include <cstdint>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/rope.h"
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -53,27 +49,6 @@ inline constexpr int kDecodeMaxSeqlenQ = 16;    ///< query tokens per sequence a
 inline constexpr int kDecodeMaxPageSize = 256;  ///< largest page size (any power of two up to it)
 inline constexpr int kDecodeMaxSplits = 256;    ///< most key splits of one sequence
 inline constexpr int kDecodeBlockN = 64;        ///< keys per tile; split boundaries are multiples of it
-
-enum class RotaryStyle : std::uint8_t {
-  kNone = 0,     ///< no rotary embedding
-  kNeox,         ///< GPT-NeoX / Llama halves: pairs (i, i + rotary_dim/2)
-  kInterleaved,  ///< GPT-J: pairs (2i, 2i + 1)
-};
-const char* rotary_style_name(RotaryStyle s) noexcept;  // "none", "neox", "interleaved"
-
-/// Rotary embedding applied in-kernel to q and to the appended keys (see the header comment).
-struct RotaryParams {
-  RotaryStyle style = RotaryStyle::kNone;
-  int rotary_dim = 0;          ///< leading dims that rotate: even, <= head_dim; 0 = head_dim
-  /// fp32 tables (max_position, rotary_dim/2), rows contiguous; both null = compute from theta.
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  int max_position = 0;        ///< rows of the tables (positions must be below it)
-  float theta = 10000.f;       ///< base of the computed angles (used only without tables)
-
-  bool enabled() const noexcept { return style != RotaryStyle::kNone; }
-  bool has_tables() const noexcept { return cos != nullptr || sin != nullptr; }
-};
 
 /// The KV cache: contiguous (page_size 0) or paged.
 struct KVCacheView {
@@ -116,7 +91,8 @@ struct DecodeParams {
   /// Optional new keys/values of this step, (batch, seqlen_q, heads_kv, head_dim): both or neither.
   /// When set they are written into the cache (K rotated) before the attention reads it.
   TensorView k_new, v_new;
-  RotaryParams rotary;
+  /// Rotary applied in-kernel to q and to the appended keys; style kNone (the default) = off.
+  RotarySpec rotary;
   float softmax_scale = 0.f;  ///< 0 = 1/sqrt(head_dim)
   /// causal, window_left, window_right, softcap, alibi_slopes (+ batch stride). Varlen, global
   /// tokens and block-sparse masks do not apply to decode and are refused.

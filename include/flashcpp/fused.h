@@ -24,7 +24,7 @@
 //   apply_rotary, for each token (b, s) with position p = positions[b * seqlen + s] (or s when
 //   positions is null), each head of q and k, and each pair index i in [0, rotary_dim / 2):
 //       inv_freq[i] = theta^(-2i / rotary_dim), then the Llama-3 scaling when enabled (below)
-//       c, s_ = cos(p * inv_freq[i]), sin(p * inv_freq[i])   (or row p of cos_sin_cache)
+//       c, s_ = cos(p * inv_freq[i]), sin(p * inv_freq[i])   (or row p of the cos/sin tables)
 //       pair (a, b): neox (half split)    a = x[i],  b = x[i + rotary_dim / 2]
 //                    interleaved (GPT-J)  a = x[2i], b = x[2i + 1]
 //       a' = a * c - b * s_,   b' = b * c + a * s_
@@ -58,7 +58,8 @@
 
 #include <cstdint>
 
-#include "flashcpp/attention.h"  // Backend, RunOptions (and rope.h: RopeStyle, Llama3Scaling)
+#include "flashcpp/attention.h"  // Backend, RunOptions
+#include "flashcpp/rope.h"       // RotarySpec, rotary_inv_freq
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -149,24 +150,19 @@ struct RopeParams {
   int heads_q = 0;       ///< >= 1
   int heads_k = 0;       ///< 0: no k
   int head_dim = 0;      ///< even, <= 1024
-  int rotary_dim = 0;    ///< even, <= head_dim; 0 = head_dim
   TensorView q, k;
   TensorView q_out, k_out;  ///< data null: in place
   /// int32 [batch * seqlen] position of token (b, s) at positions[b * seqlen + s]; null: s.
   const std::int32_t* positions = nullptr;
-  RopeStyle style = RopeStyle::kNeox;
-  double theta = 10000.0;  ///< base of the frequencies (> 0); unused with a cache
-  Llama3Scaling llama3;    ///< unused with a cache
-  /// Optional fp32 cache, row-major [max_position][rotary_dim]: row p holds
-  /// cos(p * inv_freq[0 .. rotary_dim/2)) then sin(p * inv_freq[0 .. rotary_dim/2)) (vLLM's
-  /// cos_sin_cache layout, in fp32). With a cache, positions must lie in [0, max_position): the
-  /// CPU backend checks them (host memory); the CUDA kernel cannot read them before launching,
-  /// so it writes NaN to the rotated dims of a token whose position is out of range instead of
-  /// reading outside the cache.
-  const float* cos_sin_cache = nullptr;
-  int max_position = 0;  ///< rows of cos_sin_cache
+  /// The rotation (rope.h): style (neox by default here; kNone is refused), rotary_dim (0 =
+  /// head_dim), theta and Llama-3 scaling, or cos/sin tables. With tables, positions must lie in
+  /// [0, max_position): the CPU backend checks them (host memory); the CUDA kernel cannot read
+  /// them before launching, so it writes NaN to the rotated dims of a token whose position is out
+  /// of range instead of reading outside the tables. The CUDA kernel reads the cos_sin_cache
+  /// layout of tables only (RotarySpec::is_cos_sin_cache).
+  RotarySpec rotary = RotarySpec::of_style(RopeStyle::kNeox);
 
-  int effective_rotary_dim() const noexcept { return rotary_dim == 0 ? head_dim : rotary_dim; }
+  int effective_rotary_dim() const noexcept { return rotary.effective_rotary_dim(head_dim); }
 };
 
 /// Never launches; reads positions only for the CPU backends (host memory), to check them
@@ -175,9 +171,5 @@ Status validate(const RopeParams& p, Backend backend);
 
 /// Applies the rotary embedding (see the header comment) to q and k.
 Status apply_rotary(const RopeParams& p, const RunOptions& opt = {});
-
-/// inv_freq[i] for i in [0, rotary_dim / 2), in fp64, with the Llama-3 scaling when enabled.
-/// What every backend uses (the CUDA kernel evaluates the same expression on the device).
-double rotary_inv_freq(int i, int rotary_dim, double theta, const Llama3Scaling& llama3) noexcept;
 
 }  // namespace flashcpp

@@ -19,7 +19,7 @@ import numpy as np
 from . import _core
 from . import _flashcpp as _C
 from ._core import torch
-from .fused import _STYLES, _cache_arg, _check_out, _llama3, _positions_arg, _rope_view
+from .fused import _STYLES, _cache_arg, _check_out, _llama3, _positions_arg, _rope_view, _rotary_spec
 from .masks import BlockSparse, _to_torch
 
 
@@ -29,7 +29,7 @@ class Rotary:
     :func:`flashcpp.apply_rotary` rotates them, then attention runs on the rotated values (in the
     input dtype); q and k themselves are not modified.
 
-    rotary_dim: leading dims that rotate (None = head_dim). style: "neox" or "interleaved".
+    rotary_dim: leading dims that rotate (None or 0 = head_dim). style: "neox" or "interleaved".
     theta / llama3 (a Hugging Face rope_scaling dict), or cos_sin_cache: float32
     (max_position, rotary_dim) rows of [cos | sin]. positions_q / positions_k: int32 per query /
     key row, shape (batch * seqlen,) or (batch, seqlen), or (total,) with varlen; None means
@@ -110,11 +110,10 @@ class _RotarySpec(NamedTuple):
 
     def binding(self, k_rotated: Any, dtype_code: int, varlen: bool) -> Any:
         """The binding's AttnRotary, with k_rotated (k_out or a buffer like it; None = none) in the
-        inputs' dtype."""
+        inputs' dtype. rotary_dim is resolved (never 0), so the cache's columns are rotary_dim."""
         r = _C.AttnRotary()
-        r.rotary_dim, r.style, r.theta = self.rotary_dim, self.style, self.theta
-        r.llama3 = _C.Llama3Scaling(*self.llama3)
-        r.cos_sin_cache, r.max_position = _core.data_ptr(self.cos_sin_cache), self.max_position
+        r.spec = _rotary_spec(self.style, self.rotary_dim, self.rotary_dim, self.theta, self.llama3,
+                              self.cos_sin_cache, self.max_position)
         r.positions_q, r.positions_k = _core.data_ptr(self.positions_q), _core.data_ptr(self.positions_k)
         if k_rotated is not None and _core.data_ptr(k_rotated):
             r.k_rotated = _core.tensor_view(k_rotated, _core.meta(k_rotated, "rotary.k_out"), dtype_code, varlen)
@@ -156,9 +155,9 @@ def _rotary_scalars(rotary: Any, head_dim: int) -> Tuple[int, int]:
     if rotary.style not in _STYLES:
         raise ValueError(f"rotary.style must be one of {', '.join(_STYLES)}; got {rotary.style!r}")
     rot = head_dim if rotary.rotary_dim is None else _core.check_int(rotary.rotary_dim, "rotary.rotary_dim", 0, head_dim)
-    if rot == 0:
-        raise ValueError("rotary.rotary_dim 0 would turn rotary off; pass rotary=None for that")
-    return rot, int(_STYLES[rotary.style])
+    # 0 means head_dim, as in apply_rotary and RotarySpec (rope.h); resolved here, so the torch
+    # ops' flattened arguments keep rotary_dim 0 for "no rotary".
+    return rot or head_dim, int(_STYLES[rotary.style])
 
 
 def _rotary_arg(rotary: Rotary, q: Any, mk: _core.Meta, dims: _core.Dims, varlen: bool, rows_q: int,

@@ -14,13 +14,14 @@ import numpy as np
 
 from . import _core
 from . import _flashcpp as _C
+from .fused import _rotary_spec
 
 MAX_SEQLEN_Q = _C.DECODE_MAX_SEQLEN_Q
 MAX_PAGE_SIZE = _C.DECODE_MAX_PAGE_SIZE
 MAX_SPLITS = _C.DECODE_MAX_SPLITS
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
-_ROTARY = {None: _C.ROTARY_NONE, "none": _C.ROTARY_NONE, "neox": _C.ROTARY_NEOX,
-           "interleaved": _C.ROTARY_INTERLEAVED}
+_ROTARY = {None: _C.ROPE_NONE, "none": _C.ROPE_NONE, "neox": _C.ROPE_NEOX,
+           "interleaved": _C.ROPE_INTERLEAVED}
 _WS_ALIGN = 256  # workspace offsets (the C++ API needs 16)
 
 
@@ -347,8 +348,7 @@ class BatchDecodeWithKVCache:
         cache.k = cache.v = _C.TensorView(0, code)
         cache.capacity, cache.page_size, cache.num_pages = capacity, cfg["page_size"], 1 if page_size else 0
         cache.block_table_stride = cache.pages_per_seq = pages_per_seq
-        rotary_p = params.rotary
-        rotary_p.style, rotary_p.rotary_dim, rotary_p.theta = cfg["rotary"], cfg["rotary_dim"], cfg["rope_theta"]
+        params.rotary = _rotary_spec(cfg["rotary"], cfg["rotary_dim"], cfg["head_dim"], cfg["rope_theta"])
         params.softmax_scale = scale
         mask = params.mask
         mask.causal, mask.window_left, mask.window_right = cfg["causal"], window[0], window[1]
@@ -461,7 +461,7 @@ class BatchDecodeWithKVCache:
         if (rotary_cos is None) != (rotary_sin is None):
             raise ValueError("rotary_cos and rotary_sin come together")
         if rotary_cos is not None:
-            if rot == _C.ROTARY_NONE:
+            if rot == _C.ROPE_NONE:
                 raise ValueError("rotary_cos/rotary_sin given but the plan has rotary=None")
             cos = _small(rotary_cos, "rotary_cos", "float32", q, is_cuda, device)
             sin = _small(rotary_sin, "rotary_sin", "float32", q, is_cuda, device)
@@ -518,9 +518,8 @@ class BatchDecodeWithKVCache:
         params.cache_seqlens = _core.data_ptr(lens)
         if k is not None:
             params.k_new, params.v_new = _tensor(k, mkn, code), _tensor(v, mvn, code)
-        rotary_p = params.rotary
-        rotary_p.style, rotary_p.rotary_dim, rotary_p.theta = rot, rd, c["rope_theta"]
-        rotary_p.cos, rotary_p.sin, rotary_p.max_position = _core.data_ptr(cos), _core.data_ptr(sin), max_pos
+        # Separate (max_position, rotary_dim / 2) tables: RotarySpec's default table_stride.
+        params.rotary = _rotary_spec(rot, rd, D, c["rope_theta"], cos=cos, sin=sin, max_position=max_pos)
         params.softmax_scale = c["scale"]
         mask = params.mask
         mask.causal, mask.window_left, mask.window_right = c["causal"], c["window"][0], c["window"][1]

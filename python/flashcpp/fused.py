@@ -296,6 +296,24 @@ def _cache_arg(cache: Any, q: Any, rot: int) -> Tuple[Any, int]:
     return cache, int(cache.shape[0])
 
 
+def _rotary_spec(style: int, rotary_dim: int, head_dim: int, theta: float = 10000.0,
+                 llama3: Tuple[float, float, float, int] = (0.0, 1.0, 4.0, 8192), cache: Any = None,
+                 max_position: int = 0, cos: Any = None, sin: Any = None) -> Any:
+    """The binding's RotarySpec (flashcpp/rope.h), the one rotary description that apply_rotary,
+    the rotary fused into attention and decode all take: style code, rotary_dim (0 = head_dim),
+    theta and llama3 (factor, low, high, original_max_position), and optionally the tables: a
+    cos_sin_cache (rows [cos | sin]) or separate cos and sin (rows of rotary_dim / 2), float32
+    arrays the caller keeps alive through the call."""
+    s = _C.RotarySpec()
+    s.style, s.rotary_dim, s.theta = int(style), int(rotary_dim), float(theta)
+    s.llama3 = _C.Llama3Scaling(*llama3)
+    if cache is not None:
+        s.set_cos_sin_cache(_core.data_ptr(cache), int(max_position), int(rotary_dim or head_dim))
+    elif cos is not None:
+        s.cos, s.sin, s.max_position = _core.data_ptr(cos), _core.data_ptr(sin), int(max_position)
+    return s
+
+
 def _rope_view(m: _core.Meta) -> Tuple[int, int, int]:
     for s in m.strides:
         if s < 0:
@@ -365,18 +383,17 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
             ptrs["k_out"] = _core.data_ptr(k_out)
     pos = _positions_arg(positions, q, "positions", ((tokens,), (batch, seqlen)))
     cache, max_position = _cache_arg(cos_sin_cache, q, rot)
-    factor, low, high, orig = _llama3(llama3)
+    l3 = _llama3(llama3)
 
     if tokens > 0 and heads_q > 0:
         code = _core._DTYPE_CODES[mq.dtype]
         p = _C.RopeParams()
         p.batch, p.seqlen, p.heads_q, p.heads_k = int(batch), int(seqlen), int(heads_q), int(heads_k)
-        p.head_dim, p.rotary_dim = int(head_dim), rot
+        p.head_dim = int(head_dim)
         p.q, p.k = (_C.TensorView(ptrs[n], code, *views[n]) for n in ("q", "k"))
         p.q_out, p.k_out = (_C.TensorView(ptrs[n], code, *views[n]) for n in ("q_out", "k_out"))
-        p.positions, p.style, p.theta = _core.data_ptr(pos), _STYLES[style], float(theta)
-        p.llama3 = _C.Llama3Scaling(factor, low, high, orig)
-        p.cos_sin_cache, p.max_position = _core.data_ptr(cache), max_position
+        p.positions = _core.data_ptr(pos)
+        p.rotary = _rotary_spec(_STYLES[style], rot, int(head_dim), theta, l3, cache, max_position)
         _call(q, mq, _C.apply_rotary, p, _options(backend, cpu_threads, cuda_config, q, mq, stream))
     if inplace:
         return q, k

@@ -96,11 +96,11 @@ Backend to_backend(const std::string& name) {
   raise_value_error("backend '" + name + "' is not one of auto, cpu, cpu-reference, cuda");
 }
 
-flashcpp::RotaryStyle to_rotary(int style) {
+flashcpp::RopeStyle to_rope_style(int style) {
   switch (style) {
-    case static_cast<int>(flashcpp::RotaryStyle::kNone): return flashcpp::RotaryStyle::kNone;
-    case static_cast<int>(flashcpp::RotaryStyle::kNeox): return flashcpp::RotaryStyle::kNeox;
-    case static_cast<int>(flashcpp::RotaryStyle::kInterleaved): return flashcpp::RotaryStyle::kInterleaved;
+    case static_cast<int>(flashcpp::RopeStyle::kNone): return flashcpp::RopeStyle::kNone;
+    case static_cast<int>(flashcpp::RopeStyle::kNeox): return flashcpp::RopeStyle::kNeox;
+    case static_cast<int>(flashcpp::RopeStyle::kInterleaved): return flashcpp::RopeStyle::kInterleaved;
     default:
       raise_value_error("rotary style code " + std::to_string(style) + " is not 0 (none), 1 (neox) or 2 (interleaved)");
   }
@@ -122,16 +122,6 @@ void dtype_rw(nb::class_<C>& cls) {
   cls.def_prop_rw(
       "dtype", [](const C& c) { return static_cast<int>(c.dtype); },
       [](C& c, int code) { c.dtype = to_dtype(code); }, "element type code: 0 fp16, 1 bf16, 2 fp32");
-}
-
-/// The rope style (flashcpp::RopeStyle) of the attention rotary and apply_rotary as its int code.
-/// Not checked here: the validators name a bad style in their own sentence.
-template <class C>
-void rope_style_rw(nb::class_<C>& cls) {
-  cls.def_prop_rw(
-      "style", [](const C& c) { return static_cast<int>(c.style); },
-      [](C& c, int code) { c.style = static_cast<flashcpp::RopeStyle>(code); },
-      "RopeStyle code: 1 neox, 2 interleaved (ROPE_NEOX, ROPE_INTERLEAVED)");
 }
 
 // ---- shared pieces: views, run options ------------------------------------------------------
@@ -194,6 +184,35 @@ void bind_common(nb::module_& m) {
       .def_rw("low_freq_factor", &flashcpp::Llama3Scaling::low_freq_factor)
       .def_rw("high_freq_factor", &flashcpp::Llama3Scaling::high_freq_factor)
       .def_rw("original_max_position", &flashcpp::Llama3Scaling::original_max_position);
+
+  // The one rotary description (flashcpp/rope.h) that AttnRotary.spec, RopeParams.rotary and
+  // DecodeParams.rotary hold. The tables are data pointers (ints) the caller keeps alive.
+  using flashcpp::RotarySpec;
+  nb::class_<RotarySpec> rs(m, "RotarySpec",
+                            "flashcpp::RotarySpec: style (0 none, 1 neox, 2 interleaved), rotary_dim (0 = head_dim), "
+                            "theta and llama3, or fp32 cos/sin tables with a row stride (0 = rotary_dim / 2)");
+  rs.def(nb::init<>())
+      .def_prop_rw(
+          "style", [](const RotarySpec& r) { return static_cast<int>(r.style); },
+          [](RotarySpec& r, int code) { r.style = to_rope_style(code); },
+          "RopeStyle code: 0 none, 1 neox, 2 interleaved (ROPE_NONE, ROPE_NEOX, ROPE_INTERLEAVED)")
+      .def_rw("rotary_dim", &RotarySpec::rotary_dim)
+      .def_rw("theta", &RotarySpec::theta)
+      .def_rw("llama3", &RotarySpec::llama3)
+      .def_rw("table_stride", &RotarySpec::table_stride)
+      .def_rw("max_position", &RotarySpec::max_position)
+      .def(
+          "set_cos_sin_cache",
+          [](RotarySpec& r, std::uintptr_t cache, int rows, int rotary_dim) {
+            r.set_cos_sin_cache(reinterpret_cast<const float*>(cache), rows, rotary_dim);
+          },
+          "cache"_a, "rows"_a, "rotary_dim"_a,
+          "Points cos/sin at an fp32 (rows, rotary_dim) cos_sin_cache, rows [cos | sin].");
+  pointer_rw(rs, "cos", &RotarySpec::cos);
+  pointer_rw(rs, "sin", &RotarySpec::sin);
+  m.attr("ROPE_NONE") = static_cast<int>(flashcpp::RopeStyle::kNone);
+  m.attr("ROPE_NEOX") = static_cast<int>(flashcpp::RopeStyle::kNeox);
+  m.attr("ROPE_INTERLEAVED") = static_cast<int>(flashcpp::RopeStyle::kInterleaved);
 }
 
 // ---- attention (include/flashcpp/attention.h) -----------------------------------------------------
@@ -251,14 +270,9 @@ void bind_attention(nb::module_& m) {
       nb::for_setter(nb::keep_alive<1, 2>()), nb::for_setter(nb::arg("value").none()),
       "a BlockSparseMask or None");
 
-  nb::class_<AttnRotary> rot(m, "AttnRotary", "flashcpp::AttnRotary: rotary fused into attention (rotary_dim 0 = off)");
-  rot.def(nb::init<>()).def_rw("rotary_dim", &AttnRotary::rotary_dim);
-  rope_style_rw(rot);
-  rot.def_rw("theta", &AttnRotary::theta)
-      .def_rw("llama3", &AttnRotary::llama3)
-      .def_rw("max_position", &AttnRotary::max_position)
-      .def_rw("k_rotated", &AttnRotary::k_rotated);
-  pointer_rw(rot, "cos_sin_cache", &AttnRotary::cos_sin_cache);
+  nb::class_<AttnRotary> rot(m, "AttnRotary",
+                             "flashcpp::AttnRotary: rotary fused into attention (spec.style 0 = off)");
+  rot.def(nb::init<>()).def_rw("spec", &AttnRotary::spec).def_rw("k_rotated", &AttnRotary::k_rotated);
   pointer_rw(rot, "positions_q", &AttnRotary::positions_q);
   pointer_rw(rot, "positions_k", &AttnRotary::positions_k);
 
@@ -511,17 +525,12 @@ void bind(nb::module_& m) {
       .def_rw("heads_q", &RopeParams::heads_q)
       .def_rw("heads_k", &RopeParams::heads_k)
       .def_rw("head_dim", &RopeParams::head_dim)
-      .def_rw("rotary_dim", &RopeParams::rotary_dim)
       .def_rw("q", &RopeParams::q)
       .def_rw("k", &RopeParams::k)
       .def_rw("q_out", &RopeParams::q_out)
       .def_rw("k_out", &RopeParams::k_out)
-      .def_rw("theta", &RopeParams::theta)
-      .def_rw("llama3", &RopeParams::llama3)
-      .def_rw("max_position", &RopeParams::max_position);
-  rope_style_rw(rp);
+      .def_rw("rotary", &RopeParams::rotary);
   pointer_rw(rp, "positions", &RopeParams::positions);
-  pointer_rw(rp, "cos_sin_cache", &RopeParams::cos_sin_cache);
 
   m.def(
       "rms_norm",
@@ -555,8 +564,6 @@ void bind(nb::module_& m) {
         call_released([&] { return flashcpp::apply_rotary(p, opt); });
       },
       "params"_a, "options"_a, "flashcpp::apply_rotary.");
-  m.attr("ROPE_NEOX") = static_cast<int>(flashcpp::RopeStyle::kNeox);
-  m.attr("ROPE_INTERLEAVED") = static_cast<int>(flashcpp::RopeStyle::kInterleaved);
 }
 
 }  // namespace fused_binding
@@ -571,7 +578,6 @@ using flashcpp::DecodeParams;
 using flashcpp::DecodePlan;
 using flashcpp::KVCacheView;
 using flashcpp::MergeStatesParams;
-using flashcpp::RotaryParams;
 
 using HostInt32 = nb::ndarray<const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
@@ -634,18 +640,6 @@ void bind(nb::module_& m) {
       .def_rw("block_table_stride", &KVCacheView::block_table_stride)
       .def_rw("pages_per_seq", &KVCacheView::pages_per_seq);
   pointer_rw(kv, "block_table", &KVCacheView::block_table);
-
-  nb::class_<RotaryParams> rp(m, "RotaryParams", "flashcpp::RotaryParams of decode (style 0 = none)");
-  rp.def(nb::init<>())
-      .def_prop_rw(
-          "style", [](const RotaryParams& r) { return static_cast<int>(r.style); },
-          [](RotaryParams& r, int code) { r.style = to_rotary(code); },
-          "RotaryStyle code: 0 none, 1 neox, 2 interleaved (ROTARY_*)")
-      .def_rw("rotary_dim", &RotaryParams::rotary_dim)
-      .def_rw("max_position", &RotaryParams::max_position)
-      .def_rw("theta", &RotaryParams::theta);
-  pointer_rw(rp, "cos", &RotaryParams::cos);
-  pointer_rw(rp, "sin", &RotaryParams::sin);
 
   nb::class_<DecodeParams> dp(m, "DecodeParams", "flashcpp::DecodeParams of one decode step");
   dp.def(nb::init<>())
@@ -760,9 +754,6 @@ void bind(nb::module_& m) {
       "params"_a, "options"_a,
       "flashcpp::merge_attention_states on (batch, seqlen, heads, head_dim) views and contiguous "
       "(batch, heads, seqlen) fp32 LSEs; o may be exactly o_a or o_b.");
-  m.attr("ROTARY_NONE") = static_cast<int>(flashcpp::RotaryStyle::kNone);
-  m.attr("ROTARY_NEOX") = static_cast<int>(flashcpp::RotaryStyle::kNeox);
-  m.attr("ROTARY_INTERLEAVED") = static_cast<int>(flashcpp::RotaryStyle::kInterleaved);
   m.attr("DECODE_MAX_SEQLEN_Q") = flashcpp::kDecodeMaxSeqlenQ;
   m.attr("DECODE_MAX_PAGE_SIZE") = flashcpp::kDecodeMaxPageSize;
   m.attr("DECODE_MAX_SPLITS") = flashcpp::kDecodeMaxSplits;

@@ -133,15 +133,10 @@ inline int clamp_window(int w, std::int64_t slots) {
   return w < 0 ? -1 : static_cast<int>(w > cap ? cap : w);
 }
 
-/// inv_freq of rotary pair i from theta (fp64, no scaling): what the CUDA dispatch passes in the
-/// kernel params and the CPU backend uses, so both rotate by the same angles (fused_math.h).
-inline double rotary_inv_freq_host(int i, int rotary_dim, float theta) {
-  return fused::inv_freq(i, rotary_dim, static_cast<double>(theta), 0.f, 1.f, 4.f, 8192);
-}
-
-/// Element indices of rotary pair i: neox (i, i + rd/2), interleaved (2i, 2i+1).
-FC_HD void rotary_pair(RotaryStyle style, int i, int rotary_dim, int* a, int* b) {
-  if (style == RotaryStyle::kInterleaved) {
+/// Element indices of rotary pair i: neox (i, i + rd/2), interleaved (2i, 2i+1). (The angles'
+/// inv_freq come from flashcpp::rotary_inv_freq on the host, rope.h, as on every rotary path.)
+FC_HD void rotary_pair(RopeStyle style, int i, int rotary_dim, int* a, int* b) {
+  if (style == RopeStyle::kInterleaved) {
     *a = 2 * i;
     *b = 2 * i + 1;
   } else {

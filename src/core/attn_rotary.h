@@ -9,8 +9,8 @@
 namespace flashcpp::detail {
 
 /// apply_rotary's parameters for one side of the attention rotary (query: q with positions_q,
-/// else k with positions_k) over rows (batch, seqlen) of `heads` heads: the view, positions, style
-/// and frequencies; the caller sets q_out and, for defaults it computes itself, positions. Shared
+/// else k with positions_k) over rows (batch, seqlen) of `heads` heads: the view, positions and
+/// the spec; the caller sets q_out and, for defaults it computes itself, positions. Shared
 /// by the CPU backends and the CUDA key pre-pass, so both rotate with the same parameters.
 inline RopeParams attn_rope_params(const AttnParams& p, bool query, int batch, int seqlen, int heads,
                                    const TensorView& view) {
@@ -19,14 +19,9 @@ inline RopeParams attn_rope_params(const AttnParams& p, bool query, int batch, i
   rp.seqlen = seqlen;
   rp.heads_q = heads;
   rp.head_dim = p.head_dim;
-  rp.rotary_dim = p.rotary.rotary_dim;
   rp.q = view;
   rp.positions = query ? p.rotary.positions_q : p.rotary.positions_k;
-  rp.style = p.rotary.style;
-  rp.theta = p.rotary.theta;
-  rp.llama3 = p.rotary.llama3;
-  rp.cos_sin_cache = p.rotary.cos_sin_cache;
-  rp.max_position = p.rotary.max_position;
+  rp.rotary = p.rotary.spec;  // the same RotarySpec: the same rotation as apply_rotary's
   return rp;
 }
 

@@ -27,6 +27,7 @@
 #include "flashcpp/decode.h"
 
 #include "core/message.h"
+#include "core/rope_checks.h"
 #include "core/score_checks.h"
 
 namespace flashcpp {
@@ -151,15 +152,6 @@ std::string head_dim_set() {
 
 }  // namespace
 
-const char* rotary_style_name(RotaryStyle s) noexcept {
-  switch (s) {
-    case RotaryStyle::kNone: return "none";
-    case RotaryStyle::kNeox: return "neox";
-    case RotaryStyle::kInterleaved: return "interleaved";
-  }
-  return "unknown";
-}
-
 float DecodeParams::effective_scale() const noexcept {
   if (softmax_scale != 0.f) return softmax_scale;
   return head_dim > 0 ? 1.f / std::sqrt(static_cast<float>(head_dim)) : 0.f;
@@ -231,23 +223,9 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
     return Status::Invalid(cat("the cache has ", c.slots(), " key slots per sequence, fewer than the seqlen_q ",
                                p.seqlen_q, " tokens an append writes"));
   // rotary
-  const RotaryParams& ro = p.rotary;
-  if (ro.style != RotaryStyle::kNone && ro.style != RotaryStyle::kNeox && ro.style != RotaryStyle::kInterleaved)
-    return Status::Invalid(cat("rotary.style ", static_cast<int>(ro.style), " is not none, neox or interleaved"));
-  if (ro.enabled()) {
-    const int rd = ro.rotary_dim == 0 ? p.head_dim : ro.rotary_dim;
-    if (rd < 2 || rd > p.head_dim || rd % 2 != 0)
-      return Status::Invalid(cat("rotary.rotary_dim ", ro.rotary_dim, " must be even and in [2, head_dim ",
-                                 p.head_dim, "] (0 = head_dim)"));
-    if ((ro.cos == nullptr) != (ro.sin == nullptr))
-      return Status::Invalid(ro.cos ? "rotary.sin is null but rotary.cos is set (tables come in pairs)"
-                                    : "rotary.cos is null but rotary.sin is set (tables come in pairs)");
-    if (ro.has_tables() && ro.max_position < 1)
-      return Status::Invalid(cat("rotary.max_position ", ro.max_position, " must be >= 1 with cos/sin tables"));
-    if (!ro.has_tables() && !(std::isfinite(ro.theta) && ro.theta > 0.f))
-      return Status::Invalid(cat("rotary.theta ", static_cast<double>(ro.theta),
-                                 " must be finite and > 0 (or pass cos/sin tables)"));
-  }
+  // rotary: the spec as every rotary path checks it (rope_checks.h); decode's kernels read tables
+  // of any stride, so there is no layout rule here.
+  if (p.rotary.enabled()) FLASHCPP_RETURN_IF_ERROR(detail::check_rotary_spec("rotary.", p.head_dim, p.rotary));
   // mask
   const MaskParams& m = p.mask;
   if (!std::isfinite(p.softmax_scale))
@@ -313,10 +291,9 @@ Status validate(const DecodeParams& p, Backend backend) {
                                          p.mask.alibi_batch_stride ? static_cast<std::int64_t>(p.batch) * p.heads_q
                                                                    : p.heads_q,
                                          4, "fp32", &sal));
-  const RotaryParams& ro = p.rotary;
-  const int rd = ro.rotary_dim == 0 ? p.head_dim : ro.rotary_dim;
+  const RotarySpec& ro = p.rotary;
   if (ro.enabled() && ro.has_tables()) {
-    const std::int64_t n = static_cast<std::int64_t>(ro.max_position) * (rd / 2);
+    const std::int64_t n = detail::rotary_table_elems(ro, p.head_dim);
     FLASHCPP_RETURN_IF_ERROR(check_array("rotary.cos", ro.cos, n, 4, "fp32", &scos));
     FLASHCPP_RETURN_IF_ERROR(check_array("rotary.sin", ro.sin, n, 4, "fp32", &ssin));
   }

@@ -11,7 +11,7 @@
 //      bf16 on CUDA, fp32 too on the CPU backend);
 //   3. aliasing: an output may be exactly one of its inputs (same pointer and strides: the
 //      in-place forms), anything else that overlaps an output is refused;
-//   4. host-memory values (CPU backend only): rotary positions inside the cos/sin cache.
+//   4. host-memory values (CPU backend only): rotary positions inside the cos/sin tables.
 //
 // Vector alignment is not a validation rule: the CUDA launchers pick 16-byte accesses when every
 // pointer and stride allows them and element-wise accesses otherwise (fused.h).
@@ -35,7 +35,9 @@ namespace {
 // ---- one-sentence messages (src/core/message.h) ----------------------------------------
 
 using detail::cat;
-using detail::check_rope_scalars;
+using detail::check_cuda_rotary_tables;
+using detail::check_rotary_spec;
+using detail::rotary_table_elems;
 
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 constexpr int kMaxHeadDim = 1024;  // rotary: the per-token cos/sin table lives in shared memory
@@ -293,9 +295,11 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
   if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
   if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim)
     return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kMaxHeadDim, "]"));
-  FLASHCPP_RETURN_IF_ERROR(
-      check_rope_scalars("", p.head_dim, p.rotary_dim, p.style, p.theta, p.llama3, p.cos_sin_cache, p.max_position));
-  const int rot = p.effective_rotary_dim();
+  const RotarySpec& r = p.rotary;
+  if (r.style == RopeStyle::kNone)
+    return Status::Invalid("rotary.style is none: apply_rotary rotates neox or interleaved pairs (set rotary.style)");
+  FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
+  if (cuda) FLASHCPP_RETURN_IF_ERROR(check_cuda_rotary_tables("rotary.", p.head_dim, r));
   if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
     return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
@@ -304,7 +308,7 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
   const bool has_k = p.heads_k > 0;
   const TensorView q_out = p.q_out.data ? p.q_out : p.q;
   const TensorView k_out = p.k_out.data ? p.k_out : p.k;
-  Span sq, sk, sqo, sko, spos, scache;
+  Span sq, sk, sqo, sko, spos, scos, ssin;
   FLASHCPP_RETURN_IF_ERROR(check_dtype("q", p.q.dtype, p.q.dtype, "q", "apply_rotary", cuda));
   FLASHCPP_RETURN_IF_ERROR(check_view("q", p.q, p.batch, p.seqlen, p.heads_q, p.head_dim, &sq));
   if (p.q_out.data) {
@@ -328,11 +332,10 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
     return Status::Invalid("k_out.data is set but heads_k is 0 (no k to rotate)");
   }
   if (p.positions) FLASHCPP_RETURN_IF_ERROR(span_of("positions", p.positions, tokens, 4, &spos));
-  if (p.cos_sin_cache) {
-    std::int64_t n = 0;
-    if (__builtin_mul_overflow(static_cast<std::int64_t>(p.max_position), rot, &n))
-      return Status::Invalid(cat("cos_sin_cache size max_position*rotary_dim overflows int64"));
-    FLASHCPP_RETURN_IF_ERROR(span_of("cos_sin_cache", p.cos_sin_cache, n, 4, &scache));
+  if (r.has_tables()) {  // each table's rows, from its pointer (one cos_sin_cache: two interleaved spans)
+    const std::int64_t n = rotary_table_elems(r, p.head_dim);
+    FLASHCPP_RETURN_IF_ERROR(span_of("rotary.cos", r.cos, n, 4, &scos));
+    FLASHCPP_RETURN_IF_ERROR(span_of("rotary.sin", r.sin, n, 4, &ssin));
   }
 
   // Aliasing. Each output may be exactly its own input. q's and k's outputs are written by
@@ -349,33 +352,25 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
     if (!disjoint(sqo, q_out, p.heads_q, sko, k_out, p.heads_k)) return overlap_error(sqo, sko);
   }
   for (const Span* out : {&sqo, &sko})
-    for (const Span* arr : {&spos, &scache})
+    for (const Span* arr : {&spos, &scos, &ssin})
       if (out->overlaps(*arr)) return overlap_error(*out, *arr);
   return Status::Ok();
 }
 
-/// Host-memory checks of the CPU backend: positions must index the cache.
+/// Host-memory checks of the CPU backend: positions must index the tables.
 Status check_positions_host(const RopeParams& p) {
-  if (!p.cos_sin_cache) return Status::Ok();
+  if (!p.rotary.has_tables()) return Status::Ok();
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
   for (std::int64_t t = 0; t < tokens; ++t) {
     const std::int64_t pos = p.positions ? p.positions[t] : t % p.seqlen;
-    if (pos < 0 || pos >= p.max_position)
-      return Status::Invalid(cat("position ", pos, " of token ", t, " is outside the cos_sin_cache [0, max_position ",
-                                 p.max_position, ")"));
+    if (pos < 0 || pos >= p.rotary.max_position)
+      return Status::Invalid(cat("position ", pos, " of token ", t, " is outside the cos/sin tables' rows [0, max_position ",
+                                 p.rotary.max_position, ")"));
   }
   return Status::Ok();
 }
 
 }  // namespace
-
-const char* rope_style_name(RopeStyle s) noexcept {
-  switch (s) {
-    case RopeStyle::kNeox: return "neox";
-    case RopeStyle::kInterleaved: return "interleaved";
-  }
-  return "unknown";
-}
 
 Status validate(const RmsNormParams& p, bool with_residual, Backend backend) {
   return validate_norm(p, with_residual, backend);

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/rope.h"
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -51,6 +52,15 @@ const char* kernel_name(KernelId k) noexcept {
     case KernelId::kCpuTiled: return "cpu_tiled_online_softmax";
     case KernelId::kCudaSm80: return "cuda_sm80_fa2";
     case KernelId::kCudaSm90: return "cuda_sm90_wgmma";
+  }
+  return "unknown";
+}
+
+const char* rope_style_name(RopeStyle s) noexcept {
+  switch (s) {
+    case RopeStyle::kNone: return "none";
+    case RopeStyle::kNeox: return "neox";
+    case RopeStyle::kInterleaved: return "interleaved";
   }
   return "unknown";
 }

@@ -396,14 +396,15 @@ Status check_block_sparse_arrays(const BlockSparseMask& bs, const BackendRules& 
 
 }  // namespace
 
-/// The rotary fused into attention: the scalars (rope_checks.h), the arrays' alignment and
-/// k_rotated's dtype (the view itself is checked with the tensors, after the empty-problem
-/// return). The position values are checked where they are read (the CPU backends, against a
-/// cache).
+/// The rotary fused into attention: the spec (rope_checks.h, as for apply_rotary and decode),
+/// the arrays' alignment and k_rotated's dtype (the view itself is checked with the tensors,
+/// after the empty-problem return). The position values are checked where they are read (the
+/// CPU backends, against the tables).
 Status check_rotary(const AttnParams& p, const BackendRules& br) {
   const AttnRotary& r = p.rotary;
-  FLASHCPP_RETURN_IF_ERROR(detail::check_rope_scalars("rotary.", p.head_dim, r.rotary_dim, r.style, r.theta, r.llama3,
-                                                      r.cos_sin_cache, r.max_position));
+  const RotarySpec& spec = r.spec;
+  FLASHCPP_RETURN_IF_ERROR(detail::check_rotary_spec("rotary.spec.", p.head_dim, spec));
+  if (br.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_rotary_tables("rotary.spec.", p.head_dim, spec));
   if (r.k_rotated.data && r.k_rotated.dtype != p.k.dtype)
     return Status::Invalid(cat("rotary.k_rotated.dtype ", dtype_name(r.k_rotated.dtype), " differs from k.dtype ",
                                dtype_name(p.k.dtype), " (the rotated keys are stored in k's dtype)"));
@@ -411,11 +412,10 @@ Status check_rotary(const AttnParams& p, const BackendRules& br) {
     if (ptr && addr(ptr) % alignof(std::int32_t) != 0)
       return Status::Invalid(cat(name, " ", static_cast<const void*>(ptr), " is not 4-byte aligned (int32)"));
   // The CUDA kernels rotate 8-byte pieces in shared memory (src/cuda/prefill/prefill_rope.h).
-  const int chunk = r.style == RopeStyle::kNeox ? 8 : 4;
-  if (br.cuda && r.rotary_dim % chunk != 0)
-    return Status::Unsupported(cat("rotary.rotary_dim ", r.rotary_dim, " is not a multiple of ", chunk,
-                                   ", which the CUDA kernels need for ",
-                                   r.style == RopeStyle::kNeox ? "neox" : "interleaved",
+  const int chunk = spec.style == RopeStyle::kNeox ? 8 : 4;
+  if (br.cuda && spec.effective_rotary_dim(p.head_dim) % chunk != 0)
+    return Status::Unsupported(cat("rotary.spec.rotary_dim ", spec.rotary_dim, " is not a multiple of ", chunk,
+                                   ", which the CUDA kernels need for ", rope_style_name(spec.style),
                                    " rotary (they rotate 8-byte pieces): rotate q and k with "
                                    "flashcpp::apply_rotary (fused.h) first, or use the CPU backend"));
   return Status::Ok();

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -26,6 +27,7 @@
 #include "common/attention_algebra.h"
 #include "common/decode_common.h"
 #include "common/fused_math.h"
+#include "cpu/rotary.h"
 
 namespace flashcpp::cpu {
 namespace {
@@ -62,34 +64,28 @@ std::int64_t kv_offset(const KVCacheView& c, const TensorView& t, int b, int j, 
 }
 
 /// The rotary rule of decode.h for one row of x (fp32, in place; the caller rounds to the dtype):
-/// the tables, or the angles of every rotary path (fused::cos_sin_angle), rotated by
+/// the spec's angles as every CPU rotary path reads them (cpu/rotary.h), rotated by
 /// fused::rotate_pair, as the CUDA kernels do.
 class Rotary {
  public:
-  Rotary(const RotaryParams& ro, int head_dim) : ro_(ro), rd_(ro.rotary_dim == 0 ? head_dim : ro.rotary_dim) {
-    if (ro.enabled() && !ro.has_tables())
-      for (int i = 0; i < rd_ / 2; ++i) inv_freq_.push_back(decode::rotary_inv_freq_host(i, rd_, ro.theta));
+  Rotary(const RotarySpec& ro, int head_dim) : ro_(ro) {
+    if (ro.enabled()) angles_.emplace(ro, head_dim);
   }
   void apply(float* x, int pos) const {
-    if (!ro_.enabled()) return;
-    for (int i = 0; i < rd_ / 2; ++i) {
+    if (!angles_) return;
+    const int half = angles_->half();
+    for (int i = 0; i < half; ++i) {
       float c, s;
-      if (ro_.has_tables()) {
-        c = ro_.cos[static_cast<std::int64_t>(pos) * (rd_ / 2) + i];
-        s = ro_.sin[static_cast<std::int64_t>(pos) * (rd_ / 2) + i];
-      } else {
-        fused::cos_sin_angle(pos, inv_freq_[i], &c, &s);
-      }
+      angles_->at(pos, i, &c, &s);  // validated: pos inside the tables
       int a, b;
-      decode::rotary_pair(ro_.style, i, rd_, &a, &b);
+      decode::rotary_pair(ro_.style, i, 2 * half, &a, &b);
       fused::rotate_pair(x[a], x[b], c, s);
     }
   }
 
  private:
-  const RotaryParams& ro_;
-  int rd_;
-  std::vector<double> inv_freq_;
+  const RotarySpec& ro_;
+  std::optional<RotaryAngles> angles_;  // empty: rotary off
 };
 
 void load_row(const TensorView& t, std::int64_t off, int d, float* dst) {

@@ -17,6 +17,7 @@
 
 #include "flashcpp/half.h"
 #include "common/fused_math.h"
+#include "cpu/rotary.h"
 #include "flashcpp/fused.h"
 
 namespace flashcpp {
@@ -116,11 +117,6 @@ void norm_row(const typename E::S* x, const typename E::S* r, typename E::S* ro,
 
 // ---- rotary ------------------------------------------------------------------------------
 
-struct RotaryTables {
-  int half = 0;
-  std::vector<double> inv_freq;  // empty with a cache
-};
-
 /// Rotates (or copies) one head of one token: in -> out (out may be in).
 template <class E>
 void rotate_head(const typename E::S* in, typename E::S* out, const float* cs, const float* sn, int half,
@@ -174,12 +170,9 @@ Status fused_silu_and_mul(const SiluMulParams& p, int threads) {
 }
 
 Status fused_apply_rotary(const RopeParams& p, int threads) {
-  const int rot = p.effective_rotary_dim(), half = rot / 2;
-  std::vector<double> inv_freq;
-  if (!p.cos_sin_cache) {
-    inv_freq.resize(static_cast<std::size_t>(half));
-    for (int i = 0; i < half; ++i) inv_freq[i] = rotary_inv_freq(i, rot, p.theta, p.llama3);
-  }
+  const int rot = p.effective_rotary_dim();
+  const RotaryAngles angles(p.rotary, p.head_dim);
+  const int half = angles.half();
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
   const int heads = p.heads_q + p.heads_k;
   return with_dtype(p.q.dtype, [&](auto e) {
@@ -191,15 +184,7 @@ Status fused_apply_rotary(const RopeParams& p, int threads) {
       for (std::int64_t t = t0; t < t1; ++t) {
         const std::int64_t b = t / p.seqlen, s = t % p.seqlen;
         const std::int32_t pos = p.positions ? p.positions[t] : static_cast<std::int32_t>(s);
-        for (int i = 0; i < half; ++i) {
-          if (p.cos_sin_cache) {  // validated: 0 <= pos < max_position
-            const float* row = p.cos_sin_cache + static_cast<std::int64_t>(pos) * rot;
-            cs[i] = row[i];
-            sn[i] = row[half + i];
-          } else {
-            fused::cos_sin_angle(pos, inv_freq[i], &cs[i], &sn[i]);
-          }
-        }
+        for (int i = 0; i < half; ++i) angles.at(pos, i, &cs[i], &sn[i]);  // validated: pos inside the tables
         for (int which = 0; which < 2; ++which) {
           const TensorView& in = which == 0 ? p.q : p.k;
           const TensorView& out_v = which == 0 ? p.q_out : p.k_out;
@@ -209,7 +194,7 @@ Status fused_apply_rotary(const RopeParams& p, int threads) {
           for (int h = 0; h < nh; ++h) {
             const S* src = static_cast<const S*>(in.data) + b * in.batch_stride + s * in.seq_stride + h * in.head_stride;
             S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
-            rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.style, copy_tail);
+            rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, copy_tail);
           }
         }
       }

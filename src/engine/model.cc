@@ -370,9 +370,8 @@ Status Session::prefill(int seq, const std::int32_t* host_tokens, int n, int sta
     rp.q = q;
     rp.k = k;
     rp.positions = positions_.as<std::int32_t>() + start;
-    rp.style = RopeStyle::kNeox;
-    rp.cos_sin_cache = rope_cos_sin_.as<float>();
-    rp.max_position = opt_.capacity;
+    rp.rotary.style = RopeStyle::kNeox;
+    rp.rotary.set_cos_sin_cache(rope_cos_sin_.as<float>(), opt_.capacity, static_cast<int>(d.D));
     FLASHCPP_RETURN_IF_ERROR(apply_rotary(rp, ro));
     FLASHCPP_RETURN_IF_ERROR(ops_->write_kv(pools_[l], block_table_.as<std::int32_t>(), pages_per_seq_, seq, start, n,
                                             k.data, v.data, d.QKV));
@@ -418,7 +417,7 @@ DecodeParams Session::layer_decode_params(int layer) const {
   p.cache_seqlens = seqlens_.as<std::int32_t>();
   p.k_new = TensorView{off(qkv_, d.Hq * d.D, es), dt, d.QKV, d.QKV, d.D};
   p.v_new = TensorView{off(qkv_, (d.Hq + d.Hkv) * d.D, es), dt, d.QKV, d.QKV, d.D};
-  p.rotary.style = RotaryStyle::kNeox;
+  p.rotary.style = RopeStyle::kNeox;
   p.rotary.rotary_dim = static_cast<int>(d.D);
   p.rotary.cos = rope_cos_.as<float>();
   p.rotary.sin = rope_sin_.as<float>();

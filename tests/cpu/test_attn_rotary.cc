@@ -131,18 +131,15 @@ struct Problem {
       p.mask.cu_seqlens_k = cu_k.data();
     }
     if (rotary) {
-      p.rotary.rotary_dim = c.rot ? c.rot : c.d;
-      p.rotary.style = c.style;
-      p.rotary.theta = c.theta;
-      p.rotary.llama3 = c.llama3;
+      p.rotary.spec.rotary_dim = c.rot ? c.rot : c.d;
+      p.rotary.spec.style = c.style;
+      p.rotary.spec.theta = c.theta;
+      p.rotary.spec.llama3 = c.llama3;
       if (c.positions) {
         p.rotary.positions_q = pos_q.data();
         p.rotary.positions_k = pos_k.data();
       }
-      if (c.cache) {
-        p.rotary.cos_sin_cache = cache.data();
-        p.rotary.max_position = max_pos;
-      }
+      if (c.cache) p.rotary.spec.set_cos_sin_cache(cache.data(), max_pos, c.rot ? c.rot : c.d);
     }
     return p;
   }
@@ -289,35 +286,34 @@ TEST(AttnRotary, BadInputsGetASentence) {
     EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
   };
   AttnParams p = pb.params(pb.q, pb.k, true);
-  p.rotary.rotary_dim = 7;
-  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.rotary_dim 7 must be even");
-  p.rotary.rotary_dim = 128;
-  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.rotary_dim 128 must be even and in [2, head_dim 64]");
+  p.rotary.spec.rotary_dim = 7;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.spec.rotary_dim 7 must be even");
+  p.rotary.spec.rotary_dim = 128;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.spec.rotary_dim 128 must be even and in [2, head_dim 64]");
   p = pb.params(pb.q, pb.k, true);
-  p.rotary.theta = 0.0;
-  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.theta 0 must be finite and > 0");
+  p.rotary.spec.theta = 0.0;
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.spec.theta 0 must be finite and > 0");
   p = pb.params(pb.q, pb.k, true);
   std::vector<float> tiny(64 * 2, 0.f);
-  p.rotary.cos_sin_cache = tiny.data();
-  p.rotary.max_position = 0;
-  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.max_position 0 must be >= 1");
-  p.rotary.max_position = 2;  // positions go up to 5999: outside the cache
+  p.rotary.spec.set_cos_sin_cache(tiny.data(), 0, 64);
+  expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.spec.max_position 0 must be >= 1");
+  p.rotary.spec.max_position = 2;  // positions go up to 5999: outside the cache
   expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary (q)");
   p = pb.params(pb.q, pb.k, true);
   p.rotary.positions_k = reinterpret_cast<const std::int32_t*>(reinterpret_cast<const char*>(pb.pos_k.data()) + 1);
   expect(p, Backend::kCpu, StatusCode::kInvalidArgument, "rotary.positions_k");
   // CUDA rotates 8-byte pieces: neox needs rotary_dim % 8 == 0, interleaved % 4 == 0.
   p = pb.params(pb.q, pb.k, true);
-  p.rotary.rotary_dim = 12;
-  p.rotary.style = RopeStyle::kNeox;
-  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.rotary_dim 12 is not a multiple of 8");
+  p.rotary.spec.rotary_dim = 12;
+  p.rotary.spec.style = RopeStyle::kNeox;
+  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.spec.rotary_dim 12 is not a multiple of 8");
   EXPECT_TRUE(validate(p, Backend::kCpu).ok());
-  p.rotary.style = RopeStyle::kInterleaved;
+  p.rotary.spec.style = RopeStyle::kInterleaved;
   HostBuffer kr(rc.dt, pb.k.size());  // CUDA needs somewhere to put the rotated keys
   p.rotary.k_rotated = bshd_view(kr.data(), rc.dt, rc.sk, rc.hkv, rc.d);
   EXPECT_TRUE(validate(p, Backend::kCuda).ok()) << validate(p, Backend::kCuda).to_string();
-  p.rotary.rotary_dim = 6;
-  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.rotary_dim 6 is not a multiple of 4");
+  p.rotary.spec.rotary_dim = 6;
+  expect(p, Backend::kCuda, StatusCode::kUnsupported, "rotary.spec.rotary_dim 6 is not a multiple of 4");
 }
 
 /// apply_rotary (CPU) of pb's k with pb's positions, as a contiguous (rows_k, hkv, d) buffer:
@@ -330,14 +326,11 @@ HostBuffer apply_rotary_to_k(const Problem& pb) {
   rp.seqlen = static_cast<int>(c.varlen ? pb.rows_k : c.sk);
   rp.heads_q = c.hkv;
   rp.head_dim = c.d;
-  rp.rotary_dim = c.rot ? c.rot : c.d;
-  rp.style = c.style;
-  rp.theta = c.theta;
-  rp.llama3 = c.llama3;
-  if (c.cache) {
-    rp.cos_sin_cache = pb.cache.data();
-    rp.max_position = pb.max_pos;
-  }
+  rp.rotary.rotary_dim = c.rot ? c.rot : c.d;
+  rp.rotary.style = c.style;
+  rp.rotary.theta = c.theta;
+  rp.rotary.llama3 = c.llama3;
+  if (c.cache) rp.rotary.set_cos_sin_cache(pb.cache.data(), pb.max_pos, rp.rotary.rotary_dim);
   rp.q = bshd_view(kr.data(), c.dt, rp.seqlen, c.hkv, c.d);
   rp.positions = pb.pos_k.data();  // the documented defaults when the case passes none
   RunOptions ro;

@@ -46,9 +46,12 @@ struct DCase {
   int page_size = 0;      ///< 0 = contiguous
   bool shuffle_pages = true;
   bool append = false;
-  RotaryStyle rot = RotaryStyle::kNone;
+  RopeStyle rot = RopeStyle::kNone;
   int rotary_dim = 0;
   bool tables = false;
+  bool cos_sin_cache = false;  ///< tables as one (maxpos, rd) cache of rows [cos | sin] (else two (maxpos, rd/2))
+  double theta = 10000.0;
+  Llama3Scaling llama3;
   bool causal = true;
   int wl = -1, wr = -1;
   float softcap = 0.f, scale = 0.f;
@@ -150,19 +153,34 @@ struct Problem {
     }
     p.rotary.style = c.rot;
     p.rotary.rotary_dim = c.rotary_dim;
-    if (c.rot != RotaryStyle::kNone && c.tables) {
+    p.rotary.theta = c.theta;
+    p.rotary.llama3 = c.llama3;
+    if (c.rot != RopeStyle::kNone && c.tables) {
       const int rd = c.rotary_dim ? c.rotary_dim : D;
       const int maxpos = static_cast<int>(slots) + 3;
       std::uniform_real_distribution<float> ang(-3.14159f, 3.14159f);
-      for (int pos = 0; pos < maxpos; ++pos)
+      for (int pos = 0; pos < maxpos; ++pos) {
+        std::vector<float> co, si;
         for (int i = 0; i < rd / 2; ++i) {
           const float a = ang(g);
-          cos_t.push_back(std::cos(a));
-          sin_t.push_back(std::sin(a));
+          co.push_back(std::cos(a));
+          si.push_back(std::sin(a));
         }
-      p.rotary.cos = cos_t.data();
-      p.rotary.sin = sin_t.data();
-      p.rotary.max_position = maxpos;
+        if (c.cos_sin_cache) {  // one row [cos | sin] per position, all in cos_t
+          cos_t.insert(cos_t.end(), co.begin(), co.end());
+          cos_t.insert(cos_t.end(), si.begin(), si.end());
+        } else {
+          cos_t.insert(cos_t.end(), co.begin(), co.end());
+          sin_t.insert(sin_t.end(), si.begin(), si.end());
+        }
+      }
+      if (c.cos_sin_cache) {
+        p.rotary.set_cos_sin_cache(cos_t.data(), maxpos, rd);
+      } else {
+        p.rotary.cos = cos_t.data();
+        p.rotary.sin = sin_t.data();
+        p.rotary.max_position = maxpos;
+      }
     }
     p.mask.causal = c.causal;
     p.mask.window_left = c.wl;
@@ -193,20 +211,21 @@ struct Problem {
 /// The rotary rule of decode.h, written out once more from the header comment; the angle's cos/sin
 /// is the library's one rule (fused_math.h, checked against fp64 in RotaryRuleIsARotation and in
 /// test_fused.cc), so the appended cache can be compared bit for bit.
-void rotate(const RotaryParams& ro, int head_dim, int pos, float* x) {
-  if (ro.style == RotaryStyle::kNone) return;
+void rotate(const RotarySpec& ro, int head_dim, int pos, float* x) {
+  if (ro.style == RopeStyle::kNone) return;
   const int rd = ro.rotary_dim ? ro.rotary_dim : head_dim, half = rd / 2;
   for (int i = 0; i < half; ++i) {
     float c, s;
     if (ro.cos) {
-      c = ro.cos[pos * half + i];
-      s = ro.sin[pos * half + i];
+      c = ro.cos[pos * ro.effective_table_stride(head_dim) + i];
+      s = ro.sin[pos * ro.effective_table_stride(head_dim) + i];
     } else {
-      const double inv_freq = std::pow(static_cast<double>(ro.theta), -2.0 * i / rd);
+      const double inv_freq =
+          ro.llama3.enabled() ? rotary_inv_freq(i, rd, ro.theta, ro.llama3) : std::pow(ro.theta, -2.0 * i / rd);
       fused::cos_sin_angle(pos, inv_freq, &c, &s);
     }
-    const int a = ro.style == RotaryStyle::kNeox ? i : 2 * i;
-    const int b = ro.style == RotaryStyle::kNeox ? i + half : 2 * i + 1;
+    const int a = ro.style == RopeStyle::kNeox ? i : 2 * i;
+    const int b = ro.style == RopeStyle::kNeox ? i + half : 2 * i + 1;
     const float x1 = x[a], x2 = x[b];
     x[a] = std::fma(x1, c, -(x2 * s));
     x[b] = std::fma(x2, c, x1 * s);
@@ -464,7 +483,7 @@ TEST(DecodeCpu, PagedEveryPageSizeMatchesContiguousBitForBit) {
   base.lens = {300, 1, 77};
   base.append = true;
   base.sq = 2;
-  base.rot = RotaryStyle::kNeox;
+  base.rot = RopeStyle::kNeox;
   base.num_splits = 3;
   base.name = "contiguous";
   Problem ref_pr(base, 11);
@@ -603,13 +622,14 @@ TEST(DecodeCpu, WindowAlibiSoftcap) {
 // ---- append + rotary ----------------------------------------------------------------------------------
 
 TEST(DecodeCpu, AppendRotaryBothStyles) {
-  for (RotaryStyle st : {RotaryStyle::kNeox, RotaryStyle::kInterleaved})
-    for (bool tables : {false, true})
+  // tables: 0 = theta, 1 = separate cos/sin tables, 2 = one cos_sin_cache (RotarySpec's two layouts).
+  for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
+    for (int tables : {0, 1, 2})
       for (int rd : {0, 32}) {
         for (int ps : {0, 16}) {
           DCase c;
-          c.name = std::string(rotary_style_name(st)) + (tables ? "_tables" : "_theta") + "_rd" + std::to_string(rd) +
-                   "_page" + std::to_string(ps);
+          c.name = std::string(rope_style_name(st)) + (tables == 0 ? "_theta" : tables == 1 ? "_tables" : "_cache") +
+                   "_rd" + std::to_string(rd) + "_page" + std::to_string(ps);
           c.batch = 2;
           c.hq = 4;
           c.hkv = 2;
@@ -619,7 +639,8 @@ TEST(DecodeCpu, AppendRotaryBothStyles) {
           c.append = true;
           c.rot = st;
           c.rotary_dim = rd;
-          c.tables = tables;
+          c.tables = tables > 0;
+          c.cos_sin_cache = tables == 2;
           c.page_size = ps;
           c.dt = DType::kBF16;
           run_and_check(c, salt_of(c.name));
@@ -627,13 +648,33 @@ TEST(DecodeCpu, AppendRotaryBothStyles) {
       }
 }
 
+TEST(DecodeCpu, AppendRotaryLlama3) {
+  // Decode takes the whole RotarySpec: theta with the Llama-3 frequency scaling (Llama-3.2's).
+  for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+    DCase c;
+    c.name = std::string("llama3_") + rope_style_name(st);
+    c.batch = 2;
+    c.hq = 4;
+    c.hkv = 2;
+    c.sq = 2;
+    c.d = 128;
+    c.lens = {20000, 5};
+    c.append = true;
+    c.rot = st;
+    c.theta = 500000.0;
+    c.llama3 = Llama3Scaling{32.f, 1.f, 4.f, 8192};
+    c.dt = DType::kBF16;
+    run_and_check(c, salt_of(c.name));
+  }
+}
+
 TEST(DecodeCpu, RotaryRuleIsARotation) {
   // The rule of decode.h vs exact fp64 rotation: a rotation by pos * theta^(-2i/d), with pairs
   // (i, i + d/2) for neox and (2i, 2i+1) for interleaved. The angle is reduced in fp64, so the
   // error stays at fp32 rounding at any position (an fp32 angle lost ~pos * 2^-24).
-  RotaryParams ro;
+  RotarySpec ro;
   ro.theta = 10000.f;
-  for (RotaryStyle st : {RotaryStyle::kNeox, RotaryStyle::kInterleaved}) {
+  for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
     ro.style = st;
     for (int pos : {0, 1, 17, 4096, 1 << 20}) {
       std::vector<float> x(64);
@@ -641,7 +682,7 @@ TEST(DecodeCpu, RotaryRuleIsARotation) {
       std::vector<float> y = x;
       rotate(ro, 64, pos, y.data());
       for (int i = 0; i < 32; ++i) {
-        const int a = st == RotaryStyle::kNeox ? i : 2 * i, b = st == RotaryStyle::kNeox ? i + 32 : 2 * i + 1;
+        const int a = st == RopeStyle::kNeox ? i : 2 * i, b = st == RopeStyle::kNeox ? i + 32 : 2 * i + 1;
         const double ang = pos * std::pow(10000.0, -2.0 * i / 64);
         const double ea = x[a] * std::cos(ang) - x[b] * std::sin(ang);
         const double eb = x[b] * std::cos(ang) + x[a] * std::sin(ang);
@@ -666,7 +707,7 @@ TEST(DecodeCpu, DtypesAndLayouts) {
       c.lens = {97, 54};
       c.append = true;
       c.num_splits = 2;
-      c.rot = RotaryStyle::kInterleaved;
+      c.rot = RopeStyle::kInterleaved;
       c.sdpa_cache = d == 128;
       run_and_check(c, salt_of(c.name));
     }
@@ -919,17 +960,17 @@ TEST(DecodeValidate, Messages) {
                     p.cache.block_table = bt.data();
                   }),
                   "cache.block_table[0][0] 9999 is outside [0, num_pages"));
-  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.rotary.style = RotaryStyle::kNeox; p.rotary.rotary_dim = 7; }),
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.rotary.style = RopeStyle::kNeox; p.rotary.rotary_dim = 7; }),
                   "rotary.rotary_dim 7 must be even"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) {
                     static float t[4];
-                    p.rotary.style = RotaryStyle::kNeox;
+                    p.rotary.style = RopeStyle::kNeox;
                     p.rotary.cos = t;
                   }),
                   "rotary.sin is null but rotary.cos is set"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) {
                     static std::vector<float> t(32 * 4);
-                    p.rotary.style = RotaryStyle::kNeox;
+                    p.rotary.style = RopeStyle::kNeox;
                     p.rotary.cos = p.rotary.sin = t.data();
                     p.rotary.max_position = 4;
                   }),

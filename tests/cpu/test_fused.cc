@@ -401,15 +401,12 @@ void run_rotary(const RotCase& c, std::uint64_t salt) {
   p.heads_q = c.hq;
   p.heads_k = c.hk;
   p.head_dim = d;
-  p.rotary_dim = c.rot;
-  p.style = c.style;
-  p.theta = c.theta;
-  p.llama3 = c.llama3;
+  p.rotary.rotary_dim = c.rot;
+  p.rotary.style = c.style;
+  p.rotary.theta = c.theta;
+  p.rotary.llama3 = c.llama3;
   p.positions = c.positions ? pos.data() : nullptr;
-  if (c.cache) {
-    p.cos_sin_cache = cache.data();
-    p.max_position = c.max_pos;
-  }
+  if (c.cache) p.rotary.set_cos_sin_cache(cache.data(), c.max_pos, c.rot ? c.rot : d);
   const auto elem = static_cast<std::int64_t>(dtype_size(c.dt));
   if (c.packed_qkv) {
     p.q = TensorView{qkv.data(), c.dt, c.seqlen * hqkv * d, hqkv * d, d};
@@ -554,8 +551,7 @@ TEST(Rotary, CacheRefusesOutOfRangePositionsOnHost) {
   p.head_dim = 8;
   p.q = bshd_view(q.data(), DType::kBF16, 3, 1, 8);
   p.positions = pos.data();
-  p.cos_sin_cache = cache.data();
-  p.max_position = 4;
+  p.rotary.set_cos_sin_cache(cache.data(), 4, 8);
   EXPECT_TRUE(Invalid(apply_rotary(p, cpu()), {"position 4", "token 2", "max_position 4"}));
   pos[2] = -1;
   EXPECT_TRUE(Invalid(apply_rotary(p, cpu()), {"position -1"}));
@@ -684,30 +680,42 @@ TEST(FusedValidate, RotarySentences) {
   p.head_dim = 7;
   EXPECT_TRUE(Invalid(validate(p, b), {"head_dim 7", "even"}));
   p = rot_base();
-  p.rotary_dim = 130;
-  EXPECT_TRUE(Invalid(validate(p, b), {"rotary_dim 130", "head_dim 128"}));
-  p.rotary_dim = 33;
-  EXPECT_TRUE(Invalid(validate(p, b), {"rotary_dim 33"}));
+  p.rotary.rotary_dim = 130;
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.rotary_dim 130", "head_dim 128"}));
+  p.rotary.rotary_dim = 33;
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.rotary_dim 33"}));
   p = rot_base();
-  p.theta = 0;
-  EXPECT_TRUE(Invalid(validate(p, b), {"theta 0"}));
+  p.rotary.theta = 0;
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.theta 0"}));
   p = rot_base();
-  p.llama3.factor = 0.5f;
-  EXPECT_TRUE(Invalid(validate(p, b), {"llama3.factor 0.5"}));
-  p.llama3 = Llama3Scaling{8.f, 4.f, 4.f, 8192};
+  p.rotary.llama3.factor = 0.5f;
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.llama3.factor 0.5"}));
+  p.rotary.llama3 = Llama3Scaling{8.f, 4.f, 4.f, 8192};
   EXPECT_TRUE(Invalid(validate(p, b), {"llama3.high_freq_factor 4", "low_freq_factor 4"}));
   p = rot_base();
-  p.style = static_cast<RopeStyle>(9);
-  EXPECT_TRUE(Invalid(validate(p, b), {"style 9"}));
+  p.rotary.style = static_cast<RopeStyle>(9);
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.style 9 is not a rotary style"}));
+  p.rotary.style = RopeStyle::kNone;  // apply_rotary always rotates
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.style is none"}));
   p = rot_base();
   p.heads_k = 0;
   p.k_out = p.q;
   EXPECT_TRUE(Invalid(validate(p, b), {"k_out.data is set but heads_k is 0"}));
   p = rot_base();
-  p.cos_sin_cache = reinterpret_cast<const float*>(kW);
-  EXPECT_TRUE(Invalid(validate(p, b), {"max_position 0"}));
-  p.max_position = 4096;
+  p.rotary.set_cos_sin_cache(reinterpret_cast<const float*>(kW), 0, 128);
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.max_position 0"}));
+  p.rotary.max_position = 4096;
   EXPECT_TRUE(Passes(validate(p, b)));
+  // Separate tables: the CPU backend reads them, the CUDA kernel reads one cos_sin_cache only.
+  p.rotary.sin = reinterpret_cast<const float*>(kW) + 4096 * 64;
+  p.rotary.table_stride = 0;  // rotary_dim / 2
+  EXPECT_TRUE(Passes(validate(p, Backend::kCpu)));
+  EXPECT_TRUE(Fails(validate(p, b), StatusCode::kUnsupported, {"rotary.cos/sin tables as one cos_sin_cache"}));
+  p.rotary.table_stride = 63;
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"rotary.table_stride 63 must be >= rotary_dim / 2 = 64"}));
+  p.rotary.table_stride = 64;
+  p.rotary.sin = nullptr;
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"rotary.sin is null but rotary.cos is set"}));
   p = rot_base();
   p.positions = reinterpret_cast<const std::int32_t*>(kW + 2);
   EXPECT_TRUE(Invalid(validate(p, b), {"positions", "4-byte aligned"}));
@@ -763,6 +771,7 @@ TEST(FusedValidate, BackendsAndConfig) {
   o.backend = Backend::kAuto;  // host memory -> CPU backend
   EXPECT_TRUE(Passes(rms_norm(p, o)));
   EXPECT_STREQ(rope_style_name(RopeStyle::kInterleaved), "interleaved");
+  EXPECT_STREQ(rope_style_name(RopeStyle::kNone), "none");
 }
 
 }  // namespace

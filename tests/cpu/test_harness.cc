@@ -435,8 +435,8 @@ TEST(HarnessReference, RunWithRotaryIsApplyRotaryThenTheCall) {
     p.v = bshd_view(v.data(), dt, sk, hkv, d);
     p.mask.causal = true;
     if (rotary) {
-      p.rotary.rotary_dim = d / 2;
-      p.rotary.style = RopeStyle::kInterleaved;
+      p.rotary.spec.rotary_dim = d / 2;
+      p.rotary.spec.style = RopeStyle::kInterleaved;
       p.rotary.k_rotated = bshd_view(kr.data(), dt, sk, hkv, d);
     }
     return p;
@@ -457,8 +457,8 @@ TEST(HarnessReference, RunWithRotaryIsApplyRotaryThenTheCall) {
     rp.seqlen = query ? sq : sk;
     rp.heads_q = query ? hq : hkv;
     rp.head_dim = d;
-    rp.rotary_dim = d / 2;
-    rp.style = RopeStyle::kInterleaved;
+    rp.rotary.rotary_dim = d / 2;
+    rp.rotary.style = RopeStyle::kInterleaved;
     rp.q = query ? bshd_view(qe.data(), dt, sq, hq, d) : bshd_view(ke.data(), dt, sk, hkv, d);
     rp.positions = query ? pos_q.data() : pos_k.data();
     const Status s = apply_rotary(rp, cpu);

@@ -35,8 +35,9 @@ struct GCase {
   std::vector<int> lens;  ///< cache_seqlens before the step
   int page_size = 0;      ///< 0 = contiguous
   bool append = false;
-  RotaryStyle rot = RotaryStyle::kNone;
+  RopeStyle rot = RopeStyle::kNone;
   bool tables = false;
+  bool cos_sin_cache = false;  ///< tables as one (maxpos, rd) cos_sin_cache in cos_t (rows [cos | sin])
   int rotary_dim = 0;
   bool causal = true;
   int wl = -1;
@@ -51,7 +52,7 @@ std::string describe(const GCase& c) {
                   std::to_string(c.hkv) + " d" + std::to_string(c.d) + " sq" + std::to_string(c.sq) +
                   (c.dt == DType::kBF16 ? " bf16" : " fp16") + " page" + std::to_string(c.page_size);
   if (c.append) s += " append";
-  if (c.rot != RotaryStyle::kNone) s += std::string(" rot-") + rotary_style_name(c.rot) + (c.tables ? "-tables" : "");
+  if (c.rot != RopeStyle::kNone) s += std::string(" rot-") + rope_style_name(c.rot) + (c.tables ? (c.cos_sin_cache ? "-cache" : "-tables") : "");
   if (c.wl >= 0) s += " wl" + std::to_string(c.wl);
   if (c.softcap > 0) s += " softcap";
   if (c.alibi) s += " alibi";
@@ -187,7 +188,7 @@ struct Step {
             vc.h[off + d] = to_bits(nd(g), c.dt);
           }
         }
-    if (c.rot != RotaryStyle::kNone && c.tables) {
+    if (c.rot != RopeStyle::kNone && c.tables) {
       const int rd = c.rotary_dim ? c.rotary_dim : D;
       const int maxpos = static_cast<int>(slots) + 1;
       std::uniform_real_distribution<float> ang(-3.14159f, 3.14159f);
@@ -196,6 +197,14 @@ struct Step {
         const float a = ang(g);
         cs_.push_back(std::cos(a));
         sn_.push_back(std::sin(a));
+      }
+      if (c.cos_sin_cache) {  // the same angles as one cache of rows [cos | sin]
+        std::vector<float> cache;
+        for (int pos = 0; pos < maxpos; ++pos) {
+          cache.insert(cache.end(), cs_.begin() + pos * (rd / 2), cs_.begin() + (pos + 1) * (rd / 2));
+          cache.insert(cache.end(), sn_.begin() + pos * (rd / 2), sn_.begin() + (pos + 1) * (rd / 2));
+        }
+        cs_ = cache;
       }
       cos_t = TwinOf<float>(cs_);
       sin_t = TwinOf<float>(sn_);
@@ -223,9 +232,14 @@ struct Step {
         x.k_new = bshd_view(ptr(knew), c.dt, c.sq, c.hkv, D);
         x.v_new = bshd_view(ptr(vnew), c.dt, c.sq, c.hkv, D);
       }
-      if (c.rot != RotaryStyle::kNone && c.tables) {
-        x.rotary.cos = static_cast<const float*>(ptr(cos_t));
-        x.rotary.sin = static_cast<const float*>(ptr(sin_t));
+      if (c.rot != RopeStyle::kNone && c.tables) {
+        if (c.cos_sin_cache) {
+          x.rotary.set_cos_sin_cache(static_cast<const float*>(ptr(cos_t)), x.rotary.max_position,
+                                     c.rotary_dim ? c.rotary_dim : D);
+        } else {
+          x.rotary.cos = static_cast<const float*>(ptr(cos_t));
+          x.rotary.sin = static_cast<const float*>(ptr(sin_t));
+        }
       }
       if (c.alibi) x.mask.alibi_slopes = static_cast<const float*>(ptr(slopes));
     };
@@ -300,11 +314,14 @@ void run_cpu(Step& st) {
 }
 
 void rotate(const GCase& c, const float* cos_t, const float* sin_t, int pos, float* x) {
-  if (c.rot == RotaryStyle::kNone) return;
+  if (c.rot == RopeStyle::kNone) return;
   const int rd = c.rotary_dim ? c.rotary_dim : c.d, half = rd / 2;
   for (int i = 0; i < half; ++i) {
     float cs, sn;
-    if (c.tables) {
+    if (c.tables && c.cos_sin_cache) {
+      cs = cos_t[pos * rd + i];
+      sn = cos_t[pos * rd + half + i];
+    } else if (c.tables) {
       cs = cos_t[pos * half + i];
       sn = sin_t[pos * half + i];
     } else {
@@ -312,7 +329,7 @@ void rotate(const GCase& c, const float* cos_t, const float* sin_t, int pos, flo
       cs = static_cast<float>(std::cos(static_cast<double>(angle)));
       sn = static_cast<float>(std::sin(static_cast<double>(angle)));
     }
-    const int a = c.rot == RotaryStyle::kNeox ? i : 2 * i, b = c.rot == RotaryStyle::kNeox ? i + half : 2 * i + 1;
+    const int a = c.rot == RopeStyle::kNeox ? i : 2 * i, b = c.rot == RopeStyle::kNeox ? i + half : 2 * i + 1;
     const float x1 = x[a], x2 = x[b];
     x[a] = std::fma(x1, cs, -(x2 * sn));
     x[b] = std::fma(x2, cs, x1 * sn);
@@ -387,7 +404,7 @@ Errors compare_outputs(const Step& st, const cpu::RefOutput& ref) {
   // last bits, so an appended bf16 K element may round one ulp apart (cache_mismatches allows
   // exactly that); such a flip moves a score by ~2^-8 |q_d k_d| * scale, and LSE with it. Seen
   // on the H200: up to 1.7e-3 over 8 appended rows. Tables (shared cos/sin) stay at 1e-3.
-  const double lse_tol = c.rot != RotaryStyle::kNone && !c.tables && c.dt == DType::kBF16 ? kLseAtolThetaBf16 : kLseAtol;
+  const double lse_tol = c.rot != RopeStyle::kNone && !c.tables && c.dt == DType::kBF16 ? kLseAtolThetaBf16 : kLseAtol;
   Errors e;
   for (int b = 0; b < c.batch; ++b)
     for (int t = 0; t < c.sq; ++t)
@@ -595,8 +612,9 @@ TEST(DecodeGpu, SpeculativeQueryLengthsCausal) {
 }
 
 TEST(DecodeGpu, AppendRotary) {
-  for (RotaryStyle rot : {RotaryStyle::kNeox, RotaryStyle::kInterleaved})
-    for (bool tables : {false, true})
+  // tables: 0 = theta, 1 = separate cos/sin tables, 2 = one cos_sin_cache (RotarySpec's layouts)
+  for (RopeStyle rot : {RopeStyle::kNeox, RopeStyle::kInterleaved})
+    for (int tables : {0, 1, 2})
       for (int page : {0, 16}) {
         GCase c;
         c.name = "rotary";
@@ -604,7 +622,8 @@ TEST(DecodeGpu, AppendRotary) {
         c.sq = 4;
         c.append = true;
         c.rot = rot;
-        c.tables = tables;
+        c.tables = tables > 0;
+        c.cos_sin_cache = tables == 2;
         c.page_size = page;
         c.rotary_dim = tables ? 64 : 0;
         c.lens = {4000, 1, 250, 0};
@@ -622,7 +641,7 @@ TEST(DecodeGpu, HeadDimsAndDtypes) {
       c.dt = dt;
       c.sq = 2;
       c.append = true;
-      c.rot = RotaryStyle::kNeox;
+      c.rot = RopeStyle::kNeox;
       c.lens = {1234, 97, 4097};
       run_case(c, salt_of(describe(c)));
     }
@@ -638,7 +657,7 @@ void graph_replay_case(bool fused_merge) {
   c.batch = 4;
   c.sq = 1;
   c.append = true;
-  c.rot = RotaryStyle::kNeox;
+  c.rot = RopeStyle::kNeox;
   c.page_size = 16;
   c.lens = {3000, 3000, 3000, 3000};  // sets the cache geometry (slots >= 3001 + 17)
   std::mt19937_64 g(gpu_seed() ^ 0xD1CE);
@@ -738,12 +757,12 @@ TEST(DecodeGpu, FusedAppendEqualsTheAppendKernel) {
   std::vector<GCase> cases;
   for (int splits : {0, 2, 3, 7, 40, 200}) {  // 40 and 200: the merge's second and seventh LSE rounds
     GCase c = make(4, 4, {62, 127, 1000, 0});  // 62..65 and 127..130 cross a tile boundary
-    c.rot = RotaryStyle::kNeox;
+    c.rot = RopeStyle::kNeox;
     c.num_splits = splits;
     cases.push_back(c);
   }
   GCase paged = make(2, 16, {57, 300});
-  paged.rot = RotaryStyle::kInterleaved;
+  paged.rot = RopeStyle::kInterleaved;
   paged.tables = true;
   paged.rotary_dim = 64;
   paged.page_size = 1;

@@ -363,15 +363,12 @@ void run_rope(const RopeCase& c, std::uint64_t salt) {
   p.heads_q = c.hq;
   p.heads_k = c.hk;
   p.head_dim = d;
-  p.rotary_dim = c.rot;
-  p.style = c.style;
-  p.theta = c.theta;
-  p.llama3 = c.llama3;
+  p.rotary.rotary_dim = c.rot;
+  p.rotary.style = c.style;
+  p.rotary.theta = c.theta;
+  p.rotary.llama3 = c.llama3;
   p.positions = (c.positions || c.out_of_range) ? static_cast<const std::int32_t*>(dpos.ptr) : nullptr;
-  if (c.cache) {
-    p.cos_sin_cache = static_cast<const float*>(dcache.ptr);
-    p.max_position = c.max_pos;
-  }
+  if (c.cache) p.rotary.set_cos_sin_cache(static_cast<const float*>(dcache.ptr), c.max_pos, c.rot ? c.rot : d);
   if (c.packed_qkv) {
     p.q = TensorView{qkv.data(), c.dt, c.seqlen * hqkv * d, hqkv * d, d};
     p.k = TensorView{static_cast<std::uint16_t*>(qkv.data()) + c.hq * d, c.dt, c.seqlen * hqkv * d, hqkv * d, d};
@@ -563,7 +560,7 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
-  rp.rotary_dim = 24;
+  rp.rotary.rotary_dim = 24;
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox scalar sincos");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox scalar sincos");  // staged needs 16-byte rows
 }

@@ -143,13 +143,10 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     p.mask.cu_seqlens_q = static_cast<const std::int32_t*>(d_cu_q.ptr);
     p.mask.cu_seqlens_k = static_cast<const std::int32_t*>(d_cu_k.ptr);
   }
-  p.rotary.rotary_dim = rot;
-  p.rotary.style = c.style;
-  p.rotary.llama3 = l3;
-  if (c.cache) {
-    p.rotary.cos_sin_cache = static_cast<const float*>(d_cache.ptr);
-    p.rotary.max_position = max_pos;
-  }
+  p.rotary.spec.rotary_dim = rot;
+  p.rotary.spec.style = c.style;
+  p.rotary.spec.llama3 = l3;
+  if (c.cache) p.rotary.spec.set_cos_sin_cache(static_cast<const float*>(d_cache.ptr), max_pos, rot);
   if (c.positions) {
     p.rotary.positions_q = static_cast<const std::int32_t*>(d_pos_q.ptr);
     p.rotary.positions_k = static_cast<const std::int32_t*>(d_pos_k.ptr);
@@ -162,13 +159,9 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     rp.seqlen = vl ? rows : seqlen;
     rp.heads_q = heads;
     rp.head_dim = c.d;
-    rp.rotary_dim = rot;
     rp.q = bshd_view(ptr, c.dt, rp.seqlen, heads, c.d);
     rp.positions = static_cast<const std::int32_t*>(pos.ptr);
-    rp.style = c.style;
-    rp.llama3 = l3;
-    rp.cos_sin_cache = p.rotary.cos_sin_cache;
-    rp.max_position = p.rotary.max_position;
+    rp.rotary = p.rotary.spec;  // the same RotarySpec
     return apply_rotary(rp, ro);
   };
   RunOptions gro;
@@ -190,11 +183,10 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     RopeParams rp;
     rp.batch = 1;
     rp.head_dim = c.d;
-    rp.rotary_dim = rot;
-    rp.style = c.style;
-    rp.llama3 = l3;
-    rp.cos_sin_cache = c.cache ? cache.data() : nullptr;
-    rp.max_position = c.cache ? max_pos : 0;
+    rp.rotary.rotary_dim = rot;
+    rp.rotary.style = c.style;
+    rp.rotary.llama3 = l3;
+    if (c.cache) rp.rotary.set_cos_sin_cache(cache.data(), max_pos, rot);
     rp.seqlen = rows_q;
     rp.heads_q = c.hq;
     rp.q = bshd_view(hq_rot.data(), c.dt, rows_q, c.hq, c.d);

@@ -24,8 +24,8 @@ def test_fields_read_back_and_nested_structs_are_views():
     assert (p.batch, p.head_dim, p.lse, p.softmax_scale) == (3, 128, 0x1000, 0.25)
     p.mask.causal = True  # p.mask is the struct inside p, not a copy
     p.mask.window_left = 7
-    p.rotary.llama3 = _C.Llama3Scaling(8.0, 1.0, 4.0, 8192)
-    assert p.mask.causal and p.mask.window_left == 7 and p.rotary.llama3.factor == 8.0
+    p.rotary.spec.llama3 = _C.Llama3Scaling(8.0, 1.0, 4.0, 8192)  # two levels down: still views
+    assert p.mask.causal and p.mask.window_left == 7 and p.rotary.spec.llama3.factor == 8.0
     p.q = _C.TensorView(0x2000, _C.DTYPE_BF16, 10, 20, 30)
     assert (p.q.data, p.q.dtype, p.q.batch_stride, p.q.seq_stride, p.q.head_stride) == (0x2000, 1, 10, 20, 30)
     assert p.mask.block_sparse is None
@@ -50,6 +50,9 @@ def test_checked_setters_keep_the_old_sentences():
     assert opt.backend == "auto"
     with pytest.raises(ValueError, match=r"rotary style code 5 is not 0 \(none\), 1 \(neox\) or 2 \(interleaved\)"):
         _C.DecodeParams().rotary.style = 5
+    for spec in (_C.RotarySpec(), _C.AttnRotary().spec, _C.RopeParams().rotary):  # one class, one setter
+        with pytest.raises(ValueError, match=r"rotary style code 3 is not 0 \(none\)"):
+            spec.style = 3
 
 
 def test_one_call_matches_the_public_function(rng):

@@ -226,7 +226,7 @@ def test_rotary_cos_sin_cache(rng):
     pos = rng.integers(0, P, size=T)
     qo, _ = flashcpp.apply_rotary(q, None, pos, rotary_dim=rot, cos_sin_cache=cache)
     assert_close(qo, rope_ref(q, pos, rot, "neox", cache=cache), "float32")
-    with pytest.raises(ValueError, match="outside the cos_sin_cache"):
+    with pytest.raises(ValueError, match="outside the cos/sin tables' rows"):
         flashcpp.apply_rotary(q, None, np.full(T, P), rotary_dim=rot, cos_sin_cache=cache)
 
 

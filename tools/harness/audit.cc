@@ -169,7 +169,7 @@ AttnParams make_params(const Problem& p, const void* q, const void* k, const voi
   a.o = bshd_view(o, p.dtype, p.seqlen, p.heads, p.head_dim);
   a.lse = lse;
   a.mask = p.mask_params();
-  if (p.rotary) a.rotary.rotary_dim = p.head_dim;
+  if (p.rotary) a.rotary.spec = RotarySpec::of_style(RopeStyle::kNeox);  // all of head_dim
   return a;
 }
 

@@ -150,7 +150,7 @@ struct DecCase {
   std::vector<int> lens;  ///< cache_seqlens before the step
   int page_size = 0;      ///< 0 = contiguous
   bool append = false;
-  RotaryStyle rot = RotaryStyle::kNone;
+  RopeStyle rot = RopeStyle::kNone;
   bool causal = true;
   int splits = 1;  ///< forced split count
   /// NaN in q at the last token of the last sequence, head 1: that row must come out NaN (O and
@@ -170,7 +170,7 @@ struct DecCase {
                                 l, d);
     n += page_size > 0 ? fmt::format("_paged{}", page_size) : "_contig";
     if (causal) n += "_causal";
-    if (append) n += fmt::format("_append{}", rot != RotaryStyle::kNone ? std::string("_") + rotary_style_name(rot) : "");
+    if (append) n += fmt::format("_append{}", rot != RopeStyle::kNone ? std::string("_") + rope_style_name(rot) : "");
     n += fmt::format("_split{}_{}", splits, dtype_name(dt));
     if (nan_q) n += "_nan";
     return n;
@@ -185,21 +185,21 @@ std::vector<DecCase> decode_cases(TableKind kind) {
       v.push_back(std::move(c));
     };
     // Contiguous GQA 32/8, ragged lengths incl. 1, q_len 1, one split and several.
-    for (int s : {1, 4}) add({3, 32, 8, 128, 1, dt, {1, 37, 700}, 0, false, RotaryStyle::kNone, true, s});
+    for (int s : {1, 4}) add({3, 32, 8, 128, 1, dt, {1, 37, 700}, 0, false, RopeStyle::kNone, true, s});
     // q_len 4 causal (bottom-right), MHA, contiguous, one split and several.
-    for (int s : {1, 3}) add({2, 8, 8, 64, 4, dt, {5, 300}, 0, false, RotaryStyle::kNone, true, s});
+    for (int s : {1, 3}) add({2, 8, 8, 64, 4, dt, {5, 300}, 0, false, RopeStyle::kNone, true, s});
     // Paged, shuffled page order, every page size class.
     for (int ps : {1, 16, 64, 256})
-      add({3, 32, 8, 128, ps == 64 ? 4 : 1, dt, {1, 200, 513}, ps, false, RotaryStyle::kNone, true, ps == 1 ? 1 : 3});
+      add({3, 32, 8, 128, ps == 64 ? 4 : 1, dt, {1, 200, 513}, ps, false, RopeStyle::kNone, true, ps == 1 ? 1 : 3});
     // Append with rotary (neox): contiguous q_len 1 and paged q_len 4 causal.
-    add({2, 8, 8, 128, 1, dt, {1, 150}, 0, true, RotaryStyle::kNeox, true, 1});
-    add({2, 32, 8, 64, 4, dt, {1, 90}, 16, true, RotaryStyle::kNeox, true, 2});
+    add({2, 8, 8, 128, 1, dt, {1, 150}, 0, true, RopeStyle::kNeox, true, 1});
+    add({2, 32, 8, 64, 4, dt, {1, 90}, 16, true, RopeStyle::kNeox, true, 2});
     // NaN in q (GQA 32/8: the other heads of its KV group share the tiles and the merge).
-    for (int s : {1, 3}) add({2, 32, 8, 128, s == 1 ? 1 : 4, dt, {300, 77}, s == 1 ? 0 : 16, false, RotaryStyle::kNone, true, s, true});
+    for (int s : {1, 3}) add({2, 32, 8, 128, s == 1 ? 1 : 4, dt, {300, 77}, s == 1 ? 0 : 16, false, RopeStyle::kNone, true, s, true});
     if (kind == TableKind::kFull) {
-      add({2, 32, 8, 128, 1, dt, {4097, 1}, 0, false, RotaryStyle::kNone, true, 8});
-      add({2, 32, 8, 128, 4, dt, {3000, 17}, 64, true, RotaryStyle::kNeox, true, 5});
-      add({4, 8, 8, 256, 1, dt, {1, 64, 65, 2049}, 256, false, RotaryStyle::kNone, true, 1});
+      add({2, 32, 8, 128, 1, dt, {4097, 1}, 0, false, RopeStyle::kNone, true, 8});
+      add({2, 32, 8, 128, 4, dt, {3000, 17}, 64, true, RopeStyle::kNeox, true, 5});
+      add({4, 8, 8, 256, 1, dt, {1, 64, 65, 2049}, 256, false, RopeStyle::kNone, true, 1});
     }
   }
   return v;
@@ -207,8 +207,8 @@ std::vector<DecCase> decode_cases(TableKind kind) {
 
 /// The rotary rule of decode.h (computed angles: fp64 inv_freq and reduction, fp32 cos/sin),
 /// written out from the header comment and applied to x[0, head_dim).
-void rotate(RotaryStyle style, int head_dim, int pos, float* x) {
-  if (style == RotaryStyle::kNone) return;
+void rotate(RopeStyle style, int head_dim, int pos, float* x) {
+  if (style == RopeStyle::kNone) return;
   const int rd = head_dim, half = rd / 2;
   constexpr double kTwoPi = 6.283185307179586476925286766559;
   for (int i = 0; i < half; ++i) {
@@ -216,8 +216,8 @@ void rotate(RotaryStyle style, int head_dim, int pos, float* x) {
     const float angle = static_cast<float>(std::remainder(pos * inv_freq, kTwoPi));
     const float c = std::cos(angle);
     const float s = std::sin(angle);
-    const int a = style == RotaryStyle::kNeox ? i : 2 * i;
-    const int b = style == RotaryStyle::kNeox ? i + half : 2 * i + 1;
+    const int a = style == RopeStyle::kNeox ? i : 2 * i;
+    const int b = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
     const float x1 = x[a], x2 = x[b];
     x[a] = std::fma(x1, c, -(x2 * s));
     x[b] = std::fma(x2, c, x1 * s);

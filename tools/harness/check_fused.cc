@@ -249,8 +249,8 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
       p.heads_q = c.heads_q;
       p.heads_k = c.heads_k;
       p.head_dim = d;
-      p.rotary_dim = c.rotary_dim;
-      p.style = c.style;
+      p.rotary.rotary_dim = c.rotary_dim;
+      p.rotary.style = c.style;
       p.q = bshd_view(sp.ptr(iq), dt, p.seqlen, c.heads_q, d);
       p.k = bshd_view(sp.ptr(ik), dt, p.seqlen, c.heads_k, d);
       p.q_out = bshd_view(sp.ptr(iout), dt, p.seqlen, c.heads_q, d);

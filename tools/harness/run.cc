@@ -240,8 +240,8 @@ AttnParams make_params(const Case& c, const Pointers& ptr) {
   }
   if (c.mask.is_block_sparse()) m.block_sparse = ptr.bs;
   if (c.mask.rotary_dim > 0) {
-    p.rotary.rotary_dim = c.mask.rotary_dim;
-    p.rotary.style = c.mask.rotary_interleaved ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+    p.rotary.spec.rotary_dim = c.mask.rotary_dim;
+    p.rotary.spec.style = c.mask.rotary_interleaved ? RopeStyle::kInterleaved : RopeStyle::kNeox;
     if (ptr.k_rotated) p.rotary.k_rotated = view(ptr.k_rotated, c.heads_kv, c.seqlen_k);
   }
   return p;

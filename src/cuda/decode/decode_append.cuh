@@ -12,13 +12,14 @@
 
 namespace flashcpp::cuda::decode_dev {
 
-/// (cos, sin) of rotary pair i at position pos (decode.h): from the tables, the position clamped to
+/// (cos, sin) of rotary pair i at position pos (decode.h): from the tables (RotarySpec's rows at
+/// rot_table_stride, so separate tables and one cos_sin_cache alike), the position clamped to
 /// them, or from the angle pos * inv_freq[i] by the rule every rotary path shares
 /// (fused::cos_sin_angle: fp64 reduction, then MUFU sin/cos).
 __device__ __forceinline__ void rotary_cos_sin(const DecodeKernelParams& p, int pos, int i, float* c, float* s) {
   if (p.rot_cos != nullptr) {
     pos = min(max(pos, 0), p.rot_max_pos - 1);
-    const std::int64_t at = static_cast<std::int64_t>(pos) * (p.rot_dim / 2) + i;
+    const std::int64_t at = static_cast<std::int64_t>(pos) * p.rot_table_stride + i;
     *c = __ldg(p.rot_cos + at);
     *s = __ldg(p.rot_sin + at);
     return;
@@ -53,7 +54,7 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
     if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
   }
   if (rd > 0) {
-    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
+    const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
     for (int i = lane; i < rd / 2; i += 32) {
       float c, s;
       rotary_cos_sin(p, pos, i, &c, &s);

@@ -63,14 +63,15 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.vn_seq_stride = a.v_new.seq_stride;
   p.vn_head_stride = a.v_new.head_stride;
 
-  const RotaryParams& ro = a.rotary;
-  p.rot_style = ro.style == RotaryStyle::kNeox ? 1 : ro.style == RotaryStyle::kInterleaved ? 2 : 0;
-  p.rot_dim = ro.rotary_dim == 0 ? a.head_dim : ro.rotary_dim;
+  const RotarySpec& ro = a.rotary;
+  p.rot_style = ro.style == RopeStyle::kNeox ? 1 : ro.style == RopeStyle::kInterleaved ? 2 : 0;
+  p.rot_dim = ro.effective_rotary_dim(a.head_dim);
   p.rot_cos = ro.cos;
   p.rot_sin = ro.sin;
+  p.rot_table_stride = ro.effective_table_stride(a.head_dim);
   p.rot_max_pos = ro.max_position;
   if (p.rot_style != 0 && ro.cos == nullptr)
-    for (int i = 0; i < p.rot_dim / 2; ++i) p.rot_inv_freq[i] = decode::rotary_inv_freq_host(i, p.rot_dim, ro.theta);
+    for (int i = 0; i < p.rot_dim / 2; ++i) p.rot_inv_freq[i] = rotary_inv_freq(i, p.rot_dim, ro.theta, ro.llama3);
 
   p.batch = a.batch;
   p.seqlen_q = a.seqlen_q;

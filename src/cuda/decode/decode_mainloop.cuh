@@ -123,7 +123,7 @@ __device__ __forceinline__ void decode_load_q(const DecodeKernelParams& p, const
   if (p.rot_style != 0) {
     __syncthreads();
     const int half = p.rot_dim / 2;
-    const RotaryStyle style = p.rot_style == 2 ? RotaryStyle::kInterleaved : RotaryStyle::kNeox;
+    const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
     for (int idx = tid; idx < cta_rows * half; idx += Cfg::kThreads) {
       const int rr = idx / half, i = idx % half, gr = row0 + rr;
       if (gr >= p.rows) continue;

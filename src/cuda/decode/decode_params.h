@@ -40,13 +40,15 @@ struct DecodeKernelParams {
   std::int64_t kn_batch_stride, kn_seq_stride, kn_head_stride;
   std::int64_t vn_batch_stride, vn_seq_stride, vn_head_stride;
 
-  // rotary (style 0 = off, 1 = neox, 2 = interleaved; see decode.h)
+  // rotary (style 0 = off, 1 = neox, 2 = interleaved: RopeStyle's codes; see decode.h, rope.h)
   int rot_style, rot_dim;
   const float* rot_cos;
   const float* rot_sin;
+  std::int64_t rot_table_stride;  ///< elements between the tables' rows (RotarySpec::table_stride resolved)
   int rot_max_pos;
-  /// Without tables: inv_freq[i] = theta^(-2i / rot_dim) in fp64 (fused::inv_freq, on the host),
-  /// the angles then reduced and rotated by the rule every rotary path shares (fused_math.h).
+  /// Without tables: inv_freq[i] of rotary_inv_freq (rope.h: theta and the Llama-3 scaling, fp64,
+  /// on the host), the angles then reduced and rotated by the rule every rotary path shares
+  /// (fused_math.h).
   double rot_inv_freq[128];
 
   // shape

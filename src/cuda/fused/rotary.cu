@@ -305,8 +305,8 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   const bool staged = path.vector && force.staged &&
                       static_cast<std::int64_t>(p.batch) * p.seqlen * (p.heads_q + p.heads_k) <= std::numeric_limits<std::int32_t>::max();
   if (staged) path.threads = kStagedThreads;
-  path.name = std::string("rotary ") + rope_style_name(p.style) + (path.vector ? " vec8" : " scalar") +
-              (p.cos_sin_cache ? " cache" : " sincos") + (staged ? " staged" : "") + (force.streaming ? " streaming" : "");
+  path.name = std::string("rotary ") + rope_style_name(p.rotary.style) + (path.vector ? " vec8" : " scalar") +
+              (p.rotary.has_tables() ? " cache" : " sincos") + (staged ? " staged" : "") + (force.streaming ? " streaming" : "");
   return path;
 }
 
@@ -342,16 +342,18 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   a.groups = (a.heads + heads_in_flight - 1) / heads_in_flight;
   a.per_token = a.groups * a.lanes;
   a.tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
-  a.neox = p.style == RopeStyle::kNeox;
+  const RotarySpec& spec = p.rotary;
+  a.neox = spec.style == RopeStyle::kNeox;
   a.positions = p.positions;
   a.cu_seqlens = cu_seqlens;
-  a.cache = p.cos_sin_cache;
-  a.max_position = p.max_position;
-  if (!p.cos_sin_cache) {
+  // The kernel reads one cos_sin_cache, rows [cos | sin] from cos (validated: is_cos_sin_cache).
+  if (spec.has_tables() && !spec.is_cos_sin_cache(p.head_dim))
+    return Status::Internal("apply_rotary: the CUDA kernel reads only cos_sin_cache tables (validate refuses others)");
+  a.cache = spec.cos;
+  a.max_position = spec.max_position;
+  if (!spec.has_tables()) {
     if (a.half > kMaxPairs) return Status::Internal("apply_rotary: rotary_dim / 2 exceeds the kernel's inv_freq table");
-    for (int i = 0; i < a.half; ++i)
-      a.inv_freq[i] = flashcpp::fused::inv_freq(i, rot, p.theta, p.llama3.factor, p.llama3.low_freq_factor,
-                                                p.llama3.high_freq_factor, p.llama3.original_max_position);
+    for (int i = 0; i < a.half; ++i) a.inv_freq[i] = rotary_inv_freq(i, rot, spec.theta, spec.llama3);
   }
   a.streaming = force.streaming;
   // Block: a token's threads (warps of it, at most kThreads; the rest on blockIdx.y) x as many

@@ -55,21 +55,22 @@ inline PrefillMask make_prefill_mask(const AttnParams& a) {
   return k;
 }
 
-/// The q side of the rotary of a validated problem (validate.cc checks the CUDA chunk rules:
-/// rotary_dim % 8 for neox, % 4 for interleaved): inv_freq in fp64 by the formula apply_rotary
-/// uses. The keys were rotated before the launch (rotate_keys).
-inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a) {
+/// The q side of the rotary of a validated problem (validate.cc checks the CUDA rules: rotary_dim
+/// % 8 for neox, % 4 for interleaved, tables only as one cos_sin_cache, RotarySpec::is_cos_sin_cache):
+/// inv_freq in fp64 by the formula apply_rotary uses. The keys were rotated before the launch
+/// (rotate_keys).
+inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a, int head_dim) {
   r = PrefillRope{};
   if (!a.enabled()) return;
-  r.half = a.rotary_dim / 2;
-  r.neox = a.style == RopeStyle::kNeox ? 1 : 0;
-  r.cache = a.cos_sin_cache;
-  r.max_position = a.max_position;
+  const RotarySpec& s = a.spec;
+  const int rd = s.effective_rotary_dim(head_dim);
+  r.half = rd / 2;
+  r.neox = s.style == RopeStyle::kNeox ? 1 : 0;
+  r.cache = s.cos;  // the cache's rows [cos | sin] start at cos
+  r.max_position = s.max_position;
   r.positions_q = a.positions_q;
   if (r.cache == nullptr)
-    for (int i = 0; i < r.half; ++i)
-      r.inv_freq[i] = flashcpp::fused::inv_freq(i, a.rotary_dim, a.theta, a.llama3.factor, a.llama3.low_freq_factor,
-                                                a.llama3.high_freq_factor, a.llama3.original_max_position);
+    for (int i = 0; i < r.half; ++i) r.inv_freq[i] = rotary_inv_freq(i, rd, s.theta, s.llama3);
 }
 
 /// Output, LSE, sizes, score transform and mask rules: the fields Fa2Params and Fa3Params share by name.
@@ -90,7 +91,7 @@ void fill_prefill_common(P& p, const AttnParams& a) {
   p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
                             a.mask.global_tokens, a.mask.global_queries);
   p.mask = make_prefill_mask(a);
-  fill_prefill_rope(p.rope, a.rotary);
+  fill_prefill_rope(p.rope, a.rotary, a.head_dim);
   if (p.rope.half > 0) p.mask.flags |= PrefillMask::kRotary;
 }
 
