@@ -226,23 +226,20 @@ Status Session::init(const LlamaModel* model, const SessionOptions& opt) {
   FLASHCPP_RETURN_IF_ERROR(positions_.allocate(ops_, host.size() * 4));
   FLASHCPP_RETURN_IF_ERROR(ops_->upload(positions_.get(), host.data(), host.size() * 4));
 
-  // Rotary tables: angle = pos * inv_freq in fp64, rounded to fp32 after cos/sin.
+  // Rotary table, one cos_sin_cache (rows [cos | sin]) that prefill and decode both read
+  // (rope_spec): angle = pos * inv_freq in fp64, rounded to fp32 after cos/sin.
   std::vector<double> inv(D / 2);
   rope_inv_freq(c, inv.data());
-  std::vector<float> cs(static_cast<std::size_t>(opt.capacity) * D), co(cs.size() / 2), si(cs.size() / 2);
+  std::vector<float> cs(static_cast<std::size_t>(opt.capacity) * D);
   for (int p = 0; p < opt.capacity; ++p)
     for (int i = 0; i < D / 2; ++i) {
       const double ang = static_cast<double>(p) * inv[i];
       const std::size_t r = static_cast<std::size_t>(p);
-      cs[r * D + i] = co[r * (D / 2) + i] = static_cast<float>(std::cos(ang));
-      cs[r * D + D / 2 + i] = si[r * (D / 2) + i] = static_cast<float>(std::sin(ang));
+      cs[r * D + i] = static_cast<float>(std::cos(ang));
+      cs[r * D + D / 2 + i] = static_cast<float>(std::sin(ang));
     }
   FLASHCPP_RETURN_IF_ERROR(rope_cos_sin_.allocate(ops_, cs.size() * 4));
   FLASHCPP_RETURN_IF_ERROR(ops_->upload(rope_cos_sin_.get(), cs.data(), cs.size() * 4));
-  FLASHCPP_RETURN_IF_ERROR(rope_cos_.allocate(ops_, co.size() * 4));
-  FLASHCPP_RETURN_IF_ERROR(ops_->upload(rope_cos_.get(), co.data(), co.size() * 4));
-  FLASHCPP_RETURN_IF_ERROR(rope_sin_.allocate(ops_, si.size() * 4));
-  FLASHCPP_RETURN_IF_ERROR(ops_->upload(rope_sin_.get(), si.data(), si.size() * 4));
 
   const std::int64_t M = std::max(opt.max_prompt, opt.batch);
   auto scratch = [&](Buffer* b, std::int64_t elems, std::size_t esz) {
@@ -370,8 +367,7 @@ Status Session::prefill(int seq, const std::int32_t* host_tokens, int n, int sta
     rp.q = q;
     rp.k = k;
     rp.positions = positions_.as<std::int32_t>() + start;
-    rp.rotary.style = RopeStyle::kNeox;
-    rp.rotary.set_cos_sin_cache(rope_cos_sin_.as<float>(), opt_.capacity, static_cast<int>(d.D));
+    rp.rotary = rope_spec();
     FLASHCPP_RETURN_IF_ERROR(apply_rotary(rp, ro));
     FLASHCPP_RETURN_IF_ERROR(ops_->write_kv(pools_[l], block_table_.as<std::int32_t>(), pages_per_seq_, seq, start, n,
                                             k.data, v.data, d.QKV));
@@ -391,6 +387,15 @@ Status Session::prefill(int seq, const std::int32_t* host_tokens, int n, int sta
   FLASHCPP_RETURN_IF_ERROR(run_layers(*m_, ops_, n, x_, y_, residual_, qkv_, attn_, gate_up_, act_, attend));
   return ops_->gemm(rows, static_cast<int>(d.V), static_cast<int>(d.H), off(y_, (n - rows) * d.H, es), d.H,
                     m_->lm_head_ptr(), logits_.get(), d.V, DType::kF32);
+}
+
+RotarySpec Session::rope_spec() const {
+  const int D = static_cast<int>(Dims(m_->config()).D);
+  RotarySpec r;
+  r.style = RopeStyle::kNeox;
+  r.rotary_dim = D;
+  r.set_cos_sin_cache(rope_cos_sin_.as<float>(), opt_.capacity, D);
+  return r;
 }
 
 DecodeParams Session::layer_decode_params(int layer) const {
@@ -417,11 +422,7 @@ DecodeParams Session::layer_decode_params(int layer) const {
   p.cache_seqlens = seqlens_.as<std::int32_t>();
   p.k_new = TensorView{off(qkv_, d.Hq * d.D, es), dt, d.QKV, d.QKV, d.D};
   p.v_new = TensorView{off(qkv_, (d.Hq + d.Hkv) * d.D, es), dt, d.QKV, d.QKV, d.D};
-  p.rotary.style = RopeStyle::kNeox;
-  p.rotary.rotary_dim = static_cast<int>(d.D);
-  p.rotary.cos = rope_cos_.as<float>();
-  p.rotary.sin = rope_sin_.as<float>();
-  p.rotary.max_position = opt_.capacity;
+  p.rotary = rope_spec();
   p.mask.causal = true;
   return p;
 }

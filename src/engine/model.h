@@ -116,6 +116,9 @@ class Session {
 
  private:
   DecodeParams layer_decode_params(int layer) const;
+  /// The model's rotary over the session's cos_sin_cache: the one RotarySpec that the prompt's
+  /// apply_rotary and every decode step rotate with.
+  RotarySpec rope_spec() const;
 
   const LlamaModel* m_ = nullptr;
   Ops* ops_ = nullptr;
@@ -123,7 +126,7 @@ class Session {
   int pages_per_seq_ = 0;
   std::vector<KvPool> pools_;
   std::vector<Buffer> kv_;          // 2 per layer
-  Buffer block_table_, positions_, rope_cos_sin_, rope_cos_, rope_sin_;
+  Buffer block_table_, positions_, rope_cos_sin_;
   Buffer x_, y_, residual_, residual2_, qkv_, attn_, gate_up_, act_, logits_;
   Buffer tokens_, seqlens_, step_, history_, prompt_tokens_;
   Buffer ws_int_, ws_float_;
