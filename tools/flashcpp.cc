@@ -273,8 +273,8 @@ int main(int argc, char** argv) {
   check->add_flag("--list", check_opt.list_only, "print the selected case names and exit");
   check->add_option("--area", check_area,
                     "what to check: attention (prefill, default), decode (KV cache, paged), fused (norms, SwiGLU, "
-                    "rotary) or all")
-      ->check(CLI::IsMember({"attention", "decode", "fused", "all"}))
+                    "rotary), backward (dq, dk, dv) or all")
+      ->check(CLI::IsMember({"attention", "decode", "fused", "backward", "all"}))
       ->capture_default_str();
 
   flashcpp::tools::BenchOptions bench_opt;

@@ -59,7 +59,7 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     return 2;
   }
   const Backend backend = resolve_backend(opt.backend);
-  // The selected areas' cases, in order: attention, decode, fused.
+  // The selected areas' cases, in order: attention, decode, fused, backward.
   std::vector<AreaCase> cases;
   const bool all = opt.area == CheckArea::kAll;
   auto keep = [&](const std::string& name) { return opt.filter.empty() || name.find(opt.filter) != std::string::npos; };
@@ -71,6 +71,9 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
       if (keep(a.name)) cases.push_back(std::move(a));
   if (all || opt.area == CheckArea::kFused)
     for (AreaCase& a : make_fused_table(opt.table, backend))
+      if (keep(a.name)) cases.push_back(std::move(a));
+  if (all || opt.area == CheckArea::kBackward)
+    for (AreaCase& a : make_backward_table(opt.table, backend))
       if (keep(a.name)) cases.push_back(std::move(a));
   if (cases.empty()) {
     err << "flashcpp check: no case of the " << table_name(opt.table) << " table"

@@ -39,13 +39,14 @@ const char* check_area_name(CheckArea a) noexcept {
     case CheckArea::kAttention: return "attention";
     case CheckArea::kDecode: return "decode";
     case CheckArea::kFused: return "fused";
+    case CheckArea::kBackward: return "backward";
     case CheckArea::kAll: return "all";
   }
   return "unknown";
 }
 
 bool parse_check_area(const std::string& s, CheckArea* out) {
-  for (CheckArea a : {CheckArea::kAttention, CheckArea::kDecode, CheckArea::kFused, CheckArea::kAll})
+  for (CheckArea a : {CheckArea::kAttention, CheckArea::kDecode, CheckArea::kFused, CheckArea::kBackward, CheckArea::kAll})
     if (s == check_area_name(a)) {
       *out = a;
       return true;

@@ -257,10 +257,11 @@ std::uint64_t random_seed();
 // ---- decode and fused areas (check_decode.cc, check_fused.cc) ------------------------------
 
 /// What `flashcpp check --area` covers: prefill attention (the default and the original table),
-/// decode against a contiguous or paged KV cache, the fused LLM kernels, or all three in order.
-enum class CheckArea : std::uint8_t { kAttention, kDecode, kFused, kAll };
-const char* check_area_name(CheckArea a) noexcept;  // "attention", "decode", "fused", "all"
-/// Parses "attention", "decode", "fused" or "all"; false for anything else.
+/// decode against a contiguous or paged KV cache, the fused LLM kernels, the attention backward,
+/// or all of them in that order.
+enum class CheckArea : std::uint8_t { kAttention, kDecode, kFused, kAll, kBackward };
+const char* check_area_name(CheckArea a) noexcept;  // "attention", "decode", "fused", "all", "backward"
+/// Parses "attention", "decode", "fused", "backward" or "all"; false for anything else.
 bool parse_check_area(const std::string& s, CheckArea* out);
 
 /// One case of the decode or fused area: its name and how to run it. The runner fills a
@@ -274,6 +275,10 @@ struct AreaCase {
 std::vector<AreaCase> make_decode_table(TableKind kind, Backend backend);
 /// fused: rms_norm, fused_add_rms_norm, silu_and_mul (both forms), apply_rotary; fp64 truth.
 std::vector<AreaCase> make_fused_table(TableKind kind, Backend backend);
+/// backward: attention_backward against the fp64 reference backward (check_backward.cc): odd sizes,
+/// every mask, GQA, every dtype, dL/dLSE, deterministic, NaN; the band is 2x a plain same-dtype
+/// implementation's error plus a small atol.
+std::vector<AreaCase> make_backward_table(TableKind kind, Backend backend);
 
 /// Host (and, for Backend::kCuda, device) copies of the buffers of one decode or fused case.
 /// Every buffer has `guard` bytes of 0xFF (NaN) before and after it; outputs are poisoned with
