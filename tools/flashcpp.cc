@@ -19,8 +19,11 @@
 
 #include "audit.h"
 #include "cli_checks.h"
+#if FLASHCPP_HAS_ENGINE
 #include "decode_cmd.h"
+#endif
 #include "flashcpp/attention.h"
+#include "flashcpp/build.h"
 #include "harness/harness.h"
 #include "tune.h"
 #if FLASHCPP_WITH_CUDA
@@ -143,6 +146,15 @@ int cmd_info(ShapeOptions s) {
   }
   fmt::print("flashcpp {} (git {})\n", kVersion, FLASHCPP_GIT_COMMIT);
   fmt::print("build: CUDA {}\n", FLASHCPP_WITH_CUDA ? "yes" : "no");
+  {
+    // The kernel families CMake's switches left in or out (flashcpp/build.h).
+    std::string built, left;
+    for (const auto& f : flashcpp::build_families()) {
+      if (f.built) built += (built.empty() ? "" : " ") + f.name;
+      else left += fmt::format("{}{} ({})", left.empty() ? "" : ", ", f.name, f.left_out_by);
+    }
+    fmt::print("kernel families: {}; left out: {}\n", built.empty() ? "none" : built, left.empty() ? "none" : left);
+  }
 #if FLASHCPP_WITH_CUDA
   {
     int driver = 0, runtime = 0;
@@ -204,7 +216,11 @@ int cmd_info(ShapeOptions s) {
     }
     print_choice("cuda", st, kc);
   }
-  auto list_configs = [](const char* title, std::vector<std::string> (*configs)(int)) {
+  auto list_configs = [](const char* title, std::vector<std::string> (*configs)(int), bool built) {
+    if (!built) {  // a family left out: its configs list empty, say why instead of "(none compiled)"
+      fmt::print("{}: none, left out of this build\n", title);
+      return;
+    }
     fmt::print("{}:\n", title);
     for (int d : flashcpp::kSupportedHeadDims) {
       std::string names;
@@ -212,10 +228,8 @@ int cmd_info(ShapeOptions s) {
       fmt::print("  head_dim {:>3}: {}\n", d, names.empty() ? "(none compiled)" : names);
     }
   };
-  list_configs("cuda sm80 prefill configs (mma.sync)", &flashcpp::cuda::prefill_sm80_configs);
-#if FLASHCPP_HAS_SM90
-  list_configs("cuda sm90a prefill configs (wgmma + TMA)", &flashcpp::cuda::prefill_sm90_configs);
-#endif
+  list_configs("cuda sm80 prefill configs (mma.sync)", &flashcpp::cuda::prefill_sm80_configs, FLASHCPP_HAS_SM80);
+  list_configs("cuda sm90a prefill configs (wgmma + TMA)", &flashcpp::cuda::prefill_sm90_configs, FLASHCPP_HAS_SM90);
 #endif
   return 0;
 }
@@ -341,9 +355,16 @@ int main(int argc, char** argv) {
   audit->add_option("--dump-inputs", audit_opt.dump_dir,
                     "write each problem's inputs and a manifest here (python -m flashcpp.bench.audit) and exit");
   audit->add_flag("--list", audit_opt.list_only, "print the families and the planned problems and exit");
+#if FLASHCPP_HAS_ENGINE
   flashcpp::tools::DecodeCliOptions decode_opt;
   auto* decode = app.add_subcommand("decode", "Llama decode engine: prompts in, tokens out, end-to-end tokens/s");
   flashcpp::tools::add_decode_options(decode, &decode_opt);
+#else
+  // The engine is left out (FLASHCPP_WITH_ENGINE=OFF): `decode` stays a subcommand that takes any
+  // flags, so a script that calls it reads why rather than "unknown subcommand".
+  auto* decode = app.add_subcommand("decode", "Llama decode engine (left out of this build: FLASHCPP_WITH_ENGINE=OFF)");
+  decode->allow_extras();
+#endif
 
   if (const int rc = flashcpp::tools::parse_args(app, argc, argv); rc >= 0) return rc;
 
@@ -370,6 +391,14 @@ int main(int argc, char** argv) {
     if (audit_seed_opt->count() > 0) audit_opt.seed = audit_seed;
     return flashcpp::audit::run_audit(audit_opt, std::cout, std::cerr);
   }
+#if FLASHCPP_HAS_ENGINE
   if (*decode) return flashcpp::tools::decode_main(decode_opt);
+#else
+  if (*decode) {
+    for (const auto& f : flashcpp::build_families())
+      if (f.name == "engine") std::cerr << "flashcpp decode: " << f.left_out << "; " << f.remedy << "\n";
+    return 2;
+  }
+#endif
   return 2;
 }

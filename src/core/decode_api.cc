@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/decode_backends.h"
+#include "core/families.h"
 #include "core/selector.h"
 #include "common/decode_common.h"
 #include "flashcpp/decode.h"
@@ -46,6 +47,10 @@ Status check_backend_built(Backend b) {
 #if !FLASHCPP_WITH_CUDA
   if (b == Backend::kCuda)
     return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+#elif !FLASHCPP_HAS_DECODE  // every CUDA call below is then unreachable
+  if (b == Backend::kCuda)
+    return build::refuse(build::Family::kDecode,
+                         "decode_plan, decode_run and merge_attention_states run on the CPU backend only");
 #endif
   (void)b;
   return Status::Ok();
@@ -73,7 +78,7 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
   out->num_sms = opt.num_sms;
   if (out->num_sms == 0) {
     out->num_sms = select::kCpuPlanSms;
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_DECODE
     if (backend == Backend::kCuda) FLASHCPP_RETURN_IF_ERROR(cuda::decode_num_sms(&out->num_sms));
 #endif
   }
@@ -144,7 +149,7 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   }
   if (!host.empty()) {
     if (backend == Backend::kCuda) {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_DECODE
       FLASHCPP_RETURN_IF_ERROR(cuda::decode_upload_worklist(int_workspace, host.data(), host.size(), opt.stream));
 #endif
     } else {
@@ -201,7 +206,7 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
                            " but the plan was made for a step that " + (plan.append ? "appends" : "does not"));
   if (p.batch == 0) return Status::Ok();
   if (plan.backend == Backend::kCuda) {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_DECODE
     return cuda::decode_run(p, plan, opt.stream, opt.programmatic_launch);
 #endif
   }
@@ -214,7 +219,7 @@ Status merge_attention_states(const MergeStatesParams& p, const RunOptions& opt)
   FLASHCPP_RETURN_IF_ERROR(validate(p, backend));
   if (p.batch == 0 || p.seqlen == 0) return Status::Ok();
   if (backend == Backend::kCuda) {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_DECODE
     return cuda::merge_attention_states(p, opt.stream);
 #endif
   }

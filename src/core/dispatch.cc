@@ -55,7 +55,7 @@ Status attention_forward(const AttnParams& p, const RunOptions& opt) {
       return detail::run_with_rotary(p, opt, [&](const AttnParams& r) { return cpu::reference_forward(r, opt); });
     case KernelId::kCpuTiled:
       return detail::run_with_rotary(p, opt, [&](const AttnParams& r) { return cpu::tiled_forward(r, opt); });
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_SM80 || FLASHCPP_HAS_SM90  // the selector chooses only a family this build holds
     case KernelId::kCudaSm80:
     case KernelId::kCudaSm90: {
       // Rotary: the keys are rotated once into rotary.k_rotated (one pre-pass on the stream), and
@@ -68,7 +68,9 @@ Status attention_forward(const AttnParams& p, const RunOptions& opt) {
 #if FLASHCPP_HAS_SM90
       if (choice.id == KernelId::kCudaSm90) return cuda::prefill_sm90(r, choice.tile, opt.stream);
 #endif
+#if FLASHCPP_HAS_SM80
       if (choice.id == KernelId::kCudaSm80) return cuda::prefill_sm80(r, choice.tile, opt.stream);
+#endif
       break;
     }
 #endif

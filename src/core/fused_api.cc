@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/families.h"
 #include "core/message.h"
 #include "flashcpp/fused.h"
 #if FLASHCPP_WITH_CUDA
@@ -42,7 +43,7 @@ Status no_reference(const char* op) {
                                      "cpu backend"));
 }
 
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_FUSED
 /// RunOptions::cuda_config for the fused kernels: "" or a comma-separated list of "scalar",
 /// "two_pass", "streaming", "slots1|2|4" (norms), "persistent" (norms), "heads1|2" and "staged" (rotary). Also checks that a
 /// usable sm_80+ device is current.
@@ -73,8 +74,13 @@ Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
   return Status::Ok();
 }
 #else
-Status no_cuda() {
+Status no_cuda(const char* op) {
+#if FLASHCPP_WITH_CUDA
+  return build::refuse(build::Family::kFused, cat(op, " runs on the CPU backend only"));
+#else
+  (void)op;
   return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+#endif
 }
 #endif
 
@@ -86,12 +92,12 @@ Status run_norm(const RmsNormParams& p, bool with_residual, const RunOptions& op
     case Backend::kCpu: return cpu::fused_rms_norm(p, with_residual, opt.cpu_threads);
     case Backend::kCpuReference: return no_reference(with_residual ? "fused_add_rms_norm" : "rms_norm");
     case Backend::kCuda: {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_FUSED
       cuda::FusedForce force;
       FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
       return cuda::rms_norm(p, with_residual, force, opt.stream);
 #else
-      return no_cuda();
+      return no_cuda(with_residual ? "fused_add_rms_norm" : "rms_norm");
 #endif
     }
     case Backend::kAuto: break;
@@ -112,12 +118,12 @@ Status silu_and_mul(const SiluMulParams& p, const RunOptions& opt) {
     case Backend::kCpu: return cpu::fused_silu_and_mul(p, opt.cpu_threads);
     case Backend::kCpuReference: return no_reference("silu_and_mul");
     case Backend::kCuda: {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_FUSED
       cuda::FusedForce force;
       FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
       return cuda::silu_and_mul(p, force, opt.stream);
 #else
-      return no_cuda();
+      return no_cuda("silu_and_mul");
 #endif
     }
     case Backend::kAuto: break;
@@ -133,12 +139,12 @@ Status apply_rotary(const RopeParams& p, const RunOptions& opt) {
     case Backend::kCpu: return cpu::fused_apply_rotary(p, opt.cpu_threads);
     case Backend::kCpuReference: return no_reference("apply_rotary");
     case Backend::kCuda: {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_FUSED
       cuda::FusedForce force;
       FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
       return cuda::apply_rotary(p, force, opt.stream);
 #else
-      return no_cuda();
+      return no_cuda("apply_rotary");
 #endif
     }
     case Backend::kAuto: break;

@@ -17,12 +17,13 @@
 
 #include "common/decode_common.h"
 #include "common/tile_order.h"
+#include "core/families.h"
 #include "flashcpp/tune.h"
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_HAS_SM80
 #include "cuda/prefill/fa2_registry.h"
+#endif
 #if FLASHCPP_HAS_SM90
 #include "cuda/prefill/fa3_registry.h"
-#endif
 #endif
 
 namespace flashcpp::select {
@@ -189,6 +190,7 @@ std::string tiles_of(const Entries& entries) {
   return out;
 }
 
+#if FLASHCPP_HAS_SM80
 bool sm80_fits(const TileConfig& t, const AttnParams& p) {
   return p.mask.block_sparse == nullptr || tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n);
 }
@@ -214,6 +216,7 @@ std::string sm80_misfit(const AttnParams& p, const TileConfig& t) {
          " tiles, which do not divide the " + std::to_string(p.mask.block_sparse->block_m) + "x" +
          std::to_string(p.mask.block_sparse->block_n) + " block-sparse blocks";
 }
+#endif
 
 #if FLASHCPP_HAS_SM90
 /// Same tiles and stages (twins differ in scheduling or persistence only).
@@ -286,6 +289,10 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
 }  // namespace
 
 Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out) {
+#if !FLASHCPP_HAS_SM80 && !FLASHCPP_HAS_SM90
+  (void)out;  // no family to choose
+  return build::refuse_cuda_prefill();
+#endif
   if (dev.sm_major < 8)
     return Status::Unsupported("the CUDA kernels need compute capability 8.0 or newer; device '" + dev.name + "' is " +
                                std::to_string(dev.sm_major) + "." + std::to_string(dev.sm_minor));
@@ -333,8 +340,24 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
     }
   }
 #else
-  if (want == "sm90") return Status::Unsupported("this build has no sm_90a kernels (FLASHCPP_CUDA_ARCHS lacks 90a)");
+  if (want == "sm90" || want.rfind("sm90_", 0) == 0)
+    return build::refuse(build::Family::kSm90, "cuda_config '" + want + "' asks for them");
 #endif
+#if !FLASHCPP_HAS_SM80
+  // Only the sm80 family could take what reaches here: say why the sm90 kernels do not.
+  std::string why = "cuda_config '" + want + "' asks for them";
+  if (want.empty() || want == "sm90") {
+    why = "the sm90 kernels have no config for head_dim " + std::to_string(p.head_dim);
+    if (dev.sm_major != 9)
+      why = "device '" + dev.name + "' (sm_" + std::to_string(dev.sm_major * 10 + dev.sm_minor) +
+            ") runs only them (the sm90 kernels need a Hopper device)";
+    else if (!sm90_note.empty())
+      why = "the sm90 tiles do not divide the " + bs_blocks + " block-sparse blocks of this problem";
+  } else if (want != "sm80") {
+    why = "config '" + want + "' is not an sm90 config of head_dim " + std::to_string(p.head_dim);
+  }
+  return build::refuse(build::Family::kSm80, why);
+#else
   out->id = KernelId::kCudaSm80;
   const auto entries = cuda::fa2_entries(p.head_dim);
   if (!want.empty() && want != "sm80" && want != "sm90") {
@@ -369,6 +392,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
                 (bs ? " (first config whose tiles divide the block-sparse blocks if the tuned one does not)" : "") +
                 masks + sm90_note;
   return Status::Ok();
+#endif  // FLASHCPP_HAS_SM80
 }
 #endif
 
@@ -384,7 +408,11 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
       out->reason = "CPU backend (host pointers)";
       return Status::Ok();
     case Backend::kCuda: {
-#if FLASHCPP_WITH_CUDA
+#if FLASHCPP_WITH_CUDA && !FLASHCPP_HAS_SM80 && !FLASHCPP_HAS_SM90
+      (void)p;
+      (void)opt;
+      return build::refuse_cuda_prefill();  // before the device: a property of the build
+#elif FLASHCPP_WITH_CUDA
       cuda::DeviceInfo dev;
       FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
       return cuda_prefill(p, opt, dev, out);
@@ -545,8 +573,9 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
 
 }  // namespace flashcpp::select
 
-// The tuned pick as `flashcpp tune` and the GPU tests name it (flashcpp/tune.h).
-#if FLASHCPP_WITH_CUDA
+// The tuned pick as `flashcpp tune` and the GPU tests name it (flashcpp/tune.h; without the sm80
+// family, core/families.cc answers "").
+#if FLASHCPP_HAS_SM80
 namespace flashcpp::cuda {
 std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev) {
   const Fa2Entry* e = select::sm80_auto(p, dev);

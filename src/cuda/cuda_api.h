@@ -18,7 +18,8 @@ namespace flashcpp::cuda {
 bool is_device_pointer(const void* ptr);
 
 /// The prefill kernels with the tile config the selector chose (KernelChoice::tile); the named
-/// forms of flashcpp/tune.h look the name up and call these.
+/// forms of flashcpp/tune.h look the name up and call these. Defined only when the build holds the
+/// family (FLASHCPP_HAS_SM80 / FLASHCPP_HAS_SM90; core/families.cc answers the named forms otherwise).
 Status prefill_sm80(const AttnParams& p, const TileConfig& tile, Stream stream);
 Status prefill_sm90(const AttnParams& p, const TileConfig& tile, Stream stream);
 
@@ -27,7 +28,8 @@ Status prefill_sm90(const AttnParams& p, const TileConfig& tile, Stream stream);
 Status fill_uncovered_rows(const AttnParams& p, Stream stream);
 
 /// The rotary fused into attention, key side: rotates p.k into p.rotary.k_rotated once (apply_rotary's
-/// kernel), before a prefill kernel that rotates only its q tiles reads its keys from there.
+/// kernel), before a prefill kernel that rotates only its q tiles reads its keys from there. Built
+/// with either prefill family (FLASHCPP_HAS_SM80 || FLASHCPP_HAS_SM90), the rotary kernel with it.
 Status rotate_keys(const AttnParams& p, Stream stream);
 
 }  // namespace flashcpp::cuda
