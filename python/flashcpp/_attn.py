@@ -188,7 +188,7 @@ def _rotary_binding(p: _Problem, stream: Optional[int] = None) -> Any:
         k_rotated = torch.empty(p.mk.shape, dtype=p.k.dtype, device=p.k.device)
         if stream is not None:  # freed on return: the caching allocator must wait for that stream
             k_rotated.record_stream(torch.cuda.ExternalStream(int(stream), device=p.k.device))
-    return p.rotary.binding(k_rotated, _core._DTYPE_CODES[p.mq.dtype], p.varlen)
+    return p.rotary.binding(k_rotated, _core._ATTN_DTYPE_CODES[p.mq.dtype], p.varlen)
 
 
 def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -277,6 +277,29 @@ def _execute(p: _Problem, out: Any, lse: Any, *, causal: bool, softcap: float,
                  cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
 
 
+
+
+def _execute_backward(p: _Problem, out: Any, lse: Any, dout: Any, dlse: Any, dq: Any, dk: Any, dv: Any, *,
+                      causal: bool, softcap: float, deterministic: bool = False, backend: str = "auto",
+                      cpu_threads: int = 0) -> None:
+    """The backward of a checked problem (include/flashcpp/backward.h) into checked dq, dk, dv: out and
+    lse are the forward's, dout (out's shape) and dlse (lse's shape, or None) the incoming gradients.
+    Empty problems write their zeros here (an empty array may have a null pointer)."""
+    if p.rotary is not None:
+        raise NotImplementedError("the backward of attention with fused rotary is not implemented: rotate q and "
+                                  "k with flashcpp.apply_rotary first and differentiate through that rotation")
+    no_q = p.dims.heads_q == 0 or p.mq.shape[0] == 0 or (not p.varlen and (p.dims.batch == 0 or p.dims.seqlen_q == 0))
+    no_k = p.dims.heads_kv == 0 or p.mk.shape[0] == 0 or (not p.varlen and (p.dims.batch == 0 or p.dims.seqlen_k == 0))
+    if no_q or no_k:
+        # No pair at all: every gradient is 0 (backward.h: keys without queries, rows without keys).
+        for g in (dq, dk, dv):
+            g[...] = 0
+        return
+    _core.launch_backward(p.q, p.k, p.v, out, lse, dout, dlse, dq, dk, dv, p.dims, p.mq, p.mk, p.mv,
+                          varlen=p.varlen, softmax_scale=p.scale, causal=causal, window=p.window, softcap=softcap,
+                          alibi=p.alibi, alibi_batch_stride=p.alibi_batch_stride, cu_seqlens_q=p.cu_q,
+                          cu_seqlens_k=p.cu_k, block_sparse=p.sparse, deterministic=deterministic,
+                          backend=backend, cpu_threads=cpu_threads)
 
 
 def _select(p: _Problem, *, causal: bool, softcap: float, backend: str = "auto", cuda_config: str = "") -> tuple:

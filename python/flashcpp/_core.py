@@ -28,9 +28,13 @@ except ImportError:  # pragma: no cover - exercised in CI, which has no torch
     torch = None
 
 _DTYPE_CODES = {"float16": _C.DTYPE_F16, "bfloat16": _C.DTYPE_BF16, "float32": _C.DTYPE_F32}
+# Attention (forward and backward) also takes float64, on the fp64 reference backend only: what
+# torch.autograd.gradcheck needs. "auto" picks that backend for float64 host arrays (resolve_backend).
+_ATTN_DTYPE_CODES = dict(_DTYPE_CODES, float64=_C.DTYPE_F64)
 if torch is not None:
-    _TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_NUMPY_DTYPE_NAMES = {np.dtype(n): n for n in ("float16", "float32", "int32")}  # dtype.name is slow
+    _TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                          torch.float64: "float64"}
+_NUMPY_DTYPE_NAMES = {np.dtype(n): n for n in ("float16", "float32", "float64", "int32")}  # dtype.name is slow
 _INT32_MAX = 2**31 - 1
 BACKENDS = ("auto", "cpu", "cpu-reference", "cuda")
 
@@ -101,9 +105,9 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
     if not (mq.lib == mk.lib == mv.lib):
         _same_library("q, k and v", mq, mk, mv)
     for m in (mq, mk, mv):
-        if m.dtype not in _DTYPE_CODES:
+        if m.dtype not in _ATTN_DTYPE_CODES:
             raise TypeError(f"{m.name} has dtype {m.dtype}; flashcpp attention takes float16, "
-                            "bfloat16 or float32")
+                            "bfloat16 or float32 (float64 on the CPU, through the fp64 reference)")
     if not (mq.dtype == mk.dtype == mv.dtype):
         raise TypeError(f"q, k and v must have the same dtype (got q {mq.dtype}, k {mk.dtype}, "
                         f"v {mv.dtype})")
@@ -439,12 +443,33 @@ def resolve_backend(backend: str, mq: Meta) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if backend == "auto":
-        return "cuda" if mq.is_cuda else "cpu"
+        # float64 runs on the fp64 reference only (gradcheck); elsewhere the C++ validator says why not
+        return "cuda" if mq.is_cuda else "cpu-reference" if mq.dtype == "float64" else "cpu"
     if backend == "cuda" and not mq.is_cuda:
         raise ValueError(f"backend 'cuda' needs CUDA tensors; q is on {mq.device}")
     if backend != "cuda" and mq.is_cuda:
         raise ValueError(f"backend {backend!r} runs on the host; q is on {mq.device}")
     return backend
+
+
+def _fill_mask(mask: Any, mq: Meta, *, varlen: bool, causal: bool, window: Tuple[int, int], softcap: float,
+               alibi: Any, alibi_batch_stride: int, global_tokens: int, global_queries: bool, cu_seqlens_q: Any,
+               cu_seqlens_k: Any, block_sparse: Optional[BlockSparseSpec]) -> Any:
+    """Fills a _flashcpp.MaskParams (of AttnParams or AttnBackwardParams); returns the BlockSparseMask
+    it points at (or None), which the caller holds until the call returns."""
+    mask.causal = bool(causal)
+    mask.window_left, mask.window_right = int(window[0]), int(window[1])
+    mask.softcap = float(softcap)
+    mask.alibi_slopes, mask.alibi_batch_stride = data_ptr(alibi), int(alibi_batch_stride)
+    mask.global_tokens = check_int(global_tokens, "global_tokens", 0)
+    mask.global_queries = bool(global_queries)
+    if varlen:
+        mask.cu_seqlens_q, mask.cu_seqlens_k = data_ptr(cu_seqlens_q), data_ptr(cu_seqlens_k)
+        mask.total_q = int(mq.shape[0])  # the packed row count (LSE layout, batch-0 fill)
+    sparse = None if block_sparse is None else block_sparse_mask(block_sparse)
+    if sparse is not None:
+        mask.block_sparse = sparse
+    return sparse
 
 
 def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk: Meta, mv: Meta,
@@ -466,7 +491,7 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         stream = 0
         if mq.is_cuda:
             stream = torch.cuda.current_stream(q.device).cuda_stream
-    code = _DTYPE_CODES[mq.dtype]
+    code = _ATTN_DTYPE_CODES[mq.dtype]
     p = _C.AttnParams()
     p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
     p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
@@ -474,20 +499,11 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
     p.v, p.o = tensor_view(v, mv, code, varlen), tensor_view(out, mo, code, varlen)
     p.lse = data_ptr(lse)
     p.softmax_scale = float(softmax_scale)
-    mask = p.mask
-    mask.causal = bool(causal)
-    mask.window_left, mask.window_right = int(window[0]), int(window[1])
-    mask.softcap = float(softcap)
-    mask.alibi_slopes, mask.alibi_batch_stride = data_ptr(alibi), int(alibi_batch_stride)
-    mask.global_tokens = check_int(global_tokens, "global_tokens", 0)
-    mask.global_queries = bool(global_queries)
-    if varlen:
-        mask.cu_seqlens_q, mask.cu_seqlens_k = data_ptr(cu_seqlens_q), data_ptr(cu_seqlens_k)
-        mask.total_q = int(mq.shape[0])  # the packed row count (LSE layout, batch-0 fill)
     # Held here until the call returns: the mask points at it (the binding copies it for the call).
-    sparse = None if block_sparse is None else block_sparse_mask(block_sparse)
-    if sparse is not None:
-        mask.block_sparse = sparse
+    sparse = _fill_mask(p.mask, mq, varlen=varlen, causal=causal, window=window, softcap=softcap, alibi=alibi,
+                        alibi_batch_stride=alibi_batch_stride, global_tokens=global_tokens,
+                        global_queries=global_queries, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        block_sparse=block_sparse)
     if rotary is not None:
         p.rotary = rotary
     opt = _C.RunOptions(backend, int(stream), check_cpu_threads(cpu_threads), str(cuda_config))
@@ -496,6 +512,60 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
         with torch.cuda.device(q.device):  # the C++ launch uses the current device
             return call(p, opt)
     return call(p, opt)
+
+
+def launch_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse: Any, dq: Any, dk: Any, dv: Any,
+                    dims: Dims, mq: Meta, mk: Meta, mv: Meta, *, varlen: bool = False, softmax_scale: float,
+                    causal: bool = False, window: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    alibi: Any = None, alibi_batch_stride: int = 0, global_tokens: int = 0,
+                    global_queries: bool = False, cu_seqlens_q: Any = None, cu_seqlens_k: Any = None,
+                    block_sparse: Optional[BlockSparseSpec] = None, deterministic: bool = False,
+                    backend: str = "auto", cpu_threads: int = 0) -> None:
+    """flashcpp::attention_backward on checked inputs: fills one AttnBackwardParams (the forward's
+    q, k, v, out and lse, dout and dlse (None = 0), the caller's dq, dk, dv), asks for the
+    workspace size, allocates the workspace on q's device (torch) or the host (numpy) and makes the
+    call on the current stream. CUDA: the C++ answer (today: no backward kernel) is raised as
+    NotImplementedError."""
+    backend = resolve_backend(backend, mq)
+    if block_sparse is not None and not mq.is_cuda:
+        check_block_sparse_values(block_sparse)
+    code = _ATTN_DTYPE_CODES[mq.dtype]
+    p = _C.AttnBackwardParams()
+    p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
+    p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
+    p.q, p.k, p.v = tensor_view(q, mq, code, varlen), tensor_view(k, mk, code, varlen), tensor_view(v, mv, code, varlen)
+    p.o, p.dout = tensor_view(out, meta(out, "out"), code, varlen), tensor_view(dout, meta(dout, "dout"), code, varlen)
+    p.dq, p.dk = tensor_view(dq, meta(dq, "dq"), code, varlen), tensor_view(dk, meta(dk, "dk"), code, varlen)
+    p.dv = tensor_view(dv, meta(dv, "dv"), code, varlen)
+    p.lse, p.dlse = data_ptr(lse), data_ptr(dlse)
+    p.softmax_scale = float(softmax_scale)
+    p.deterministic = bool(deterministic)
+    sparse = _fill_mask(p.mask, mq, varlen=varlen, causal=causal, window=window, softcap=softcap, alibi=alibi,
+                        alibi_batch_stride=alibi_batch_stride, global_tokens=global_tokens,
+                        global_queries=global_queries, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        block_sparse=block_sparse)
+    if varlen:
+        p.total_k = int(mk.shape[0])  # the packed key rows: rows past cu_seqlens_k[-1] get dk = dv = 0
+    stream = torch.cuda.current_stream(q.device).cuda_stream if mq.is_cuda else 0
+    opt = _C.RunOptions(backend, int(stream), check_cpu_threads(cpu_threads), "")
+
+    def call() -> None:
+        nbytes = _C.attention_backward_workspace_size(p, opt)
+        workspace = None  # held until the call returns (CUDA: the caching allocator orders its reuse on the stream)
+        if nbytes:
+            if is_torch(q):
+                workspace = torch.empty((nbytes + 255,), dtype=torch.uint8, device=q.device)
+            else:
+                workspace = np.empty((nbytes + 255,), dtype=np.uint8)
+            p.workspace = (data_ptr(workspace) + 255) // 256 * 256
+            p.workspace_bytes = nbytes
+        _C.attention_backward(p, opt)
+
+    if mq.is_cuda and q.device.index is not None and q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            call()
+    else:
+        call()
 
 
 def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int, ...], mq: Meta) -> None:

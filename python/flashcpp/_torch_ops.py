@@ -14,12 +14,15 @@ Ops:
                            rotary_theta=1e4, rotary_llama3_factor=0, rotary_llama3_low=1,
                            rotary_llama3_high=4, rotary_llama3_orig=8192,
                            rotary_cos_sin_cache?=None, rotary_positions_q?=None,
-                           rotary_positions_k?=None) -> (out, lse)
+                           rotary_positions_k?=None, deterministic=False) -> (out, lse)
   flashcpp::flash_attn_fwd_rotary_k_out(q, k, v, rotary_k_out(a!), softmax_scale, ...the same...)
                            -> (out, lse)
   flashcpp::flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, softmax_scale, causal, window_left, window_right,
-                           softcap, alibi_slopes?, return_lse) -> (out, lse)
+                           softcap, alibi_slopes?, return_lse, deterministic=False) -> (out, lse)
+  flashcpp::flash_attn_bwd / flashcpp::flash_attn_varlen_bwd -> (dq, dk, dv): the backward, which
+                           register_autograd makes the two forward ops' derivative (deterministic
+                           only travels to it; see "the backward" below).
   flashcpp::merge_attention_states(v_a, s_a, v_b, s_b) -> (v, s)
 When return_lse is False the lse output is an empty (0,) tensor. A block-sparse mask travels as
 the four tensors bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks (int32, int32, int32, int64
@@ -50,7 +53,7 @@ from torch import Tensor
 
 from . import _core
 from . import _flashcpp as _C
-from ._attn import _execute, _prepare, _rotary_from_op_args
+from ._attn import _execute, _execute_backward, _prepare, _rotary_from_op_args
 from ._decode import _check_kvcache_call, _with_kvcache
 
 _NO_LSE = (0,)
@@ -111,7 +114,8 @@ def flash_attn_fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: float, causal
                    rotary_llama3_factor: float = 0.0, rotary_llama3_low: float = 1.0,
                    rotary_llama3_high: float = 4.0, rotary_llama3_orig: int = 8192,
                    rotary_cos_sin_cache: Optional[Tensor] = None, rotary_positions_q: Optional[Tensor] = None,
-                   rotary_positions_k: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                   rotary_positions_k: Optional[Tensor] = None, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+    # deterministic changes nothing here: it travels to the backward (register_autograd below).
     return flash_attn_fwd_eager(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
                                 alibi_slopes, return_lse, bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks,
                                 block_sparse_sizes, rotary_dim, rotary_style, rotary_theta, rotary_llama3_factor,
@@ -156,8 +160,10 @@ def _dense_fake(q, k, v, window_left, window_right, alibi_slopes, return_lse, ma
 
 @flash_attn_fwd.register_fake
 def _flash_attn_fwd_fake(q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                         alibi_slopes, return_lse, *mask_args, **mask_kwargs):
-    return _dense_fake(q, k, v, window_left, window_right, alibi_slopes, return_lse, mask_args, mask_kwargs)
+                         alibi_slopes, return_lse, *mask_args, deterministic=False, **mask_kwargs):
+    # The op's arguments after return_lse are the 15 block-sparse and rotary ones, then deterministic
+    # (not a mask argument), positional or by name.
+    return _dense_fake(q, k, v, window_left, window_right, alibi_slopes, return_lse, mask_args[:15], mask_kwargs)
 
 
 @flash_attn_fwd_rotary_k_out.register_fake
@@ -167,11 +173,13 @@ def _flash_attn_fwd_rotary_k_out_fake(q, k, v, rotary_k_out, softmax_scale, caus
                        rotary_k_out)
 
 
-def call_flash_attn_fwd(*args: Any, rotary_k_out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def call_flash_attn_fwd(*args: Any, rotary_k_out: Optional[Tensor] = None,
+                        deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     """The registered op for flash_attn_fwd's arguments: flash_attn_fwd, or with rotary_k_out
-    flash_attn_fwd_rotary_k_out (the same arguments with rotary_k_out after v)."""
+    flash_attn_fwd_rotary_k_out (the same arguments with rotary_k_out after v, and no backward:
+    rotary has none, so deterministic does not travel there)."""
     if rotary_k_out is None:
-        return torch.ops.flashcpp.flash_attn_fwd(*args)
+        return torch.ops.flashcpp.flash_attn_fwd(*args, deterministic=bool(deterministic))
     return torch.ops.flashcpp.flash_attn_fwd_rotary_k_out(*args[:3], rotary_k_out, *args[3:])
 
 
@@ -195,7 +203,8 @@ def flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           softmax_scale: float, causal: bool, window_left: int, window_right: int,
                           softcap: float, alibi_slopes: Optional[Tensor],
-                          return_lse: bool) -> Tuple[Tensor, Tensor]:
+                          return_lse: bool, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
+    # deterministic changes nothing here: it travels to the backward (register_autograd below).
     p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q,
                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
@@ -207,11 +216,137 @@ def flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 @flash_attn_varlen_fwd.register_fake
 def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 softmax_scale, causal, window_left, window_right, softcap,
-                                alibi_slopes, return_lse):
+                                alibi_slopes, return_lse, deterministic=False):
     shape_o, shape_lse = _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, window_left, window_right, alibi_slopes)
     return (q.new_empty(shape_o),
             q.new_empty(shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
+
+
+# ---- the backward: flash_attn_bwd, flash_attn_varlen_bwd and the autograd formulas ---------------------
+# Ops (CPU tensors run the CPU backward: the fp64 reference for float64, else the tiled backend; CUDA
+# tensors get the C++ answer, today NotImplementedError: no backward kernel in this build yet):
+#   flashcpp::flash_attn_bwd(dout, q, k, v, out, lse, dlse?, softmax_scale, causal, window_left,
+#                            window_right, softcap, alibi_slopes?, deterministic, bs_row_ptr?, ...,
+#                            block_sparse_sizes?) -> (dq, dk, dv)
+#   flashcpp::flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse?, cu_seqlens_q, cu_seqlens_k,
+#                            max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_left,
+#                            window_right, softcap, alibi_slopes?, deterministic) -> (dq, dk, dv)
+# register_autograd makes flash_attn_fwd and flash_attn_varlen_fwd differentiable with these: the
+# forward's outputs (out and the LSE) are saved, so the forward must return the LSE (the public
+# functions ask for it whenever a gradient is needed, and drop it when the caller did not).
+
+def _grad_views(p, out, lse, dout, dlse):
+    """dout and dlse as the backward reads them (contiguous: autograd hands out expanded, stride-0
+    gradients, e.g. of a sum), checked against out and lse."""
+    if lse.numel() == 0 and out.numel() != 0:
+        raise RuntimeError("the forward was run with return_lse=False, so its LSE was not saved and there is "
+                           "nothing to differentiate with: call flashcpp.flash_attn_func / flash_attn_varlen_func, "
+                           "which keep the LSE whenever q, k or v requires grad")
+    if tuple(dout.shape) != tuple(out.shape) or dout.dtype != out.dtype:
+        raise ValueError(f"dout must match out ({out.dtype} {tuple(out.shape)}); got {dout.dtype} {tuple(dout.shape)}")
+    if dlse is not None and (tuple(dlse.shape) != tuple(lse.shape) or dlse.dtype != torch.float32):
+        raise ValueError(f"dlse must be float32 of the LSE's shape {tuple(lse.shape)}; got {dlse.dtype} "
+                         f"{tuple(dlse.shape)}")
+    return dout.contiguous(), None if dlse is None else dlse.contiguous()
+
+
+@torch.library.custom_op("flashcpp::flash_attn_bwd", mutates_args=())
+def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dlse: Optional[Tensor],
+                   softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
+                   alibi_slopes: Optional[Tensor], deterministic: bool,
+                   bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
+                   bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
+                   block_sparse_sizes: Optional[List[int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
+               bs_partial, bs_element_masks, block_sparse_sizes)
+    dout, dlse = _grad_views(p, out, lse, dout, dlse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _execute_backward(p, out, lse, dout, dlse, dq, dk, dv, causal=causal, softcap=softcap, deterministic=deterministic)
+    return dq, dk, dv
+
+
+@flash_attn_bwd.register_fake
+def _flash_attn_bwd_fake(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
+                         alibi_slopes, deterministic, *mask_args, **mask_kwargs):
+    _dense(q, k, v, 1.0, window_left, window_right, alibi_slopes, *mask_args, **mask_kwargs)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("flashcpp::flash_attn_varlen_bwd", mutates_args=())
+def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                          dlse: Optional[Tensor], cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                          max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
+                          window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                          deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
+                 max_seqlen_q, max_seqlen_k)
+    dout, dlse = _grad_views(p, out, lse, dout, dlse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _execute_backward(p, out, lse, dout, dlse, dq, dk, dv, causal=causal, softcap=softcap, deterministic=deterministic)
+    return dq, dk, dv
+
+
+@flash_attn_varlen_bwd.register_fake
+def _flash_attn_varlen_bwd_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                alibi_slopes, deterministic):
+    _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_left, window_right,
+                   alibi_slopes)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# flash_attn_fwd's inputs, in schema order (register_autograd passes them all, defaults filled in).
+_FWD_ARGS = ("q", "k", "v", "softmax_scale", "causal", "window_left", "window_right", "softcap", "alibi_slopes",
+             "return_lse", "bs_row_ptr", "bs_col_idx", "bs_partial", "bs_element_masks", "block_sparse_sizes",
+             "rotary_dim", "rotary_style", "rotary_theta", "rotary_llama3_factor", "rotary_llama3_low",
+             "rotary_llama3_high", "rotary_llama3_orig", "rotary_cos_sin_cache", "rotary_positions_q",
+             "rotary_positions_k", "deterministic")
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    a = dict(zip(_FWD_ARGS, inputs))
+    out, lse = output
+    ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, a["alibi_slopes"], a["bs_row_ptr"], a["bs_col_idx"],
+                          a["bs_partial"], a["bs_element_masks"])
+    ctx.scalars = (a["softmax_scale"], a["causal"], a["window_left"], a["window_right"], a["softcap"],
+                   a["deterministic"], a["block_sparse_sizes"], a["rotary_dim"])
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, alibi, rp, ci, pa, em = ctx.saved_tensors
+    scale, causal, wl, wr, softcap, deterministic, sizes, rotary_dim = ctx.scalars
+    if rotary_dim != 0:
+        raise NotImplementedError("the backward of attention with fused rotary is not implemented: rotate q and k "
+                                  "with flashcpp.apply_rotary first and differentiate through that rotation")
+    dq, dk, dv = torch.ops.flashcpp.flash_attn_bwd(dout, q, k, v, out, lse, dlse, scale, causal, wl, wr, softcap,
+                                                   alibi, deterministic, rp, ci, pa, em, sizes)
+    return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
+
+
+flash_attn_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+_VARLEN_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                "causal", "window_left", "window_right", "softcap", "alibi_slopes", "return_lse", "deterministic")
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    a = dict(zip(_VARLEN_ARGS, inputs))
+    out, lse = output
+    ctx.save_for_backward(a["q"], a["k"], a["v"], out, lse, a["cu_seqlens_q"], a["cu_seqlens_k"], a["alibi_slopes"])
+    ctx.scalars = (a["max_seqlen_q"], a["max_seqlen_k"], a["softmax_scale"], a["causal"], a["window_left"],
+                   a["window_right"], a["softcap"], a["deterministic"])
+
+
+def _varlen_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
+    mq, mk, scale, causal, wl, wr, softcap, deterministic = ctx.scalars
+    dq, dk, dv = torch.ops.flashcpp.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale,
+                                                          causal, wl, wr, softcap, alibi, deterministic)
+    return (dq, dk, dv) + (None,) * (len(_VARLEN_ARGS) - 3)
+
+
+flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
 # ---- merge_attention_states -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Attention forward: flash-attn style functions over numpy arrays and torch tensors.
+"""Attention: flash-attn style functions over numpy arrays and torch tensors (torch tensors are
+differentiable: gradients of q, k and v through torch.autograd, include/flashcpp/backward.h).
 
 Semantics are those of ``include/flashcpp/attention.h``; in short:
 
@@ -124,7 +125,8 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 def _check_flash_attn_extras(dropout_p: Any, deterministic: Any) -> None:
     """flash-attn's positional slots that flashcpp keeps so that ported positional calls land
     where they did: dropout_p (4th; flashcpp runs no dropout, so only 0 is accepted) and
-    deterministic (the forward kernels are deterministic already)."""
+    deterministic (the backward's: bitwise-repeatable gradients, dq included; the forward kernels
+    are deterministic already)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
         raise TypeError(f"dropout_p must be a number (0.0: flashcpp runs no dropout); got {dropout_p!r}")
     if dropout_p != 0:
@@ -138,14 +140,20 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
                     softcap: float = 0.0, alibi_slopes: Any = None, deterministic: bool = False, *,
                     return_lse: bool = False, block_sparse: Optional[BlockSparse] = None,
                     rotary: Optional[Rotary] = None):
-    """flash-attn's ``flash_attn_func`` (forward only, no dropout), with its positional order:
+    """flash-attn's ``flash_attn_func`` (no dropout), with its positional order:
     (q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic);
     everything after that is keyword-only (flash-attn's return_attn_probs is return_lse here).
+
+    Differentiable (torch tensors): q, k and v get gradients through torch.autograd with every mask
+    below (the LSE output too, when returned), on CPU tensors by the CPU backward (float64 by the
+    fp64 reference, so torch.autograd.gradcheck works); CUDA tensors raise NotImplementedError in
+    backward() until the backward kernels land; rotary has no backward (NotImplementedError).
 
     Args:
         dropout_p: must be 0 (no dropout is run); kept so that positional calls ported from
             flash-attn put softmax_scale where it belongs.
-        deterministic: accepted for flash-attn compatibility; the forward is deterministic.
+        deterministic: bitwise-repeatable gradients (dq included) from the backward; the forward
+            is deterministic either way.
         q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
             torch tensors (CPU or CUDA; fp16/bf16, fp32 on CPU) or numpy arrays (CPU backend;
             float16/float32, bfloat16 via ml_dtypes). Only head_dim must be contiguous.
@@ -180,13 +188,14 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
         rot_args, k_out = _rotary_op_args(rotary, q)
+        need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        # The backward reads the forward's LSE: computed whenever a gradient may be asked for.
         args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
-                bool(return_lse), *_core.sparse_to_args(sparse), *rot_args)
+                bool(return_lse or need_grad), *_core.sparse_to_args(sparse), *rot_args)
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
-        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and
-                                             (q.requires_grad or k.requires_grad or v.requires_grad)):
-            out, lse = _torch_ops.call_flash_attn_fwd(*args, rotary_k_out=k_out)
+        if torch.compiler.is_compiling() or need_grad:
+            out, lse = _torch_ops.call_flash_attn_fwd(*args, rotary_k_out=k_out, deterministic=bool(deterministic))
         else:
             out, lse = _torch_ops.flash_attn_fwd_eager(*args, rotary_k_rotated=k_out)
         return (out, lse) if return_lse else out
@@ -202,9 +211,10 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                            window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                            alibi_slopes: Any = None, deterministic: bool = False, *,
                            return_lse: bool = False):
-    """flash-attn's ``flash_attn_varlen_func`` (forward only, no dropout), with its positional order
-    up to ``deterministic`` (dropout_p must be 0, as in :func:`flash_attn_func`); return_lse is
-    keyword-only.
+    """flash-attn's ``flash_attn_varlen_func`` (no dropout), with its positional order up to
+    ``deterministic`` (dropout_p must be 0, as in :func:`flash_attn_func`); return_lse is
+    keyword-only. Differentiable as :func:`flash_attn_func` (CPU tensors; ``deterministic`` for
+    the backward).
 
     q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim), sequences packed back
     to back; cu_seqlens_q/k: int32 (batch + 1,) prefix sums starting at 0; max_seqlen_q/k: the
@@ -223,11 +233,12 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
+        need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         out, lse = _torch_ops.flash_attn_varlen_fwd(
             q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
             _core.check_int(max_seqlen_q, "max_seqlen_q", 0), _core.check_int(max_seqlen_k, "max_seqlen_k", 0),
             scale, bool(causal), wl, wr, float(softcap),
-            _torch_alibi(alibi_slopes, q), bool(return_lse))
+            _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad), deterministic=bool(deterministic))
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/backward.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "flashcpp/masks.h"
@@ -84,7 +85,9 @@ DType to_dtype(int code) {
     case static_cast<int>(DType::kF16): return DType::kF16;
     case static_cast<int>(DType::kBF16): return DType::kBF16;
     case static_cast<int>(DType::kF32): return DType::kF32;
-    default: raise_value_error("dtype code " + std::to_string(code) + " is not one of 0 (fp16), 1 (bf16), 2 (fp32)");
+    case static_cast<int>(DType::kF64): return DType::kF64;
+    default:
+      raise_value_error("dtype code " + std::to_string(code) + " is not one of 0 (fp16), 1 (bf16), 2 (fp32), 3 (fp64)");
   }
 }
 
@@ -121,7 +124,7 @@ template <class C>
 void dtype_rw(nb::class_<C>& cls) {
   cls.def_prop_rw(
       "dtype", [](const C& c) { return static_cast<int>(c.dtype); },
-      [](C& c, int code) { c.dtype = to_dtype(code); }, "element type code: 0 fp16, 1 bf16, 2 fp32");
+      [](C& c, int code) { c.dtype = to_dtype(code); }, "element type code: 0 fp16, 1 bf16, 2 fp32, 3 fp64");
 }
 
 // ---- shared pieces: views, run options ------------------------------------------------------
@@ -325,6 +328,78 @@ void bind_attention(nb::module_& m) {
       "params"_a, "options"_a,
       "flashcpp::select_kernel: validates like attention_forward and returns (kernel, config, reason) "
       "without running anything.");
+}
+
+// ---- attention backward (include/flashcpp/backward.h) ----------------------------------------------
+
+void bind_backward(nb::module_& m) {
+  using flashcpp::AttnBackwardParams;
+  using flashcpp::BlockSparseMask;
+
+  nb::class_<AttnBackwardParams> bp(m, "AttnBackwardParams", "flashcpp::AttnBackwardParams: one attention backward problem");
+  bp.def(nb::init<>())
+      .def_rw("batch", &AttnBackwardParams::batch)
+      .def_rw("seqlen_q", &AttnBackwardParams::seqlen_q)
+      .def_rw("seqlen_k", &AttnBackwardParams::seqlen_k)
+      .def_rw("heads_q", &AttnBackwardParams::heads_q)
+      .def_rw("heads_kv", &AttnBackwardParams::heads_kv)
+      .def_rw("head_dim", &AttnBackwardParams::head_dim)
+      .def_rw("q", &AttnBackwardParams::q)
+      .def_rw("k", &AttnBackwardParams::k)
+      .def_rw("v", &AttnBackwardParams::v)
+      .def_rw("o", &AttnBackwardParams::o)
+      .def_rw("dout", &AttnBackwardParams::dout)
+      .def_rw("dq", &AttnBackwardParams::dq)
+      .def_rw("dk", &AttnBackwardParams::dk)
+      .def_rw("dv", &AttnBackwardParams::dv)
+      .def_rw("softmax_scale", &AttnBackwardParams::softmax_scale)
+      .def_rw("mask", &AttnBackwardParams::mask)
+      .def_rw("total_k", &AttnBackwardParams::total_k)
+      .def_rw("deterministic", &AttnBackwardParams::deterministic)
+      .def_rw("workspace_bytes", &AttnBackwardParams::workspace_bytes);
+  pointer_rw(bp, "lse", &AttnBackwardParams::lse, "the forward's fp32 LSE (read)");
+  pointer_rw(bp, "dlse", &AttnBackwardParams::dlse, "fp32 dL/dLSE (read; 0 = none)");
+  pointer_rw(bp, "workspace", &AttnBackwardParams::workspace, "attention_backward_workspace_size bytes, 256-aligned");
+
+  // Copied with the block-sparse struct before the GIL is released, as attention_forward's Call.
+  struct Call {
+    AttnBackwardParams p;
+    BlockSparseMask sparse;
+    explicit Call(const AttnBackwardParams& params) : p(params) {
+      if (p.mask.block_sparse != nullptr) {
+        sparse = *p.mask.block_sparse;
+        p.mask.block_sparse = &sparse;
+      }
+    }
+  };
+  m.def(
+      "attention_backward",
+      [](const AttnBackwardParams& params, const RunOptions& options) {
+        const Call c(params);
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::attention_backward(c.p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::attention_backward: validates, selects and runs (dq, dk, dv).");
+  m.def(
+      "attention_backward_workspace_size",
+      [](const AttnBackwardParams& params, const RunOptions& options) {
+        const Call c(params);
+        const RunOptions opt = options;
+        std::size_t bytes = 0;
+        call_released([&] { return flashcpp::attention_backward_workspace_size(c.p, opt, &bytes); });
+        return bytes;
+      },
+      "params"_a, "options"_a, "flashcpp::attention_backward_workspace_size: the workspace bytes the call needs.");
+  m.def(
+      "select_backward_kernel",
+      [](const AttnBackwardParams& params, const RunOptions& options) {
+        const Call c(params);
+        const RunOptions opt = options;
+        flashcpp::KernelChoice choice;
+        call_released([&] { return flashcpp::select_backward_kernel(c.p, opt, &choice); });
+        return std::make_tuple(std::string(flashcpp::kernel_name(choice.id)), choice.config, choice.reason);
+      },
+      "params"_a, "options"_a, "flashcpp::select_backward_kernel: (kernel, config, reason) without running anything.");
 }
 
 // ---- merge of partial states on the host (include/flashcpp/reference.h) --------------------------
@@ -773,9 +848,11 @@ NB_MODULE(_flashcpp, m) {
   m.attr("DTYPE_F16") = static_cast<int>(DType::kF16);
   m.attr("DTYPE_BF16") = static_cast<int>(DType::kBF16);
   m.attr("DTYPE_F32") = static_cast<int>(DType::kF32);
+  m.attr("DTYPE_F64") = static_cast<int>(DType::kF64);
 
   bind_common(m);
   bind_attention(m);
+  bind_backward(m);
   m.def("merge_by_lse", &merge_by_lse, "o_a"_a, "lse_a"_a, "o_b"_a, "lse_b"_a, "o"_a.noconvert(),
         "lse"_a.noconvert(),
         "Row-wise merge of two normalized partial attention outputs by their natural-log LSEs "

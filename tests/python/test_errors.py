@@ -16,11 +16,20 @@ def test_dtype_mismatch_is_type_error():
         flashcpp.flash_attn_func(q, k.astype(np.float16), v)
 
 
-@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.float64, np.bool_])
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.bool_])
 def test_unsupported_dtypes_are_type_errors(dtype):
     q, k, v = (x.astype(dtype) for x in arrays())
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         flashcpp.flash_attn_func(q, k, v)
+
+
+def test_float64_runs_on_the_fp64_reference_only():
+    # float64 is for gradcheck: "auto" takes the fp64 reference; the tiled backend says why not.
+    q, k, v = arrays(dtype=np.float64)
+    out = flashcpp.flash_attn_func(q, k, v)
+    assert out.dtype == np.float64
+    with pytest.raises(NotImplementedError, match="fp64 runs on the fp64 reference backend only"):
+        flashcpp.attention(q, k, v, backend="cpu")
 
 
 def test_non_array_input_is_type_error():
