@@ -125,8 +125,7 @@ struct MaskParams {
 /// shared memory as it lands, with apply_rotary's arithmetic, so the result equals apply_rotary +
 /// attention bit for bit. (Rotating every k tile inside the kernel instead repeats the work once
 /// per query block: measured at a tenth of the speed, reports/fused.) The q tiles are rotated in
-/// 8-byte pieces: rotary_dim % 8 == 0 for neox, % 4 == 0 for interleaved (Unsupported otherwise),
-/// and tables must be one cos_sin_cache (RotarySpec::is_cos_sin_cache; Unsupported otherwise).
+/// 8-byte pieces: rotary_dim % 8 == 0 for neox, % 4 == 0 for interleaved (Unsupported otherwise).
 /// With tables, a position outside [0, max_position) is an error on the CPU backends and NaN
 /// rows on CUDA (it cannot read device positions before launching), as for apply_rotary.
 ///

@@ -158,8 +158,7 @@ struct RopeParams {
   /// head_dim), theta and Llama-3 scaling, or cos/sin tables. With tables, positions must lie in
   /// [0, max_position): the CPU backend checks them (host memory); the CUDA kernel cannot read
   /// them before launching, so it writes NaN to the rotated dims of a token whose position is out
-  /// of range instead of reading outside the tables. The CUDA kernel reads the cos_sin_cache
-  /// layout of tables only (RotarySpec::is_cos_sin_cache).
+  /// of range instead of reading outside the tables.
   RotarySpec rotary = RotarySpec::of_style(RopeStyle::kNeox);
 
   int effective_rotary_dim() const noexcept { return rotary.effective_rotary_dim(head_dim); }

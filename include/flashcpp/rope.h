@@ -58,9 +58,7 @@ struct Llama3Scaling {
 ///   one cos_sin_cache (max_position, rotary_dim), rows [cos | sin] (vLLM's layout):
 ///     cos = cache, sin = cache + rotary_dim / 2, table_stride = rotary_dim
 ///     (set_cos_sin_cache does this).
-/// The CPU backends and decode's CUDA kernels read any such tables; the CUDA kernels of
-/// apply_rotary and attention read the cos_sin_cache layout only (is_cos_sin_cache), and refuse
-/// other tables as Unsupported. With tables, theta and llama3 are not used.
+/// Every backend and every kernel reads any such tables. With tables, theta and llama3 are not used.
 struct RotarySpec {
   RopeStyle style = RopeStyle::kNone;
   int rotary_dim = 0;        ///< leading dims that rotate: even, <= head_dim; 0 = head_dim
@@ -95,7 +93,7 @@ struct RotarySpec {
     max_position = rows;
   }
   /// Whether the tables are one cos_sin_cache (sin = cos + rotary_dim / 2, table_stride =
-  /// rotary_dim): the layout the CUDA kernels of apply_rotary and attention read.
+  /// rotary_dim).
   bool is_cos_sin_cache(int head_dim) const noexcept {
     const int rd = effective_rotary_dim(head_dim);
     return cos != nullptr && sin == cos + rd / 2 && effective_table_stride(head_dim) == rd;

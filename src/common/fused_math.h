@@ -52,6 +52,16 @@ FC_HD float reduced_angle(std::int32_t pos, double inv_freq) {
   return static_cast<float>(r);
 }
 
+/// The fp32 cos/sin tables of a RotarySpec (rope.h) as kernel parameters: row p of each at
+/// cos + p * stride (a cos_sin_cache is cos = cache, sin = cache + rotary_dim / 2, stride =
+/// rotary_dim; separate tables have stride rotary_dim / 2).
+struct CosSinTables {
+  const float* cos = nullptr;  ///< null: no tables (the angles come from inv_freq)
+  const float* sin = nullptr;
+  std::int64_t stride = 0;
+  int max_position = 0;
+};
+
 /// cos and sin of rotary angle pos * inv_freq: the fp64-reduced angle rounded to fp32 (above), then
 /// the hardware sin/cos on the device (|angle| <= pi there: within ~4e-7) or libm on the host. Every
 /// rotary path (apply_rotary, the rotary fused into attention, decode's append) takes its angles

@@ -35,7 +35,6 @@ namespace {
 // ---- one-sentence messages (src/core/message.h) ----------------------------------------
 
 using detail::cat;
-using detail::check_cuda_rotary_tables;
 using detail::check_rotary_spec;
 using detail::rotary_table_elems;
 
@@ -299,7 +298,6 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
   if (r.style == RopeStyle::kNone)
     return Status::Invalid("rotary.style is none: apply_rotary rotates neox or interleaved pairs (set rotary.style)");
   FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
-  if (cuda) FLASHCPP_RETURN_IF_ERROR(check_cuda_rotary_tables("rotary.", p.head_dim, r));
   if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
     return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;

@@ -72,15 +72,4 @@ inline std::int64_t rotary_table_elems(const RotarySpec& r, int head_dim) {
          r.effective_rotary_dim(head_dim) / 2;
 }
 
-/// The CUDA kernels of apply_rotary and attention read one cos_sin_cache (rope.h); other
-/// tables are refused there (decode's kernels and the CPU backends read any).
-inline Status check_cuda_rotary_tables(const char* prefix, int head_dim, const RotarySpec& r) {
-  if (!r.has_tables() || r.is_cos_sin_cache(head_dim)) return Status::Ok();
-  const int rot = r.effective_rotary_dim(head_dim);
-  return Status::Unsupported(cat("the CUDA kernels read ", prefix, "cos/sin tables as one cos_sin_cache (",
-                                 prefix, "sin = cos + rotary_dim / 2 = cos + ", rot / 2, ", table_stride = rotary_dim ",
-                                 rot, "); pass the tables in that layout (RotarySpec::set_cos_sin_cache), or use "
-                                 "the CPU backend"));
-}
-
 }  // namespace flashcpp::detail

@@ -404,7 +404,6 @@ Status check_rotary(const AttnParams& p, const BackendRules& br) {
   const AttnRotary& r = p.rotary;
   const RotarySpec& spec = r.spec;
   FLASHCPP_RETURN_IF_ERROR(detail::check_rotary_spec("rotary.spec.", p.head_dim, spec));
-  if (br.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_rotary_tables("rotary.spec.", p.head_dim, spec));
   if (r.k_rotated.data && r.k_rotated.dtype != p.k.dtype)
     return Status::Invalid(cat("rotary.k_rotated.dtype ", dtype_name(r.k_rotated.dtype), " differs from k.dtype ",
                                dtype_name(p.k.dtype), " (the rotated keys are stored in k's dtype)"));

@@ -706,11 +706,11 @@ TEST(FusedValidate, RotarySentences) {
   EXPECT_TRUE(Invalid(validate(p, b), {"rotary.max_position 0"}));
   p.rotary.max_position = 4096;
   EXPECT_TRUE(Passes(validate(p, b)));
-  // Separate tables: the CPU backend reads them, the CUDA kernel reads one cos_sin_cache only.
+  // Separate tables: every backend reads them (the CUDA kernel by pointer and row stride too).
   p.rotary.sin = reinterpret_cast<const float*>(kW) + 4096 * 64;
   p.rotary.table_stride = 0;  // rotary_dim / 2
   EXPECT_TRUE(Passes(validate(p, Backend::kCpu)));
-  EXPECT_TRUE(Fails(validate(p, b), StatusCode::kUnsupported, {"rotary.cos/sin tables as one cos_sin_cache"}));
+  EXPECT_TRUE(Passes(validate(p, b)));
   p.rotary.table_stride = 63;
   EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"rotary.table_stride 63 must be >= rotary_dim / 2 = 64"}));
   p.rotary.table_stride = 64;

@@ -10,7 +10,7 @@
 //      in the padding, so a stride mistake shows), both styles, full and partial rotary_dim,
 //      bf16 and fp32.
 //   2. Same sentences: one bad spec is refused by the three validators with one sentence (the
-//      field prefix aside); the CUDA table-layout rule of apply_rotary and attention; positions
+//      field prefix aside); every table layout accepted on CUDA too; positions
 //      outside the tables refused on the CPU by all three.
 #include <gtest/gtest.h>
 
@@ -287,7 +287,7 @@ TEST(RotarySpec, Helpers) {
   EXPECT_EQ(r.max_position, 8);
   EXPECT_TRUE(r.has_tables());
   EXPECT_TRUE(r.is_cos_sin_cache(128));
-  r.table_stride = 40;  // rows of 40: no longer the [cos | sin] layout the CUDA kernels read
+  r.table_stride = 40;  // rows of 40: no longer the [cos | sin] layout of one cache
   EXPECT_FALSE(r.is_cos_sin_cache(128));
   EXPECT_EQ(RotarySpec::of_style(RopeStyle::kInterleaved).style, RopeStyle::kInterleaved);
   EXPECT_EQ(RopeParams{}.rotary.style, RopeStyle::kNeox);  // apply_rotary's default
@@ -458,9 +458,10 @@ TEST(RotarySpec, PositionsOutsideTheTablesAreRefusedOnTheCpu) {
   EXPECT_NE(t.attention.message().find("rotary (q): "), std::string::npos) << t.attention.message();  // q rotates first
 }
 
-TEST(RotarySpec, CudaTableLayouts) {
-  // apply_rotary's and attention's CUDA kernels read one cos_sin_cache; decode's kernels read any
-  // tables. (Validation only: no device is touched.)
+TEST(RotarySpec, CudaTakesEveryTableLayout) {
+  // Every CUDA kernel reads the tables by pointer and row stride (rope.cuh's CosSinTables), as
+  // the CPU backends do: separate tables and a cos_sin_cache both validate on all three paths.
+  // (Validation only: no device is touched.)
   static std::vector<float> table(64 * 64, 0.25f);
   const Three separate = validate_three(
       [](RotarySpec& r) {
@@ -469,12 +470,8 @@ TEST(RotarySpec, CudaTableLayouts) {
         r.max_position = 32;
       },
       Backend::kCuda);
-  EXPECT_EQ(separate.apply.code(), StatusCode::kUnsupported) << separate.apply.to_string();
-  EXPECT_EQ(separate.attention.code(), StatusCode::kUnsupported) << separate.attention.to_string();
-  EXPECT_NE(separate.apply.message().find("rotary.cos/sin tables as one cos_sin_cache"), std::string::npos)
-      << separate.apply.message();
-  EXPECT_NE(separate.attention.message().find("rotary.spec.cos/sin tables as one cos_sin_cache"), std::string::npos)
-      << separate.attention.message();
+  EXPECT_TRUE(separate.apply.ok()) << separate.apply.to_string();
+  EXPECT_TRUE(separate.attention.ok()) << separate.attention.to_string();
   EXPECT_TRUE(separate.decode.ok()) << separate.decode.to_string();
   const Three cache = validate_three([](RotarySpec& r) { r.set_cos_sin_cache(table.data(), 64, kD); }, Backend::kCuda);
   EXPECT_TRUE(cache.apply.ok()) << cache.apply.to_string();

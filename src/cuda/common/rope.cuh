@@ -16,24 +16,25 @@ namespace flashcpp::cuda::rope {
 using ::flashcpp::fused::cos_sin_angle;
 using ::flashcpp::fused::rotate_pair;
 
-/// cos/sin of rotary pair i at position pos from an fp32 cache of rows [cos(half) | sin(half)]; NaN
-/// for a position outside [0, max_position) (poisons the row, never reads out of bounds).
-__device__ __forceinline__ void cos_sin_cached(const float* cache, int half, int max_position, std::int32_t pos, int i,
-                                               float* c, float* sn) {
-  if (pos >= 0 && pos < max_position) {
-    const float* row = cache + static_cast<std::int64_t>(pos) * (2 * half);
-    *c = __ldg(row + i);
-    *sn = __ldg(row + half + i);
+using ::flashcpp::fused::CosSinTables;
+
+/// cos/sin of rotary pair i at position pos from the tables; NaN for a position outside
+/// [0, max_position) (poisons the row, never reads out of bounds).
+__device__ __forceinline__ void cos_sin_table(const CosSinTables& t, std::int32_t pos, int i, float* c, float* sn) {
+  if (pos >= 0 && pos < t.max_position) {
+    const std::int64_t at = static_cast<std::int64_t>(pos) * t.stride + i;
+    *c = __ldg(t.cos + at);
+    *sn = __ldg(t.sin + at);
   } else {
     *c = *sn = __int_as_float(0x7fffffff);
   }
 }
 
-/// cos/sin of rotary pair i at position pos: from the cache when there is one, else from the angle.
-__device__ __forceinline__ void cos_sin(const float* cache, int half, int max_position, const double* inv_freq,
-                                        std::int32_t pos, int i, float* c, float* sn) {
-  if (cache)
-    cos_sin_cached(cache, half, max_position, pos, i, c, sn);
+/// cos/sin of rotary pair i at position pos: from the tables when there are any, else from the angle.
+__device__ __forceinline__ void cos_sin(const CosSinTables& t, const double* inv_freq, std::int32_t pos, int i, float* c,
+                                        float* sn) {
+  if (t.cos != nullptr)
+    cos_sin_table(t, pos, i, c, sn);
   else
     cos_sin_angle(pos, inv_freq[i], c, sn);
 }

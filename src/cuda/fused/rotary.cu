@@ -67,8 +67,7 @@ struct RotaryArgs {
   /// cu_seqlens[b] + s, present only for s < cu_seqlens[b + 1] - cu_seqlens[b]; the batch
   /// strides are unused and positions are indexed by the packed row. Null: plain (b, s) tokens.
   const std::int32_t* cu_seqlens = nullptr;
-  const float* cache = nullptr;             ///< null: compute cos/sin
-  int max_position = 0;
+  rope::CosSinTables tables;                ///< the spec's cos/sin tables; cos null: compute cos/sin
   bool streaming = false;  ///< evict-first hints on q/k loads and stores
   // Staged kernel (cuda_config "staged"): rows = (token, head) pairs of head_dim elements.
   int head_dim = 0;
@@ -95,7 +94,7 @@ __device__ __forceinline__ void lane_offsets(const RotaryArgs& a, int lane, int*
 /// cos/sin of rotary pair i at position pos (common/rope.cuh: the cache, NaN outside it, or sincos
 /// of the fp64-reduced angle).
 __device__ __forceinline__ void cos_sin_at(const RotaryArgs& a, std::int32_t pos, int i, float* c, float* sn) {
-  rope::cos_sin(a.cache, a.half, a.max_position, a.inv_freq, pos, i, c, sn);
+  rope::cos_sin(a.tables, a.inv_freq, pos, i, c, sn);
 }
 
 /// Rotates a lane's two vectors (A at oa, B at ob) into ra, rb with pair k's cos/sin from
@@ -197,10 +196,8 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
     // The cache test is hoisted out of the pairs, so a pair's cos/sin loads (or angle) do not wait
     // behind the previous pair's branch.
     if (head_valid(0)) {
-      if (a.cache != nullptr)
-        rotate_store(0, [&](int k, float* c, float* sn) {
-          rope::cos_sin_cached(a.cache, a.half, a.max_position, pos, lane * VEC + k, c, sn);
-        });
+      if (a.tables.cos != nullptr)
+        rotate_store(0, [&](int k, float* c, float* sn) { rope::cos_sin_table(a.tables, pos, lane * VEC + k, c, sn); });
       else
         rotate_store(0, [&](int k, float* c, float* sn) { rope::cos_sin_angle(pos, a.inv_freq[lane * VEC + k], c, sn); });
     }
@@ -346,11 +343,7 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   a.neox = spec.style == RopeStyle::kNeox;
   a.positions = p.positions;
   a.cu_seqlens = cu_seqlens;
-  // The kernel reads one cos_sin_cache, rows [cos | sin] from cos (validated: is_cos_sin_cache).
-  if (spec.has_tables() && !spec.is_cos_sin_cache(p.head_dim))
-    return Status::Internal("apply_rotary: the CUDA kernel reads only cos_sin_cache tables (validate refuses others)");
-  a.cache = spec.cos;
-  a.max_position = spec.max_position;
+  a.tables = rope::CosSinTables{spec.cos, spec.sin, spec.effective_table_stride(p.head_dim), spec.max_position};
   if (!spec.has_tables()) {
     if (a.half > kMaxPairs) return Status::Internal("apply_rotary: rotary_dim / 2 exceeds the kernel's inv_freq table");
     for (int i = 0; i < a.half; ++i) a.inv_freq[i] = rotary_inv_freq(i, rot, spec.theta, spec.llama3);

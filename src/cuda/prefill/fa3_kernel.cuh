@@ -46,7 +46,7 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
   // Rotary without a cache: this warpgroup's copy of inv_freq in shared memory (a warp reads 16
   // different pairs at once: one shared-memory access, but 16 serialized kernel-parameter reads).
   double* inv_freq = sm.inv_freq(c);
-  if (rotary && p.rope.cache == nullptr) {
+  if (rotary && p.rope.tables.cos == nullptr) {
     for (int i = ct; i < p.rope.half; i += 128) inv_freq[i] = p.rope.inv_freq[i];
     sm90::named_barrier_sync(1 + c, 128);
   }

@@ -56,7 +56,7 @@ inline PrefillMask make_prefill_mask(const AttnParams& a) {
 }
 
 /// The q side of the rotary of a validated problem (validate.cc checks the CUDA rules: rotary_dim
-/// % 8 for neox, % 4 for interleaved, tables only as one cos_sin_cache, RotarySpec::is_cos_sin_cache):
+/// % 8 for neox, % 4 for interleaved):
 /// inv_freq in fp64 by the formula apply_rotary uses. The keys were rotated before the launch
 /// (rotate_keys).
 inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a, int head_dim) {
@@ -66,10 +66,9 @@ inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a, int head_dim)
   const int rd = s.effective_rotary_dim(head_dim);
   r.half = rd / 2;
   r.neox = s.style == RopeStyle::kNeox ? 1 : 0;
-  r.cache = s.cos;  // the cache's rows [cos | sin] start at cos
-  r.max_position = s.max_position;
+  r.tables = fused::CosSinTables{s.cos, s.sin, s.effective_table_stride(head_dim), s.max_position};
   r.positions_q = a.positions_q;
-  if (r.cache == nullptr)
+  if (!s.has_tables())
     for (int i = 0; i < r.half; ++i) r.inv_freq[i] = rotary_inv_freq(i, rd, s.theta, s.llama3);
 }
 

@@ -104,12 +104,12 @@ __device__ __forceinline__ void rope_tile(const PrefillRope& rp, const double* i
         vb[u] = va[u];
     }
     float cs[kBatch][4], sn[kBatch][4];
-    if (rp.cache != nullptr) {
+    if (rp.tables.cos != nullptr) {
 #pragma unroll
       for (int u = 0; u < kBatch; ++u)
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          if (k < np) rope::cos_sin_cached(rp.cache, rp.half, rp.max_position, pos[u], pair0[u] + k, &cs[u][k], &sn[u][k]);
+          if (k < np) rope::cos_sin_table(rp.tables, pos[u], pair0[u] + k, &cs[u][k], &sn[u][k]);
     } else {
 #pragma unroll
       for (int u = 0; u < kBatch; ++u)

@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "common/fused_math.h"
+
 namespace flashcpp::cuda {
 
 struct PrefillRope {
@@ -16,10 +18,9 @@ struct PrefillRope {
   /// on), half % 2 == 0 for interleaved (a piece holds 2 adjacent pairs).
   int half = 0;
   int neox = 1;  ///< 1: pairs (i, i + half); 0: interleaved pairs (2i, 2i + 1)
-  const float* cache = nullptr;  ///< fp32 [max_position][2 * half] rows [cos | sin], or null
-  int max_position = 0;
+  fused::CosSinTables tables;  ///< the spec's cos/sin tables; tables.cos null: angles from inv_freq
   const std::int32_t* positions_q = nullptr;  ///< null: query row i at i + len_k - len_q
-  /// Without a cache: fp64 inv_freq per pair (theta and Llama-3 scaling applied on the host by
+  /// Without tables: fp64 inv_freq per pair (theta and Llama-3 scaling applied on the host by
   /// fused::inv_freq, as for apply_rotary). head_dim <= 256, so at most 128 pairs.
   double inv_freq[128] = {};
 };
