@@ -11,15 +11,37 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "flashcpp/half.h"
 #include "cuda/cuda_api.h"
 #include "flashcpp/attention.h"
+#include "flashcpp/build.h"
 
 namespace flashcpp::testing {
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+/// The sentences of the named kernel families this build leaves out (CMake's FLASHCPP_WITH_*
+/// switches, flashcpp/build.h), joined; "" when it holds them all.
+inline std::string left_out_families(std::initializer_list<std::string_view> names) {
+  std::string out;
+  for (const BuildFamily& f : build_families())
+    for (std::string_view n : names)
+      if (!f.built && f.name == n) out += (out.empty() ? "" : "; ") + f.left_out;
+  return out;
+}
+
+/// Whether `st` refuses a request because this build leaves its kernel family out (the sentence
+/// of core/families.cc): the test of that family skips with it instead of failing.
+inline bool left_out_of_build(const Status& st) {
+  return st.code() == StatusCode::kUnsupported && st.message().rfind("this build leaves out", 0) == 0;
+}
+
+/// What a test file of a family this build leaves out compiles to: one test, skipped with the reason.
+#define FLASHCPP_GPU_TESTS_LEFT_OUT(Suite, ...) \
+  TEST(Suite, LeftOutOfThisBuild) { GTEST_SKIP() << ::flashcpp::testing::left_out_families({__VA_ARGS__}); }
 
 inline std::uint64_t gpu_seed() {
   static const std::uint64_t seed = [] {

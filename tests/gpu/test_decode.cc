@@ -23,6 +23,7 @@
 #include "flashcpp/decode.h"
 #include "gpu_util.h"
 
+#if FLASHCPP_HAS_DECODE
 namespace flashcpp::testing {
 namespace {
 
@@ -975,3 +976,6 @@ TEST(DecodeGpu, ValidationReachesNoKernel) {
 
 }  // namespace
 }  // namespace flashcpp::testing
+#else
+FLASHCPP_GPU_TESTS_LEFT_OUT(DecodeGpu, "decode")
+#endif

@@ -20,6 +20,7 @@
 #include "flashcpp/fused.h"
 #include "gpu_util.h"
 
+#if FLASHCPP_HAS_FUSED
 namespace flashcpp::testing {
 namespace {
 
@@ -621,3 +622,6 @@ TEST(FusedGpu, CapturedInCudaGraph) {
 
 }  // namespace
 }  // namespace flashcpp::testing
+#else
+FLASHCPP_GPU_TESTS_LEFT_OUT(FusedGpu, "fused")
+#endif

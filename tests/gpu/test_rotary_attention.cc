@@ -22,13 +22,16 @@
 
 #include "cpu/cpu_backend.h"
 #include "core/selector.h"
+#if FLASHCPP_HAS_SM80
 #include "cuda/prefill/fa2_registry.h"
+#endif
 #if FLASHCPP_HAS_SM90
 #include "cuda/prefill/fa3_registry.h"
 #endif
 #include "flashcpp/fused.h"
 #include "gpu_util.h"
 
+#if FLASHCPP_HAS_SM80 || FLASHCPP_HAS_SM90
 namespace flashcpp::testing {
 namespace {
 
@@ -60,7 +63,9 @@ std::string describe(const RotCase& c) {
 /// Every compiled config of the families this device runs that takes rotary.
 std::vector<std::string> configs(int d) {
   std::vector<std::string> out;
+#if FLASHCPP_HAS_SM80
   for (const auto& e : cuda::fa2_entries(d)) out.push_back(select::sm80_config_name(e.tile));
+#endif
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
@@ -353,3 +358,6 @@ TEST(RotaryAttentionGpu, WithVarlenWindowAndSoftcap) {
 
 }  // namespace
 }  // namespace flashcpp::testing
+#else
+FLASHCPP_GPU_TESTS_LEFT_OUT(RotaryAttentionGpu, "sm80", "sm90")
+#endif
