@@ -4,6 +4,12 @@
 #   make gpu-test  on an NVIDIA machine: build, GPU tests, correctness reports
 #   make bench     on an NVIDIA machine: peers vs flashcpp, reports/<area>/benchmark.{csv,png}
 #                  (QUICK=1: the --quick subsets, written under $(BUILD)/bench-quick)
+# CMAKE_ARGS goes to cmake's configure, e.g. a kernel family left out of the build (README "Build
+# switches"; FLASHCPP_WITH_SM80, _SM90, _DECODE, _FUSED, _ENGINE, all ON by default):
+#   make BUILD=build-nosm80 CMAKE_ARGS=-DFLASHCPP_WITH_SM80=OFF
+#   make BUILD=build-small CMAKE_ARGS="-DFLASHCPP_WITH_SM80=OFF -DFLASHCPP_WITH_ENGINE=OFF"
+# A changed CMAKE_ARGS (or CUDA) configures the build directory again, every switch ON unless
+# CMAKE_ARGS turns it off (so a plain `make` after one of these builds every family again).
 SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
@@ -36,15 +42,23 @@ timed = s=$$(date +%s) && $(2) && echo "[make bench] $(1): $$(( $$(date +%s) - s
 AREA_ENV = FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON)
 IS_HOPPER := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9' && echo yes || echo no)
 
-.PHONY: all deps configure build test run gpu-test bench fuzz python-test clean
+.PHONY: all deps configure build test run gpu-test bench fuzz python-test clean FORCE
 all: build
 
 deps:
 	bash scripts/deps.sh
 
-$(BUILD)/build.ninja:
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCPP_CUDA=$(CUDA) \
-	  -DFLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(CMAKE_PREFIX) $(CMAKE_ARGS)
+# The configure arguments that matter (not the commit label: it is written at build time), kept in
+# $(BUILD)/configure-args; a change re-runs the configure (otherwise an existing build.ninja keeps
+# whatever configuration made it, and `make CMAKE_ARGS=...` on it would silently change nothing).
+FAMILIES_ON := $(foreach f,SM80 SM90 DECODE FUSED ENGINE,-DFLASHCPP_WITH_$(f)=ON)
+CONFIGURE_ARGS := -DFLASHCPP_CUDA=$(CUDA) $(CMAKE_PREFIX) $(FAMILIES_ON) $(CMAKE_ARGS)
+$(BUILD)/configure-args: FORCE
+	@mkdir -p $(BUILD); echo '$(CONFIGURE_ARGS)' | cmp -s - $@ || echo '$(CONFIGURE_ARGS)' > $@
+
+$(BUILD)/build.ninja: $(BUILD)/configure-args
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(CONFIGURE_ARGS)
+	@touch $@  # cmake leaves an unchanged build.ninja as it was: newer than the arguments it was made with
 
 configure: deps $(BUILD)/build.ninja
 
