@@ -47,6 +47,7 @@ struct RotCase {
   int rot = 0;  ///< rotary_dim (0 = head_dim)
   RopeStyle style = RopeStyle::kNeox;
   bool llama3 = false, cache = false, positions = false;
+  bool separate = false;  ///< with cache: the same angles as two tables with a padded row stride
 };
 
 std::string describe(const RotCase& c) {
@@ -56,7 +57,8 @@ std::string describe(const RotCase& c) {
        (c.dt == DType::kBF16 ? " bf16" : " fp16") + (c.causal ? " causal" : "") +
        (c.wl >= 0 ? " wl" + std::to_string(c.wl) : "") + (c.softcap > 0.f ? " softcap" : "") + " rot" +
        std::to_string(c.rot ? c.rot : c.d) + (c.style == RopeStyle::kNeox ? " neox" : " interleaved") +
-       (c.llama3 ? " llama3" : "") + (c.cache ? " cache" : "") + (c.positions ? " positions" : "");
+       (c.llama3 ? " llama3" : "") + (c.cache ? (c.separate ? " tables" : " cache") : "") +
+       (c.positions ? " positions" : "");
   return s;
 }
 
@@ -119,11 +121,36 @@ void run_case(const RotCase& c, std::uint64_t salt) {
         cache[static_cast<std::size_t>(p) * rot + half + i] = static_cast<float>(std::sin(a));
       }
   }
+  // c.separate: the same values as two tables (flash-attn's rotary_cos / rotary_sin) with rows
+  // padded to half + 3 (NaN in the padding, so a stride mistake shows as NaN).
+  const std::int64_t sep_stride = half + 3;
+  std::vector<float> sep_cos, sep_sin;
+  if (c.cache && c.separate) {
+    sep_cos.assign(static_cast<std::size_t>(max_pos * sep_stride), NAN);
+    sep_sin.assign(sep_cos.size(), NAN);
+    for (int p = 0; p < max_pos; ++p)
+      for (int i = 0; i < half; ++i) {
+        sep_cos[static_cast<std::size_t>(p * sep_stride + i)] = cache[static_cast<std::size_t>(p) * rot + i];
+        sep_sin[static_cast<std::size_t>(p * sep_stride + i)] = cache[static_cast<std::size_t>(p) * rot + half + i];
+      }
+  }
+  auto set_tables = [&](RotarySpec& r, const float* cache_ptr, const float* cos_ptr, const float* sin_ptr) {
+    if (!c.cache) return;
+    if (!c.separate) {
+      r.set_cos_sin_cache(cache_ptr, max_pos, rot);
+      return;
+    }
+    r.cos = cos_ptr;
+    r.sin = sin_ptr;
+    r.table_stride = sep_stride;
+    r.max_position = max_pos;
+  };
 
   DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), q2(nq * 2), k2(nk * 2), o(nq * 2), o2(nq * 2),
       lse(sizeof(float) * n_lse), lse2(sizeof(float) * n_lse), d_pos_q(4 * rows_q), d_pos_k(4 * rows_k),
       d_cache(sizeof(float) * std::max<std::size_t>(cache.size(), 1)), d_cu_q(4 * (batch + 1)), d_cu_k(4 * (batch + 1)),
-      kr(nk * 2);
+      kr(nk * 2), d_cos(sizeof(float) * std::max<std::size_t>(sep_cos.size(), 1)),
+      d_sin(sizeof(float) * std::max<std::size_t>(sep_sin.size(), 1));
   upload(q, hq_bits);
   upload(k, hk_bits);
   upload(v, hv_bits);
@@ -132,6 +159,10 @@ void run_case(const RotCase& c, std::uint64_t salt) {
   upload(d_pos_q, pos_q);
   upload(d_pos_k, pos_k);
   if (c.cache) upload(d_cache, cache);
+  if (c.separate) {
+    upload(d_cos, sep_cos);
+    upload(d_sin, sep_sin);
+  }
   upload(d_cu_q, cu_q);
   upload(d_cu_k, cu_k);
 
@@ -151,7 +182,8 @@ void run_case(const RotCase& c, std::uint64_t salt) {
   p.rotary.spec.rotary_dim = rot;
   p.rotary.spec.style = c.style;
   p.rotary.spec.llama3 = l3;
-  if (c.cache) p.rotary.spec.set_cos_sin_cache(static_cast<const float*>(d_cache.ptr), max_pos, rot);
+  set_tables(p.rotary.spec, static_cast<const float*>(d_cache.ptr), static_cast<const float*>(d_cos.ptr),
+             static_cast<const float*>(d_sin.ptr));
   if (c.positions) {
     p.rotary.positions_q = static_cast<const std::int32_t*>(d_pos_q.ptr);
     p.rotary.positions_k = static_cast<const std::int32_t*>(d_pos_k.ptr);
@@ -191,7 +223,7 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     rp.rotary.rotary_dim = rot;
     rp.rotary.style = c.style;
     rp.rotary.llama3 = l3;
-    if (c.cache) rp.rotary.set_cos_sin_cache(cache.data(), max_pos, rot);
+    set_tables(rp.rotary, cache.data(), sep_cos.data(), sep_sin.data());
     rp.seqlen = rows_q;
     rp.heads_q = c.hq;
     rp.q = bshd_view(hq_rot.data(), c.dt, rows_q, c.hq, c.d);
@@ -337,6 +369,11 @@ TEST(RotaryAttentionGpu, PartialDimsCacheLlama3AndPositions) {
   c = dense(1, 64, 300, 2, 2, 64, DType::kBF16, true);
   c.rot = 8;  // the smallest neox piece: one 8-byte piece per half
   c.cache = true;
+  run_case(c, ++salt);
+  c = dense(2, 130, 130, 2, 2, 128, DType::kBF16, true);
+  c.rot = 64;
+  c.cache = c.separate = true;  // two tables with a padded stride, on both prefill kernels
+  c.positions = true;
   run_case(c, ++salt);
 }
 
