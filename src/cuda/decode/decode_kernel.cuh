@@ -32,8 +32,8 @@
 // V (16/32/64 KB for D = 64/128/256). A CTA issues the copy of tile it + S - 1 before it waits for
 // tile it, so while it waits (most of its time) all kStages stages are in flight, and
 // Config::kCtasPerSm CTAs share an SM: >= 96 KB in flight per SM. Issuing only after the wait
-// (S - 1 stages in flight) and a block-table read per row cost 5% at B = 64 (258 -> 245 us, ncu:
-// 2.5x the instructions cuDNN's kernel issues for the same bytes; the loop now issues fewer).
+// (S - 1 stages in flight), or a block-table read per row, leaves bytes off the bus (reports/decode
+// has the measurements).
 // Where it falls off: a split shorter than kStages tiles leaves the pipeline part empty (the
 // planner keeps splits >= 4 tiles); rows > 64 (MQA with > 64 heads x tokens) re-read K/V once per
 // row block (from L2: the row blocks of a split run side by side).

@@ -25,8 +25,8 @@ constexpr int kMergeWarps = 4;
 /// LSEs are loaded at once (lane j holds splits j, j + 32, ...) and every lane computes the same
 /// weights; the splits are cut into kMergeWarps quarters, each summed in split order with its
 /// partial rows loaded 8 at a time (4 on sm_8x) before any is used, and the quarters' sums are
-/// added in quarter order. A merge of n splits waits for ~2 + n / 32 round trips to L2 (ncu,
-/// B = 1, 32 heads, 8 splits: 8.7 us when each split was loaded when needed). Two schedules do
+/// added in quarter order. A merge of n splits waits for ~2 + n / 32 round trips to L2 (loading
+/// each split when needed waited for n of them: reports/decode). Two schedules do
 /// exactly these operations in this order, so they agree bit for bit with each other and across
 /// runs: merge_row (the merge kernel; the fused merge of one row) gives each quarter to a warp of
 /// the CTA; merge_row_warp (the fused merge of several rows, one per warp) sums the quarters in
@@ -36,7 +36,7 @@ struct MergeRow {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   static constexpr int kBatch = 4;  // partial rows in flight per lane (sm_80's ptxas spills 4 bytes at 8)
 #else
-  static constexpr int kBatch = 8;  // partial rows in flight per lane (measured on the H200)
+  static constexpr int kBatch = 8;  // partial rows in flight per lane (the H200's best: reports/decode)
 #endif
   int n, first, hk, r, D;
   float w[kRounds];  // lane's weights exp(lse - max): splits lane, lane + 32, ...

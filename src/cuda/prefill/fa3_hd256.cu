@@ -4,10 +4,11 @@
 namespace flashcpp::cuda {
 namespace {
 const Fa3Entry kEntries[] = {
-    fa3_entry<Fa3Config<256, 64, 2, true>>(),   // default: pipelined consumers + ping-pong (+12% with K/V released apart)
+    fa3_entry<Fa3Config<256, 64, 2, true>>(),   // default: pipelined consumers + ping-pong
     fa3_entry<Fa3Config<256, 64, 2>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
-    // The default config, persistent: causal 1.11x / 1.02x the default and 1.10x / 1.12x the plain
-    // persistent config (no longer compiled) at 512 / 2048 tiles (reports/hopper/raw/persist_a367a06_2026-11-30.txt).
+    // The default config, persistent: where the selector's persistent rule holds (large causal
+    // problems) it beats the default and a plain persistent config, which is not compiled
+    // (reports/hopper/raw/persist_a367a06_2026-11-30.txt).
     fa3_entry<Fa3Config<256, 64, 2, true, true, true>>(),
 };
 }  // namespace

@@ -6,11 +6,10 @@ namespace {
 const Fa3Entry kEntries[] = {
     // FA3's d64 tile: 192 query rows over three consumer warpgroups at 160 registers (producer 32),
     // pipelined, the ping-pong turns in round robin (two warpgroups' softmax under one's GEMMs).
-    // Dispatch takes it where its per-row gain beats its coarser waves (fa3_dispatch.cc, suits):
-    // up to 1.14x the 128-row config in process, 0.83x on one partial wave
-    // (reports/hopper/raw/d64_m192_275afeb_2026-11-30.txt). No persistent twin: it spilled and lost everywhere.
+    // The selector takes it where its per-row gain beats its coarser waves (core/selector.cc,
+    // wide_tile_pays, with the measurements). No persistent twin: it spilled and lost everywhere.
     fa3_entry<Fa3Config<64, 128, 4, true, true, false, 3>>(),
-    fa3_entry<Fa3Config<64, 128, 4, true>>(),   // pipelined consumers + ping-pong (+10-15% at hd64)
+    fa3_entry<Fa3Config<64, 128, 4, true>>(),   // pipelined consumers + ping-pong
     fa3_entry<Fa3Config<64, 128, 4>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     fa3_entry<Fa3Config<64, 128, 4, true, true, true>>(),  // the 128-row config, persistent (tile scheduler, TMA store)
 };
