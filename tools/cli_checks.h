@@ -129,6 +129,19 @@ inline CLI::Validator one_of(std::vector<int> allowed) {
       "INT in {" + list + "}");
 }
 
+/// The value must be a multiple of `step` in [step, hi] (head dims on the CPU backends).
+inline CLI::Validator multiple_of_upto(int step, int hi) {
+  const std::string must = "a multiple of " + std::to_string(step) + " in [" + std::to_string(step) + ", " +
+                           std::to_string(hi) + "]";
+  return CLI::Validator(
+      [must, step, hi](std::string& text) -> std::string {
+        int v = 0;
+        const bool ok = detail::convert(text, &v) && v >= step && v <= hi && v % step == 0;
+        return ok ? std::string() : "must be " + must + "; got '" + text + "'";
+      },
+      "INT " + must);
+}
+
 /// The value must be a power of two in [1, hi].
 inline CLI::Validator power_of_two_upto(int hi) {
   const std::string must = "a power of two in [1, " + std::to_string(hi) + "]";

@@ -49,6 +49,7 @@ using flashcpp::Status;
 
 struct ShapeOptions {
   int batch = 1, seqlen_q = 4096, seqlen_k = -1, heads_q = 32, heads_kv = -1, head_dim = 128;
+  int head_dim_v = 0;  ///< 0 = head_dim
   std::string dtype = "bf16";
   bool causal = false;
   int window_left = -1, window_right = -1;
@@ -65,7 +66,7 @@ DType parse_dtype(const std::string& s) {
 /// back to back from a fake base address (256-byte aligned, never dereferenced).
 struct InfoLayout {
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
-  unsigned __int128 q_bytes = 0, k_bytes = 0;  ///< q and o each; k and v each
+  unsigned __int128 q_bytes = 0, k_bytes = 0, v_bytes = 0, o_bytes = 0;
   bool fits = false;  ///< false: the four tensors would not fit in a 64-bit address space
 };
 
@@ -73,11 +74,14 @@ InfoLayout info_layout(const ShapeOptions& s) {
   using U = unsigned __int128;
   InfoLayout l;
   const U es = flashcpp::dtype_size(parse_dtype(s.dtype));
+  const U dv = U(s.head_dim_v ? s.head_dim_v : s.head_dim);
   l.q_bytes = U(s.batch) * U(s.seqlen_q) * U(s.heads_q) * U(s.head_dim) * es;
   l.k_bytes = U(s.batch) * U(s.seqlen_k) * U(s.heads_kv) * U(s.head_dim) * es;
+  l.v_bytes = U(s.batch) * U(s.seqlen_k) * U(s.heads_kv) * dv * es;
+  l.o_bytes = U(s.batch) * U(s.seqlen_q) * U(s.heads_q) * dv * es;
   constexpr U kBase = U(1) << 20, kAlign = 256;
   auto up = [&](U x) { return (x + kAlign - 1) / kAlign * kAlign; };
-  const U q = kBase, k = up(q + l.q_bytes), v = up(k + l.k_bytes), o = up(v + l.k_bytes), end = o + l.q_bytes;
+  const U q = kBase, k = up(q + l.q_bytes), v = up(k + l.k_bytes), o = up(v + l.v_bytes), end = o + l.o_bytes;
   l.fits = end < (U(1) << 63);
   if (l.fits) {
     l.q = reinterpret_cast<void*>(static_cast<std::uintptr_t>(q));
@@ -96,11 +100,12 @@ AttnParams info_params(const ShapeOptions& s, void* q, void* k, void* v, void* o
   p.heads_q = s.heads_q;
   p.heads_kv = s.heads_kv;
   p.head_dim = s.head_dim;
+  p.head_dim_v = s.head_dim_v;
   const DType dt = parse_dtype(s.dtype);
   p.q = flashcpp::bshd_view(q, dt, s.seqlen_q, s.heads_q, s.head_dim);
   p.k = flashcpp::bshd_view(k, dt, s.seqlen_k, s.heads_kv, s.head_dim);
-  p.v = flashcpp::bshd_view(v, dt, s.seqlen_k, s.heads_kv, s.head_dim);
-  p.o = flashcpp::bshd_view(o, dt, s.seqlen_q, s.heads_q, s.head_dim);
+  p.v = flashcpp::bshd_view(v, dt, s.seqlen_k, s.heads_kv, p.effective_head_dim_v());
+  p.o = flashcpp::bshd_view(o, dt, s.seqlen_q, s.heads_q, p.effective_head_dim_v());
   p.mask.causal = s.causal;
   p.mask.window_left = s.window_left;
   p.mask.window_right = s.window_right;
@@ -124,7 +129,7 @@ std::string info_shape_error(const ShapeOptions& s) {
                        s.heads_q, s.heads_kv);
   if (const InfoLayout l = info_layout(s); !l.fits)
     return fmt::format("q, k, v and o of this shape would take {}, more than a 64-bit address space holds",
-                       bytes_str(2 * l.q_bytes + 2 * l.k_bytes));
+                       bytes_str(l.q_bytes + l.k_bytes + l.v_bytes + l.o_bytes));
   return {};
 }
 
@@ -184,18 +189,25 @@ int cmd_info(ShapeOptions s) {
   fmt::print("devices: no CUDA device (CPU-only build)\n");
 #endif
   std::string dims;
-  for (int d : flashcpp::kSupportedHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-  fmt::print("supported head dims: {}\n", dims);
+  for (int d : flashcpp::kCudaHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+  fmt::print("supported head dims: any multiple of {} in [{}, {}] for q/k and for v/o (CPU backends); CUDA kernels: {} "
+             "with head_dim_v = head_dim\n",
+             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims);
 
   std::string mask = s.causal ? "causal" : "";
   if (s.window_left >= 0 || s.window_right >= 0)
     mask += fmt::format("{}window ({}, {})", mask.empty() ? "" : ", ", s.window_left, s.window_right);
-  fmt::print("kernel choice for batch {}, seqlen_q {}, seqlen_k {}, heads_q {}, heads_kv {}, head_dim {}, {}{}:\n",
-             s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim, s.dtype,
+  const std::string dv = s.head_dim_v && s.head_dim_v != s.head_dim ? fmt::format(", head_dim_v {}", s.head_dim_v) : "";
+  fmt::print("kernel choice for batch {}, seqlen_q {}, seqlen_k {}, heads_q {}, heads_kv {}, head_dim {}{}, {}{}:\n",
+             s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.head_dim, dv, s.dtype,
              mask.empty() ? "" : ", " + mask);
   const InfoLayout lay = info_layout(s);
-  fmt::print("  (q and o {} each, k and v {} each; nothing is allocated: the dispatcher reads no element)\n",
-             bytes_str(lay.q_bytes), bytes_str(lay.k_bytes));
+  if (dv.empty())
+    fmt::print("  (q and o {} each, k and v {} each; nothing is allocated: the dispatcher reads no element)\n",
+               bytes_str(lay.q_bytes), bytes_str(lay.k_bytes));
+  else
+    fmt::print("  (q {}, k {}, v {}, o {}; nothing is allocated: the dispatcher reads no element)\n",
+               bytes_str(lay.q_bytes), bytes_str(lay.k_bytes), bytes_str(lay.v_bytes), bytes_str(lay.o_bytes));
   const AttnParams p = info_params(s, lay.q, lay.k, lay.v, lay.o);
   for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
     RunOptions opt;
@@ -222,7 +234,7 @@ int cmd_info(ShapeOptions s) {
       return;
     }
     fmt::print("{}:\n", title);
-    for (int d : flashcpp::kSupportedHeadDims) {
+    for (int d : flashcpp::kCudaHeadDims) {
       std::string names;
       for (const auto& c : configs(d)) names += (names.empty() ? "" : ", ") + c;
       fmt::print("  head_dim {:>3}: {}\n", d, names.empty() ? "(none compiled)" : names);
@@ -243,9 +255,11 @@ int main(int argc, char** argv) {
 
   using flashcpp::tools::at_least;
   using flashcpp::tools::non_negative_integer;
-  // Shared by every subcommand: the head dims the kernels compile, the CPU thread count.
+  // Shared by the subcommands: the head dims the CUDA kernels compile (bench, tune), every head
+  // dim the library takes (info, audit: the CPU backends run any of them), the CPU thread count.
   const CLI::Validator head_dims = flashcpp::tools::one_of(
-      std::vector<int>(std::begin(flashcpp::kSupportedHeadDims), std::end(flashcpp::kSupportedHeadDims)));
+      std::vector<int>(std::begin(flashcpp::kCudaHeadDims), std::end(flashcpp::kCudaHeadDims)));
+  const CLI::Validator any_head_dim = flashcpp::tools::multiple_of_upto(flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim);
   const CLI::Validator threads = flashcpp::tools::in_range(0, flashcpp::tools::kMaxThreads);
 
   ShapeOptions shape;
@@ -255,7 +269,8 @@ int main(int argc, char** argv) {
   info->add_option("--seqlen-k", shape.seqlen_k, "key rows per sequence (default: seqlen-q)")->check(at_least(1));
   info->add_option("--heads-q", shape.heads_q, "query heads")->check(at_least(1))->capture_default_str();
   info->add_option("--heads-kv", shape.heads_kv, "key/value heads (default: heads-q)")->check(at_least(1));
-  info->add_option("--head-dim", shape.head_dim, "head dimension")->check(head_dims)->capture_default_str();
+  info->add_option("--head-dim", shape.head_dim, "head dimension of q and k")->check(any_head_dim)->capture_default_str();
+  info->add_option("--head-dim-v", shape.head_dim_v, "head dimension of v and o (default: head-dim)")->check(any_head_dim);
   info->add_option("--dtype", shape.dtype, "element type")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32"}))
       ->capture_default_str();
@@ -343,7 +358,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "sm80", "sm90", "decode"}));
   audit->add_option("--heads", audit_opt.heads, "heads (default: 4 on cuda, 2 on cpu)")->check(at_least(1));
   audit->add_option("--head-dim", audit_opt.head_dim, "head dim (default: 128; 64 with --quick on cpu)")
-      ->check(head_dims);
+      ->check(any_head_dim);
   audit->add_option("--window", audit_opt.window, "window mask: causal with window_left = this")
       ->check(at_least(1));
   audit->add_flag("--rotary", audit_opt.rotary,

@@ -58,8 +58,24 @@
 
 namespace flashcpp {
 
-/// Head dimensions every backend supports.
-inline constexpr int kSupportedHeadDims[] = {64, 128, 256};
+/// Head dims: q and k share head_dim, v and o share head_dim_v (AttnParams), and each is any
+/// multiple of kHeadDimStep in [kHeadDimStep, kMaxHeadDim] (Phi-3's 96, Phi-2's 80, DeepSeek's
+/// 192/128, 16 and 32 for small models).
+inline constexpr int kHeadDimStep = 8;
+inline constexpr int kMaxHeadDim = 256;
+constexpr bool is_supported_head_dim(int d) noexcept {
+  return d >= kHeadDimStep && d <= kMaxHeadDim && d % kHeadDimStep == 0;
+}
+
+/// The head dims the CUDA kernels (prefill and decode) are compiled for, with head_dim_v equal to
+/// head_dim. Every other supported head dim runs on the CPU backends; a CUDA call with one is
+/// refused with Status::Unsupported, never padded by copying the tensors.
+inline constexpr int kCudaHeadDims[] = {64, 128, 256};
+constexpr bool is_cuda_head_dim(int d) noexcept {
+  for (int c : kCudaHeadDims)
+    if (c == d) return true;
+  return false;
+}
 
 /// Block-sparse mask in CSR form over (mask_batch, mask_head, query_block).
 /// Built on the host by build_block_sparse() (masks.h) or by hand. All arrays live in the
@@ -154,9 +170,11 @@ struct AttnParams {
   int seqlen_k = 0;   ///< key rows per sequence (max over sequences when varlen)
   int heads_q = 0;
   int heads_kv = 0;   ///< heads_q % heads_kv == 0 (GQA/MQA)
-  int head_dim = 0;   ///< one of kSupportedHeadDims
-  TensorView q, k, v; ///< inputs, all of the same dtype
-  TensorView o;       ///< output, same dtype and shape as q; must not overlap the inputs
+  int head_dim = 0;   ///< of q and k: a multiple of 8 in [8, 256] (is_supported_head_dim)
+  int head_dim_v = 0; ///< of v and o: likewise; 0 = head_dim
+  TensorView q, k, v; ///< inputs, all of the same dtype; v's last extent is head_dim_v
+  /// Output, q's dtype, shaped like q but with head_dim_v; must not overlap the inputs.
+  TensorView o;
   /// Optional fp32 log-sum-exp, contiguous (batch, heads_q, seqlen_q); (heads_q, total_q) if
   /// varlen, total_q = mask.total_q, or cu_seqlens_q[batch] when that is 0.
   float* lse = nullptr;
@@ -166,6 +184,7 @@ struct AttnParams {
   AttnRotary rotary;  ///< off by default
 
   float effective_scale() const noexcept;
+  int effective_head_dim_v() const noexcept { return head_dim_v == 0 ? head_dim : head_dim_v; }
 };
 
 enum class Backend : std::uint8_t {

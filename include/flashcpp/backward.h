@@ -62,17 +62,19 @@
 namespace flashcpp {
 
 /// Attention backward problem. Pointers are device pointers for CUDA and host pointers for the CPU
-/// backends. Shapes and layouts are AttnParams' (attention.h): q, o, dout and dq are (batch,
-/// seqlen_q, heads_q, head_dim) views (varlen: (total_q, heads_q, head_dim)); k, v, dk and dv are
-/// (batch, seqlen_k, heads_kv, head_dim) views (varlen: (total_k, heads_kv, head_dim)); every view
-/// has its own strides. All eight share one dtype.
+/// backends. Shapes and layouts are AttnParams' (attention.h): q and dq are (batch, seqlen_q,
+/// heads_q, head_dim) views (varlen: (total_q, heads_q, head_dim)), o and dout the same with
+/// head_dim_v; k and dk are (batch, seqlen_k, heads_kv, head_dim) views (varlen: (total_k,
+/// heads_kv, head_dim)), v and dv the same with head_dim_v; every view has its own strides. All
+/// eight share one dtype.
 struct AttnBackwardParams {
   int batch = 0;
   int seqlen_q = 0;   ///< query rows per sequence (max over sequences when varlen)
   int seqlen_k = 0;   ///< key rows per sequence (max over sequences when varlen)
   int heads_q = 0;
   int heads_kv = 0;   ///< heads_q % heads_kv == 0; dk and dv sum the group's query heads
-  int head_dim = 0;   ///< one of kSupportedHeadDims
+  int head_dim = 0;   ///< of q and k: a multiple of 8 in [8, 256] (is_supported_head_dim)
+  int head_dim_v = 0; ///< of v and o: likewise; 0 = head_dim
   TensorView q, k, v; ///< the forward's inputs (read)
   TensorView o;       ///< the forward's output (read)
   TensorView dout;    ///< dL/dO (read), o's shape
@@ -82,7 +84,7 @@ struct AttnBackwardParams {
   /// Optional fp32 dL/dLSE in lse's layout (read); nullptr = 0.
   const float* dlse = nullptr;
   TensorView dq;      ///< dL/dq (written), q's shape; must not overlap anything else
-  TensorView dk, dv;  ///< dL/dk, dL/dv (written), k's shape
+  TensorView dk, dv;  ///< dL/dk, dL/dv (written), k's and v's shapes
   /// Multiplies q.k; 0 means 1/sqrt(head_dim). The forward's value.
   float softmax_scale = 0.f;
   MaskParams mask;    ///< the forward's mask (every field of attention.h applies)
@@ -101,6 +103,7 @@ struct AttnBackwardParams {
   std::size_t workspace_bytes = 0;
 
   float effective_scale() const noexcept;
+  int effective_head_dim_v() const noexcept { return head_dim_v == 0 ? head_dim : head_dim_v; }
   /// The forward problem these gradients belong to (o as its output, lse as its LSE, no rotary):
   /// what validation and kernel selection see of the shared fields.
   AttnParams forward() const;
@@ -144,7 +147,8 @@ Status attention_backward(const AttnBackwardParams& p, const RunOptions& opt = {
 namespace cpu {
 
 /// The fp64 gradients in packed order, for the harness and the tests: dq (total_q, heads_q,
-/// head_dim), dk and dv (total_k, heads_kv, head_dim), rows as cpu::RefOutput orders them
+/// head_dim), dk (total_k, heads_kv, head_dim) and dv (total_k, heads_kv, head_dim_v), rows as
+/// cpu::RefOutput orders them
 /// (b * seqlen + i, or cu_seqlens[b] + i when varlen).
 struct RefGrads {
   std::vector<double> dq, dk, dv;

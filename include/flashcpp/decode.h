@@ -53,8 +53,9 @@ inline constexpr int kDecodeBlockN = 64;        ///< keys per tile; split bounda
 /// The KV cache: contiguous (page_size 0) or paged.
 struct KVCacheView {
   /// Contiguous: (batch, capacity, heads_kv, head_dim) views. Paged: (num_pages, page_size,
-  /// heads_kv, head_dim) views, batch_stride = elements between pages. Strides in elements,
-  /// head_dim contiguous; k and v may have different strides. Same dtype as q.
+  /// heads_kv, head_dim) views, batch_stride = elements between pages. v's last extent is
+  /// head_dim_v. Strides in elements, the last dim contiguous; k and v may have different
+  /// strides. Same dtype as q.
   TensorView k, v;
   int capacity = 0;   ///< contiguous only: key slots per sequence
   int page_size = 0;  ///< 0 = contiguous; else a power of two in [1, kDecodeMaxPageSize]
@@ -79,16 +80,18 @@ struct DecodeParams {
   int seqlen_q = 1;   ///< query tokens per sequence, 1..kDecodeMaxSeqlenQ (speculative decoding: > 1)
   int heads_q = 0;
   int heads_kv = 0;   ///< heads_q % heads_kv == 0 (GQA/MQA)
-  int head_dim = 0;   ///< one of kSupportedHeadDims
+  int head_dim = 0;   ///< of q and the keys: a multiple of 8 in [8, 256] (is_supported_head_dim)
+  int head_dim_v = 0; ///< of the values and o: likewise; 0 = head_dim (CUDA: equal to head_dim)
   TensorView q;       ///< (batch, seqlen_q, heads_q, head_dim)
-  TensorView o;       ///< same shape and dtype as q; must not overlap any input
+  TensorView o;       ///< (batch, seqlen_q, heads_q, head_dim_v), q's dtype; must not overlap any input
   /// Optional fp32 log-sum-exp (natural log), contiguous (batch, heads_q, seqlen_q).
   float* lse = nullptr;
   KVCacheView cache;
   /// int32 [batch]: keys already in the cache before this step (the kernels read it at run time,
   /// so a CUDA graph replays with new lengths).
   const std::int32_t* cache_seqlens = nullptr;
-  /// Optional new keys/values of this step, (batch, seqlen_q, heads_kv, head_dim): both or neither.
+  /// Optional new keys/values of this step, (batch, seqlen_q, heads_kv, head_dim) and
+  /// (..., head_dim_v): both or neither.
   /// When set they are written into the cache (K rotated) before the attention reads it.
   TensorView k_new, v_new;
   /// Rotary applied in-kernel to q and to the appended keys; style kNone (the default) = off.
@@ -100,6 +103,7 @@ struct DecodeParams {
 
   bool has_append() const noexcept { return k_new.data != nullptr || v_new.data != nullptr; }
   float effective_scale() const noexcept;
+  int effective_head_dim_v() const noexcept { return head_dim_v == 0 ? head_dim : head_dim_v; }
 };
 
 /// How large the caller-owned workspaces must be for a plan (bytes).
@@ -138,6 +142,7 @@ struct DecodePlan {
   bool planned = false;
   Backend backend = Backend::kCpu;  ///< kCpu or kCuda
   int batch = 0, seqlen_q = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  int head_dim_v = 0;  ///< resolved: head_dim when DecodeParams::head_dim_v is 0
   DType dtype = DType::kBF16;
   bool paged = false;
   bool append = false;

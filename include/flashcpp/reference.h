@@ -14,7 +14,7 @@
 namespace flashcpp::cpu {
 
 /// Output of the fp64 reference, in double so the harness can measure errors of any dtype.
-///   o:   (total_q, heads_q, head_dim) with total_q = batch*seqlen_q (or cu_seqlens_q[batch])
+///   o:   (total_q, heads_q, head_dim_v) with total_q = batch*seqlen_q (or cu_seqlens_q[batch])
 ///   lse: (heads_q, total_q) natural log; -inf for rows that see no key
 /// Rows are in the packed order (b * seqlen_q + i, or cu_seqlens_q[b] + i when varlen).
 struct RefOutput {
@@ -48,7 +48,7 @@ namespace flashcpp::cuda {
 
 /// fp64 ground truth on the GPU: per (sequence, head) fp64 DGEMMs around an fp64 masked softmax
 /// kernel; every mask of MaskParams except block_sparse. Outputs (device memory) in packed order
-/// like cpu::RefOutput: o_f64 (total_q, heads_q, head_dim), lse_f64 (heads_q, total_q).
+/// like cpu::RefOutput: o_f64 (total_q, heads_q, head_dim_v), lse_f64 (heads_q, total_q).
 /// Allocates scratch and synchronizes `stream`: a test utility, not for graph capture. Defined in
 /// CUDA builds only (callers guard with FLASHCPP_WITH_CUDA).
 Status reference_attention_f64(const AttnParams& p, double* o_f64, double* lse_f64, Stream stream);

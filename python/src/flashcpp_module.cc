@@ -287,6 +287,7 @@ void bind_attention(nb::module_& m) {
       .def_rw("heads_q", &AttnParams::heads_q)
       .def_rw("heads_kv", &AttnParams::heads_kv)
       .def_rw("head_dim", &AttnParams::head_dim)
+      .def_rw("head_dim_v", &AttnParams::head_dim_v)
       .def_rw("q", &AttnParams::q)
       .def_rw("k", &AttnParams::k)
       .def_rw("v", &AttnParams::v)
@@ -344,6 +345,7 @@ void bind_backward(nb::module_& m) {
       .def_rw("heads_q", &AttnBackwardParams::heads_q)
       .def_rw("heads_kv", &AttnBackwardParams::heads_kv)
       .def_rw("head_dim", &AttnBackwardParams::head_dim)
+      .def_rw("head_dim_v", &AttnBackwardParams::head_dim_v)
       .def_rw("q", &AttnBackwardParams::q)
       .def_rw("k", &AttnBackwardParams::k)
       .def_rw("v", &AttnBackwardParams::v)
@@ -723,6 +725,7 @@ void bind(nb::module_& m) {
       .def_rw("heads_q", &DecodeParams::heads_q)
       .def_rw("heads_kv", &DecodeParams::heads_kv)
       .def_rw("head_dim", &DecodeParams::head_dim)
+      .def_rw("head_dim_v", &DecodeParams::head_dim_v)
       .def_rw("q", &DecodeParams::q)
       .def_rw("o", &DecodeParams::o)
       .def_rw("cache", &DecodeParams::cache)
@@ -765,6 +768,7 @@ void bind(nb::module_& m) {
       .def_ro("heads_q", &DecodePlan::heads_q)
       .def_ro("heads_kv", &DecodePlan::heads_kv)
       .def_ro("head_dim", &DecodePlan::head_dim)
+      .def_ro("head_dim_v", &DecodePlan::head_dim_v)
       .def_prop_ro("dtype", [](const DecodePlan& p) { return static_cast<int>(p.dtype); })
       .def_ro("paged", &DecodePlan::paged)
       .def_ro("append", &DecodePlan::append)
@@ -842,9 +846,12 @@ NB_MODULE(_flashcpp, m) {
   m.attr("WITH_CUDA") = bool(FLASHCPP_WITH_CUDA);
   m.attr("VERSION") = FLASHCPP_VERSION;
   m.attr("GIT_COMMIT") = FLASHCPP_GIT_COMMIT;
-  nb::list dims;
-  for (int d : flashcpp::kSupportedHeadDims) dims.append(d);
+  nb::list dims, cuda_dims;
+  for (int d = flashcpp::kHeadDimStep; d <= flashcpp::kMaxHeadDim; d += flashcpp::kHeadDimStep)
+    if (flashcpp::is_supported_head_dim(d)) dims.append(d);
+  for (int d : flashcpp::kCudaHeadDims) cuda_dims.append(d);
   m.attr("SUPPORTED_HEAD_DIMS") = nb::tuple(dims);
+  m.attr("CUDA_HEAD_DIMS") = nb::tuple(cuda_dims);
   m.attr("DTYPE_F16") = static_cast<int>(DType::kF16);
   m.attr("DTYPE_BF16") = static_cast<int>(DType::kBF16);
   m.attr("DTYPE_F32") = static_cast<int>(DType::kF32);

@@ -47,9 +47,10 @@ struct Config {
   static_assert(D % 16 == 0, "head_dim is a multiple of the mma k");
 };
 
-/// CTAs per SM the planner assumes for a head dim (Config<D>::kCtasPerSm at run time).
+/// CTAs per SM the planner assumes for a head dim (Config<D>::kCtasPerSm at run time); a head
+/// dim between the compiled ones (the CPU backend's plan) counts as the next larger one.
 inline int ctas_per_sm(int head_dim) {
-  return head_dim == 64 ? Config<64>::kCtasPerSm : head_dim == 128 ? Config<128>::kCtasPerSm : Config<256>::kCtasPerSm;
+  return head_dim <= 64 ? Config<64>::kCtasPerSm : head_dim <= 128 ? Config<128>::kCtasPerSm : Config<256>::kCtasPerSm;
 }
 
 /// Rows of the query that share one KV head, and how a CTA covers them: warp_rows warps along the

@@ -25,6 +25,7 @@ AttnParams AttnBackwardParams::forward() const {
   f.heads_q = heads_q;
   f.heads_kv = heads_kv;
   f.head_dim = head_dim;
+  f.head_dim_v = head_dim_v;
   f.q = q;
   f.k = k;
   f.v = v;

@@ -123,20 +123,23 @@ Status validate_backward(const AttnBackwardParams& p, Backend backend, const std
   const bool writes_k = (p.batch > 0 && p.seqlen_k > 0) || (varlen && p.total_k > 0);
   const ViewExtents eq{p.batch, rows_q, p.seqlen_q, p.heads_q, p.head_dim, varlen, "seqlen_q", "heads_q"};
   const ViewExtents ek{p.batch, rows_k, p.seqlen_k, p.heads_kv, p.head_dim, varlen, "seqlen_k", "heads_kv"};
+  ViewExtents eo = eq, ev = ek;  // o, dout, v and dv: head_dim_v
+  eo.dim = ev.dim = p.effective_head_dim_v();
+  eo.dim_name = ev.dim_name = "head_dim_v";
   Span sq, sk, sv, so, sdo, sdq, sdk, sdv, slse, sws;
   if (computes) {
     // Already checked by validate(); their spans are needed for the aliasing below.
     FLASHCPP_RETURN_IF_ERROR(check_attention_view("q", p.q, eq, backend, &sq));
     FLASHCPP_RETURN_IF_ERROR(check_attention_view("k", p.k, ek, backend, &sk));
-    FLASHCPP_RETURN_IF_ERROR(check_attention_view("v", p.v, ek, backend, &sv));
-    FLASHCPP_RETURN_IF_ERROR(check_attention_view("o", p.o, eq, backend, &so));
-    FLASHCPP_RETURN_IF_ERROR(check_attention_view("dout", p.dout, eq, backend, &sdo));
+    FLASHCPP_RETURN_IF_ERROR(check_attention_view("v", p.v, ev, backend, &sv));
+    FLASHCPP_RETURN_IF_ERROR(check_attention_view("o", p.o, eo, backend, &so));
+    FLASHCPP_RETURN_IF_ERROR(check_attention_view("dout", p.dout, eo, backend, &sdo));
     FLASHCPP_RETURN_IF_ERROR(lse_span("lse", p.lse, lse_count, &slse));
   }
   if (writes_q) FLASHCPP_RETURN_IF_ERROR(check_attention_view("dq", p.dq, eq, backend, &sdq));
   if (writes_k) {
     FLASHCPP_RETURN_IF_ERROR(check_attention_view("dk", p.dk, ek, backend, &sdk));
-    FLASHCPP_RETURN_IF_ERROR(check_attention_view("dv", p.dv, ek, backend, &sdv));
+    FLASHCPP_RETURN_IF_ERROR(check_attention_view("dv", p.dv, ev, backend, &sdv));
   }
 
   // 4. The workspace.

@@ -91,7 +91,7 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
                     (out->fused_merge ? decode::merge_counter_count(p.batch, p.heads_kv, out->rows.row_blocks) : 0)) *
                    sizeof(std::int32_t);
   out->float_bytes = out->split.needs_merge ? decode::partial_float_bytes(out->split.num_items, p.heads_kv,
-                                                                          out->rows.rows, p.head_dim)
+                                                                          out->rows.rows, p.effective_head_dim_v())
                                             : 0;
   return Status::Ok();
 }
@@ -163,6 +163,7 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   plan->heads_q = p.heads_q;
   plan->heads_kv = p.heads_kv;
   plan->head_dim = p.head_dim;
+  plan->head_dim_v = p.effective_head_dim_v();
   plan->dtype = p.q.dtype;
   plan->paged = p.cache.paged();
   plan->append = p.has_append();
@@ -195,6 +196,8 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
   if (p.heads_q != plan.heads_q) return Status::Invalid(mismatch("heads_q", p.heads_q, plan.heads_q));
   if (p.heads_kv != plan.heads_kv) return Status::Invalid(mismatch("heads_kv", p.heads_kv, plan.heads_kv));
   if (p.head_dim != plan.head_dim) return Status::Invalid(mismatch("head_dim", p.head_dim, plan.head_dim));
+  if (p.effective_head_dim_v() != plan.head_dim_v)
+    return Status::Invalid(mismatch("head_dim_v", p.effective_head_dim_v(), plan.head_dim_v));
   if (p.q.dtype != plan.dtype)
     return Status::Invalid(std::string("decode_run: dtype ") + dtype_name(p.q.dtype) + " differs from the plan's " +
                            dtype_name(plan.dtype) + " (run decode_plan again for this shape)");

@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "core/decode_backends.h"
+#include "core/head_dim_checks.h"
 #include "flashcpp/decode.h"
 
 #include "core/message.h"
@@ -144,12 +145,6 @@ Status check_array(const char* name, const void* p, std::int64_t count, std::siz
   return Status::Ok();
 }
 
-std::string head_dim_set() {
-  std::string set;
-  for (int d : kSupportedHeadDims) set += cat(set.empty() ? "" : ", ", d);
-  return set;
-}
-
 }  // namespace
 
 float DecodeParams::effective_scale() const noexcept {
@@ -171,9 +166,9 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
   if (p.heads_kv < 1) return Status::Invalid(cat("heads_kv ", p.heads_kv, " must be >= 1"));
   if (p.heads_q % p.heads_kv != 0)
     return Status::Invalid(cat("heads_q ", p.heads_q, " is not a multiple of heads_kv ", p.heads_kv));
-  if (std::find(std::begin(kSupportedHeadDims), std::end(kSupportedHeadDims), p.head_dim) ==
-      std::end(kSupportedHeadDims))
-    return Status::Invalid(cat("head_dim ", p.head_dim, " is not supported (supported: ", head_dim_set(), ")"));
+  FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim", p.head_dim));
+  if (p.head_dim_v != 0) FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim_v", p.head_dim_v));
+  if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "decode"));
   // dtypes
   const bool append = p.has_append();
   std::array<std::pair<const char*, DType>, 6> ts = {{{"q", p.q.dtype},
@@ -261,16 +256,17 @@ Status validate(const DecodeParams& p, Backend backend) {
   // 2. tensors
   Span sq, so, sk, sv, skn, svn;
   FLASHCPP_RETURN_IF_ERROR(check_view("q", p.q, p.batch, p.seqlen_q, p.heads_q, p.head_dim, r, &sq));
-  FLASHCPP_RETURN_IF_ERROR(check_view("o", p.o, p.batch, p.seqlen_q, p.heads_q, p.head_dim, r, &so));
+  const int dv = p.effective_head_dim_v();
+  FLASHCPP_RETURN_IF_ERROR(check_view("o", p.o, p.batch, p.seqlen_q, p.heads_q, dv, r, &so));
   const std::int64_t c0 = c.paged() ? c.num_pages : p.batch, c1 = c.paged() ? c.page_size : c.capacity;
   const char* s0 = c.paged() ? "batch_stride (page stride)" : "batch_stride";
   if (c.slots() > 0) {
     FLASHCPP_RETURN_IF_ERROR(check_view("cache.k", c.k, c0, c1, p.heads_kv, p.head_dim, r, &sk, s0));
-    FLASHCPP_RETURN_IF_ERROR(check_view("cache.v", c.v, c0, c1, p.heads_kv, p.head_dim, r, &sv, s0));
+    FLASHCPP_RETURN_IF_ERROR(check_view("cache.v", c.v, c0, c1, p.heads_kv, dv, r, &sv, s0));
   }
   if (append) {
     FLASHCPP_RETURN_IF_ERROR(check_view("k_new", p.k_new, p.batch, p.seqlen_q, p.heads_kv, p.head_dim, r, &skn));
-    FLASHCPP_RETURN_IF_ERROR(check_view("v_new", p.v_new, p.batch, p.seqlen_q, p.heads_kv, p.head_dim, r, &svn));
+    FLASHCPP_RETURN_IF_ERROR(check_view("v_new", p.v_new, p.batch, p.seqlen_q, p.heads_kv, dv, r, &svn));
   }
 
   // 3. small arrays

@@ -31,6 +31,7 @@
 
 #include "flashcpp/attention.h"
 
+#include "core/head_dim_checks.h"
 #include "core/message.h"
 #include "core/rope_checks.h"
 #include "core/score_checks.h"
@@ -87,11 +88,14 @@ Status check_shape(const AttnParams& p) {
   if (p.heads_kv < 1) return Status::Invalid(cat("heads_kv ", p.heads_kv, " must be >= 1"));
   if (p.heads_q % p.heads_kv != 0)
     return Status::Invalid(cat("heads_q ", p.heads_q, " is not a multiple of heads_kv ", p.heads_kv));
-  for (int d : kSupportedHeadDims)
-    if (p.head_dim == d) return Status::Ok();
-  std::string set;
-  for (int d : kSupportedHeadDims) set += cat(set.empty() ? "" : ", ", d);
-  return Status::Invalid(cat("head_dim ", p.head_dim, " is not supported (supported: ", set, ")"));
+  FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim", p.head_dim));
+  if (p.head_dim_v != 0) FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim_v", p.head_dim_v));
+  return Status::Ok();
+}
+
+/// The CUDA kernels are compiled for kCudaHeadDims with head_dim_v == head_dim.
+Status check_cuda_head_dims(const AttnParams& p) {
+  return detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "attention");
 }
 
 Status check_dtypes(const AttnParams& p, const BackendRules& br) {
@@ -223,6 +227,7 @@ struct Extents {
   bool varlen = false;
   const char* seqlen_name = "";  ///< "seqlen_q" / "seqlen_k"
   const char* heads_name = "";   ///< "heads_q" / "heads_kv"
+  const char* dim_name = "head_dim";  ///< "head_dim" (q, k) / "head_dim_v" (v, o)
 };
 
 struct StrideDim {
@@ -267,7 +272,7 @@ Status check_tensor(const char* name, const TensorView& t, const Extents& e, con
   dims[n++] = {"seq_stride", t.seq_stride, e.seq, false, e.varlen};
   dims[n++] = {"head_stride", t.head_stride, e.heads, false, false};
   const int n_strided = n;
-  dims[n++] = {"head_dim", 1, e.dim, true, false};
+  dims[n++] = {e.dim_name, 1, e.dim, true, false};
 
   for (int i = 0; i < n_strided; ++i)
     if (dims[i].stride < 0)
@@ -291,13 +296,13 @@ Status check_tensor(const char* name, const TensorView& t, const Extents& e, con
   // Kernels address one sequence with 32-bit offsets from its start.
   const StrideDim in_seq[3] = {{"seq_stride", t.seq_stride, e.seq_max, false, false},
                                {"head_stride", t.head_stride, e.heads, false, false},
-                               {"head_dim", 1, e.dim, true, false}};
+                               {e.dim_name, 1, e.dim, true, false}};
   std::int64_t seq_end = 0;  // (seq_max-1)*seq_stride + (heads-1)*head_stride + head_dim
   const bool seq_end_ok = span_elems(in_seq, 3, &seq_end);
   if (!seq_end_ok || seq_end > kInt32Max) {
     const std::string v = seq_end_ok ? cat(seq_end) : std::string("more than 2^63");
     return Status::Invalid(cat(name, "'s offset inside one sequence, (", e.seqlen_name, "-1)*seq_stride + (",
-                               e.heads_name, "-1)*head_stride + head_dim = ", v,
+                               e.heads_name, "-1)*head_stride + ", e.dim_name, " = ", v,
                                ", does not fit in int32 (the kernels use 32-bit offsets inside a sequence)"));
   }
   std::int64_t bytes = 0;
@@ -428,6 +433,7 @@ Status validate(const AttnParams& p, Backend backend) {
   // 1. Scalars. Nothing below reads a pointer until the empty-problem return.
   FLASHCPP_RETURN_IF_ERROR(check_shape(p));
   FLASHCPP_RETURN_IF_ERROR(check_dtypes(p, br));
+  if (br.cuda) FLASHCPP_RETURN_IF_ERROR(check_cuda_head_dims(p));
   FLASHCPP_RETURN_IF_ERROR(check_mask_scalars(p));
   if (p.mask.block_sparse) FLASHCPP_RETURN_IF_ERROR(check_block_sparse_scalars(p));
   if (p.rotary.enabled()) FLASHCPP_RETURN_IF_ERROR(check_rotary(p, br));
@@ -457,13 +463,16 @@ Status validate(const AttnParams& p, Backend backend) {
   // 3. Tensors. With seqlen_k == 0 every row sees no key: k and v are never read (may be null).
   const Extents eq{p.batch, rows_q, p.seqlen_q, p.heads_q, p.head_dim, varlen, "seqlen_q", "heads_q"};
   const Extents ek{p.batch, rows_k, p.seqlen_k, p.heads_kv, p.head_dim, varlen, "seqlen_k", "heads_kv"};
+  Extents eo = eq, ev = ek;  // v and o: head_dim_v
+  eo.dim = ev.dim = p.effective_head_dim_v();
+  eo.dim_name = ev.dim_name = "head_dim_v";
   Span sq, sk, sv, so, slse;
   if (!fill_only) FLASHCPP_RETURN_IF_ERROR(check_tensor("q", p.q, eq, br, &sq));
   if (!fill_only && p.seqlen_k > 0) {
     FLASHCPP_RETURN_IF_ERROR(check_tensor("k", p.k, ek, br, &sk));
-    FLASHCPP_RETURN_IF_ERROR(check_tensor("v", p.v, ek, br, &sv));
+    FLASHCPP_RETURN_IF_ERROR(check_tensor("v", p.v, ev, br, &sv));
   }
-  FLASHCPP_RETURN_IF_ERROR(check_tensor("o", p.o, eq, br, &so));
+  FLASHCPP_RETURN_IF_ERROR(check_tensor("o", p.o, eo, br, &so));
   // Rotary: where the rotated keys go. The CUDA kernels read their keys from it (a pre-pass
   // rotates k into it once), so CUDA needs it; the CPU backends fill it when it is given. k
   // itself (same data and index map) rotates k in place: its span is then k's, checked as k.
@@ -542,7 +551,7 @@ Status detail::check_attention_view(const char* name, const TensorView& t, const
   BackendRules br;
   if (!backend_rules(backend, &br))
     return Status::Invalid(cat("backend ", static_cast<int>(backend), " is not a known backend"));
-  const Extents x{e.batch, e.seq, e.seq_max, e.heads, e.dim, e.varlen, e.seqlen_name, e.heads_name};
+  const Extents x{e.batch, e.seq, e.seq_max, e.heads, e.dim, e.varlen, e.seqlen_name, e.heads_name, e.dim_name};
   return check_tensor(name, t, x, br, span);
 }
 

@@ -21,6 +21,7 @@ struct ViewExtents {
   bool varlen = false;
   const char* seqlen_name = "";  ///< "seqlen_q" / "seqlen_k"
   const char* heads_name = "";   ///< "heads_q" / "heads_kv"
+  const char* dim_name = "head_dim";  ///< "head_dim" (q, k) / "head_dim_v" (v, o)
 };
 
 /// Checks view `name` as attention's validation checks q, k, v and o on `backend` (null, element

@@ -94,8 +94,8 @@ void load_row(const TensorView& t, std::int64_t off, int d, float* dst) {
 
 /// Step 1: new K (rotated) and V into the cache.
 void append(const DecodeParams& p, const Rotary& rot) {
-  const int D = p.head_dim;
-  std::vector<float> row(static_cast<std::size_t>(D));
+  const int D = p.head_dim, Dv = p.effective_head_dim_v();
+  std::vector<float> row(static_cast<std::size_t>(std::max(D, Dv)));
   const int slots = static_cast<int>(p.cache.slots());
   for (int b = 0; b < p.batch; ++b) {
     const int len = decode::total_len(p.cache_seqlens[b], slots, p.seqlen_q, true);
@@ -106,9 +106,9 @@ void append(const DecodeParams& p, const Rotary& rot) {
         rot.apply(row.data(), pos);
         const std::int64_t ko = kv_offset(p.cache, p.cache.k, b, pos, hk);
         for (int d = 0; d < D; ++d) store_from_float(p.cache.k.data, p.cache.k.dtype, ko + d, row[d]);
-        load_row(p.v_new, b * p.v_new.batch_stride + t * p.v_new.seq_stride + hk * p.v_new.head_stride, D, row.data());
+        load_row(p.v_new, b * p.v_new.batch_stride + t * p.v_new.seq_stride + hk * p.v_new.head_stride, Dv, row.data());
         const std::int64_t vo = kv_offset(p.cache, p.cache.v, b, pos, hk);
-        for (int d = 0; d < D; ++d) store_from_float(p.cache.v.data, p.cache.v.dtype, vo + d, row[d]);
+        for (int d = 0; d < Dv; ++d) store_from_float(p.cache.v.data, p.cache.v.dtype, vo + d, row[d]);
       }
     }
   }
@@ -127,7 +127,8 @@ struct Step {
 /// Step 2 for one (work item, KV head): every query row of the KV head over the split's tiles.
 void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
   const DecodeParams& p = st.p;
-  const int D = p.head_dim, Sq = p.seqlen_q, rows = st.plan.rows_per_kv, BN = kDecodeBlockN;
+  const int D = p.head_dim, Dv = p.effective_head_dim_v(), Sq = p.seqlen_q, rows = st.plan.rows_per_kv;
+  const int BN = kDecodeBlockN;
   const int b = st.wl.item_batch[item], s = st.wl.item_split[item], n = st.wl.num_splits[b];
   const bool append = p.has_append();
   const int len = decode::total_len(p.cache_seqlens[b], st.slots, Sq, append);
@@ -149,15 +150,16 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
     if (p.mask.alibi_slopes) slope[r] = st.score.slope_raw(p.mask.alibi_slopes[b * p.mask.alibi_batch_stride + h]);
   }
   std::vector<algebra::RowSoftmax> row(static_cast<std::size_t>(rows));
-  std::vector<float> acc(static_cast<std::size_t>(rows) * D, 0.f);
-  std::vector<float> kt(static_cast<std::size_t>(BN) * D), vt(kt.size()), y(static_cast<std::size_t>(BN));
+  std::vector<float> acc(static_cast<std::size_t>(rows) * Dv, 0.f);
+  std::vector<float> kt(static_cast<std::size_t>(BN) * D), vt(static_cast<std::size_t>(BN) * Dv);
+  std::vector<float> y(static_cast<std::size_t>(BN));
   const float c = st.score.c;
 
   for (int tile = t_begin; tile < t_end; ++tile) {
     const int j0 = tile * BN, jn = std::min(BN, hi - j0);  // keys at or past hi are never loaded
     for (int jj = 0; jj < jn; ++jj) {
       load_row(p.cache.k, kv_offset(p.cache, p.cache.k, b, j0 + jj, hk), D, &kt[static_cast<std::size_t>(jj) * D]);
-      load_row(p.cache.v, kv_offset(p.cache, p.cache.v, b, j0 + jj, hk), D, &vt[static_cast<std::size_t>(jj) * D]);
+      load_row(p.cache.v, kv_offset(p.cache, p.cache.v, b, j0 + jj, hk), Dv, &vt[static_cast<std::size_t>(jj) * Dv]);
     }
     for (int r = 0; r < rows; ++r) {
       const int t = r % Sq;
@@ -184,16 +186,16 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
       // so a tile of NaN scores has max -inf too, and its NaN must reach l).
       algebra::RowSoftmax& rs = row[static_cast<std::size_t>(r)];
       const float corr = rs.rescale(std::max(rs.m, tile_max), c);  // m = -inf: 0, and l, acc are 0 (or NaN)
-      float* ar = &acc[static_cast<std::size_t>(r) * D];
-      for (int d = 0; d < D; ++d) ar[d] *= corr;
+      float* ar = &acc[static_cast<std::size_t>(r) * Dv];
+      for (int d = 0; d < Dv; ++d) ar[d] *= corr;
       const float mc = rs.offset(c);
       float sum = 0.f;
       for (int jj = 0; jj < jn; ++jj) {
         if (y[jj] == kNegInf) continue;  // masked: weight 0
         const float w = rs.p(y[jj], c, mc);
         sum += w;
-        const float* vr = &vt[static_cast<std::size_t>(jj) * D];
-        for (int d = 0; d < D; ++d) ar[d] = std::fma(w, vr[d], ar[d]);
+        const float* vr = &vt[static_cast<std::size_t>(jj) * Dv];
+        for (int d = 0; d < Dv; ++d) ar[d] = std::fma(w, vr[d], ar[d]);
       }
       rs.accumulate(corr, sum);
     }
@@ -205,14 +207,14 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
     const int h = hk * st.group + r / Sq, t = r % Sq;
     const algebra::RowSoftmax& rs = row[static_cast<std::size_t>(r)];
     const algebra::RowResult res = rs.finalize(rs.l, c);
-    const float* ar = &acc[static_cast<std::size_t>(r) * D];
+    const float* ar = &acc[static_cast<std::size_t>(r) * Dv];
     if (n == 1) {
       const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;
-      for (int d = 0; d < D; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, ar[d] * res.inv);
+      for (int d = 0; d < Dv; ++d) store_from_float(p.o.data, p.o.dtype, oo + d, ar[d] * res.inv);
       if (p.lse) p.lse[(static_cast<std::int64_t>(b) * p.heads_q + h) * Sq + t] = res.lse;
     } else {
       const std::size_t idx = (static_cast<std::size_t>(item) * p.heads_kv + hk) * rows + r;
-      for (int d = 0; d < D; ++d) st.part_o[idx * D + d] = ar[d] * res.inv;
+      for (int d = 0; d < Dv; ++d) st.part_o[idx * Dv + d] = ar[d] * res.inv;
       st.part_lse[idx] = res.lse;
     }
   }
@@ -221,7 +223,7 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
 /// Step 3 for one sequence with n > 1 splits: every (token, head) row merged by LSE.
 void merge_sequence(const Step& st, int b) {
   const DecodeParams& p = st.p;
-  const int D = p.head_dim, Sq = p.seqlen_q, rows = st.plan.rows_per_kv;
+  const int D = p.effective_head_dim_v(), Sq = p.seqlen_q, rows = st.plan.rows_per_kv;  // o's width
   const int first = st.wl.first_item[b], n = st.wl.num_splits[b];
   std::vector<float> o(static_cast<std::size_t>(D));
   for (int h = 0; h < p.heads_q; ++h) {
@@ -266,7 +268,7 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
   st.score = algebra::ScoreTransform::make(p.effective_scale(), p.mask.softcap);
   if (plan.needs_merge) {
     st.part_o = static_cast<float*>(plan.float_workspace);
-    st.part_lse = st.part_o + decode::partial_lse_offset(plan.num_items, p.heads_kv, plan.rows_per_kv, p.head_dim);
+    st.part_lse = st.part_o + decode::partial_lse_offset(plan.num_items, p.heads_kv, plan.rows_per_kv, plan.head_dim_v);
   }
   parallel_for(plan.num_items * p.heads_kv, opt.cpu_threads,
                [&](int task) { split_partial(st, rot, task / p.heads_kv, task % p.heads_kv); });

@@ -59,7 +59,7 @@ void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
   const bool varlen = m.is_varlen();
   const Sequence s = sequence(p, b);
   if (s.len_q <= 0) return;
-  const int dim = p.head_dim;
+  const int dim = p.head_dim, dim_v = p.effective_head_dim_v();
   const int hk = h / (p.heads_q / p.heads_kv);
   const double scale = p.effective_scale();
   const double softcap = m.softcap;
@@ -67,12 +67,12 @@ void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
   const std::int64_t total_q = out->total_q;
 
   const int len_k = std::max(s.len_k, 0);
-  std::vector<double> kd(static_cast<std::size_t>(len_k) * dim), vd(kd.size()), qd(dim);
+  std::vector<double> kd(static_cast<std::size_t>(len_k) * dim), vd(static_cast<std::size_t>(len_k) * dim_v), qd(dim);
   load_rows(p.k, row_offset(p.k, varlen, b, s.first_k, 0, hk), len_k, dim, kd.data());
-  load_rows(p.v, row_offset(p.v, varlen, b, s.first_k, 0, hk), len_k, dim, vd.data());
+  load_rows(p.v, row_offset(p.v, varlen, b, s.first_k, 0, hk), len_k, dim_v, vd.data());
   std::vector<double> score(static_cast<std::size_t>(len_k));
   std::vector<char> seen(static_cast<std::size_t>(len_k));
-  std::vector<double> o(dim);
+  std::vector<double> o(dim_v);
 
   Visibility vis(m, s, b, h);
   for (int i = 0; i < s.len_q; ++i) {
@@ -103,13 +103,13 @@ void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
         if (!seen[j]) continue;
         const double w = std::exp(score[j] - mx);
         sum += w;
-        const double* vj = &vd[static_cast<std::size_t>(j) * dim];
-        for (int d = 0; d < dim; ++d) o[d] += w * vj[d];
+        const double* vj = &vd[static_cast<std::size_t>(j) * dim_v];
+        for (int d = 0; d < dim_v; ++d) o[d] += w * vj[d];
       }
-      for (int d = 0; d < dim; ++d) o[d] /= sum;
+      for (int d = 0; d < dim_v; ++d) o[d] /= sum;
       lse = mx + std::log(sum);
     }
-    std::copy(o.begin(), o.end(), out->o.begin() + (row * p.heads_q + h) * dim);
+    std::copy(o.begin(), o.end(), out->o.begin() + (row * p.heads_q + h) * dim_v);
     out->lse[static_cast<std::size_t>(h * total_q + row)] = lse;
   }
 }
@@ -142,7 +142,7 @@ Status check_reference_params(const AttnParams& p) {
     return Status::Invalid("heads_q (" + std::to_string(p.heads_q) +
                            ") must be a positive multiple of heads_kv (" +
                            std::to_string(p.heads_kv) + ")");
-  if (p.head_dim <= 0) return Status::Invalid("head_dim must be > 0");
+  if (p.head_dim <= 0 || p.effective_head_dim_v() <= 0) return Status::Invalid("head_dim and head_dim_v must be > 0");
   if (!p.q.data || !p.k.data || !p.v.data) return Status::Invalid("q, k and v must not be null");
   return Status::Ok();
 }
@@ -160,7 +160,7 @@ void fill_uncovered_rows(const AttnParams& p) {
   for (std::int64_t row = first; row < m.total_q; ++row)
     for (int h = 0; h < p.heads_q; ++h) {
       const std::int64_t at = row * p.o.seq_stride + h * p.o.head_stride;
-      for (int d = 0; d < p.head_dim; ++d) store_from_float(p.o.data, p.o.dtype, at + d, 0.f);
+      for (int d = 0; d < p.effective_head_dim_v(); ++d) store_from_float(p.o.data, p.o.dtype, at + d, 0.f);
       if (p.lse) p.lse[h * m.total_q + row] = -std::numeric_limits<float>::infinity();
     }
 }
@@ -170,7 +170,7 @@ Status reference_attention(const AttnParams& p, RefOutput* out, int threads) {
   *out = RefOutput{};
   if (p.batch == 0 || p.seqlen_q == 0) return Status::Ok();
   out->total_q = total_q_rows(p);
-  out->o.assign(static_cast<std::size_t>(out->total_q * p.heads_q * p.head_dim), 0.0);
+  out->o.assign(static_cast<std::size_t>(out->total_q * p.heads_q * p.effective_head_dim_v()), 0.0);
   out->lse.assign(static_cast<std::size_t>(out->total_q * p.heads_q), kNegInfD);
   parallel_for(p.batch * p.heads_q, threads,
                [&](int item) { reference_head(p, item / p.heads_q, item % p.heads_q, out); });
@@ -186,7 +186,7 @@ Status reference_forward(const AttnParams& p, const RunOptions& opt) {
   }
   if (!p.o.data) return Status::Invalid("o must not be null");
   const bool varlen = p.mask.is_varlen();
-  const int dim = p.head_dim;
+  const int dim = p.effective_head_dim_v();
   const std::int64_t lse_rows = varlen ? varlen_lse_rows(p) : 0;
   fill_uncovered_rows(p);  // varlen rows past cu_seqlens_q[batch], when total_q says how many
   for (int b = 0; b < p.batch; ++b) {

@@ -66,16 +66,16 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
   const Sequence s = sequence(p, b);
   const int len_q = std::max(s.len_q, 0), len_k = std::max(s.len_k, 0);
   if (len_q == 0 || len_k == 0) return;  // no pair: the gradients stay 0
-  const int dim = p.head_dim, group = p.heads_q / p.heads_kv;
+  const int dim = p.head_dim, dim_v = p.effective_head_dim_v(), group = p.heads_q / p.heads_kv;
   const double scale = p.effective_scale();
   const double softcap = m.softcap;
   const std::int64_t lse_rows = varlen ? varlen_lse_rows(p) : 0;
 
-  std::vector<double> kd(static_cast<std::size_t>(len_k) * dim), vd(kd.size());
+  std::vector<double> kd(static_cast<std::size_t>(len_k) * dim), vd(static_cast<std::size_t>(len_k) * dim_v);
   load_rows(p.k, row_offset(p.k, varlen, b, s.first_k, 0, hk), len_k, dim, kd.data());
-  load_rows(p.v, row_offset(p.v, varlen, b, s.first_k, 0, hk), len_k, dim, vd.data());
-  std::vector<double> dk(kd.size(), 0.0), dv(kd.size(), 0.0);
-  std::vector<double> qd(dim), dod(dim), dq(dim);
+  load_rows(p.v, row_offset(p.v, varlen, b, s.first_k, 0, hk), len_k, dim_v, vd.data());
+  std::vector<double> dk(kd.size(), 0.0), dv(vd.size(), 0.0);
+  std::vector<double> qd(dim), dod(dim_v), dq(dim);
   std::vector<double> score(static_cast<std::size_t>(len_k)), capgrad(score.size()), prob(score.size()),
       dp(score.size());
   std::vector<char> seen(score.size());
@@ -85,7 +85,7 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
     Visibility vis(m, s, b, h);
     for (int i = 0; i < len_q; ++i) {
       load_rows(p.q, row_offset(p.q, varlen, b, s.first_q, i, h), 1, dim, qd.data());
-      load_rows(bp.dout, row_offset(bp.dout, varlen, b, s.first_q, i, h), 1, dim, dod.data());
+      load_rows(bp.dout, row_offset(bp.dout, varlen, b, s.first_q, i, h), 1, dim_v, dod.data());
       vis.begin_row(i);
       const double ia = static_cast<double>(i) + len_k - len_q;
       double mx = kNegInfD;
@@ -116,7 +116,7 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
         for (int j = 0; j < len_k; ++j) {
           if (!seen[j]) continue;
           prob[j] /= sum;
-          dp[j] = dot(dod.data(), &vd[static_cast<std::size_t>(j) * dim], dim);
+          dp[j] = dot(dod.data(), &vd[static_cast<std::size_t>(j) * dim_v], dim_v);
           delta += prob[j] * dp[j];
         }
         if (bp.dlse) delta -= bp.dlse[lse_index(p, lse_rows, b, s.first_q, i, h)];
@@ -125,21 +125,21 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
           const double du = prob[j] * (dp[j] - delta) * scale * capgrad[j];
           const double* kj = &kd[static_cast<std::size_t>(j) * dim];
           double* dkj = &dk[static_cast<std::size_t>(j) * dim];
-          double* dvj = &dv[static_cast<std::size_t>(j) * dim];
+          double* dvj = &dv[static_cast<std::size_t>(j) * dim_v];
           for (int d = 0; d < dim; ++d) {
             dq[d] += du * kj[d];
             dkj[d] += du * qd[d];
-            dvj[d] += prob[j] * dod[d];
           }
+          for (int d = 0; d < dim_v; ++d) dvj[d] += prob[j] * dod[d];
         }
       }
       std::copy(dq.begin(), dq.end(), out->dq.begin() + ((s.first_q + i) * p.heads_q + h) * dim);
     }
   }
   for (int j = 0; j < len_k; ++j) {
-    const std::size_t at = static_cast<std::size_t>(((s.first_k + j) * p.heads_kv + hk) * dim);
-    std::copy_n(&dk[static_cast<std::size_t>(j) * dim], dim, out->dk.begin() + at);
-    std::copy_n(&dv[static_cast<std::size_t>(j) * dim], dim, out->dv.begin() + at);
+    const std::size_t row = static_cast<std::size_t>((s.first_k + j) * p.heads_kv + hk);
+    std::copy_n(&dk[static_cast<std::size_t>(j) * dim], dim, out->dk.begin() + row * dim);
+    std::copy_n(&dv[static_cast<std::size_t>(j) * dim_v], dim_v, out->dv.begin() + row * dim_v);
   }
 }
 
@@ -157,7 +157,8 @@ void zero_uncovered_grads(const AttnBackwardParams& p) {
   if (!m.is_varlen() || p.batch < 0) return;
   if (m.total_q > 0) zero_rows(p.dq, p.batch == 0 ? 0 : m.cu_seqlens_q[p.batch], m.total_q, p.heads_q, p.head_dim);
   if (p.total_k > 0) zero_rows(p.dk, p.batch == 0 ? 0 : m.cu_seqlens_k[p.batch], p.total_k, p.heads_kv, p.head_dim);
-  if (p.total_k > 0) zero_rows(p.dv, p.batch == 0 ? 0 : m.cu_seqlens_k[p.batch], p.total_k, p.heads_kv, p.head_dim);
+  if (p.total_k > 0)
+    zero_rows(p.dv, p.batch == 0 ? 0 : m.cu_seqlens_k[p.batch], p.total_k, p.heads_kv, p.effective_head_dim_v());
 }
 
 Status reference_attention_backward(const AttnBackwardParams& bp, RefGrads* out, int threads) {
@@ -169,7 +170,7 @@ Status reference_attention_backward(const AttnBackwardParams& bp, RefGrads* out,
   out->total_k = ref::total_k_rows(p);
   out->dq.assign(static_cast<std::size_t>(out->total_q * p.heads_q * p.head_dim), 0.0);
   out->dk.assign(static_cast<std::size_t>(out->total_k * p.heads_kv * p.head_dim), 0.0);
-  out->dv.assign(out->dk.size(), 0.0);
+  out->dv.assign(static_cast<std::size_t>(out->total_k * p.heads_kv * p.effective_head_dim_v()), 0.0);
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return Status::Ok();
   parallel_items(p.batch * p.heads_kv, threads, [] { return 0; },
                  [&](int item, int&) { reference_group(bp, p, item / p.heads_kv, item % p.heads_kv, out); });
@@ -181,7 +182,7 @@ Status reference_backward(const AttnBackwardParams& p, const RunOptions& opt) {
   FLASHCPP_RETURN_IF_ERROR(reference_attention_backward(p, &g, opt.cpu_threads));
   const AttnParams f = p.forward();
   const bool varlen = f.mask.is_varlen();
-  const int dim = p.head_dim;
+  const int dim = p.head_dim, dim_v = p.effective_head_dim_v();
   for (int b = 0; b < p.batch; ++b) {
     const Sequence s = sequence(f, b);
     for (int i = 0; i < s.len_q; ++i)
@@ -192,13 +193,11 @@ Status reference_backward(const AttnBackwardParams& p, const RunOptions& opt) {
       }
     for (int j = 0; j < s.len_k; ++j)
       for (int h = 0; h < p.heads_kv; ++h) {
-        const std::size_t at = static_cast<std::size_t>(((s.first_k + j) * p.heads_kv + h) * dim);
+        const std::size_t row = static_cast<std::size_t>((s.first_k + j) * p.heads_kv + h);
         const std::int64_t dk = row_offset(p.dk, varlen, b, s.first_k, j, h);
         const std::int64_t dv = row_offset(p.dv, varlen, b, s.first_k, j, h);
-        for (int d = 0; d < dim; ++d) {
-          store_from_double(p.dk.data, p.dk.dtype, dk + d, g.dk[at + d]);
-          store_from_double(p.dv.data, p.dv.dtype, dv + d, g.dv[at + d]);
-        }
+        for (int d = 0; d < dim; ++d) store_from_double(p.dk.data, p.dk.dtype, dk + d, g.dk[row * dim + d]);
+        for (int d = 0; d < dim_v; ++d) store_from_double(p.dv.data, p.dv.dtype, dv + d, g.dv[row * dim_v + d]);
       }
   }
   zero_uncovered_grads(p);

@@ -124,27 +124,27 @@ struct Logits {
   }
 };
 
-/// Per-thread buffers, sized once for Br x Bc x D.
+/// Per-thread buffers, sized once for Br x Bc, D (q, k) and Dv (v, o).
 struct Scratch {
   std::vector<float> q;     // [Br][D] query tile
   std::vector<float> kt;    // [D][Bc] key tile, transposed
-  std::vector<float> v;     // [Bc][D] value tile
-  std::vector<float> prod;  // products before their pairwise sum: Q.K^T [D][Bc], then P.V [Bc][D]
+  std::vector<float> v;     // [Bc][Dv] value tile
+  std::vector<float> prod;  // products before their pairwise sum: Q.K^T [D][Bc], then P.V [Bc][Dv]
   std::vector<float> s;     // [Br][Bc] scores, then logits, then P
-  std::vector<float> acc;   // [Br][D] unnormalized output accumulator
+  std::vector<float> acc;   // [Br][Dv] unnormalized output accumulator
   std::vector<algebra::RowSoftmax> row;  // [Br] online-softmax state (m in raw units, l)
   std::vector<int> row_hi, row_lo;    // [Br] MaskRules key_hi / key_lo of each row of the tile
-  Scratch(int br, int bc, int dim)
+  Scratch(int br, int bc, int dim, int dim_v)
       : q(static_cast<std::size_t>(br) * dim), kt(static_cast<std::size_t>(dim) * bc),
-        v(static_cast<std::size_t>(bc) * dim), prod(static_cast<std::size_t>(dim) * bc),
-        s(static_cast<std::size_t>(br) * bc), acc(static_cast<std::size_t>(br) * dim), row(br),
+        v(static_cast<std::size_t>(bc) * dim_v), prod(static_cast<std::size_t>(std::max(dim, dim_v)) * bc),
+        s(static_cast<std::size_t>(br) * bc), acc(static_cast<std::size_t>(br) * dim_v), row(br),
         row_hi(br), row_lo(br) {}
 };
 
 /// Everything one work item needs to visit key tiles.
 struct TileContext {
   const AttnParams* p = nullptr;
-  int b = 0, h = 0, hk = 0, dim = 0;
+  int b = 0, h = 0, hk = 0, dim = 0, dim_v = 0;
   bool varlen = false;
   Sequence seq;
   MaskRules rules;
@@ -188,12 +188,12 @@ void pairwise_sum_rows(float* a, int n, int width, std::size_t stride) {
 void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool need_mask,
                 std::int32_t partial) {
   const AttnParams& p = *c.p;
-  const int dim = c.dim;
+  const int dim = c.dim, dim_v = c.dim_v;
   // K^T and V tiles in fp32. K is transposed so that S = Q K^T runs over contiguous keys.
   for (int col = 0; col < cols; ++col) {
     const std::int64_t kofs = row_offset(p.k, c.varlen, c.b, c.seq.first_k, j0 + col, c.hk);
     const std::int64_t vofs = row_offset(p.v, c.varlen, c.b, c.seq.first_k, j0 + col, c.hk);
-    load_row(p.v, vofs, dim, &w.v[static_cast<std::size_t>(col) * dim]);
+    load_row(p.v, vofs, dim_v, &w.v[static_cast<std::size_t>(col) * dim_v]);
     float* staging = w.prod.data();  // free until the products below
     load_row(p.k, kofs, dim, staging);
     for (int d = 0; d < dim; ++d) w.kt[static_cast<std::size_t>(d) * bc + col] = staging[d];
@@ -238,15 +238,15 @@ void visit_tile(const TileContext& c, Scratch& w, int j0, int cols, int bc, bool
     for (int col = 0; col < cols; ++col) {
       const float pr = rs.p(srow[col], cf, mc);
       srow[col] = pr;
-      const float* vrow = &w.v[static_cast<std::size_t>(col) * dim];
-      float* pd = &prod[static_cast<std::size_t>(col) * dim];
-      for (int d = 0; d < dim; ++d) pd[d] = pr * vrow[d];
+      const float* vrow = &w.v[static_cast<std::size_t>(col) * dim_v];
+      float* pd = &prod[static_cast<std::size_t>(col) * dim_v];
+      for (int d = 0; d < dim_v; ++d) pd[d] = pr * vrow[d];
     }
-    pairwise_sum_rows(prod, cols, dim, dim);
+    pairwise_sum_rows(prod, cols, dim_v, dim_v);
     pairwise_sum_rows(srow, cols, 1, 1);
     rs.accumulate(corr, srow[0]);
-    float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
-    for (int d = 0; d < dim; ++d) acc[d] = acc[d] * corr + prod[d];
+    float* acc = &w.acc[static_cast<std::size_t>(r) * dim_v];
+    for (int d = 0; d < dim_v; ++d) acc[d] = acc[d] * corr + prod[d];
   }
 }
 
@@ -283,6 +283,7 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
   c.h = h;
   c.hk = h / (p.heads_q / p.heads_kv);
   c.dim = p.head_dim;
+  c.dim_v = p.effective_head_dim_v();
   c.varlen = m.is_varlen();
   c.seq = sequence(p, b);
   const int len_q = c.seq.len_q, len_k = std::max(c.seq.len_k, 0);
@@ -358,9 +359,9 @@ void run_tile(const AttnParams& p, const Tiling& t, int b, int h, int tile, Scra
   for (int r = 0; r < c.rows; ++r) {
     const int i = i0 + r;
     const algebra::RowResult res = w.row[r].finalize(w.row[r].l, c.logits.score.c);
-    const float* acc = &w.acc[static_cast<std::size_t>(r) * dim];
+    const float* acc = &w.acc[static_cast<std::size_t>(r) * c.dim_v];
     const std::int64_t dst = row_offset(p.o, c.varlen, b, c.seq.first_q, i, h);
-    for (int d = 0; d < dim; ++d)
+    for (int d = 0; d < c.dim_v; ++d)
       store_from_float(p.o.data, p.o.dtype, dst + d, w.row[r].l == 0.f ? 0.f : acc[d] / w.row[r].l);
     if (p.lse) {
       const std::int64_t at = c.varlen ? h * lse_rows + c.seq.first_q + i
@@ -378,7 +379,7 @@ Status tiled_forward(const AttnParams& p, const RunOptions& opt) {
     return Status::Ok();
   }
   if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q <= 0 || p.heads_kv <= 0 ||
-      p.heads_q % p.heads_kv != 0 || p.head_dim <= 0)
+      p.heads_q % p.heads_kv != 0 || p.head_dim <= 0 || p.effective_head_dim_v() <= 0)
     return Status::Invalid("tiled_forward: bad problem shape (call validate() first)");
   if (!p.q.data || !p.k.data || !p.v.data || !p.o.data)
     return Status::Invalid("tiled_forward: q, k, v and o must not be null");
@@ -400,7 +401,7 @@ Status tiled_forward(const AttnParams& p, const RunOptions& opt) {
   threads = std::max(1, std::min(threads, items));
   std::atomic<int> next{0};
   auto worker = [&] {
-    Scratch w(t.br, t.bc, p.head_dim);
+    Scratch w(t.br, t.bc, p.head_dim, p.effective_head_dim_v());
     for (int item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
       const int b = item / per_batch, rest = item % per_batch;
       run_tile(p, t, b, rest / t.tiles_per_head, rest % t.tiles_per_head, w);

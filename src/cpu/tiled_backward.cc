@@ -126,7 +126,7 @@ struct Workspace {
 /// The problem-wide values every pass reads.
 struct Problem {
   const AttnBackwardParams* p = nullptr;
-  int dim = 0, group = 0, bm = 0, bn = 0;
+  int dim = 0, dim_v = 0, group = 0, bm = 0, bn = 0;  // dim: q and k; dim_v: v, o and dO
   bool varlen = false;
   float scale = 0.f;
   std::int64_t lse_rows = 0;  // varlen LSE row count
@@ -141,7 +141,7 @@ struct Problem {
 void preprocess_head(const Problem& pr, const Workspace& ws, int b, int h, std::vector<float>& buf) {
   const AttnBackwardParams& p = *pr.p;
   const Sequence s = sequence(p, b);
-  const int dim = pr.dim;
+  const int dim = pr.dim_v;
   buf.resize(static_cast<std::size_t>(2 * dim));
   float* o = buf.data();
   float* dout = o + dim;
@@ -176,32 +176,33 @@ struct Logits {
   }
 };
 
-/// Per-thread buffers for bm x bn tiles of head_dim d.
+/// Per-thread buffers for bm x bn tiles, head_dim d (q, k) and dv (v, o, dO).
 struct Scratch {
-  int bm = 0, bn = 0, dim = 0;
-  std::vector<float> kt, vt;      // [d][bn] K and V of the key tile, transposed (dot products over keys)
-  std::vector<float> k, q, dout;  // [bn][d] K; [bm][d] Q, dO
+  int bm = 0, bn = 0;
+  std::vector<float> kt, vt;      // [d][bn] K and [dv][bn] V of the key tile, transposed (dot products over keys)
+  std::vector<float> k, q, dout;  // [bn][d] K; [bm][d] Q; [bm][dv] dO
   std::vector<float> pt, dst;     // [bn][bm] P and dS of the pair, transposed (sums over rows per key)
-  std::vector<float> prod;        // products before their pairwise sums, [max][max(bn, d)]
+  std::vector<float> prod;        // products before their pairwise sums, [max][max(bn, d, dv)]
   std::vector<float> row_lse2, row_delta;  // [bm]
-  std::vector<float> dk, dv;      // [bn][d] running dK, dV of the key tile
+  std::vector<float> dk, dv;      // [bn][d] running dK, [bn][dv] running dV of the key tile
   std::vector<float> dq;          // [bm][d] this pair's dS K
   std::vector<float> srow, dprow, ds_row;  // [bn] one row's scores, dP, dS
-  Scratch(int bm_, int bn_, int d) : bm(bm_), bn(bn_), dim(d) {
-    const std::size_t n = static_cast<std::size_t>(bn), m = static_cast<std::size_t>(bm), dd = static_cast<std::size_t>(d);
+  Scratch(int bm_, int bn_, int d, int d_v) : bm(bm_), bn(bn_) {
+    const std::size_t n = static_cast<std::size_t>(bn), m = static_cast<std::size_t>(bm), dd = static_cast<std::size_t>(d),
+                      ddv = static_cast<std::size_t>(d_v);
     kt.resize(dd * n);
-    vt.resize(dd * n);
+    vt.resize(ddv * n);
     k.resize(n * dd);
     q.resize(m * dd);
-    dout.resize(m * dd);
+    dout.resize(m * ddv);
     pt.resize(n * m);
     dst.resize(n * m);
-    const std::size_t rows = std::max({m, n, dd}), cols = std::max(n, dd);
+    const std::size_t rows = std::max({m, n, dd, ddv}), cols = std::max({n, dd, ddv});
     prod.resize(rows * cols);
     row_lse2.resize(m);
     row_delta.resize(m);
     dk.resize(n * dd);
-    dv.resize(n * dd);
+    dv.resize(n * ddv);
     dq.resize(m * dd);
     srow.resize(n);
     dprow.resize(n);
@@ -247,15 +248,15 @@ void visit_pair(const Problem& pr, const Workspace& ws, const Item& it, const Lo
                 const walk::TileVisit& v, Scratch& w) {
   const AttnBackwardParams& p = *pr.p;
   const BlockSparseMask* bs = p.mask.block_sparse;
-  const int dim = pr.dim, bn = w.bn, bm = w.bm;
+  const int dim = pr.dim, dim_v = pr.dim_v, bn = w.bn, bm = w.bm;
   int i0, i1;
   it.tiles.q_rows(m, &i0, &i1);
   const int rows = i1 - i0, cols = it.j1 - it.j0;
   const Sequence& s = it.seq;
   for (int r = 0; r < rows; ++r) {
     load_row(p.q, row_offset(p.q, pr.varlen, it.b, s.first_q, i0 + r, h), dim, &w.q[static_cast<std::size_t>(r) * dim]);
-    load_row(p.dout, row_offset(p.dout, pr.varlen, it.b, s.first_q, i0 + r, h), dim,
-             &w.dout[static_cast<std::size_t>(r) * dim]);
+    load_row(p.dout, row_offset(p.dout, pr.varlen, it.b, s.first_q, i0 + r, h), dim_v,
+             &w.dout[static_cast<std::size_t>(r) * dim_v]);
     const std::int64_t row = h * ws.layout.rows + ws.row(s, it.b, i0 + r);
     w.row_lse2[r] = ws.lse2[row];
     w.row_delta[r] = ws.delta[row];
@@ -268,7 +269,7 @@ void visit_pair(const Problem& pr, const Workspace& ws, const Item& it, const Lo
     const int i = i0 + r, ia = i + offset;
     const int key_hi = it.rules.key_hi(i), key_lo = it.rules.key_lo(i);
     row_times_tile(&w.q[static_cast<std::size_t>(r) * dim], w.kt.data(), dim, cols, bn, w.prod.data(), srow);
-    row_times_tile(&w.dout[static_cast<std::size_t>(r) * dim], w.vt.data(), dim, cols, bn, w.prod.data(), dprow);
+    row_times_tile(&w.dout[static_cast<std::size_t>(r) * dim_v], w.vt.data(), dim_v, cols, bn, w.prod.data(), dprow);
     for (int col = 0; col < cols; ++col) {
       const int j = it.j0 + col;
       const float u = lg.score.raw(srow[col]);
@@ -289,8 +290,8 @@ void visit_pair(const Problem& pr, const Workspace& ws, const Item& it, const Lo
   }
   // dV_j += sum_r P(r, j) dO_r and dK_j += sum_r dS(r, j) Q_r (pairwise over the tile's rows).
   for (int col = 0; col < cols; ++col) {
-    add_weighted_rows(&w.pt[static_cast<std::size_t>(col) * bm], w.dout.data(), rows, dim, w.prod.data(),
-                      &w.dv[static_cast<std::size_t>(col) * dim]);
+    add_weighted_rows(&w.pt[static_cast<std::size_t>(col) * bm], w.dout.data(), rows, dim_v, w.prod.data(),
+                      &w.dv[static_cast<std::size_t>(col) * dim_v]);
     add_weighted_rows(&w.dst[static_cast<std::size_t>(col) * bm], w.q.data(), rows, dim, w.prod.data(),
                       &w.dk[static_cast<std::size_t>(col) * dim]);
   }
@@ -329,16 +330,14 @@ void run_item(const Problem& pr, const Workspace& ws, int b, int hk, int n, Scra
   it.tiles.k_cols(n, &it.j0, &it.j1);
   it.rules = MaskRules::make(it.seq.len_q, it.seq.len_k, mk.causal, mk.window_left, mk.window_right,
                              mk.global_tokens, mk.global_queries);
-  const int dim = pr.dim, bn = w.bn, cols = it.j1 - it.j0;
+  const int dim = pr.dim, dim_v = pr.dim_v, bn = w.bn, cols = it.j1 - it.j0;
   for (int col = 0; col < cols; ++col) {
     float* krow = &w.k[static_cast<std::size_t>(col) * dim];
     load_row(p.k, row_offset(p.k, pr.varlen, b, it.seq.first_k, it.j0 + col, hk), dim, krow);
     float* vrow = w.prod.data();  // staging until the first pair
-    load_row(p.v, row_offset(p.v, pr.varlen, b, it.seq.first_k, it.j0 + col, hk), dim, vrow);
-    for (int d = 0; d < dim; ++d) {
-      w.kt[static_cast<std::size_t>(d) * bn + col] = krow[d];
-      w.vt[static_cast<std::size_t>(d) * bn + col] = vrow[d];
-    }
+    load_row(p.v, row_offset(p.v, pr.varlen, b, it.seq.first_k, it.j0 + col, hk), dim_v, vrow);
+    for (int d = 0; d < dim; ++d) w.kt[static_cast<std::size_t>(d) * bn + col] = krow[d];
+    for (int d = 0; d < dim_v; ++d) w.vt[static_cast<std::size_t>(d) * bn + col] = vrow[d];
   }
   std::fill(w.dk.begin(), w.dk.end(), 0.f);
   std::fill(w.dv.begin(), w.dv.end(), 0.f);
@@ -354,10 +353,10 @@ void run_item(const Problem& pr, const Workspace& ws, int b, int hk, int n, Scra
   for (int col = 0; col < cols; ++col) {
     const std::int64_t dk = row_offset(p.dk, pr.varlen, b, it.seq.first_k, it.j0 + col, hk);
     const std::int64_t dv = row_offset(p.dv, pr.varlen, b, it.seq.first_k, it.j0 + col, hk);
-    for (int d = 0; d < dim; ++d) {
+    for (int d = 0; d < dim; ++d)
       store_from_float(p.dk.data, p.dk.dtype, dk + d, pr.scale * w.dk[static_cast<std::size_t>(col) * dim + d]);
-      store_from_float(p.dv.data, p.dv.dtype, dv + d, w.dv[static_cast<std::size_t>(col) * dim + d]);
-    }
+    for (int d = 0; d < dim_v; ++d)
+      store_from_float(p.dv.data, p.dv.dtype, dv + d, w.dv[static_cast<std::size_t>(col) * dim_v + d]);
   }
 }
 
@@ -400,6 +399,7 @@ Status tiled_backward(const AttnBackwardParams& p, const RunOptions& opt, const 
   Problem pr;
   pr.p = &p;
   pr.dim = p.head_dim;
+  pr.dim_v = p.effective_head_dim_v();
   pr.group = p.heads_q / p.heads_kv;
   pr.bm = layout.row_pad;
   pr.bn = tiled_backward_block_n(p, opt);
@@ -423,7 +423,7 @@ Status tiled_backward(const AttnBackwardParams& p, const RunOptions& opt, const 
   const std::int64_t items = static_cast<std::int64_t>(p.batch) * p.heads_kv * n_tiles;
   if (items > std::numeric_limits<int>::max())
     return Status::Unsupported("tiled_backward: too many work items (" + std::to_string(items) + ")");
-  parallel_items(static_cast<int>(items), threads, [&] { return Scratch(pr.bm, pr.bn, pr.dim); },
+  parallel_items(static_cast<int>(items), threads, [&] { return Scratch(pr.bm, pr.bn, pr.dim, pr.dim_v); },
                  [&](int item, Scratch& w) {
                    const int b = item / (p.heads_kv * n_tiles), rest = item % (p.heads_kv * n_tiles);
                    run_item(pr, ws, b, rest / n_tiles, rest % n_tiles, w);

@@ -177,8 +177,10 @@ const std::vector<std::string>& decode_cpu() {
 TEST(CliInfo, BadShapesAreRefusedWithASentence) {
   expect_usage_error({"info", "--seqlen-q", "-5"}, "--seqlen-q: must be an integer >= 1; got '-5'");
   expect_usage_error({"info", "--batch", "-1"}, "--batch: must be an integer >= 1");
-  expect_usage_error({"info", "--head-dim", "-64"}, "--head-dim: must be one of 64, 128, 256");
-  expect_usage_error({"info", "--head-dim", "100000"}, "--head-dim: must be one of 64, 128, 256");
+  expect_usage_error({"info", "--head-dim", "-64"}, "--head-dim: must be a multiple of 8 in [8, 256]");
+  expect_usage_error({"info", "--head-dim", "100000"}, "--head-dim: must be a multiple of 8 in [8, 256]");
+  expect_usage_error({"info", "--head-dim", "84"}, "--head-dim: must be a multiple of 8 in [8, 256]; got '84'");
+  expect_usage_error({"info", "--head-dim-v", "264"}, "--head-dim-v: must be a multiple of 8 in [8, 256]");
   expect_usage_error({"info", "--head-dim", "0"}, "--head-dim");
   expect_usage_error({"info", "--heads-q", "0"}, "--heads-q: must be an integer >= 1");
   // These fell back to the defaults without a word.
@@ -225,7 +227,7 @@ TEST(CliFlags, EveryNumericFlagIsRangeChecked) {
   expect_usage_error({"check", "--seed", "-5", "--list"}, "--seed: must be a non-negative integer");
   expect_usage_error({"audit", "--heads", "-2", "--list"}, "--heads: must be an integer >= 1");
   expect_usage_error({"audit", "--heads", "0", "--list"}, "--heads: must be an integer >= 1");
-  expect_usage_error({"audit", "--head-dim", "0", "--list"}, "--head-dim: must be one of 64, 128, 256");
+  expect_usage_error({"audit", "--head-dim", "0", "--list"}, "--head-dim: must be a multiple of 8 in [8, 256]");
   expect_usage_error({"audit", "--window", "-5", "--list"}, "--window: must be an integer >= 1");
   expect_usage_error({"audit", "--n", "128,0", "--list"}, "--n: must be an integer >= 1; got '0'");
   expect_usage_error({"audit", "--threads", "-1", "--list"}, "--threads: must be an integer in [0, 1024]");

@@ -21,6 +21,8 @@ namespace flashcpp::testing {
 
 struct BwdSpec {
   int batch = 1, seqlen_q = 7, seqlen_k = 7, heads_q = 2, heads_kv = 1, head_dim = 64;
+  int head_dim_v = 0;  ///< of v, o, dout and dv; 0 = head_dim
+  int dim_v() const { return head_dim_v ? head_dim_v : head_dim; }
   DType dtype = DType::kF32;
   bool causal = false;
   int window_left = -1, window_right = -1, global_tokens = 0;
@@ -34,8 +36,8 @@ struct BwdSpec {
   float stddev = 1.f;
   std::string name() const {
     std::string s = "b" + std::to_string(batch) + "_q" + std::to_string(seqlen_q) + "_k" + std::to_string(seqlen_k) + "_h" +
-                    std::to_string(heads_q) + "kv" + std::to_string(heads_kv) + "_d" + std::to_string(head_dim) + "_" +
-                    dtype_name(dtype);
+                    std::to_string(heads_q) + "kv" + std::to_string(heads_kv) + "_d" + std::to_string(head_dim) +
+                    (head_dim_v && head_dim_v != head_dim ? "v" + std::to_string(head_dim_v) : "") + "_" + dtype_name(dtype);
     if (causal) s += "_causal";
     if (window_left >= 0 || window_right >= 0) s += "_w" + std::to_string(window_left) + "," + std::to_string(window_right);
     if (global_tokens) s += "_g" + std::to_string(global_tokens) + (global_queries ? "q" : "");
@@ -125,8 +127,11 @@ class BwdProblem {
       if (!build_block_sparse_from_dense(shape, dense.data(), &sparse).ok()) std::abort();
     }
     const std::int64_t nq = rows_q * s.heads_q * s.head_dim, nk = rows_k * s.heads_kv * s.head_dim;
-    for (Tensor* t : {&q, &o, &dout, &dq}) t->alloc(s.dtype, nq);
-    for (Tensor* t : {&k, &v, &dk, &dv}) t->alloc(s.dtype, nk);
+    const std::int64_t no = rows_q * s.heads_q * s.dim_v(), nv = rows_k * s.heads_kv * s.dim_v();
+    for (Tensor* t : {&q, &dq}) t->alloc(s.dtype, nq);
+    for (Tensor* t : {&o, &dout}) t->alloc(s.dtype, no);
+    for (Tensor* t : {&k, &dk}) t->alloc(s.dtype, nk);
+    for (Tensor* t : {&v, &dv}) t->alloc(s.dtype, nv);
     q.fill_normal(g, s.stddev);
     k.fill_normal(g, s.stddev);
     v.fill_normal(g, 1.f);
@@ -168,6 +173,7 @@ class BwdProblem {
     p.heads_q = s.heads_q;
     p.heads_kv = s.heads_kv;
     p.head_dim = s.head_dim;
+    p.head_dim_v = s.head_dim_v;
     p.q = view_q(q);
     p.k = view_k(k);
     p.v = view_k(v);
@@ -193,6 +199,7 @@ class BwdProblem {
     p.heads_q = s.heads_q;
     p.heads_kv = s.heads_kv;
     p.head_dim = s.head_dim;
+    p.head_dim_v = s.head_dim_v;
     p.q = view_q(q);
     p.k = view_k(k);
     p.v = view_k(v);
@@ -225,9 +232,10 @@ class BwdProblem {
 
  private:
   TensorView view(Tensor& t, int heads) const {
-    if (!cu_q.empty()) return TensorView{t.data(), s.dtype, 0, static_cast<std::int64_t>(heads) * s.head_dim, s.head_dim};
+    const int w = &t == &v || &t == &o || &t == &dout || &t == &dv ? s.dim_v() : s.head_dim;
+    if (!cu_q.empty()) return TensorView{t.data(), s.dtype, 0, static_cast<std::int64_t>(heads) * w, w};
     const int len = &t == &q || &t == &o || &t == &dout || &t == &dq ? s.seqlen_q : s.seqlen_k;
-    return bshd_view(t.data(), s.dtype, len, heads, s.head_dim);
+    return bshd_view(t.data(), s.dtype, len, heads, w);
   }
 };
 

@@ -132,6 +132,17 @@ TEST(BackwardReference, MatchesFiniteDifferencesOnEveryMask) {
   s.sparse_n = 3;
   s.softmax_scale = -0.2f;  // a negative scale flips the raw units' sign
   specs.push_back(s);
+  s = base;  // values narrower than the keys
+  s.head_dim = 24;
+  s.head_dim_v = 16;
+  s.causal = true;
+  s.dlse = true;
+  specs.push_back(s);
+  s = base;  // and wider
+  s.head_dim = 8;
+  s.head_dim_v = 40;
+  s.softcap = 1.f;
+  specs.push_back(s);
   std::uint64_t salt = 1;
   for (const BwdSpec& sp : specs) {
     SCOPED_TRACE(sp.name());
@@ -146,12 +157,12 @@ struct Errors {
   std::int64_t nonfinite = 0;
 };
 
-/// |tiled - ref| over dq, dk, dv, per row (a row: one head_dim vector).
+/// |tiled - ref| over dq, dk, dv, per row (a row: one head_dim or head_dim_v vector).
 Errors compare(BwdProblem& pb, const cpu::RefGrads& g) {
   Errors e;
   std::vector<double> rows;
   for (auto [t, ref] : {std::pair{&pb.dq, &g.dq}, std::pair{&pb.dk, &g.dk}, std::pair{&pb.dv, &g.dv}}) {
-    const int d = pb.s.head_dim;
+    const int d = t == &pb.dv ? pb.s.dim_v() : pb.s.head_dim;
     for (std::int64_t r = 0; r * d < t->n; ++r) {
       double row = 0;
       for (int c = 0; c < d; ++c) {
@@ -251,6 +262,45 @@ TEST(BackwardTiled, MatchesReferenceOnOddSizesAndEveryMask) {
       EXPECT_LE(e.max_err, kF32RelBound * std::max(1.0, e.max_ref))
           << sp.name() << " tiles " << opt.cpu_block_m << "x" << opt.cpu_block_n << ": p99 row " << e.p99_row;
     }
+  }
+}
+
+TEST(BackwardTiled, EveryHeadDimAndHeadDimV) {
+  // Every multiple of 8 up to 256 on a small odd problem, then values narrower and wider than the
+  // keys, on tiles that split the rows and keys unevenly.
+  std::vector<BwdSpec> specs;
+  for (int d = 8; d <= kMaxHeadDim; d += 8) {
+    BwdSpec s;
+    s.seqlen_q = 13;
+    s.seqlen_k = 19;
+    s.heads_q = 2;
+    s.heads_kv = 1;
+    s.head_dim = d;
+    s.causal = d % 16 == 0;
+    specs.push_back(s);
+  }
+  for (auto [d, dv] : {std::pair{192, 128}, std::pair{128, 64}, std::pair{64, 128}, std::pair{96, 80},
+                       std::pair{8, 256}, std::pair{256, 8}}) {
+    BwdSpec s;
+    s.seqlen_q = 21;
+    s.seqlen_k = 34;
+    s.heads_q = 4;
+    s.heads_kv = 2;
+    s.head_dim = d;
+    s.head_dim_v = dv;
+    s.causal = true;
+    s.dlse = true;
+    specs.push_back(s);
+    s.varlen_q = {5, 0, 16};
+    s.varlen_k = {9, 4, 20};
+    specs.push_back(s);
+  }
+  std::uint64_t salt = 900;
+  for (const BwdSpec& sp : specs) {
+    const Errors e = tiled_vs_reference(sp, salt++, options(Backend::kCpu, 2, 8, 16));
+    EXPECT_EQ(e.nonfinite, 0) << sp.name();
+    EXPECT_GT(e.max_ref, 0.1) << sp.name() << ": the gradients are all ~0, the comparison would prove nothing";
+    EXPECT_LE(e.max_err, kF32RelBound * std::max(1.0, e.max_ref)) << sp.name() << ": p99 row " << e.p99_row;
   }
 }
 
@@ -610,7 +660,7 @@ TEST_F(BackwardValidation, OneSentencePerError) {
       {[](AttnBackwardParams& p) { p.dq.data = nullptr; }, StatusCode::kInvalidArgument, "dq.data is null"},
       {[](AttnBackwardParams& p) { p.dk.seq_stride = -1; }, StatusCode::kInvalidArgument, "dk.seq_stride -1 is negative"},
       {[](AttnBackwardParams& p) { p.dv = p.v; }, StatusCode::kInvalidArgument, "dv overlaps v"},
-      {[](AttnBackwardParams& p) { p.dq.data = p.dk.data; }, StatusCode::kInvalidArgument, "dq overlaps dk"},
+      {[](AttnBackwardParams& p) { p.dq.data = p.dk.data; }, StatusCode::kInvalidArgument, "dq overlaps"},  // dk, or a neighbour the heap put first
       {[&](AttnBackwardParams& p) { p.dlse = spare + 1; p.dq.data = static_cast<void*>(spare); },
        StatusCode::kInvalidArgument, "dq overlaps dlse"},
       {[](AttnBackwardParams& p) { p.workspace = nullptr; }, StatusCode::kInvalidArgument, "workspace is null"},
@@ -619,7 +669,9 @@ TEST_F(BackwardValidation, OneSentencePerError) {
        StatusCode::kInvalidArgument, "is not 256-byte aligned"},
       {[](AttnBackwardParams& p) { p.workspace = p.dq.data; }, StatusCode::kInvalidArgument, "overlaps"},
       {[](AttnBackwardParams& p) { p.total_k = 8; }, StatusCode::kInvalidArgument, "total_k 8 is set without cu_seqlens"},
-      {[](AttnBackwardParams& p) { p.head_dim = 80; }, StatusCode::kInvalidArgument, "head_dim 80 is not supported"},
+      {[](AttnBackwardParams& p) { p.head_dim = 264; }, StatusCode::kInvalidArgument, "head_dim 264 is not supported"},
+      {[](AttnBackwardParams& p) { p.head_dim_v = 12; }, StatusCode::kInvalidArgument, "head_dim_v 12 is not supported"},
+      {[](AttnBackwardParams& p) { p.head_dim_v = 128; }, StatusCode::kInvalidArgument, "v.seq_stride 64 makes two"},
       {[](AttnBackwardParams& p) { p.mask.softcap = -1.f; }, StatusCode::kInvalidArgument, "mask.softcap -1"},
   };
   for (const Expect& e : cases) {

@@ -40,6 +40,8 @@ constexpr double kAtol = 2e-5;
 struct DCase {
   std::string name;
   int batch = 1, hq = 1, hkv = 1, d = 64, sq = 1;
+  int dv = 0;  ///< head_dim_v (values and o); 0 = d
+  int width_v() const { return dv ? dv : d; }
   DType dt = DType::kF32;
   std::vector<int> lens;  ///< cache_seqlens before the step (size batch)
   int extra_slots = 5;    ///< slots beyond the largest total length (NaN-filled)
@@ -80,7 +82,7 @@ struct Problem {
   Problem& operator=(const Problem&) = delete;
   Problem(const DCase& cs, std::uint64_t salt) : c(cs) {
     auto g = testing::rng(salt);
-    const int B = c.batch, D = c.d;
+    const int B = c.batch, D = c.d, Dv = c.width_v();
     lens.assign(c.lens.begin(), c.lens.end());
     const std::int64_t need = max_total(c) + c.extra_slots;
     p.batch = B;
@@ -88,13 +90,14 @@ struct Problem {
     p.heads_q = c.hq;
     p.heads_kv = c.hkv;
     p.head_dim = D;
+    p.head_dim_v = c.dv;
     p.softmax_scale = c.scale;
     q = HostBuffer(c.dt, static_cast<std::int64_t>(B) * c.sq * c.hq * D);
     q.fill_normal(g);
-    o = HostBuffer(c.dt, q.size());
+    o = HostBuffer(c.dt, static_cast<std::int64_t>(B) * c.sq * c.hq * Dv);
     o.poison();
     p.q = bshd_view(q.data(), c.dt, c.sq, c.hq, D);
-    p.o = bshd_view(o.data(), c.dt, c.sq, c.hq, D);
+    p.o = bshd_view(o.data(), c.dt, c.sq, c.hq, Dv);
     lse.assign(static_cast<std::size_t>(B) * c.hq * c.sq, NAN);
     p.lse = lse.data();
     if (c.page_size > 0) {
@@ -110,9 +113,9 @@ struct Problem {
       for (int b = 0; b < B; ++b)
         for (int i = 0; i < pps; ++i) block_table[b * stride + i] = order[b * pps + i];
       kc = HostBuffer(c.dt, static_cast<std::int64_t>(num_pages) * c.page_size * c.hkv * D);
-      vc = HostBuffer(c.dt, kc.size());
+      vc = HostBuffer(c.dt, static_cast<std::int64_t>(num_pages) * c.page_size * c.hkv * Dv);
       p.cache.k = bshd_view(kc.data(), c.dt, c.page_size, c.hkv, D);
-      p.cache.v = bshd_view(vc.data(), c.dt, c.page_size, c.hkv, D);
+      p.cache.v = bshd_view(vc.data(), c.dt, c.page_size, c.hkv, Dv);
       p.cache.page_size = c.page_size;
       p.cache.num_pages = num_pages;
       p.cache.block_table = block_table.data();
@@ -121,12 +124,12 @@ struct Problem {
     } else {
       slots = need;
       kc = HostBuffer(c.dt, static_cast<std::int64_t>(B) * slots * c.hkv * D);
-      vc = HostBuffer(c.dt, kc.size());
-      auto view = [&](HostBuffer& h) {
-        return c.sdpa_cache ? bhsd_view(h.data(), c.dt, slots, c.hkv, D) : bshd_view(h.data(), c.dt, slots, c.hkv, D);
+      vc = HostBuffer(c.dt, static_cast<std::int64_t>(B) * slots * c.hkv * Dv);
+      auto view = [&](HostBuffer& h, int w) {
+        return c.sdpa_cache ? bhsd_view(h.data(), c.dt, slots, c.hkv, w) : bshd_view(h.data(), c.dt, slots, c.hkv, w);
       };
-      p.cache.k = view(kc);
-      p.cache.v = view(vc);
+      p.cache.k = view(kc, D);
+      p.cache.v = view(vc, Dv);
       p.cache.capacity = static_cast<int>(slots);
     }
     // Cache contents: N(0,1) where a sequence has keys before the step, NaN everywhere else.
@@ -137,19 +140,17 @@ struct Problem {
       for (int j = 0; j < lens[b]; ++j)
         for (int h = 0; h < c.hkv; ++h) {
           const std::int64_t ko = offset(p.cache.k, b, j, h), vo = offset(p.cache.v, b, j, h);
-          for (int d = 0; d < D; ++d) {
-            kc.set(ko + d, nd(g));
-            vc.set(vo + d, nd(g));
-          }
+          for (int d = 0; d < D; ++d) kc.set(ko + d, nd(g));
+          for (int d = 0; d < Dv; ++d) vc.set(vo + d, nd(g));
         }
     p.cache_seqlens = lens.data();
     if (c.append) {
       knew = HostBuffer(c.dt, static_cast<std::int64_t>(B) * c.sq * c.hkv * D);
-      vnew = HostBuffer(c.dt, knew.size());
+      vnew = HostBuffer(c.dt, static_cast<std::int64_t>(B) * c.sq * c.hkv * Dv);
       knew.fill_normal(g);
       vnew.fill_normal(g);
       p.k_new = bshd_view(knew.data(), c.dt, c.sq, c.hkv, D);
-      p.v_new = bshd_view(vnew.data(), c.dt, c.sq, c.hkv, D);
+      p.v_new = bshd_view(vnew.data(), c.dt, c.sq, c.hkv, Dv);
     }
     p.rotary.style = c.rot;
     p.rotary.rotary_dim = c.rotary_dim;
@@ -242,7 +243,7 @@ struct Expected {
 void expected(const Problem& pr, Expected* e) {
   const DCase& c = pr.c;
   const DecodeParams& p = pr.p;
-  const int D = c.d;
+  const int D = c.d, Dv = c.width_v();
   e->kc = pr.kc;
   e->vc = pr.vc;
   std::vector<float> row(static_cast<std::size_t>(D));
@@ -254,10 +255,8 @@ void expected(const Problem& pr, Expected* e) {
           for (int d = 0; d < D; ++d) row[d] = pr.knew.get(((b * c.sq + t) * c.hkv + h) * D + d);
           rotate(p.rotary, D, pos, row.data());
           const std::int64_t ko = pr.offset(p.cache.k, b, pos, h), vo = pr.offset(p.cache.v, b, pos, h);
-          for (int d = 0; d < D; ++d) {
-            e->kc.set(ko + d, row[d]);
-            e->vc.set(vo + d, pr.vnew.get(((b * c.sq + t) * c.hkv + h) * D + d));
-          }
+          for (int d = 0; d < D; ++d) e->kc.set(ko + d, row[d]);
+          for (int d = 0; d < Dv; ++d) e->vc.set(vo + d, pr.vnew.get(((b * c.sq + t) * c.hkv + h) * Dv + d));
         }
   std::vector<std::int32_t> cu_q{0}, cu_k{0};
   int max_k = 0;
@@ -268,7 +267,7 @@ void expected(const Problem& pr, Expected* e) {
   }
   const std::int64_t tk = std::max(cu_k.back(), 1);
   HostBuffer qd(c.dt, static_cast<std::int64_t>(c.batch) * c.sq * c.hq * D);
-  HostBuffer kd(c.dt, tk * c.hkv * D), vd(c.dt, tk * c.hkv * D);
+  HostBuffer kd(c.dt, tk * c.hkv * D), vd(c.dt, tk * c.hkv * Dv);
   for (int b = 0; b < c.batch; ++b) {
     for (int t = 0; t < c.sq; ++t)
       for (int h = 0; h < c.hq; ++h) {
@@ -278,12 +277,10 @@ void expected(const Problem& pr, Expected* e) {
       }
     for (int j = 0; j < pr.total(b); ++j)
       for (int h = 0; h < c.hkv; ++h) {
-        const std::int64_t dst = ((cu_k[b] + j) * c.hkv + h) * D;
+        const std::int64_t row_kv = (cu_k[b] + j) * c.hkv + h;
         const std::int64_t ko = pr.offset(p.cache.k, b, j, h), vo = pr.offset(p.cache.v, b, j, h);
-        for (int d = 0; d < D; ++d) {
-          kd.set(dst + d, e->kc.get(ko + d));
-          vd.set(dst + d, e->vc.get(vo + d));
-        }
+        for (int d = 0; d < D; ++d) kd.set(row_kv * D + d, e->kc.get(ko + d));
+        for (int d = 0; d < Dv; ++d) vd.set(row_kv * Dv + d, e->vc.get(vo + d));
       }
   }
   AttnParams a;
@@ -293,9 +290,10 @@ void expected(const Problem& pr, Expected* e) {
   a.heads_q = c.hq;
   a.heads_kv = c.hkv;
   a.head_dim = D;
+  a.head_dim_v = c.dv;
   a.q = TensorView{qd.data(), c.dt, 0, static_cast<std::int64_t>(c.hq) * D, D};
   a.k = TensorView{kd.data(), c.dt, 0, static_cast<std::int64_t>(c.hkv) * D, D};
-  a.v = TensorView{vd.data(), c.dt, 0, static_cast<std::int64_t>(c.hkv) * D, D};
+  a.v = TensorView{vd.data(), c.dt, 0, static_cast<std::int64_t>(c.hkv) * Dv, Dv};
   a.softmax_scale = c.scale;
   a.mask.causal = c.causal;
   a.mask.window_left = c.wl;
@@ -355,7 +353,7 @@ double unit_roundoff(DType dt) {
 /// model is NaN (NaN inputs) O and LSE must be NaN; `nan_elements` gets how many such O elements.
 double compare(const Problem& pr, const Expected& e, std::int64_t* nan_elements = nullptr) {
   const DCase& c = pr.c;
-  const int D = c.d;
+  const int D = c.width_v();  // o's width
   const std::int64_t total_q = static_cast<std::int64_t>(c.batch) * c.sq;
   const double u = unit_roundoff(c.dt);
   double max_err = 0;
@@ -562,6 +560,70 @@ TEST(DecodeCpu, GqaAndMqa) {
     run_and_check(c, salt_of(c.name), &plan);
     EXPECT_EQ(plan.rows_per_kv, gq.hq / gq.hkv * gq.sq);
   }
+}
+
+TEST(DecodeCpu, EveryHeadDimAndHeadDimV) {
+  // Every multiple of 8 up to 256 (alternately split and merged, with rotary on the appended
+  // keys), then values narrower and wider than the keys (DeepSeek's 192/128 among them).
+  for (int d = 8; d <= kMaxHeadDim; d += 8) {
+    DCase c;
+    c.name = "d" + std::to_string(d);
+    c.batch = 2;
+    c.hq = 4;
+    c.hkv = 2;
+    c.sq = 2;
+    c.d = d;
+    c.lens = {37, 70};
+    c.append = true;
+    c.num_splits = d % 16 == 0 ? 2 : 1;
+    if (d % 32 == 0) c.rot = RopeStyle::kNeox;
+    DecodePlan plan;
+    run_and_check(c, salt_of(c.name), &plan);
+    EXPECT_EQ(plan.head_dim_v, d);
+  }
+  struct Dims {
+    int d, dv;
+  };
+  for (Dims dd : {Dims{192, 128}, Dims{128, 64}, Dims{64, 128}, Dims{96, 80}, Dims{8, 256}, Dims{256, 8}}) {
+    for (int splits : {1, 3}) {
+      DCase c;
+      c.name = "d" + std::to_string(dd.d) + "v" + std::to_string(dd.dv) + "_splits" + std::to_string(splits);
+      c.batch = 2;
+      c.hq = 4;
+      c.hkv = 1;
+      c.sq = 3;
+      c.d = dd.d;
+      c.dv = dd.dv;
+      c.dt = splits == 1 ? DType::kBF16 : DType::kF32;
+      c.lens = {150, 9};
+      c.append = true;
+      c.rot = RopeStyle::kInterleaved;
+      c.num_splits = splits;
+      c.page_size = splits == 3 ? 16 : 0;
+      DecodePlan plan;
+      run_and_check(c, salt_of(c.name), &plan);
+      EXPECT_EQ(plan.head_dim, dd.d);
+      EXPECT_EQ(plan.head_dim_v, dd.dv);
+    }
+  }
+}
+
+TEST(DecodeCpu, HeadDimVMustMatchThePlan) {
+  DCase c;
+  c.name = "plan_dv";
+  c.d = 64;
+  c.lens = {20};
+  Problem pr(c, 5);
+  pr.p.head_dim_v = 32;  // v and o read as the 32-wide leading slices of their 64-wide rows
+  RunResult rr;
+  const Status planned = plan_and_run(pr, &rr);
+  ASSERT_TRUE(planned.ok()) << planned.to_string();
+  EXPECT_EQ(rr.plan.head_dim_v, 32);
+  pr.p.head_dim_v = 0;  // 64: the views still fit, the plan's partials do not
+  RunOptions ro;
+  ro.backend = Backend::kCpu;
+  const Status st = decode_run(pr.p, rr.plan, ro);
+  EXPECT_EQ(st.message(), "decode_run: head_dim_v 64 differs from the plan's 32 (run decode_plan again for this shape)");
 }
 
 TEST(DecodeCpu, QueryLengths1To16Causal) {
@@ -942,7 +1004,8 @@ TEST(DecodeValidate, Messages) {
   };
   EXPECT_EQ(msg([](DecodeParams&) {}), "ok");
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.seqlen_q = 17; }), "seqlen_q 17 is outside the decode range 1..16"));
-  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.head_dim = 80; }), "head_dim 80 is not supported (supported: 64, 128, 256)"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.head_dim = 84; }), "head_dim 84 is not supported (it must be a multiple of 8 in [8, 256])"));
+  EXPECT_TRUE(has(msg([](DecodeParams& p) { p.head_dim_v = 260; }), "head_dim_v 260 is not supported"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.page_size = 48; }), "cache.page_size 48 is not a power of two in [1, 256]"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.page_size = 512; }), "cache.page_size 512 is not a power of two"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.block_table = nullptr; }), "cache.block_table is null but cache.page_size is 16"));

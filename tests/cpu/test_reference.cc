@@ -97,6 +97,74 @@ void expect_uniform_over(const Tiny& t, const cpu::RefOutput& r, std::int64_t ro
   }
 }
 
+/// Random fp64 q, k (head dim d) and v (head dim dv) of one causal GQA problem, as flat
+/// (tokens, heads, dim) arrays, and the reference over them.
+struct Dims {
+  int batch = 2, nq = 9, nk = 13, hq = 4, hkv = 2;
+  std::vector<double> q, k, v;
+  int d = 0, dv = 0;
+  Dims(int d_, int dv_, std::uint64_t salt) : d(d_), dv(dv_) {
+    auto g = testing::rng(salt);
+    std::normal_distribution<double> n(0, 1);
+    q.resize(static_cast<std::size_t>(batch) * nq * hq * d);
+    k.resize(static_cast<std::size_t>(batch) * nk * hkv * d);
+    v.resize(static_cast<std::size_t>(batch) * nk * hkv * dv);
+    for (auto* t : {&q, &k, &v})
+      for (double& x : *t) x = n(g);
+  }
+  /// The reference with q and k widened to `dq` columns (zeros past d) and v to `dvv` (the
+  /// given columns first, then `fill`).
+  cpu::RefOutput run(int dq, int dvv, double fill = 0.0) const {
+    std::vector<double> qw = widen(q, d, dq, 0.0), kw = widen(k, d, dq, 0.0), vw = widen(v, dv, dvv, fill);
+    AttnParams p;
+    p.batch = batch;
+    p.seqlen_q = nq;
+    p.seqlen_k = nk;
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    p.head_dim = dq;
+    p.head_dim_v = dvv;
+    p.softmax_scale = 0.3f;  // fixed: the default would follow head_dim
+    p.mask.causal = true;
+    p.q = bshd_view(qw.data(), DType::kF64, nq, hq, dq);
+    p.k = bshd_view(kw.data(), DType::kF64, nk, hkv, dq);
+    p.v = bshd_view(vw.data(), DType::kF64, nk, hkv, dvv);
+    cpu::RefOutput r;
+    EXPECT_TRUE(cpu::reference_attention(p, &r, 2).ok());
+    return r;
+  }
+  static std::vector<double> widen(const std::vector<double>& x, int from, int to, double fill) {
+    const std::size_t rows = x.size() / from;
+    std::vector<double> y(rows * to, fill);
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int c = 0; c < std::min(from, to); ++c) y[r * to + c] = x[r * from + c];
+    return y;
+  }
+};
+
+TEST(Reference, HeadDimVIsTheSameAttentionOverFewerOrMoreValueColumns) {
+  // O's columns are independent sums over the same weights, and zero columns of q and k add exact
+  // zeros to the dot products: so (d, dv) must equal the leading columns of a problem with
+  // wider v, and the same problem with q and k padded by zeros, bit for bit.
+  for (auto [d, dv] : {std::pair{192, 128}, std::pair{128, 64}, std::pair{64, 128}, std::pair{96, 80}, std::pair{8, 256}}) {
+    SCOPED_TRACE("d " + std::to_string(d) + " dv " + std::to_string(dv));
+    const Dims x(d, dv, 40 + d + dv);
+    const cpu::RefOutput got = x.run(d, dv);
+    const int w = std::max(d, dv);
+    const cpu::RefOutput wide = x.run(w, w, 7.5);  // q, k zero-padded; v padded with 7.5 columns
+    ASSERT_EQ(got.o.size() / dv, wide.o.size() / w);
+    const std::size_t rows = got.o.size() / dv;
+    std::size_t mismatches = 0;
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int c = 0; c < dv; ++c) mismatches += got.o[r * dv + c] != wide.o[r * w + c];
+    EXPECT_EQ(mismatches, 0u);
+    EXPECT_EQ(got.lse, wide.lse);
+    // The padded value columns are exactly the weights' sum times 7.5: the weights sum to 1.
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int c = dv; c < w; ++c) ASSERT_NEAR(wide.o[r * w + c], 7.5, 1e-12);
+  }
+}
+
 TEST(Reference, OneKeyOutputIsV) {
   Tiny t(1, 1, 1, 1, 1, 21);
   auto g = testing::rng(22);

@@ -71,6 +71,8 @@ enum class Alibi { kOff, kPerHead, kPerBatch };
 struct Case {
   std::string name;
   int batch = 1, heads_q = 1, heads_kv = 1, seqlen_q = 1, seqlen_k = 1, dim = 64;
+  int dim_v = 0;  // head_dim_v of v and o; 0 = dim
+  int width_v() const { return dim_v ? dim_v : dim; }
   DType dt = DType::kF32;
   bool sdpa_layout = false;  // (B, H, N, D) through strides
   int row_pad = 0;           // extra elements after each token row of q/k/v/o (bshd only)
@@ -136,11 +138,12 @@ struct Problem {
     p.heads_q = c.heads_q;
     p.heads_kv = c.heads_kv;
     p.head_dim = c.dim;
+    p.head_dim_v = c.dim_v;
     p.softmax_scale = c.scale;
-    p.q = make_tensor(q, total_q, c.heads_q, varlen ? total_q : max_q, c.qk_std, g);
-    p.k = make_tensor(k, total_k, c.heads_kv, varlen ? total_k : max_k, c.qk_std, g);
-    p.v = make_tensor(v, total_k, c.heads_kv, varlen ? total_k : max_k, 1.f, g);
-    p.o = make_tensor(o, total_q, c.heads_q, varlen ? total_q : max_q, 1.f, g);
+    p.q = make_tensor(q, total_q, c.heads_q, varlen ? total_q : max_q, c.dim, c.qk_std, g);
+    p.k = make_tensor(k, total_k, c.heads_kv, varlen ? total_k : max_k, c.dim, c.qk_std, g);
+    p.v = make_tensor(v, total_k, c.heads_kv, varlen ? total_k : max_k, c.width_v(), 1.f, g);
+    p.o = make_tensor(o, total_q, c.heads_q, varlen ? total_q : max_q, c.width_v(), 1.f, g);
     o.poison();
     lse.assign(static_cast<std::size_t>(total_q * c.heads_q), NAN);
     p.lse = lse.data();
@@ -173,13 +176,13 @@ struct Problem {
   }
 
   /// Allocates and fills one tensor of `tokens` rows; returns its view (bshd, padded or bhsd).
-  TensorView make_tensor(HostBuffer& buf, std::int64_t tokens, int heads, std::int64_t seqlen,
+  TensorView make_tensor(HostBuffer& buf, std::int64_t tokens, int heads, std::int64_t seqlen, int dim,
                          float stddev, std::mt19937_64& g) {
-    const std::int64_t row = static_cast<std::int64_t>(heads) * c.dim + c.row_pad;
+    const std::int64_t row = static_cast<std::int64_t>(heads) * dim + c.row_pad;
     buf = HostBuffer(c.dt, std::max<std::int64_t>(tokens * row, 1));
     buf.fill_normal(g, stddev);
-    if (c.sdpa_layout) return bhsd_view(buf.data(), c.dt, seqlen, heads, c.dim);
-    return TensorView{buf.data(), c.dt, seqlen * row, row, c.dim};
+    if (c.sdpa_layout) return bhsd_view(buf.data(), c.dt, seqlen, heads, dim);
+    return TensorView{buf.data(), c.dt, seqlen * row, row, dim};
   }
 
   void build_sparse(std::mt19937_64& g, int max_q, int max_k) {
@@ -271,8 +274,8 @@ Errors compare(const Problem& pr, const cpu::RefOutput& ref, double atol_overrid
         double row_o = 0;
         const bool nan_row = std::isnan(ref.lse[static_cast<std::size_t>(h * ref.total_q + row)]);
         e.rows_nan += nan_row;
-        for (int d = 0; d < c.dim; ++d) {
-          const double want = ref.o[static_cast<std::size_t>((row * c.heads_q + h) * c.dim + d)];
+        for (int d = 0; d < c.width_v(); ++d) {
+          const double want = ref.o[static_cast<std::size_t>((row * c.heads_q + h) * c.width_v() + d)];
           const double got = pr.o.get(pr.o_offset(b, i, h) + d);
           ++written;
           if (std::isnan(want)) {  // NaN expected: NaN is the only right answer
@@ -648,6 +651,52 @@ std::vector<Case> shape_cases() {
   return v;
 }
 
+/// Every head dim the CPU backends take (a multiple of 8 up to 256), then values narrower and wider
+/// than the keys, through the layouts (padded rows, SDPA strides, varlen).
+std::vector<Case> head_dim_cases() {
+  std::vector<Case> v;
+  for (int d = 8; d <= kMaxHeadDim; d += 8) {
+    Case c = base("d" + std::to_string(d), 37);
+    c.seqlen_k = 53;
+    c.dim = d;
+    c.causal = d % 16 == 0;
+    c.dt = d % 24 == 0 ? DType::kBF16 : DType::kF32;
+    c.row_pad = d % 40 == 0 ? 3 : 0;
+    v.push_back(c);
+  }
+  struct Dims {
+    int d, dv;
+  };
+  for (Dims dd : {Dims{192, 128}, Dims{128, 64}, Dims{64, 128}, Dims{96, 80}, Dims{8, 256}, Dims{256, 8}}) {
+    const std::string tag = "d" + std::to_string(dd.d) + "v" + std::to_string(dd.dv);
+    Case c = base(tag + "_causal_gqa", 61);
+    c.heads_q = 4;
+    c.heads_kv = 2;
+    c.dim = dd.d;
+    c.dim_v = dd.dv;
+    c.causal = true;
+    c.row_pad = 5;
+    v.push_back(c);
+    c = base(tag + "_sdpa_bf16", 45);
+    c.dim = dd.d;
+    c.dim_v = dd.dv;
+    c.sdpa_layout = true;
+    c.dt = DType::kBF16;
+    v.push_back(c);
+    c = base(tag + "_varlen_window", 1);
+    c.dim = dd.d;
+    c.dim_v = dd.dv;
+    c.len_q = {17, 0, 40};
+    c.len_k = {30, 12, 40};
+    c.window_left = 9;
+    c.causal = true;
+    c.block_m = 16;
+    c.block_n = 24;
+    v.push_back(c);
+  }
+  return v;
+}
+
 std::vector<Case> dtype_cases() {
   std::vector<Case> v;
   for (DType dt : {DType::kBF16, DType::kF16}) {
@@ -793,6 +842,7 @@ INSTANTIATE_TEST_SUITE_P(Varlen, TiledVsReference, ::testing::ValuesIn(varlen_ca
 INSTANTIATE_TEST_SUITE_P(BlockSparse, TiledVsReference, ::testing::ValuesIn(sparse_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(Shapes, TiledVsReference, ::testing::ValuesIn(shape_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(DTypes, TiledVsReference, ::testing::ValuesIn(dtype_cases()), print_case);
+INSTANTIATE_TEST_SUITE_P(HeadDims, TiledVsReference, ::testing::ValuesIn(head_dim_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(Tiles, TiledVsReference, ::testing::ValuesIn(tile_cases()), print_case);
 INSTANTIATE_TEST_SUITE_P(Nan, TiledVsReference, ::testing::ValuesIn(nan_cases()), print_case);
 

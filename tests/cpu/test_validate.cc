@@ -98,14 +98,68 @@ TEST(ValidateShape, Heads) {
   EXPECT_EQ(st.message(), "heads_q 12 is not a multiple of heads_kv 5");
 }
 
+/// base() with head dims d (q, k) and dv (v, o; 0 = d), the views shaped to match.
+AttnParams with_dims(int d, int dv = 0) {
+  AttnParams p = base();
+  p.head_dim = d;
+  p.head_dim_v = dv;
+  const int w = dv ? dv : d;
+  p.q = bshd_view(fake(kQ), DType::kBF16, p.seqlen_q, p.heads_q, d);
+  p.k = bshd_view(fake(kK), DType::kBF16, p.seqlen_k, p.heads_kv, d);
+  p.v = bshd_view(fake(kV), DType::kBF16, p.seqlen_k, p.heads_kv, w);
+  p.o = bshd_view(fake(kO), DType::kBF16, p.seqlen_q, p.heads_q, w);
+  return p;
+}
+
 TEST(ValidateShape, HeadDim) {
-  for (int d : {0, 32, 80, 96, 127, 512, -64}) {
+  for (int d : {0, 4, 12, 127, 260, 264, 512, -64}) {
     auto p = base();
     p.head_dim = d;
     const Status st = validate(p, Backend::kCpu);
     EXPECT_TRUE(Invalid(st, {}));
-    EXPECT_EQ(st.message(), "head_dim " + std::to_string(d) + " is not supported (supported: 64, 128, 256)");
+    EXPECT_EQ(st.message(), "head_dim " + std::to_string(d) + " is not supported (it must be a multiple of 8 in [8, 256])");
+    p.head_dim = 128;
+    p.head_dim_v = d;
+    if (d == 0) continue;  // head_dim_v 0 means head_dim
+    EXPECT_EQ(validate(p, Backend::kCpu).message(),
+              "head_dim_v " + std::to_string(d) + " is not supported (it must be a multiple of 8 in [8, 256])");
   }
+}
+
+TEST(ValidateShape, EveryMultipleOfEightOnTheCpuBackends) {
+  for (int d = 8; d <= 256; d += 8)
+    for (int dv : {0, 8, 64, 128, 200, 256})
+      for (Backend b : {Backend::kAuto, Backend::kCpu, Backend::kCpuReference})
+        EXPECT_TRUE(Passes(validate(with_dims(d, dv), b))) << "d=" << d << " dv=" << dv << " " << backend_name(b);
+}
+
+TEST(ValidateShape, CudaTakesItsCompiledHeadDimsOnly) {
+  for (int d : kCudaHeadDims) EXPECT_TRUE(Passes(validate(with_dims(d), Backend::kCuda))) << d;
+  for (int d : {8, 32, 80, 96, 192}) {
+    const Status st = validate(with_dims(d), Backend::kCuda);
+    EXPECT_TRUE(Fails(st, StatusCode::kUnsupported, {}));
+    EXPECT_EQ(st.message(), "head_dim " + std::to_string(d) +
+                                " runs on the CPU backends only (the CUDA kernels of attention are built for head_dim "
+                                "64, 128 or 256)");
+  }
+  const Status st = validate(with_dims(192, 128), Backend::kCuda);
+  EXPECT_TRUE(Fails(st, StatusCode::kUnsupported, {}));
+  EXPECT_EQ(st.message(), "head_dim 192 with head_dim_v 128 runs on the CPU backends only (the CUDA kernels of "
+                          "attention take head_dim_v == head_dim)");
+  // head_dim_v equal to head_dim, spelled out, is the same problem.
+  EXPECT_TRUE(Passes(validate(with_dims(128, 128), Backend::kCuda)));
+}
+
+TEST(ValidateShape, VAndOAreCheckedAtHeadDimV) {
+  // o laid out 64 wide but head_dim_v 128: o's own rows overlap.
+  AttnParams p = with_dims(128, 64);
+  p.head_dim_v = 128;
+  const Status st = validate(p, Backend::kCpu);
+  EXPECT_TRUE(Invalid(st, {"v.", "at least 128"})) << st.message();
+  // A wider q than k is fine for attention only when head_dim says so: q and k share head_dim.
+  p = with_dims(64, 128);
+  p.k = bshd_view(fake(kK), DType::kBF16, p.seqlen_k, p.heads_kv, 32);
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"k.", "at least 64"}));
 }
 
 TEST(ValidateShape, EmptyProblemsNeedNoPointers) {
@@ -121,8 +175,8 @@ TEST(ValidateShape, EmptyProblemsNeedNoPointers) {
     p.seqlen_q = 0;
     EXPECT_TRUE(Passes(validate(p, b))) << backend_name(b);
     // The scalar checks still run.
-    p.head_dim = 80;
-    EXPECT_TRUE(Invalid(validate(p, b), {"head_dim 80"}));
+    p.head_dim = 84;
+    EXPECT_TRUE(Invalid(validate(p, b), {"head_dim 84 is not supported", "multiple of 8 in [8, 256]"}));
   }
 }
 
@@ -674,7 +728,7 @@ TEST(ValidateBlockSparse, NotWithVarlen) {
 // ---- valid configurations ------------------------------------------------------------------------
 
 TEST(ValidateValid, FlashAttnLayoutEveryBackendAndHeadDim) {
-  for (int d : kSupportedHeadDims)
+  for (int d : kCudaHeadDims)
     for (Backend b : kAllBackends) {
       auto p = base(DType::kF16);
       p.head_dim = d;

@@ -1115,9 +1115,14 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
       err << "flashcpp audit: --n, --heads and --window must be >= 1\n";
       return 2;
     }
-    if (std::find(std::begin(kSupportedHeadDims), std::end(kSupportedHeadDims), p.head_dim) ==
-        std::end(kSupportedHeadDims)) {
-      err << fmt::format("flashcpp audit: head_dim {} is not supported (supported: 64, 128, 256)\n", p.head_dim);
+    if (!is_supported_head_dim(p.head_dim)) {
+      err << fmt::format("flashcpp audit: head_dim {} is not supported (it must be a multiple of {} in [{}, {}])\n",
+                         p.head_dim, kHeadDimStep, kHeadDimStep, kMaxHeadDim);
+      return 2;
+    }
+    if (backend == Backend::kCuda && !is_cuda_head_dim(p.head_dim)) {
+      err << fmt::format("flashcpp audit: head_dim {} runs on the CPU backends only (the CUDA kernels are built for "
+                         "head_dim 64, 128 or 256); add --backend cpu\n", p.head_dim);
       return 2;
     }
     // Every tensor of a problem is held in host memory as float (and the truth in double).

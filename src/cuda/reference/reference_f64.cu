@@ -139,7 +139,7 @@ struct Handle {
 Status reference_attention_f64(const AttnParams& a, double* o_f64, double* lse_f64, Stream stream) {
   if (a.mask.block_sparse) return Status::Unsupported("the fp64 GPU reference does not evaluate block-sparse masks");
   if (a.batch == 0 || a.seqlen_q == 0) return Status::Ok();
-  const int D = a.head_dim, group = a.heads_q / a.heads_kv;
+  const int D = a.head_dim, Dv = a.effective_head_dim_v(), group = a.heads_q / a.heads_kv;
   // Per-sequence lengths and packed row offsets (varlen: copied from the device).
   std::vector<int> cu_q(a.batch + 1), cu_k(a.batch + 1);
   if (a.mask.is_varlen()) {
@@ -162,7 +162,7 @@ Status reference_attention_f64(const AttnParams& a, double* o_f64, double* lse_f
   double *qd, *kd, *vd, *s;
   FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&qd, static_cast<std::size_t>(max_sq) * D));
   FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&kd, static_cast<std::size_t>(max_sk) * D));
-  FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&vd, static_cast<std::size_t>(max_sk) * D));
+  FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&vd, static_cast<std::size_t>(max_sk) * Dv));
   FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&s, static_cast<std::size_t>(max_sq) * std::max(max_sk, 1)));
   Handle handle;
   FC_CUBLAS(cublasCreate(&handle.h));
@@ -182,11 +182,11 @@ Status reference_attention_f64(const AttnParams& a, double* o_f64, double* lse_f
       widen_kernel<<<blocks, kThreads, 0, stream>>>(a.q.data, a.q.dtype, qb + h * a.q.head_stride, a.q.seq_stride, sq, D, qd);
       if (sk > 0 && (h % group == 0)) {
         widen_kernel<<<blocks, kThreads, 0, stream>>>(a.k.data, a.k.dtype, kb + hk * a.k.head_stride, a.k.seq_stride, sk, D, kd);
-        widen_kernel<<<blocks, kThreads, 0, stream>>>(a.v.data, a.v.dtype, vb + hk * a.v.head_stride, a.v.seq_stride, sk, D, vd);
+        widen_kernel<<<blocks, kThreads, 0, stream>>>(a.v.data, a.v.dtype, vb + hk * a.v.head_stride, a.v.seq_stride, sk, Dv, vd);
       }
-      double* o_rows = o_f64 + (static_cast<std::int64_t>(cu_q[b]) * a.heads_q + h) * D;
+      double* o_rows = o_f64 + (static_cast<std::int64_t>(cu_q[b]) * a.heads_q + h) * Dv;
       if (sk == 0) {  // no keys: O = 0, LSE = -inf
-        FC_CUDA(cudaMemset2DAsync(o_rows, sizeof(double) * a.heads_q * D, 0, sizeof(double) * D, sq, stream));
+        FC_CUDA(cudaMemset2DAsync(o_rows, sizeof(double) * a.heads_q * Dv, 0, sizeof(double) * Dv, sq, stream));
         std::vector<double> ninf(sq, -INFINITY);
         FC_CUDA(cudaMemcpyAsync(lse_f64 + h * total_q + cu_q[b], ninf.data(), sizeof(double) * sq, cudaMemcpyHostToDevice, stream));
         FC_CUDA(cudaStreamSynchronize(stream));
@@ -198,9 +198,9 @@ Status reference_attention_f64(const AttnParams& a, double* o_f64, double* lse_f
                      slopes.empty() ? 0.0 : static_cast<double>(slopes[(a.mask.alibi_batch_stride ? b * a.heads_q : 0) + h]),
                      a.mask.causal, a.mask.global_queries, a.mask.window_left, a.mask.window_right, a.mask.global_tokens};
       softmax_kernel<<<sq, kThreads, 0, stream>>>(s, sa, lse_f64 + h * total_q + cu_q[b], 1);
-      // O^T (D x sq, column-major, ld heads_q*D) = V^T (D x sk) * P^T (sk x sq).
-      FC_CUBLAS(cublasDgemm(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, D, sq, sk, &one, vd, D, s, sk, &zero, o_rows,
-                            a.heads_q * D));
+      // O^T (Dv x sq, column-major, ld heads_q*Dv) = V^T (Dv x sk) * P^T (sk x sq).
+      FC_CUBLAS(cublasDgemm(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, Dv, sq, sk, &one, vd, Dv, s, sk, &zero, o_rows,
+                            a.heads_q * Dv));
       FC_CUDA(cudaGetLastError());
     }
   }
