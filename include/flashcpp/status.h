@@ -32,7 +32,7 @@ class [[nodiscard]] Status {
   explicit operator bool() const noexcept { return ok(); }
   StatusCode code() const noexcept { return code_; }
   const std::string& message() const noexcept { return message_; }
-  /// "invalid_argument: head_dim 80 is not supported (supported: 64, 128, 256)"
+  /// "invalid_argument: head_dim 84 is not supported (it must be a multiple of 8 in [8, 256])"
   std::string to_string() const;
 
  private:

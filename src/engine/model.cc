@@ -135,9 +135,13 @@ Status LlamaModel::load(const std::string& dir, Ops* ops, std::unique_ptr<LlamaM
   m->ops_ = ops;
   FLASHCPP_RETURN_IF_ERROR(load_llama_config(dir, &m->cfg_));
   const LlamaConfig& c = m->cfg_;
-  if (c.head_dim != 64 && c.head_dim != 128 && c.head_dim != 256)
-    return Status::Unsupported("head_dim " + std::to_string(c.head_dim) +
-                               " is not supported by the engine's attention kernels (supported: 64, 128, 256)");
+  if (!is_supported_head_dim(c.head_dim))
+    return Status::Unsupported("config.json: head_dim " + std::to_string(c.head_dim) +
+                               " is not supported (attention takes a multiple of 8 in [8, 256])");
+  if (ops->cuda() && !is_cuda_head_dim(c.head_dim))
+    return Status::Unsupported("config.json: head_dim " + std::to_string(c.head_dim) +
+                               " runs on the engine's CPU backend only (the CUDA attention kernels are built for "
+                               "head_dim 64, 128 or 256)");
   std::unique_ptr<SafetensorsArchive> a;
   FLASHCPP_RETURN_IF_ERROR(SafetensorsArchive::open(dir, &a));
   FLASHCPP_RETURN_IF_ERROR(check_layer_count(*a, c.num_hidden_layers));
