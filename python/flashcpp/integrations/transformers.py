@@ -1,0 +1,273 @@
+"""flashcpp as an attention implementation of Hugging Face transformers (5.x).
+
+    import flashcpp.integrations.transformers as fcpp_hf
+    name = fcpp_hf.register()                     # "fcpp"
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation=name)
+    model.generate(...)                           # or a training step: loss.backward()
+
+``register()`` adds two entries under the same name through transformers' public extension points:
+
+* ``AttentionInterface``: :func:`attention_forward`, called by every attention layer with
+  query/key/value in (batch, heads, seqlen, head_dim). It runs :func:`flashcpp.flash_attn_func`
+  (or :func:`flashcpp.flash_attn_varlen_func`) on the (batch, seqlen, heads, head_dim) views of them
+  (no copy; k and v keep their fewer heads under GQA) and returns (batch, seqlen_q, heads, head_dim)
+  and no attention weights.
+* ``AttentionMaskInterface``: :func:`attention_mask`, which builds what the model passes to the
+  layers as ``attention_mask``: ``None`` when every key is a real token (causality, the sliding
+  window and the softcap are applied inside the kernel from the layer's arguments), else the 2-D
+  boolean padding mask (batch, n) of the keys this call attends to (n < kv_length when a static
+  cache hands over empty slots past the last query). Without a mask entry transformers would give
+  the layers no mask at all and padded batches would attend to padding.
+
+Why the name is not "flashcpp": transformers 5.x treats every ``attn_implementation`` whose name
+contains "flash" as a flash-attn package or a Hub kernel and tries to import one when the model is
+built (``lazy_import_flash_attention``), which fails for any other implementation. ``register()``
+refuses such names for that reason.
+
+What a call does (``attention_forward``):
+
+* causal: the ``is_causal`` argument, else the module's ``is_causal`` (True for decoders), and
+  False when the config sets ``is_causal=False``. flashcpp aligns causal masks bottom-right, so a
+  decode step (seqlen_q < seqlen_k, the cache in front) sees the whole cache;
+* ``sliding_window=w`` (Mistral, Qwen2's sliding layers, Gemma-2's alternate layers, Phi-3): the
+  query at position i sees keys i-w+1..i (``window_size=(w-1, 0)``), transformers' own definition
+  (``sliding_window_overlay``); without causality |i-j| <= w, as its bidirectional overlay;
+* ``softcap`` (Gemma-2's ``attn_logit_softcapping``), ``scaling`` (softmax_scale);
+* a 2-D padding mask: the real tokens are packed (varlen, ``cu_seqlens`` from the mask), run
+  through ``flash_attn_varlen_func`` and scattered back; padded query rows get zeros (their logits
+  are not defined by any implementation). Queries are the last seqlen_q columns of the mask (left
+  padding, as generate builds it);
+* ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free training, e.g.
+  ``DataCollatorWithFlattening``): varlen over the flattened tokens;
+* ``position_ids`` that restart inside a row (sequences packed without a mask; only when
+  seqlen_q == seqlen_k): varlen with one sequence per run of consecutive positions, the rule
+  transformers' masks use (their sdpa/eager masks look for it only without a cache, so
+  packed rows are compared with ``use_cache=False``; flashcpp isolates them either way, as
+  transformers' flash-attn path does);
+* refused with an error that says so: dropout > 0 (flashcpp runs no dropout), ``s_aux``
+  (attention sinks), a 4-D or otherwise custom mask, mask overlays that transformers builds from
+  ``or_mask_function``/``and_mask_function``/``block_sequence_ids`` (bidirectional image-token
+  blocks and the like). ``output_attentions`` gives no weights (None), as flash-attn's.
+
+Gradients flow through torch.autograd (flashcpp's CPU backward; the CUDA backward raises
+NotImplementedError until its kernels land). fp32 CUDA inputs are cast to the autocast dtype under
+``torch.autocast``; without it the CUDA kernels refuse fp32 (they run fp16/bf16), as they refuse
+head dims other than 64/128/256.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Optional, Tuple
+
+import torch
+
+from ..attention import flash_attn_func, flash_attn_varlen_func
+
+__all__ = ["NAME", "register", "attention_forward", "attention_mask"]
+
+#: The default ``attn_implementation`` name :func:`register` uses.
+NAME = "fcpp"
+
+
+def register(name: str = NAME) -> str:
+    """Register flashcpp with transformers as ``attn_implementation=name``; returns the name.
+
+    Registers :func:`attention_forward` in ``transformers.AttentionInterface`` and
+    :func:`attention_mask` in ``transformers.AttentionMaskInterface`` (both class-wide, so every
+    model built afterwards can use the name; calling it again is harmless). A model already built
+    switches with ``model.set_attn_implementation(name)``.
+    """
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+    except ImportError as e:  # transformers missing, or older than the mask interface (4.53)
+        raise ImportError("flashcpp.integrations.transformers needs Hugging Face transformers 5.x "
+                          "(pip install 'transformers>=5,<6'): " + str(e)) from e
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string; got {name!r}")
+    if "flash" in name:
+        raise ValueError(
+            f"name {name!r} contains 'flash': transformers treats such attn_implementation names as "
+            "flash-attn packages or Hub kernels and tries to import one when a model is built; "
+            f"pick another name (the default is {NAME!r})")
+    if "sdpa" in name or "flex_attention" in name or "/" in name or "|" in name:
+        raise ValueError(f"name {name!r} would be read by transformers as one of its own implementations "
+                         "(sdpa, flex_attention, paged|..., a Hub kernel org/name); pick another name")
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# The mask entry: what create_causal_mask / create_sliding_window_causal_mask hand the layers.
+# --------------------------------------------------------------------------------------------
+
+def _check_mask_function(mask_function: Any, use_vmap: bool) -> None:
+    # transformers sets use_vmap exactly when the model adds or_mask_function / and_mask_function
+    # to the causal or sliding pattern; block_sequence_ids (tokens that see each other both ways
+    # within a block) arrives as an or_masks(...) combination. Neither fits causal + window +
+    # padding, so they are refused rather than silently run as plain causal attention.
+    if use_vmap:
+        raise NotImplementedError(
+            "flashcpp's transformers integration runs causal / sliding-window attention with padding; "
+            "this model adds a custom mask (or_mask_function / and_mask_function), which it does not "
+            "express; use attn_implementation='sdpa' or 'eager' for it")
+    qualname = getattr(mask_function, "__qualname__", "") or ""
+    if qualname.startswith("or_masks."):
+        raise NotImplementedError(
+            "flashcpp's transformers integration does not express masks that open blocks of tokens "
+            "both ways (block_sequence_ids, e.g. image tokens); use attn_implementation='sdpa' or 'eager'")
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+                   mask_function: Any = None, attention_mask: Optional[torch.Tensor] = None,
+                   use_vmap: bool = False, device: Any = None, **kwargs: Any) -> Optional[torch.Tensor]:
+    """transformers' mask-interface entry: ``None`` when every one of the kv_length keys this call
+    attends to is a real token, else a (batch_size, n) bool tensor, True for real tokens, over the
+    first n of those keys; the layer drops keys past n, and its queries are the last seqlen_q of
+    the n positions.
+
+    The keys of a call are positions kv_offset .. kv_offset + kv_length - 1 (a sliding-window cache
+    keeps only the last ones). A static cache also hands over its slots past the last query
+    (q_offset + q_length - 1), which hold no tokens yet: n stops there. The 2-D ``attention_mask``
+    covers positions 0 .. (seen + q_length - 1).
+    """
+    _check_mask_function(mask_function, use_vmap)
+    full = kv_offset + kv_length
+    # A static cache hands the layers every slot of its buffer, also those past the last query's
+    # position: the mask then ends at that position, and the layer drops the keys past its end.
+    last = q_offset + q_length
+    end = min(full, int(last))
+    if attention_mask is None:
+        if end == full:
+            return None
+        return torch.ones((batch_size, end - kv_offset), dtype=torch.bool, device=device)
+    if attention_mask.dim() != 2:
+        raise NotImplementedError(
+            f"flashcpp's transformers integration takes a 2-D padding mask (batch, seqlen); got a "
+            f"{attention_mask.dim()}-D attention_mask (a custom mask: use attn_implementation='sdpa' or 'eager')")
+    mask = attention_mask.to(device=device if device is not None else attention_mask.device, dtype=torch.bool)
+    if mask.shape[-1] < end:
+        mask = torch.nn.functional.pad(mask, (0, end - mask.shape[-1]), value=False)
+    mask = mask[:, kv_offset:end]
+    if end == full and bool(mask.all()):
+        return None
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# The attention entry.
+# --------------------------------------------------------------------------------------------
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu
+
+
+def _packed_from_positions(position_ids: Optional[torch.Tensor], batch: int, length: int):
+    """cu_seqlens and the longest run when position_ids restart inside a row (sequences packed
+    without a mask), else None. A token starts a sequence when its position is not the previous
+    one plus 1 (transformers' find_packed_sequence_indices), and every row starts one."""
+    if position_ids is None or length <= 1 or position_ids.dim() != 2 or position_ids.shape[-1] != length:
+        return None
+    pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
+    if pos.shape[0] != batch:
+        return None
+    starts = torch.ones(pos.shape, dtype=torch.bool, device=pos.device)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    begin = torch.nonzero(starts.reshape(-1), as_tuple=False).reshape(-1)
+    total = torch.tensor([batch * length], dtype=begin.dtype, device=begin.device)
+    cu = torch.cat([begin, total]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max().item())
+
+
+def _target_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
+    if q.dtype == torch.float32 and q.device.type != "cpu" and torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return None
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                      scaling: Optional[float] = None, sliding_window: Optional[int] = None,
+                      softcap: Optional[float] = None, is_causal: Optional[bool] = None,
+                      s_aux: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
+                      cu_seq_lens_q: Optional[torch.Tensor] = None, cu_seq_lens_k: Optional[torch.Tensor] = None,
+                      max_length_q: Optional[int] = None, max_length_k: Optional[int] = None,
+                      output_attentions: bool = False, **kwargs: Any) -> Tuple[torch.Tensor, None]:
+    """transformers' attention-interface entry (see the module docstring).
+
+    query (batch, heads_q, seqlen_q, head_dim), key/value (batch, heads_kv, seqlen_k, head_dim[_v]);
+    ``attention_mask`` as :func:`attention_mask` builds it (None or 2-D bool). Returns
+    ``(out, None)`` with out (batch, seqlen_q, heads_q, head_dim_v) in query's dtype.
+    """
+    if dropout:
+        raise NotImplementedError(
+            f"attention dropout {dropout}: flashcpp runs no dropout; set the config's attention_dropout to 0 "
+            "(or use attn_implementation='sdpa' for training with attention dropout)")
+    if s_aux is not None:
+        raise NotImplementedError("attention sinks (s_aux) are not supported by flashcpp; use attn_implementation='eager'")
+    if output_attentions:
+        warnings.warn("flashcpp computes no attention weights: output_attentions gives None for them", stacklevel=2)
+
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "is_causal", True) is False:
+        causal = False
+    window = (-1, -1)
+    if sliding_window is not None and sliding_window > 0:
+        w = int(sliding_window)
+        window = (w - 1, 0) if causal else (w, w)
+    cap = float(softcap) if softcap else 0.0
+    opts = dict(softmax_scale=scaling, causal=causal, window_size=window, softcap=cap)
+
+    dtype = _target_dtype(query)
+    if dtype is not None:
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+
+    batch, _, len_q, _ = query.shape
+    # (batch, seqlen, heads, dim) views of transformers' (batch, heads, seqlen, dim) tensors
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+            raise NotImplementedError(
+                f"flashcpp's attention takes a 2-D padding mask (batch, seqlen_k) or None; got {shape}. "
+                f"Build the model with the name register() returned so that transformers asks flashcpp's "
+                f"mask entry for its masks, or use attn_implementation='sdpa' for custom masks")
+        mask_k = attention_mask.to(torch.bool)
+        len_k = mask_k.shape[-1]
+        if k.shape[1] < len_k or mask_k.shape[-1] < len_q:
+            raise ValueError(f"attention_mask covers {len_k} keys but the layer has {k.shape[1]} keys and "
+                             f"{len_q} queries")
+        k, v = k[:, :len_k], v[:, :len_k]
+        mask_q = mask_k[:, len_k - len_q:]  # queries are the last len_q positions (left padding)
+        lens_k = mask_k.sum(-1, dtype=torch.int32)
+        lens_q = mask_q.sum(-1, dtype=torch.int32)
+        out_packed = flash_attn_varlen_func(
+            q[mask_q], k[mask_k], v[mask_k], _cu_seqlens(lens_q), _cu_seqlens(lens_k),
+            int(lens_q.max().item()), int(lens_k.max().item()), **opts)
+        out = out_packed.new_zeros((batch, len_q) + tuple(out_packed.shape[1:]))
+        return out.index_put((mask_q,), out_packed), None
+
+    if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        # padding-free batches: the caller packed the sequences back to back
+        mq = int(max_length_q) if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max().item())
+        mk = int(max_length_k) if max_length_k is not None else int((cu_seq_lens_k[1:] - cu_seq_lens_k[:-1]).max().item())
+        out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                     v.reshape(-1, *v.shape[2:]), cu_seq_lens_q.to(torch.int32),
+                                     cu_seq_lens_k.to(torch.int32), mq, mk, **opts)
+        return out.view(batch, -1, *out.shape[1:]), None
+
+    if k.shape[1] == len_q:
+        packed = _packed_from_positions(position_ids, batch, len_q)
+        if packed is not None:
+            cu, longest = packed
+            out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]),
+                                         v.reshape(-1, *v.shape[2:]), cu, cu, longest, longest, **opts)
+            return out.view(batch, len_q, *out.shape[1:]), None
+
+    return flash_attn_func(q, k, v, **opts), None

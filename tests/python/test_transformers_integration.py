@@ -1,0 +1,299 @@
+"""flashcpp as a Hugging Face transformers attention implementation
+(flashcpp.integrations.transformers, docs/integrations.md).
+
+Tiny random models built from configs in code (nothing is downloaded), fp32 on the CPU: Llama
+(GQA), Mistral (sliding window), Qwen2 (q/k/v bias), Gemma-2 (logit softcap, sliding window on
+alternate layers, query_pre_attn_scalar) and Phi-3 (head_dim 96). Each is checked against
+transformers' own eager and sdpa attention on the same weights: forward logits (with a
+left-padded row), greedy generate (prefill, then decode steps with seqlen_q < seqlen_k through a
+KV cache, padded rows through varlen), and the parameter gradients of a training step. sdpa
+refuses a softcap, so Gemma-2 is compared with eager only.
+
+The weights are drawn with a larger spread than the configs' default (std 0.02 makes every
+attention row nearly uniform, where a wrong mask hardly shows); test_window_and_softcap_matter
+checks that, on these inputs, dropping the window or the softcap moves the logits by far more
+than the tolerance, so the comparisons would catch either being lost.
+
+Needs torch and transformers 5.x (pip install "transformers>=5,<6"); skipped with that reason
+where they are missing.
+"""
+import pytest
+
+torch = pytest.importorskip("torch", reason="the transformers integration tests need torch")
+transformers = pytest.importorskip("transformers", reason="the transformers integration tests need "
+                                   "Hugging Face transformers 5.x (pip install 'transformers>=5,<6')")
+
+import flashcpp.integrations.transformers as fcpp_hf  # noqa: E402
+
+VOCAB = 100
+INIT_STD = 0.15
+# fp32 logits of models whose logits are O(1): the implementations differ by summation order
+ATOL = 2e-5
+# near-ties in greedy decoding: two logits this close can swap under any reordering of sums
+NEAR_TIE = 1e-4
+
+
+def _llama():
+    return transformers.LlamaForCausalLM, transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def _mistral():
+    return transformers.MistralForCausalLM, transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=128,
+        sliding_window=5)
+
+
+def _qwen2():
+    return transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def _gemma2():
+    return transformers.Gemma2ForCausalLM, transformers.Gemma2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB,
+        max_position_embeddings=128, sliding_window=5, attn_logit_softcapping=1.0,
+        final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0, bos_token_id=2, eos_token_id=1)
+
+
+def _phi3():
+    return transformers.Phi3ForCausalLM, transformers.Phi3Config(
+        hidden_size=192, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+ARCHS = {"llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "gemma2": _gemma2, "phi3": _phi3}
+# transformers' own implementations each architecture is compared with
+REFERENCES = {a: ("eager",) if a == "gemma2" else ("eager", "sdpa") for a in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def name():
+    return fcpp_hf.register()
+
+
+def build(arch, impl, seed=0, **overrides):
+    cls, config = ARCHS[arch]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config.initializer_range = INIT_STD
+    torch.manual_seed(seed)
+    model = cls._from_config(config, attn_implementation=impl, dtype=torch.float32)
+    return model.eval()
+
+
+def batch(seed, b=2, n=12, pad=(0, 4), side="left"):
+    """Token ids (b, n) and a padding mask: row r has pad[r] padding tokens in front (or at the end)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (b, n), generator=g)
+    mask = torch.ones(b, n, dtype=torch.long)
+    for r, p in enumerate(pad):
+        cols = slice(0, p) if side == "left" else slice(n - p, n)
+        mask[r, cols] = 0
+        ids[r, cols] = 0
+    return ids, mask
+
+
+def logits(model, impl, ids, mask=None, **kw):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, **kw).logits
+
+
+def real(x, mask):
+    """The logits of the real (unpadded) tokens, packed: padded rows have no defined logits."""
+    return x[mask.bool()]
+
+
+def test_register_names(name):
+    assert name == fcpp_hf.NAME
+    assert fcpp_hf.register() == name  # again: harmless
+    assert name in transformers.AttentionInterface().valid_keys()
+    assert name in transformers.AttentionMaskInterface()
+    with pytest.raises(ValueError, match="contains 'flash'"):
+        fcpp_hf.register("flashcpp")
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_forward_logits_match(name, arch):
+    model = build(arch, "eager")
+    ids, mask = batch(1)
+    diffs = {}
+    for impl in REFERENCES[arch]:
+        for what, m in (("padded", mask), ("full", None)):
+            ref, ours = logits(model, impl, ids, m), logits(model, name, ids, m)
+            keep = mask if m is not None else torch.ones_like(mask)
+            d = (real(ref, keep) - real(ours, keep)).abs().max().item()
+            diffs[f"{impl}/{what}"] = d
+            assert d <= ATOL, f"{arch} {what} batch: flashcpp vs {impl} max |dlogit| {d:.3g} (logits up to {ref.abs().max():.3g})"
+    print(arch, {k: f"{v:.2e}" for k, v in diffs.items()})
+
+
+def first_divergence(ref_tokens, ours_tokens):
+    """(row, step) of the first generated token that differs, or None."""
+    diff = (ref_tokens != ours_tokens).nonzero()
+    if diff.numel() == 0:
+        return None
+    steps = diff[:, 1]
+    i = int(steps.argmin())
+    return int(diff[i, 0]), int(steps[i])
+
+
+def margin(step_logits, row):
+    top = step_logits[row].topk(2).values
+    return float(top[0] - top[1])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_generate_matches(name, arch):
+    model = build(arch, "eager", seed=2)
+    ids, mask = batch(3, n=9, pad=(0, 3))  # Mistral/Gemma-2: prompt and cache longer than the window
+    impl = REFERENCES[arch][-1]
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, min_new_tokens=10,
+              return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    outs = {}
+    for which in (impl, name):
+        model.set_attn_implementation(which)
+        with torch.no_grad():
+            outs[which] = model.generate(ids, **kw)
+    ref, ours = outs[impl], outs[name]
+    n = ids.shape[1]
+    where = first_divergence(ref.sequences[:, n:], ours.sequences[:, n:])
+    upto = len(ref.logits) if where is None else where[1] + 1
+    # logits of each step, prefill then decode, as long as the inputs agree (rows of real tokens)
+    dl = max((ref.logits[t] - ours.logits[t]).abs().max().item() for t in range(upto))
+    print(f"{arch}: generate vs {impl}: max |dlogit| over {upto} steps {dl:.2e}")
+    assert dl <= ATOL, f"{arch}: step logits differ from {impl} by {dl:.3g}"
+    if where is not None:
+        row, step = where
+        m_ref, m_ours = margin(ref.logits[step], row), margin(ours.logits[step], row)
+        msg = (f"{arch}: greedy tokens differ from {impl} at row {row}, step {step}: "
+               f"{ref.sequences[row, n + step].item()} vs {ours.sequences[row, n + step].item()}; "
+               f"top-2 logit margin {m_ref:.3g} ({impl}), {m_ours:.3g} (flashcpp)")
+        assert min(m_ref, m_ours) < NEAR_TIE, msg
+        print("near-tie (accepted):", msg)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_generate_static_cache(name, arch):
+    """A static cache hands the layers key slots past the tokens seen so far (Mistral's a
+    window-sized ring): the mask entry leaves them out."""
+    model = build(arch, "eager", seed=4)
+    ids, mask = batch(5, n=7, pad=(2, 0))
+    toks = {}
+    for which in ("sdpa", name):
+        model.set_attn_implementation(which)
+        with torch.no_grad():
+            toks[which] = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                         cache_implementation="static", pad_token_id=0)
+    assert torch.equal(toks["sdpa"], toks[name])
+
+
+def train_grads(model, impl, ids, mask, **kw):
+    model.set_attn_implementation(impl)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    labels = ids.masked_fill(mask == 0, -100) if mask is not None else ids
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **kw).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.eval()
+    return loss.item(), grads
+
+
+def grad_diff(ref, ours):
+    """max |dgrad| over all parameters, relative to the largest |grad|."""
+    assert ref.keys() == ours.keys()
+    scale = max(g.abs().max().item() for g in ref.values())
+    return max((ref[k] - ours[k]).abs().max().item() for k in ref) / scale
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_training_step_gradients(name, arch):
+    model = build(arch, "eager", seed=6)
+    # right padding, as training batches have it (with left padding the logit of the last pad
+    # position predicts the first real token and enters the loss, and no implementation defines it)
+    ids, mask = batch(7, n=11, pad=(0, 3), side="right")
+    impl = REFERENCES[arch][-1]
+    loss_ref, g_ref = train_grads(model, impl, ids, mask)
+    loss_ours, g_ours = train_grads(model, name, ids, mask)
+    d = grad_diff(g_ref, g_ours)
+    print(f"{arch}: loss {loss_ours:.6f} vs {impl} {loss_ref:.6f}; max |dgrad| / max |grad| {d:.2e} "
+          f"over {len(g_ref)} tensors")
+    assert abs(loss_ref - loss_ours) <= 1e-5
+    assert d <= 1e-4, f"{arch}: gradients differ from {impl}: {d:.3g} relative"
+
+
+def test_packed_sequences(name):
+    """Sequences packed in one row without a mask: position_ids restart at each sequence (and
+    padding-free kwargs cu_seq_lens_q/k); each sequence attends only to itself, as sdpa does."""
+    model = build("llama", "eager", seed=8)
+    lens = [5, 7, 4]
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, VOCAB, (1, sum(lens)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lens]).unsqueeze(0)
+    # no cache: transformers' own masks look for packed sequences only without one
+    ref = logits(model, "sdpa", ids, position_ids=pos, use_cache=False)
+    ours = logits(model, name, ids, position_ids=pos, use_cache=False)
+    cu = torch.tensor([0, 5, 12, 16], dtype=torch.int32)
+    ours_cu = logits(model, name, ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu,
+                     cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    # each sequence alone
+    alone = torch.cat([logits(model, "sdpa", ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])], dim=1)
+    for what, x in (("position_ids", ours), ("cu_seq_lens", ours_cu)):
+        assert (x - ref).abs().max().item() <= ATOL, what
+        assert (x - alone).abs().max().item() <= ATOL, what
+    _, g_ref = train_grads(model, "sdpa", ids, None, position_ids=pos)
+    _, g_ours = train_grads(model, name, ids, None, position_ids=pos)
+    assert grad_diff(g_ref, g_ours) <= 1e-4
+
+
+def test_window_and_softcap_matter(name):
+    """Mistral's window, and Gemma-2's window and softcap, change these logits by far more than
+    ATOL (sequences longer than the window), and flashcpp's logits follow the model that has them:
+    with the feature off in the config, flashcpp moves exactly as eager does."""
+    ids, mask = batch(11, n=16, pad=(0, 5))
+    cases = [("mistral", dict(sliding_window=None)),
+             ("gemma2", dict(sliding_window=10_000)),
+             ("gemma2", dict(attn_logit_softcapping=None))]
+    for arch, off in cases:
+        on_model, off_model = build(arch, "eager", seed=12), build(arch, "eager", seed=12, **off)
+        eager_on, eager_off = real(logits(on_model, "eager", ids, mask), mask), real(logits(off_model, "eager", ids, mask), mask)
+        ours_on, ours_off = real(logits(on_model, name, ids, mask), mask), real(logits(off_model, name, ids, mask), mask)
+        effect = (eager_on - eager_off).abs().max().item()
+        print(f"{arch} {off}: the feature moves logits by {effect:.3g}; flashcpp within "
+              f"{(ours_on - eager_on).abs().max().item():.2e} / {(ours_off - eager_off).abs().max().item():.2e}")
+        assert effect > 1000 * ATOL, f"{arch} {off}: the test inputs do not exercise the feature ({effect:.3g})"
+        assert (ours_on - eager_on).abs().max().item() <= ATOL
+        assert (ours_off - eager_off).abs().max().item() <= ATOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_bidirectional_config(name, arch):
+    """config.is_causal=False (transformers' switch to bidirectional attention in a decoder):
+    no causal mask, and Mistral's window on both sides (|i - j| <= w), as eager and sdpa do."""
+    model = build(arch, "eager", seed=15, is_causal=False)
+    ids, mask = batch(16)
+    ours = real(logits(model, name, ids, mask, use_cache=False), mask)
+    for impl in ("eager", "sdpa"):
+        ref = real(logits(model, impl, ids, mask, use_cache=False), mask)
+        assert (ours - ref).abs().max().item() <= ATOL, impl
+
+
+def test_refusals(name):
+    model = build("llama", "eager", seed=13, attention_dropout=0.1)
+    ids, mask = batch(14)
+    model.set_attn_implementation(name)
+    model.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model(input_ids=ids, attention_mask=mask)
+    model.eval()
+    custom = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
+    with pytest.raises(NotImplementedError, match="2-D"):
+        model(input_ids=ids, attention_mask=custom)
