@@ -27,8 +27,14 @@ import flashcpp.integrations.transformers as fcpp_hf  # noqa: E402
 
 VOCAB = 100
 INIT_STD = 0.15
-# fp32 logits of models whose logits are O(1): the implementations differ by summation order
-ATOL = 2e-5
+# fp32: the implementations differ by summation order only; through two layers that reaches
+# ~1e-5 of the largest logit (Phi-3's 192-wide layers: 1.1e-5 at logits up to 6.6)
+RTOL = 1e-5
+
+
+def tol(ref):
+    """The allowed max |dlogit| against the reference logits `ref`."""
+    return RTOL * max(1.0, ref.abs().max().item())
 # near-ties in greedy decoding: two logits this close can swap under any reordering of sums
 NEAR_TIE = 1e-4
 
@@ -131,7 +137,7 @@ def test_forward_logits_match(name, arch):
             keep = mask if m is not None else torch.ones_like(mask)
             d = (real(ref, keep) - real(ours, keep)).abs().max().item()
             diffs[f"{impl}/{what}"] = d
-            assert d <= ATOL, f"{arch} {what} batch: flashcpp vs {impl} max |dlogit| {d:.3g} (logits up to {ref.abs().max():.3g})"
+            assert d <= tol(ref), f"{arch} {what} batch: flashcpp vs {impl} max |dlogit| {d:.3g} (logits up to {ref.abs().max():.3g})"
     print(arch, {k: f"{v:.2e}" for k, v in diffs.items()})
 
 
@@ -168,8 +174,9 @@ def test_generate_matches(name, arch):
     upto = len(ref.logits) if where is None else where[1] + 1
     # logits of each step, prefill then decode, as long as the inputs agree (rows of real tokens)
     dl = max((ref.logits[t] - ours.logits[t]).abs().max().item() for t in range(upto))
+    bound = max(tol(ref.logits[t]) for t in range(upto))
     print(f"{arch}: generate vs {impl}: max |dlogit| over {upto} steps {dl:.2e}")
-    assert dl <= ATOL, f"{arch}: step logits differ from {impl} by {dl:.3g}"
+    assert dl <= bound, f"{arch}: step logits differ from {impl} by {dl:.3g}"
     if where is not None:
         row, step = where
         m_ref, m_ours = margin(ref.logits[step], row), margin(ours.logits[step], row)
@@ -247,8 +254,8 @@ def test_packed_sequences(name):
     # each sequence alone
     alone = torch.cat([logits(model, "sdpa", ids[:, a:b]) for a, b in zip(cu[:-1], cu[1:])], dim=1)
     for what, x in (("position_ids", ours), ("cu_seq_lens", ours_cu)):
-        assert (x - ref).abs().max().item() <= ATOL, what
-        assert (x - alone).abs().max().item() <= ATOL, what
+        assert (x - ref).abs().max().item() <= tol(ref), what
+        assert (x - alone).abs().max().item() <= tol(alone), what
     _, g_ref = train_grads(model, "sdpa", ids, None, position_ids=pos)
     _, g_ours = train_grads(model, name, ids, None, position_ids=pos)
     assert grad_diff(g_ref, g_ours) <= 1e-4
@@ -256,7 +263,7 @@ def test_packed_sequences(name):
 
 def test_window_and_softcap_matter(name):
     """Mistral's window, and Gemma-2's window and softcap, change these logits by far more than
-    ATOL (sequences longer than the window), and flashcpp's logits follow the model that has them:
+    the tolerance (sequences longer than the window), and flashcpp's logits follow the model that has them:
     with the feature off in the config, flashcpp moves exactly as eager does."""
     ids, mask = batch(11, n=16, pad=(0, 5))
     cases = [("mistral", dict(sliding_window=None)),
@@ -269,9 +276,9 @@ def test_window_and_softcap_matter(name):
         effect = (eager_on - eager_off).abs().max().item()
         print(f"{arch} {off}: the feature moves logits by {effect:.3g}; flashcpp within "
               f"{(ours_on - eager_on).abs().max().item():.2e} / {(ours_off - eager_off).abs().max().item():.2e}")
-        assert effect > 1000 * ATOL, f"{arch} {off}: the test inputs do not exercise the feature ({effect:.3g})"
-        assert (ours_on - eager_on).abs().max().item() <= ATOL
-        assert (ours_off - eager_off).abs().max().item() <= ATOL
+        assert effect > 1000 * tol(eager_on), f"{arch} {off}: the test inputs do not exercise the feature ({effect:.3g})"
+        assert (ours_on - eager_on).abs().max().item() <= tol(eager_on)
+        assert (ours_off - eager_off).abs().max().item() <= tol(eager_off)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
@@ -283,7 +290,7 @@ def test_bidirectional_config(name, arch):
     ours = real(logits(model, name, ids, mask, use_cache=False), mask)
     for impl in ("eager", "sdpa"):
         ref = real(logits(model, impl, ids, mask, use_cache=False), mask)
-        assert (ours - ref).abs().max().item() <= ATOL, impl
+        assert (ours - ref).abs().max().item() <= tol(ref), impl
 
 
 def test_refusals(name):
