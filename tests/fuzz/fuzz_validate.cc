@@ -312,7 +312,13 @@ struct Decoder {
     p.heads_q = rare(12) ? size(1, 64)
                          : static_cast<int>(std::clamp<std::int64_t>(
                                static_cast<std::int64_t>(p.heads_kv) * in(1, 3), INT32_MIN, INT32_MAX));
-    p.head_dim = rare(12) ? size(0, 300) : f.PickValueInArray({64, 128, 256});
+    // Mostly the CUDA set, else any multiple of 8 up to 256 (the CPU backends), else anything.
+    auto dim = [&] {
+      return rare(12) ? size(0, 300) : rare(4) ? 8 * in(1, 32) : f.PickValueInArray({64, 128, 256});
+    };
+    p.head_dim = dim();
+    p.head_dim_v = rare(5) ? dim() : rare(20) ? p.head_dim : 0;  // 0: head_dim_v = head_dim
+    const int dv = p.effective_head_dim_v();
 
     const DType dt = static_cast<DType>(in(0, 2));
     p.q.dtype = p.k.dtype = p.v.dtype = p.o.dtype = dt;
@@ -325,9 +331,9 @@ struct Decoder {
     auto kind_of = [&] { return rare(8) ? in(0, 4) : kind; };
     layout(kind_of(), p.seqlen_q, p.heads_q, p.head_dim, &p.q);
     layout(kind_of(), p.seqlen_k, p.heads_kv, p.head_dim, &p.k);
-    layout(kind_of(), p.seqlen_k, p.heads_kv, p.head_dim, &p.v);
+    layout(kind_of(), p.seqlen_k, p.heads_kv, dv, &p.v);
     const int ko = kind_of();
-    layout(ko == 2 ? 0 : ko, p.seqlen_q, p.heads_q, p.head_dim, &p.o);
+    layout(ko == 2 ? 0 : ko, p.seqlen_q, p.heads_q, dv, &p.o);
 
     std::vector<std::uintptr_t> ptrs;
     if (kind == 2 && f.ConsumeBool()) {  // one packed qkv buffer
@@ -477,7 +483,13 @@ Verdict oracle(const AttnParams& p, Backend b) {
   if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0 || p.heads_q < 1 || p.heads_kv < 1) v.fail("bad sizes");
   if (!v.ok) return v;
   if (p.heads_q % p.heads_kv) v.fail("heads not divisible");
-  if (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256) v.fail("unsupported head_dim");
+  // Head dims: a multiple of 8 in [8, 256] (head_dim_v 0 means head_dim_v = head_dim); the CUDA
+  // kernels take 64, 128 or 256 with head_dim_v == head_dim.
+  const auto dim_ok = [](i128 d) { return d >= 8 && d <= 256 && d % 8 == 0; };
+  const i128 dv = p.head_dim_v == 0 ? p.head_dim : p.head_dim_v;
+  if (!dim_ok(p.head_dim) || !dim_ok(dv)) v.fail("unsupported head_dim or head_dim_v");
+  if (b == Backend::kCuda && (dv != p.head_dim || (p.head_dim != 64 && p.head_dim != 128 && p.head_dim != 256)))
+    v.fail("head dims the CUDA kernels are not built for");
   for (DType t : {p.q.dtype, p.k.dtype, p.v.dtype, p.o.dtype})
     if (t != p.q.dtype || static_cast<int>(t) > 2) v.fail("dtype mismatch or unknown");
   if (b == Backend::kCuda && p.q.dtype == DType::kF32) v.fail("fp32 on CUDA");
@@ -526,22 +538,22 @@ Verdict oracle(const AttnParams& p, Backend b) {
     }
   }
   Intervals iq, ik, iv, io, ilse;
-  auto map = [&](const char* name, const TensorView& t, i128 rows, i128 mx, i128 heads) {
+  auto map = [&](const char* name, const TensorView& t, i128 rows, i128 mx, i128 heads, i128 dim) {
     Map mp{name,
            reinterpret_cast<std::uintptr_t>(t.data),
            static_cast<std::int64_t>(dtype_size(t.dtype)),
            {varlen ? 1 : p.batch, rows, heads},
            {varlen ? 0 : t.batch_stride, t.seq_stride, t.head_stride},
            mx,
-           p.head_dim,
+           dim,
            varlen && !host};
     return mp;
   };
-  check_tensor(map("q", p.q, rows_q, p.seqlen_q, p.heads_q), b, &v, &iq);
-  check_tensor(map("o", p.o, rows_q, p.seqlen_q, p.heads_q), b, &v, &io);
+  check_tensor(map("q", p.q, rows_q, p.seqlen_q, p.heads_q, p.head_dim), b, &v, &iq);
+  check_tensor(map("o", p.o, rows_q, p.seqlen_q, p.heads_q, dv), b, &v, &io);
   if (p.seqlen_k > 0) {
-    check_tensor(map("k", p.k, rows_k, p.seqlen_k, p.heads_kv), b, &v, &ik);
-    check_tensor(map("v", p.v, rows_k, p.seqlen_k, p.heads_kv), b, &v, &iv);
+    check_tensor(map("k", p.k, rows_k, p.seqlen_k, p.heads_kv, p.head_dim), b, &v, &ik);
+    check_tensor(map("v", p.v, rows_k, p.seqlen_k, p.heads_kv, dv), b, &v, &iv);
   }
   if (!v.ok) return v;
   if (p.lse) {
@@ -580,8 +592,8 @@ void dump(const Case& c, const Status& st, const std::string& why) {
   const AttnParams& p = c.p;
   std::fprintf(stderr, "validate() accepted an invalid problem: %s\n  status: %s\n  backend %s\n",
                why.c_str(), st.to_string().c_str(), backend_name(c.backend));
-  std::fprintf(stderr, "  batch %d seqlen_q %d seqlen_k %d heads_q %d heads_kv %d head_dim %d\n", p.batch,
-               p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim);
+  std::fprintf(stderr, "  batch %d seqlen_q %d seqlen_k %d heads_q %d heads_kv %d head_dim %d head_dim_v %d\n",
+               p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v);
   const std::pair<const char*, const TensorView*> ts[] = {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"o", &p.o}};
   for (auto [n, t] : ts)
     std::fprintf(stderr, "  %s: %p %s strides (%lld, %lld, %lld)\n", n, t->data, dtype_name(t->dtype),
