@@ -812,7 +812,12 @@ def run(quick: bool, out: str, flashcpp_bin: Optional[str] = "build/flashcpp", m
             env_out["trace_b1_ctx512"] = trace
         write_json(os.path.join(out, "benchmark_env.json"), env_out)
         if rows:
-            plot(rows, os.path.join(out, "benchmark.png"), env)
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:  # the CSV and JSON are the measurement; the plot is a view of them
+                progress("[bench engine] benchmark.png not drawn: matplotlib is not installed (pip install matplotlib)")
+            else:
+                plot(rows, os.path.join(out, "benchmark.png"), env)
     if errors:
         status = 1
         progress("[bench engine] errors:\n  " + "\n  ".join(errors))
