@@ -28,6 +28,15 @@
 //   stride between pages, with block_table[b * block_table_stride + j / page_size] naming the page
 //   that holds key j of sequence b. page_size is any power of two in [1, 256].
 //
+//   FP8 cache (cache.k and cache.v of DType::kF8E4M3, q/o/k_new/v_new fp16, bf16 or fp32): every
+//   KV head hk has scales k_scale[hk], v_scale[hk] (fp32, positive and finite), and the step
+//   attends over the dequantized cache K = code * k_scale, V = code * v_scale. The append stores
+//   the code of x / scale (K after rotary, in fp32; round to nearest even, saturating at +-448).
+//   The kernels fold the scales instead of dequantizing each element: scores use
+//   softmax_scale * k_scale[hk] (softcap and ALiBi act on that score as usual) and O is
+//   v_scale[hk] times the weighted sum of the codes, the same numbers up to fp32 rounding.
+//   Runs on the CPU backend; the CUDA kernels refuse an fp8 cache with a sentence until they land.
+//
 // Safety against device-resident values the host cannot check (CUDA backend): a length outside
 // [0, slots - (append ? seqlen_q : 0)] is clamped into it, a block-table entry outside
 // [0, num_pages) is clamped into it and a rotary position outside the tables is clamped to their
@@ -64,8 +73,13 @@ struct KVCacheView {
   const std::int32_t* block_table = nullptr;
   std::int64_t block_table_stride = 0;
   int pages_per_seq = 0;  ///< paged only: columns of the block table
+  /// FP8 cache only (k and v of DType::kF8E4M3): fp32 [heads_kv] per-head scales, positive and
+  /// finite, in the memory of the backend (see the header comment). Null otherwise.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 
   bool paged() const noexcept { return page_size > 0; }
+  bool fp8() const noexcept { return k.dtype == DType::kF8E4M3; }
   /// Key slots one sequence can address: capacity, or pages_per_seq * page_size.
   std::int64_t slots() const noexcept {
     return paged() ? static_cast<std::int64_t>(pages_per_seq) * page_size : capacity;

@@ -69,6 +69,35 @@ inline std::uint16_t float_to_half_bits(float f) {
   return static_cast<std::uint16_t>(sign | h);
 }
 
+/// FP8 e4m3 (types.h): 1 sign, 4 exponent (bias 7), 3 mantissa bits; exponent 0 is subnormal
+/// (m/8 * 2^-6), 0x7f / 0xff are NaN, there is no infinity. Every code is exact in float.
+inline float fp8e4m3_bits_to_float(std::uint8_t b) {
+  const float sign = (b & 0x80u) ? -1.f : 1.f;
+  const int exp = (b >> 3) & 0xf, man = b & 0x7;
+  if (exp == 0xf && man == 0x7) return NAN;
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(man), -9);
+  return sign * std::ldexp(static_cast<float>(8 + man), exp - 10);
+}
+/// Round to nearest even, saturating: |x| beyond 448 (infinity included) gives +-448, NaN gives
+/// NaN (0x7f with x's sign), as cvt.rn.satfinite does on the GPU.
+inline std::uint8_t float_to_fp8e4m3_bits(float x) {
+  const std::uint8_t sign = std::signbit(x) ? 0x80u : 0x00u;
+  if (std::isnan(x)) return static_cast<std::uint8_t>(sign | 0x7fu);
+  const float a = std::fabs(x);
+  if (a >= 448.f) return static_cast<std::uint8_t>(sign | 0x7eu);
+  if (a < 0x1p-6f) {  // subnormal range: a multiple of 2^-9 (8 of them reach the smallest normal)
+    const float q = std::nearbyint(std::ldexp(a, 9));  // exact scaling; nearbyint rounds half to even
+    return static_cast<std::uint8_t>(sign | static_cast<std::uint8_t>(q));
+  }
+  int e = 0;
+  const float f = std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1): the exponent of 1.m is e - 1
+  float q = std::nearbyint(std::ldexp(f, 4)) - 8.f;  // 3 mantissa bits of (2f - 1), rounded
+  int biased = e - 1 + 7;
+  if (q >= 8.f) q = 0.f, ++biased;  // rounded up to the next power of two
+  if (biased > 15 || (biased == 15 && q >= 7.f)) return static_cast<std::uint8_t>(sign | 0x7eu);
+  return static_cast<std::uint8_t>(sign | (biased << 3) | static_cast<int>(q));
+}
+
 /// x rounded to the nearest value of dtype t (through float), as a kernel storing x would.
 inline float round_to_dtype(DType t, float x) {
   switch (t) {
@@ -76,6 +105,7 @@ inline float round_to_dtype(DType t, float x) {
     case DType::kF64: return x;
     case DType::kBF16: return bf16_bits_to_float(float_to_bf16_bits(x));
     case DType::kF16: return half_bits_to_float(float_to_half_bits(x));
+    case DType::kF8E4M3: return fp8e4m3_bits_to_float(float_to_fp8e4m3_bits(x));
   }
   return x;
 }
@@ -87,6 +117,7 @@ inline float load_as_float(const void* base, DType t, std::int64_t idx) {
     case DType::kBF16: return bf16_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
     case DType::kF16: return half_bits_to_float(static_cast<const std::uint16_t*>(base)[idx]);
     case DType::kF64: return static_cast<float>(static_cast<const double*>(base)[idx]);
+    case DType::kF8E4M3: return fp8e4m3_bits_to_float(static_cast<const std::uint8_t*>(base)[idx]);
   }
   return NAN;
 }
@@ -101,6 +132,7 @@ inline void store_from_float(void* base, DType t, std::int64_t idx, float v) {
     case DType::kBF16: static_cast<std::uint16_t*>(base)[idx] = float_to_bf16_bits(v); break;
     case DType::kF16: static_cast<std::uint16_t*>(base)[idx] = float_to_half_bits(v); break;
     case DType::kF64: static_cast<double*>(base)[idx] = v; break;
+    case DType::kF8E4M3: static_cast<std::uint8_t*>(base)[idx] = float_to_fp8e4m3_bits(v); break;
   }
 }
 /// Store `v` as element `idx` of dtype `t`: exactly for fp64, else through float as

@@ -19,10 +19,16 @@ enum class DType : std::uint8_t {
   /// (Backend::kCpuReference), so that torch.autograd.gradcheck sees a function evaluated in
   /// double; every other backend and entry point refuses it with a sentence.
   kF64 = 3,
+  /// OCP FP8 e4m3 ("e4m3fn": bias 7, largest finite 448, no infinity, NaN = 0x7f / 0xff): the
+  /// decode KV cache only, with per-head scales (decode.h, KVCacheView). Stored from a float
+  /// x / scale rounded to nearest even with saturation to +-448 (PTX cvt.rn.satfinite.e4m3x2).
+  kF8E4M3 = 4,
 };
 
-constexpr std::size_t dtype_size(DType t) noexcept { return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2; }
-const char* dtype_name(DType t) noexcept;  // "fp16", "bf16", "fp32", "fp64"
+constexpr std::size_t dtype_size(DType t) noexcept {
+  return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : t == DType::kF8E4M3 ? 1 : 2;
+}
+const char* dtype_name(DType t) noexcept;  // "fp16", "bf16", "fp32", "fp64", "fp8_e4m3"
 
 /// A strided view of a rank-3 (seqlen, heads, head_dim) slab repeated over a batch.
 /// Strides are in elements. The innermost (head_dim) stride is always 1.

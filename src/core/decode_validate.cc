@@ -171,23 +171,43 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
   if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "decode"));
   // dtypes
   const bool append = p.has_append();
+  // q, o and the new K/V share one dtype; the cache holds it too, or fp8 e4m3 with per-head scales.
+  const bool fp8 = p.cache.k.dtype == DType::kF8E4M3 || p.cache.v.dtype == DType::kF8E4M3;
   std::array<std::pair<const char*, DType>, 6> ts = {{{"q", p.q.dtype},
                                                        {"o", p.o.dtype},
-                                                       {"cache.k", p.cache.k.dtype},
-                                                       {"cache.v", p.cache.v.dtype},
                                                        {"k_new", p.k_new.dtype},
-                                                       {"v_new", p.v_new.dtype}}};
-  const std::size_t nts = append ? 6 : 4;
-  for (std::size_t i = 0; i < nts; ++i)
-    if (!known_dtype(ts[i].second))
+                                                       {"v_new", p.v_new.dtype},
+                                                       {"cache.k", p.cache.k.dtype},
+                                                       {"cache.v", p.cache.v.dtype}}};
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    if (!append && (i == 2 || i == 3)) continue;
+    if (!known_dtype(ts[i].second) && !(i >= 4 && ts[i].second == DType::kF8E4M3))
       return Status::Invalid(cat(ts[i].first, ".dtype ", static_cast<int>(ts[i].second),
-                                 " is not a known dtype (fp16, bf16 or fp32)"));
-  for (std::size_t i = 1; i < nts; ++i)
-    if (ts[i].second != p.q.dtype)
+                                 i >= 4 ? " is not a known cache dtype (fp16, bf16, fp32, or fp8_e4m3 with scales)"
+                                        : " is not a known dtype (fp16, bf16 or fp32)"));
+  }
+  for (std::size_t i = 1; i < 4; ++i)
+    if ((append || i < 2) && ts[i].second != p.q.dtype)
       return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
-                                 dtype_name(p.q.dtype), " (q, o, the cache and k_new/v_new share one dtype)"));
+                                 dtype_name(p.q.dtype), " (q, o and k_new/v_new share one dtype)"));
+  if (fp8) {
+    if (p.cache.k.dtype != p.cache.v.dtype)
+      return Status::Invalid(cat("cache.k.dtype ", dtype_name(p.cache.k.dtype), " differs from cache.v.dtype ",
+                                 dtype_name(p.cache.v.dtype), " (an fp8 cache quantizes both K and V)"));
+  } else {
+    for (std::size_t i = 4; i < 6; ++i)
+      if (ts[i].second != p.q.dtype)
+        return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
+                                   dtype_name(p.q.dtype), " (the cache holds q's dtype, or fp8_e4m3 with scales)"));
+    if (p.cache.k_scale != nullptr || p.cache.v_scale != nullptr)
+      return Status::Invalid(cat(p.cache.k_scale ? "cache.k_scale" : "cache.v_scale", " is set but the cache is ",
+                                 dtype_name(p.cache.k.dtype), " (the scales belong to an fp8_e4m3 cache)"));
+  }
   if (r.cuda && p.q.dtype == DType::kF32)
     return Status::Unsupported("fp32 decode runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
+  if (r.cuda && fp8)
+    return Status::Unsupported("an fp8_e4m3 KV cache runs on the CPU backend only so far (the CUDA decode kernels "
+                               "read fp16 or bf16 caches)");
   // cache geometry
   const KVCacheView& c = p.cache;
   if (c.paged()) {
@@ -282,6 +302,11 @@ Status validate(const DecodeParams& p, Backend backend) {
   if (p.lse)
     FLASHCPP_RETURN_IF_ERROR(check_array("lse", p.lse, static_cast<std::int64_t>(p.batch) * p.heads_q * p.seqlen_q,
                                          4, "fp32", &slse));
+  Span sks, svs;
+  if (c.fp8()) {
+    FLASHCPP_RETURN_IF_ERROR(check_array("cache.k_scale", c.k_scale, p.heads_kv, 4, "fp32", &sks));
+    FLASHCPP_RETURN_IF_ERROR(check_array("cache.v_scale", c.v_scale, p.heads_kv, 4, "fp32", &svs));
+  }
   if (p.mask.alibi_slopes)
     FLASHCPP_RETURN_IF_ERROR(check_array("mask.alibi_slopes", p.mask.alibi_slopes,
                                          p.mask.alibi_batch_stride ? static_cast<std::int64_t>(p.batch) * p.heads_q
@@ -297,7 +322,7 @@ Status validate(const DecodeParams& p, Backend backend) {
   // 4. aliasing. Written: o, lse, and with append the cache. cache.k and cache.v may share one
   // buffer (FlashInfer's (pages, 2, page_size, heads, dim) layout interleaves them), so the pair
   // is not compared; every other pair is, conservatively by byte range.
-  std::array<const Span*, 12> all = {&sq, &so, &sk, &sv, &skn, &svn, &sl, &sbt, &slse, &sal, &scos, &ssin};
+  std::array<const Span*, 14> all = {&sq, &so, &sk, &sv, &skn, &svn, &sl, &sbt, &slse, &sal, &scos, &ssin, &sks, &svs};
   std::array<const Span*, 4> written = {&so, &slse, append ? &sk : nullptr, append ? &sv : nullptr};
   for (const Span* w : written) {
     if (w == nullptr) continue;
@@ -313,6 +338,15 @@ Status validate(const DecodeParams& p, Backend backend) {
 
   // 5. host values (CPU backend)
   if (!r.host_arrays) return Status::Ok();
+  if (c.fp8())
+    for (int h = 0; h < p.heads_kv; ++h)
+      for (const auto& [name, sc] : {std::pair{"cache.k_scale", c.k_scale}, std::pair{"cache.v_scale", c.v_scale}}) {
+        if (!(std::isfinite(sc[h]) && sc[h] > 0.f))
+          return Status::Invalid(cat(name, "[", h, "] ", static_cast<double>(sc[h]), " must be positive and finite"));
+        if (sc == c.k_scale)  // the score's units: softmax_scale * k_scale (score_checks.h)
+          FLASHCPP_RETURN_IF_ERROR(check_score_units(p.effective_scale() * sc[h], p.mask.softcap,
+                                                     p.mask.alibi_slopes != nullptr));
+      }
   const std::int64_t slots = c.slots();
   for (int b = 0; b < p.batch; ++b) {
     const std::int64_t cl = p.cache_seqlens[b];

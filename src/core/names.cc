@@ -31,6 +31,7 @@ const char* dtype_name(DType t) noexcept {
     case DType::kBF16: return "bf16";
     case DType::kF32: return "fp32";
     case DType::kF64: return "fp64";
+    case DType::kF8E4M3: return "fp8_e4m3";
   }
   return "unknown";
 }

@@ -104,9 +104,15 @@ void append(const DecodeParams& p, const Rotary& rot) {
       for (int hk = 0; hk < p.heads_kv; ++hk) {
         load_row(p.k_new, b * p.k_new.batch_stride + t * p.k_new.seq_stride + hk * p.k_new.head_stride, D, row.data());
         rot.apply(row.data(), pos);
+        // An fp8 cache stores the code of x / scale (decode.h); any other cache rounds x to its dtype.
+        const float ks = p.cache.fp8() ? p.cache.k_scale[hk] : 1.f, vs = p.cache.fp8() ? p.cache.v_scale[hk] : 1.f;
+        if (p.cache.fp8())
+          for (int d = 0; d < D; ++d) row[d] /= ks;
         const std::int64_t ko = kv_offset(p.cache, p.cache.k, b, pos, hk);
         for (int d = 0; d < D; ++d) store_from_float(p.cache.k.data, p.cache.k.dtype, ko + d, row[d]);
         load_row(p.v_new, b * p.v_new.batch_stride + t * p.v_new.seq_stride + hk * p.v_new.head_stride, Dv, row.data());
+        if (p.cache.fp8())
+          for (int d = 0; d < Dv; ++d) row[d] /= vs;
         const std::int64_t vo = kv_offset(p.cache, p.cache.v, b, pos, hk);
         for (int d = 0; d < Dv; ++d) store_from_float(p.cache.v.data, p.cache.v.dtype, vo + d, row[d]);
       }
@@ -131,6 +137,11 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
   const int BN = kDecodeBlockN;
   const int b = st.wl.item_batch[item], s = st.wl.item_split[item], n = st.wl.num_splits[b];
   const bool append = p.has_append();
+  // An fp8 cache's scales fold into the score's scale (K) and the output (V), as the kernels do.
+  const algebra::ScoreTransform score =
+      p.cache.fp8() ? algebra::ScoreTransform::make(p.effective_scale() * p.cache.k_scale[hk], p.mask.softcap)
+                    : st.score;
+  const float v_scale = p.cache.fp8() ? p.cache.v_scale[hk] : 1.f;
   const int len = decode::total_len(p.cache_seqlens[b], st.slots, Sq, append);
   const MaskRules rules = decode::sequence_rules(Sq, len, p.mask.causal, st.wl_left, st.wl_right);
   int lo = 0, hi = 0, t_begin = 0, t_end = 0;
@@ -147,13 +158,13 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
       rot.apply(qr, len - Sq + t);
       for (int d = 0; d < D; ++d) qr[d] = round_to(p.q.dtype, qr[d]);
     }
-    if (p.mask.alibi_slopes) slope[r] = st.score.slope_raw(p.mask.alibi_slopes[b * p.mask.alibi_batch_stride + h]);
+    if (p.mask.alibi_slopes) slope[r] = score.slope_raw(p.mask.alibi_slopes[b * p.mask.alibi_batch_stride + h]);
   }
   std::vector<algebra::RowSoftmax> row(static_cast<std::size_t>(rows));
   std::vector<float> acc(static_cast<std::size_t>(rows) * Dv, 0.f);
   std::vector<float> kt(static_cast<std::size_t>(BN) * D), vt(static_cast<std::size_t>(BN) * Dv);
   std::vector<float> y(static_cast<std::size_t>(BN));
-  const float c = st.score.c;
+  const float c = score.c;
 
   for (int tile = t_begin; tile < t_end; ++tile) {
     const int j0 = tile * BN, jn = std::min(BN, hi - j0);  // keys at or past hi are never loaded
@@ -176,8 +187,8 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
         float dot = 0.f;
         for (int d = 0; d < D; ++d) dot = std::fma(qr[d], kr[d], dot);
         // Raw q.k units, as the kernel keeps them (common/attention_algebra.h).
-        float u = st.score.raw(dot);
-        if (st.score.cap > 0.f) u = st.score.softcap(u);
+        float u = score.raw(dot);
+        if (score.cap > 0.f) u = score.softcap(u);
         if (p.mask.alibi_slopes) u = algebra::alibi(u, slope[r], static_cast<float>(j - ia));
         y[jj] = u;
         tile_max = std::max(tile_max, u);
@@ -206,7 +217,8 @@ void split_partial(const Step& st, const Rotary& rot, int item, int hk) {
   for (int r = 0; r < rows; ++r) {
     const int h = hk * st.group + r / Sq, t = r % Sq;
     const algebra::RowSoftmax& rs = row[static_cast<std::size_t>(r)];
-    const algebra::RowResult res = rs.finalize(rs.l, c);
+    algebra::RowResult res = rs.finalize(rs.l, c);
+    res.inv *= v_scale;  // 1 without an fp8 cache: O = v_scale * (sum of P * codes) / l
     const float* ar = &acc[static_cast<std::size_t>(r) * Dv];
     if (n == 1) {
       const std::int64_t oo = b * p.o.batch_stride + t * p.o.seq_stride + h * p.o.head_stride;

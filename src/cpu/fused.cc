@@ -55,7 +55,8 @@ Status with_dtype(DType dt, F&& f) {
     case DType::kBF16: return f(Bf16{});
     case DType::kF16: return f(F16{});
     case DType::kF32: return f(F32{});
-    case DType::kF64: break;  // validation refuses fp64 for the fused ops
+    case DType::kF64:
+    case DType::kF8E4M3: break;  // validation refuses fp64 and fp8 for the fused ops
   }
   return Status::Internal("unknown dtype reached the fused CPU backend");
 }

@@ -94,6 +94,7 @@ void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {
     case DType::kBF16:
     case DType::kF16:
     case DType::kF64:  // validation keeps fp64 on the fp64 reference; converted here all the same
+    case DType::kF8E4M3:  // refused by attention's validation; converted all the same
       for (int d = 0; d < dim; ++d) dst[d] = load_as_float(t.data, t.dtype, offset + d);
       return;
   }
