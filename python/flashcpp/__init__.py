@@ -20,14 +20,18 @@ __version__ = _C.VERSION
 WITH_CUDA: bool = _C.WITH_CUDA
 #: Git commit the extension was built from (recorded in reports).
 GIT_COMMIT: str = _C.GIT_COMMIT
-#: Head dimensions every backend supports.
+#: Head dims attention and decode take: every multiple of 8 in [8, 256], for q and k (head_dim)
+#: and, independently, for v and the output (head_dim_v, v's last dim). The CPU backends run them all.
 SUPPORTED_HEAD_DIMS = _C.SUPPORTED_HEAD_DIMS
+#: The head dims the CUDA kernels are built for, with v's head dim equal to q's; a CUDA call with
+#: any other raises NotImplementedError (the C++ library's answer), naming the CPU backends.
+CUDA_HEAD_DIMS = _C.CUDA_HEAD_DIMS
 
 __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "attention", "select_kernel", "KernelChoice", "Rotary",
     "merge_attention_states", "flash_attn_with_kvcache", "BatchDecodeWithKVCache", "BatchDecodeWithPagedKVCache",
     "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary",
-    "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "__version__",
+    "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "CUDA_HEAD_DIMS", "__version__",
 ]
 
 # masks (flashcpp/masks.py): ALiBi slopes and block-sparse masks

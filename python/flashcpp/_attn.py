@@ -223,10 +223,10 @@ def _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu
             _core.check_cu_seqlens_values(host(cu_q), "cu_seqlens_q", mq.shape[0], max_q)
             _core.check_cu_seqlens_values(host(cu_k), "cu_seqlens_k", mk.shape[0], max_k)
         dims = dims._replace(batch=batch, seqlen_q=max_q, seqlen_k=max_k)
-        shape_o = (mq.shape[0], dims.heads_q, dims.head_dim)
+        shape_o = (mq.shape[0], dims.heads_q, dims.head_dim_v)
         shape_lse = (dims.heads_q, mq.shape[0])
     else:
-        shape_o = (dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim)
+        shape_o = (dims.batch, dims.seqlen_q, dims.heads_q, dims.head_dim_v)
         shape_lse = (dims.batch, dims.heads_q, dims.seqlen_q)
     alibi, alibi_bs = alibi_slopes, 0
     if alibi is not None:

@@ -91,15 +91,39 @@ class Dims(NamedTuple):
     seqlen_k: int
     heads_q: int
     heads_kv: int
-    head_dim: int
+    head_dim: int    # of q and k
+    head_dim_v: int  # of v and the output (AttnParams::head_dim_v); may differ from head_dim
+
+
+def head_dim_error(name: str, d: Any) -> Optional[str]:
+    """The C++ validator's sentence (src/core/head_dim_checks.h) for a head dim (`name`: head_dim or
+    head_dim_v) that no backend takes, else None. SUPPORTED_HEAD_DIMS is every multiple of 8 in
+    [8, 256]; which of them a backend runs (CUDA: CUDA_HEAD_DIMS, with head_dim_v == head_dim) is
+    left to C++, which refuses the rest as Unsupported (NotImplementedError)."""
+    dims = _C.SUPPORTED_HEAD_DIMS
+    if d in dims:
+        return None
+    step, top = dims[0], dims[-1]
+    return f"{name} {d} is not supported (it must be a multiple of {step} in [{step}, {top}])"
+
+
+def check_head_dims(head_dim: int, head_dim_v: int) -> None:
+    """Refuses early (here, and in the torch ops' fakes at trace time) the head dims no backend
+    takes, with the C++ sentence; C++ would refuse them too, but an empty problem never reaches it."""
+    for name, d in (("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+        msg = head_dim_error(name, d)
+        if msg is not None:
+            raise ValueError(msg)
 
 
 def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta, Meta, Meta]:
     """Type, device, rank, stride and shape checks of q/k/v; returns the problem dims.
 
-    Dense: q (batch, seqlen_q, heads_q, head_dim), k/v (batch, seqlen_k, heads_kv, head_dim).
-    Varlen: q (total_q, heads_q, head_dim), k/v (total_k, heads_kv, head_dim); batch and the
-    sequence lengths come from cu_seqlens and are filled in by the caller (0 here).
+    Dense: q (batch, seqlen_q, heads_q, head_dim), k (batch, seqlen_k, heads_kv, head_dim), v
+    (batch, seqlen_k, heads_kv, head_dim_v). Varlen: q (total_q, heads_q, head_dim), k (total_k,
+    heads_kv, head_dim), v (total_k, heads_kv, head_dim_v); batch and the sequence lengths come
+    from cu_seqlens and are filled in by the caller (0 here). q and k share head_dim; v (and the
+    output) may have another head dim, head_dim_v.
     """
     mq, mk, mv = meta(q, "q"), meta(k, "k"), meta(v, "v")
     if not (mq.lib == mk.lib == mv.lib):
@@ -128,24 +152,23 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
         if any(s < 0 for s in m.strides):
             raise ValueError(f"{m.name} has a negative stride {m.strides}; flashcpp takes "
                              "non-negative strides (np.ascontiguousarray makes a copy)")
-    if tuple(mk.shape) != tuple(mv.shape):
-        raise ValueError(f"k and v must have the same shape; got k {mk.shape}, v {mv.shape}")
+    if tuple(mk.shape[:-1]) != tuple(mv.shape[:-1]):
+        raise ValueError(f"k and v must have the same shape except the last dimension (v's head_dim_v may "
+                         f"differ from head_dim); got k {mk.shape}, v {mv.shape}")
     if mq.shape[-1] != mk.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim; got {mq.shape[-1]} and {mk.shape[-1]}")
-    if mq.shape[-1] == 0:
-        raise ValueError(f"head_dim (the last dimension of q, k and v) is 0; flashcpp takes head_dim in "
-                         f"{{{', '.join(map(str, _C.SUPPORTED_HEAD_DIMS))}}}")
+    check_head_dims(mq.shape[-1], mv.shape[-1])
     heads_q, heads_kv = mq.shape[-2], mk.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"heads of q ({heads_q}) must be a multiple of heads of k/v ({heads_kv}) "
                          "(GQA/MQA)")
     if varlen:
-        dims = Dims(0, 0, 0, heads_q, heads_kv, mq.shape[-1])
+        dims = Dims(0, 0, 0, heads_q, heads_kv, mq.shape[-1], mv.shape[-1])
     else:
         if mq.shape[0] != mk.shape[0]:
             raise ValueError(f"q and k must have the same batch size; got {mq.shape[0]} and {mk.shape[0]}")
-        dims = Dims(mq.shape[0], mq.shape[1], mk.shape[1], heads_q, heads_kv, mq.shape[-1])
-    for m in (mq, mk):
+        dims = Dims(mq.shape[0], mq.shape[1], mk.shape[1], heads_q, heads_kv, mq.shape[-1], mv.shape[-1])
+    for m in (mq, mk, mv):
         if any(n > _INT32_MAX for n in m.shape):
             raise ValueError(f"{m.name} has a dimension above 2**31-1: {m.shape}")
     return dims, mq, mk, mv
@@ -211,7 +234,7 @@ def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
                              f"1/sqrt(head_dim); 0.0 gives uniform weights)")
         return ZERO_SCALE if scale == 0.0 else scale
     if head_dim <= 0:
-        raise ValueError(f"head_dim must be > 0 (the last dimension of q); got {head_dim}")
+        raise ValueError(head_dim_error("head_dim", head_dim))
     return 1.0 / math.sqrt(head_dim)
 
 
@@ -494,7 +517,7 @@ def launch(q: Any, k: Any, v: Any, out: Any, lse: Any, dims: Dims, mq: Meta, mk:
     code = _ATTN_DTYPE_CODES[mq.dtype]
     p = _C.AttnParams()
     p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
-    p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
+    p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = dims.heads_q, dims.heads_kv, dims.head_dim, dims.head_dim_v
     p.q, p.k = tensor_view(q, mq, code, varlen), tensor_view(k, mk, code, varlen)
     p.v, p.o = tensor_view(v, mv, code, varlen), tensor_view(out, mo, code, varlen)
     p.lse = data_ptr(lse)
@@ -522,8 +545,8 @@ def launch_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse:
                     block_sparse: Optional[BlockSparseSpec] = None, deterministic: bool = False,
                     backend: str = "auto", cpu_threads: int = 0) -> None:
     """flashcpp::attention_backward on checked inputs: fills one AttnBackwardParams (the forward's
-    q, k, v, out and lse, dout and dlse (None = 0), the caller's dq, dk, dv), asks for the
-    workspace size, allocates the workspace on q's device (torch) or the host (numpy) and makes the
+    q, k, v, out and lse, dout and dlse (None = 0), the caller's dq, dk, dv shaped like q, k, v: dv
+    and dout at head_dim_v), asks for the workspace size, allocates the workspace on q's device (torch) or the host (numpy) and makes the
     call on the current stream. CUDA: the C++ answer (today: no backward kernel) is raised as
     NotImplementedError."""
     backend = resolve_backend(backend, mq)
@@ -532,7 +555,7 @@ def launch_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse:
     code = _ATTN_DTYPE_CODES[mq.dtype]
     p = _C.AttnBackwardParams()
     p.batch, p.seqlen_q, p.seqlen_k = dims.batch, dims.seqlen_q, dims.seqlen_k
-    p.heads_q, p.heads_kv, p.head_dim = dims.heads_q, dims.heads_kv, dims.head_dim
+    p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = dims.heads_q, dims.heads_kv, dims.head_dim, dims.head_dim_v
     p.q, p.k, p.v = tensor_view(q, mq, code, varlen), tensor_view(k, mk, code, varlen), tensor_view(v, mv, code, varlen)
     p.o, p.dout = tensor_view(out, meta(out, "out"), code, varlen), tensor_view(dout, meta(dout, "dout"), code, varlen)
     p.dq, p.dk = tensor_view(dq, meta(dq, "dq"), code, varlen), tensor_view(dk, meta(dk, "dk"), code, varlen)

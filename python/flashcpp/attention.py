@@ -6,6 +6,10 @@ Semantics are those of ``include/flashcpp/attention.h``; in short:
 * layout (batch, seqlen, heads, head_dim), any strides except a contiguous head_dim, so
   PyTorch SDPA's (B, H, N, D) tensors run after ``.transpose(1, 2)`` without a copy;
 * GQA/MQA: heads_q a multiple of heads_kv;
+* head dims: q and k share head_dim, v (and the output) has its own, head_dim_v (e.g. DeepSeek's
+  192/128); each any multiple of 8 in [8, 256] (``SUPPORTED_HEAD_DIMS``). The CUDA kernels take
+  ``CUDA_HEAD_DIMS`` with head_dim_v == head_dim and refuse the rest with NotImplementedError
+  (the CPU backends run every pair);
 * causal masks are aligned **bottom-right** as in flash-attn: query i sees keys
   j <= i + seqlen_k - seqlen_q (SDPA's ``is_causal`` is top-left; they agree when
   seqlen_q == seqlen_k);
@@ -154,9 +158,11 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
             flash-attn put softmax_scale where it belongs.
         deterministic: bitwise-repeatable gradients (dq included) from the backward; the forward
             is deterministic either way.
-        q: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim).
+        q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim); v:
+            (batch, seqlen_k, heads_kv, head_dim_v), head_dim_v may differ from head_dim (both
+            multiples of 8 in [8, 256]; CUDA: 64, 128 or 256, and equal).
             torch tensors (CPU or CUDA; fp16/bf16, fp32 on CPU) or numpy arrays (CPU backend;
-            float16/float32, bfloat16 via ml_dtypes). Only head_dim must be contiguous.
+            float16/float32, bfloat16 via ml_dtypes). Only the last dim must be contiguous.
         softmax_scale: multiplies q.k; default 1/sqrt(head_dim).
         causal: bottom-right aligned causal mask (see the module docstring).
         window_size: (left, right) sliding window, -1 = unbounded.
@@ -180,7 +186,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
             keys, for a KV cache; on CUDA, without it, a fresh buffer is allocated per call.
 
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim) in q's dtype, or (out, lse).
+        out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, or (out, lse).
     """
     _check_flash_attn_extras(dropout_p, deterministic)
     if _all_torch(q, k, v):
@@ -216,10 +222,11 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     keyword-only. Differentiable as :func:`flash_attn_func` (CPU tensors; ``deterministic`` for
     the backward).
 
-    q: (total_q, heads_q, head_dim), k/v: (total_k, heads_kv, head_dim), sequences packed back
-    to back; cu_seqlens_q/k: int32 (batch + 1,) prefix sums starting at 0; max_seqlen_q/k: the
+    q: (total_q, heads_q, head_dim), k: (total_k, heads_kv, head_dim), v: (total_k, heads_kv,
+    head_dim_v) (head dims as in :func:`flash_attn_func`), sequences packed back to back;
+    cu_seqlens_q/k: int32 (batch + 1,) prefix sums starting at 0; max_seqlen_q/k: the
     longest sequence. Each sequence is its own problem (causal alignment per sequence).
-    Returns out (total_q, heads_q, head_dim), or (out, lse) with lse (heads_q, total_q) fp32.
+    Returns out (total_q, heads_q, head_dim_v), or (out, lse) with lse (heads_q, total_q) fp32.
     Runs on both backends; on CUDA tensors the kernels read cu_seqlens on the device (no
     synchronization), size the grid by max_seqlen_q and fuse every mask keyword (causal,
     window_size, softcap, alibi_slopes) per sequence. Packed rows past cu_seqlens_q[-1] are left

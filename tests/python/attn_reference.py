@@ -26,8 +26,8 @@ def visible_mask(seqlen_q, seqlen_k, causal=False, window=(-1, -1)):
 
 def attention_ref(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), softcap=0.0,
                   alibi_slopes=None, mask=None):
-    """q (B, Nq, Hq, D), k/v (B, Nk, Hkv, D), any float dtype -> (out fp64 (B, Nq, Hq, D),
-    lse fp64 (B, Hq, Nq)). alibi_slopes: (Hq,) or (B, Hq). mask: bool, broadcastable to
+    """q (B, Nq, Hq, D), k (B, Nk, Hkv, D), v (B, Nk, Hkv, Dv), any float dtype -> (out fp64
+    (B, Nq, Hq, Dv), lse fp64 (B, Hq, Nq)). alibi_slopes: (Hq,) or (B, Hq). mask: bool, broadcastable to
     (B, Hq, Nq, Nk), True = visible, ANDed with the other rules (a block-sparse mask's to_dense)."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     B, Nq, Hq, D = q.shape
@@ -60,10 +60,10 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window=(-1, -1), so
 
 
 def varlen_ref(q, k, v, cu_q, cu_k, **kw):
-    """Packed q (Tq, Hq, D), k/v (Tk, Hkv, D) -> (out (Tq, Hq, D), lse (Hq, Tq)); rows past
-    cu_q[-1] are 0 / -inf."""
-    Tq, Hq, D = q.shape
-    out = np.zeros((Tq, Hq, D))
+    """Packed q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) -> (out (Tq, Hq, Dv), lse (Hq, Tq));
+    rows past cu_q[-1] are 0 / -inf."""
+    Tq, Hq, _ = q.shape
+    out = np.zeros((Tq, Hq, v.shape[-1]))
     lse = np.full((Hq, Tq), -np.inf)
     for b in range(len(cu_q) - 1):
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]

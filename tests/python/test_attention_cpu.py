@@ -213,5 +213,6 @@ def test_select_kernel_names_the_cpu_kernel(rng):
 
 def test_build_flags():
     assert isinstance(flashcpp.WITH_CUDA, bool)
-    assert tuple(flashcpp.SUPPORTED_HEAD_DIMS) == (64, 128, 256)
+    assert tuple(flashcpp.SUPPORTED_HEAD_DIMS) == tuple(range(8, 257, 8))
+    assert tuple(flashcpp.CUDA_HEAD_DIMS) == (64, 128, 256)
     assert flashcpp.__version__ and flashcpp.GIT_COMMIT

@@ -70,8 +70,11 @@ def test_one_call_matches_the_public_function(rng):
     assert _C.attention_forward(p, opt) is None
     np.testing.assert_array_equal(out, want)
     np.testing.assert_array_equal(lse, want_lse)
-    p.head_dim = 80  # the C++ validator's refusal arrives as ValueError
-    with pytest.raises(ValueError, match="head_dim 80"):
+    p.head_dim = 84  # the C++ validator's refusal arrives as ValueError
+    with pytest.raises(ValueError, match=r"head_dim 84 is not supported \(it must be a multiple of 8 in \[8, 256\]\)"):
+        _C.attention_forward(p, opt)
+    p.head_dim, p.head_dim_v = 64, 264
+    with pytest.raises(ValueError, match=r"head_dim_v 264 is not supported \(it must be a multiple of 8"):
         _C.attention_forward(p, opt)
 
 

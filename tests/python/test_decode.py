@@ -238,8 +238,10 @@ def test_plan_run_wrapper_errors(rng):
         w.run(q, kc, kc.copy(), lens)
     with pytest.raises(ValueError, match="num_splits 300 is outside \\[0, 256\\]"):  # the C++ sentence
         w.plan(2, 4, 2, 64, kv_capacity=64, dtype=np.float32, device="cpu", num_splits=300)
-    with pytest.raises(ValueError, match="head_dim 80 is not supported \\(supported: 64, 128, 256\\)"):
-        w.plan(2, 4, 2, 80, kv_capacity=64, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match="head_dim 84 is not supported \\(it must be a multiple of 8 in \\[8, 256\\]\\)"):
+        w.plan(2, 4, 2, 84, kv_capacity=64, dtype=np.float32, device="cpu")
+    with pytest.raises(ValueError, match="head_dim_v 264 is not supported \\(it must be a multiple of 8"):
+        w.plan(2, 4, 2, 64, head_dim_v=264, kv_capacity=64, dtype=np.float32, device="cpu")
     with pytest.raises(ValueError, match="needs kv_capacity"):
         w.plan(2, 4, 2, 64, dtype=np.float32, device="cpu")
     with pytest.raises(ValueError, match="exceed the cache's 64 slots"):

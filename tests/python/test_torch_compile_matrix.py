@@ -11,6 +11,10 @@ IndexError('tuple index out of range') for every plain tensor: its ADInplaceOrVi
 mutating custom op indexed the boxed arguments, from which the dispatcher drops trailing defaults,
 at the position of the mutated Optional argument (then the last one of flashcpp::flash_attn_fwd).
 
+Head dims the CUDA kernels are not built for (v's head dim differing from q's: HEAD_DIM_V_CASES) run
+the compile and opcheck cases on the CPU only, and the fake-CUDA traces, whose fakes give the output
+v's head dim (on a GPU the call itself is refused by C++ with NotImplementedError).
+
 Needs torch (skipped without it, as in CI); the CUDA cases need a device and a FLASHCPP_CUDA=ON
 build. On the H200: ``pytest tests/python/test_torch_compile_matrix.py``.
 """
@@ -26,10 +30,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available() and flashcpp.WITH_CUDA
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a FLASHCPP_CUDA=ON build")),
-]
+NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a FLASHCPP_CUDA=ON build")
+DEVICES = ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)]
 # CPU: aot_eager (Dynamo + AOTAutograd, the graph run eagerly: no C++ compile per case);
 # CUDA: inductor, what torch.compile uses by default.
 BACKEND = {"cpu": "aot_eager", "cuda": "inductor"}
@@ -174,6 +176,36 @@ def _kvcache_paged(m):
     return fn, (m.randn(B, 1, 4, D), m.randn(npages, page, 4, D), m.randn(npages, page, 4, D), lens, table), ()
 
 
+def _head_dim_v_dense(m):
+    # DeepSeek's 192/128: q and k at 192, v and the output at 128
+    def fn(q, k, v):
+        return flashcpp.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    return fn, (m.randn(B, 64, 4, 192), m.randn(B, 64, 2, 192), m.randn(B, 64, 2, 128)), ()
+
+
+def _head_dim_v_varlen(m):
+    cu = m.array(np.array([0, 20, 64], dtype=np.int32))
+
+    def fn(q, k, v, cu):
+        return flashcpp.flash_attn_varlen_func(q, k, v, cu, cu, 44, 44, causal=True, return_lse=True)
+    return fn, (m.randn(64, 4, 96), m.randn(64, 2, 96), m.randn(64, 2, 80), cu), ()
+
+
+def _head_dim_v_kvcache_append(m):
+    lens = m.array(np.array([5, 30], dtype=np.int32))
+
+    def fn(q, kc, vc, k, v, lens):
+        return flashcpp.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, causal=True)
+    return fn, (m.randn(B, 1, 4, 64), m.randn(B, 32, 2, 64), m.randn(B, 32, 2, 128), m.randn(B, 1, 2, 64),
+                m.randn(B, 1, 2, 128), lens), (1, 2)
+
+
+HEAD_DIM_V_CASES = {
+    "head_dim_v-192-128": _head_dim_v_dense,
+    "head_dim_v-96-80-varlen": _head_dim_v_varlen,
+    "head_dim_v-64-128-kvcache-append": _head_dim_v_kvcache_append,
+}
+
 CASES = {
     "contiguous-mha": _dense(4, 4, causal=True),
     "contiguous-gqa": _dense(8, 2, causal=True),
@@ -194,6 +226,12 @@ CASES = {
     "kvcache-append": _kvcache_append,
     "kvcache-paged": _kvcache_paged,
 }
+
+
+ALL_CASES = {**CASES, **HEAD_DIM_V_CASES}
+# (case, device): every case on the CPU, the CUDA kernels' cases on CUDA too
+CASE_DEVICES = [pytest.param(c, "cpu", id=f"{c}-cpu") for c in ALL_CASES] + [
+    pytest.param(c, "cuda", marks=NEEDS_CUDA, id=f"{c}-cuda") for c in CASES]
 
 
 def _flat(x):
@@ -222,10 +260,9 @@ class _OpRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,device", CASE_DEVICES)
 def test_compile_fullgraph_equals_eager(case, device):
-    fn, args, mutated = CASES[case](_Maker(device))
+    fn, args, mutated = ALL_CASES[case](_Maker(device))
     eager_args, compiled_args = _clone(args), _clone(args)
     with torch.no_grad():
         want = fn(*eager_args)
@@ -239,10 +276,9 @@ def test_compile_fullgraph_equals_eager(case, device):
         assert not torch.equal(compiled_args[i], args[i])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,device", CASE_DEVICES)
 def test_opcheck(case, device, monkeypatch):
-    fn, args, _ = CASES[case](_Maker(device))
+    fn, args, _ = ALL_CASES[case](_Maker(device))
     # Eager calls skip the dispatcher; make the functions take their registered ops, and record them.
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with _OpRecorder() as rec:
@@ -260,15 +296,20 @@ def _export(fn, args):
     return torch.export.export(Wrap(), tuple(args), strict=True)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(ALL_CASES))
 def test_dynamo_traces_fake_cuda_tensors(case):
     """Runs anywhere torch is: Dynamo over CUDA FakeTensors (no GPU needed) reaches each op's
     register_fake and must trace without a graph break or an error."""
     with FakeTensorMode() as mode:
-        fn, args, _ = CASES[case](_Maker("cuda", fake=True))
+        fn, args, _ = ALL_CASES[case](_Maker("cuda", fake=True))
     assert all(a.device.type == "cuda" for a in args if isinstance(a, torch.Tensor))
-    graph = str(_export(fn, args).graph)
+    exported = _export(fn, args)
+    graph = str(exported.graph)
     assert "flashcpp" in graph, f"{case}: no flashcpp op in the traced graph:\n{graph}"
+    if case in HEAD_DIM_V_CASES:  # the fakes give the output v's head dim
+        out = next(n for n in exported.graph.nodes if n.op == "output").args[0]
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        assert first.meta["val"].shape[-1] == args[2].shape[-1], case
     del mode
 
 

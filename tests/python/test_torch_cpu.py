@@ -138,9 +138,11 @@ def test_errors_through_the_custom_op(rng):
         flashcpp.flash_attn_func(wide[..., ::2], q, q)
     with pytest.raises(ValueError, match="multiple of heads"):
         flashcpp.flash_attn_func(t(rng, (1, 8, 3, 64)), q, q)
-    with pytest.raises(ValueError, match="head_dim 96 is not supported"):
-        x = t(rng, (1, 8, 2, 96))
+    with pytest.raises(ValueError, match=r"head_dim 84 is not supported \(it must be a multiple of 8 in \[8, 256\]\)"):
+        x = t(rng, (1, 8, 2, 84))
         flashcpp.flash_attn_func(x, x, x)
+    with pytest.raises(ValueError, match=r"head_dim_v 264 is not supported"):
+        flashcpp.flash_attn_func(q, q, t(rng, (1, 8, 2, 264)))
     # called directly, the op checks too
     with pytest.raises(ValueError, match="same batch size"):
         torch.ops.flashcpp.flash_attn_fwd(q, t(rng, (2, 8, 2, 64)), t(rng, (2, 8, 2, 64)),
