@@ -20,6 +20,10 @@ MAX_SEQLEN_Q = _C.DECODE_MAX_SEQLEN_Q
 MAX_PAGE_SIZE = _C.DECODE_MAX_PAGE_SIZE
 MAX_SPLITS = _C.DECODE_MAX_SPLITS
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+#: The cache's dtype: q's, or OCP fp8 e4m3 ("e4m3fn": torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn)
+#: with per-KV-head fp32 scales, K = code * k_scale and V = code * v_scale (CPU backend so far).
+FP8_E4M3 = "float8_e4m3fn"
+_CACHE_CODES = dict(_core._DTYPE_CODES, **{FP8_E4M3: _C.DTYPE_F8E4M3})
 _ROTARY = {None: _C.ROPE_NONE, "none": _C.ROPE_NONE, "neox": _C.ROPE_NEOX,
            "interleaved": _C.ROPE_INTERLEAVED}
 _WS_ALIGN = 256  # workspace offsets (the C++ API needs 16)
@@ -57,6 +61,60 @@ def _dtype_name(dtype: Any) -> str:
     if name not in _FLOAT_DTYPES:
         raise TypeError(f"dtype {dtype!r} is not one of float16, bfloat16, float32")
     return name
+
+
+def _kv_dtype_name(kv_dtype: Any, dtype: str) -> str:
+    """The cache's dtype name: None = q's dtype (`dtype`), else q's dtype or fp8 e4m3."""
+    if kv_dtype is None:
+        return dtype
+    torch = _core.torch
+    if torch is not None and isinstance(kv_dtype, torch.dtype):
+        name = str(kv_dtype).replace("torch.", "")
+    elif isinstance(kv_dtype, str):
+        name = {"fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3, "e4m3": FP8_E4M3}.get(kv_dtype, kv_dtype)
+    else:
+        name = np.dtype(kv_dtype).name
+    if name == FP8_E4M3:
+        return name
+    try:
+        name = _dtype_name(kv_dtype)
+    except TypeError:
+        name = None
+    if name != dtype:
+        raise TypeError(f"kv_dtype {kv_dtype!r}: the cache holds q's dtype ({dtype}) or {FP8_E4M3} (with k_scale "
+                        "and v_scale)")
+    return name
+
+
+def _scales(k_scale: Any, v_scale: Any, fp8: bool, heads_kv: int, like: Any, is_cuda: bool, device: Any,
+            check_values: bool = True) -> Tuple[Any, Any]:
+    """k_scale and v_scale of an fp8 cache as fp32 (heads_kv,) arrays on the cache's device: a
+    number is every head's scale. They belong to an fp8 cache only. Host values are checked by the
+    C++ validator (positive and finite); device values are the caller's to keep so."""
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{'k_scale' if k_scale is not None else 'v_scale'} is given but the cache is not "
+                             f"{FP8_E4M3} (the scales dequantize an fp8 cache)")
+        return None, None
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"an {FP8_E4M3} cache needs k_scale and v_scale (K = code * k_scale, V = code * v_scale): "
+                         "a number, or one per KV head")
+    out = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
+            x = np.full(heads_kv, float(x), dtype=np.float32)
+        if not check_values and _is_torch(x):  # the fake of the torch op: shapes only
+            if tuple(x.shape) != (heads_kv,):
+                raise ValueError(f"{name} must be a number or have shape (heads_kv,) = ({heads_kv},); "
+                                 f"got {tuple(x.shape)}")
+            out.append(x)
+            continue
+        a = _small(x, name, "float32", like, is_cuda, device)
+        if tuple(a.shape) != (heads_kv,):
+            raise ValueError(f"{name} must be a number or have shape (heads_kv,) = ({heads_kv},); "
+                             f"got {tuple(a.shape)}")
+        out.append(a)  # values: the C++ validator checks host ones (positive and finite)
+    return out[0], out[1]
 
 
 def _device_of(x: Any) -> Tuple[bool, Any]:
@@ -238,18 +296,21 @@ class BatchDecodeWithKVCache:
         return self._plan
 
     def plan(self, batch_size: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
-             seqlen_q: int = 1, kv_capacity: Optional[int] = None, page_size: int = 0,
+             head_dim_v: Optional[int] = None, seqlen_q: int = 1, kv_capacity: Optional[int] = None, page_size: int = 0,
              cache_seqlens: Any = None, append: bool = False, causal: bool = False,
              window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0, sm_scale: Optional[float] = None,
              rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
              dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
              num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False,
-             fused_append: bool = False) -> Any:
+             fused_append: bool = False, kv_dtype: Any = None) -> Any:
         """Plans the steps that ``run()`` will compute.
 
         Args:
             batch_size, num_qo_heads, num_kv_heads, head_dim, seqlen_q: the step's shape
                 (q is (batch_size, seqlen_q, num_qo_heads, head_dim), 1 <= seqlen_q <= 16).
+            head_dim_v: the head dim of v_cache (and of v and out); None = head_dim. Any multiple
+                of 8 in [8, 256] on the CPU backend; the CUDA kernels take head_dim_v == head_dim
+                in (64, 128, 256) and refuse the rest (NotImplementedError).
             kv_capacity: key slots per sequence: k_cache.shape[1] (contiguous), or
                 pages_per_seq * page_size (paged). Default: the largest planned length (+ seqlen_q
                 with append); required when cache_seqlens is None.
@@ -261,7 +322,12 @@ class BatchDecodeWithKVCache:
             causal, window_size, softcap, sm_scale: the mask (as flash_attn_with_kvcache).
             rotary: None, "neox" or "interleaved" (q and the appended keys rotated in the kernel);
                 rotary_dim (0 = head_dim) and rope_theta when run() gets no cos/sin tables.
-            dtype, device: of q and the cache; device "cpu" plans for the CPU backend.
+            dtype, device: of q (and of the cache unless kv_dtype says otherwise); device "cpu"
+                plans for the CPU backend.
+            kv_dtype: the cache's dtype: None (q's), or "float8_e4m3fn" / torch.float8_e4m3fn /
+                ml_dtypes.float8_e4m3fn, an fp8 e4m3 cache that run() dequantizes with its
+                k_scale and v_scale (the append quantizes into it). fp8 runs on the CPU backend
+                so far; a CUDA plan refuses it (NotImplementedError).
             num_splits: force this many key splits per sequence (0 = heuristic); max_splits caps
                 the heuristic (0 = 256); num_sms: plan for this many SMs (0 = the device's).
             non_blocking: CUDA: the work list is uploaded on the current stream; by default plan()
@@ -277,6 +343,7 @@ class BatchDecodeWithKVCache:
         """
         torch = _core.torch
         dt = _dtype_name(dtype)
+        kv_dt = _kv_dtype_name(kv_dtype, dt)
         if str(device) != "cpu":
             if torch is None:
                 raise ValueError(f"device {device!r} needs torch; without it decode runs on the CPU (device='cpu')")
@@ -302,6 +369,8 @@ class BatchDecodeWithKVCache:
                 raise ValueError(f"{name} must be an int in [{lo}, 2**31-1]; got {val!r}")
         if kv_capacity is not None:
             _core.check_int(kv_capacity, "kv_capacity", 0)
+        head_dim_v = int(head_dim) if head_dim_v is None else _core.check_int(head_dim_v, "head_dim_v", 1,
+                                                                             what=" (None = head_dim)")
         window = _core.check_window(window_size)
         if rotary not in _ROTARY:
             raise ValueError(f"rotary must be None, 'neox' or 'interleaved'; got {rotary!r}")
@@ -335,7 +404,9 @@ class BatchDecodeWithKVCache:
             pages_per_seq, capacity = 0, kv_capacity
         scale = _core.default_scale(sm_scale, int(head_dim))
         cfg = dict(batch=batch, seqlen_q=int(seqlen_q), heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
-                   head_dim=int(head_dim), dtype=dt, device=device, is_cuda=is_cuda, page_size=int(page_size),
+                   head_dim=int(head_dim), head_dim_v=head_dim_v, dtype=dt, kv_dtype=kv_dt, device=device,
+                   is_cuda=is_cuda,
+                   page_size=int(page_size),
                    append=bool(append), causal=bool(causal), window=window, softcap=float(softcap), scale=scale,
                    rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
         # decode_plan reads the scalars only: the tensors are absent (null views of the planned dtype).
@@ -343,9 +414,10 @@ class BatchDecodeWithKVCache:
         params = _C.DecodeParams()
         params.batch, params.seqlen_q = batch, cfg["seqlen_q"]
         params.heads_q, params.heads_kv, params.head_dim = cfg["heads_q"], cfg["heads_kv"], cfg["head_dim"]
+        params.head_dim_v = head_dim_v
         params.q = params.o = _C.TensorView(0, code)
         cache = params.cache
-        cache.k = cache.v = _C.TensorView(0, code)
+        cache.k = cache.v = _C.TensorView(0, _CACHE_CODES[kv_dt])
         cache.capacity, cache.page_size, cache.num_pages = capacity, cfg["page_size"], 1 if page_size else 0
         cache.block_table_stride = cache.pages_per_seq = pages_per_seq
         params.rotary = _rotary_spec(cfg["rotary"], cfg["rotary_dim"], cfg["head_dim"], cfg["rope_theta"])
@@ -371,20 +443,25 @@ class BatchDecodeWithKVCache:
     def run(self, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, block_table: Any = None,
             k: Any = None, v: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
             alibi_slopes: Any = None, out: Any = None, lse: Any = None, return_lse: bool = False,
-            cpu_threads: int = 0) -> Any:
+            cpu_threads: int = 0, k_scale: Any = None, v_scale: Any = None) -> Any:
         """One decode step as planned.
 
         Args:
             q: (batch, seqlen_q, heads_q, head_dim), head_dim contiguous, other strides free.
             k_cache, v_cache: (batch, capacity, heads_kv, head_dim), or paged (num_pages, page_size,
-                heads_kv, head_dim) with block_table (batch, pages_per_seq) int32.
+                heads_kv, head_dim) with block_table (batch, pages_per_seq) int32; v_cache's last
+                dim is the planned head_dim_v.
             cache_seqlens: (batch,) int32 keys in the cache before the step, on q's device (read by
                 the kernels at run time: a replayed CUDA graph picks up new values).
-            k, v: the new tokens (batch, seqlen_q, heads_kv, head_dim) when planned with append.
+            k, v: the new tokens (batch, seqlen_q, heads_kv, head_dim / head_dim_v) when planned
+                with append.
             rotary_cos, rotary_sin: optional fp32 tables (max_position, rotary_dim / 2) when planned
                 with rotary; without them the angles come from rope_theta.
             alibi_slopes: optional fp32 (heads_q,) or (batch, heads_q).
-            out, lse: optional outputs (q's shape and dtype; fp32 (batch, heads_q, seqlen_q)); pass
+            k_scale, v_scale: an fp8 cache's scales (K = code * k_scale, V = code * v_scale): a
+                number, or fp32 (heads_kv,) one per KV head, positive and finite; None otherwise.
+            out, lse: optional outputs ((batch, seqlen_q, heads_q, head_dim_v) in q's dtype; fp32
+                (batch, heads_q, seqlen_q)); pass
                 them to run without allocating (CUDA graphs with static outputs).
         Returns:
             out, or (out, lse) when return_lse or lse is given.
@@ -393,26 +470,28 @@ class BatchDecodeWithKVCache:
         if c is None:
             raise RuntimeError("call plan() before run()")
         mq, mk, mv = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
-        for m in (mq, mk, mv):
-            if m.dtype != c["dtype"]:
-                raise TypeError(f"{m.name} has dtype {m.dtype}; the plan is for {c['dtype']}")
+        for m, want in ((mq, c["dtype"]), (mk, c["kv_dtype"]), (mv, c["kv_dtype"])):
+            if m.dtype != want:
+                raise TypeError(f"{m.name} has dtype {m.dtype}; the plan is for {want}")
             if m.is_cuda != c["is_cuda"] or (m.is_cuda and m.device != c["device"]):
                 raise ValueError(f"{m.name} is on {m.device}; the plan is for {c['device']}")
         B, Sq, Hq, Hkv, D = c["batch"], c["seqlen_q"], c["heads_q"], c["heads_kv"], c["head_dim"]
+        Dv = c["head_dim_v"]
         _check_4d(mq, (B, Sq, Hq, D), "(batch, seqlen_q, heads_q, head_dim) as planned")
-        if len(mk.shape) != 4 or tuple(mk.shape) != tuple(mv.shape):
-            raise ValueError(f"k_cache and v_cache must be 4-D and of one shape; got {mk.shape} and {mv.shape}")
+        if len(mk.shape) != 4 or len(mv.shape) != 4 or tuple(mk.shape[:-1]) != tuple(mv.shape[:-1]):
+            raise ValueError(f"k_cache and v_cache must be 4-D with the same shape except the last dimension; "
+                             f"got {mk.shape} and {mv.shape}")
         ps = c["page_size"]
         if ps:
             if block_table is None:
                 raise ValueError(f"the plan is for a paged cache (page_size {ps}): pass block_table")
             _check_4d(mk, (mk.shape[0], ps, Hkv, D), "(num_pages, page_size, heads_kv, head_dim)")
-            _check_4d(mv, (mv.shape[0], ps, Hkv, D), "(num_pages, page_size, heads_kv, head_dim)")
+            _check_4d(mv, (mv.shape[0], ps, Hkv, Dv), "(num_pages, page_size, heads_kv, head_dim_v)")
         else:
             if block_table is not None:
                 raise ValueError("block_table given but the plan is for a contiguous cache (plan with page_size)")
             _check_4d(mk, (B, mk.shape[1], Hkv, D), "(batch, capacity, heads_kv, head_dim)")
-            _check_4d(mv, (B, mv.shape[1], Hkv, D), "(batch, capacity, heads_kv, head_dim)")
+            _check_4d(mv, (B, mv.shape[1], Hkv, Dv), "(batch, capacity, heads_kv, head_dim_v)")
         if (k is None) != (v is None):
             raise ValueError("k and v come together (the new tokens' keys and values)")
         if (k is not None) != c["append"]:
@@ -423,18 +502,18 @@ class BatchDecodeWithKVCache:
             _core.check_writable(k_cache, "k_cache")  # the append writes the new tokens into the cache
             _core.check_writable(v_cache, "v_cache")
             mkn, mvn = _core.meta(k, "k"), _core.meta(v, "v")
-            for m in (mkn, mvn):
+            for m, d, what in ((mkn, D, "head_dim"), (mvn, Dv, "head_dim_v")):
                 if m.dtype != c["dtype"] or m.device != mq.device:
                     raise ValueError(f"{m.name} must be {c['dtype']} on {mq.device}; got {m.dtype} on {m.device}")
-                _check_4d(m, (B, Sq, Hkv, D), "(batch, seqlen_q, heads_kv, head_dim)")
+                _check_4d(m, (B, Sq, Hkv, d), f"(batch, seqlen_q, heads_kv, {what})")
         return self._launch(q, mq, k_cache, mk, v_cache, mv, cache_seqlens, block_table, k, mkn, v, mvn,
-                            rotary_cos, rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads)
+                            rotary_cos, rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads, k_scale, v_scale)
 
     def _launch(self, q, mq, k_cache, mk, v_cache, mv, cache_seqlens, block_table, k, mkn, v, mvn, rotary_cos,
-                rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads):
+                rotary_sin, alibi_slopes, out, lse, return_lse, cpu_threads, k_scale=None, v_scale=None):
         c = self._cfg
         is_cuda, device = c["is_cuda"], c["device"]
-        B, Sq, Hq, D = c["batch"], c["seqlen_q"], c["heads_q"], c["head_dim"]
+        B, Sq, Hq, D, Dv = c["batch"], c["seqlen_q"], c["heads_q"], c["head_dim"], c["head_dim_v"]
         torch = _core.torch
         lens = _small(cache_seqlens, "cache_seqlens", "int32", q, is_cuda, device)
         if lens is None:
@@ -473,6 +552,7 @@ class BatchDecodeWithKVCache:
             rd, max_pos = 2 * cos.shape[1], cos.shape[0]
             if not 2 <= rd <= D:
                 raise ValueError(f"rotary_cos has {rd // 2} columns: rotary_dim {rd} must be in [2, head_dim {D}]")
+        ks, vs = _scales(k_scale, v_scale, c["kv_dtype"] == FP8_E4M3, c["heads_kv"], q, is_cuda, device)
         alibi = _small(alibi_slopes, "alibi_slopes", "float32", q, is_cuda, device)
         alibi_bs = 0
         if alibi is not None:
@@ -480,15 +560,16 @@ class BatchDecodeWithKVCache:
                 alibi_bs = Hq
             elif tuple(alibi.shape) != (Hq,):
                 raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {tuple(alibi.shape)}")
+        shape_o = (B, Sq, Hq, Dv)  # v's head dim
         if out is None:
-            out = torch.empty(mq.shape, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(mq.shape, q.dtype)
+            out = torch.empty(shape_o, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(shape_o, q.dtype)
         mo = _core.meta(out, "out")
         _core.check_writable(out, "out")
         if lse is not None:
             _core.check_writable(lse, "lse")
         if mo.dtype != mq.dtype or mo.device != mq.device:
             raise ValueError(f"out must be {mq.dtype} on {mq.device}; got {mo.dtype} on {mo.device}")
-        _check_4d(mo, tuple(mq.shape), "q's shape")
+        _check_4d(mo, shape_o, "(batch, seqlen_q, heads_q, head_dim_v)")
         want_lse = return_lse or lse is not None
         if lse is None and return_lse:
             shape = (B, Hq, Sq)
@@ -506,10 +587,13 @@ class BatchDecodeWithKVCache:
         code = _core._DTYPE_CODES[c["dtype"]]
         params = _C.DecodeParams()
         params.batch, params.seqlen_q, params.heads_q, params.heads_kv, params.head_dim = B, Sq, Hq, c["heads_kv"], D
+        params.head_dim_v = Dv
         params.q, params.o = _tensor(q, mq, code), _tensor(out, mo, code)
         params.lse = _core.data_ptr(lse)
         cache = params.cache
-        cache.k, cache.v = _tensor(k_cache, mk, code), _tensor(v_cache, mv, code)
+        kv_code = _CACHE_CODES[c["kv_dtype"]]
+        cache.k, cache.v = _tensor(k_cache, mk, kv_code), _tensor(v_cache, mv, kv_code)
+        cache.k_scale, cache.v_scale = _core.data_ptr(ks), _core.data_ptr(vs)
         cache.capacity = mk.shape[1] if not c["page_size"] else 0
         cache.page_size, cache.num_pages = c["page_size"], mk.shape[0] if c["page_size"] else 0
         if table is not None:
@@ -542,33 +626,37 @@ class _Step:
         mq, mkc, mvc = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
         extra = [x for x in (k, v) if x is not None]
         _core._same_library("q, k_cache, v_cache, k and v", q, k_cache, v_cache, *extra)
-        for m in (mq, mkc, mvc):
-            if m.dtype not in _FLOAT_DTYPES:
-                raise TypeError(f"{m.name} has dtype {m.dtype}; decode takes float16, bfloat16 or float32")
-        if not (mq.dtype == mkc.dtype == mvc.dtype):
-            raise TypeError(f"q, k_cache and v_cache must share one dtype (got {mq.dtype}, {mkc.dtype}, "
-                            f"{mvc.dtype})")
+        if mq.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"q has dtype {mq.dtype}; decode takes float16, bfloat16 or float32")
+        for m in (mkc, mvc):
+            if m.dtype not in _FLOAT_DTYPES and m.dtype != FP8_E4M3:
+                raise TypeError(f"{m.name} has dtype {m.dtype}; the cache takes float16, bfloat16, float32 or "
+                                f"{FP8_E4M3} (with k_scale and v_scale)")
+        if mkc.dtype != mvc.dtype or (mkc.dtype != FP8_E4M3 and mkc.dtype != mq.dtype):
+            raise TypeError(f"k_cache and v_cache must share q's dtype, or both be {FP8_E4M3} (got {mq.dtype}, "
+                            f"{mkc.dtype}, {mvc.dtype})")
         if not (mq.device == mkc.device == mvc.device):
             raise ValueError(f"q, k_cache and v_cache must be on one device (got {mq.device}, {mkc.device}, "
                              f"{mvc.device})")
         self.mq, self.mk, self.mv = mq, mkc, mvc
         self.is_cuda = mq.is_cuda
         self.device = mq.device
-        self.dtype = mq.dtype
+        self.dtype = mq.dtype      # of q, the output and the new k/v
+        self.kv_dtype = mkc.dtype  # of the cache: q's, or fp8 e4m3
         if len(mq.shape) != 4:
             raise ValueError(f"q must be 4-D (batch, seqlen_q, heads_q, head_dim); got shape {mq.shape}")
         self.batch, self.seqlen_q, self.heads_q, self.head_dim = mq.shape
         if not 1 <= self.seqlen_q <= MAX_SEQLEN_Q:
             raise ValueError(f"seqlen_q {self.seqlen_q} is outside the decode range 1..{MAX_SEQLEN_Q} "
                              "(longer query blocks go through flash_attn_func)")
-        if self.head_dim not in _C.SUPPORTED_HEAD_DIMS:
-            raise ValueError(f"head_dim {self.head_dim} is not supported (supported: "
-                             f"{', '.join(map(str, _C.SUPPORTED_HEAD_DIMS))})")
-        if len(mkc.shape) != 4 or tuple(mkc.shape) != tuple(mvc.shape):
-            raise ValueError(f"k_cache and v_cache must be 4-D and of one shape; got {mkc.shape} and {mvc.shape}")
+        if len(mkc.shape) != 4 or len(mvc.shape) != 4 or tuple(mkc.shape[:-1]) != tuple(mvc.shape[:-1]):
+            raise ValueError(f"k_cache and v_cache must be 4-D with the same shape except the last dimension "
+                             f"(v_cache's head_dim_v may differ from head_dim); got {mkc.shape} and {mvc.shape}")
         self.heads_kv = mkc.shape[2]
+        self.head_dim_v = mvc.shape[3]  # of v_cache, v and the output
         if mkc.shape[3] != self.head_dim:
             raise ValueError(f"k_cache's head_dim {mkc.shape[3]} differs from q's {self.head_dim}")
+        _core.check_head_dims(self.head_dim, self.head_dim_v)
         if self.heads_kv == 0 or self.heads_q % self.heads_kv:
             raise ValueError(f"heads of q ({self.heads_q}) must be a multiple of heads of the cache "
                              f"({self.heads_kv}) (GQA/MQA)")
@@ -593,13 +681,15 @@ class _Step:
         if self.append:
             if k is None or v is None:
                 raise ValueError("k and v come together (the new tokens' keys and values)")
-            want = (self.batch, self.seqlen_q, self.heads_kv, self.head_dim)
-            for x, n in ((k, "k"), (v, "v")):
+            lead = (self.batch, self.seqlen_q, self.heads_kv)
+            for x, n, d, what in ((k, "k", self.head_dim, "head_dim"), (v, "v", self.head_dim_v, "head_dim_v")):
                 m = _core.meta(x, n)
-                if tuple(m.shape) != want:
-                    raise ValueError(f"{n} must be (batch, seqlen_q, heads_kv, head_dim) = {want}; got {m.shape}")
+                if tuple(m.shape) != lead + (d,):
+                    raise ValueError(f"{n} must be (batch, seqlen_q, heads_kv, {what}) = {lead + (d,)}; got {m.shape}")
                 if m.dtype != self.dtype:
-                    raise TypeError(f"{n} has dtype {m.dtype}; the cache's is {self.dtype}")
+                    raise TypeError(f"{n} has dtype {m.dtype}; q's is {self.dtype} (the new tokens come in q's dtype"
+                                    + (", quantized into the fp8 cache by the append)" if self.kv_dtype != self.dtype
+                                       else ")"))
                 if m.device != self.device:
                     raise ValueError(f"{n} is on {m.device}; the cache is on {self.device}")
             if self.slots < self.seqlen_q:
@@ -677,7 +767,8 @@ def _cached_plan(key: tuple, make: Any) -> BatchDecodeWithKVCache:
 
 def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
                         window_size, softcap, alibi_slopes, num_splits, rope_theta,
-                        check_values: bool = True) -> Tuple["_Step", Tuple[int, int]]:
+                        check_values: bool = True, k_scale: Any = None,
+                        v_scale: Any = None) -> Tuple["_Step", Tuple[int, int]]:
     """The checks of a flash_attn_with_kvcache call (shapes only with check_values False: the
     fake of the torch op). Returns the checked step and the window."""
     if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
@@ -689,6 +780,8 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
         raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")
     st = _Step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
                check_values)
+    if not check_values:  # the fake: the scales' presence and shapes (a number never reaches the op)
+        _scales(k_scale, v_scale, st.kv_dtype == FP8_E4M3, st.heads_kv, q, st.is_cuda, st.device, check_values=False)
     if rotary_cos is not None:
         cols = _core.meta(rotary_cos, "rotary_cos").shape
         rd = 2 * cols[1] if len(cols) == 2 else 0
@@ -699,7 +792,7 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
 
 def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale,
                   causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-                  rope_theta) -> Any:
+                  rope_theta, k_scale=None, v_scale=None) -> Any:
     """The body of flash_attn_with_kvcache (eager, and the torch ops' body)."""
     st, window = _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
                                      window_size, softcap, alibi_slopes, num_splits, rope_theta)
@@ -710,7 +803,8 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     cfg = dict(seqlen_q=st.seqlen_q, kv_capacity=st.slots, page_size=st.page_size, append=st.append,
                causal=bool(causal), window_size=window, softcap=float(softcap), sm_scale=softmax_scale,
                rotary=rotary, rope_theta=float(rope_theta) if rope_theta is not None else 10000.0,
-               dtype=st.dtype, device=device, num_splits=int(num_splits))
+               dtype=st.dtype, device=device, num_splits=int(num_splits), head_dim_v=st.head_dim_v,
+               kv_dtype=st.kv_dtype)
     shape = (st.batch, st.heads_q, st.heads_kv, st.head_dim)
     if st.is_cuda:
         if isinstance(cache_seqlens, (int, np.integer)):
@@ -735,7 +829,8 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         w.plan(*shape, cache_seqlens=st.lens, **cfg)
         cache_seqlens = np.ascontiguousarray(st.lens, dtype=np.int32)
     return w.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, k=k, v=v, rotary_cos=rotary_cos,
-                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, return_lse=return_softmax_lse)
+                 rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, return_lse=return_softmax_lse, k_scale=k_scale,
+                 v_scale=v_scale)
 
 
 # ---- FlashInfer's paged wrapper ---------------------------------------------------------------------
@@ -747,7 +842,8 @@ class BatchDecodeWithPagedKVCache:
     ``last_page_len``), builds the block table and lengths (on the workspace's device) and plans;
     ``run()`` computes one step for every sequence and is CUDA-graph capturable.
     ``kv_layout`` "NHD" caches are (pages, page_size, heads_kv, head_dim), "HND" (pages, heads_kv,
-    page_size, head_dim); ``paged_kv_cache`` is a (k, v) pair or one (pages, 2, ...) array. The LSE
+    page_size, head_dim); ``paged_kv_cache`` is a (k, v) pair or one (pages, 2, ...) array (a pair
+    when v's head dim differs: plan with ``head_dim_vo``). The LSE
     is the natural log (FlashInfer's is base 2). Keys are expected already rotated (flashcpp rotates
     at append time), so ``pos_encoding_mode`` must be "NONE".
 
@@ -771,11 +867,14 @@ class BatchDecodeWithPagedKVCache:
              head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: Optional[float] = 0.0, q_data_type: Any = None, kv_data_type: Any = None,
              data_type: Any = None, sm_scale: Optional[float] = None, rope_scale: Optional[float] = None,
-             rope_theta: Optional[float] = None, non_blocking: bool = True, num_splits: int = 0) -> None:
+             rope_theta: Optional[float] = None, non_blocking: bool = True, num_splits: int = 0,
+             head_dim_vo: Optional[int] = None) -> None:
         """FlashInfer's plan(). Its keywords that flashcpp has no use for are accepted as FlashInfer
         spells them: rope_scale / rope_theta only as None (they belong to pos_encoding_mode
         "ROPE_LLAMA", which is not built), non_blocking (ignored: the work list is uploaded and
-        waited for). Any other keyword is a TypeError, as a misspelling must be."""
+        waited for). Any other keyword is a TypeError, as a misspelling must be. head_dim_vo (the
+        name FlashInfer's prefill wrappers give it): the head dim of the value cache and the
+        output, when it differs from head_dim (None = head_dim)."""
         if rope_scale is not None or rope_theta is not None:
             raise NotImplementedError("rope_scale / rope_theta belong to pos_encoding_mode 'ROPE_LLAMA', which is not "
                                       "built: rotate keys when they are appended (flash_attn_with_kvcache with rotary)")
@@ -789,6 +888,8 @@ class BatchDecodeWithPagedKVCache:
         for name, val, lo in (("num_qo_heads", num_qo_heads, 1), ("num_kv_heads", num_kv_heads, 1),
                               ("head_dim", head_dim, 1), ("page_size", page_size, 1), ("num_splits", num_splits, 0)):
             _core.check_int(val, name, lo)
+        if head_dim_vo is not None:
+            _core.check_int(head_dim_vo, "head_dim_vo", 1, what=" (None = head_dim)")
         _core.check_window((window_left, -1))
         if logits_soft_cap is not None and not (math.isfinite(float(logits_soft_cap)) and logits_soft_cap >= 0):
             raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None = off); got {logits_soft_cap!r}")
@@ -820,7 +921,8 @@ class BatchDecodeWithPagedKVCache:
             raise ValueError(f"num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         dtype = q_data_type if q_data_type is not None else data_type
         self._plan = dict(table=table, lens=lens, heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
-                          head_dim=int(head_dim), page_size=int(page_size), window=(int(window_left), -1),
+                          head_dim=int(head_dim), head_dim_v=int(head_dim if head_dim_vo is None else head_dim_vo),
+                          page_size=int(page_size), window=(int(window_left), -1),
                           softcap=float(logits_soft_cap or 0.0), scale=sm_scale, num_splits=int(num_splits),
                           device=device, dtype=None, table_dev=table, lens_dev=lens)
         if dtype is not None:
@@ -839,7 +941,7 @@ class BatchDecodeWithPagedKVCache:
         else:
             device = "cpu"
             p["table_dev"], p["lens_dev"] = p["table"], p["lens"]
-        self._inner.plan(p["lens"].size, p["heads_q"], p["heads_kv"], p["head_dim"],
+        self._inner.plan(p["lens"].size, p["heads_q"], p["heads_kv"], p["head_dim"], head_dim_v=p["head_dim_v"],
                          kv_capacity=p["table"].shape[1] * p["page_size"], page_size=p["page_size"],
                          cache_seqlens=p["lens"], causal=True, window_size=p["window"], softcap=p["softcap"],
                          sm_scale=p["scale"], dtype=dtype, device=device, num_splits=p["num_splits"])

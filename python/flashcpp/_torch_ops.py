@@ -24,7 +24,9 @@ Ops:
                            register_autograd makes the two forward ops' derivative (deterministic
                            only travels to it; see "the backward" below).
   flashcpp::merge_attention_states(v_a, s_a, v_b, s_b) -> (v, s)
-When return_lse is False the lse output is an empty (0,) tensor. A block-sparse mask travels as
+q and k share head_dim; v may have another head dim (head_dim_v), which out (and dv) take: out is
+(..., heads_q, head_dim_v), dq, dk and dv have the shapes of q, k and v (the fakes return the
+same shapes). When return_lse is False the lse output is an empty (0,) tensor. A block-sparse mask travels as
 the four tensors bs_row_ptr, bs_col_idx, bs_partial, bs_element_masks (int32, int32, int32, int64
 on q's device, as BlockSparse.to(device) makes them) and block_sparse_sizes = [block_m, block_n,
 num_batch, num_heads, num_q_blocks, num_k_blocks, seqlen_q, seqlen_k] (_core.sparse_to_args).
@@ -195,7 +197,7 @@ def _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if alibi_slopes is not None:
         _core.check_alibi(alibi_slopes, dims._replace(batch=batch), mq)
     total_q = q.shape[0]
-    return (total_q, dims.heads_q, dims.head_dim), (dims.heads_q, total_q)
+    return (total_q, dims.heads_q, dims.head_dim_v), (dims.heads_q, total_q)
 
 
 @torch.library.custom_op("flashcpp::flash_attn_varlen_fwd", mutates_args=())
@@ -440,11 +442,11 @@ def merge_attention_states(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor) -
 
 def _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
                   rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  alibi_slopes, num_splits, return_softmax_lse, rope_theta):
+                  alibi_slopes, num_splits, return_softmax_lse, rope_theta, k_scale=None, v_scale=None):
     lens = cache_seqlens if cache_seqlens is not None else cache_seqlens_host
     res = _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lens, block_table, softmax_scale, causal,
                         (window_left, window_right), softcap, rotary_interleaved, alibi_slopes, num_splits,
-                        return_softmax_lse, rope_theta)
+                        return_softmax_lse, rope_theta, k_scale, v_scale)
     if return_softmax_lse:
         return res
     return res, q.new_empty(_NO_LSE, dtype=torch.float32)
@@ -452,13 +454,14 @@ def _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, 
 
 def _kvcache_fake(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
                   rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                  alibi_slopes, num_splits, return_softmax_lse, rope_theta):
+                  alibi_slopes, num_splits, return_softmax_lse, rope_theta, k_scale=None, v_scale=None):
     lens = cache_seqlens if cache_seqlens is not None else cache_seqlens_host
     st, _ = _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, lens, block_table,
                                 (window_left, window_right), softcap, alibi_slopes, num_splits, rope_theta,
-                                check_values=False)
+                                check_values=False, k_scale=k_scale, v_scale=v_scale)
     shape_lse = (st.batch, st.heads_q, st.seqlen_q) if return_softmax_lse else _NO_LSE
-    return q.new_empty(q.shape), q.new_empty(shape_lse, dtype=torch.float32)
+    shape_o = (st.batch, st.seqlen_q, st.heads_q, st.head_dim_v)  # o has v_cache's head dim
+    return q.new_empty(shape_o), q.new_empty(shape_lse, dtype=torch.float32)
 
 
 @torch.library.custom_op("flashcpp::flash_attn_with_kvcache", mutates_args=())
@@ -467,11 +470,13 @@ def flash_attn_with_kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, cach
                                rotary_cos: Optional[Tensor], rotary_sin: Optional[Tensor],
                                softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
                                softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[Tensor],
-                               num_splits: int, return_softmax_lse: bool,
-                               rope_theta: Optional[float]) -> Tuple[Tensor, Tensor]:
+                               num_splits: int, return_softmax_lse: bool, rope_theta: Optional[float],
+                               k_scale: Optional[Tensor] = None,
+                               v_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     return _kvcache_body(q, k_cache, v_cache, None, None, cache_seqlens, cache_seqlens_host, block_table,
                          rotary_cos, rotary_sin, softmax_scale, causal, window_left, window_right, softcap,
-                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, rope_theta)
+                         rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, rope_theta, k_scale,
+                         v_scale)
 
 
 @flash_attn_with_kvcache_op.register_fake
@@ -486,11 +491,12 @@ def flash_attn_with_kvcache_append_op(q: Tensor, k_cache: Tensor, v_cache: Tenso
                                       rotary_sin: Optional[Tensor], softmax_scale: Optional[float], causal: bool,
                                       window_left: int, window_right: int, softcap: float,
                                       rotary_interleaved: bool, alibi_slopes: Optional[Tensor], num_splits: int,
-                                      return_softmax_lse: bool,
-                                      rope_theta: Optional[float]) -> Tuple[Tensor, Tensor]:
+                                      return_softmax_lse: bool, rope_theta: Optional[float],
+                                      k_scale: Optional[Tensor] = None,
+                                      v_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     return _kvcache_body(q, k_cache, v_cache, k, v, cache_seqlens, cache_seqlens_host, block_table, rotary_cos,
                          rotary_sin, softmax_scale, causal, window_left, window_right, softcap, rotary_interleaved,
-                         alibi_slopes, num_splits, return_softmax_lse, rope_theta)
+                         alibi_slopes, num_splits, return_softmax_lse, rope_theta, k_scale, v_scale)
 
 
 @flash_attn_with_kvcache_append_op.register_fake
@@ -504,9 +510,18 @@ def _as_tensor(x: Any, dtype: torch.dtype, like: Tensor) -> Optional[Tensor]:
     return torch.as_tensor(x, dtype=dtype, device=like.device)
 
 
+def _scale_tensor(x: Any, k_cache: Tensor) -> Optional[Tensor]:
+    """An fp8 cache's scale as the op takes it: a number becomes every KV head's (heads_kv,)."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return torch.full((int(k_cache.shape[2]),), float(x), dtype=torch.float32, device=k_cache.device)
+    return torch.as_tensor(x, dtype=torch.float32, device=k_cache.device)
+
+
 def call_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
                                  softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                                 num_splits, return_softmax_lse, rope_theta) -> Any:
+                                 num_splits, return_softmax_lse, rope_theta, k_scale=None, v_scale=None) -> Any:
     """flash_attn_with_kvcache through its registered op (what torch.compile traces)."""
     wl, wr = _core.check_window(window_size)
     lens_host = None
@@ -521,7 +536,8 @@ def call_flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_s
             _as_tensor(rotary_cos, torch.float32, q), _as_tensor(rotary_sin, torch.float32, q),
             None if softmax_scale is None else float(softmax_scale), bool(causal), wl, wr, float(softcap),
             bool(rotary_interleaved), _as_tensor(alibi_slopes, torch.float32, q), int(num_splits),
-            bool(return_softmax_lse), None if rope_theta is None else float(rope_theta))
+            bool(return_softmax_lse), None if rope_theta is None else float(rope_theta),
+            *(_scale_tensor(x, k_cache) for x in (k_scale, v_scale)))
     if k is None and v is None:
         out, lse = torch.ops.flashcpp.flash_attn_with_kvcache(q, k_cache, v_cache, *args)
     else:

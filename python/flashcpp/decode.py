@@ -10,7 +10,9 @@ wrappers), with the semantics of ``include/flashcpp/decode.h``:
 * causal alignment is bottom-right over the total length: query token ``t`` sits at position
   ``ia = L_b - seqlen_q + t`` and is rotated at that position (flash-attn rotates a non-causal q
   at ``cache_seqlens`` for every token instead);
-* 1 <= seqlen_q <= 16; GQA/MQA; sliding window, softcap and ALiBi as in ``flash_attn_func``.
+* 1 <= seqlen_q <= 16; GQA/MQA; sliding window, softcap and ALiBi as in ``flash_attn_func``;
+* head dims as in ``flash_attn_func``: ``v_cache`` (and ``v``, the output) may have its own head
+  dim, head_dim_v; the CUDA kernels take head_dim_v == head_dim in (64, 128, 256) only.
 
 Three entry points, one C++ path (``flashcpp::decode_plan`` / ``decode_run`` through the
 ``_flashcpp`` binding, in ``_decode``; CUDA tensors run the CUDA kernels, numpy arrays and CPU
@@ -51,22 +53,30 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
                             softmax_scale: Optional[float] = None, causal: bool = False,
                             window_size: Tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Any = None, num_splits: int = 0,
-                            return_softmax_lse: bool = False, rope_theta: Optional[float] = None) -> Any:
+                            return_softmax_lse: bool = False, rope_theta: Optional[float] = None,
+                            k_scale: Any = None, v_scale: Any = None) -> Any:
     """flash-attn's ``flash_attn_with_kvcache`` on flashcpp's decode (semantics in the module doc).
 
     Args:
         q: (batch, seqlen_q, heads_q, head_dim), 1 <= seqlen_q <= 16.
         k_cache, v_cache: (batch, capacity, heads_kv, head_dim), or (num_pages, page_size, heads_kv,
-            head_dim) with ``block_table``. Updated in place when ``k``/``v`` are given.
-        k, v: the step's new keys/values (batch, seqlen_q, heads_kv, head_dim), or None.
+            head_dim) with ``block_table``; v_cache's last dim is head_dim_v (may differ from
+            head_dim). Updated in place when ``k``/``v`` are given.
+        k, v: the step's new keys/values (batch, seqlen_q, heads_kv, head_dim / head_dim_v), or None.
         rotary_cos, rotary_sin: fp32 tables (max_position, rotary_dim / 2); rotary_dim = 2 * columns.
         rope_theta: instead of tables, rotate all of head_dim by angles pos * theta^(-2i/head_dim).
         rotary_interleaved: True = GPT-J pairs (2i, 2i+1), False = GPT-NeoX halves (i, i + d/2).
         cache_seqlens: int or (batch,) int32: keys in the cache before the step (None: full caches).
             On CUDA pass an int32 tensor on q's device to stay capturable in a CUDA graph.
         num_splits: key splits per sequence (0 = the planner's heuristic).
+        k_scale, v_scale: with an fp8 e4m3 cache (k_cache and v_cache of torch.float8_e4m3fn or
+            ml_dtypes.float8_e4m3fn; q, k, v and the output in fp16, bf16 or fp32): the per-KV-head
+            scales, a number or fp32 (heads_kv,), positive and finite. The step attends over
+            K = code * k_scale and V = code * v_scale; an append stores the code of k / k_scale
+            (after rotary) and v / v_scale, rounded to nearest even and saturated at +-448. CPU
+            backend so far; on CUDA an fp8 cache raises NotImplementedError.
     Returns:
-        out (batch, seqlen_q, heads_q, head_dim) in q's dtype, and with ``return_softmax_lse`` the
+        out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, and with ``return_softmax_lse`` the
         fp32 natural-log LSE (batch, heads_q, seqlen_q).
 
     On CUDA the plan is made once per shape (planned for full caches, as flash-attn does) and cached;
@@ -82,7 +92,8 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         # ..._append, which mutates the caches); eager calls skip the dispatcher.
         return _torch_ops.call_flash_attn_with_kvcache(
             q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale, causal,
-            window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, rope_theta)
+            window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, rope_theta,
+            k_scale, v_scale)
     return _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
                          softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-                         return_softmax_lse, rope_theta)
+                         return_softmax_lse, rope_theta, k_scale, v_scale)

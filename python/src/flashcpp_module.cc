@@ -86,8 +86,10 @@ DType to_dtype(int code) {
     case static_cast<int>(DType::kBF16): return DType::kBF16;
     case static_cast<int>(DType::kF32): return DType::kF32;
     case static_cast<int>(DType::kF64): return DType::kF64;
+    case static_cast<int>(DType::kF8E4M3): return DType::kF8E4M3;
     default:
-      raise_value_error("dtype code " + std::to_string(code) + " is not one of 0 (fp16), 1 (bf16), 2 (fp32), 3 (fp64)");
+      raise_value_error("dtype code " + std::to_string(code) +
+                        " is not one of 0 (fp16), 1 (bf16), 2 (fp32), 3 (fp64), 4 (fp8_e4m3)");
   }
 }
 
@@ -717,6 +719,8 @@ void bind(nb::module_& m) {
       .def_rw("block_table_stride", &KVCacheView::block_table_stride)
       .def_rw("pages_per_seq", &KVCacheView::pages_per_seq);
   pointer_rw(kv, "block_table", &KVCacheView::block_table);
+  pointer_rw(kv, "k_scale", &KVCacheView::k_scale, "fp8_e4m3 cache: fp32 [heads_kv] scales of K (K = code * k_scale)");
+  pointer_rw(kv, "v_scale", &KVCacheView::v_scale, "fp8_e4m3 cache: fp32 [heads_kv] scales of V (V = code * v_scale)");
 
   nb::class_<DecodeParams> dp(m, "DecodeParams", "flashcpp::DecodeParams of one decode step");
   dp.def(nb::init<>())
@@ -856,6 +860,7 @@ NB_MODULE(_flashcpp, m) {
   m.attr("DTYPE_BF16") = static_cast<int>(DType::kBF16);
   m.attr("DTYPE_F32") = static_cast<int>(DType::kF32);
   m.attr("DTYPE_F64") = static_cast<int>(DType::kF64);
+  m.attr("DTYPE_F8E4M3") = static_cast<int>(DType::kF8E4M3);
 
   bind_common(m);
   bind_attention(m);

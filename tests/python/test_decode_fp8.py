@@ -1,0 +1,183 @@
+"""Decode over an fp8 e4m3 KV cache with per-KV-head scales (include/flashcpp/decode.h), on the
+host backend: flash_attn_with_kvcache and the plan/run wrapper, numpy (ml_dtypes.float8_e4m3fn)
+and torch (torch.float8_e4m3fn) caches.
+
+The reference is the fp64 attention of attn_reference.py over the dequantized cache
+(K = code * k_scale, V = code * v_scale): the fp8 kernel must compute that function to the
+tolerance of q's dtype (the scales are folded into the score and the output, the same numbers up
+to fp32 rounding). The append's codes are checked against an independent quantizer: ml_dtypes'
+round-to-nearest-even cast of x / scale computed in fp32, clipped to +-448 first (flashcpp
+saturates where ml_dtypes would give NaN)."""
+import numpy as np
+import pytest
+
+import flashcpp
+from attn_reference import attention_ref, tolerance
+from test_decode import dense, make_cache, rotate_ref
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+def quantize(x, scale):
+    """x (..., H, D) float -> fp8 codes of x / scale[h], in fp32 then RNE, saturating at +-448."""
+    y = np.asarray(x, np.float32) / np.asarray(scale, np.float32)[:, None]
+    return np.clip(y, -448, 448).astype(FP8)
+
+
+def dequantize(codes, scale):
+    return codes.astype(np.float64) * np.asarray(scale, np.float64)[:, None]
+
+
+def fp8_cache(rng, B, lens, slots, Hkv, D, page_size=0):
+    """make_cache's random cache (NaN above each length) quantized with random per-head scales, and
+    the dequantized cache (fp64) the reference attends over."""
+    kc, vc, table = make_cache(rng, B, lens, slots, Hkv, D, np.float32, page_size)
+    ks = rng.uniform(0.002, 0.02, Hkv).astype(np.float32)  # |x| / scale spans most of e4m3's range
+    vs = rng.uniform(0.002, 0.02, Hkv).astype(np.float32)
+    kq, vq = quantize(kc, ks), quantize(vc, vs)
+    return kq, vq, table, ks, vs, dequantize(kq, ks), dequantize(vq, vs)
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_fp8_cache_is_attention_over_the_dequantized_cache(rng, page_size, dtype):
+    B, Hq, Hkv, D, slots = 3, 8, 2, 64, 200
+    lens = [0, 5, 193]
+    kq, vq, table, ks, vs, kd, vd = fp8_cache(rng, B, lens, slots, Hkv, D, page_size)
+    q = rng.standard_normal((B, 2, Hq, D)).astype(dtype)
+    out, lse = flashcpp.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=np.array(lens, np.int32), block_table=table,
+                                                causal=True, softcap=20.0, return_softmax_lse=True,
+                                                k_scale=ks, v_scale=vs)
+    assert out.dtype == dtype and out.shape == q.shape and np.isfinite(out).all()
+    ps = page_size or 1
+    for b, n in enumerate(lens):
+        ro, rl = attention_ref(q[b:b + 1], dense(kd, table, b, n, ps)[None], dense(vd, table, b, n, ps)[None],
+                               causal=True, softcap=20.0)
+        assert np.abs(out[b] - ro[0]).max() <= tolerance(dtype), (b, n)
+        if n:
+            assert np.abs(lse[b] - rl[0]).max() < 1e-4
+        else:
+            assert np.all(out[b] == 0) and np.all(np.isneginf(lse[b]))
+
+
+def test_a_number_is_every_heads_scale(rng):
+    B, Hq, Hkv, D, slots = 2, 4, 2, 32, 40
+    kq, vq, _, _, _, _, _ = fp8_cache(rng, B, [40, 17], slots, Hkv, D)
+    q = rng.standard_normal((B, 1, Hq, D)).astype(np.float32)
+    lens = np.array([40, 17], np.int32)
+    a = flashcpp.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=lens, k_scale=0.01, v_scale=0.5)
+    b = flashcpp.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=lens, k_scale=np.full(Hkv, 0.01, np.float32),
+                                         v_scale=np.full(Hkv, 0.5, np.float32))
+    np.testing.assert_array_equal(a, b)
+    # and the scales act: another v_scale scales O exactly (a power of two), another k_scale changes it
+    c = flashcpp.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=lens, k_scale=0.01, v_scale=1.0)
+    np.testing.assert_allclose(c * 0.5, a, rtol=0, atol=0)
+    d = flashcpp.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=lens, k_scale=0.02, v_scale=0.5)
+    assert np.abs(d - a).max() > 1e-3
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_append_quantizes_into_the_cache(rng, rotary):
+    B, Hq, Hkv, D, slots, Sq = 2, 4, 2, 64, 50, 3
+    lens = [10, 47]
+    kq, vq, _, ks, vs, kd, vd = fp8_cache(rng, B, [n + Sq for n in lens], slots, Hkv, D)
+    kq[0, 10:13] = vq[0, 10:13] = np.float32(0)  # the append must overwrite these slots
+    q = rng.standard_normal((B, Sq, Hq, D)).astype(np.float32)
+    k = (rng.standard_normal((B, Sq, Hkv, D)) * 3).astype(np.float32)
+    v = (rng.standard_normal((B, Sq, Hkv, D)) * 3).astype(np.float32)
+    k[1, 0, 0, :4] = [1e6, -1e6, 4.4, -4.5]  # saturates at +-448 codes; ties of the rounding nearby
+    kw = dict(rope_theta=10000.0, rotary_interleaved=False) if rotary else {}
+    out = flashcpp.flash_attn_with_kvcache(q, kq, vq, k=k, v=v, cache_seqlens=np.array(lens, np.int32),
+                                           causal=True, k_scale=ks, v_scale=vs, **kw)
+    for b, n in enumerate(lens):
+        kn = k[b]
+        if rotary:  # rotated in fp64 here, in fp32 by flashcpp: the codes may differ by one step at a tie
+            kn = rotate_ref(kn, np.arange(n, n + Sq), D, False).astype(np.float32)
+        want_k, want_v = quantize(kn, ks), quantize(v[b], vs)
+        got_k, got_v = kq[b, n:n + Sq], vq[b, n:n + Sq]
+        np.testing.assert_array_equal(got_v.view(np.uint8), want_v.view(np.uint8))
+        if rotary:
+            step = np.abs(got_k.astype(np.float64) - want_k.astype(np.float64))
+            ulp = np.abs(want_k.astype(np.float64)) * 2.0 ** -3 + 2.0 ** -9
+            assert (step <= ulp).all() and (got_k.view(np.uint8) == want_k.view(np.uint8)).mean() > 0.99
+        else:
+            np.testing.assert_array_equal(got_k.view(np.uint8), want_k.view(np.uint8))
+        if b == 1 and not rotary:
+            assert float(got_k[0, 0, 0]) == 448.0 and float(got_k[0, 0, 1]) == -448.0
+        # the step attended over the cache as it is after the append
+        kd_b, vd_b = dequantize(kq[b, :n + Sq], ks), dequantize(vq[b, :n + Sq], vs)
+        qb = rotate_ref(q[b], np.arange(n, n + Sq), D, False)[None] if rotary else q[b:b + 1]
+        ro, _ = attention_ref(qb, kd_b[None], vd_b[None], causal=True)
+        assert np.abs(out[b] - ro[0]).max() <= tolerance(np.float32)
+
+
+def test_plan_run_wrapper_with_an_fp8_cache(rng):
+    B, Hq, Hkv, D, slots = 2, 8, 1, 128, 300
+    lens = [300, 129]
+    kq, vq, table, ks, vs, kd, vd = fp8_cache(rng, B, lens, slots, Hkv, D, page_size=64)
+    q = rng.standard_normal((B, 1, Hq, D)).astype(np.float16)
+    w = flashcpp.BatchDecodeWithKVCache()
+    w.plan(B, Hq, Hkv, D, page_size=64, cache_seqlens=lens, dtype="float16", device="cpu", kv_dtype="fp8_e4m3",
+           num_splits=3)
+    out = w.run(q, kq, vq, np.array(lens, np.int32), block_table=table, k_scale=ks, v_scale=vs)
+    for b, n in enumerate(lens):
+        ro, _ = attention_ref(q[b:b + 1], dense(kd, table, b, n, 64)[None], dense(vd, table, b, n, 64)[None])
+        assert np.abs(out[b] - ro[0]).max() <= tolerance(np.float16)
+    with pytest.raises(TypeError, match="k_cache has dtype float16; the plan is for float8_e4m3fn"):
+        w.run(q, kq.astype(np.float16), vq, np.array(lens, np.int32), block_table=table, k_scale=ks, v_scale=vs)
+
+
+def test_nan_in_the_cache_gives_nan_out(rng):
+    B, Hq, Hkv, D = 1, 2, 1, 32
+    kq, vq, _, ks, vs, _, _ = fp8_cache(rng, B, [20], 20, Hkv, D)
+    vq[0, 7, 0, 3] = np.nan  # the e4m3 NaN code
+    q = rng.standard_normal((B, 1, Hq, D)).astype(np.float32)
+    out = flashcpp.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=20, k_scale=ks, v_scale=vs)
+    assert np.isnan(out[0, 0, :, 3]).all() and np.isfinite(np.delete(out[0, 0], 3, axis=-1)).all()
+
+
+def test_fp8_errors(rng):
+    B, Hq, Hkv, D = 1, 2, 2, 32
+    kq, vq, _, ks, vs, _, _ = fp8_cache(rng, B, [8], 8, Hkv, D)
+    q = rng.standard_normal((B, 1, Hq, D)).astype(np.float32)
+    call = lambda **kw: flashcpp.flash_attn_with_kvcache(q, kw.pop("kc", kq), kw.pop("vc", vq), cache_seqlens=8, **kw)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        call(k_scale=ks)
+    with pytest.raises(ValueError, match=r"k_scale must be a number or have shape \(heads_kv,\) = \(2,\)"):
+        call(k_scale=np.ones(3, np.float32), v_scale=vs)
+    with pytest.raises(ValueError, match=r"k_scale\[1\] .* must be positive and finite"):
+        call(k_scale=np.array([1.0, 0.0], np.float32), v_scale=vs)
+    with pytest.raises(ValueError, match=r"v_scale\[0\] nan must be positive and finite"):
+        call(k_scale=ks, v_scale=np.array([np.nan, 1.0], np.float32))
+    with pytest.raises(TypeError, match="must share q's dtype, or both be float8_e4m3fn"):
+        call(vc=vq.astype(np.float32), k_scale=ks, v_scale=vs)
+    kf, vf = kq.astype(np.float32), vq.astype(np.float32)
+    with pytest.raises(ValueError, match="k_scale is given but the cache is not float8_e4m3fn"):
+        call(kc=kf, vc=vf, k_scale=ks, v_scale=vs)
+    with pytest.raises(TypeError, match="q has dtype float8_e4m3fn"):
+        flashcpp.flash_attn_with_kvcache(q.astype(FP8), kq, vq, cache_seqlens=8, k_scale=ks, v_scale=vs)
+    with pytest.raises(TypeError, match="kv_dtype 'int8'"):
+        flashcpp.BatchDecodeWithKVCache().plan(1, 2, 2, 32, kv_capacity=8, dtype="float32", device="cpu",
+                                               kv_dtype="int8")
+
+
+def test_torch_cpu_fp8_cache_and_compile(rng):
+    torch = pytest.importorskip("torch")
+    B, Hq, Hkv, D, slots = 2, 4, 2, 64, 64
+    lens = [64, 30]
+    kq, vq, _, ks, vs, kd, vd = fp8_cache(rng, B, lens, slots, Hkv, D)
+    q = torch.from_numpy(rng.standard_normal((B, 1, Hq, D)).astype(np.float32)).to(torch.bfloat16)
+    kt = torch.from_numpy(kq.view(np.uint8)).view(torch.float8_e4m3fn)
+    vt = torch.from_numpy(vq.view(np.uint8)).view(torch.float8_e4m3fn)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    kst, vst = torch.from_numpy(ks), torch.from_numpy(vs)
+    out = flashcpp.flash_attn_with_kvcache(q, kt, vt, cache_seqlens=lens_t, k_scale=kst, v_scale=vst)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    for b, n in enumerate(lens):
+        ro, _ = attention_ref(q[b:b + 1].float().numpy(), kd[b:b + 1, :n], vd[b:b + 1, :n])
+        assert np.abs(out[b].float().numpy() - ro[0]).max() <= tolerance("bfloat16")
+    # the same call traced by torch.compile (the registered op, scales as tensors)
+    f = torch.compile(lambda q, k, v, l, a, c: flashcpp.flash_attn_with_kvcache(q, k, v, cache_seqlens=l, k_scale=a,
+                                                                                v_scale=c), fullgraph=True)
+    torch.testing.assert_close(f(q, kt, vt, lens_t, kst, vst), out, rtol=0, atol=0)
