@@ -4,6 +4,8 @@
 #   make gpu-test  on an NVIDIA machine: build, GPU tests, correctness reports
 #   make bench     on an NVIDIA machine: peers vs flashcpp, reports/<area>/benchmark.{csv,png}
 #                  (QUICK=1: the --quick subsets, written under $(BUILD)/bench-quick)
+#   make wheel     the manylinux wheel with the CUDA kernels (sm_80, sm_90a) in dist/, its size printed;
+#                  make wheel-cpu: the CPU-only wheel (what CI builds and installs). docs/wheel.md
 # CMAKE_ARGS goes to cmake's configure, e.g. a kernel family left out of the build (README "Build
 # switches"; FLASHCPP_WITH_SM80, _SM90, _DECODE, _FUSED, _ENGINE, all ON by default):
 #   make BUILD=build-nosm80 CMAKE_ARGS=-DFLASHCPP_WITH_SM80=OFF
@@ -42,7 +44,7 @@ timed = s=$$(date +%s) && $(2) && echo "[make bench] $(1): $$(( $$(date +%s) - s
 AREA_ENV = FLASHCPP_GIT_COMMIT=$(GIT_COMMIT) $(PYTHON)
 IS_HOPPER := $(shell nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9' && echo yes || echo no)
 
-.PHONY: all deps configure build test run gpu-test bench fuzz python-test clean FORCE
+.PHONY: all deps configure build test run gpu-test bench fuzz python-test wheel wheel-cpu clean FORCE
 all: build
 
 deps:
@@ -108,9 +110,20 @@ bench: build
 	$(call timed,audit,./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json)
 	$(call timed,plots$(comma) roofline$(comma) summary$(if $(COMPARE_REF), and compare),cd /tmp && $(PYTHON) -m flashcpp.bench.finish $(BENCH_DIR) $(if $(COMPARE_REF),--reference $(COMPARE_REF)))
 
+# The wheel (docs/wheel.md; scripts/build_wheel.sh): pip wheel + auditwheel repair into dist/ (a
+# manylinux wheel), its size printed. `make wheel` has the CUDA kernels for FLASHCPP_CUDA_ARCHS
+# (default "80;90a"; build dir build-wheel-cuda, JOBS compile jobs); `make wheel-cpu` is the CPU-only
+# wheel CI builds (python/ci_test.sh builds the same into build-py).
+WHEEL_ENV = PYTHON=$(PYTHON) CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(if $(wildcard $(DEPS_PREFIX)),CMAKE_PREFIX_PATH=$(DEPS_PREFIX))
+wheel: deps
+	$(WHEEL_ENV) bash scripts/build_wheel.sh --cuda
+
+wheel-cpu: deps
+	$(WHEEL_ENV) bash scripts/build_wheel.sh --cpu
+
 fuzz:
 	bash scripts/deps.sh --fuzz
 	FUZZ_SECONDS=$(FUZZ_SECONDS) bash tests/fuzz/run_fuzz.sh $(BUILD)/fuzz
 
 clean:
-	rm -rf $(BUILD) build-py
+	rm -rf $(BUILD) build-py build-wheel-cpu build-wheel-cuda
