@@ -1,6 +1,10 @@
 """Decode attention: flashcpp's plan/run decode vs the decode paths PyTorch users have, one process.
 
     python -m flashcpp.bench decode [--quick] [--out reports/decode]
+    python -m flashcpp.bench.decode [--quick] [--out reports/decode]
+    python -m flashcpp.bench.decode --grid [--grid-max-seconds S | --grid-subset N] [--grid-dry-run] ...
+        the decode grid (batch x context x heads x head_dim, contiguous / paged / ragged) against every
+        decode peer: reports/decode/grid.csv and grid_heatmap.png (decode_grid.py says how)
 
 Cases (bf16, D = 128 unless named):
   anchor   the four shapes of DESIGN.md's anchors: B=1 Hq=Hkv=32 N=8192; B=1 GQA 32/8 N=32768;
@@ -39,7 +43,9 @@ failed check prints CORRECTNESS FAIL (the case is still timed) and makes the exi
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Tuple
 
@@ -482,3 +488,47 @@ def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> No
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    """The decode bench's own command line: the cases above, or (--grid) the decode grid."""
+    t0 = time.time()
+    from . import decode_grid
+
+    ap = argparse.ArgumentParser(prog="python -m flashcpp.bench.decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the decode cases' --quick subset (not the grid)")
+    ap.add_argument("--out", default="reports/decode", help="report folder (default reports/decode)")
+    ap.add_argument("--grid", action="store_true", help="time the decode grid instead of the cases")
+    ap.add_argument("--grid-subset", type=int, default=None, metavar="N",
+                    help="the first N points of the stratified order (at least the prefix covering every class, "
+                         "batch, context and layout)")
+    ap.add_argument("--grid-max-seconds", type=float, default=None, metavar="S",
+                    help="start no point that would end past S seconds after start; write what finished")
+    ap.add_argument("--grid-repeats", type=int, default=5, metavar="R", help="timed replays per peer and point")
+    ap.add_argument("--grid-peers", default=",".join(decode_grid.PEERS),
+                    help=f"comma-separated peers (default {','.join(decode_grid.PEERS)})")
+    ap.add_argument("--grid-dry-run", action="store_true",
+                    help="no GPU: print the selection and the estimate, write grid_plan.csv")
+    args = ap.parse_args(argv)
+    peers = [x for x in args.grid_peers.split(",") if x]
+    unknown = [x for x in peers if x not in decode_grid.PEERS]
+    if unknown:
+        ap.error(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(decode_grid.PEERS)}")
+    if args.grid_repeats < 1:
+        ap.error("--grid-repeats must be at least 1")
+    if args.grid_dry_run:
+        return decode_grid.dry_run(args.out, args.grid_subset, args.grid_max_seconds, args.grid_repeats, peers)
+    from .__main__ import _no_gpu_reason
+    reason = _no_gpu_reason()
+    if reason is not None:
+        print(f"python -m flashcpp.bench.decode: {reason}.", file=sys.stderr)
+        return 2
+    if args.grid:
+        return decode_grid.run_grid(args.out, subset=args.grid_subset, max_seconds=args.grid_max_seconds,
+                                    repeats=args.grid_repeats, peers=peers, t0=t0)
+    return run(quick=args.quick, out=args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
