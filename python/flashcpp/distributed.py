@@ -277,7 +277,7 @@ class _Spec:
                         continue
                 raw.append((s, src, call, lens))
         host = [np.concatenate(([0], np.cumsum(x))) for _, _, _, lens in raw if lens is not None for x in lens]
-        dev = torch.from_numpy(np.concatenate(host).astype(np.int32)).to(device) if host else None
+        dev = _to_device(np.concatenate(host).astype(np.int32), device) if host else None
         plan: List[List[_Block]] = [[] for _ in range(self.world)]
         off = 0
         for s, src, call, lens in raw:
@@ -292,6 +292,15 @@ class _Spec:
 
 
 # ---- one block: forward and backward --------------------------------------------------------------
+
+def _to_device(host: np.ndarray, device: Any) -> torch.Tensor:
+    """A host array on device: to a GPU from pinned memory without blocking (a copy from pageable
+    memory would wait for the stream's queued work, serializing the host with the GPU)."""
+    t = torch.from_numpy(host)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
 
 def _rows(x: torch.Tensor, a: int, b: int, varlen: bool) -> torch.Tensor:
     return x[a:b] if varlen else x[:, a:b]
@@ -794,10 +803,12 @@ def _prepare(name: str, q, k, v, group, rank: int, world: int, causal, softmax_s
     return _Spec(group, rank, world, layout, bool(causal), float(scale), sc, bool(deterministic), cu, n)
 
 
-def _direct(name: str, q, k, v, causal, softmax_scale, layout, cu_seqlens, softcap, deterministic, return_lse):
+def _direct(name: str, q, k, v, causal, softmax_scale, layout, cu_seqlens, max_seqlen, softcap, deterministic,
+            return_lse):
     """World size 1: the plain attention call (differentiable through the library's autograd), after
     the checks of this module's own arguments only (the call checks the rest): nothing else runs,
-    so the call costs what flash_attn_func costs."""
+    so the call costs what flash_attn_func costs. Varlen with cu_seqlens an int32 tensor on q's
+    device and max_seqlen given: both go to flash_attn_varlen_func as they are (no host copy)."""
     _check_layout(layout, name)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{name}: causal must be a bool; got {causal!r}")
@@ -807,14 +818,19 @@ def _direct(name: str, q, k, v, causal, softmax_scale, layout, cu_seqlens, softc
     if cu_seqlens is None:
         return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, softcap=softcap,
                                deterministic=deterministic, return_lse=return_lse)
+    if max_seqlen is not None and isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == q.device and \
+            cu_seqlens.dtype == torch.int32:
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      softmax_scale=softmax_scale, causal=causal, softcap=softcap,
+                                      deterministic=deterministic, return_lse=return_lse)
     cu = _host_cu(name, cu_seqlens)
     n = q.shape[0] if q.dim() else 0
     if cu.ndim != 1 or cu.size < 2 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] != n:
         raise ValueError(f"{name}: cu_seqlens must be the packed sequence's document boundaries, non-decreasing "
                          f"from 0 to total_local = {n}; got {cu.reshape(-1).tolist()[:16]}")
     cu_t = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device == q.device and \
-        cu_seqlens.dtype == torch.int32 else torch.from_numpy(cu.astype(np.int32)).to(q.device)
-    mx = int(np.diff(cu).max())
+        cu_seqlens.dtype == torch.int32 else _to_device(cu.astype(np.int32), q.device)
+    mx = int(np.diff(cu).max()) if max_seqlen is None else max_seqlen
     return flash_attn_varlen_func(q, k, v, cu_t, cu_t, mx, mx, softmax_scale=softmax_scale, causal=causal,
                                   softcap=softcap, deterministic=deterministic, return_lse=return_lse)
 
@@ -827,8 +843,8 @@ def _needs_grad(q, k, v) -> bool:
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any = None, causal: bool = False,
                    softmax_scale: Optional[float] = None, *, layout: str = "contiguous", cu_seqlens: Any = None,
-                   softcap: float = 0.0, return_lse: bool = False, deterministic: bool = False,
-                   check_inputs: bool = True):
+                   max_seqlen: Optional[int] = None, softcap: float = 0.0, return_lse: bool = False,
+                   deterministic: bool = False, check_inputs: bool = True):
     """Ring attention over ``group`` (default: the default process group; none initialized means a
     world of one rank, a plain attention call).
 
@@ -843,7 +859,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
             (:func:`shard_sequence`; zigzag and stripe balance causal work).
         cu_seqlens: varlen: the document boundaries of the whole packed sequence (global, the same on
             every rank; a list, numpy array or tensor from 0 to world_size * total_local). Each
-            document attends within itself.
+            document attends within itself. The ring plans its calls on the host: a tensor on a
+            GPU costs a copy to the host (a synchronization) per call, a host array does not.
+        max_seqlen: varlen: the longest document. Only world size 1 reads it: with it and
+            cu_seqlens an int32 tensor on q's device, the call is flash_attn_varlen_func's as it is
+            (no host copy, no synchronization).
         softcap: > 0 applies s = softcap * tanh(s / softcap) to the scores.
         return_lse: also return the fp32 LSE of this rank's rows, (batch, heads_q, seqlen_local) or
             (heads_q, total_local).
@@ -861,7 +881,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
     _check_tensors(name, q, k, v)
     group, rank, world = _group_info(name, group)
     if world == 1:
-        return _direct(name, q, k, v, causal, softmax_scale, layout, cu_seqlens, softcap, deterministic, return_lse)
+        return _direct(name, q, k, v, causal, softmax_scale, layout, cu_seqlens, max_seqlen, softcap, deterministic,
+                       return_lse)
     grad = _needs_grad(q, k, v)
     sp = _prepare(name, q, k, v, group, rank, world, causal, softmax_scale, layout, cu_seqlens, softcap,
                   deterministic, check_inputs, grad)
@@ -887,8 +908,8 @@ def _cat(res, rows: int):
 
 def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any = None,
                         causal: bool = False, softmax_scale: Optional[float] = None, *, layout: str = "contiguous",
-                        cu_seqlens: Any = None, softcap: float = 0.0, return_lse: bool = False,
-                        deterministic: bool = False, check_inputs: bool = True):
+                        cu_seqlens: Any = None, max_seqlen: Optional[int] = None, softcap: float = 0.0,
+                        return_lse: bool = False, deterministic: bool = False, check_inputs: bool = True):
     """All-gather context parallelism (Llama 3): K and V are all-gathered over ``group``, then each
     rank attends its queries to the full keys, one call per local chunk of rows with the keys up to
     that chunk's end (bottom-right causal alignment puts the chunk's rows at their global
@@ -900,7 +921,8 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
     _check_tensors(name, q, k, v)
     group, rank, world = _group_info(name, group)
     if world == 1:
-        return _direct(name, q, k, v, causal, softmax_scale, layout, cu_seqlens, softcap, deterministic, return_lse)
+        return _direct(name, q, k, v, causal, softmax_scale, layout, cu_seqlens, max_seqlen, softcap, deterministic,
+                       return_lse)
     grad = _needs_grad(q, k, v)
     sp = _prepare(name, q, k, v, group, rank, world, causal, softmax_scale, layout, cu_seqlens, softcap,
                   deterministic, check_inputs, grad)
@@ -937,7 +959,7 @@ def allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group
             ends[-1] = min(ends[-1], end)
         lk = ends - cu[d0:d1]
         host = np.concatenate(([0], np.cumsum(lq[d0:d1]), [0], np.cumsum(lk))).astype(np.int32)
-        dev = torch.from_numpy(host).to(q.device)
+        dev = _to_device(host, q.device)
         m = d1 - d0 + 1
         k0, k1 = int(cu[d0]), int(ends[-1])
         res.append(flash_attn_varlen_func(q[r0:r1], kf[k0:k1], vf[k0:k1], dev[:m], dev[m:], int(lq.max()),

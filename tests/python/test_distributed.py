@@ -496,6 +496,8 @@ def test_world_size_one_is_the_plain_call():
             got = fd.ring_attention(qv, kv, kv, causal=True, cu_seqlens=cu)
             cu_t = torch.tensor(cu, dtype=torch.int32)
             assert torch.equal(got, flashcpp.flash_attn_varlen_func(qv, kv, kv, cu_t, cu_t, 7, 7, causal=True))
+            for fn in (fd.ring_attention, fd.allgather_attention):  # the device tensor as it is, with max_seqlen
+                assert torch.equal(fn(qv, kv, kv, causal=True, cu_seqlens=cu_t, max_seqlen=7), got)
         finally:
             dist.destroy_process_group()
 
