@@ -692,3 +692,17 @@ def test_ring_forward_in_one_process(device, layout, varlen):
         atol = 1e-5 if dt == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, atol=atol, rtol=atol)
         torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_script_says_why_without_a_gpu(capsys, tmp_path):
+    """python -m flashcpp.bench.cp (the world-size-1 check and timing on one GPU) where it cannot
+    run ends in one sentence and exit status 2, having started nothing."""
+    from flashcpp.bench.__main__ import _no_gpu_reason
+    reason = _no_gpu_reason()
+    if reason is None:
+        pytest.skip("this machine can run the GPU script")
+    from flashcpp.bench import cp
+    assert cp.main(["--quick", "--out", str(tmp_path / "cp")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"python -m flashcpp.bench.cp: {reason}.\n"
+    assert not (tmp_path / "cp").exists()
