@@ -1,5 +1,6 @@
 """python -m flashcpp.bench {prefill,fused,decode,engine,masks} [--quick] [--out reports/<area>]
-                           [--flashcpp-bin build/flashcpp] [--model-dir /tmp/llama1b]   (engine only)"""
+                           [--flashcpp-bin build/flashcpp] [--model-dir /tmp/llama1b]   (engine only)
+                           [--grid] [--grid-max-seconds S] [...]   (decode only: bench/decode.py's options)"""
 import argparse
 import sys
 from typing import Optional
@@ -31,7 +32,9 @@ def main(argv=None) -> int:
     ap.add_argument("--flashcpp-bin", default="build/flashcpp", help="engine: the flashcpp CLI to run")
     ap.add_argument("--model-dir", default="/tmp/llama1b",
                     help="engine: a Llama checkpoint (a random Llama-3.2-1B-shaped one is made if absent)")
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)  # decode takes its own options too (--grid ...: bench/decode.py)
+    if rest and args.area != "decode":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     reason = _no_gpu_reason()
     if reason is not None:
         print(f"python -m flashcpp.bench {args.area}: {reason}.", file=sys.stderr)
@@ -47,6 +50,8 @@ def main(argv=None) -> int:
         return fused.run(quick=args.quick, out=args.out or "reports/fused")
     if args.area == "decode":
         from . import decode
+        if rest:  # python -m flashcpp.bench decode --grid [...]: the decode bench's own command line
+            return decode.main((["--quick"] if args.quick else []) + ["--out", args.out or "reports/decode"] + rest)
         return decode.run(quick=args.quick, out=args.out or "reports/decode")
     if args.area == "engine":
         from . import engine
