@@ -190,9 +190,10 @@ int cmd_info(ShapeOptions s) {
 #endif
   std::string dims;
   for (int d : flashcpp::kCudaHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-  fmt::print("supported head dims: any multiple of {} in [{}, {}] for q/k and for v/o (CPU backends); CUDA kernels: {} "
-             "with head_dim_v = head_dim\n",
-             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims);
+  fmt::print("supported head dims: any multiple of {} in [{}, {}] for q/k and for v/o (CPU backends and CUDA prefill, "
+             "which runs a pair in the smallest of the classes {} that holds both); CUDA decode: {} with head_dim_v = "
+             "head_dim\n",
+             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims, dims);
 
   std::string mask = s.causal ? "causal" : "";
   if (s.window_left >= 0 || s.window_right >= 0)

@@ -67,14 +67,24 @@ constexpr bool is_supported_head_dim(int d) noexcept {
   return d >= kHeadDimStep && d <= kMaxHeadDim && d % kHeadDimStep == 0;
 }
 
-/// The head dims the CUDA kernels (prefill and decode) are compiled for, with head_dim_v equal to
-/// head_dim. Every other supported head dim runs on the CPU backends; a CUDA call with one is
-/// refused with Status::Unsupported, never padded by copying the tensors.
+/// The head-dim classes the CUDA kernels are compiled for. The prefill kernels run any supported
+/// pair (head_dim, head_dim_v) in the class of the larger (cuda_head_dim_class): columns past a
+/// tensor's own head dim load as zeros inside the kernel (TMA out-of-bounds fill on sm90, cp.async
+/// zero-fill on sm80) and are never stored, so no tensor is copied or padded in memory. Decode
+/// takes head_dim_v == head_dim in this set only so far; a CUDA call outside it is refused with
+/// Status::Unsupported.
 inline constexpr int kCudaHeadDims[] = {64, 128, 256};
 constexpr bool is_cuda_head_dim(int d) noexcept {
   for (int c : kCudaHeadDims)
     if (c == d) return true;
   return false;
+}
+/// The smallest class of kCudaHeadDims that holds both head dims (0 when none does).
+constexpr int cuda_head_dim_class(int head_dim, int head_dim_v) noexcept {
+  const int d = head_dim > head_dim_v ? head_dim : head_dim_v;
+  for (int c : kCudaHeadDims)
+    if (c >= d) return c;
+  return 0;
 }
 
 /// Block-sparse mask in CSR form over (mask_batch, mask_head, query_block).
@@ -185,6 +195,8 @@ struct AttnParams {
 
   float effective_scale() const noexcept;
   int effective_head_dim_v() const noexcept { return head_dim_v == 0 ? head_dim : head_dim_v; }
+  /// The CUDA prefill kernels' class for this problem (cuda_head_dim_class of both head dims).
+  int head_dim_class() const noexcept { return cuda_head_dim_class(head_dim, effective_head_dim_v()); }
 };
 
 enum class Backend : std::uint8_t {

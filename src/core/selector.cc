@@ -198,8 +198,8 @@ bool sm80_fits(const TileConfig& t, const AttnParams& p) {
 /// The automatic sm80 config: the tuned table's, else the first listed config (table order) that
 /// fits the device's shared memory and the problem's masks; null when none does.
 const cuda::Fa2Entry* sm80_auto(const AttnParams& p, const cuda::DeviceInfo& dev) {
-  const auto entries = cuda::fa2_entries(p.head_dim);
-  const std::string tuned = sm80_tuned_name(dev, p.head_dim, p.mask.causal, p.q.dtype, std::max(p.seqlen_q, p.seqlen_k));
+  const auto entries = cuda::fa2_entries(p.head_dim_class());
+  const std::string tuned = sm80_tuned_name(dev, p.head_dim_class(), p.mask.causal, p.q.dtype, std::max(p.seqlen_q, p.seqlen_k));
   auto usable = [&](const cuda::Fa2Entry& e) {
     return static_cast<std::size_t>(e.smem_bytes) <= dev.smem_optin && sm80_fits(e.tile, p);
   };
@@ -255,13 +255,13 @@ bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num
 /// its persistent twin (same tiles, stages and scheduling) when sm90_prefer_persistent says so.
 const cuda::Fa3Entry* sm90_auto(const AttnParams& p, int num_sms) {
   const cuda::Fa3Entry* base = nullptr;
-  for (const auto& e : cuda::fa3_entries(p.head_dim))
+  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
     if (!e.tile.persistent && sm90_fits(e.tile, p) && sm90_suits(e.tile, p, num_sms)) {
       base = &e;
       break;
     }
   if (base == nullptr || !sm90_prefer_persistent(p, base->tile, num_sms)) return base;
-  for (const auto& e : cuda::fa3_entries(p.head_dim))
+  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
     if (e.tile.persistent && same_tiles(e.tile, base->tile) && e.tile.ping_pong == base->tile.ping_pong &&
         e.tile.sched == base->tile.sched)
       return &e;
@@ -273,7 +273,7 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
   const std::string name = sm90_config_name(t);
   if (t.ping_pong) {
     std::string twin;  // same tiles, stages and persistence with plain consumers, if compiled
-    for (const auto& e : cuda::fa3_entries(p.head_dim))
+    for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
       if (!e.tile.ping_pong && same_tiles(e.tile, t) && e.tile.persistent == t.persistent)
         twin = sm90_config_name(e.tile);
     return "sm90 config " + name + " (pipelined consumers) does not run block-sparse masks; " +
@@ -287,6 +287,16 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
 #endif
 
 }  // namespace
+
+/// "; head_dim 96 runs in the 128 class ..." when the problem's head dims are not a class of their
+/// own (attention.h, cuda_head_dim_class), else "".
+[[maybe_unused]] static std::string head_dim_class_note(const AttnParams& p) {
+  const int d = p.head_dim, dv = p.effective_head_dim_v(), c = p.head_dim_class();
+  if (d == c && dv == c) return {};
+  const std::string dims = dv == d ? "head_dim " + std::to_string(d)
+                                   : "head_dim " + std::to_string(d) + " / head_dim_v " + std::to_string(dv);
+  return "; " + dims + " runs in the " + std::to_string(c) + " class (zero columns inside the kernel, nothing copied)";
+}
 
 Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out) {
 #if !FLASHCPP_HAS_SM80 && !FLASHCPP_HAS_SM90
@@ -311,11 +321,11 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
   std::string sm90_note;  // why an automatic choice on Hopper fell back to the sm80 kernel
 #if FLASHCPP_HAS_SM90
   const cuda::Fa3Entry* named90 = nullptr;
-  for (const auto& e : cuda::fa3_entries(p.head_dim))
+  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
     if (sm90_config_name(e.tile) == want) named90 = &e;
   if ((want == "sm90" || named90 != nullptr) && dev.sm_major != 9)
     return Status::Unsupported("the sm90 kernel family needs a Hopper (sm_90) device; '" + dev.name + "' is not one");
-  if (dev.sm_major == 9 && !cuda::fa3_entries(p.head_dim).empty() && (want.empty() || want == "sm90" || named90)) {
+  if (dev.sm_major == 9 && !cuda::fa3_entries(p.head_dim_class()).empty() && (want.empty() || want == "sm90" || named90)) {
     const cuda::Fa3Entry* e = named90;
     if (named90 != nullptr) {
       const std::string misfit = sm90_misfit(p, named90->tile);
@@ -323,19 +333,20 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
     } else {
       e = sm90_auto(p, dev.num_sms);
       if (e == nullptr && want == "sm90")
-        return Status::Unsupported("no sm90 config has tiles (" + tiles_of(cuda::fa3_entries(p.head_dim)) +
+        return Status::Unsupported("no sm90 config has tiles (" + tiles_of(cuda::fa3_entries(p.head_dim_class())) +
                                    ") that divide the " + bs_blocks +
                                    " block-sparse blocks; build the mask with multiples of them (e.g. 128x128), "
                                    "or run it on the sm80 kernel (cuda_config \"sm80\")");
       if (e == nullptr)
-        sm90_note = "; the sm90 tiles (" + tiles_of(cuda::fa3_entries(p.head_dim)) + ") do not divide the " +
+        sm90_note = "; the sm90 tiles (" + tiles_of(cuda::fa3_entries(p.head_dim_class())) + ") do not divide the " +
                     bs_blocks + " block-sparse blocks, so this mask runs on the sm80 kernel";
     }
     if (e != nullptr) {
       out->id = KernelId::kCudaSm90;
       out->tile = e->tile;
       out->config = sm90_config_name(e->tile);
-      out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named90 ? " (config forced)" : "") + masks;
+      out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named90 ? " (config forced)" : "") + masks +
+                    head_dim_class_note(p);
       return Status::Ok();
     }
   }
@@ -359,7 +370,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
   return build::refuse(build::Family::kSm80, why);
 #else
   out->id = KernelId::kCudaSm80;
-  const auto entries = cuda::fa2_entries(p.head_dim);
+  const auto entries = cuda::fa2_entries(p.head_dim_class());
   if (!want.empty() && want != "sm80" && want != "sm90") {
     const cuda::Fa2Entry* named = nullptr;
     std::string names;
@@ -374,7 +385,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
     if (!misfit.empty()) return Status::Unsupported(misfit);
     out->tile = named->tile;
     out->config = want;
-    out->reason = "config forced by the caller" + masks;
+    out->reason = "config forced by the caller" + masks + head_dim_class_note(p);
     return Status::Ok();
   }
   const cuda::Fa2Entry* e = sm80_auto(p, dev);
@@ -390,7 +401,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
   out->reason = "FA2-style mma.sync kernel on " + dev.name + " (sm_" + std::to_string(dev.sm_major * 10 + dev.sm_minor) +
                 "), config from the tuned table" +
                 (bs ? " (first config whose tiles divide the block-sparse blocks if the tuned one does not)" : "") +
-                masks + sm90_note;
+                masks + sm90_note + head_dim_class_note(p);
   return Status::Ok();
 #endif  // FLASHCPP_HAS_SM80
 }

@@ -93,11 +93,6 @@ Status check_shape(const AttnParams& p) {
   return Status::Ok();
 }
 
-/// The CUDA kernels are compiled for kCudaHeadDims with head_dim_v == head_dim.
-Status check_cuda_head_dims(const AttnParams& p) {
-  return detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "attention");
-}
-
 Status check_dtypes(const AttnParams& p, const BackendRules& br) {
   const std::array<std::pair<const char*, DType>, 4> ts = {
       {{"q", p.q.dtype}, {"k", p.k.dtype}, {"v", p.v.dtype}, {"o", p.o.dtype}}};
@@ -433,7 +428,8 @@ Status validate(const AttnParams& p, Backend backend) {
   // 1. Scalars. Nothing below reads a pointer until the empty-problem return.
   FLASHCPP_RETURN_IF_ERROR(check_shape(p));
   FLASHCPP_RETURN_IF_ERROR(check_dtypes(p, br));
-  if (br.cuda) FLASHCPP_RETURN_IF_ERROR(check_cuda_head_dims(p));
+  // Every supported pair of head dims runs on CUDA too: the prefill kernels pad to their class
+  // inside (attention.h, cuda_head_dim_class).
   FLASHCPP_RETURN_IF_ERROR(check_mask_scalars(p));
   if (p.mask.block_sparse) FLASHCPP_RETURN_IF_ERROR(check_block_sparse_scalars(p));
   if (p.rotary.enabled()) FLASHCPP_RETURN_IF_ERROR(check_rotary(p, br));

@@ -5,6 +5,7 @@
 // decode split rule in test_decode.cc.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -12,6 +13,7 @@
 #include "common/attention_algebra.h"
 #include "core/decode_backends.h"
 #include "core/selector.h"
+#include "flashcpp/tune.h"
 #include "flashcpp/attention.h"
 #include "flashcpp/decode.h"
 
@@ -93,6 +95,41 @@ TEST(Selector, CpuBackendsAreNamedChoicesWithoutATile) {
     EXPECT_FALSE(kc.reason.empty());
   }
 }
+
+#if FLASHCPP_WITH_CUDA
+TEST(Selector, AHeadDimRunsInTheSmallestClassThatHoldsIt) {
+  // Described devices (nothing is launched): an H200 and an A100. head_dim 96 picks the 128 class's
+  // configs, 192 / 128 the 256 class's, and the reason names the class.
+  cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"}, a100{0, 8, 0, 108, 166912, "NVIDIA A100"};
+  const struct {
+    int d, dv, cls;
+  } cases[] = {{96, 96, 128}, {80, 80, 128}, {32, 32, 64}, {8, 8, 64}, {192, 128, 256}, {128, 64, 128}, {64, 128, 128}};
+  for (const auto& c : cases)
+    for (const cuda::DeviceInfo* dev : {&h200, &a100}) {
+      std::vector<std::uint16_t> buf;
+      AttnParams p = host_problem(&buf);
+      p.seqlen_q = p.seqlen_k = 4096;
+      p.head_dim = c.d;
+      p.head_dim_v = c.dv;
+      KernelChoice kc;
+      const Status st = select::cuda_prefill(p, RunOptions{}, *dev, &kc);
+#if !FLASHCPP_HAS_SM80
+      if (dev->sm_major != 9) continue;
+#endif
+      ASSERT_TRUE(st.ok()) << c.d << "/" << c.dv << " " << dev->name << ": " << st.message();
+      EXPECT_NE(kc.reason.find(std::to_string(c.cls) + " class"), std::string::npos) << kc.reason;
+      // The chosen config is one of the class's own.
+      const std::vector<std::string> names =
+          kc.id == KernelId::kCudaSm90 ? cuda::prefill_sm90_configs(c.cls) : cuda::prefill_sm80_configs(c.cls);
+      EXPECT_NE(std::find(names.begin(), names.end(), kc.config), names.end()) << kc.config;
+    }
+  // A head dim that is its own class says nothing about classes.
+  std::vector<std::uint16_t> buf;
+  KernelChoice kc;
+  ASSERT_TRUE(select::cuda_prefill(host_problem(&buf), RunOptions{}, h200, &kc).ok());
+  EXPECT_EQ(kc.reason.find("class"), std::string::npos) << kc.reason;
+}
+#endif
 
 TEST(Selector, SoftcapAndAlibiNeedFiniteRawUnits) {
   // The kernels keep scores in units of 1/|scale|: at a scale whose inverse overflows fp32 the

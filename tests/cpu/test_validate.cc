@@ -133,21 +133,27 @@ TEST(ValidateShape, EveryMultipleOfEightOnTheCpuBackends) {
         EXPECT_TRUE(Passes(validate(with_dims(d, dv), b))) << "d=" << d << " dv=" << dv << " " << backend_name(b);
 }
 
-TEST(ValidateShape, CudaTakesItsCompiledHeadDimsOnly) {
-  for (int d : kCudaHeadDims) EXPECT_TRUE(Passes(validate(with_dims(d), Backend::kCuda))) << d;
-  for (int d : {8, 32, 80, 96, 192}) {
-    const Status st = validate(with_dims(d), Backend::kCuda);
-    EXPECT_TRUE(Fails(st, StatusCode::kUnsupported, {}));
-    EXPECT_EQ(st.message(), "head_dim " + std::to_string(d) +
-                                " runs on the CPU backends only (the CUDA kernels of attention are built for head_dim "
-                                "64, 128 or 256)");
-  }
-  const Status st = validate(with_dims(192, 128), Backend::kCuda);
-  EXPECT_TRUE(Fails(st, StatusCode::kUnsupported, {}));
-  EXPECT_EQ(st.message(), "head_dim 192 with head_dim_v 128 runs on the CPU backends only (the CUDA kernels of "
-                          "attention take head_dim_v == head_dim)");
-  // head_dim_v equal to head_dim, spelled out, is the same problem.
-  EXPECT_TRUE(Passes(validate(with_dims(128, 128), Backend::kCuda)));
+TEST(ValidateShape, CudaTakesEveryPairInItsClass) {
+  // The CUDA prefill kernels pad to their class inside (attention.h): every supported pair passes.
+  for (int d = 8; d <= 256; d += 8)
+    for (int dv : {0, 8, 64, 96, 128, 256})
+      EXPECT_TRUE(Passes(validate(with_dims(d, dv), Backend::kCuda))) << "d=" << d << " dv=" << dv;
+  EXPECT_TRUE(Passes(validate(with_dims(192, 128), Backend::kCuda)));
+}
+
+TEST(HeadDimClass, SmallestCompiledClassThatHoldsBoth) {
+  EXPECT_EQ(cuda_head_dim_class(8, 8), 64);
+  EXPECT_EQ(cuda_head_dim_class(64, 64), 64);
+  EXPECT_EQ(cuda_head_dim_class(72, 64), 128);
+  EXPECT_EQ(cuda_head_dim_class(64, 72), 128);
+  EXPECT_EQ(cuda_head_dim_class(96, 96), 128);
+  EXPECT_EQ(cuda_head_dim_class(192, 128), 256);
+  EXPECT_EQ(cuda_head_dim_class(256, 8), 256);
+  EXPECT_EQ(cuda_head_dim_class(264, 8), 0);
+  AttnParams p = with_dims(80);
+  EXPECT_EQ(p.head_dim_class(), 128);
+  p.head_dim_v = 136;
+  EXPECT_EQ(p.head_dim_class(), 256);
 }
 
 TEST(ValidateShape, VAndOAreCheckedAtHeadDimV) {

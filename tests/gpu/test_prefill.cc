@@ -16,11 +16,14 @@ struct Case {
   bool sdpa_layout = false;
   int wl = -1, wr = -1;
   std::string config;  // empty: tuned choice
+  int dv = 0;          // head_dim_v of v and o; 0 = d
+  int vdim() const { return dv ? dv : d; }
 };
 
 std::string describe(const Case& c) {
   return "b" + std::to_string(c.b) + " sq" + std::to_string(c.sq) + " sk" + std::to_string(c.sk) + " hq" +
          std::to_string(c.hq) + " hkv" + std::to_string(c.hkv) + " d" + std::to_string(c.d) +
+         (c.dv && c.dv != c.d ? " dv" + std::to_string(c.dv) : "") +
          (c.causal ? " causal" : "") + (c.dt == DType::kBF16 ? " bf16" : " fp16") + (c.sdpa_layout ? " sdpa" : "") +
          " wl" + std::to_string(c.wl) + " wr" + std::to_string(c.wr) + (c.config.empty() ? "" : " cfg " + c.config);
 }
@@ -36,8 +39,8 @@ const std::string kPaths[] = {"", kSm80};
 const std::string kPaths[] = {""};
 #endif
 
-TensorView make_view(void* ptr, DType dt, const Case& c, int seqlen, int heads) {
-  return c.sdpa_layout ? bhsd_view(ptr, dt, seqlen, heads, c.d) : bshd_view(ptr, dt, seqlen, heads, c.d);
+TensorView make_view(void* ptr, DType dt, const Case& c, int seqlen, int heads, int dim) {
+  return c.sdpa_layout ? bhsd_view(ptr, dt, seqlen, heads, dim) : bshd_view(ptr, dt, seqlen, heads, dim);
 }
 
 /// Runs one case; returns the output bits (in the tensor's own layout) for determinism checks.
@@ -46,22 +49,26 @@ void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bit
   std::mt19937_64 g(gpu_seed() ^ (salt * 0x9E3779B97F4A7C15ull));
   const std::int64_t nq = static_cast<std::int64_t>(c.b) * c.sq * c.hq * c.d;
   const std::int64_t nk = static_cast<std::int64_t>(c.b) * c.sk * c.hkv * c.d;
-  auto hq = random_half_bits(nq, c.dt, g), hk = random_half_bits(nk, c.dt, g), hv = random_half_bits(nk, c.dt, g);
-  DeviceBuffer q(nq * 2), k(nk * 2), v(nk * 2), o(nq * 2), lse(sizeof(float) * c.b * c.hq * c.sq);
-  DeviceBuffer oref(sizeof(double) * nq), lseref(sizeof(double) * c.b * c.hq * c.sq);
+  const int dv = c.vdim();
+  const std::int64_t nv = static_cast<std::int64_t>(c.b) * c.sk * c.hkv * dv;
+  const std::int64_t no = static_cast<std::int64_t>(c.b) * c.sq * c.hq * dv;
+  auto hq = random_half_bits(nq, c.dt, g), hk = random_half_bits(nk, c.dt, g), hv = random_half_bits(nv, c.dt, g);
+  DeviceBuffer q(nq * 2), k(nk * 2), v(nv * 2), o(no * 2), lse(sizeof(float) * c.b * c.hq * c.sq);
+  DeviceBuffer oref(sizeof(double) * no), lseref(sizeof(double) * c.b * c.hq * c.sq);
   ASSERT_TRUE(q.ptr && k.ptr && v.ptr && o.ptr && lse.ptr && oref.ptr && lseref.ptr);
   CUDA_OK(cudaMemcpy(q.ptr, hq.data(), nq * 2, cudaMemcpyHostToDevice));
   CUDA_OK(cudaMemcpy(k.ptr, hk.data(), nk * 2, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(v.ptr, hv.data(), nk * 2, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(o.ptr, 0xFF, nq * 2));  // NaN in fp16 and bf16
+  CUDA_OK(cudaMemcpy(v.ptr, hv.data(), nv * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(o.ptr, 0xFF, no * 2));  // NaN in fp16 and bf16
   CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
 
   AttnParams p;
   p.batch = c.b; p.seqlen_q = c.sq; p.seqlen_k = c.sk; p.heads_q = c.hq; p.heads_kv = c.hkv; p.head_dim = c.d;
-  p.q = make_view(q.ptr, c.dt, c, c.sq, c.hq);
-  p.k = make_view(k.ptr, c.dt, c, c.sk, c.hkv);
-  p.v = make_view(v.ptr, c.dt, c, c.sk, c.hkv);
-  p.o = make_view(o.ptr, c.dt, c, c.sq, c.hq);
+  p.head_dim_v = c.dv;
+  p.q = make_view(q.ptr, c.dt, c, c.sq, c.hq, c.d);
+  p.k = make_view(k.ptr, c.dt, c, c.sk, c.hkv, c.d);
+  p.v = make_view(v.ptr, c.dt, c, c.sk, c.hkv, dv);
+  p.o = make_view(o.ptr, c.dt, c, c.sq, c.hq, dv);
   p.lse = static_cast<float*>(lse.ptr);
   p.mask.causal = c.causal;
   p.mask.window_left = c.wl;
@@ -84,10 +91,10 @@ void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bit
   const Status rs = cuda::reference_attention_f64(p, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr);
   ASSERT_TRUE(rs.ok()) << rs.to_string();
 
-  std::vector<std::uint16_t> ho(nq);
+  std::vector<std::uint16_t> ho(no);
   std::vector<float> hlse(c.b * c.hq * c.sq);
-  std::vector<double> ro(nq), rlse(c.b * c.hq * c.sq);
-  CUDA_OK(cudaMemcpy(ho.data(), o.ptr, nq * 2, cudaMemcpyDeviceToHost));
+  std::vector<double> ro(no), rlse(c.b * c.hq * c.sq);
+  CUDA_OK(cudaMemcpy(ho.data(), o.ptr, no * 2, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(hlse.data(), lse.ptr, lse.bytes, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, oref.bytes, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(rlse.data(), lseref.ptr, lseref.bytes, cudaMemcpyDeviceToHost));
@@ -97,10 +104,10 @@ void run_case(const Case& c, std::uint64_t salt, std::vector<std::uint16_t>* bit
   for (int b = 0; b < c.b; ++b)
     for (int i = 0; i < c.sq; ++i)
       for (int h = 0; h < c.hq; ++h)
-        for (int d = 0; d < c.d; ++d) {
+        for (int d = 0; d < dv; ++d) {
           const std::int64_t idx = b * p.o.batch_stride + i * p.o.seq_stride + h * p.o.head_stride + d;
           const double out = bits_to_float(ho[idx], c.dt);
-          const double ref = ro[((static_cast<std::int64_t>(b) * c.sq + i) * c.hq + h) * c.d + d];
+          const double ref = ro[((static_cast<std::int64_t>(b) * c.sq + i) * c.hq + h) * dv + d];
           if (std::isnan(out)) { ++nan; continue; }
           const double err = std::fabs(out - ref);
           max_abs = std::max(max_abs, err);
@@ -467,17 +474,41 @@ TEST(Prefill, VarlenBatchZeroFillsEveryPackedRow) {
   }
 }
 
-TEST(Prefill, UnsupportedHeadDimIsAClearError) {
-  DeviceBuffer buf(1 << 20);
-  AttnParams p;
-  p.batch = 1; p.seqlen_q = 16; p.seqlen_k = 16; p.heads_q = 1; p.heads_kv = 1; p.head_dim = 80;
-  p.q = p.k = p.v = bshd_view(buf.ptr, DType::kBF16, 16, 1, 80);
-  p.o = bshd_view(static_cast<char*>(buf.ptr) + (1 << 19), DType::kBF16, 16, 1, 80);
-  RunOptions opt;
-  opt.backend = Backend::kCuda;
-  const Status st = attention_forward(p, opt);
-  EXPECT_FALSE(st.ok());
-  EXPECT_NE(st.message().find("64, 128, 256"), std::string::npos) << st.message();
+// Every head dim runs in its class (attention.h, cuda_head_dim_class): the columns past a tensor's
+// own head dim load as zeros and are never stored. o is poisoned with NaN and laid out at exactly
+// head_dim_v, packed against its neighbours (bshd and the sdpa layout): a write past a row's own
+// columns would land on the next head's row and show as a wrong element, an unwritten one as NaN.
+TEST(Prefill, EveryHeadDimRunsPaddedToItsClass) {
+  std::uint64_t salt = 900;
+  for (int d = 8; d <= 256; d += 8) {
+    const bool causal = d % 16 == 0;
+    Case c{1, 300, 333, 4, 2, d, causal, d % 24 == 0 ? DType::kF16 : DType::kBF16, d % 40 == 0};
+    run_paths(c, salt++);
+  }
+  // head_dim_v != head_dim (DeepSeek's 192/128 and others), GQA, odd lengths, both layouts.
+  const int pairs[][2] = {{192, 128}, {128, 64}, {64, 128}, {96, 80}, {40, 256}, {256, 24}};
+  for (const auto& pr : pairs)
+    for (bool causal : {false, true}) {
+      Case c{2, 257, 600, 8, 2, pr[0], causal, DType::kBF16, causal};
+      c.dv = pr[1];
+      run_paths(c, salt++);
+    }
+}
+
+// Every compiled config of the 128 class at head dims 96 and 80 (both epilogues: the coalesced
+// stores and, in the persistent configs, the TMA store through the map's own bounds), and of the
+// 256 class at 192 / 128.
+TEST(Prefill, EveryConfigOfAClassAtAPaddedHeadDim) {
+  std::uint64_t salt = 950;
+  const int dims[][2] = {{96, 96}, {80, 80}, {192, 128}};
+  for (const auto& dd : dims)
+    for (const auto& cfg : all_configs(dd[0]))
+      for (bool causal : {false, true}) {
+        Case c{2, 777, 1025, 4, 2, dd[0], causal, causal ? DType::kF16 : DType::kBF16};
+        c.dv = dd[1];
+        c.config = cfg;
+        run_case(c, salt++);
+      }
 }
 
 }  // namespace

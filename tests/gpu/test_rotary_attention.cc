@@ -341,7 +341,7 @@ RotCase dense(int b, int sq, int sk, int hq, int hkv, int d, DType dt, bool caus
 
 TEST(RotaryAttentionGpu, NeoxAndInterleavedEveryHeadDimAndConfig) {
   std::uint64_t salt = 7000;
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 128, 256, 96, 80, 32}) {  // 96, 80, 32: padded to their class inside
     RotCase c = dense(2, 200, 200, 4, 2, d, DType::kBF16, true);  // GQA 2, causal, default positions
     run_case(c, ++salt);
     c = dense(1, 77, 203, 2, 1, d, DType::kF16, false);  // odd lengths, MQA, fp16

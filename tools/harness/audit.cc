@@ -1120,11 +1120,6 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
                          p.head_dim, kHeadDimStep, kHeadDimStep, kMaxHeadDim);
       return 2;
     }
-    if (backend == Backend::kCuda && !is_cuda_head_dim(p.head_dim)) {
-      err << fmt::format("flashcpp audit: head_dim {} runs on the CPU backends only (the CUDA kernels are built for "
-                         "head_dim 64, 128 or 256); add --backend cpu\n", p.head_dim);
-      return 2;
-    }
     // Every tensor of a problem is held in host memory as float (and the truth in double).
     const double elems = static_cast<double>(p.seqlen) * p.heads * p.head_dim;
     if (elems > kMaxProblemElements) {

@@ -12,7 +12,7 @@
 namespace flashcpp::cuda {
 
 std::span<const Fa2Entry> fa2_entries(int head_dim) {
-  switch (head_dim) {
+  switch (cuda_head_dim_class(head_dim, head_dim)) {  // a head dim runs in its class, padded inside
     case 64: return fa2_entries_hd64();
     case 128: return fa2_entries_hd128();
     case 256: return fa2_entries_hd256();
@@ -30,7 +30,7 @@ Status prefill_sm80(const AttnParams& a, const TileConfig& tile, Stream stream) 
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   const Fa2Entry* entry = nullptr;
-  for (const auto& e : fa2_entries(a.head_dim))
+  for (const auto& e : fa2_entries(a.head_dim_class()))
     if (e.tile == tile) entry = &e;
   const std::string name = select::sm80_config_name(tile);
   if (entry == nullptr)
@@ -66,7 +66,7 @@ Status prefill_sm80(const AttnParams& a, const std::string& config, Stream strea
     FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
     name = prefill_sm80_pick(a, dev);
   }
-  for (const auto& e : fa2_entries(a.head_dim))
+  for (const auto& e : fa2_entries(a.head_dim_class()))
     if (select::sm80_config_name(e.tile) == name) return prefill_sm80(a, e.tile, stream);
   return Status::Invalid("no sm80 prefill config '" + name + "' for head_dim " + std::to_string(a.head_dim));
 }

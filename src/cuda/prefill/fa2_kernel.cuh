@@ -64,21 +64,23 @@ struct Fa2Smem {
 
 // ---- producer: cp.async copies of Q and of K/V stages --------------------------------------------
 /// Copy `Rows` rows [row0, row0+Rows) of a (seq, D) slab into a swizzled tile; rows at or past
-/// `limit` are zero-filled (src-size 0: nothing is read; the address stays the slab's row 0).
+/// `limit`, and the 16-byte chunks at or past `cols` (a head dim padded to the class D), are
+/// zero-filled (src-size 0: nothing is read; the address stays the slab's row 0).
 /// Each thread owns one 16-byte column chunk and every kRowsPerPass-th row, so its source
 /// pointer advances by a constant stride and its destination by an immediate: few registers.
 template <class Cfg, int Rows, typename T>
 __device__ __forceinline__ void load_tile(T* smem, const T* gmem, std::int32_t seq_stride, int row0,
-                                          int limit, int tid) {
+                                          int limit, int cols, int tid) {
   constexpr int kRowsPerPass = Cfg::kThreads / Cfg::kChunks;
   static_assert(Cfg::kThreads % Cfg::kChunks == 0 && Rows % kRowsPerPass == 0, "rows divide over the threads");
   const int tr = tid / Cfg::kChunks, c = tid % Cfg::kChunks;
   const T* src = gmem + static_cast<std::int64_t>(row0 + tr) * seq_stride + c * 8;
   const std::int64_t step = static_cast<std::int64_t>(kRowsPerPass) * seq_stride;
+  const bool col_ok = c * 8 < cols;
 #pragma unroll
   for (int it = 0; it < Rows / kRowsPerPass; ++it) {
     const int r = tr + it * kRowsPerPass;
-    const bool ok = row0 + r < limit;
+    const bool ok = col_ok && row0 + r < limit;
     ptx::cp_async_16(ptx::smem_u32(smem + swz<Cfg::kHeadDim>(r, c)), ok ? src : gmem, ok ? 16 : 0);
     src += step;
   }
@@ -96,8 +98,8 @@ struct Fa2Loads {
   __device__ __forceinline__ void kv(const Fa2Params& p, const Fa2Smem<Cfg, T>& sm, int st, int n0, int seqlen_k,
                                      int tid) const {
     constexpr int BN = Cfg::kBlockN, D = Cfg::kHeadDim;
-    load_tile<Cfg, BN>(sm.k + st * BN * D, k, p.k_seq_stride, n0, seqlen_k, tid);
-    load_tile<Cfg, BN>(sm.v + st * BN * D, v, p.v_seq_stride, n0, seqlen_k, tid);
+    load_tile<Cfg, BN>(sm.k + st * BN * D, k, p.k_seq_stride, n0, seqlen_k, p.head_dim, tid);
+    load_tile<Cfg, BN>(sm.v + st * BN * D, v, p.v_seq_stride, n0, seqlen_k, p.head_dim_v, tid);
   }
 };
 
@@ -255,7 +257,7 @@ __device__ __forceinline__ void fa2_epilogue(const Fa2Params& p, const Fa2Smem<C
   for (int it = 0; it < kWarpChunks / 32; ++it) {
     const int idx = lane + it * 32;
     const int r = warp_row0 + idx / Cfg::kChunks, c = idx % Cfg::kChunks;
-    if (m0 + r < m_end) {
+    if (m0 + r < m_end && c * 8 < p.head_dim_v) {  // the class's padding columns are not stored
       const uint4 val = *reinterpret_cast<const uint4*>(sm.q + swz<D>(r, c));
       *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(m0 + r) * p.o_seq_stride + c * 8) = val;
     }
@@ -286,7 +288,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const Fa2Loads<Cfg, T> loads(p, w, varlen, b, hk);
   {  // prologue: Q and the first S-1 K/V stages
     const T* gQ = static_cast<const T*>(p.q) + (varlen ? w.q_row0 * p.q_seq_stride : b * p.q_batch_stride) + h * p.q_head_stride;
-    load_tile<Cfg, BM>(sm.q, gQ, p.q_seq_stride, m0, w.rules.seqlen_q, tid);
+    load_tile<Cfg, BM>(sm.q, gQ, p.q_seq_stride, m0, w.rules.seqlen_q, p.head_dim, tid);
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) {
       if (s < n_iters) loads.kv(p, sm, s, w.key_n0<BN>(s), w.rules.seqlen_k, tid);

@@ -20,6 +20,9 @@ struct Fa2Params {
   std::int32_t q_seq_stride, k_seq_stride, v_seq_stride, o_seq_stride;          ///< elements
   std::int32_t q_head_stride, k_head_stride, v_head_stride, o_head_stride;      ///< elements
   int batch, seqlen_q, seqlen_k, heads_q, group;  ///< group = heads_q / heads_kv; seqlens: maxima when varlen
+  /// The tensors' own head dims (q/k and v/o), multiples of 8 up to the class D the kernel is
+  /// compiled for: the copies zero-fill the 16-byte chunks past them and the stores skip them.
+  int head_dim, head_dim_v;
   algebra::ScoreTransform score;                  ///< scale, softcap and ALiBi units (raw q.k units)
   MaskRules rules;                                ///< causal / window / global tokens (max seqlens)
   PrefillMask mask;                               ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)

@@ -40,7 +40,9 @@ Status get_encode_fn(PFN_cuTensorMapEncodeTiled_v12000* out) {
 }
 
 /// Rank-4 map over (head_dim, seqlen, heads, batch) of a 16-bit tensor view, box (64, rows, 1, 1),
-/// 128-byte swizzle. Rows past seqlen read as zeros (TMA out-of-bounds fill).
+/// 128-byte swizzle. Rows past seqlen read as zeros (TMA out-of-bounds fill), and so do columns
+/// past head_dim when the kernel's class is wider (a head dim of 96 in the 128 class: the second
+/// panel's columns 96..127); a store through the map skips them.
 ///
 /// Varlen (packed (total, heads, head_dim) with sequences at unknown device-side offsets): the
 /// map is (head_dim, x, heads, e) with extents (head_dim, max_len, heads, batch * max_len + 1),
@@ -87,7 +89,7 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 }  // namespace
 
 std::span<const Fa3Entry> fa3_entries(int head_dim) {
-  switch (head_dim) {
+  switch (cuda_head_dim_class(head_dim, head_dim)) {  // a head dim runs in its class, padded inside
     case 64: return fa3_entries_hd64();
     case 128: return fa3_entries_hd128();
     case 256: return fa3_entries_hd256();
@@ -106,7 +108,7 @@ Status prefill_sm90(const AttnParams& a, const TileConfig& tile, Stream stream) 
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
   const Fa3Entry* entry = nullptr;
-  for (const auto& e : fa3_entries(a.head_dim))
+  for (const auto& e : fa3_entries(a.head_dim_class()))
     if (e.tile == tile) entry = &e;
   const std::string name = select::sm90_config_name(tile);
   if (entry == nullptr)
@@ -119,12 +121,13 @@ Status prefill_sm90(const AttnParams& a, const TileConfig& tile, Stream stream) 
   FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, tile.block_m, varlen));
   if (a.seqlen_k > 0) {  // no keys: every row is empty, K/V are never loaded (and may be null)
     FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, tile.block_n, varlen));
-    FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, tile.block_n, varlen));
+    FLASHCPP_RETURN_IF_ERROR(
+        encode_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, a.effective_head_dim_v(), tile.block_n, varlen));
   }
   fill_prefill_common(p, a);
   if (tile.persistent) {
     // TMA-store epilogue: a map over o with one consumer warpgroup's 64 rows per box.
-    FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_o, a.o, a.seqlen_q, a.heads_q, a.batch, a.head_dim, 64, varlen));
+    FLASHCPP_RETURN_IF_ERROR(encode_map(&p.tmap_o, a.o, a.seqlen_q, a.heads_q, a.batch, a.effective_head_dim_v(), 64, varlen));
     const std::int64_t m_blocks = (a.seqlen_q + tile.block_m - 1) / tile.block_m;
     const std::int64_t tiles = m_blocks * a.heads_q * a.batch;
     if (tiles > INT32_MAX)
@@ -149,7 +152,7 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
     FLASHCPP_RETURN_IF_ERROR(select::cuda_prefill(a, opt, dev, &kc));
     return prefill_sm90(a, kc.tile, stream);
   }
-  for (const auto& e : fa3_entries(a.head_dim))
+  for (const auto& e : fa3_entries(a.head_dim_class()))
     if (select::sm90_config_name(e.tile) == config) return prefill_sm90(a, e.tile, stream);
   return Status::Invalid("no sm90 prefill config '" + config + "' for head_dim " + std::to_string(a.head_dim));
 }

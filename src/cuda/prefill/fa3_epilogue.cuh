@@ -1,7 +1,9 @@
 // The epilogue of the sm90 prefill kernel, per consumer warpgroup: O / l into the warpgroup's own
 // rows of the Q buffer (the same 128B-swizzled panels; every Q K^T of the tile is done), then out
 // by one TMA store per 64-column panel (persistent configs, which then hand the Q buffer back to
-// the producer) or by 16-byte coalesced stores; the LSE from each row's quad leader.
+// the producer) or by 16-byte coalesced stores; the LSE from each row's quad leader. Columns past
+// head_dim_v (a head dim padded to the kernel's class) are outside the O map and skipped by the
+// coalesced stores.
 #pragma once
 
 #include <cstdint>
@@ -67,7 +69,7 @@ __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consum
     for (int it = 0; it < 64 * DC / 128; ++it) {
       const int idx = cs.ct + it * 128;
       const int tile_row = 64 * c + idx / DC, j = idx % DC;
-      if (tr.m0 + tile_row < m_end) {
+      if (tr.m0 + tile_row < m_end && j * 8 < p.head_dim_v) {  // the class's padding columns are not stored
         const uint4 val = *reinterpret_cast<const uint4*>(sO + algebra::panel_offset<BM>(tile_row, j));
         *reinterpret_cast<uint4*>(gO + static_cast<std::int64_t>(tr.m0 + tile_row) * p.o_seq_stride + j * 8) = val;
       }

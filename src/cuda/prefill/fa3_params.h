@@ -22,6 +22,9 @@ struct Fa3Params {
   std::int64_t o_batch_stride;
   std::int32_t o_seq_stride, o_head_stride;
   int batch, seqlen_q, seqlen_k, heads_q, group;
+  /// The tensors' own head dims (q/k and v/o), multiples of 8 up to the class D the kernel is
+  /// compiled for: the maps read zeros past them (TMA out-of-bounds fill) and the stores skip them.
+  int head_dim, head_dim_v;
   algebra::ScoreTransform score;                  ///< scale, softcap and ALiBi units (raw q.k units)
   /// Persistent configs: n_units work units of two row blocks (common/tile_order.h) over
   /// m_blocks row blocks, in groups of tile_heads (head, batch) pairs.

@@ -86,6 +86,8 @@ void fill_prefill_common(P& p, const AttnParams& a) {
   p.seqlen_k = a.seqlen_k;
   p.heads_q = a.heads_q;
   p.group = a.heads_q / a.heads_kv;
+  p.head_dim = a.head_dim;
+  p.head_dim_v = a.effective_head_dim_v();
   p.score = algebra::ScoreTransform::make(a.effective_scale(), a.mask.softcap);
   p.rules = MaskRules::make(a.seqlen_q, a.seqlen_k, a.mask.causal, a.mask.window_left, a.mask.window_right,
                             a.mask.global_tokens, a.mask.global_queries);
