@@ -7,9 +7,9 @@ Semantics are those of ``include/flashcpp/attention.h``; in short:
   PyTorch SDPA's (B, H, N, D) tensors run after ``.transpose(1, 2)`` without a copy;
 * GQA/MQA: heads_q a multiple of heads_kv;
 * head dims: q and k share head_dim, v (and the output) has its own, head_dim_v (e.g. DeepSeek's
-  192/128); each any multiple of 8 in [8, 256] (``SUPPORTED_HEAD_DIMS``). The CUDA kernels take
-  ``CUDA_HEAD_DIMS`` with head_dim_v == head_dim and refuse the rest with NotImplementedError
-  (the CPU backends run every pair);
+  192/128); each any multiple of 8 in [8, 256] (``SUPPORTED_HEAD_DIMS``), on every backend: the
+  CUDA kernels run a pair in the smallest class of ``CUDA_HEAD_DIMS`` that holds both, padding
+  inside the kernel (nothing is copied);
 * causal masks are aligned **bottom-right** as in flash-attn: query i sees keys
   j <= i + seqlen_k - seqlen_q (SDPA's ``is_causal`` is top-left; they agree when
   seqlen_q == seqlen_k);
@@ -160,7 +160,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
             is deterministic either way.
         q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim); v:
             (batch, seqlen_k, heads_kv, head_dim_v), head_dim_v may differ from head_dim (both
-            multiples of 8 in [8, 256]; CUDA: 64, 128 or 256, and equal).
+            multiples of 8 in [8, 256]).
             torch tensors (CPU or CUDA; fp16/bf16, fp32 on CPU) or numpy arrays (CPU backend;
             float16/float32, bfloat16 via ml_dtypes). Only the last dim must be contiguous.
         softmax_scale: multiplies q.k; default 1/sqrt(head_dim).
