@@ -74,13 +74,25 @@ struct GenerateOptions {
   /// the timed run: a kernel tracer (`flashcpp decode --trace`) records exactly those steps.
   std::function<Status(bool begin)> trace;
   int trace_steps = 3;
+  /// Streaming: called after every generated token of the batch, first for the prefill's token
+  /// (step 0), then after each decode step (step 1, 2, ...), with one id per sequence; a sequence
+  /// that stopped at an earlier step (stop_ids) reads -1. Return false to end the run: every
+  /// sequence keeps the tokens up to and including this step. Needs prompts (not `context`).
+  /// Costs a download of the batch's ids per step (a CUDA graph replay then waits for the device).
+  /// An exception it throws ends the run with Status::Internal naming it.
+  std::function<bool(int step, const std::vector<std::int32_t>& tokens)> on_tokens;
+  /// A sequence that produces one of these ids stops there (the id is kept as its last token);
+  /// the run ends when every sequence has stopped. Needs prompts (not `context`).
+  std::vector<std::int32_t> stop_ids;
 };
 
 struct GenerateResult {
-  std::vector<std::vector<std::int32_t>> tokens;  ///< generated ids per real sequence
+  /// Generated ids per real sequence: max_new_tokens each, fewer when a stop id or on_tokens
+  /// ended it early.
+  std::vector<std::vector<std::int32_t>> tokens;
   int bucket = 0;               ///< padded batch of the captured graph
   int prompt_len = 0;           ///< longest prompt
-  int decode_steps = 0;         ///< steps timed
+  int decode_steps = 0;         ///< steps timed (fewer than max_new_tokens - 1 when stopped early)
   std::string mode;             ///< "graph" or "eager"
   double prefill_ms = 0, decode_ms = 0, decode_tok_s = 0, wall_us_per_step = 0;
   /// Sum over the ops of a step of each op's device time alone (a graph of repeated launches of

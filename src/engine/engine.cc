@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,13 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   FLASHCPP_RETURN_IF_ERROR(check_sampling(opt.sampling));
   if (opt.eager == false && !ops->cuda()) return Status::Unsupported("CUDA graphs need the CUDA backend (use --eager)");
   if (opt.dump_logits && ctx_mode) return Status::Invalid("logits dumps need a prompt (not --context)");
+  const bool streaming = static_cast<bool>(opt.on_tokens) || !opt.stop_ids.empty();
+  if (streaming && ctx_mode)
+    return Status::Invalid("on_tokens and stop_ids need prompts (a --context run has no real tokens to stream)");
+  for (std::int32_t t : opt.stop_ids)
+    if (t < 0 || t >= c.vocab_size)
+      return Status::Invalid("stop id " + std::to_string(t) + " is outside the vocabulary (size " +
+                             std::to_string(c.vocab_size) + ")");
   int prompt_len = 0;
   for (const auto& p : opt.prompts) {
     if (p.empty()) return Status::Invalid("an empty prompt: every sequence needs at least one token");
@@ -198,6 +206,41 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   FLASHCPP_RETURN_IF_ERROR(ops->sync());
   out->prefill_ms = ctx_mode ? 0.0 : now_ms() - t0;
 
+  // ---- streaming and stops: the batch's ids after every token (GenerateOptions::on_tokens) ----
+  // kept[b]: the tokens sequence b keeps; all_stopped: no decode step is needed any more.
+  std::vector<int> kept(B, opt.max_new_tokens);
+  std::vector<char> stopped(B, 0);
+  std::vector<std::int32_t> step_toks(B);
+  bool all_stopped = false;
+  auto observe = [&](int step) -> Status {  // step: the index of the token just generated
+    FLASHCPP_RETURN_IF_ERROR(ops->download(step_toks.data(), s.tokens(), static_cast<std::size_t>(B) * 4));
+    for (int b = 0; b < B; ++b)
+      if (stopped[b]) step_toks[b] = -1;
+    bool go_on = true;
+    if (opt.on_tokens) {
+      try {
+        go_on = opt.on_tokens(step, step_toks);
+      } catch (const std::exception& e) {
+        return Status::Internal(std::string("on_tokens threw at step ") + std::to_string(step) + ": " + e.what());
+      } catch (...) {
+        return Status::Internal("on_tokens threw at step " + std::to_string(step));
+      }
+    }
+    int live = 0;
+    for (int b = 0; b < B; ++b) {
+      if (stopped[b]) continue;
+      if (!go_on || std::find(opt.stop_ids.begin(), opt.stop_ids.end(), step_toks[b]) != opt.stop_ids.end()) {
+        stopped[b] = 1;
+        kept[b] = step + 1;
+      } else {
+        ++live;
+      }
+    }
+    all_stopped = live == 0;
+    return Status::Ok();
+  };
+  if (streaming) FLASHCPP_RETURN_IF_ERROR(observe(0));
+
   // ---- plan for the lengths this run reaches, then warm up (and capture) ----
   std::vector<std::int32_t> final_lens(lens);
   for (auto& v : final_lens) v += steps + margin;
@@ -212,7 +255,7 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
     return ops->upload(s.step_counter(), &one, 4);
   };
   const int graph_id = bucket;
-  if (steps > 0) {
+  if (steps > 0 && !all_stopped) {
     for (int w = 0; w < opt.warmup_steps; ++w) {
       FLASHCPP_RETURN_IF_ERROR(s.decode_step(opt.sampling));
       if (w == 0)  // every real sequence, before anything is timed
@@ -233,7 +276,8 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
 
   // ---- the timed decode loop ----
   const double t1 = now_ms();
-  for (int i = 0; i < steps; ++i) {
+  int done = 0;  // decode steps run
+  for (int i = 0; i < steps && !all_stopped; ++i, ++done) {
     if (opt.eager) {
       FLASHCPP_RETURN_IF_ERROR(s.decode_step(opt.sampling));
     } else {
@@ -244,25 +288,28 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
       out->logits.resize(at + V);
       FLASHCPP_RETURN_IF_ERROR(ops->download(out->logits.data() + at, s.step_logits(), V * 4));
     }
+    if (streaming) FLASHCPP_RETURN_IF_ERROR(observe(i + 1));
   }
   FLASHCPP_RETURN_IF_ERROR(ops->sync());
   out->decode_ms = now_ms() - t1;
-  out->decode_steps = steps;
+  out->decode_steps = done;
   // The last step's logits (after the timing): activations that overflow late in a run.
-  if (steps > 0)
+  if (done > 0)
     FLASHCPP_RETURN_IF_ERROR(check_logits(ops, s.step_logits(), B, c.vocab_size, 0, "at the last decode step"));
-  if (steps > 0) {
-    out->wall_us_per_step = 1e3 * out->decode_ms / steps;
-    out->decode_tok_s = 1e3 * B * steps / out->decode_ms;
+  if (done > 0) {
+    out->wall_us_per_step = 1e3 * out->decode_ms / done;
+    out->decode_tok_s = 1e3 * B * done / out->decode_ms;
   }
   std::vector<std::int32_t> hist(static_cast<std::size_t>(opt.max_new_tokens) * bucket);
   FLASHCPP_RETURN_IF_ERROR(ops->download(hist.data(), s.history(), hist.size() * 4));
   out->tokens.assign(B, {});
   for (int b = 0; b < B; ++b)
-    for (int t = 0; t < opt.max_new_tokens; ++t) out->tokens[b].push_back(hist[static_cast<std::size_t>(t) * bucket + b]);
+    for (int t = 0; t < std::min(kept[b], done + 1 + (ctx_mode ? 1 : 0)) && t < opt.max_new_tokens; ++t)
+      out->tokens[b].push_back(hist[static_cast<std::size_t>(t) * bucket + b]);
 
   // ---- kernel time of a step: every op alone; and the device time of a graph replay ----
-  if (ops->cuda() && opt.profile && steps > 0) {
+  // (Both need the warmed-up state, and a graph captured, that a run stopped at its first token skipped.)
+  if (ops->cuda() && opt.profile && steps > 0 && done > 0) {
     std::vector<OpTiming> t;
     FLASHCPP_RETURN_IF_ERROR(s.profile_decode(opt.sampling, 10, &t));
     for (const auto& o : t) {
@@ -287,7 +334,7 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   }
 
   // ---- traced steps (a kernel timeline of the real step, launch gaps included) ----
-  if (ops->cuda() && opt.trace && steps > 0) {
+  if (ops->cuda() && opt.trace && steps > 0 && done > 0) {
     if (opt.trace_steps < 1 || opt.trace_steps > steps + margin)
       return Status::Invalid("trace_steps " + std::to_string(opt.trace_steps) + " must be in [1, " +
                              std::to_string(steps + margin) + "] (the lengths the plan covers)");

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -444,5 +445,107 @@ TEST(EngineModelCpu, PublicEngineRunsLikeTheInternalPath) {
   EXPECT_EQ(m.step_weight_bytes, l.model->step_weight_bytes());
   ASSERT_TRUE(generate(*l.model, g, &internal).ok());
   EXPECT_EQ(pub.tokens, internal.tokens);
+  fs::remove_all(dir);
+}
+
+// GenerateOptions::on_tokens and stop_ids (what the Python binding streams with): the callback sees
+// every token of every sequence in order (the prefill's first, as step 0), a stop id ends its
+// sequence there (kept as its last token, -1 in later callbacks) while the others run on, the run
+// ends when all stopped or the callback says false, and bad uses are refused with a sentence.
+TEST(EngineModelCpu, OnTokensStreamsAndStopIdsStop) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "stream", false, 5);
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  GenerateOptions g;
+  g.prompts = {{5, 6, 7}, {8}, {9, 10, 11, 12}};
+  g.max_new_tokens = 8;
+  g.eager = true;
+  GenerateResult full;
+  ASSERT_TRUE(generate(*l.model, g, &full).ok());
+  ASSERT_EQ(full.tokens.size(), 3u);
+
+  // Streaming alone changes nothing and sees every token in order.
+  std::vector<std::vector<std::int32_t>> seen(3);
+  int calls = 0;
+  GenerateOptions gs = g;
+  gs.on_tokens = [&](int step, const std::vector<std::int32_t>& toks) {
+    EXPECT_EQ(step, calls++);
+    EXPECT_EQ(toks.size(), 3u);
+    for (std::size_t b = 0; b < toks.size(); ++b) seen[b].push_back(toks[b]);
+    return true;
+  };
+  GenerateResult streamed;
+  ASSERT_TRUE(generate(*l.model, gs, &streamed).ok());
+  EXPECT_EQ(streamed.tokens, full.tokens);
+  EXPECT_EQ(seen, full.tokens);
+  EXPECT_EQ(streamed.decode_steps, 7);
+
+  // Sequence 0 stops at its 3rd token (the first occurrence of that id); the others run on.
+  const std::int32_t stop = full.tokens[0][2];
+  int first0 = 0;
+  while (full.tokens[0][first0] != stop) ++first0;
+  auto stop_at = [&](const std::vector<std::int32_t>& seq) {
+    for (std::size_t i = 0; i < seq.size(); ++i)
+      if (seq[i] == stop) return std::vector<std::int32_t>(seq.begin(), seq.begin() + i + 1);
+    return seq;
+  };
+  GenerateOptions gstop = g;
+  gstop.stop_ids = {stop};
+  std::vector<std::vector<std::int32_t>> seen2(3);
+  gstop.on_tokens = [&](int, const std::vector<std::int32_t>& toks) {
+    for (std::size_t b = 0; b < toks.size(); ++b) seen2[b].push_back(toks[b]);
+    return true;
+  };
+  GenerateResult stopped;
+  ASSERT_TRUE(generate(*l.model, gstop, &stopped).ok());
+  ASSERT_EQ(stopped.tokens.size(), 3u);
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(stopped.tokens[b], stop_at(full.tokens[b])) << "sequence " << b;
+  EXPECT_EQ(stopped.tokens[0].size(), static_cast<std::size_t>(first0 + 1));
+  for (std::size_t i = first0 + 1; i < seen2[0].size(); ++i) EXPECT_EQ(seen2[0][i], -1) << "step " << i;
+
+  // All sequences stop: the run ends early; the callback returning false ends it too.
+  GenerateOptions one = g;
+  one.prompts = {g.prompts[0]};
+  one.stop_ids = {stop};
+  GenerateResult r1;
+  ASSERT_TRUE(generate(*l.model, one, &r1).ok());
+  EXPECT_EQ(r1.tokens[0], stop_at(full.tokens[0]));
+  EXPECT_EQ(r1.decode_steps, first0);
+  GenerateOptions quit = g;
+  quit.on_tokens = [](int step, const std::vector<std::int32_t>&) { return step < 3; };
+  GenerateResult rq;
+  ASSERT_TRUE(generate(*l.model, quit, &rq).ok());
+  for (int b = 0; b < 3; ++b)
+    EXPECT_EQ(rq.tokens[b], std::vector<std::int32_t>(full.tokens[b].begin(), full.tokens[b].begin() + 4));
+  GenerateOptions at0 = g;
+  at0.on_tokens = [](int, const std::vector<std::int32_t>&) { return false; };
+  GenerateResult r0;
+  ASSERT_TRUE(generate(*l.model, at0, &r0).ok());
+  for (int b = 0; b < 3; ++b) EXPECT_EQ(r0.tokens[b], std::vector<std::int32_t>{full.tokens[b][0]});
+  EXPECT_EQ(r0.decode_steps, 0);
+
+  // Refused: a stop id outside the vocabulary, streaming a --context run; a throwing callback.
+  GenerateOptions bad = g;
+  bad.stop_ids = {t.vocab};
+  GenerateResult rb;
+  Status s = generate(*l.model, bad, &rb);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("outside the vocabulary"), std::string::npos) << s.message();
+  GenerateOptions ctx;
+  ctx.context = 16;
+  ctx.eager = true;
+  ctx.stop_ids = {1};
+  s = generate(*l.model, ctx, &rb);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("need prompts"), std::string::npos) << s.message();
+  GenerateOptions thrower = g;
+  thrower.on_tokens = [](int step, const std::vector<std::int32_t>&) -> bool {
+    if (step == 2) throw std::runtime_error("boom");
+    return true;
+  };
+  s = generate(*l.model, thrower, &rb);
+  EXPECT_EQ(s.code(), StatusCode::kInternal);
+  EXPECT_NE(s.message().find("on_tokens threw at step 2: boom"), std::string::npos) << s.message();
   fs::remove_all(dir);
 }
