@@ -43,6 +43,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 
 from . import _core
+from . import _flashcpp as _C
 from ._attn import (KernelChoice, Rotary, _empty, _execute, _prepare, _rotary_op_args, _select,
                     _sparse_for)
 from ._core import torch
@@ -126,6 +127,76 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
     return False
 
 
+# The eager fast path of flash_attn_func: a plain call (no gradient, alibi, block-sparse mask or
+# rotary, not traced) on torch tensors of one dtype on the host or the current CUDA device, each
+# with a contiguous last dim and no size-1 dim of arbitrary stride, fills AttnParams directly from
+# shapes, strides and pointers. The C++ validator checks those params as it checks every call; a
+# shape the fast path cannot read plainly (empty, mismatched, float64, other devices) runs the
+# general path with its Python checks and sentences. tests/python/test_attention_fast_path.py.
+_FAST_ATTN_CODES = {} if torch is None else {torch.float16: _core._DTYPE_CODES["float16"],
+                                             torch.bfloat16: _core._DTYPE_CODES["bfloat16"],
+                                             torch.float32: _core._DTYPE_CODES["float32"]}
+_FAST_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
+_raw_stream = None if torch is None else getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _plain_view(t: Any, code: int) -> Any:
+    """The TensorView of a 4-D tensor the fast path takes (None when it does not)."""
+    if type(t) not in _FAST_TYPES or t.dim() != 4 or t.stride(3) != 1:
+        return None
+    if 1 in t.shape and not t.is_contiguous():  # a size-1 dim's stride is arbitrary then: _core._view's job
+        return None
+    st = t.stride()
+    return _C.TensorView(t.data_ptr(), code, st[0], st[1], st[2])
+
+
+def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse) -> Any:
+    """flash_attn_func on the fast path: (out, lse-or-None), or None when it does not apply."""
+    if type(k) not in _FAST_TYPES or type(v) not in _FAST_TYPES:
+        return None
+    dt = q.dtype
+    code = _FAST_ATTN_CODES.get(dt)
+    if code is None or k.dtype != dt or v.dtype != dt or q.requires_grad or k.requires_grad or v.requires_grad:
+        return None
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    B, Sq, Hq, D = q.shape
+    _, Sk, Hkv, _ = k.shape
+    if (k.shape[0] != B or k.shape[3] != D or v.shape[0] != B or v.shape[1] != Sk or v.shape[2] != Hkv
+            or B == 0 or Sq == 0 or Sk == 0 or Hq == 0 or Hkv == 0 or Hq % Hkv):
+        return None
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        return None
+    if dev.type == "cuda":
+        if _raw_stream is None or dt == torch.float32 or dev.index != torch.cuda.current_device():
+            return None
+        backend, stream = "cuda", _raw_stream(dev.index)
+    elif dev.type == "cpu":
+        backend, stream = "cpu", 0
+    else:
+        return None
+    vq, vk, vv = _plain_view(q, code), _plain_view(k, code), _plain_view(v, code)
+    if vq is None or vk is None or vv is None:
+        return None
+    scale = _core.default_scale(softmax_scale, D)
+    wl, wr = (-1, -1) if window_size == (-1, -1) else _core.check_window(window_size)
+    Dv = v.shape[3]
+    out = torch.empty((B, Sq, Hq, Dv), dtype=dt, device=dev)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev) if return_lse else None
+    p = _C.AttnParams()
+    p.batch, p.seqlen_q, p.seqlen_k = B, Sq, Sk
+    p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = Hq, Hkv, D, Dv
+    p.q, p.k, p.v = vq, vk, vv
+    p.o = _C.TensorView(out.data_ptr(), code, Sq * Hq * Dv, Hq * Dv, Dv)
+    p.lse = 0 if lse is None else lse.data_ptr()
+    p.softmax_scale = float(scale)
+    m = p.mask
+    m.causal, m.window_left, m.window_right, m.softcap = bool(causal), wl, wr, float(softcap)
+    _C.attention_forward(p, _C.RunOptions(backend, stream, 0, ""))
+    return out, lse
+
+
 def _check_flash_attn_extras(dropout_p: Any, deterministic: Any) -> None:
     """flash-attn's positional slots that flashcpp keeps so that ported positional calls land
     where they did: dropout_p (4th; flashcpp runs no dropout, so only 0 is accepted) and
@@ -189,6 +260,11 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
         out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, or (out, lse).
     """
     _check_flash_attn_extras(dropout_p, deterministic)
+    if (alibi_slopes is None and block_sparse is None and rotary is None and type(q) in _FAST_TYPES
+            and not torch.compiler.is_compiling()):
+        fast = _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse)
+        if fast is not None:
+            return fast if return_lse else fast[0]
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
