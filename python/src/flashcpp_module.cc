@@ -36,6 +36,7 @@
 #include "flashcpp/fused.h"
 #include "flashcpp/masks.h"
 #include "flashcpp/reference.h"
+#include "engine_module.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -872,4 +873,5 @@ NB_MODULE(_flashcpp, m) {
   masks_binding::bind(m);
   fused_binding::bind(m);
   decode_binding::bind(m);
+  flashcpp_python::bind_engine(m);
 }
