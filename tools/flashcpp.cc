@@ -210,6 +210,13 @@ int cmd_info(ShapeOptions s) {
     fmt::print("  (q {}, k {}, v {}, o {}; nothing is allocated: the dispatcher reads no element)\n",
                bytes_str(lay.q_bytes), bytes_str(lay.k_bytes), bytes_str(lay.v_bytes), bytes_str(lay.o_bytes));
   const AttnParams p = info_params(s, lay.q, lay.k, lay.v, lay.o);
+  // The class this shape's head dims run in on CUDA (prefill), whether or not a device is here.
+  if (const int cls = p.head_dim_class(); cls != 0) {
+    const bool own = cls == p.head_dim && cls == p.effective_head_dim_v();
+    fmt::print("  CUDA head-dim class: {}{}; CUDA decode {}\n", cls,
+               own ? "" : " (the prefill kernels pad to it inside: zero columns, nothing copied)",
+               own ? "takes it too" : "refuses it (its kernels take 64, 128 or 256 with head_dim_v = head_dim)");
+  }
   for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
     RunOptions opt;
     opt.backend = b;
