@@ -100,8 +100,10 @@ nb::dict generate(PyEngine& self, std::vector<std::vector<std::int32_t>> prompts
   fe::GenerateResult res;
   Status st;
   {
-    std::lock_guard<std::mutex> lock(self.mu);
+    // The GIL goes first: a thread waiting on the mutex must not hold it while the running
+    // generate's callback asks for it.
     nb::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(self.mu);
     st = self.e->generate(opt, &res);
   }
   if (raised) std::rethrow_exception(raised);
@@ -169,8 +171,8 @@ void bind_engine(nb::module_& m) {
           [](PyEngine& s, const std::string& dir) {
             Status st;
             {
-              std::lock_guard<std::mutex> lock(s.mu);
               nb::gil_scoped_release release;
+              std::lock_guard<std::mutex> lock(s.mu);
               st = s.e->load(dir);
             }
             if (!st.ok()) raise_status(st);

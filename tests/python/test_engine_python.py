@@ -295,3 +295,26 @@ def test_generate_bad_input_exit_status_through_python_m(tmp_path):
     r = run_generate("--model", str(tmp_path / "missing"), "--prompt", "x")
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip() == f"flashcpp.generate: --model {tmp_path / 'missing'}: no such directory"
+
+
+def test_two_threads_share_an_engine_while_one_streams(ckpt):
+    """generate runs without the GIL, one at a time per Engine; a second thread waiting for the
+    engine must not hold the GIL that the streaming callback of the first needs (no deadlock)."""
+    import threading
+    eng, ids = ckpt["eng"], ckpt["tok"].encode(PROMPT).ids
+    want = eng.generate(ids, max_new_tokens=N_NEW).tokens
+    got, errors = [], []
+
+    def worker():
+        try:
+            got.append(eng.generate(ids, max_new_tokens=N_NEW, on_token=lambda step, toks: None).tokens)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "generate deadlocked"
+    assert not errors and got == [want] * 3
