@@ -42,7 +42,8 @@ def test_cpu_mode_writes_the_table(cpu_run):
         what = f"{r['call']} {r['shape']} {r['peer']}"
         assert r["dtype"] == "bf16" and r["shape"], what
         assert _positive(r["host_us"]) and _positive(r["cpu_us"]), what
-        assert r["kernel_us"] == r["peer_kernel_us"] == r["loop_us"] == r["kernel_method"] == "", what  # no GPU
+        assert r["kernel_us"] == r["peer_kernel_us"] == r["loop_us"] == r["peer_loop_us"] == "", what  # no GPU
+        assert r["kernel_method"] == r["peer_kernel_method"] == "", what
         assert r["peer"].startswith("torch_") and _positive(r["peer_host_us"]), what  # torch peers run on host
         assert r["path"] == ("fast" if r["call"] in FAST else "general"), what
     # one row per (case, peer): each call has exactly its torch peer on the host

@@ -35,9 +35,10 @@ torch.set_num_threads(1) for the peers; host_us then includes the computation, k
 empty, and N is cut so that a loop takes about 20 ms (--quick 10). --tiny: test shapes.
 
 Writes DIR/host_overhead.csv (call, shape, dtype, host_us, cpu_us, kernel_us, peer, peer_host_us,
-peer_kernel_us, kernel_method, loop_us, peer_loop_us, path) and DIR/host_overhead_env.json (git
-commit from FLASHCPP_GIT_COMMIT or git, torch, device name, calls, repeats, peers and why any
-was skipped). The goal of the issue: host_us <= 5 per plain call on the H200.
+peer_kernel_us, kernel_method, loop_us, peer_loop_us, peer_kernel_method, path) and
+DIR/host_overhead_env.json (git commit from FLASHCPP_GIT_COMMIT or git, torch, device name,
+calls, repeats, peers and why any was skipped). The goal of the issue: host_us <= 5 per plain
+call on the H200.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 COLUMNS = ["call", "shape", "dtype", "host_us", "cpu_us", "kernel_us", "peer", "peer_host_us", "peer_kernel_us",
-           "kernel_method", "loop_us", "peer_loop_us", "path"]
+           "kernel_method", "loop_us", "peer_loop_us", "peer_kernel_method", "path"]
 CALLS = ("flash_attn_func", "flash_attn_with_kvcache", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
          "apply_rotary")
 EPS = 1e-6
@@ -422,10 +423,10 @@ def measure_case(case: Case, timer: Timer, calls: int, repeats: int, cpu_budget_
             "kernel_us": kernel, "kernel_method": method, "loop_us": loop, "path": _path(case.ours)}
     rows = []
     for name in names[1:] or [None]:
-        row = dict(base, peer="", peer_host_us=None, peer_kernel_us=None, peer_loop_us=None)
+        row = dict(base, peer="", peer_host_us=None, peer_kernel_us=None, peer_loop_us=None, peer_kernel_method="")
         if name is not None:
-            ph, _, pl, pk, _ = figures(name)
-            row.update(peer=name, peer_host_us=ph, peer_kernel_us=pk, peer_loop_us=pl)
+            ph, _, pl, pk, pm = figures(name)
+            row.update(peer=name, peer_host_us=ph, peer_kernel_us=pk, peer_loop_us=pl, peer_kernel_method=pm)
         rows.append(row)
     return rows
 
