@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <system_error>
@@ -45,6 +46,12 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
       ->capture_default_str();
   sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")
       ->check(power_of_two_upto(256))
+      ->capture_default_str();
+  sub->add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: auto (the backend's) or fp8 (e4m3 with --kv-scale; CPU so far)")
+      ->check(CLI::IsMember({"auto", "fp8"}))
+      ->capture_default_str();
+  sub->add_option("--kv-scale", o->kv_scale, "fp8 KV cache: the scale of every K and V head (value = code * scale)")
+      ->check(in_range(0.f, std::numeric_limits<float>::max(), /*lo_open=*/true))
       ->capture_default_str();
   sub->add_option("--decode-splits", o->decode_splits, "force the decode attention's key splits (0: heuristic)")
       ->check(at_least(0));
@@ -162,6 +169,8 @@ int decode_main(const DecodeCliOptions& o) {
   g.sampling.top_p = o.top_p;
   g.sampling.seed = o.seed;
   g.page_size = o.page_size;
+  g.kv_fp8 = o.kv_dtype == "fp8";
+  g.kv_scale = o.kv_scale;
   g.decode_splits = o.decode_splits;
   g.decode_max_splits = o.decode_max_splits;
   g.decode_fused_merge = o.decode_fused_merge;
@@ -283,6 +292,8 @@ int decode_main(const DecodeCliOptions& o) {
     j["decode_plan"] = {{"num_items", r.plan.num_items}, {"max_splits", r.plan.max_splits}, {"ctas", r.plan.ctas},
                         {"needs_merge", r.plan.needs_merge}};
     j["page_size"] = g.page_size;
+    j["kv_dtype"] = g.kv_fp8 ? "fp8_e4m3" : "auto";
+    if (g.kv_fp8) j["kv_scale"] = g.kv_scale;
     j["gemm"] = o.gemm;
     j["weight_bytes"] = c.weight_bytes;
     j["step_weight_bytes"] = c.step_weight_bytes;

@@ -16,6 +16,8 @@ struct DecodeCliOptions {
   float temperature = 0.f, top_p = 1.f;
   std::uint64_t seed = 0;
   int page_size = 16, decode_splits = 0, decode_max_splits = 0;
+  std::string kv_dtype = "auto";  ///< "auto" (the backend's dtype) or "fp8" (e4m3 codes with kv_scale)
+  float kv_scale = 1.f;
   bool decode_fused_merge = false;
   bool decode_fused_append = false;
   std::string dump_logits, json, backend = "auto", gemm = "auto";

@@ -62,6 +62,11 @@ struct GenerateOptions {
   bool eager = false;            ///< launch op by op instead of replaying a CUDA graph
   SampleArgs sampling;
   int page_size = 16;
+  /// An fp8 e4m3 KV cache (CPU backend so far; CUDA refuses it with a sentence): K and V of every
+  /// layer stored as codes of x / kv_scale (round to nearest even, saturating at +-448), the decode
+  /// steps attending over code * kv_scale; the prompt's own attention reads unquantized K/V.
+  bool kv_fp8 = false;
+  float kv_scale = 1.f;          ///< positive, finite: every KV head's k and v scale
   int decode_splits = 0;         ///< > 0: force the decode attention's key splits (0: the planner's heuristic)
   int decode_max_splits = 0;     ///< > 0: cap the heuristic
   bool decode_fused_merge = false;  ///< merge the key splits inside the split-KV kernel (DecodePlanOptions::fused_merge)

@@ -156,6 +156,8 @@ Status generate(const LlamaModel& model, const GenerateOptions& opt, GenerateRes
   so.batch = bucket;
   so.capacity = static_cast<int>(cap64);
   so.page_size = opt.page_size;
+  so.kv_fp8 = opt.kv_fp8;
+  so.kv_scale = opt.kv_scale;
   so.max_prompt = std::max(prompt_len, 1);
   so.logits_rows = opt.dump_logits ? prompt_len : 1;
   so.max_steps = opt.max_new_tokens + margin + 1;

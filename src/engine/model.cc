@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "engine/safetensors.h"
 #include "flashcpp/attention.h"
 #include "flashcpp/fused.h"
+#include "flashcpp/half.h"
 
 namespace flashcpp::engine {
 namespace {
@@ -204,22 +206,40 @@ Status Session::init(const LlamaModel* model, const SessionOptions& opt) {
   if (opt.capacity < 1) return Status::Invalid("the KV cache needs at least one slot per sequence");
   if (opt.page_size < 1 || opt.page_size > kDecodeMaxPageSize || (opt.page_size & (opt.page_size - 1)))
     return Status::Invalid("page size " + std::to_string(opt.page_size) + " is not a power of two in [1, 256]");
+  if (opt.kv_fp8 && ops_->cuda())
+    return Status::Unsupported("an fp8 KV cache runs on the CPU backend only so far (the CUDA decode kernels read "
+                               "bf16 caches)");
+  if (opt.kv_fp8 && !(std::isfinite(opt.kv_scale) && opt.kv_scale > 0.f)) {
+    char v[32];
+    std::snprintf(v, sizeof v, "%g", static_cast<double>(opt.kv_scale));
+    return Status::Invalid(std::string("the fp8 KV cache's scale ") + v + " must be positive and finite");
+  }
   const std::size_t es = dtype_size(ops_->dtype());
+  const DType kv_dt = opt.kv_fp8 ? DType::kF8E4M3 : ops_->dtype();
   const int D = c.head_dim, Hkv = c.num_key_value_heads, Hq = c.num_attention_heads;
   const std::int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const std::int64_t QKV = i64(Hq + 2 * Hkv) * D;
   pages_per_seq_ = (opt.capacity + opt.page_size - 1) / opt.page_size;
   const std::int64_t num_pages = i64(opt.batch) * pages_per_seq_;
   if (num_pages > INT32_MAX) return Status::Invalid("the KV cache has more than 2^31 pages");
-  const std::size_t pool_bytes = static_cast<std::size_t>(num_pages) * opt.page_size * Hkv * D * es;
+  const std::size_t pool_bytes = static_cast<std::size_t>(num_pages) * opt.page_size * Hkv * D * dtype_size(kv_dt);
   kv_.clear();
   pools_.clear();
   kv_.resize(2 * c.num_hidden_layers);
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  if (opt.kv_fp8) {
+    const std::vector<float> scales(static_cast<std::size_t>(2 * Hkv), opt.kv_scale);
+    FLASHCPP_RETURN_IF_ERROR(kv_scales_.allocate(ops_, scales.size() * 4));
+    FLASHCPP_RETURN_IF_ERROR(ops_->upload(kv_scales_.get(), scales.data(), scales.size() * 4));
+    k_scale = kv_scales_.as<float>();
+    v_scale = k_scale + Hkv;
+  }
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     FLASHCPP_RETURN_IF_ERROR(kv_[2 * l].allocate(ops_, pool_bytes));
     FLASHCPP_RETURN_IF_ERROR(kv_[2 * l + 1].allocate(ops_, pool_bytes));
     pools_.push_back(KvPool{kv_[2 * l].get(), kv_[2 * l + 1].get(), static_cast<int>(num_pages), opt.page_size,
-                            Hkv, D});
+                            Hkv, D, kv_dt, k_scale, v_scale});
   }
   std::vector<std::int32_t> host(static_cast<std::size_t>(num_pages));
   std::iota(host.begin(), host.end(), 0);
@@ -268,6 +288,20 @@ Status Session::init(const LlamaModel* model, const SessionOptions& opt) {
 }
 
 Status Session::fill_cache_random(std::uint64_t seed) {
+  if (opt_.kv_fp8) {  // the backend's N(0, 1) values, quantized as the append would store them
+    const std::int64_t n = static_cast<std::int64_t>(kv_.empty() ? 0 : kv_[0].bytes());
+    Buffer tmp;
+    FLASHCPP_RETURN_IF_ERROR(tmp.allocate(ops_, static_cast<std::size_t>(n) * dtype_size(ops_->dtype())));
+    std::vector<float> host(static_cast<std::size_t>(n));
+    std::vector<std::uint8_t> codes(static_cast<std::size_t>(n));
+    for (std::size_t i = 0; i < kv_.size(); ++i) {
+      FLASHCPP_RETURN_IF_ERROR(ops_->fill_random(tmp.get(), n, seed + i, 1.f));
+      FLASHCPP_RETURN_IF_ERROR(ops_->download(host.data(), tmp.get(), host.size() * 4));
+      for (std::int64_t e = 0; e < n; ++e) store_from_float(codes.data(), DType::kF8E4M3, e, host[e] / opt_.kv_scale);
+      FLASHCPP_RETURN_IF_ERROR(ops_->upload(kv_[i].get(), codes.data(), codes.size()));
+    }
+    return Status::Ok();
+  }
   const std::int64_t n = static_cast<std::int64_t>(kv_.empty() ? 0 : kv_[0].bytes() / dtype_size(ops_->dtype()));
   for (std::size_t i = 0; i < kv_.size(); ++i) FLASHCPP_RETURN_IF_ERROR(ops_->fill_random(kv_[i].get(), n, seed + i, 1.f));
   return Status::Ok();
@@ -416,8 +450,10 @@ DecodeParams Session::layer_decode_params(int layer) const {
   p.o = bshd_view(attn_.get(), dt, 1, d.Hq, d.D);
   const KvPool& pool = pools_[layer];
   const std::int64_t page_stride = static_cast<std::int64_t>(pool.page_size) * d.Hkv * d.D;
-  p.cache.k = TensorView{pool.k, dt, page_stride, d.Hkv * d.D, d.D};
-  p.cache.v = TensorView{pool.v, dt, page_stride, d.Hkv * d.D, d.D};
+  p.cache.k = TensorView{pool.k, pool.dtype, page_stride, d.Hkv * d.D, d.D};
+  p.cache.v = TensorView{pool.v, pool.dtype, page_stride, d.Hkv * d.D, d.D};
+  p.cache.k_scale = pool.k_scale;  // null unless the pool is fp8
+  p.cache.v_scale = pool.v_scale;
   p.cache.page_size = pool.page_size;
   p.cache.num_pages = pool.num_pages;
   p.cache.block_table = block_table_.as<std::int32_t>();

@@ -77,6 +77,11 @@ struct SessionOptions {
   int max_prompt = 0;     ///< longest prefill (tokens of one sequence)
   int logits_rows = 0;    ///< prefill rows whose logits may be requested (all-position dumps)
   int max_steps = 0;      ///< history rows (one per generated token)
+  /// An fp8 e4m3 KV cache (CPU backend so far): K and V stored as codes of x / kv_scale, every KV
+  /// head of every layer with the scale kv_scale (positive, finite); the prompt's attention reads
+  /// its own unquantized K/V, the decode steps read the cache (decode.h, "FP8 cache").
+  bool kv_fp8 = false;
+  float kv_scale = 1.f;
 };
 
 /// KV cache, rotary tables, scratch and per-step device state of one batch.
@@ -126,6 +131,7 @@ class Session {
   int pages_per_seq_ = 0;
   std::vector<KvPool> pools_;
   std::vector<Buffer> kv_;          // 2 per layer
+  Buffer kv_scales_;                // fp8 cache: k and v scales, heads_kv each (every layer shares them)
   Buffer block_table_, positions_, rope_cos_sin_;
   Buffer x_, y_, residual_, residual2_, qkv_, attn_, gate_up_, act_, logits_;
   Buffer tokens_, seqlens_, step_, history_, prompt_tokens_;

@@ -22,6 +22,11 @@ struct KvPool {
   void* k = nullptr;
   void* v = nullptr;
   int num_pages = 0, page_size = 0, heads_kv = 0, head_dim = 0;
+  /// The pool's element type: the backend's dtype(), or kF8E4M3 (an fp8 cache: codes of x / scale
+  /// with the per-KV-head fp32 scales k_scale / v_scale, in the backend's memory; decode.h).
+  DType dtype = DType::kF32;
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
 };
 
 /// What a decode GEMV applies to its input rows before the dot products, so a norm or the
@@ -77,7 +82,8 @@ class Ops {
   /// out (n, hidden) = table[tokens[i]] (token ids clamped into [0, vocab)).
   virtual Status embed(const std::int32_t* tokens, int n, const void* table, int vocab, int hidden, void* out) = 0;
   /// Writes n tokens' K and V rows (k, v: (n, heads_kv, head_dim) with token stride ld elements)
-  /// into slots start .. start+n-1 of sequence `seq` of the pool (block table row `seq`, int32).
+  /// into slots start .. start+n-1 of sequence `seq` of the pool (block table row `seq`, int32);
+  /// an fp8 pool stores the code of x / scale[head] (round to nearest even, saturating).
   virtual Status write_kv(const KvPool& pool, const std::int32_t* block_table, int pages_per_seq, int seq,
                           int start, int n, const void* k, const void* v, std::int64_t ld) = 0;
   /// Samples rows tokens from logits (rows, vocab) fp32 (row stride vocab): tokens_out[r], and

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "engine/ops.h"
+#include "flashcpp/half.h"
 #include "engine/sampling.h"
 
 namespace flashcpp::engine {
@@ -82,13 +83,25 @@ class CpuOps final : public Ops {
   Status write_kv(const KvPool& pool, const std::int32_t* block_table, int pages_per_seq, int seq, int start, int n,
                   const void* k, const void* v, std::int64_t ld) override {
     const std::int64_t row = static_cast<std::int64_t>(pool.heads_kv) * pool.head_dim;
+    const bool fp8 = pool.dtype == DType::kF8E4M3;
     for (int t = 0; t < n; ++t) {
       const int slot = start + t;
       if (slot / pool.page_size >= pages_per_seq) return Status::Internal("write_kv past the block table");
       const int page = block_table[static_cast<std::int64_t>(seq) * pages_per_seq + slot / pool.page_size];
       const std::int64_t dst = (static_cast<std::int64_t>(page) * pool.page_size + slot % pool.page_size) * row;
-      std::memcpy(static_cast<float*>(pool.k) + dst, static_cast<const float*>(k) + t * ld, sizeof(float) * row);
-      std::memcpy(static_cast<float*>(pool.v) + dst, static_cast<const float*>(v) + t * ld, sizeof(float) * row);
+      const float* ks = static_cast<const float*>(k) + t * ld;
+      const float* vs = static_cast<const float*>(v) + t * ld;
+      if (!fp8) {
+        std::memcpy(static_cast<float*>(pool.k) + dst, ks, sizeof(float) * row);
+        std::memcpy(static_cast<float*>(pool.v) + dst, vs, sizeof(float) * row);
+        continue;
+      }
+      // The code of x / scale, as decode's append stores it (cpu/decode.cc).
+      for (std::int64_t e = 0; e < row; ++e) {
+        const int h = static_cast<int>(e / pool.head_dim);
+        store_from_float(pool.k, DType::kF8E4M3, dst + e, ks[e] / pool.k_scale[h]);
+        store_from_float(pool.v, DType::kF8E4M3, dst + e, vs[e] / pool.v_scale[h]);
+      }
     }
     return Status::Ok();
   }

@@ -16,9 +16,9 @@
 
 #include <gtest/gtest.h>
 
-#include "flashcpp/half.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
+#include "flashcpp/half.h"
 
 namespace flashcpp::engine::testing {
 
@@ -128,7 +128,11 @@ inline std::vector<double> inv_freq_ref(const Tiny& t) {
 }
 
 /// Logits (vocab) at every position of `tokens`.
-inline std::vector<std::vector<double>> reference_logits(const Tiny& t, const std::vector<int>& tokens) {
+/// quant_from >= 0: rows i >= quant_from attend over an fp8 e4m3 cache, every K and V element j <= i
+/// read as code(float(x) / kv_scale) * kv_scale (the engine's --kv-dtype fp8 decode steps; rows
+/// before it, the prompt, attend over the exact K/V).
+inline std::vector<std::vector<double>> reference_logits(const Tiny& t, const std::vector<int>& tokens,
+                                                         int quant_from = -1, float kv_scale = 1.f) {
   const int n = static_cast<int>(tokens.size()), H = t.hidden, D = t.head_dim, Hq = t.heads, Hkv = t.kv_heads;
   auto W = [&](const std::string& name) -> const std::vector<float>& { return t.w.at(name); };
   auto matvec = [](const std::vector<float>& w, int rows, int cols, const std::vector<double>& x) {
@@ -168,22 +172,36 @@ inline std::vector<std::vector<double>> reference_logits(const Tiny& t, const st
       rope(q[i], Hq, i);
       rope(k[i], Hkv, i);
     }
+    auto quant = [&](const std::vector<double>& x) {
+      std::vector<double> y(x.size());
+      for (std::size_t e = 0; e < x.size(); ++e)
+        y[e] = static_cast<double>(flashcpp::fp8e4m3_bits_to_float(
+                   flashcpp::float_to_fp8e4m3_bits(static_cast<float>(x[e]) / kv_scale))) *
+               kv_scale;
+      return y;
+    };
+    std::vector<std::vector<double>> kq(n), vq(n);
+    if (quant_from >= 0)
+      for (int i = 0; i < n; ++i) kq[i] = quant(k[i]), vq[i] = quant(v[i]);
     for (int i = 0; i < n; ++i) {
       std::vector<double> att(Hq * D, 0.0);
+      const bool q8 = quant_from >= 0 && i >= quant_from;
+      const auto& kk = q8 ? kq : k;
+      const auto& vv = q8 ? vq : v;
       for (int h = 0; h < Hq; ++h) {
         const int g = h / (Hq / Hkv);
         std::vector<double> s(i + 1);
         double mx = -1e300;
         for (int j = 0; j <= i; ++j) {
           double d = 0;
-          for (int e = 0; e < D; ++e) d += q[i][h * D + e] * k[j][g * D + e];
+          for (int e = 0; e < D; ++e) d += q[i][h * D + e] * kk[j][g * D + e];
           s[j] = d / std::sqrt(static_cast<double>(D));
           mx = std::max(mx, s[j]);
         }
         double sum = 0;
         for (auto& e : s) sum += (e = std::exp(e - mx));
         for (int j = 0; j <= i; ++j)
-          for (int e = 0; e < D; ++e) att[h * D + e] += s[j] / sum * v[j][g * D + e];
+          for (int e = 0; e < D; ++e) att[h * D + e] += s[j] / sum * vv[j][g * D + e];
       }
       const auto o = matvec(W(p + "self_attn.o_proj.weight"), H, Hq * D, att);
       for (int j = 0; j < H; ++j) x[i][j] += o[j];

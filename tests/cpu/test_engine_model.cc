@@ -4,8 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <stdexcept>
@@ -547,5 +549,69 @@ TEST(EngineModelCpu, OnTokensStreamsAndStopIdsStop) {
   s = generate(*l.model, thrower, &rb);
   EXPECT_EQ(s.code(), StatusCode::kInternal);
   EXPECT_NE(s.message().find("on_tokens threw at step 2: boom"), std::string::npos) << s.message();
+  fs::remove_all(dir);
+}
+
+// An fp8 e4m3 KV cache (GenerateOptions::kv_fp8, `flashcpp decode --kv-dtype fp8`): the prompt's
+// own attention reads unquantized K/V, so its logits equal the unquantized cache's bit for bit; the
+// decode steps attend over code * kv_scale (decode.h). Against the fp64 Llama whose decode rows read
+// K and V through the same quantization (engine_tiny.h, reference_logits with quant_from): within
+// the fp32 engine's tolerance plus what a rounding tie decided the other way can move (the engine
+// quantizes fp32 K/V, the reference fp64 ones). And the quantization is visible: the decode logits
+// differ from the unquantized cache's. A simulated context (random K/V) runs too; a bad scale is
+// refused.
+TEST(EngineModelCpu, Fp8KvCacheDecodesLikeTheFp64LlamaOverTheQuantizedCache) {
+  Tiny t;
+  const fs::path dir = write_tiny(&t, "fp8kv", false, 29);
+  Loaded l = load(dir);
+  ASSERT_TRUE(l.model);
+  const std::vector<int> prompt = {3, 1, 4, 1, 5, 9, 2, 6};
+  GenerateOptions g;
+  g.prompts = {std::vector<std::int32_t>(prompt.begin(), prompt.end())};
+  g.max_new_tokens = 8;
+  g.eager = true;
+  g.dump_logits = true;
+  g.page_size = 4;
+  GenerateResult plain, q8;
+  ASSERT_TRUE(generate(*l.model, g, &plain).ok());
+  g.kv_fp8 = true;
+  g.kv_scale = 0.01f;  // |K|, |V| of the tiny model reach ~1: codes up to ~100, in e4m3's normal range
+  ASSERT_TRUE(generate(*l.model, g, &q8).ok());
+  const std::size_t V = static_cast<std::size_t>(t.vocab), P = prompt.size();
+  ASSERT_EQ(plain.logits.size(), q8.logits.size());
+  for (std::size_t i = 0; i < P * V; ++i) ASSERT_EQ(plain.logits[i], q8.logits[i]) << "prompt logit " << i;
+  std::vector<int> seq(prompt);
+  for (int i = 0; i + 1 < g.max_new_tokens; ++i) seq.push_back(q8.tokens[0][i]);
+  const auto ref = reference_logits(t, seq, static_cast<int>(P), g.kv_scale);
+  LogitError e;
+  logit_error(t, ref, q8.logits, &e);
+  if (HasFatalFailure()) return;
+  double moved = 0;
+  for (std::size_t i = P * V; i < q8.logits.size(); ++i)
+    moved = std::max(moved, std::fabs(static_cast<double>(q8.logits[i]) - plain.logits[i]));
+  std::printf("[ fp8 kv ] max |logit - fp64 over the quantized cache| %.3g, max move from the fp32 cache %.3g, "
+              "logits up to %.3g\n", e.worst, moved, e.scale);
+  EXPECT_LE(e.worst, 2e-3 * std::max(1.0, e.scale));
+  EXPECT_GT(moved, 10 * e.worst) << "the decode steps must read the fp8 cache";
+  // A simulated context fills the fp8 pools with quantized random values and decodes.
+  GenerateOptions c;
+  c.context = 40;
+  c.batch = 2;
+  c.max_new_tokens = 3;
+  c.eager = true;
+  c.kv_fp8 = true;
+  GenerateResult rc;
+  const Status sc = generate(*l.model, c, &rc);
+  ASSERT_TRUE(sc.ok()) << sc.message();
+  ASSERT_EQ(rc.tokens.size(), 2u);
+  for (const auto& sq : rc.tokens)
+    for (int tok : sq) EXPECT_TRUE(tok >= 0 && tok < t.vocab) << tok;
+  for (float bad : {0.f, -1.f, std::numeric_limits<float>::infinity()}) {
+    g.kv_scale = bad;
+    GenerateResult rb;
+    const Status sb = generate(*l.model, g, &rb);
+    EXPECT_EQ(sb.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(sb.message().find("scale"), std::string::npos) << sb.message();
+  }
   fs::remove_all(dir);
 }
