@@ -48,16 +48,17 @@ and every loss is finite. K covers that the two differences grow from different 
 measured on the CPU at the --quick configuration, max|flashcpp - SDPA| / max|SDPA - noise| was
 0.7 to 1.2 in bf16 (4 seeds, 100 steps) and 1 to 3 in fp32 (8 seeds, 30 steps), where both
 differences are 1 to 4 ulps of the loss. The floor (1e-6 of the initial loss in fp32, about 15
-ulps of it; 1e-3 in bf16, a quarter of bf16's unit roundoff 2^-8) keeps the bound from collapsing where the
-two SDPA orders happen to round alike; at the --quick sizes it is the floor that sets the bound
-(the JSON says so: floor_used). We chose a different computation order over a perturbed seed: two
+ulps of it; 2e-4 in bf16, a twentieth of bf16's unit roundoff 2^-8) keeps the bound from
+collapsing where the two SDPA orders happen to round alike. At the --quick sizes the floor sets the
+fp32 bound (the JSON says so: floor_used) and the measured noise sets the bf16 one (1.5e-3 to
+2.1e-3 over 100 steps, against a floor of 7e-4). We chose a different computation order over a perturbed seed: two
 seeds give runs that differ by far more than rounding (the SDPA curves of seeds 0 and 1 end 0.22
 apart after 30 steps), a bound so loose that a wrong gradient could pass; a reordering perturbs
 at the rounding level, the scale at which flashcpp and SDPA are supposed to differ. A wrong
 attention moves the loss by orders of magnitude more: flashcpp without its causal mask is 0.08
 off SDPA within 10 steps, 6000 times the fp32 bound (the tests check that it is caught). In fp32
 the largest relative difference measured on the CPU is 1.2e-7 to 4.4e-7 over 30 to 200 steps,
-far under the 1e-4 the issue expects; in bf16 it is 0.9e-3 to 1.3e-3 over 100 steps.
+far under the 1e-4 the issue expects; in bf16 it is 0.9e-3 to 1.5e-3 over 100 steps.
 
 Outputs in ``--out``: ``losses.csv`` (step, loss_flashcpp, loss_sdpa, abs_diff, and loss_noise,
 noise_diff), ``train_check.json`` (the configuration, max |diff|, the max over the last 10% of
@@ -85,7 +86,7 @@ PROG = "python -m flashcpp.bench.train_check"
 FULL = dict(layers=6, d_model=512, heads=8, seq=1024, batch=8, steps=300, vocab=256)
 QUICK = dict(layers=2, d_model=64, heads=4, seq=32, batch=4, steps=30, vocab=32)
 #: Floor of the noise, relative to the initial loss (see the module docstring).
-NOISE_FLOOR_REL = {"fp32": 1e-6, "bf16": 1e-3}
+NOISE_FLOOR_REL = {"fp32": 1e-6, "bf16": 2e-4}
 BOUND_FACTOR = 4.0
 SUCCESSORS = 4
 
