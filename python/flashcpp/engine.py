@@ -122,7 +122,7 @@ class Engine:
     def generate(self, prompt: Prompt, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, stop_ids: Optional[Sequence[int]] = None,
                  on_token: Optional[Callable[[int, List[int]], Optional[bool]]] = None, tokenizer=None,
-                 eager: Optional[bool] = None) -> Generation:
+                 eager: Optional[bool] = None, kv_dtype: str = "auto", kv_scale: float = 1.0) -> Generation:
         """Generates from one prompt or a batch.
 
         prompt: a list of ids, a list of such lists (a batch), or, with `tokenizer`, a string or a
@@ -134,6 +134,8 @@ class Engine:
         one id per sequence (-1 for a sequence that stopped earlier); return False to end the run.
         An exception it raises ends the run and propagates.
         eager: CUDA only, launch op by op instead of replaying a CUDA graph (default: graphs).
+        kv_dtype: "auto" (the backend's dtype) or "fp8": an e4m3 KV cache holding codes of
+        x / kv_scale (CPU backend so far; docs/decode.md).
         """
         if self.model_dir is None:
             raise ValueError("generate: no model is loaded (Engine.load first)")
@@ -144,7 +146,8 @@ class Engine:
                              top_p=float(top_p), seed=int(seed), stop_ids=[int(i) for i in (stop_ids or [])],
                              on_tokens=on_token, eager=bool(eager),
                              # a CUDA graph is captured after one eager step (lazy cuBLASLt set-up)
-                             warmup_steps=0 if eager else 1, profile=False)
+                             warmup_steps=0 if eager else 1, profile=False, kv_dtype=str(kv_dtype),
+                             kv_scale=float(kv_scale))
         text = None
         if tokenizer is not None:
             text = [tokenizer.decode(t, skip_special_tokens=True) for t in r["tokens"]]

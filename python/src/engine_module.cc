@@ -67,7 +67,8 @@ nb::dict model_dict(const fe::ModelInfo& m) {
 
 nb::dict generate(PyEngine& self, std::vector<std::vector<std::int32_t>> prompts, int max_new_tokens,
                   float temperature, float top_p, std::uint64_t seed, std::vector<std::int32_t> stop_ids,
-                  nb::object on_tokens, bool eager, int warmup_steps, bool profile, int page_size) {
+                  nb::object on_tokens, bool eager, int warmup_steps, bool profile, int page_size,
+                  const std::string& kv_dtype, float kv_scale) {
   fe::GenerateOptions opt;
   opt.prompts = std::move(prompts);
   opt.max_new_tokens = max_new_tokens;
@@ -79,6 +80,10 @@ nb::dict generate(PyEngine& self, std::vector<std::vector<std::int32_t>> prompts
   opt.warmup_steps = warmup_steps;
   opt.profile = profile;
   opt.page_size = page_size;
+  if (kv_dtype != "auto" && kv_dtype != "fp8")
+    raise_status(Status::Invalid("kv_dtype must be 'auto' (the backend's dtype) or 'fp8' (e4m3 codes with kv_scale)"));
+  opt.kv_fp8 = kv_dtype == "fp8";
+  opt.kv_scale = kv_scale;
   if (warmup_steps < 0) raise_status(Status::Invalid("warmup_steps must be >= 0"));
   std::exception_ptr raised;  // what the callback raised (set and rethrown with the GIL held)
   if (!on_tokens.is_none()) {
@@ -182,7 +187,7 @@ void bind_engine(nb::module_& m) {
            "The loaded model's shape and weight bytes (zeros before load()).")
       .def("generate", &generate, "prompts"_a, "max_new_tokens"_a = 32, "temperature"_a = 0.f, "top_p"_a = 1.f,
            "seed"_a = 0, "stop_ids"_a = std::vector<std::int32_t>{}, "on_tokens"_a = nb::none(), "eager"_a = true,
-           "warmup_steps"_a = 0, "profile"_a = false, "page_size"_a = 16,
+           "warmup_steps"_a = 0, "profile"_a = false, "page_size"_a = 16, "kv_dtype"_a = "auto", "kv_scale"_a = 1.f,
            "Prefills the prompts (lists of ids) and decodes; on_tokens(step, ids) is called after every token "
            "of the batch (-1 for a stopped sequence; a false return ends the run). Returns a dict: tokens "
            "(per sequence), prompt_len, decode_steps, mode, prefill_ms, decode_ms, decode_tok_s.");

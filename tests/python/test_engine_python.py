@@ -318,3 +318,18 @@ def test_two_threads_share_an_engine_while_one_streams(ckpt):
         t.join(timeout=60)
     assert not any(t.is_alive() for t in threads), "generate deadlocked"
     assert not errors and got == [want] * 3
+
+
+def test_fp8_kv_cache_through_python(ckpt):
+    # kv_dtype="fp8": the C++ engine's fp8 cache (its logits against an fp64 Llama over the same
+    # quantized cache are tested in tests/cpu/test_engine_model.cc); here the keywords reach it.
+    eng, tok = ckpt["eng"], ckpt["tok"]
+    ids = tok.encode(PROMPT).ids
+    plain = eng.generate(ids, max_new_tokens=N_NEW)
+    q8 = eng.generate(ids, max_new_tokens=N_NEW, kv_dtype="fp8", kv_scale=0.01)
+    assert len(q8.tokens[0]) == N_NEW
+    assert q8.tokens[0][0] == plain.tokens[0][0]  # the first token comes from the prefill, unquantized
+    with pytest.raises(ValueError, match="kv_dtype must be 'auto'"):
+        eng.generate(ids, max_new_tokens=2, kv_dtype="int8")
+    with pytest.raises(ValueError, match="scale"):
+        eng.generate(ids, max_new_tokens=2, kv_dtype="fp8", kv_scale=0.0)
