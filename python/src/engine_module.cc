@@ -7,6 +7,7 @@
 // by generate(). One generate or load at a time per Engine (a mutex): the backend's buffers,
 // streams and graphs are shared by the calls.
 #include "engine_module.h"
+#include "py_status.h"
 
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -35,18 +36,6 @@ using flashcpp::Status;
 using flashcpp::StatusCode;
 namespace fe = flashcpp::engine;
 
-/// The Python exception that matches a non-ok Status (as in flashcpp_module.cc). GIL held.
-[[noreturn]] void raise_status(const Status& st) {
-  PyObject* type = PyExc_RuntimeError;
-  std::string msg = st.message();
-  switch (st.code()) {
-    case StatusCode::kInvalidArgument: type = PyExc_ValueError; break;
-    case StatusCode::kUnsupported: type = PyExc_NotImplementedError; break;
-    default: msg = st.to_string(); break;
-  }
-  PyErr_SetString(type, msg.c_str());
-  throw nb::python_error();
-}
 
 struct PyEngine {
   std::unique_ptr<fe::Engine> e;

@@ -37,6 +37,7 @@
 #include "flashcpp/masks.h"
 #include "flashcpp/reference.h"
 #include "engine_module.h"
+#include "py_status.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -51,18 +52,7 @@ using flashcpp::Status;
 using flashcpp::StatusCode;
 using flashcpp::TensorView;
 
-/// Raises the Python exception that matches a non-ok Status. Call with the GIL held.
-[[noreturn]] void raise_status(const Status& st) {
-  PyObject* type = PyExc_RuntimeError;
-  std::string msg = st.message();
-  switch (st.code()) {
-    case StatusCode::kInvalidArgument: type = PyExc_ValueError; break;
-    case StatusCode::kUnsupported: type = PyExc_NotImplementedError; break;
-    default: msg = st.to_string(); break;  // keep "cuda_error: ..." / "internal: ..." visible
-  }
-  PyErr_SetString(type, msg.c_str());
-  throw nb::python_error();
-}
+using flashcpp_python::raise_status;  // py_status.h
 
 [[noreturn]] void raise_value_error(const std::string& msg) {
   PyErr_SetString(PyExc_ValueError, msg.c_str());
