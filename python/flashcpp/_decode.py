@@ -833,6 +833,140 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
                  v_scale=v_scale)
 
 
+# ---- the eager fast path of flash_attn_with_kvcache ------------------------------------------------
+# A plain step (torch tensors of one dtype on the host or the current CUDA device: q, the caches
+# and the new k/v; int32 cache_seqlens and block_table tensors there; no rotary, ALiBi, fp8 scales,
+# cache_batch_idx or cache_leftpad) fills DecodeParams straight from shapes, strides and pointers
+# and runs the plan: on CUDA the plan of the shape, made as the general path makes it (for full
+# caches) and kept in a table of its own keyed by plain values; on the host a plan for this call's
+# lengths (host lengths: the C++ validator checks them). Anything else, a first call under CUDA
+# graph capture included, runs the general path with its Python checks and sentences.
+# tests/python/test_kvcache_fast_path.py.
+torch = _core.torch
+_FAST_KV_CODES = {} if torch is None else {torch.float16: _C.DTYPE_F16, torch.bfloat16: _C.DTYPE_BF16,
+                                          torch.float32: _C.DTYPE_F32}
+_FAST_KV_NAMES = {} if torch is None else {torch.float16: "float16", torch.bfloat16: "bfloat16",
+                                          torch.float32: "float32"}
+_FAST_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
+_raw_stream = None if torch is None else getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_FAST_PLANS: "collections.OrderedDict[tuple, BatchDecodeWithKVCache]" = collections.OrderedDict()
+
+
+def _plain_view4(t: Any, code: int) -> Any:
+    """TensorView of a 4-D tensor as _core.tensor_view makes it (a size-1 dim gets the extent as
+    its stride), or None when the fast path does not take it."""
+    if type(t) not in _FAST_TYPES or t.dim() != 4 or t.stride(3) != 1:
+        return None
+    sh, st = t.shape, t.stride()
+    extent = 1 + sum((n - 1) * x for n, x in zip(sh, st) if n > 0)
+    return _C.TensorView(t.data_ptr(), code, st[0] if sh[0] > 1 else extent, st[1] if sh[1] > 1 else extent,
+                         st[2] if sh[2] > 1 else extent)
+
+
+def _int32_on(x: Any, device: Any) -> bool:
+    return type(x) in _FAST_TYPES and x.dtype == torch.int32 and x.device == device and x.is_contiguous()
+
+
+def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
+                  softcap, num_splits, return_lse) -> Any:
+    """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply."""
+    dt = q.dtype
+    code = _FAST_KV_CODES.get(dt)
+    if code is None or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        return None
+    dev = q.device
+    news = () if k is None and v is None else (k, v)
+    if len(news) and (k is None or v is None):
+        return None
+    for t in (k_cache, v_cache) + news:
+        if type(t) not in _FAST_TYPES or t.dtype != dt or t.device != dev:
+            return None
+    if news and (k_cache.requires_grad or v_cache.requires_grad):
+        return None
+    if not _int32_on(cache_seqlens, dev) or (block_table is not None and not _int32_on(block_table, dev)):
+        return None
+    if type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
+        return None
+    B, Sq, Hq, D = q.shape
+    Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
+    paged = block_table is not None
+    if (B == 0 or not 1 <= Sq <= MAX_SEQLEN_Q or Hkv == 0 or Hq % Hkv or k_cache.shape[3] != D
+            or tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or cache_seqlens.shape != (B,)):
+        return None
+    if paged:
+        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
+            return None
+        ps = k_cache.shape[1]
+        if ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
+            return None
+        slots = block_table.shape[1] * ps
+    else:
+        if k_cache.shape[0] != B:
+            return None
+        ps, slots = 0, k_cache.shape[1]
+    if news and (tuple(k.shape) != (B, Sq, Hkv, D) or tuple(v.shape) != (B, Sq, Hkv, Dv) or slots < Sq):
+        return None
+    if dev.type == "cuda":
+        if _raw_stream is None or dt == torch.float32 or dev.index != torch.cuda.current_device():
+            return None
+        stream = _raw_stream(dev.index)
+    elif dev.type == "cpu":
+        stream = 0
+    else:
+        return None
+    views = [_plain_view4(t, code) for t in (q, k_cache, v_cache) + news]
+    if any(x is None for x in views):
+        return None
+    window = (-1, -1) if window_size == (-1, -1) else _core.check_window(window_size)
+    cfg = dict(seqlen_q=Sq, kv_capacity=slots, page_size=ps, append=bool(news), causal=bool(causal),
+               window_size=window, softcap=float(softcap), sm_scale=softmax_scale, rotary=None, rope_theta=10000.0,
+               dtype=_FAST_KV_NAMES[dt], device=dev if dev.type == "cuda" else "cpu", num_splits=num_splits,
+               head_dim_v=Dv, kv_dtype=None)
+    shape = (B, Hq, Hkv, D)
+    if dev.type == "cuda":
+        key = (dev.index, shape, Sq, Dv, slots, ps, bool(news), bool(causal), window, float(softcap), softmax_scale,
+               dt, num_splits)
+        w = _FAST_PLANS.get(key)
+        if w is None:
+            if _capturing(dev):
+                return None  # the general path says why a first call cannot be captured
+            w = BatchDecodeWithKVCache()
+            w.plan(*shape, **cfg)  # waits for the work-list upload: later calls may use any stream
+            _FAST_PLANS[key] = w
+            while len(_FAST_PLANS) > _PLAN_CACHE_SIZE:
+                _FAST_PLANS.popitem(last=False)
+        else:
+            _FAST_PLANS.move_to_end(key)
+    else:
+        w = BatchDecodeWithKVCache()
+        w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **cfg)
+    c = w._cfg
+    out = torch.empty((B, Sq, Hq, Dv), dtype=dt, device=dev)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev) if return_lse else None
+    p = _C.DecodeParams()
+    p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim = B, Sq, Hq, Hkv, D
+    p.head_dim_v = Dv
+    p.q = views[0]
+    p.o = _plain_view4(out, code)
+    p.lse = 0 if lse is None else lse.data_ptr()
+    cache = p.cache
+    cache.k, cache.v = views[1], views[2]
+    cache.capacity = 0 if paged else slots
+    cache.page_size, cache.num_pages = ps, k_cache.shape[0] if paged else 0
+    if paged:
+        cache.block_table = block_table.data_ptr()
+        cache.block_table_stride = cache.pages_per_seq = block_table.shape[1]
+    p.cache_seqlens = cache_seqlens.data_ptr()
+    if news:
+        p.k_new, p.v_new = views[3], views[4]
+    p.rotary = _rotary_spec(_C.ROPE_NONE, 0, D, c["rope_theta"])
+    p.softmax_scale = c["scale"]
+    m = p.mask
+    m.causal, m.window_left, m.window_right, m.softcap = c["causal"], c["window"][0], c["window"][1], c["softcap"]
+    _C.decode_run(p, w._plan, _C.RunOptions("cuda" if dev.type == "cuda" else "cpu", stream, 0))
+    return out, lse
+
+
 # ---- FlashInfer's paged wrapper ---------------------------------------------------------------------
 
 class BatchDecodeWithPagedKVCache:

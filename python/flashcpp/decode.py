@@ -37,8 +37,8 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 from ._core import is_torch, torch
-from ._decode import (MAX_PAGE_SIZE, MAX_SEQLEN_Q, MAX_SPLITS, BatchDecodeWithKVCache,
-                      BatchDecodeWithPagedKVCache, _with_kvcache)
+from ._decode import (_FAST_TYPES, MAX_PAGE_SIZE, MAX_SEQLEN_Q, MAX_SPLITS, BatchDecodeWithKVCache,
+                      BatchDecodeWithPagedKVCache, _fast_kvcache, _with_kvcache)
 
 if torch is not None:
     from . import _torch_ops
@@ -87,6 +87,13 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         raise NotImplementedError("cache_batch_idx is not built in flashcpp decode (index the cache instead)")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not built in flashcpp decode")
+    if (type(q) in _FAST_TYPES and rotary_cos is None and rotary_sin is None and rope_theta is None
+            and alibi_slopes is None and k_scale is None and v_scale is None and type(k_cache) in _FAST_TYPES
+            and type(v_cache) in _FAST_TYPES and not torch.compiler.is_compiling()):
+        fast = _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
+                             window_size, softcap, num_splits, return_softmax_lse)
+        if fast is not None:
+            return fast if return_softmax_lse else fast[0]
     if is_torch(q) and torch.compiler.is_compiling():
         # Traced by torch.compile: one opaque op (flashcpp::flash_attn_with_kvcache, or
         # ..._append, which mutates the caches); eager calls skip the dispatcher.
