@@ -86,6 +86,17 @@ def _kv_dtype_name(kv_dtype: Any, dtype: str) -> str:
     return name
 
 
+def _names_fp8(kv_dtype: Any) -> bool:
+    """Whether a dtype (torch, numpy/ml_dtypes or a name) is fp8 e4m3."""
+    try:
+        name = str(kv_dtype).replace("torch.", "") if not isinstance(kv_dtype, str) else kv_dtype
+        if not isinstance(kv_dtype, str) and not (_core.torch is not None and isinstance(kv_dtype, _core.torch.dtype)):
+            name = np.dtype(kv_dtype).name
+    except TypeError:
+        return False
+    return name in (FP8_E4M3, "fp8", "fp8_e4m3", "e4m3")
+
+
 def _scales(k_scale: Any, v_scale: Any, fp8: bool, heads_kv: int, like: Any, is_cuda: bool, device: Any,
             check_values: bool = True) -> Tuple[Any, Any]:
     """k_scale and v_scale of an fp8 cache as fp32 (heads_kv,) arrays on the cache's device: a
@@ -1054,11 +1065,13 @@ class BatchDecodeWithPagedKVCache:
         if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         dtype = q_data_type if q_data_type is not None else data_type
+        # The cache's dtype: q's unless kv_data_type names fp8 e4m3 (run() then takes k_scale/v_scale).
+        kv_fp8 = kv_data_type is not None and _names_fp8(kv_data_type)
         self._plan = dict(table=table, lens=lens, heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
                           head_dim=int(head_dim), head_dim_v=int(head_dim if head_dim_vo is None else head_dim_vo),
                           page_size=int(page_size), window=(int(window_left), -1),
                           softcap=float(logits_soft_cap or 0.0), scale=sm_scale, num_splits=int(num_splits),
-                          device=device, dtype=None, table_dev=table, lens_dev=lens)
+                          device=device, dtype=None, table_dev=table, lens_dev=lens, kv_fp8=kv_fp8)
         if dtype is not None:
             self._plan_for(_dtype_name(dtype), device)
 
@@ -1078,10 +1091,14 @@ class BatchDecodeWithPagedKVCache:
         self._inner.plan(p["lens"].size, p["heads_q"], p["heads_kv"], p["head_dim"], head_dim_v=p["head_dim_v"],
                          kv_capacity=p["table"].shape[1] * p["page_size"], page_size=p["page_size"],
                          cache_seqlens=p["lens"], causal=True, window_size=p["window"], softcap=p["softcap"],
-                         sm_scale=p["scale"], dtype=dtype, device=device, num_splits=p["num_splits"])
+                         sm_scale=p["scale"], dtype=dtype, device=device, num_splits=p["num_splits"],
+                         kv_dtype=FP8_E4M3 if p["kv_fp8"] else None)
         p["dtype"], p["device"] = dtype, device
 
-    def run(self, q: Any, paged_kv_cache: Any, return_lse: bool = False, out: Any = None, lse: Any = None) -> Any:
+    def run(self, q: Any, paged_kv_cache: Any, return_lse: bool = False, out: Any = None, lse: Any = None, *,
+            k_scale: Any = None, v_scale: Any = None) -> Any:
+        """One step (FlashInfer's run()). k_scale, v_scale: an fp8 cache's scales (planned with
+        kv_data_type float8_e4m3fn): a number or fp32 (num_kv_heads,), K = code * k_scale."""
         if self._plan is None:
             raise RuntimeError("call plan() before run()")
         p = self._plan
@@ -1113,7 +1130,7 @@ class BatchDecodeWithPagedKVCache:
         o4 = None if out is None else out[:, None]
         l3 = None if lse is None else lse[:, :, None]
         res = self._inner.run(q4, k_cache, v_cache, p["lens_dev"], block_table=p["table_dev"], out=o4, lse=l3,
-                              return_lse=return_lse)
+                              return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
         if not (return_lse or lse is not None):
             return res[:, 0]
         o, l = res

@@ -181,3 +181,35 @@ def test_torch_cpu_fp8_cache_and_compile(rng):
     f = torch.compile(lambda q, k, v, l, a, c: flashcpp.flash_attn_with_kvcache(q, k, v, cache_seqlens=l, k_scale=a,
                                                                                 v_scale=c), fullgraph=True)
     torch.testing.assert_close(f(q, kt, vt, lens_t, kst, vst), out, rtol=0, atol=0)
+
+
+def test_flashinfer_style_paged_wrapper_with_an_fp8_cache(rng):
+    # FlashInfer's spelling: plan(..., kv_data_type=float8_e4m3fn), run(q, (k, v), k_scale=, v_scale=).
+    B, Hq, Hkv, D, ps = 3, 4, 2, 64, 16
+    lens = [33, 16, 1]
+    n_pages = [(n + ps - 1) // ps for n in lens]
+    total = sum(n_pages)
+    pages = rng.permutation(total + 2).astype(np.int32)[:total]
+    indptr = np.concatenate([[0], np.cumsum(n_pages)]).astype(np.int32)
+    last = np.array([n - (p - 1) * ps for n, p in zip(lens, n_pages)], np.int32)
+    ks = rng.uniform(0.002, 0.02, Hkv).astype(np.float32)
+    vs = rng.uniform(0.002, 0.02, Hkv).astype(np.float32)
+    kq = quantize(rng.standard_normal((total + 2, ps, Hkv, D)), ks)
+    vq = quantize(rng.standard_normal((total + 2, ps, Hkv, D)), vs)
+    w = flashcpp.BatchDecodeWithPagedKVCache(None, "NHD")
+    w.plan(indptr, pages, last, Hq, Hkv, D, ps, q_data_type="float32", kv_data_type=FP8)
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    o = w.run(q, (kq, vq), k_scale=ks, v_scale=vs)
+    for b, n in enumerate(lens):
+        pg = pages[indptr[b]:indptr[b + 1]]
+        j = np.arange(n)
+        ro, _ = attention_ref(q[b][None, None], dequantize(kq[pg[j // ps], j % ps], ks)[None],
+                              dequantize(vq[pg[j // ps], j % ps], vs)[None])
+        assert np.abs(o[b] - ro[0, 0]).max() <= tolerance(np.float32)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        w.run(q, (kq, vq))
+    # kv_data_type equal to q's dtype is the plain cache, as FlashInfer callers often pass it
+    w2 = flashcpp.BatchDecodeWithPagedKVCache(None, "NHD")
+    w2.plan(indptr, pages, last, Hq, Hkv, D, ps, q_data_type="float32", kv_data_type="float32")
+    o2 = w2.run(q, (dequantize(kq, ks).astype(np.float32), dequantize(vq, vs).astype(np.float32)))
+    assert np.abs(o2 - o).max() <= 2 * tolerance(np.float32)
