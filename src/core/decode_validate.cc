@@ -224,6 +224,12 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
       return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride,
                                  " is less than cache.pages_per_seq ", c.pages_per_seq,
                                  " (rows of the block table would overlap)"));
+    // The block table's extent, (batch - 1) * stride + pages_per_seq entries, in int64 (the
+    // kernels index it so); found by fuzz_decode_validate: a huge stride overflowed it.
+    if (p.batch > 1 && c.block_table_stride > (std::numeric_limits<std::int64_t>::max() / 4 - c.pages_per_seq) /
+                                                  (p.batch - 1))
+      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is too large: ", p.batch,
+                                 " rows of it do not fit in a byte span of 2^63"));
   } else {
     if (c.page_size < 0)
       return Status::Invalid(cat("cache.page_size ", c.page_size, " is negative (0 = contiguous cache)"));

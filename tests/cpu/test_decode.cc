@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -1278,6 +1279,10 @@ TEST(DecodeValidate, Messages) {
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.k_new = p.cache.k; }), "cache.k overlaps k_new"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.block_table_stride = 1; }),
                   "cache.block_table_stride 1 is less than cache.pages_per_seq"));
+  // A stride whose rows overflow the block table's int64 extent (found by fuzz_decode_validate,
+  // where the validator computed (batch - 1) * stride + pages_per_seq with signed overflow).
+  for (std::int64_t huge : {std::numeric_limits<std::int64_t>::max(), std::int64_t{4448920629541715389}})
+    EXPECT_TRUE(has(msg([huge](DecodeParams& p) { p.cache.block_table_stride = huge; }), "is too large"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.q.seq_stride = -64; }), "q.seq_stride -64 is negative"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.pages_per_seq = 0; }), "cache.pages_per_seq 0 must be >= 1"));
   EXPECT_TRUE(has(msg([](DecodeParams& p) { p.cache.page_size = 0; p.cache.capacity = 10; }),

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets with clang (libFuzzer + ASan + UBSan, no recovery) and runs each:
-#   fuzz_validate        flashcpp::validate() (tests/fuzz/fuzz_validate.cc)
-#   fuzz_engine_parsers  safetensors header/index and config.json parsers (tests/fuzz/fuzz_engine_parsers.cc)
+#   fuzz_validate         flashcpp::validate() of attention (tests/fuzz/fuzz_validate.cc)
+#   fuzz_decode_validate  flashcpp::validate() of decode (tests/fuzz/fuzz_decode_validate.cc)
+#   fuzz_engine_parsers   safetensors header/index and config.json parsers (tests/fuzz/fuzz_engine_parsers.cc)
 #
 #   tests/fuzz/run_fuzz.sh [BUILD_DIR]        (default build/fuzz)
 #   FUZZ_SECONDS=600 tests/fuzz/run_fuzz.sh   (total fuzzing time, split evenly; default 60 s)
 #   FUZZ_JOBS=2 ...                           (parallel fuzzing processes per target; default 1)
 #
-# Each target's corpus lives in BUILD_DIR/corpus (validate) or BUILD_DIR/corpus_engine and grows
-# across runs; crash inputs land in BUILD_DIR/artifacts/ or BUILD_DIR/artifacts_engine/. Both
-# targets always run; the exit status is non-zero on any crash, sanitizer report or oracle trap.
+# Each target's corpus lives in BUILD_DIR/corpus (validate), BUILD_DIR/corpus_decode or
+# BUILD_DIR/corpus_engine and grows across runs; crash inputs land in BUILD_DIR/artifacts/,
+# artifacts_decode/ or artifacts_engine/. Every target always runs; the exit status is non-zero on
+# any crash, sanitizer report or oracle trap.
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -17,10 +19,12 @@ build="${1:-build/fuzz}"
 case "$build" in /*) ;; *) build="$root/$build" ;; esac
 seconds="${FUZZ_SECONDS:-60}"
 jobs="${FUZZ_JOBS:-1}"
-# Half each; validate gets the odd second.
-seconds_engine=$(( seconds / 2 ))
-seconds_validate=$(( seconds - seconds_engine ))
+# A third each; attention's validate gets what the division leaves.
+seconds_engine=$(( seconds / 3 ))
+seconds_decode=$(( seconds / 3 ))
+seconds_validate=$(( seconds - seconds_engine - seconds_decode ))
 (( seconds_engine > 0 )) || seconds_engine=1
+(( seconds_decode > 0 )) || seconds_decode=1
 
 cxx="${CXX_FUZZ:-}"
 if [[ -z "$cxx" ]]; then
@@ -38,10 +42,13 @@ incs=(-I include -I src)
 [[ -d "$root/.deps/usr/include" ]] && incs+=(-isystem "$root/.deps/usr/include")
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
 
-mkdir -p "$build/corpus" "$build/artifacts" "$build/corpus_engine" "$build/artifacts_engine" "$build/seed_engine"
-echo "run_fuzz: building fuzz_validate and fuzz_engine_parsers with $cxx into $build"
+mkdir -p "$build/corpus" "$build/artifacts" "$build/corpus_engine" "$build/artifacts_engine" "$build/seed_engine" \
+  "$build/corpus_decode" "$build/artifacts_decode"
+echo "run_fuzz: building fuzz_validate, fuzz_decode_validate and fuzz_engine_parsers with $cxx into $build"
 (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc \
   -o "$build/fuzz_validate")
+(cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/decode_validate.cc src/core/names.cc \
+  tests/fuzz/fuzz_decode_validate.cc -o "$build/fuzz_decode_validate")
 (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" -DFMT_HEADER_ONLY src/engine/safetensors.cc src/engine/config.cc \
   src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc -o "$build/fuzz_engine_parsers")
 
@@ -135,6 +142,7 @@ run_one() {
 
 status=0
 run_one fuzz_validate "$seconds_validate" "$build/corpus" "$build/artifacts" "" || status=1
+run_one fuzz_decode_validate "$seconds_decode" "$build/corpus_decode" "$build/artifacts_decode" "" || status=1
 run_one fuzz_engine_parsers "$seconds_engine" "$build/corpus_engine" "$build/artifacts_engine" "$seed" \
   -dict="$build/engine.dict" || status=1
 exit "$status"
