@@ -12,8 +12,8 @@ import flashcpp  # noqa: E402
 from flashcpp.bench import host_overhead as ho  # noqa: E402
 
 ISSUE_COLUMNS = ["call", "shape", "dtype", "host_us", "cpu_us", "kernel_us", "peer", "peer_host_us", "peer_kernel_us"]
-# the calls with an eager fast path: a plain call must take it (flash_attn_with_kvcache has none yet)
-FAST = {"flash_attn_func", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary"}
+# the calls with an eager fast path: a plain call must take it
+FAST = {"flash_attn_func", "flash_attn_with_kvcache", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary"}
 
 
 def _positive(s):
