@@ -188,8 +188,9 @@ bool interleaved_disjoint(const void* a, std::int64_t ext_a, const void* b, std:
   if (step <= 0 || ext_a > step || ext_b > step) return false;
   const std::int64_t delta_bytes = static_cast<std::int64_t>(addr(b) - addr(a));
   if (delta_bytes % elem != 0) return false;
-  const std::int64_t r = ((delta_bytes / elem) % step + step) % step;
-  return ext_a <= r && r + ext_b <= step;
+  std::int64_t r = (delta_bytes / elem) % step;  // in (-step, step)
+  if (r < 0) r += step;
+  return ext_a <= r && ext_b <= step - r;  // (r + ext_b <= step without its overflow near 2^63)
 }
 
 /// Row-interleaved matrices: same row stride, each row's columns inside it.
@@ -206,8 +207,13 @@ bool views_disjoint(const TensorView& a, int heads_a, const TensorView& b, int h
   if (a.dtype != b.dtype) return false;
   const std::int64_t s = a.seq_stride;
   if (s <= 0 || b.seq_stride != s) return false;
-  if (batch > 1 && (a.batch_stride != seqlen * s || b.batch_stride != seqlen * s)) return false;
-  const std::int64_t ext_a = (heads_a - 1) * a.head_stride + dim, ext_b = (heads_b - 1) * b.head_stride + dim;
+  // In 128 bits: the views passed their own checks, but these products of their strides are not
+  // bounded there (fuzz_fused_validate found a sum past 2^63).
+  using i128 = __int128;
+  if (batch > 1 && (a.batch_stride != i128{seqlen} * s || b.batch_stride != i128{seqlen} * s)) return false;
+  const i128 wide_a = i128{heads_a - 1} * a.head_stride + dim, wide_b = i128{heads_b - 1} * b.head_stride + dim;
+  if (wide_a > s || wide_b > s) return false;  // interleaved_disjoint would say so too
+  const std::int64_t ext_a = static_cast<std::int64_t>(wide_a), ext_b = static_cast<std::int64_t>(wide_b);
   const auto elem = static_cast<std::int64_t>(dtype_size(a.dtype));
   return interleaved_disjoint(a.data, ext_a, b.data, ext_b, s, elem) ||
          interleaved_disjoint(b.data, ext_b, a.data, ext_a, s, elem);

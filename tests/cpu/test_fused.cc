@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -659,6 +660,21 @@ TEST(FusedValidate, SwigluSentences) {
   p.rows = 0;
   p.gate.data = nullptr;
   EXPECT_TRUE(Passes(validate(p, b)));
+  // One row, so the row stride is never stepped and may be anything: gate, up and out with a row
+  // stride near 2^63, out apart or written over the gate. The interleaving test computed
+  // (offset % stride + stride) and (offset + extent) in int64; fuzz_fused_validate found both
+  // overflowing (fixed in 128-bit-free forms).
+  for (std::int64_t stride : {std::numeric_limits<std::int64_t>::max(), std::numeric_limits<std::int64_t>::max() - 7}) {
+    p = silu_base();
+    p.rows = 1;
+    p.d = 8;
+    p.gate = MatrixView{fake(kX), DType::kBF16, stride};
+    p.up = MatrixView{fake(kX + 16), DType::kBF16, stride};  // right after the gate's 8 elements
+    p.out = MatrixView{fake(kR), DType::kBF16, 8};
+    EXPECT_TRUE(Passes(validate(p, b))) << stride;
+    p.out = MatrixView{fake(kX + 2), DType::kBF16, stride};  // written over the gate's row
+    EXPECT_TRUE(Invalid(validate(p, b), {"out overlaps gate"})) << stride;
+  }
 }
 
 RopeParams rot_base() {

@@ -2,15 +2,16 @@
 # Builds the libFuzzer targets with clang (libFuzzer + ASan + UBSan, no recovery) and runs each:
 #   fuzz_validate         flashcpp::validate() of attention (tests/fuzz/fuzz_validate.cc)
 #   fuzz_decode_validate  flashcpp::validate() of decode (tests/fuzz/fuzz_decode_validate.cc)
+#   fuzz_fused_validate   the fused ops' validate() (tests/fuzz/fuzz_fused_validate.cc)
 #   fuzz_engine_parsers   safetensors header/index and config.json parsers (tests/fuzz/fuzz_engine_parsers.cc)
 #
 #   tests/fuzz/run_fuzz.sh [BUILD_DIR]        (default build/fuzz)
 #   FUZZ_SECONDS=600 tests/fuzz/run_fuzz.sh   (total fuzzing time, split evenly; default 60 s)
 #   FUZZ_JOBS=2 ...                           (parallel fuzzing processes per target; default 1)
 #
-# Each target's corpus lives in BUILD_DIR/corpus (validate), BUILD_DIR/corpus_decode or
-# BUILD_DIR/corpus_engine and grows across runs; crash inputs land in BUILD_DIR/artifacts/,
-# artifacts_decode/ or artifacts_engine/. Every target always runs; the exit status is non-zero on
+# Each target's corpus lives in BUILD_DIR/corpus (validate), BUILD_DIR/corpus_decode,
+# BUILD_DIR/corpus_fused or BUILD_DIR/corpus_engine and grows across runs; crash inputs land in
+# BUILD_DIR/artifacts/, artifacts_decode/, artifacts_fused/ or artifacts_engine/. Every target always runs; the exit status is non-zero on
 # any crash, sanitizer report or oracle trap.
 set -euo pipefail
 
@@ -19,12 +20,14 @@ build="${1:-build/fuzz}"
 case "$build" in /*) ;; *) build="$root/$build" ;; esac
 seconds="${FUZZ_SECONDS:-60}"
 jobs="${FUZZ_JOBS:-1}"
-# A third each; attention's validate gets what the division leaves.
-seconds_engine=$(( seconds / 3 ))
-seconds_decode=$(( seconds / 3 ))
-seconds_validate=$(( seconds - seconds_engine - seconds_decode ))
+# A quarter each; attention's validate gets what the division leaves.
+seconds_engine=$(( seconds / 4 ))
+seconds_decode=$(( seconds / 4 ))
+seconds_fused=$(( seconds / 4 ))
+seconds_validate=$(( seconds - seconds_engine - seconds_decode - seconds_fused ))
 (( seconds_engine > 0 )) || seconds_engine=1
 (( seconds_decode > 0 )) || seconds_decode=1
+(( seconds_fused > 0 )) || seconds_fused=1
 
 cxx="${CXX_FUZZ:-}"
 if [[ -z "$cxx" ]]; then
@@ -43,12 +46,14 @@ incs=(-I include -I src)
 flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all)
 
 mkdir -p "$build/corpus" "$build/artifacts" "$build/corpus_engine" "$build/artifacts_engine" "$build/seed_engine" \
-  "$build/corpus_decode" "$build/artifacts_decode"
-echo "run_fuzz: building fuzz_validate, fuzz_decode_validate and fuzz_engine_parsers with $cxx into $build"
+  "$build/corpus_decode" "$build/artifacts_decode" "$build/corpus_fused" "$build/artifacts_fused"
+echo "run_fuzz: building fuzz_validate, fuzz_decode_validate, fuzz_fused_validate and fuzz_engine_parsers with $cxx into $build"
 (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc \
   -o "$build/fuzz_validate")
 (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/decode_validate.cc src/core/names.cc \
   tests/fuzz/fuzz_decode_validate.cc -o "$build/fuzz_decode_validate")
+(cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/fused_validate.cc src/core/names.cc \
+  tests/fuzz/fuzz_fused_validate.cc -o "$build/fuzz_fused_validate")
 (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" -DFMT_HEADER_ONLY src/engine/safetensors.cc src/engine/config.cc \
   src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc -o "$build/fuzz_engine_parsers")
 
@@ -143,6 +148,7 @@ run_one() {
 status=0
 run_one fuzz_validate "$seconds_validate" "$build/corpus" "$build/artifacts" "" || status=1
 run_one fuzz_decode_validate "$seconds_decode" "$build/corpus_decode" "$build/artifacts_decode" "" || status=1
+run_one fuzz_fused_validate "$seconds_fused" "$build/corpus_fused" "$build/artifacts_fused" "" || status=1
 run_one fuzz_engine_parsers "$seconds_engine" "$build/corpus_engine" "$build/artifacts_engine" "$seed" \
   -dict="$build/engine.dict" || status=1
 exit "$status"

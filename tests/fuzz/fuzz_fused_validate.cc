@@ -1,0 +1,170 @@
+// libFuzzer target for the fused ops' validators (include/flashcpp/fused.h): validate() of
+// RmsNormParams (with and without the residual), SiluMulParams and RopeParams, one per input.
+//
+// Decodes random sizes, row strides, dtypes (unknown codes included), eps, head dims, rotary
+// specs (styles, rotary_dim, theta, Llama-3 scaling, cos/sin tables and their row stride), q/k
+// views with any strides, in-place or separate outputs, positions and a backend. The contract:
+//   * validate() never crashes and never hits UB (ASan + UBSan, no recovery);
+//   * it never dereferences the tensors or the rotary tables: they are fake addresses;
+//   * it reads the positions array only inside its documented size (batch * seqlen int32), an
+//     exact-size heap block, so ASan stops a read one element past the end;
+//   * every failure carries a sentence and is invalid_argument or unsupported.
+//
+// Build and run: tests/fuzz/run_fuzz.sh.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+
+#include "flashcpp/fused.h"
+
+namespace {
+
+using namespace flashcpp;
+
+std::int64_t wmul(std::int64_t a, std::int64_t b) {
+  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) * static_cast<std::uint64_t>(b));
+}
+std::int64_t wadd(std::int64_t a, std::int64_t b) {
+  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(b));
+}
+
+constexpr std::int64_t kMaxHostEntries = 1 << 14;
+
+struct Decoder {
+  FuzzedDataProvider& f;
+  int in(int lo, int hi) { return f.ConsumeIntegralInRange<int>(lo, hi); }
+  bool rare(int one_in) { return in(0, one_in - 1) == 0; }
+  int size(int lo, int hi) { return rare(16) ? f.ConsumeIntegral<int>() : in(lo, hi); }
+  std::int64_t stride(std::int64_t natural) {
+    switch (in(0, 7)) {
+      case 0: return f.ConsumeIntegral<std::int64_t>();
+      case 1: return wadd(natural, in(-8, 8));
+      case 2: return 0;
+      default: return natural;
+    }
+  }
+  float real(float usual) {
+    switch (in(0, 9)) {
+      case 0: return std::numeric_limits<float>::quiet_NaN();
+      case 1: return std::numeric_limits<float>::infinity();
+      case 2: return -usual;
+      case 3: return 0.f;
+      case 4: return f.ConsumeFloatingPoint<float>();
+      default: return usual;
+    }
+  }
+  DType dtype(DType usual) { return rare(8) ? static_cast<DType>(in(0, 6)) : usual; }
+  /// A fake address (never read), 16-byte aligned unless rare, in one of 16 slots 4 GiB apart (so
+  /// that separate tensors mostly do not overlap, and sometimes share a slot).
+  void* fake() {
+    if (rare(30)) return nullptr;
+    const std::uintptr_t a = 0x100000000ull * static_cast<std::uintptr_t>(in(1, 16)) + (rare(20) ? in(1, 15) : 0);
+    return reinterpret_cast<void*>(a);
+  }
+  MatrixView matrix(DType dt, std::int64_t cols) { return MatrixView{fake(), dtype(dt), stride(cols)}; }
+  void view(TensorView* t, DType dt, int seq, int heads, int dim) {
+    t->data = fake();
+    t->dtype = dtype(dt);
+    t->head_stride = stride(dim);
+    t->seq_stride = stride(wmul(heads, dim));
+    t->batch_stride = stride(wmul(wmul(seq, heads), dim));
+  }
+};
+
+void check(const Status& st, const char* what) {
+  if (st.ok()) return;
+  const bool known = st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kUnsupported;
+  if (!known || st.message().empty()) {
+    std::fprintf(stderr, "validate(%s) failed without a sentence or with code %d: '%s'\n", what,
+                 static_cast<int>(st.code()), st.message().c_str());
+    std::abort();
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  FuzzedDataProvider fdp(data, size);
+  Decoder d{fdp};
+  const Backend backend = static_cast<Backend>(d.rare(30) ? d.in(4, 255) : d.in(0, 3));
+  const DType dt = static_cast<DType>(d.in(0, 2));
+  switch (d.in(0, 2)) {
+    case 0: {  // RMSNorm, with or without the residual
+      RmsNormParams p;
+      p.rows = d.size(0, 64);
+      p.hidden = d.size(0, 4096);
+      p.x = d.matrix(dt, p.hidden);
+      p.y = d.rare(4) ? p.x : d.matrix(dt, p.hidden);
+      const bool residual = d.f.ConsumeBool();
+      if (residual) {
+        p.residual = d.matrix(dt, p.hidden);
+        p.residual_out = d.rare(4) ? p.residual : d.matrix(dt, p.hidden);
+      }
+      p.weight = d.fake();
+      p.eps = d.real(1e-6f);
+      check(validate(p, residual, backend), "RmsNormParams");
+      break;
+    }
+    case 1: {  // SwiGLU
+      SiluMulParams p;
+      p.rows = d.size(0, 64);
+      p.d = d.size(0, 4096);
+      p.gate = d.matrix(dt, wmul(2, p.d));
+      if (d.rare(3) && p.gate.data != nullptr) {  // up inside gate's rows ([gate | up] of one projection)
+        const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(p.gate.data) + static_cast<std::uintptr_t>(d.in(0, 64));
+        p.up = MatrixView{reinterpret_cast<void*>(a), p.gate.dtype, p.gate.row_stride};
+      } else {
+        p.up = d.matrix(dt, p.d);
+      }
+      p.out = d.rare(4) ? p.gate : d.matrix(dt, p.d);
+      check(validate(p, backend), "SiluMulParams");
+      break;
+    }
+    default: {  // rotary
+      RopeParams p;
+      p.batch = d.rare(12) ? 0 : d.size(1, 4);
+      p.seqlen = d.size(0, 40);
+      p.heads_q = d.size(1, 8);
+      p.heads_k = d.f.ConsumeBool() ? 0 : d.size(1, 8);
+      p.head_dim = d.rare(8) ? d.size(0, 1100) : 2 * d.in(1, 128);
+      d.view(&p.q, dt, p.seqlen, p.heads_q, p.head_dim);
+      if (p.heads_k) d.view(&p.k, dt, p.seqlen, p.heads_k, p.head_dim);
+      if (d.f.ConsumeBool()) d.view(&p.q_out, dt, p.seqlen, p.heads_q, p.head_dim);
+      if (p.heads_k && d.f.ConsumeBool()) d.view(&p.k_out, dt, p.seqlen, p.heads_k, p.head_dim);
+      RotarySpec& r = p.rotary;
+      r.style = static_cast<RopeStyle>(d.rare(10) ? d.in(0, 3) : d.in(1, 2));
+      r.rotary_dim = d.rare(3) ? d.size(0, 300) : 0;
+      r.theta = d.real(10000.f);
+      if (d.rare(4)) r.llama3 = Llama3Scaling{d.real(8.f), d.real(1.f), d.real(4.f), d.size(0, 8192)};
+      if (d.rare(3)) {  // cos/sin tables (fake: the host never reads them)
+        r.cos = static_cast<const float*>(d.fake());
+        r.sin = d.rare(5) ? nullptr : static_cast<const float*>(d.fake());
+        r.max_position = d.size(0, 4096);
+        r.table_stride = d.rare(4) ? d.size(-2, 600) : 0;
+      }
+      // positions: an exact-size host array when small enough (else a fake address, and a backend
+      // that reads no host array)
+      std::unique_ptr<std::int32_t[]> pos;
+      Backend be = backend;
+      if (d.f.ConsumeBool()) {
+        const __int128 n = static_cast<__int128>(p.batch > 0 ? p.batch : 0) * (p.seqlen > 0 ? p.seqlen : 0);
+        if (n <= kMaxHostEntries) {
+          pos.reset(new std::int32_t[static_cast<std::size_t>(n) + (n == 0)]());
+          for (__int128 i = 0; i < n; ++i)
+            pos[static_cast<std::size_t>(i)] = d.rare(6) ? d.f.ConsumeIntegral<std::int32_t>() : d.in(0, 4200);
+          p.positions = pos.get();
+        } else {
+          p.positions = static_cast<const std::int32_t*>(d.fake());
+          if (be == Backend::kCpu || be == Backend::kCpuReference || be == Backend::kAuto) be = Backend::kCuda;
+        }
+      }
+      check(validate(p, be), "RopeParams");
+      break;
+    }
+  }
+  return 0;
+}
