@@ -365,8 +365,17 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
 Status check_positions_host(const RopeParams& p) {
   if (!p.rotary.has_tables()) return Status::Ok();
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  if (p.positions == nullptr) {
+    // Positions 0 .. seqlen - 1 in every sequence: the first one past the tables is token
+    // max(max_position, 0) of sequence 0. (Looping over the tokens, as for an array, took seconds
+    // for a problem with billions of them: found by fuzz_fused_validate.)
+    if (tokens <= 0 || p.seqlen <= p.rotary.max_position) return Status::Ok();
+    const std::int64_t t = std::max(p.rotary.max_position, 0);
+    return Status::Invalid(cat("position ", t, " of token ", t, " is outside the cos/sin tables' rows [0, max_position ",
+                               p.rotary.max_position, ")"));
+  }
   for (std::int64_t t = 0; t < tokens; ++t) {
-    const std::int64_t pos = p.positions ? p.positions[t] : t % p.seqlen;
+    const std::int64_t pos = p.positions[t];
     if (pos < 0 || pos >= p.rotary.max_position)
       return Status::Invalid(cat("position ", pos, " of token ", t, " is outside the cos/sin tables' rows [0, max_position ",
                                  p.rotary.max_position, ")"));

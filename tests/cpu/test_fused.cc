@@ -689,6 +689,26 @@ RopeParams rot_base() {
   return p;
 }
 
+// Tables without a positions array: the positions are 0 .. seqlen - 1 of every sequence, checked
+// at once however many tokens there are (a loop over them took seconds near 2^31 tokens, which
+// fuzz_fused_validate reported as a slow unit).
+TEST(FusedValidate, PositionsWithoutAnArrayAreCheckedAtOnce) {
+  RopeParams p;
+  p.batch = 1 << 20;
+  p.seqlen = 2047;  // 2^31 - 2^20 tokens, under the 2^31 - 1 limit
+  p.heads_q = 1;
+  p.heads_k = 0;
+  p.head_dim = 64;
+  p.q = bshd_view(fake(kX), DType::kBF16, 2047, 1, 64);  // 256 GiB: never read
+  p.rotary.cos = static_cast<const float*>(fake(kX + (std::uintptr_t{1} << 40)));
+  p.rotary.sin = static_cast<const float*>(fake(kX + (std::uintptr_t{1} << 41)));
+  p.rotary.max_position = 4096;
+  EXPECT_TRUE(Passes(validate(p, Backend::kCpu)));
+  p.rotary.max_position = 100;
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu),
+                      {"position 100 of token 100 is outside the cos/sin tables' rows [0, max_position 100)"}));
+}
+
 TEST(FusedValidate, RotarySentences) {
   const Backend b = Backend::kCuda;
   EXPECT_TRUE(Passes(validate(rot_base(), b)));
