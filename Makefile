@@ -98,7 +98,7 @@ endif
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	cd /tmp && $(PYTHON) -m pytest -q -p no:cacheprovider $(CURDIR)/tests/python
 
-# Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused,decode,masks,engine,numerics}.
+# Peers vs flashcpp in one process per area; writes reports/{prefill,hopper,fused,decode,masks,engine,integrations,numerics}.
 bench: build
 	$(PYTHON) -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py .
 	mkdir -p $(BENCH_DIR)/numerics
@@ -107,6 +107,7 @@ bench: build
 	$(call timed,decode,cd /tmp && $(AREA_ENV) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode && $(AREA_ENV) -m flashcpp.bench.decode --grid $(if $(QUICK),--grid-max-seconds 60) --out $(BENCH_DIR)/decode)
 	$(call timed,masks,cd /tmp && $(AREA_ENV) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks)
 	$(call timed,engine,cd /tmp && $(AREA_ENV) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine)
+	$(call timed,host overhead,cd /tmp && $(AREA_ENV) -m flashcpp.bench.host_overhead --device cuda $(BENCH_FLAGS) --out $(BENCH_DIR)/integrations)
 	$(call timed,audit,./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json)
 	$(call timed,plots$(comma) roofline$(comma) summary$(if $(COMPARE_REF), and compare),cd /tmp && $(PYTHON) -m flashcpp.bench.finish $(BENCH_DIR) $(if $(COMPARE_REF),--reference $(COMPARE_REF)))
 
