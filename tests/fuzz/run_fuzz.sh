@@ -48,14 +48,27 @@ flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
 mkdir -p "$build/corpus" "$build/artifacts" "$build/corpus_engine" "$build/artifacts_engine" "$build/seed_engine" \
   "$build/corpus_decode" "$build/artifacts_decode" "$build/corpus_fused" "$build/artifacts_fused"
 echo "run_fuzz: building fuzz_validate, fuzz_decode_validate, fuzz_fused_validate and fuzz_engine_parsers with $cxx into $build"
-(cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc \
-  -o "$build/fuzz_validate")
-(cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/decode_validate.cc src/core/names.cc \
-  tests/fuzz/fuzz_decode_validate.cc -o "$build/fuzz_decode_validate")
-(cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" src/core/fused_validate.cc src/core/names.cc \
-  tests/fuzz/fuzz_fused_validate.cc -o "$build/fuzz_fused_validate")
-(cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" -DFMT_HEADER_ONLY src/engine/safetensors.cc src/engine/config.cc \
-  src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc -o "$build/fuzz_engine_parsers")
+# The four builds, two at a time (FUZZ_BUILD_JOBS; each is one clang process per source).
+build_jobs="${FUZZ_BUILD_JOBS:-2}"
+pids=()
+compile() {  # compile OUTPUT SOURCES/FLAGS...: in the background, at most build_jobs at once
+  local out="$1"
+  shift
+  while (( $(jobs -rp | wc -l) >= build_jobs )); do wait -n || true; done
+  (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" "$@" -o "$build/$out") &
+  pids+=($!)
+}
+# The engine parsers first: the longest build (fmt and JSON headers), beside the three others.
+compile fuzz_engine_parsers -DFMT_HEADER_ONLY src/engine/safetensors.cc src/engine/config.cc src/core/names.cc \
+  tests/fuzz/fuzz_engine_parsers.cc
+compile fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc
+compile fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc
+compile fuzz_fused_validate src/core/fused_validate.cc src/core/names.cc tests/fuzz/fuzz_fused_validate.cc
+built=0
+for pid in "${pids[@]}"; do wait "$pid" && built=$(( built + 1 )); done
+for t in fuzz_validate fuzz_decode_validate fuzz_fused_validate fuzz_engine_parsers; do
+  [[ -x "$build/$t" ]] || { echo "run_fuzz: building $t failed (see above)" >&2; exit 2; }
+done
 
 # Seeds and a dictionary for the engine parsers (first byte: 3 = JSON header, 0 = raw file,
 # 1 = index, 2 = config; see fuzz_engine_parsers.cc).
