@@ -39,6 +39,38 @@ _INT32_MAX = 2**31 - 1
 BACKENDS = ("auto", "cpu", "cpu-reference", "cuda")
 
 
+# ---- what the eager fast paths share (attention.py, fused.py, _decode.py) -------------------------
+# A fast path takes plain tensors (not subclasses such as FakeTensor) of these dtypes, on the host or
+# the current CUDA device, fills the binding's params itself, and leaves every check to the C++
+# validator; anything else runs the general path.
+FAST_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
+FAST_CODES = {} if torch is None else {torch.float16: _C.DTYPE_F16, torch.bfloat16: _C.DTYPE_BF16,
+                                       torch.float32: _C.DTYPE_F32}
+_raw_stream = None if torch is None else getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def fast_device(device: Any, dtype: Any, fp32_on_cuda: bool = False) -> Optional[Tuple[str, int]]:
+    """(backend, stream) of a fast-path call on `device`: the host, or the current CUDA device with
+    its current stream (torch's raw-stream accessor); None for anything else, and for fp32 on CUDA
+    unless the kernels take it (`fp32_on_cuda`)."""
+    if device.type == "cpu":
+        return "cpu", 0
+    if (device.type != "cuda" or _raw_stream is None or (dtype == torch.float32 and not fp32_on_cuda)
+            or device.index != torch.cuda.current_device()):
+        return None
+    return "cuda", _raw_stream(device.index)
+
+
+def fast_view(t: Any, code: int) -> Any:
+    """The TensorView of a 4-D tensor with a contiguous last dim, as tensor_view makes it (a size-1
+    dim gets the extent as its stride: _view), without a Meta; None for anything else."""
+    if type(t) not in FAST_TYPES or t.dim() != 4 or t.stride(3) != 1:
+        return None
+    sh, st = t.shape, t.stride()
+    extent = 1 + sum((n - 1) * x for n, x in zip(sh, st) if n > 0)
+    return _C.TensorView(t.data_ptr(), code, st[0] if sh[0] > 1 else extent, st[1] if sh[1] > 1 else extent,
+                         st[2] if sh[2] > 1 else extent)
+
 def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 

@@ -63,19 +63,28 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def _names_fp8(kv_dtype: Any) -> bool:
+    """Whether a dtype (torch, numpy/ml_dtypes or a name: 'float8_e4m3fn', 'fp8', 'fp8_e4m3',
+    'e4m3') is fp8 e4m3."""
+    torch = _core.torch
+    if isinstance(kv_dtype, str):
+        name = kv_dtype
+    elif torch is not None and isinstance(kv_dtype, torch.dtype):
+        name = str(kv_dtype).replace("torch.", "")
+    else:
+        try:
+            name = np.dtype(kv_dtype).name
+        except TypeError:
+            return False
+    return name in (FP8_E4M3, "fp8", "fp8_e4m3", "e4m3")
+
+
 def _kv_dtype_name(kv_dtype: Any, dtype: str) -> str:
     """The cache's dtype name: None = q's dtype (`dtype`), else q's dtype or fp8 e4m3."""
     if kv_dtype is None:
         return dtype
-    torch = _core.torch
-    if torch is not None and isinstance(kv_dtype, torch.dtype):
-        name = str(kv_dtype).replace("torch.", "")
-    elif isinstance(kv_dtype, str):
-        name = {"fp8": FP8_E4M3, "fp8_e4m3": FP8_E4M3, "e4m3": FP8_E4M3}.get(kv_dtype, kv_dtype)
-    else:
-        name = np.dtype(kv_dtype).name
-    if name == FP8_E4M3:
-        return name
+    if _names_fp8(kv_dtype):
+        return FP8_E4M3
     try:
         name = _dtype_name(kv_dtype)
     except TypeError:
@@ -84,17 +93,6 @@ def _kv_dtype_name(kv_dtype: Any, dtype: str) -> str:
         raise TypeError(f"kv_dtype {kv_dtype!r}: the cache holds q's dtype ({dtype}) or {FP8_E4M3} (with k_scale "
                         "and v_scale)")
     return name
-
-
-def _names_fp8(kv_dtype: Any) -> bool:
-    """Whether a dtype (torch, numpy/ml_dtypes or a name) is fp8 e4m3."""
-    try:
-        name = str(kv_dtype).replace("torch.", "") if not isinstance(kv_dtype, str) else kv_dtype
-        if not isinstance(kv_dtype, str) and not (_core.torch is not None and isinstance(kv_dtype, _core.torch.dtype)):
-            name = np.dtype(kv_dtype).name
-    except TypeError:
-        return False
-    return name in (FP8_E4M3, "fp8", "fp8_e4m3", "e4m3")
 
 
 def _scales(k_scale: Any, v_scale: Any, fp8: bool, heads_kv: int, like: Any, is_cuda: bool, device: Any,
@@ -849,29 +847,12 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 # and the new k/v; int32 cache_seqlens and block_table tensors there; no rotary, ALiBi, fp8 scales,
 # cache_batch_idx or cache_leftpad) fills DecodeParams straight from shapes, strides and pointers
 # and runs the plan: on CUDA the plan of the shape, made as the general path makes it (for full
-# caches) and kept in a table of its own keyed by plain values; on the host a plan for this call's
+# caches) and kept in the same plan table under a key of plain values; on the host a plan for this call's
 # lengths (host lengths: the C++ validator checks them). Anything else, a first call under CUDA
 # graph capture included, runs the general path with its Python checks and sentences.
 # tests/python/test_kvcache_fast_path.py.
 torch = _core.torch
-_FAST_KV_CODES = {} if torch is None else {torch.float16: _C.DTYPE_F16, torch.bfloat16: _C.DTYPE_BF16,
-                                          torch.float32: _C.DTYPE_F32}
-_FAST_KV_NAMES = {} if torch is None else {torch.float16: "float16", torch.bfloat16: "bfloat16",
-                                          torch.float32: "float32"}
-_FAST_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
-_raw_stream = None if torch is None else getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_FAST_PLANS: "collections.OrderedDict[tuple, BatchDecodeWithKVCache]" = collections.OrderedDict()
-
-
-def _plain_view4(t: Any, code: int) -> Any:
-    """TensorView of a 4-D tensor as _core.tensor_view makes it (a size-1 dim gets the extent as
-    its stride), or None when the fast path does not take it."""
-    if type(t) not in _FAST_TYPES or t.dim() != 4 or t.stride(3) != 1:
-        return None
-    sh, st = t.shape, t.stride()
-    extent = 1 + sum((n - 1) * x for n, x in zip(sh, st) if n > 0)
-    return _C.TensorView(t.data_ptr(), code, st[0] if sh[0] > 1 else extent, st[1] if sh[1] > 1 else extent,
-                         st[2] if sh[2] > 1 else extent)
+_FAST_TYPES = _core.FAST_TYPES
 
 
 def _int32_on(x: Any, device: Any) -> bool:
@@ -882,7 +863,7 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
                   softcap, num_splits, return_lse) -> Any:
     """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply."""
     dt = q.dtype
-    code = _FAST_KV_CODES.get(dt)
+    code = _core.FAST_CODES.get(dt)
     if code is None or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         return None
     dev = q.device
@@ -917,37 +898,30 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         ps, slots = 0, k_cache.shape[1]
     if news and (tuple(k.shape) != (B, Sq, Hkv, D) or tuple(v.shape) != (B, Sq, Hkv, Dv) or slots < Sq):
         return None
-    if dev.type == "cuda":
-        if _raw_stream is None or dt == torch.float32 or dev.index != torch.cuda.current_device():
-            return None
-        stream = _raw_stream(dev.index)
-    elif dev.type == "cpu":
-        stream = 0
-    else:
+    where = _core.fast_device(dev, dt)
+    if where is None:
         return None
-    views = [_plain_view4(t, code) for t in (q, k_cache, v_cache) + news]
+    views = [_core.fast_view(t, code) for t in (q, k_cache, v_cache) + news]
     if any(x is None for x in views):
         return None
     window = (-1, -1) if window_size == (-1, -1) else _core.check_window(window_size)
     cfg = dict(seqlen_q=Sq, kv_capacity=slots, page_size=ps, append=bool(news), causal=bool(causal),
                window_size=window, softcap=float(softcap), sm_scale=softmax_scale, rotary=None, rope_theta=10000.0,
-               dtype=_FAST_KV_NAMES[dt], device=dev if dev.type == "cuda" else "cpu", num_splits=num_splits,
+               dtype=_core._TORCH_DTYPE_NAMES[dt], device=dev if dev.type == "cuda" else "cpu", num_splits=num_splits,
                head_dim_v=Dv, kv_dtype=None)
     shape = (B, Hq, Hkv, D)
     if dev.type == "cuda":
-        key = (dev.index, shape, Sq, Dv, slots, ps, bool(news), bool(causal), window, float(softcap), softmax_scale,
-               dt, num_splits)
-        w = _FAST_PLANS.get(key)
-        if w is None:
-            if _capturing(dev):
-                return None  # the general path says why a first call cannot be captured
+        key = ("fast", dev.index, shape, Sq, Dv, slots, ps, bool(news), bool(causal), window, float(softcap),
+               softmax_scale, dt, num_splits)
+        if key not in _PLAN_CACHE and _capturing(dev):
+            return None  # the general path says why a first call cannot be captured
+
+        def make() -> BatchDecodeWithKVCache:
             w = BatchDecodeWithKVCache()
             w.plan(*shape, **cfg)  # waits for the work-list upload: later calls may use any stream
-            _FAST_PLANS[key] = w
-            while len(_FAST_PLANS) > _PLAN_CACHE_SIZE:
-                _FAST_PLANS.popitem(last=False)
-        else:
-            _FAST_PLANS.move_to_end(key)
+            return w
+
+        w = _cached_plan(key, make)
     else:
         w = BatchDecodeWithKVCache()
         w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **cfg)
@@ -958,7 +932,7 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim = B, Sq, Hq, Hkv, D
     p.head_dim_v = Dv
     p.q = views[0]
-    p.o = _plain_view4(out, code)
+    p.o = _core.fast_view(out, code)
     p.lse = 0 if lse is None else lse.data_ptr()
     cache = p.cache
     cache.k, cache.v = views[1], views[2]
@@ -970,11 +944,10 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     p.cache_seqlens = cache_seqlens.data_ptr()
     if news:
         p.k_new, p.v_new = views[3], views[4]
-    p.rotary = _rotary_spec(_C.ROPE_NONE, 0, D, c["rope_theta"])
     p.softmax_scale = c["scale"]
     m = p.mask
     m.causal, m.window_left, m.window_right, m.softcap = c["causal"], c["window"][0], c["window"][1], c["softcap"]
-    _C.decode_run(p, w._plan, _C.RunOptions("cuda" if dev.type == "cuda" else "cpu", stream, 0))
+    _C.decode_run(p, w._plan, _C.RunOptions(where[0], where[1], 0))
     return out, lse
 
 

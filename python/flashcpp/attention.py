@@ -133,21 +133,15 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 # shapes, strides and pointers. The C++ validator checks those params as it checks every call; a
 # shape the fast path cannot read plainly (empty, mismatched, float64, other devices) runs the
 # general path with its Python checks and sentences. tests/python/test_attention_fast_path.py.
-_FAST_ATTN_CODES = {} if torch is None else {torch.float16: _core._DTYPE_CODES["float16"],
-                                             torch.bfloat16: _core._DTYPE_CODES["bfloat16"],
-                                             torch.float32: _core._DTYPE_CODES["float32"]}
-_FAST_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
-_raw_stream = None if torch is None else getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_FAST_TYPES = _core.FAST_TYPES
 
 
 def _plain_view(t: Any, code: int) -> Any:
-    """The TensorView of a 4-D tensor the fast path takes (None when it does not)."""
-    if type(t) not in _FAST_TYPES or t.dim() != 4 or t.stride(3) != 1:
+    """The TensorView of a 4-D tensor the fast path takes (None when it does not): _core.fast_view,
+    but a tensor with a size-1 dim must be contiguous (the general path's sentences about strides)."""
+    if type(t) not in _FAST_TYPES or (1 in t.shape and not t.is_contiguous()):
         return None
-    if 1 in t.shape and not t.is_contiguous():  # a size-1 dim's stride is arbitrary then: _core._view's job
-        return None
-    st = t.stride()
-    return _C.TensorView(t.data_ptr(), code, st[0], st[1], st[2])
+    return _core.fast_view(t, code)
 
 
 def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse) -> Any:
@@ -155,7 +149,7 @@ def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, retur
     if type(k) not in _FAST_TYPES or type(v) not in _FAST_TYPES:
         return None
     dt = q.dtype
-    code = _FAST_ATTN_CODES.get(dt)
+    code = _core.FAST_CODES.get(dt)
     if code is None or k.dtype != dt or v.dtype != dt or q.requires_grad or k.requires_grad or v.requires_grad:
         return None
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -168,13 +162,8 @@ def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, retur
     dev = q.device
     if k.device != dev or v.device != dev:
         return None
-    if dev.type == "cuda":
-        if _raw_stream is None or dt == torch.float32 or dev.index != torch.cuda.current_device():
-            return None
-        backend, stream = "cuda", _raw_stream(dev.index)
-    elif dev.type == "cpu":
-        backend, stream = "cpu", 0
-    else:
+    where = _core.fast_device(dev, dt)
+    if where is None:
         return None
     vq, vk, vv = _plain_view(q, code), _plain_view(k, code), _plain_view(v, code)
     if vq is None or vk is None or vv is None:
@@ -188,12 +177,12 @@ def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, retur
     p.batch, p.seqlen_q, p.seqlen_k = B, Sq, Sk
     p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = Hq, Hkv, D, Dv
     p.q, p.k, p.v = vq, vk, vv
-    p.o = _C.TensorView(out.data_ptr(), code, Sq * Hq * Dv, Hq * Dv, Dv)
+    p.o = _core.fast_view(out, code)
     p.lse = 0 if lse is None else lse.data_ptr()
     p.softmax_scale = float(scale)
     m = p.mask
     m.causal, m.window_left, m.window_right, m.softcap = bool(causal), wl, wr, float(softcap)
-    _C.attention_forward(p, _C.RunOptions(backend, stream, 0, ""))
+    _C.attention_forward(p, _C.RunOptions(where[0], where[1], 0, ""))
     return out, lse
 
 

@@ -88,8 +88,7 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not built in flashcpp decode")
     if (type(q) in _FAST_TYPES and rotary_cos is None and rotary_sin is None and rope_theta is None
-            and alibi_slopes is None and k_scale is None and v_scale is None and type(k_cache) in _FAST_TYPES
-            and type(v_cache) in _FAST_TYPES and not torch.compiler.is_compiling()):
+            and alibi_slopes is None and k_scale is None and v_scale is None and not torch.compiler.is_compiling()):
         fast = _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                              window_size, softcap, num_splits, return_softmax_lse)
         if fast is not None:

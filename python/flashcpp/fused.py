@@ -132,10 +132,8 @@ def _matrix(x: Any, dtype_code: int, row_stride: int) -> Any:
 # (numpy, strides, out=, another backend, a device that is not the current one, an empty tensor)
 # runs the general path below with its Python checks. That path costs ~14 us of Python per call,
 # this one ~2 (CPU tensors, 2026-12-03; tests/python/test_fused_fast_path.py).
-_FAST_CODES = {} if torch is None else {torch.float16: _C.DTYPE_F16, torch.bfloat16: _C.DTYPE_BF16,
-                                        torch.float32: _C.DTYPE_F32}
-_FAST_TYPES = () if torch is None else (torch.Tensor, torch.nn.Parameter)
-_raw_stream = None if torch is None else getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_FAST_CODES = _core.FAST_CODES
+_FAST_TYPES = _core.FAST_TYPES
 
 
 def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
@@ -152,13 +150,8 @@ def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
     for t in written:
         if t.requires_grad:
             return None
-    if dev.type == "cuda":
-        if _raw_stream is None or dev.index != torch.cuda.current_device():
-            return None
-        return _C.RunOptions("cuda", _raw_stream(dev.index), cpu_threads, "")
-    if dev.type != "cpu":
-        return None
-    return _C.RunOptions("cpu", 0, cpu_threads, "")
+    where = _core.fast_device(dev, dt, fp32_on_cuda=True)  # the fused CUDA kernels' answer on fp32 is theirs
+    return None if where is None else _C.RunOptions(where[0], where[1], cpu_threads, "")
 
 
 def _fast_norm(x, residual, weight, eps, cpu_threads) -> Any:
