@@ -16,79 +16,19 @@
 // model); fuzz_validate.cc does that for attention.
 //
 // Build and run: tests/fuzz/run_fuzz.sh.
-#include <fuzzer/FuzzedDataProvider.h>
-
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <limits>
-#include <memory>
 
 #include "flashcpp/decode.h"
+#include "fuzz_common.h"
 
 namespace {
 
 using namespace flashcpp;
-
-// Wrapping int64 arithmetic: the decoder builds "natural" strides from fuzzed extents and must
-// not overflow itself.
-std::int64_t wmul(std::int64_t a, std::int64_t b) {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) * static_cast<std::uint64_t>(b));
-}
-std::int64_t wadd(std::int64_t a, std::int64_t b) {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(b));
-}
-
-template <class T>
-struct HostArray {
-  std::unique_ptr<T[]> mem;
-  void alloc(std::int64_t n) { mem.reset(new T[static_cast<std::size_t>(n)]()); }
-  T* data() const { return mem.get(); }
-};
-
-/// Host arrays above this many entries are not built (the field gets a fake address and the
-/// backend becomes one that does not read host arrays).
-constexpr std::int64_t kMaxHostEntries = 1 << 14;
-
-struct Decoder {
-  FuzzedDataProvider& f;
-  int in(int lo, int hi) { return f.ConsumeIntegralInRange<int>(lo, hi); }
-  bool rare(int one_in) { return in(0, one_in - 1) == 0; }
-  /// Small values mostly, anything sometimes.
-  int size(int lo, int hi) { return rare(16) ? f.ConsumeIntegral<int>() : in(lo, hi); }
-  std::int64_t stride(std::int64_t natural) {
-    switch (in(0, 7)) {
-      case 0: return f.ConsumeIntegral<std::int64_t>();
-      case 1: return wadd(natural, in(-8, 8));
-      case 2: return 0;
-      default: return natural;
-    }
-  }
-  float real(float usual) {
-    switch (in(0, 9)) {
-      case 0: return std::numeric_limits<float>::quiet_NaN();
-      case 1: return std::numeric_limits<float>::infinity();
-      case 2: return -usual;
-      case 3: return 0.f;
-      case 4: return f.ConsumeFloatingPoint<float>();
-      default: return usual;
-    }
-  }
-  DType dtype(DType usual) { return rare(8) ? static_cast<DType>(in(0, 6)) : usual; }
-  /// A fake address (never read), 16-byte aligned unless rare.
-  void* fake(int slot) {
-    if (rare(30)) return nullptr;
-    const std::uintptr_t a = 0x100000000ull * static_cast<std::uintptr_t>(slot + 1) + (rare(20) ? in(1, 15) : 0);
-    return reinterpret_cast<void*>(a);
-  }
-  void view(TensorView* t, DType dt, int seq, int heads, int dim, int slot) {
-    t->data = fake(slot);
-    t->dtype = dtype(dt);
-    t->head_stride = stride(dim);
-    t->seq_stride = stride(wmul(heads, dim));
-    t->batch_stride = stride(wmul(wmul(seq, heads), dim));
-  }
-};
+using fuzz::HostArray;
+using fuzz::kMaxHostEntries;
+using fuzz::wadd;
+using fuzz::wmul;
+using Decoder = fuzz::Fields;
 
 struct Case {
   DecodeParams p;
@@ -199,14 +139,6 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   FuzzedDataProvider f(data, size);
   Case c;
   decode(f, &c);
-  const Status st = validate(c.p, c.backend);
-  if (!st.ok()) {
-    const bool known = st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kUnsupported;
-    if (!known || st.message().empty()) {
-      std::fprintf(stderr, "validate(decode) failed without a sentence or with code %d: '%s'\n",
-                   static_cast<int>(st.code()), st.message().c_str());
-      std::abort();
-    }
-  }
+  fuzz::expect_sentence(validate(c.p, c.backend), "DecodeParams");
   return 0;
 }

@@ -11,85 +11,31 @@
 //   * every failure carries a sentence and is invalid_argument or unsupported.
 //
 // Build and run: tests/fuzz/run_fuzz.sh.
-#include <fuzzer/FuzzedDataProvider.h>
-
 #include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <limits>
 #include <memory>
 
 #include "flashcpp/fused.h"
+#include "fuzz_common.h"
 
 namespace {
 
 using namespace flashcpp;
+using fuzz::kMaxHostEntries;
+using fuzz::wmul;
 
-std::int64_t wmul(std::int64_t a, std::int64_t b) {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) * static_cast<std::uint64_t>(b));
-}
-std::int64_t wadd(std::int64_t a, std::int64_t b) {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(b));
-}
-
-constexpr std::int64_t kMaxHostEntries = 1 << 14;
-
-struct Decoder {
-  FuzzedDataProvider& f;
-  int in(int lo, int hi) { return f.ConsumeIntegralInRange<int>(lo, hi); }
-  bool rare(int one_in) { return in(0, one_in - 1) == 0; }
-  int size(int lo, int hi) { return rare(16) ? f.ConsumeIntegral<int>() : in(lo, hi); }
-  std::int64_t stride(std::int64_t natural) {
-    switch (in(0, 7)) {
-      case 0: return f.ConsumeIntegral<std::int64_t>();
-      case 1: return wadd(natural, in(-8, 8));
-      case 2: return 0;
-      default: return natural;
-    }
-  }
-  float real(float usual) {
-    switch (in(0, 9)) {
-      case 0: return std::numeric_limits<float>::quiet_NaN();
-      case 1: return std::numeric_limits<float>::infinity();
-      case 2: return -usual;
-      case 3: return 0.f;
-      case 4: return f.ConsumeFloatingPoint<float>();
-      default: return usual;
-    }
-  }
-  DType dtype(DType usual) { return rare(8) ? static_cast<DType>(in(0, 6)) : usual; }
-  /// A fake address (never read), 16-byte aligned unless rare, in one of 16 slots 4 GiB apart (so
-  /// that separate tensors mostly do not overlap, and sometimes share a slot).
-  void* fake() {
-    if (rare(30)) return nullptr;
-    const std::uintptr_t a = 0x100000000ull * static_cast<std::uintptr_t>(in(1, 16)) + (rare(20) ? in(1, 15) : 0);
-    return reinterpret_cast<void*>(a);
-  }
+/// The fields of fuzz_common.h; tensors at fake addresses in one of 16 slots 4 GiB apart (so that
+/// separate tensors mostly do not overlap, and sometimes share a slot).
+struct Decoder : fuzz::Fields {
+  void* fake() { return Fields::fake(in(0, 15)); }
   MatrixView matrix(DType dt, std::int64_t cols) { return MatrixView{fake(), dtype(dt), stride(cols)}; }
-  void view(TensorView* t, DType dt, int seq, int heads, int dim) {
-    t->data = fake();
-    t->dtype = dtype(dt);
-    t->head_stride = stride(dim);
-    t->seq_stride = stride(wmul(heads, dim));
-    t->batch_stride = stride(wmul(wmul(seq, heads), dim));
-  }
+  void view(TensorView* t, DType dt, int seq, int heads, int dim) { Fields::view(t, dt, seq, heads, dim, in(0, 15)); }
 };
-
-void check(const Status& st, const char* what) {
-  if (st.ok()) return;
-  const bool known = st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kUnsupported;
-  if (!known || st.message().empty()) {
-    std::fprintf(stderr, "validate(%s) failed without a sentence or with code %d: '%s'\n", what,
-                 static_cast<int>(st.code()), st.message().c_str());
-    std::abort();
-  }
-}
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider fdp(data, size);
-  Decoder d{fdp};
+  Decoder d{{fdp}};
   const Backend backend = static_cast<Backend>(d.rare(30) ? d.in(4, 255) : d.in(0, 3));
   const DType dt = static_cast<DType>(d.in(0, 2));
   switch (d.in(0, 2)) {
@@ -106,7 +52,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       p.weight = d.fake();
       p.eps = d.real(1e-6f);
-      check(validate(p, residual, backend), "RmsNormParams");
+      fuzz::expect_sentence(validate(p, residual, backend), "RmsNormParams");
       break;
     }
     case 1: {  // SwiGLU
@@ -121,7 +67,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         p.up = d.matrix(dt, p.d);
       }
       p.out = d.rare(4) ? p.gate : d.matrix(dt, p.d);
-      check(validate(p, backend), "SiluMulParams");
+      fuzz::expect_sentence(validate(p, backend), "SiluMulParams");
       break;
     }
     default: {  // rotary
@@ -162,7 +108,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           if (be == Backend::kCpu || be == Backend::kCpuReference || be == Backend::kAuto) be = Backend::kCuda;
         }
       }
-      check(validate(p, be), "RopeParams");
+      fuzz::expect_sentence(validate(p, be), "RopeParams");
       break;
     }
   }

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "flashcpp/attention.h"
+#include "fuzz_common.h"
 
 namespace {
 
@@ -38,9 +39,7 @@ constexpr i128 kI32Max = std::numeric_limits<std::int32_t>::max();
 constexpr u128 kAddrEnd = static_cast<u128>(std::numeric_limits<std::uintptr_t>::max());
 /// Tensors with at most this many rows are checked row by row.
 constexpr i128 kBruteRows = 1 << 12;
-/// Host mask arrays are only built up to this many entries; beyond it the backend becomes one
-/// that does not read them.
-constexpr std::int64_t kMaxHostEntries = 1 << 14;
+using fuzz::kMaxHostEntries;  // host mask arrays are built up to it; beyond, a backend that reads none
 
 // ---- decoding ------------------------------------------------------------------------------
 //
@@ -49,27 +48,9 @@ constexpr std::int64_t kMaxHostEntries = 1 << 14;
 // offsets at INT32_MAX, sequence lengths at the maximum, adjacent buffers), "wild" inputs
 // corrupt every field freely.
 
-// Wrapping int64 arithmetic: the decoder builds "natural" strides from fuzzed (possibly huge)
-// extents and must not overflow itself (UBSan would stop the run).
-std::int64_t wmul(std::int64_t a, std::int64_t b) {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) * static_cast<std::uint64_t>(b));
-}
-std::int64_t wadd(std::int64_t a, std::int64_t b) {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(a) + static_cast<std::uint64_t>(b));
-}
-
-/// Exact-size host array: a read one past the end is an ASan error. Size 0 is a valid,
-/// non-null, unreadable block.
-template <class T>
-struct HostArray {
-  std::unique_ptr<T[]> mem;
-  std::int64_t n = 0;
-  void alloc(std::int64_t count) {
-    n = count;
-    mem.reset(new T[static_cast<std::size_t>(count)]());
-  }
-  T* data() const { return mem.get(); }
-};
+using fuzz::HostArray;
+using fuzz::wadd;
+using fuzz::wmul;
 
 struct Case {
   AttnParams p;
