@@ -38,9 +38,9 @@
 //
 // Backends. Backend::kCpuReference (fp64, src/cpu/reference_backward.cc: recomputes P and D
 // exactly from q, k, v and dout and reads neither o nor lse; the ground truth), Backend::kCpu (fp32
-// tiled, src/cpu/tiled_backward.cc: the GPU kernels' algorithm and block walk), Backend::kCuda (no
-// backward kernel in this build yet: select_backward_kernel answers Unsupported, and so does every
-// entry point below). DType::kF64 runs on Backend::kCpuReference only (torch.autograd.gradcheck).
+// tiled, src/cpu/tiled_backward.cc: the GPU kernels' algorithm and block walk), Backend::kCuda (fp16
+// and bf16, src/cuda/backward: a preprocess, the mma.sync main kernel on sm80 and newer, a
+// postprocess; the sm80 kernel family's build switch holds it). DType::kF64 runs on Backend::kCpuReference only (torch.autograd.gradcheck).
 //
 // The algorithm a kernel runs (docs/backward.md): a preprocess writes D and the LSE in exp2 units
 // into the workspace and zeroes the dQ accumulator; the main pass walks key tiles (one work item
@@ -130,8 +130,8 @@ struct BackwardWorkspaceLayout {
 /// knows its size (non-null, 256-byte aligned, at least that size, not overlapping anything).
 Status validate_backward(const AttnBackwardParams& p, Backend backend);
 
-/// Chooses the implementation (validates first; workspace not checked). CUDA: Unsupported until the
-/// backward kernels land ("no backward kernel in this build yet").
+/// Chooses the implementation (validates first; workspace not checked). CUDA: the mma.sync backward
+/// (KernelId::kCudaSm80, src/cuda/backward) for fp16 and bf16 with a positive scale.
 Status select_backward_kernel(const AttnBackwardParams& p, const RunOptions& opt, KernelChoice* out);
 
 /// The workspace attention_backward needs with these params and options (validates and selects

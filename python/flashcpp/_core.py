@@ -579,8 +579,8 @@ def launch_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse:
     """flashcpp::attention_backward on checked inputs: fills one AttnBackwardParams (the forward's
     q, k, v, out and lse, dout and dlse (None = 0), the caller's dq, dk, dv shaped like q, k, v: dv
     and dout at head_dim_v), asks for the workspace size, allocates the workspace on q's device (torch) or the host (numpy) and makes the
-    call on the current stream. CUDA: the C++ answer (today: no backward kernel) is raised as
-    NotImplementedError."""
+    call on the current stream. CUDA: the mma.sync backward (src/cuda/backward); a refusal is raised
+    as NotImplementedError."""
     backend = resolve_backend(backend, mq)
     if block_sparse is not None and not mq.is_cuda:
         check_block_sparse_values(block_sparse)

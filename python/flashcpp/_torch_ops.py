@@ -227,7 +227,7 @@ def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 
 # ---- the backward: flash_attn_bwd, flash_attn_varlen_bwd and the autograd formulas ---------------------
 # Ops (CPU tensors run the CPU backward: the fp64 reference for float64, else the tiled backend; CUDA
-# tensors get the C++ answer, today NotImplementedError: no backward kernel in this build yet):
+# tensors the mma.sync backward of src/cuda/backward, fp16 and bf16):
 #   flashcpp::flash_attn_bwd(dout, q, k, v, out, lse, dlse?, softmax_scale, causal, window_left,
 #                            window_right, softcap, alibi_slopes?, deterministic, bs_row_ptr?, ...,
 #                            block_sparse_sizes?) -> (dq, dk, dv)

@@ -56,12 +56,14 @@ Backend resolve(const AttnBackwardParams& p, Backend b) {
 Status layout_for(const AttnBackwardParams& p, const RunOptions& opt, const KernelChoice& choice,
                   BackwardWorkspaceLayout* out) {
   *out = BackwardWorkspaceLayout{};
-  if (choice.id != KernelId::kCpuTiled) return Status::Ok();
+  const bool cuda = choice.id == KernelId::kCudaSm80;
+  if (choice.id != KernelId::kCpuTiled && !cuda) return Status::Ok();
   // The packed query rows the padding covers: mask.total_q, else cu_seqlens_q[batch] (host arrays:
-  // validated), else batch * seqlen_q.
+  // validated; device arrays are not read: batch * seqlen_q bounds them), else batch * seqlen_q.
   std::int64_t total_q = static_cast<std::int64_t>(p.batch) * p.seqlen_q;
-  if (p.mask.is_varlen()) total_q = p.mask.total_q > 0 ? p.mask.total_q : p.mask.cu_seqlens_q[p.batch];
-  const int row_pad = cpu::tiled_backward_block_m(p, opt);
+  if (p.mask.is_varlen() && p.mask.total_q > 0) total_q = p.mask.total_q;
+  else if (p.mask.is_varlen() && !cuda && p.batch >= 0) total_q = p.mask.cu_seqlens_q[p.batch];
+  const int row_pad = cuda ? choice.tile.block_m : cpu::tiled_backward_block_m(p, opt);
   // The largest part is heads_q * rows * head_dim floats, rows < total_q + (batch + 1) * row_pad.
   std::int64_t rows = 0, elems = 0;
   if (__builtin_mul_overflow(static_cast<std::int64_t>(p.batch) + 1, static_cast<std::int64_t>(row_pad), &rows) ||
@@ -111,13 +113,16 @@ Status attention_backward(const AttnBackwardParams& p, const RunOptions& opt) {
   BackwardWorkspaceLayout layout;
   FLASHCPP_RETURN_IF_ERROR(layout_for(p, opt, choice, &layout));
   FLASHCPP_RETURN_IF_ERROR(detail::validate_backward(p, b, &layout.bytes));
-  if (p.batch == 0) {  // no sequence: only the uncovered varlen rows, when counted, get 0
-    if (b == Backend::kCpu || b == Backend::kCpuReference) cpu::zero_uncovered_grads(p);
+  if (p.batch == 0 && b != Backend::kCuda) {  // no sequence: only the uncovered varlen rows, when counted, get 0
+    cpu::zero_uncovered_grads(p);
     return Status::Ok();
   }
   switch (choice.id) {
     case KernelId::kCpuReference: return cpu::reference_backward(p, opt);
     case KernelId::kCpuTiled: return cpu::tiled_backward(p, opt, layout);
+#if FLASHCPP_HAS_SM80
+    case KernelId::kCudaSm80: return cuda::backward_sm80(p, choice.tile, layout, opt.stream);
+#endif
     default: break;
   }
   return Status::Unsupported(std::string("kernel ") + kernel_name(choice.id) + " has no backward in this build");

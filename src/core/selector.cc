@@ -20,6 +20,7 @@
 #include "core/families.h"
 #include "flashcpp/tune.h"
 #if FLASHCPP_HAS_SM80
+#include "cuda/backward/bwd_registry.h"
 #include "cuda/prefill/fa2_registry.h"
 #endif
 #if FLASHCPP_HAS_SM90
@@ -439,8 +440,49 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
 }
 
 // ---- backward ----------------------------------------------------------------------------------------
-Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
+/// The CUDA backward: the mma.sync kernel of src/cuda/backward (sm80 and newer; on Hopper too, until
+/// a wgmma backward exists), one config per head-dim class.
+static Status cuda_backward(const AttnBackwardParams& p, KernelChoice* out) {
+#if !FLASHCPP_HAS_SM80
   (void)p;
+  (void)out;
+  return build::refuse(build::Family::kSm80, "the CUDA attention backward is built with it");
+#else
+  cuda::DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
+  if (dev.sm_major < 8)
+    return Status::Unsupported("the CUDA backward needs compute capability 8.0 or newer; device '" + dev.name + "' is " +
+                               std::to_string(dev.sm_major) + "." + std::to_string(dev.sm_minor));
+  if (p.q.dtype != DType::kBF16 && p.q.dtype != DType::kF16)
+    return Status::Unsupported(std::string(dtype_name(p.q.dtype)) +
+                               " gradients run on the CPU backends only; the CUDA backward takes fp16 or bf16");
+  if (p.effective_scale() < 0.f)
+    return Status::Unsupported(
+        "a negative softmax_scale runs on the CPU backends only (the CUDA backward folds a positive scale into exp2)");
+  const AttnParams f = p.forward();
+  const cuda::BwdEntry* e = cuda::bwd_entry(f.head_dim_class());
+  if (e == nullptr)
+    return Status::Unsupported("no CUDA backward for head_dim " + std::to_string(p.head_dim) + " / head_dim_v " +
+                               std::to_string(p.effective_head_dim_v()));
+  if (const BlockSparseMask* bs = p.mask.block_sparse; bs && !tiles_fit_block_sparse(*bs, e->tile.block_m, e->tile.block_n))
+    return Status::Unsupported("the CUDA backward's " + std::to_string(e->tile.block_m) + "x" +
+                               std::to_string(e->tile.block_n) + " tiles do not divide the " + std::to_string(bs->block_m) +
+                               "x" + std::to_string(bs->block_n) + " block-sparse blocks; build the mask with multiples "
+                               "of them (e.g. 128x128), or run the backward on the CPU");
+  if (static_cast<std::size_t>(e->smem_bytes) > dev.smem_optin)
+    return Status::Unsupported("the CUDA backward for head_dim class " + std::to_string(e->head_dim) + " needs " +
+                               std::to_string(e->smem_bytes) + " bytes of shared memory; " + dev.name + " allows " +
+                               std::to_string(dev.smem_optin));
+  out->id = KernelId::kCudaSm80;
+  out->tile = e->tile;
+  out->config = "bwd_" + sm80_config_name(e->tile);
+  out->reason = "mma.sync backward (src/cuda/backward) on " + dev.name + fused_masks(f) + head_dim_class_note(f) +
+                (p.deterministic ? "; deterministic dQ (key tiles add in ascending order)" : "");
+  return Status::Ok();
+#endif
+}
+
+Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
   (void)opt;
   *out = KernelChoice{};
   switch (b) {
@@ -453,11 +495,11 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
       out->reason = "tiled fp32 backward on the CPU (host pointers; src/cpu/tiled_backward.cc)";
       return Status::Ok();
     case Backend::kCuda:
-      // The sm90 (wgmma) and sm80 (mma.sync) backward kernels of issue 28 plug in here, with the
-      // workspace layout of attention_backward_workspace_size (docs/backward.md).
-      return Status::Unsupported(
-          "no backward kernel in this build yet: attention_backward runs on the CPU backends only (Backend::kCpu, "
-          "Backend::kCpuReference)");
+#if FLASHCPP_WITH_CUDA
+      return cuda_backward(p, out);
+#else
+      return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+#endif
     case Backend::kAuto: break;
   }
   return Status::Internal("select::backward: the backend was not resolved");

@@ -61,8 +61,7 @@ bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal
 
 // ---- backward ---------------------------------------------------------------------------------
 /// The backward's implementation for a validated problem on backend `b`: the fp64 reference or the
-/// tiled CPU backward; kCuda answers Unsupported ("no backward kernel in this build yet") until the
-/// backward kernels land.
+/// tiled CPU backward; kCuda the mma.sync backward of src/cuda/backward (one config per head-dim class).
 Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out);
 
 // ---- the sm80 tuned table ------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/backward.h"
 #include "flashcpp/device.h"     // DeviceInfo, current_device
 #include "flashcpp/reference.h"  // reference_attention_f64
 #include "flashcpp/tune.h"       // prefill_sm80/sm90 by config, fill_random
@@ -22,6 +23,12 @@ bool is_device_pointer(const void* ptr);
 /// family (FLASHCPP_HAS_SM80 / FLASHCPP_HAS_SM90; core/families.cc answers the named forms otherwise).
 Status prefill_sm80(const AttnParams& p, const TileConfig& tile, Stream stream);
 Status prefill_sm90(const AttnParams& p, const TileConfig& tile, Stream stream);
+
+/// The attention backward (src/cuda/backward: preprocess, mma.sync main kernel, postprocess) with the
+/// selector's tile and the workspace layout made for it. Defined only when the build holds the sm80
+/// family (FLASHCPP_HAS_SM80); asynchronous on `stream`, allocates nothing.
+Status backward_sm80(const AttnBackwardParams& p, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
+                     Stream stream);
 
 /// Varlen batch 0 (or seqlen_q 0) with mask.total_q > 0: O = 0 and LSE = -inf in all total_q
 /// packed rows (attention.h), by one small kernel on `stream`: no allocation, no synchronization.

@@ -1,0 +1,180 @@
+"""Attention backward: flashcpp vs FlashAttention-4 (flash_attn.cute, when it imports) and torch SDPA's
+CUDNN and FLASH (FA2) backends, one process, bf16.
+
+Each implementation runs its forward once with requires_grad inputs; what is timed is
+torch.autograd.grad(out, (q, k, v), dout, retain_graph=True): the backward alone, through the same
+autograd path for everyone, eager (the kernels take milliseconds at these shapes, so host time is
+small), medians of interleaved rounds after warm-up. flashcpp is also timed with deterministic=True.
+
+TFLOP/s counts 2.5x the forward's FLOPs (4 B H N^2 D, halved for causal), as issue [backward] does.
+Peak memory is torch.cuda.max_memory_allocated during one backward, beyond what was allocated before.
+Every gradient is compared with cuDNN's (max |diff| over max |cudnn|); a peer whose gradients differ by
+more than 5e-2 of that is dropped from the row and said so, never timed silently.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Dict, List
+
+from .common import bench_us, environment, fa4, progress, rep_ms_for, write_csv, write_json
+
+SHAPES = [  # batch, heads (query), seqlen, head_dim, causal[, KV heads: GQA]
+    (4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 16, 16384, 128, False), (1, 16, 16384, 128, True),
+    (2, 16, 4096, 64, False), (2, 16, 16384, 64, True), (1, 16, 4096, 256, False), (16, 32, 512, 128, True),
+    (1, 64, 8192, 128, True, 8),
+    # the prefill bench's other shapes with N >= 2048
+    (1, 8, 2048, 64, False), (1, 8, 8192, 128, True),
+]
+QUICK = [(2, 16, 4096, 64, False), (4, 32, 4096, 128, True)]
+
+
+def _flops(b, h, n, d, causal):
+    f = 4.0 * b * h * n * n * d * 2.5
+    return f / 2 if causal else f
+
+
+def _peak_bytes(torch, fn) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base)
+
+
+def run(quick: bool, out: str) -> int:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashcpp
+
+    os.makedirs(out, exist_ok=True)
+    env = environment()
+    rep_ms = rep_ms_for(quick)
+    env["timing"] = f"eager median (triton do_bench), rep {rep_ms} ms, 2 interleaved rounds; backward only"
+    progress(f"[bench backward] {env}")
+    fa4_fn, fa4_ver = fa4()
+    progress("[bench backward] fa4: " + (f"flash-attn-4 {fa4_ver}" if fa4_fn else f"does not import, not timed ({fa4_ver})"))
+    env["fa4"] = fa4_ver if fa4_fn else f"not available: {fa4_ver}"
+    rows: List[Dict[str, object]] = []
+    for idx, shape in enumerate(QUICK if quick else SHAPES):
+        b, h, n, d, causal = shape[:5]
+        hkv = shape[5] if len(shape) > 5 else h
+        g = torch.Generator(device="cuda").manual_seed(2000 + idx)
+        dt = torch.bfloat16
+        q0 = torch.randn(b, n, h, d, device="cuda", dtype=dt, generator=g)
+        k0, v0 = (torch.randn(b, n, hkv, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
+        dout = torch.randn(b, n, h, d, device="cuda", dtype=dt, generator=g)
+        gqa = {"enable_gqa": True} if hkv != h else {}
+        graphs = {}  # name -> (out, (q, k, v), dout in the out's layout)
+
+        def leaves():
+            return tuple(x.detach().clone().requires_grad_() for x in (q0, k0, v0))
+
+        q, k, v = leaves()
+        graphs["flashcpp"] = (flashcpp.flash_attn_func(q, k, v, causal=causal), (q, k, v), dout)
+        q, k, v = leaves()
+        graphs["flashcpp_det"] = (flashcpp.flash_attn_func(q, k, v, causal=causal, deterministic=True), (q, k, v), dout)
+        for name, be in (("torch_cudnn", SDPBackend.CUDNN_ATTENTION), ("torch_flash", SDPBackend.FLASH_ATTENTION)):
+            q, k, v = leaves()
+            try:
+                with sdpa_kernel(be):
+                    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       is_causal=causal, **gqa)
+                graphs[name] = (o, (q, k, v), dout.transpose(1, 2))
+            except Exception as e:  # a backend that refuses a shape is reported, not hidden
+                progress(f"  {name} unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
+        if fa4_fn is not None:
+            q, k, v = leaves()
+            try:
+                graphs["fa4"] = (fa4_fn(q, k, v, causal=causal)[0], (q, k, v), dout)
+            except Exception as e:
+                progress(f"  fa4 unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
+        fns = {}
+        for name, (o, ins, do) in graphs.items():
+            def f(o=o, ins=ins, do=do):
+                return torch.autograd.grad(o, ins, do, retain_graph=True)
+            try:
+                f()  # compiles / warms this variant outside the timing
+                fns[name] = f
+            except Exception as e:
+                progress(f"  {name} backward failed for this case: {type(e).__name__}: {str(e)[:160]}")
+        ref_name = "torch_cudnn" if "torch_cudnn" in fns else "torch_flash"
+        ref = [x.float() for x in fns[ref_name]()]
+        diffs = {}
+        for name in list(fns):
+            got = [x.float() for x in fns[name]()]
+            diffs[name] = max(((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for a, r in zip(got, ref))
+            if name != ref_name and not diffs[name] <= 5e-2:
+                progress(f"  {name} dropped for this case: gradients differ from {ref_name} by {diffs[name]:.3e} of max")
+                fns.pop(name)
+        if "flashcpp" not in fns:
+            progress(f"  flashcpp has no result for this case; row skipped")
+            continue
+        peaks = {name: _peak_bytes(torch, fns[name]) for name in fns}
+        times: Dict[str, List[float]] = {name: [] for name in fns}
+        for _ in range(2):
+            for name, fn in fns.items():
+                times[name].append(bench_us(fn, rep_ms=rep_ms))
+        t = {name: statistics.median(v) for name, v in times.items()}
+        cid = f"b{b}_h{h}{f'kv{hkv}' if hkv != h else ''}_n{n}_d{d}{'_causal' if causal else ''}_bf16"
+        fl = _flops(b, h, n, d, causal)
+        line = [f"{cid:34s} ours {fl / t['flashcpp'] / 1e6:6.1f} TF/s"]
+        if "flashcpp_det" in t:
+            line.append(f"det {t['flashcpp'] / t['flashcpp_det']:.2f}x of default")
+        for peer in ("fa4", "torch_cudnn", "torch_flash"):
+            if peer not in t:
+                continue
+            rows.append({"case": cid, "peer": peer, "ours_us": round(t["flashcpp"], 2), "peer_us": round(t[peer], 2),
+                         "speedup": round(t[peer] / t["flashcpp"], 3), "batch": b, "heads_q": h, "heads_kv": hkv,
+                         "seqlen_q": n, "seqlen_k": n, "head_dim": d, "causal": int(causal), "dtype": "bf16",
+                         "ours_tflops": round(fl / t["flashcpp"] / 1e6, 1), "peer_tflops": round(fl / t[peer] / 1e6, 1),
+                         "det_us": round(t.get("flashcpp_det", float("nan")), 2),
+                         "det_slowdown": round(t.get("flashcpp_det", float("nan")) / t["flashcpp"], 3),
+                         "ours_peak_bytes": peaks["flashcpp"], "peer_peak_bytes": peaks[peer],
+                         "ours_rel_diff_vs_ref": f"{diffs['flashcpp']:.3e}", "peer_rel_diff_vs_ref": f"{diffs[peer]:.3e}",
+                         "reference": ref_name, "timing": "eager_median", "gpu": env["gpu"],
+                         "git_commit": env["git_commit"]})
+            line.append(f"{peer} {fl / t[peer] / 1e6:6.1f} ({t[peer] / t['flashcpp']:.2f}x)")
+        progress("  ".join(line) + f"  rel diff {diffs['flashcpp']:.1e}  peak {peaks['flashcpp'] / 2**20:.0f} MiB")
+        del graphs, fns, q0, k0, v0, dout
+        torch.cuda.empty_cache()
+    write_csv(os.path.join(out, "benchmark.csv"), rows)
+    write_json(os.path.join(out, "benchmark_env.json"), env)
+    try:
+        plot(rows, os.path.join(out, "benchmark.png"), env)
+    except ImportError as e:  # matplotlib missing: the table is the result
+        progress(f"[bench backward] no plot ({e})")
+    progress(f"[bench backward] wrote {out}/benchmark.csv")
+    return 0
+
+
+def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    peers = [p for p in ("fa4", "torch_cudnn", "torch_flash") if any(r["peer"] == p for r in rows)]
+    impls = ["flashcpp"] + peers
+    vals = {i: [] for i in impls}
+    for c in cases:
+        rs = [r for r in rows if r["case"] == c]
+        vals["flashcpp"].append(rs[0]["ours_tflops"])
+        for p in peers:
+            m = [r for r in rs if r["peer"] == p]
+            vals[p].append(m[0]["peer_tflops"] if m else 0)
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.9), 5))
+    w = 0.8 / len(impls)
+    for i, name in enumerate(impls):
+        ax.bar([x + (i - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals[name], w, label=name)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([c.replace("_bf16", "") for c in cases], rotation=45, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (2.5x forward FLOPs, bf16)")
+    ax.set_title(f"Attention backward on {env['gpu']} (torch {env['torch']}, {env['git_commit']})")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

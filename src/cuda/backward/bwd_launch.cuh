@@ -1,0 +1,50 @@
+// Launch of one instantiation of the backward main kernel. Included only by bwd_hd<D>.cu.
+#pragma once
+
+#include <atomic>
+
+#include "common/attention_walk.h"
+#include "cuda/backward/bwd_kernel.cuh"
+#include "cuda/backward/bwd_registry.h"
+
+namespace flashcpp::cuda {
+
+/// Grid (key tiles, heads_kv, batch): key tiles fastest, so the CTAs of one (sequence, KV head) start
+/// in ascending key order (deterministic mode waits only for smaller key tiles of its own).
+template <class Cfg, typename T>
+Status bwd_run(const BwdParams& p, Stream stream, int device) {
+  static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
+  auto* kernel = &bwd_main_kernel<Cfg, T>;
+  const unsigned long long bit = 1ull << (device & 63);
+  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (e != cudaSuccess)
+      return Status::Cuda(std::string("cudaFuncSetAttribute(max dynamic smem) failed: ") + cudaGetErrorString(e));
+    opted_in.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  const BlockSparseMask* bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
+  const int n_tiles = walk::Tiles::make(p.seqlen_q, p.seqlen_k, Cfg::kBlockM, Cfg::kBlockN, bs).num_k_tiles();
+  if (n_tiles == 0) return Status::Ok();
+  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(p);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return Status::Cuda(std::string("backward kernel launch failed: ") + cudaGetErrorString(e));
+  return Status::Ok();
+}
+
+template <class Cfg>
+BwdEntry bwd_entry_of() {
+  BwdEntry e;
+  e.head_dim = Cfg::kHeadDim;
+  e.tile.block_m = Cfg::kBlockM;
+  e.tile.block_n = Cfg::kBlockN;
+  e.tile.warps = Cfg::kWarps;
+  e.tile.stages = 2;
+  e.tile.min_blocks = Cfg::kMinBlocks;
+  e.smem_bytes = Cfg::kSmemBytes;
+  e.run_bf16 = &bwd_run<Cfg, __nv_bfloat16>;
+  e.run_fp16 = &bwd_run<Cfg, __half>;
+  return e;
+}
+
+}  // namespace flashcpp::cuda
