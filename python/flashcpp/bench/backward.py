@@ -139,6 +139,7 @@ def run(quick: bool, out: str) -> int:
                          "git_commit": env["git_commit"]})
             line.append(f"{peer} {fl / t[peer] / 1e6:6.1f} ({t[peer] / t['flashcpp']:.2f}x)")
         progress("  ".join(line) + f"  rel diff {diffs['flashcpp']:.1e}  peak {peaks['flashcpp'] / 2**20:.0f} MiB")
+        write_csv(os.path.join(out, "benchmark.csv"), rows)  # after every case: a cut-short run keeps its rows
         del graphs, fns, q0, k0, v0, dout
         torch.cuda.empty_cache()
     write_csv(os.path.join(out, "benchmark.csv"), rows)
