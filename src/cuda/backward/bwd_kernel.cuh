@@ -70,7 +70,7 @@ struct BwdConfig {
 // ---- per-sequence geometry ---------------------------------------------------------------------------
 struct BwdSeq {
   int len_q = 0, len_k = 0;
-  std::int64_t first_q = 0, first_k = 0;  ///< packed first rows (varlen), else 0
+  std::int64_t first_q = 0, first_k = 0;  ///< first packed rows (varlen), or b * seqlen (dense)
   std::int64_t lse_row0 = 0;              ///< index in lse of row 0 of head 0 (add h * lse_head)
   std::int64_t lse_head = 0;              ///< lse elements between heads
   std::int64_t ws_row0 = 0;               ///< padded workspace row of the sequence's row 0
@@ -92,6 +92,8 @@ __device__ __forceinline__ BwdSeq bwd_seq(const BwdParams& p, int b) {
   } else {
     s.len_q = p.seqlen_q;
     s.len_k = p.seqlen_k;
+    s.first_q = static_cast<std::int64_t>(b) * p.seqlen_q;  // the workspace's row numbering (bwd_row reads
+    s.first_k = static_cast<std::int64_t>(b) * p.seqlen_k;  // dense rows through the batch strides)
     s.lse_head = p.seqlen_q;
     s.lse_row0 = static_cast<std::int64_t>(b) * p.heads_q * p.seqlen_q;
   }
