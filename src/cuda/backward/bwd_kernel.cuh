@@ -11,8 +11,9 @@
 //                     dP^T = V dO^T,  S^T = K Q^T                 (keys x queries, fp32)
 //                     P = exp2(t c - LSE log2 e), dS = P (dP - D) softcap'(u)   (algebra::backward_*)
 //                     dV += P^T dO,   dK += dS^T Q               (P and dS packed to 16 bits in registers)
-//                     dS^T -> shared memory, then dQ_accum[m] += dS K   (fp32 red.add, or in key
-//                                                                order behind a semaphore)
+//                     dS^T -> shared memory, then dQ_accum[m] += dS K   (staged, 16-byte fp32
+//                                                                reductions; in key order behind a
+//                                                                semaphore when deterministic)
 //                   and finally writes dK = scale dK and dV. Scores are transposed (keys are the rows)
 //                   so that P and dS are the A operands of the dV and dK products straight from the
 //                   accumulators, as the forward reuses S for P V.
@@ -21,7 +22,8 @@
 // Where speed falls off: every warp recomputes its 16 keys' scores against the whole query tile, so
 // with kDSplit = 2 (head dim 256, whose dK and dV accumulators do not fit one warp's registers) the
 // two warps of a key slice both compute S^T and dP^T: 7 products per pair instead of 5. dQ costs one
-// fp32 atomic per element per (query tile, key tile) pair.
+// fp32 reduction per element per (query tile, key tile) pair. With 4 warps per CTA and ~255 registers
+// per thread an SM holds 8 warps (12.5% occupancy): the kernel is latency-bound (reports/backward).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -312,12 +314,38 @@ __device__ __forceinline__ void bwd_p_ds(float (&s)[Cfg::kNQ][4], float (&dp)[Cf
     }
 }
 
+/// 16 fp32 added to global memory at once where the device has the vector reduction (sm_90), else
+/// four scalar reductions. dst is 16-byte aligned.
+__device__ __forceinline__ void red_add_v4(float* dst, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+#else
+  atomicAdd(dst, v.x);
+  atomicAdd(dst + 1, v.y);
+  atomicAdd(dst + 2, v.z);
+  atomicAdd(dst + 3, v.w);
+#endif
+}
+
 /// dQ_accum[tile] += dS K for this pair: dS^T is in shared memory; warp tasks of 16 query rows x 64
 /// columns. Deterministic mode orders the CTAs' additions to the tile (ascending key tiles).
 template <class Cfg, typename T>
 __device__ __forceinline__ void bwd_dq(const BwdParams& p, const BwdSmem<Cfg, T>& sm, const BwdCta& c,
-                                       const BwdPair& pr, int warp, int lane) {
+                                       const BwdPair& pr, int st, int warp, int lane) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim;
+  // Each warp's 16 x 64 fp32 task result is staged in the current stage's Q / dO tiles (no longer read
+  // once dK is done) as 16-byte chunks swizzled by row, then added with 16-byte reductions: a warp's
+  // reduction covers two whole 256-byte row segments instead of eight rows' scattered pairs.
+  constexpr int kWarpStage = 16 * 64 * 4;
+  static_assert(kWarpStage * Cfg::kWarps <= 2 * Cfg::kSmemQ, "the staging fits the stage's Q and dO tiles");
+  float* stage;
+  {
+    const int off = warp * kWarpStage;
+    unsigned char* q = reinterpret_cast<unsigned char*>(sm.q) + st * Cfg::kSmemQ;
+    unsigned char* d = reinterpret_cast<unsigned char*>(sm.dout) + st * Cfg::kSmemQ;
+    stage = reinterpret_cast<float*>(off < Cfg::kSmemQ ? q + off : d + (off - Cfg::kSmemQ));
+  }
   constexpr int kColChunks = D / 64, kTasks = (BM / 16) * kColChunks;
   const int g = lane / 4, t = lane % 4, r7 = lane & 7;
   const int h = c.hk * p.group + pr.gi;
@@ -345,16 +373,22 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p, const BwdSmem<Cfg, T>
         ptx::mma_16816<T>(acc[2 * dp + 1], a, bk[2], bk[3]);
       }
     }
+    __syncwarp();  // the previous task's reads of the staging are done
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int col = cc * 64 + nt * 8 + 2 * t;
-      if (col >= p.head_dim) continue;  // the class's padding columns (zero) are not accumulated
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float* dst = acc_rows + static_cast<std::int64_t>(qg * 16 + g + 8 * r) * p.head_dim + col;
-        atomicAdd(dst, acc[nt][2 * r]);
-        atomicAdd(dst + 1, acc[nt][2 * r + 1]);
+        const int row = g + 8 * r, c4 = 2 * nt + (t >> 1);
+        *reinterpret_cast<float2*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2) + ((2 * t) & 3)) =
+            make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
       }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int row = 2 * i + (lane >> 4), c4 = lane & 15, col = cc * 64 + 4 * c4;
+      if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
+        red_add_v4(acc_rows + static_cast<std::int64_t>(qg * 16 + row) * p.head_dim + col,
+                   *reinterpret_cast<const float4*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2)));
     }
   }
 }
@@ -483,7 +517,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) bwd_main_kerne
     if (sem != nullptr && tid == 0)
       while (ld_acquire(sem) != rank) __nanosleep(64);
     __syncthreads();
-    bwd_dq<Cfg, T>(p, sm, c, cur, warp, lane);  // dQ_accum[m] += dS K
+    bwd_dq<Cfg, T>(p, sm, c, cur, st, warp, lane);  // dQ_accum[m] += dS K
     if (sem != nullptr) {
       __threadfence();
       __syncthreads();
