@@ -6,6 +6,7 @@ and the binding.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 from typing import Any, Optional, Tuple
@@ -760,6 +761,9 @@ class _Step:
 
 _PLAN_CACHE: "collections.OrderedDict[tuple, BatchDecodeWithKVCache]" = collections.OrderedDict()
 _PLAN_CACHE_SIZE = 32
+# Emptied before the interpreter finalizes the extension: its DecodePlans would otherwise still be
+# alive when nanobind checks for leaks at shutdown, and it prints a leak warning for each.
+atexit.register(_PLAN_CACHE.clear)
 
 
 def _cached_plan(key: tuple, make: Any) -> BatchDecodeWithKVCache:

@@ -278,3 +278,22 @@ def test_plan_run_wrapper_user_workspace(rng):
     for b, n in enumerate(lens):
         ro, _ = attention_ref(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n])
         assert np.abs(out[b] - ro[0]).max() < 2e-5
+
+
+def test_cached_plans_do_not_leak_at_exit(tmp_path):
+    """A DecodePlan held by the kvcache plan table is released before nanobind's leak check at
+    interpreter exit (it printed 'nanobind: leaked 1 instances' after the host-overhead bench)."""
+    import subprocess
+    import sys
+    script = tmp_path / "hold_plan.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from flashcpp import _decode\n"
+        "from flashcpp.decode import BatchDecodeWithKVCache\n"
+        "w = BatchDecodeWithKVCache()\n"
+        "w.plan(2, 4, 2, 64, kv_capacity=64, page_size=0, cache_seqlens=[3, 5], causal=True, dtype=np.float32,"
+        " device='cpu')\n"
+        "_decode._PLAN_CACHE[('held at exit',)] = w\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "leaked" not in r.stderr, r.stderr
