@@ -280,8 +280,7 @@ def probe(cfg: Dict[str, Any]) -> None:
             torch.cuda.synchronize()
     except NotImplementedError as e:
         msg = str(e).strip().rstrip(".").split("\n")[0]
-        raise Unavailable(f"flashcpp's attention backward cannot run on {dev} in {cfg['dtype']} in this build "
-                          f"(the CUDA backward kernels are not built yet): {msg}")
+        raise Unavailable(f"flashcpp's attention backward cannot run on {dev} in {cfg['dtype']} in this build: {msg}")
     except (RuntimeError, ValueError, TypeError) as e:
         msg = str(e).strip().rstrip(".").split("\n")[0]
         raise Unavailable(f"flashcpp's attention cannot run on {dev} in {cfg['dtype']}: {msg}")
