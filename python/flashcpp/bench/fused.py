@@ -11,7 +11,13 @@ Cases (bf16; fp16 on the anchor cases unless --quick):
   rope_qk            q (4, 4096, 32, 128) and k (.., 8, ..)  (Llama-3-8B GQA)
 
 Peers are the PyTorch code a model runs today (Hugging Face LlamaRMSNorm, F.silu(g) * u,
-apply_rotary_pos_emb with rotate_half and precomputed cos/sin), eager and under torch.compile.
+apply_rotary_pos_emb with rotate_half and precomputed cos/sin), eager and under torch.compile, and,
+where they import, quack (quack-kernels, CuTe DSL: rmsnorm_fwd with and without the residual,
+apply_rotary) and Liger-Kernel (Triton: RMSNorm, fused add + RMSNorm, SiLU-mul, the fused gate-up
+SiLU-mul, RoPE of q and k). A peer that does not import is named on the progress lines and in
+benchmark_env.json; one whose result differs from eager PyTorch by more than 0.1 is dropped from the
+case and said so, never timed silently. quack's rotary takes one tensor per call, so rope_qk times
+two calls; Liger's RoPE rotates q and k together and in place (timed on copies), so it has no rope_q.
 flashcpp runs out of place (same bytes as in place, and repeatable). Every number is a median of
 interleaved rounds: `*_us` replays each call from a CUDA graph (kernel time: launch and Python
 overhead removed for everyone alike), `*_eager_us` calls it from Python with triton's do_bench
@@ -49,13 +55,35 @@ def _cases(torch, quick: bool) -> List[Tuple[str, torch.dtype]]:
     return cases
 
 
-def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callable, Callable, float, Callable]:
-    """(shape columns, ours, peer function, bytes that must move, check) for one case."""
+def _extra_peers() -> Tuple[Dict[str, object], Dict[str, str]]:
+    """quack's and Liger-Kernel's modules, when they import: ({name: modules}, {name: why not})."""
+    mods: Dict[str, object] = {}
+    why: Dict[str, str] = {}
+    try:
+        from quack import rmsnorm as q_rms, rotary as q_rot
+        mods["quack"] = {"rmsnorm": q_rms, "rotary": q_rot}
+    except Exception as e:  # not installed, or a build for another torch / CUDA
+        why["quack"] = f"{type(e).__name__}: {str(e)[:100]}"
+    try:
+        from liger_kernel.ops import fused_add_rms_norm as l_add, rms_norm as l_rms, rope as l_rope, swiglu as l_sw
+        mods["liger"] = {"rmsnorm": l_rms, "add_rmsnorm": l_add, "swiglu": l_sw, "rope": l_rope}
+    except Exception as e:
+        why["liger"] = f"{type(e).__name__}: {str(e)[:100]}"
+    return mods, why
+
+
+def _build(name: str, dtype, torch, flashcpp, extra_mods: Dict[str, object] = None
+           ) -> Tuple[Dict[str, object], Callable, Callable, float, Callable, Dict[str, Callable]]:
+    """(shape columns, ours, peer function, bytes that must move, check, {extra peer: function}) for
+    one case; the extra peers are quack's and Liger's calls on the same tensors (extra_mods: _extra_peers)."""
     import torch.nn.functional as F
 
     dev = "cuda"
     esize = 2
     eps = 1e-6
+    quack = (extra_mods or {}).get("quack")
+    liger = (extra_mods or {}).get("liger")
+    extra: Dict[str, Callable] = {}
     if name.startswith("rmsnorm"):
         rows, hidden = 8192, 4096
         x = torch.randn(rows, hidden, device=dev, dtype=dtype)
@@ -76,6 +104,10 @@ def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callab
             def ours(cfg=""):
                 return flashcpp.fused_add_rms_norm(x, r, w, eps, out=y, residual_out=ro, cuda_config=cfg)
             nbytes = 4 * rows * hidden * esize
+            if quack:
+                extra["quack"] = lambda: quack["rmsnorm"].rmsnorm_fwd(x, w, residual=r, eps=eps)[:2]
+            if liger:
+                extra["liger"] = lambda: liger["add_rmsnorm"].LigerFusedAddRMSNormFunction.apply(x, r, w, eps)
         else:
             def peer():
                 return hf_norm(x)
@@ -83,13 +115,17 @@ def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callab
             def ours(cfg=""):
                 return flashcpp.rms_norm(x, w, eps, out=y, cuda_config=cfg)
             nbytes = 2 * rows * hidden * esize
+            if quack:
+                extra["quack"] = lambda: quack["rmsnorm"].rmsnorm_fwd(x, w, eps=eps)[0]
+            if liger:
+                extra["liger"] = lambda: liger["rmsnorm"].LigerRMSNormFunction.apply(x, w, eps)
 
         def check():
             o = ours()
             p = peer()
             o, p = (o if isinstance(o, tuple) else (o,)), (p if isinstance(p, tuple) else (p,))
             return max((a.float() - b.float()).abs().max().item() for a, b in zip(o, p))
-        return {"rows": rows, "hidden": hidden}, ours, peer, nbytes, check
+        return {"rows": rows, "hidden": hidden}, ours, peer, nbytes, check, extra
 
     if name.startswith("swiglu"):
         rows, d = 8192, 14336
@@ -102,6 +138,8 @@ def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callab
 
             def ours(cfg=""):
                 return flashcpp.silu_and_mul(x, out=out, cuda_config=cfg)
+            if liger:
+                extra["liger"] = lambda: liger["swiglu"].LigerFusedGateUpSiLUMulFunction.apply(x)
         else:
             g = torch.randn(rows, d, device=dev, dtype=dtype)
             u = torch.randn(rows, d, device=dev, dtype=dtype)
@@ -111,10 +149,12 @@ def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callab
 
             def ours(cfg=""):
                 return flashcpp.silu_and_mul(g, u, out=out, cuda_config=cfg)
+            if liger:
+                extra["liger"] = lambda: liger["swiglu"].LigerSiLUMulFunction.apply(g, u)
 
         def check():
             return (ours().float() - peer().float()).abs().max().item()
-        return {"rows": rows, "d": d}, ours, peer, 3 * rows * d * esize, check
+        return {"rows": rows, "d": d}, ours, peer, 3 * rows * d * esize, check, extra
 
     # rotary: Hugging Face apply_rotary_pos_emb with cos/sin precomputed in fp32, cast to the dtype
     b, s, hq, dh = 4, 4096, 32, 128
@@ -135,6 +175,18 @@ def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callab
 
     def rotate_half(t):
         return torch.cat([-t[..., dh // 2:], t[..., : dh // 2]], dim=-1)
+
+    if quack:  # (seqlen, head_dim / 2) fp32 tables, neox halves
+        qc_cos, qc_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        rot = quack["rotary"].apply_rotary
+        extra["quack"] = (lambda: (rot(q, qc_cos, qc_sin), rot(k, qc_cos, qc_sin))) if hk else \
+            (lambda: rot(q, qc_cos, qc_sin))
+    if liger and hk:  # (batch, heads, seqlen, head_dim) views of copies: it rotates in place
+        lq, lk = q.clone().transpose(1, 2), k.clone().transpose(1, 2)
+        l_cos, l_sin = cos[:, :, 0, :], sin[:, :, 0, :]  # (1, seqlen, head_dim)
+        extra["liger"] = lambda: tuple(t.transpose(1, 2) for t in
+                                       liger["rope"].LigerRopeFunction.apply(lq, lk, l_cos, l_sin))
+        extra["liger"].check_inputs = lambda: (lq.copy_(q.transpose(1, 2)), lk.copy_(k.transpose(1, 2)))
 
     if hk:
         def peer():
@@ -161,7 +213,31 @@ def _build(name: str, dtype, torch, flashcpp) -> Tuple[Dict[str, object], Callab
         o, p = (o if isinstance(o, tuple) else (o,)), (p if isinstance(p, tuple) else (p,))
         return max((a.float() - c.float()).abs().max().item() for a, c in zip(o, p))
     nbytes = 2 * b * s * (hq + hk) * dh * esize
-    return {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh}, ours, peer, nbytes, check
+    return {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh}, ours, peer, nbytes, check, extra
+
+
+def _max_diff(a, b) -> float:
+    a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
+    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+
+
+def _checked_extra(extra: Dict[str, Callable], peer: Callable, case: str) -> Dict[str, Callable]:
+    """The extra peers that run on this case and agree with eager PyTorch (max |diff| <= 0.1 on these
+    O(1) values); the others are named on a progress line and left out."""
+    kept: Dict[str, Callable] = {}
+    for name, fn in extra.items():
+        try:
+            if hasattr(fn, "check_inputs"):
+                fn.check_inputs()  # in-place peers start from the case's inputs
+            d = _max_diff(fn(), peer())
+        except Exception as e:  # a peer that refuses a shape is reported, not hidden
+            progress(f"  {name} unavailable for {case}: {type(e).__name__}: {str(e)[:120]}")
+            continue
+        if not d <= 0.1:
+            progress(f"  {name} dropped for {case}: max |diff| vs eager {d:.3e}")
+            continue
+        kept[name] = fn
+    return kept
 
 
 def run(quick: bool, out: str) -> int:
@@ -176,19 +252,25 @@ def run(quick: bool, out: str) -> int:
     env["timing"] = f"cuda_graph_median and eager median, rep {rep_ms} ms, 3 interleaved rounds"
     progress(f"[bench fused] {env}")
     rows: List[Dict[str, object]] = []
+    extra_mods, extra_why = _extra_peers()
+    for nm in ("quack", "liger"):
+        progress(f"[bench fused] {nm}: " + ("imports" if nm in extra_mods else f"not timed ({extra_why[nm]})"))
+        env[nm] = "imports" if nm in extra_mods else f"not available: {extra_why[nm]}"
     for name, dtype in _cases(torch, quick):
         torch.manual_seed(0)
-        shape, ours, peer, nbytes, check = _build(name, dtype, torch, flashcpp)
+        shape, ours, peer, nbytes, check, extra = _build(name, dtype, torch, flashcpp, extra_mods)
         compiled = torch.compile(peer)
         for _ in range(3):  # compile and warm up outside the timing
             compiled()
         diff = check()
+        extra = _checked_extra(extra, peer, name)
         # flashcpp_streaming: the same kernels with evict-first cache hints (cuda_config
         # "streaming"), timed alongside so the default can be chosen from data.
         fns = {"flashcpp": ours, "flashcpp_streaming": lambda: ours("streaming"), "torch_eager": peer,
                "torch_compile": compiled}
         if hasattr(ours, "cache_variant"):
             fns["flashcpp_cache"] = ours.cache_variant
+        fns.update(extra)
         t = interleaved(fns, rounds=3, graph=True, rep_ms=rep_ms)
         te = interleaved(fns, rounds=3, graph=False, rep_ms=rep_ms)
         dts = "bf16" if dtype == torch.bfloat16 else "fp16"
@@ -198,7 +280,7 @@ def run(quick: bool, out: str) -> int:
         line = [f"{cid:44s} ours {t['flashcpp']:8.1f} us {nbytes / t['flashcpp'] / 1e6:5.2f} TB/s ({100 * frac:4.1f}% of floor)"
                 f" streaming {t['flashcpp_streaming']:8.1f} us"
                 + (f" cos/sin cache {t['flashcpp_cache']:8.1f} us" if "flashcpp_cache" in t else "")]
-        for p in ("torch_eager", "torch_compile"):
+        for p in ("torch_eager", "torch_compile") + tuple(extra):
             sp = t[p] / t["flashcpp"]
             bar = EAGER_BAR.get(name, 1.0) if p == "torch_eager" else COMPILE_BAR
             meets = sp >= bar and frac >= FLOOR_BAR
@@ -292,7 +374,7 @@ def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> No
     import matplotlib.pyplot as plt
 
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = ["flashcpp", "torch_eager", "torch_compile"]
+    impls = ["flashcpp", "torch_eager", "torch_compile"] + [p for p in ("quack", "liger") if any(r["peer"] == p for r in rows)]
     vals = {i: [] for i in impls}
     for c in cases:
         rs = [r for r in rows if r["case"] == c]
@@ -301,9 +383,9 @@ def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> No
             m = [r for r in rs if r["peer"] == p]
             vals[p].append(m[0]["peer_tbps"] if m else 0)
     fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.1), 5))
-    w = 0.27
+    w = 0.8 / len(impls)
     for i, name in enumerate(impls):
-        ax.bar([x + (i - 1) * w for x in range(len(cases))], vals[name], w, label=name)
+        ax.bar([x + (i - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals[name], w, label=name)
     ax.axhline(HBM_TBPS, color="k", ls="--", lw=1, label=f"HBM {HBM_TBPS} TB/s (floor)")
     ax.axhline(FLOOR_BAR * HBM_TBPS, color="r", ls=":", lw=1, label=f"{int(100 * FLOOR_BAR)}% of the floor")
     if "copy_tbps" in env:
