@@ -622,6 +622,17 @@ std::vector<BwdCase> backward_cases(TableKind kind) {
       b.c.mask.sparse_per_head = true;
     }));
   }
+  // Block-sparse masks whose blocks the CUDA backward's tiles divide (64x64 at head dims 64 and 128,
+  // 32x64 at 256), so the kernel runs them (the blocks above it refuses with a sentence).
+  v.push_back(with(shape(1, 300, 300, 2, 1, 64, kBf16, true), [](BwdCase& b) {
+    b.c.mask.sparse_block_m = 128;
+    b.c.mask.sparse_block_n = 64;
+    b.c.mask.sparse_per_head = true;
+  }));
+  v.push_back(with(shape(1, 200, 260, 2, 2, 256, kF16, false), [](BwdCase& b) {
+    b.c.mask.sparse_block_m = 64;
+    b.c.mask.sparse_block_n = 128;
+  }));
   // The SDPA layout through strides.
   v.push_back(with(shape(2, 127, 127, 4, 2, 64, kF16, true), [](BwdCase& b) { b.c.layout = Layout::kBhsd; }));
   // dL/dLSE, and deterministic dQ (with GQA: several heads add to the same tiles).
