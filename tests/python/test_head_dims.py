@@ -233,8 +233,8 @@ def _views(p, dims):
 @pytest.mark.parametrize("d,dv", [(96, 96), (128, 64)])
 def test_cuda_refuses_what_its_kernels_are_not_built_for(d, dv):
     # The C++ answer on the CUDA backend, through the binding (validation only: no device is touched).
-    # The CUDA prefill kernels take every pair (padded to their class inside); the backward and
-    # decode kernels are refused outside their compiled head dims.
+    # The CUDA prefill and backward kernels take every pair (padded to their class inside); the decode
+    # kernels are refused outside their compiled head dims.
     want = r"runs on the CPU backends only"
     p = _C.AttnParams()
     p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = 1, 8, 8, 2, 2, d, dv
@@ -252,8 +252,11 @@ def test_cuda_refuses_what_its_kernels_are_not_built_for(d, dv):
         keep += _views(b, dict(q=d, k=d, v=dv, o=dv, dout=dv, dq=d, dk=d, dv=dv))
         lse = np.zeros((1, 2, 8), np.float32)
         b.lse = lse.ctypes.data
-        with pytest.raises(NotImplementedError, match=want):
-            _C.attention_backward_workspace_size(b, _C.RunOptions("cuda"))
+        try:  # the CUDA backward pads like the prefill kernels: only a missing device or build refuses
+            assert _C.attention_backward_workspace_size(b, _C.RunOptions("cuda")) > 0
+        except (NotImplementedError, RuntimeError) as e:
+            assert "head_dim" not in str(e) and ("no usable CUDA device" in str(e) or "no CUDA kernels" in str(e)
+                                                 or "this build leaves out" in str(e)), str(e)
         assert _C.attention_backward_workspace_size(b, _C.RunOptions("cpu")) > 0
     dp = _C.DecodeParams()
     dp.batch, dp.heads_q, dp.heads_kv, dp.head_dim, dp.head_dim_v = 2, 4, 4, d, dv
