@@ -23,6 +23,7 @@
 #include "decode_cmd.h"
 #endif
 #include "flashcpp/attention.h"
+#include "flashcpp/backward.h"
 #include "flashcpp/build.h"
 #include "harness/harness.h"
 #include "tune.h"
@@ -67,10 +68,12 @@ DType parse_dtype(const std::string& s) {
 struct InfoLayout {
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
   unsigned __int128 q_bytes = 0, k_bytes = 0, v_bytes = 0, o_bytes = 0;
+  unsigned __int128 end = 0;  ///< the first byte past o
   bool fits = false;  ///< false: the four tensors would not fit in a 64-bit address space
 };
 
-InfoLayout info_layout(const ShapeOptions& s) {
+/// Addresses for q, k, v, o of a shape, 256-byte aligned from `base` on (never dereferenced).
+InfoLayout info_layout(const ShapeOptions& s, unsigned __int128 base = static_cast<unsigned __int128>(1) << 20) {
   using U = unsigned __int128;
   InfoLayout l;
   const U es = flashcpp::dtype_size(parse_dtype(s.dtype));
@@ -79,9 +82,10 @@ InfoLayout info_layout(const ShapeOptions& s) {
   l.k_bytes = U(s.batch) * U(s.seqlen_k) * U(s.heads_kv) * U(s.head_dim) * es;
   l.v_bytes = U(s.batch) * U(s.seqlen_k) * U(s.heads_kv) * dv * es;
   l.o_bytes = U(s.batch) * U(s.seqlen_q) * U(s.heads_q) * dv * es;
-  constexpr U kBase = U(1) << 20, kAlign = 256;
+  constexpr U kAlign = 256;
   auto up = [&](U x) { return (x + kAlign - 1) / kAlign * kAlign; };
-  const U q = kBase, k = up(q + l.q_bytes), v = up(k + l.k_bytes), o = up(v + l.v_bytes), end = o + l.o_bytes;
+  const U q = up(base), k = up(q + l.q_bytes), v = up(k + l.k_bytes), o = up(v + l.v_bytes), end = o + l.o_bytes;
+  l.end = end;
   l.fits = end < (U(1) << 63);
   if (l.fits) {
     l.q = reinterpret_cast<void*>(static_cast<std::uintptr_t>(q));
@@ -236,6 +240,39 @@ int cmd_info(ShapeOptions s) {
     }
     print_choice("cuda", st, kc);
   }
+#endif
+  // The backward of the same problem (include/flashcpp/backward.h): dout, dq, dk and dv laid out after
+  // the forward's tensors and the LSE after them, so the choice sees a problem with no aliasing.
+  if (const InfoLayout g = info_layout(s, lay.end); lay.fits && g.fits) {
+    const AttnParams gp = info_params(s, g.q, g.k, g.v, g.o);
+    flashcpp::AttnBackwardParams bp;
+    bp.batch = p.batch;
+    bp.seqlen_q = p.seqlen_q;
+    bp.seqlen_k = p.seqlen_k;
+    bp.heads_q = p.heads_q;
+    bp.heads_kv = p.heads_kv;
+    bp.head_dim = p.head_dim;
+    bp.head_dim_v = p.head_dim_v;
+    bp.q = p.q;
+    bp.k = p.k;
+    bp.v = p.v;
+    bp.o = p.o;
+    bp.mask = p.mask;
+    bp.dq = gp.q;
+    bp.dk = gp.k;
+    bp.dv = gp.v;
+    bp.dout = gp.o;
+    bp.lse = reinterpret_cast<const float*>(static_cast<std::uintptr_t>((g.end + 255) / 256 * 256));
+    fmt::print("backward (dq, dk, dv) choice for the same problem:\n");
+    for (Backend b : {Backend::kCpu, Backend::kCpuReference, Backend::kCuda}) {
+      RunOptions opt;
+      opt.backend = b;
+      KernelChoice kc;
+      const Status st = flashcpp::select_backward_kernel(bp, opt, &kc);
+      print_choice(flashcpp::backend_name(b), st, kc);
+    }
+  }
+#if FLASHCPP_WITH_CUDA
   auto list_configs = [](const char* title, std::vector<std::string> (*configs)(int), bool built) {
     if (!built) {  // a family left out: its configs list empty, say why instead of "(none compiled)"
       fmt::print("{}: none, left out of this build\n", title);

@@ -220,6 +220,23 @@ TEST(CliInfo, HugeShapesAnswerWithoutAllocating) {
   EXPECT_NE(big.out.find("does not fit in int32"), std::string::npos) << "the dispatcher's answer\n" << big.out;
 }
 
+// The backward's choice for the same shape follows the forward's, for every backend (CUDA answers with
+// its kernel where a device is, else with the sentence that says why), still without allocating.
+TEST(CliInfo, TheBackwardChoiceIsPrintedForEveryBackend) {
+  const std::vector<std::string> args = {"info", "--head-dim", "96", "--head-dim-v", "64", "--causal"};
+  const Outcome r = run(args, std::size_t{1} << 30, 60);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  const std::size_t at = r.out.find("backward (dq, dk, dv) choice for the same problem:");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string tail = r.out.substr(at);
+  EXPECT_NE(tail.find("cpu_tiled_online_softmax"), std::string::npos) << tail;
+  EXPECT_NE(tail.find("cpu_reference_fp64"), std::string::npos) << tail;
+  EXPECT_TRUE(tail.find("cuda_sm80_fa2 config bwd_") != std::string::npos ||
+              tail.find("no usable CUDA device") != std::string::npos ||
+              tail.find("no CUDA kernels") != std::string::npos || tail.find("this build leaves out") != std::string::npos)
+      << tail;
+}
+
 // ---- every subcommand's numeric flags; CLI11's exit codes ------------------------------------
 
 TEST(CliFlags, EveryNumericFlagIsRangeChecked) {
