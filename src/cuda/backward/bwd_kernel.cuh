@@ -189,8 +189,11 @@ __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& 
   for (; gi < p.group; ++gi, m = c.m_lo) {
     const int h = c.hk * p.group + gi;
     for (; m < c.m_hi; ++m) {
-      const walk::TileVisit v = walk::visit(c.s.rules, c.tiles, c.bs, c.b, h, m, c.n);
+      walk::TileVisit v = walk::visit(c.s.rules, c.tiles, c.bs, c.b, h, m, c.n);
       if (v.visit) {
+        // A device CSR is not validated on the host: an element-mask index past the masks reads the
+        // last one, as the forward kernels clamp it, never past the array.
+        if (v.partial != walk::kFullBlock) v.partial = min(max(v.partial, 0), p.mask.bs_num_partial - 1);
         out->gi = gi;
         out->m = m;
         out->v = v;
