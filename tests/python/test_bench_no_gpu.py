@@ -12,7 +12,7 @@ REASON = _no_gpu_reason()
 pytestmark = pytest.mark.skipif(REASON is None, reason="this machine can run the benchmarks")
 
 
-@pytest.mark.parametrize("area", ["prefill", "fused", "decode", "engine", "masks", "backward"])
+@pytest.mark.parametrize("area", ["prefill", "fused", "decode", "engine", "masks", "backward", "headdims"])
 def test_each_area_says_why_in_one_sentence(area, capsys, tmp_path):
     assert main([area, "--quick", "--out", str(tmp_path / area)]) == 2
     err = capsys.readouterr().err

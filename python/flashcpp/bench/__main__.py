@@ -1,7 +1,8 @@
-"""python -m flashcpp.bench {prefill,fused,decode,engine,masks,backward} [--quick] [--out reports/<area>]
+"""python -m flashcpp.bench {prefill,fused,decode,engine,masks,backward,headdims} [--quick] [--out reports/<area>]
                            [--flashcpp-bin build/flashcpp] [--model-dir /tmp/llama1b]   (engine only)
                            [--grid] [--grid-max-seconds S] [...]   (decode only: bench/decode.py's options)"""
 import argparse
+import os
 import sys
 from typing import Optional
 
@@ -26,7 +27,7 @@ def _no_gpu_reason() -> Optional[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashcpp.bench", description=__doc__)
-    ap.add_argument("area", choices=["prefill", "fused", "decode", "engine", "masks", "backward"], help="which kernels to compare")
+    ap.add_argument("area", choices=["prefill", "fused", "decode", "engine", "masks", "backward", "headdims"], help="which kernels to compare")
     ap.add_argument("--quick", action="store_true", help="a small subset with shorter measurements (about 20 to 60 s per area on an H200)")
     ap.add_argument("--out", default=None, help="report folder (default reports/<area>)")
     ap.add_argument("--flashcpp-bin", default="build/flashcpp", help="engine: the flashcpp CLI to run")
@@ -42,6 +43,12 @@ def main(argv=None) -> int:
     if args.area == "prefill":
         from . import prefill
         return prefill.run(quick=args.quick, out=args.out or "reports/prefill")
+    if args.area == "headdims":  # issue [headdims]'s bar: prefill and backward at 96, 80, 32, 192/128 (128 beside)
+        from . import backward, prefill
+        out = args.out or "reports/headdims"
+        rc = prefill.run(quick=args.quick, out=os.path.join(out, "prefill"), shapes=prefill.HEADDIM_SHAPES,
+                         area_reports=False)
+        return rc or backward.run(quick=args.quick, out=os.path.join(out, "backward"), shapes=backward.HEADDIM_SHAPES)
     if args.area == "backward":
         from . import backward
         return backward.run(quick=args.quick, out=args.out or "reports/backward")

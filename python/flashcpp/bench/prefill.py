@@ -26,14 +26,22 @@ SHAPES = [  # batch, heads (query), seqlen, head_dim[, KV heads: GQA]
     (16, 32, 512, 128), (8, 16, 1024, 128), (1, 64, 8192, 128, 8),
 ]
 QUICK = [(2, 16, 4096, 64), (4, 32, 4096, 128)]
+# The head dims of issue [headdims] (Phi-3's 96, Phi-2's 80, small models' 32, DeepSeek's 192/128):
+# batch, heads, seqlen, head_dim, KV heads, head_dim_v. `python -m flashcpp.bench headdims`.
+HEADDIM_SHAPES = [(2, 16, 4096, 96, 16, 96), (2, 16, 4096, 80, 16, 80), (2, 16, 4096, 32, 16, 32),
+                  (1, 16, 4096, 192, 16, 128), (4, 32, 4096, 128, 32, 128)]
 
 
 def _kv_heads(shape) -> int:
     return shape[4] if len(shape) > 4 else shape[1]
 
 
-def _flops(b, h, n, d, causal):
-    f = 4.0 * b * h * n * n * d
+def _dim_v(shape) -> int:
+    return shape[5] if len(shape) > 5 else shape[3]
+
+
+def _flops(b, h, n, d, causal, dv=None):
+    f = 2.0 * b * h * n * n * (d + (d if dv is None else dv))
     return f / 2 if causal else f
 
 
@@ -63,7 +71,9 @@ def _flashinfer_prefill(torch, fi, q, k, v, causal):
     return lambda: w.run(qf, kf, vf).view(b, n, h, d)
 
 
-def run(quick: bool, out: str) -> int:
+def run(quick: bool, out: str, shapes=None, area_reports: bool = True) -> int:
+    """The bench over `shapes` (default SHAPES, or QUICK with quick). area_reports: also write the
+    reports/prefill and reports/hopper views (the default shapes only)."""
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -87,18 +97,19 @@ def run(quick: bool, out: str) -> int:
     env["fa4"] = fa4_ver if fa4_fn else f"not available: {fa4_ver}"
     peer_names = (["fa4"] if fa4_fn else []) + list(peers) + (["flashinfer"] if fi else [])
     # bf16 on every shape; fp16 on the QUICK shapes (same kernels, other mma type)
-    cases = [(s, c, torch.bfloat16) for s in (QUICK if quick else SHAPES) for c in (False, True)]
-    if not quick:
+    cases = [(s, c, torch.bfloat16) for s in (shapes or (QUICK if quick else SHAPES)) for c in (False, True)]
+    if not quick and shapes is None:
         cases += [(s, c, torch.float16) for s in QUICK for c in (False, True)]
     for idx, (shape, causal, dtype) in enumerate(cases):
         b, h, n, d = shape[:4]
-        hkv = _kv_heads(shape)
+        hkv, dv = _kv_heads(shape), _dim_v(shape)
         g = torch.Generator(device="cuda").manual_seed(1000 + idx)
         q = torch.randn(b, n, h, d, device="cuda", dtype=dtype, generator=g)
-        k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+        k = torch.randn(b, n, hkv, d, device="cuda", dtype=dtype, generator=g)
+        v = torch.randn(b, n, hkv, dv, device="cuda", dtype=dtype, generator=g)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         gqa = {"enable_gqa": True} if hkv != h else {}
-        o_sm80 = torch.empty_like(q)
+        o_sm80 = torch.empty(b, n, h, dv, device="cuda", dtype=dtype)
         fns = {"flashcpp": lambda: flashcpp.flash_attn_func(q, k, v, causal=causal),
                # the FA2-style mma.sync kernel on the same GPU (what A100-class devices run)
                "flashcpp_sm80": lambda: flashcpp.attention(q, k, v, out=o_sm80, causal=causal, backend="cuda",
@@ -122,7 +133,7 @@ def run(quick: bool, out: str) -> int:
                 fns["fa4"] = f4
             except Exception as e:  # a shape FA4 refuses is reported, not hidden
                 progress(f"  fa4 unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
-        if fi is not None and hkv == h:  # the ragged wrapper here is set up for MHA
+        if fi is not None and hkv == h and dv == d:  # the ragged wrapper here is set up for MHA
             try:
                 fns["flashinfer"] = _flashinfer_prefill(torch, fi, q, k, v, causal)
                 fns["flashinfer"]()
@@ -131,7 +142,11 @@ def run(quick: bool, out: str) -> int:
                 fns.pop("flashinfer", None)
                 progress(f"  flashinfer unavailable for this case: {type(e).__name__}: {str(e)[:120]}")
         # sanity: same function (SDPA causal is top-left; equal lengths here, so identical)
-        ref = fns["torch_cudnn" if "torch_cudnn" in fns else "torch_flash"]().transpose(1, 2).float()
+        ref_name = next((n for n in ("torch_cudnn", "torch_flash", "torch_efficient") if n in fns), None)
+        if ref_name is None:  # no SDPA backend takes this shape: nothing to check flashcpp against here
+            progress(f"  no SDPA backend runs {shape} (causal {causal}); row skipped")
+            continue
+        ref = fns[ref_name]().transpose(1, 2).float()
         err = max((fns[n]().float() - ref).abs().max().item() for n in ("flashcpp", "flashcpp_sm80"))
         for peer in ("fa4", "flashinfer"):  # a peer that computes something else would make its ratio meaningless
             if peer in fns:
@@ -142,15 +157,17 @@ def run(quick: bool, out: str) -> int:
         t = interleaved(fns, graph=True, rep_ms=rep_ms)
         te = interleaved(fns, graph=False, rep_ms=rep_ms)
         dts = "bf16" if dtype == torch.bfloat16 else "fp16"
-        cid = f"b{b}_h{h}{f'kv{hkv}' if hkv != h else ''}_n{n}_d{d}{'_causal' if causal else ''}_{dts}"
-        fl = _flops(b, h, n, d, causal)
+        cid = (f"b{b}_h{h}{f'kv{hkv}' if hkv != h else ''}_n{n}_d{d}{f'v{dv}' if dv != d else ''}"
+               f"{'_causal' if causal else ''}_{dts}")
+        fl = _flops(b, h, n, d, causal, dv)
         line = [f"{cid:34s} ours {fl / t['flashcpp'] / 1e6:6.1f} sm80 {fl / t['flashcpp_sm80'] / 1e6:6.1f} TF/s"]
         for peer in peer_names:
             if peer not in t:
                 continue
             rows.append({"case": cid, "peer": peer, "ours_us": round(t["flashcpp"], 2), "peer_us": round(t[peer], 2),
                          "speedup": round(t[peer] / t["flashcpp"], 3), "batch": b, "heads_q": h, "heads_kv": hkv,
-                         "seqlen_q": n, "seqlen_k": n, "head_dim": d, "causal": int(causal), "mask": "causal" if causal else "none",
+                         "seqlen_q": n, "seqlen_k": n, "head_dim": d, "head_dim_v": dv, "causal": int(causal),
+                         "mask": "causal" if causal else "none",
                          "dtype": dts, "ours_tflops": round(fl / t["flashcpp"] / 1e6, 1),
                          "peer_tflops": round(fl / t[peer] / 1e6, 1), "max_abs_diff_vs_sdpa": f"{err:.3e}",
                          "ours_kernel": "sm90", "sm80_us": round(t["flashcpp_sm80"], 2),
@@ -168,6 +185,9 @@ def run(quick: bool, out: str) -> int:
     write_csv(os.path.join(out, "raw", "measured_both_kernels.csv"), rows)
     write_json(os.path.join(out, "benchmark_env.json"), env)
     plot(rows, os.path.join(out, "raw", "all_kernels.png"), env)
+    if not area_reports:
+        progress(f"[bench prefill] wrote {out}/raw/measured_both_kernels.csv")
+        return 0
     from .report import write_areas
     write_areas(rows, os.path.dirname(os.path.abspath(out)), env)
     progress(f"[bench prefill] wrote {out}/raw/measured_both_kernels.csv and the prefill/hopper reports")
