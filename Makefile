@@ -106,6 +106,8 @@ bench: build
 	$(call timed,fused,cd /tmp && $(AREA_ENV) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused)
 	$(call timed,decode,cd /tmp && $(AREA_ENV) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode && $(AREA_ENV) -m flashcpp.bench.decode --grid $(if $(QUICK),--grid-max-seconds 60) --out $(BENCH_DIR)/decode)
 	$(call timed,masks,cd /tmp && $(AREA_ENV) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks)
+	$(call timed,backward,cd /tmp && $(AREA_ENV) -m flashcpp.bench backward $(BENCH_FLAGS) --out $(BENCH_DIR)/backward)
+	$(call timed,head dims,cd /tmp && $(AREA_ENV) -m flashcpp.bench headdims $(BENCH_FLAGS) --out $(BENCH_DIR)/headdims)
 	$(call timed,engine,cd /tmp && $(AREA_ENV) -m flashcpp.bench engine $(BENCH_FLAGS) --flashcpp-bin $(CURDIR)/$(BUILD)/flashcpp --out $(BENCH_DIR)/engine)
 	$(call timed,host overhead,cd /tmp && $(AREA_ENV) -m flashcpp.bench.host_overhead --device cuda $(BENCH_FLAGS) --out $(BENCH_DIR)/integrations)
 	$(call timed,audit,./$(BUILD)/flashcpp audit --backend cuda $(BENCH_FLAGS) --json $(BENCH_DIR)/numerics/audit.json)
