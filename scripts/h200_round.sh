@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# One measurement round on the lent H200, in device calls made back to back (the machine stays warm
+# only ~30 s between calls; FA4 travels in three parts, ../shared/tools/fa4-carry.sh).
+#
+# Here, first:
+#   bash ../shared/tools/fa4-carry.sh                  # .fa4a .fa4b .fa4c (FA4 4.0.0b36 and quack 0.6.5)
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download -q --no-deps liger-kernel==0.8.5 -d .whl      # Liger-Kernel, 0.3 MB
+# On the device (the run tool), C = the commit being measured (the device's copy has no usable git):
+#   call 1, carry [".fa4a", ".debs"]:  bash scripts/h200_round.sh 1 C   build, GPU tests, check tables   (~250 s)
+#   call 2, carry [".fa4b"]:           bash scripts/h200_round.sh 2 C   CUDA pytest, memcheck, host overhead (~200 s)
+#   call 3, carry [".fa4c", ".whl"]:   bash scripts/h200_round.sh 3 C   FA4 and quack installed; prefill, backward,
+#                                                                      head dims                        (~500 s)
+#   call 4, no carry:                  bash scripts/h200_round.sh 4 C   decode grid, fused (quack, Liger), masks
+#                                                                      (~550 s)
+# Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
+# folders as one tarball per phase: unpack with `tar xzf` into reports/ and name the raw folder by
+# commit and date). A phase that finds its machine cold says so and stops (start again at phase 1).
+set -uo pipefail
+phase=${1:?phase 1..4}
+commit=${2:?commit}
+export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
+OUT=${OUT:?run through the device tool: OUT is its output folder}
+case $phase in
+  1 | 2 | 3 | 4) ;;
+  *)
+    echo "h200_round.sh: phase must be 1, 2, 3 or 4; got '$phase'" >&2
+    exit 2
+    ;;
+esac
+mkdir -p "$OUT"
+repo=$(pwd)
+summary=$OUT/summary.txt
+: > "$summary"
+say() { echo "$*" | tee -a "$summary"; }
+warm_or_stop() {
+  if [ ! -x build/flashcpp ] || ! python3 -c "import flashcpp" 2> /dev/null; then
+    say "phase $phase: this machine has no build from phase 1 (it was given back between the calls): start again at phase 1"
+    exit 3
+  fi
+}
+fa4_path() {
+  export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+  [ -d /tmp/liger ] && export PYTHONPATH=/tmp/liger:$PYTHONPATH
+  return 0
+}
+pack() {  # pack NAME DIR...: one tarball of report folders
+  local name=$1
+  shift
+  tar czf "$OUT/$name.tgz" -C "$OUT" "$@" 2> /dev/null && rm -rf "${@/#/$OUT/}"
+}
+
+case $phase in
+  1)
+    mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2> /dev/null
+    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+    say "$(tail -2 "$OUT/build.txt" | head -1)"
+    (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > "$OUT/pip.txt" 2>&1
+     echo "pip rc $?" >> "$OUT/pip.txt") &
+    timeout 280 ./build/flashcpp_gpu_tests > "$OUT/gpu_tests.txt" 2>&1
+    say "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_tests.txt" | tr '\n' ' ')"
+    for area in attention backward decode fused; do
+      timeout 120 ./build/flashcpp check --backend cuda --area $area --json "$OUT/check_$area.json" > "$OUT/check_$area.txt" 2>&1
+      say "check $area rc $?: $(tail -1 "$OUT/check_$area.txt")"
+    done
+    wait
+    say "$(tail -1 "$OUT/pip.txt")"
+    tar czf "$OUT/checks.tgz" -C "$OUT" $(cd "$OUT" && ls check_*) && rm -f "$OUT"/check_*
+    ;;
+  2)
+    cp .fa4b/* /tmp/fa4/ 2> /dev/null
+    warm_or_stop
+    (cd /tmp && timeout 200 python3 -m pytest -q -p no:cacheprovider "$repo/tests/python" -k "cuda or CUDA or backward or transformers" \
+      > "$OUT/pytest_cuda.txt" 2>&1; echo "pytest rc $?" >> "$OUT/pytest_cuda.txt")
+    say "$(tail -2 "$OUT/pytest_cuda.txt" | tr '\n' ' ')"
+    timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/flashcpp_gpu_tests \
+      --gtest_filter='BackwardGpu.VarlenZeroesUncoveredRows:BackwardGpu.NanInQueryReachesItsRowAndTheKvHead' \
+      > "$OUT/memcheck.txt" 2>&1
+    say "memcheck rc $?: $(grep 'ERROR SUMMARY' "$OUT/memcheck.txt")"
+    (cd /tmp && timeout 150 python3 -m flashcpp.bench.host_overhead --device cuda --out "$OUT/integrations" \
+      > "$OUT/host_overhead.log" 2>&1)
+    say "host overhead rc $?"
+    pack phase2 integrations
+    ;;
+  3)
+    warm_or_stop
+    # shellcheck disable=SC1091
+    source .fa4c/install.sh > "$OUT/fa4_install.txt" 2>&1
+    say "$(tail -1 "$OUT/fa4_install.txt")"
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/liger .whl/*.whl > /dev/null 2>&1
+    fi
+    fa4_path
+    cd /tmp || exit 1
+    timeout 240 python3 -m flashcpp.bench prefill --out "$OUT/prefill" > "$OUT/bench_prefill.log" 2>&1
+    say "prefill rc $?"
+    timeout 150 python3 -m flashcpp.bench backward --out "$OUT/backward" > "$OUT/bench_backward.log" 2>&1
+    say "backward rc $?"
+    timeout 90 python3 -m flashcpp.bench headdims --out "$OUT/headdims" > "$OUT/bench_headdims.log" 2>&1
+    say "headdims rc $?"
+    pack phase3 prefill backward headdims hopper
+    ;;
+  4)
+    warm_or_stop
+    fa4_path
+    cd /tmp || exit 1
+    timeout 250 python3 -m flashcpp.bench decode --grid --grid-max-seconds 220 --out "$OUT/decode" > "$OUT/bench_decode_grid.log" 2>&1
+    say "decode grid rc $?"
+    timeout 200 python3 -m flashcpp.bench fused --out "$OUT/fused" > "$OUT/bench_fused.log" 2>&1
+    say "fused rc $?"
+    timeout 90 python3 -m flashcpp.bench masks --quick --out "$OUT/masks" > "$OUT/bench_masks.log" 2>&1
+    say "masks rc $?"
+    pack phase4 decode fused masks
+    ;;
+esac
+cat "$summary"
