@@ -8,7 +8,8 @@
 #   python3 -m pip download -q --no-deps liger-kernel==0.8.5 -d .whl      # Liger-Kernel, 0.3 MB
 # On the device (the run tool), C = the commit being measured (the device's copy has no usable git):
 #   call 1, carry [".fa4a", ".debs"]:  bash scripts/h200_round.sh 1 C   build, GPU tests, check tables   (~250 s)
-#   call 2, carry [".fa4b"]:           bash scripts/h200_round.sh 2 C   CUDA pytest, memcheck, host overhead (~200 s)
+#   call 2, carry [".fa4b"]:           bash scripts/h200_round.sh 2 C   CUDA pytest, memcheck, host overhead,
+#                                                                      transformers generate           (~300 s)
 #   call 3, carry [".fa4c", ".whl"]:   bash scripts/h200_round.sh 3 C   FA4 and quack installed; prefill, backward,
 #                                                                      head dims                        (~500 s)
 #   call 4, no carry:                  bash scripts/h200_round.sh 4 C   decode grid, fused (quack, Liger), masks
@@ -80,6 +81,9 @@ case $phase in
     (cd /tmp && timeout 150 python3 -m flashcpp.bench.host_overhead --device cuda --out "$OUT/integrations" \
       > "$OUT/host_overhead.log" 2>&1)
     say "host overhead rc $?"
+    (cd /tmp && timeout 120 python3 -m flashcpp.bench.hf_generate --device cuda --out "$OUT/integrations" \
+      > "$OUT/hf_generate.log" 2>&1)
+    say "transformers rc $?: $(grep -c 'equal to' "$OUT/hf_generate.log") architectures compared"
     pack phase2 integrations
     ;;
   3)
