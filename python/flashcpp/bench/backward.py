@@ -14,10 +14,9 @@ more than 5e-2 of that is dropped from the row and said so, never timed silently
 from __future__ import annotations
 
 import os
-import statistics
 from typing import Dict, List
 
-from .common import bench_us, environment, fa4, progress, rep_ms_for, write_csv, write_json
+from .common import environment, fa4, grouped_bars, interleaved, peer_value, progress, rep_ms_for, write_csv, write_json
 
 SHAPES = [  # batch, heads (query), seqlen, head_dim, causal[, KV heads: GQA]
     (4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 16, 16384, 128, False), (1, 16, 16384, 128, True),
@@ -122,11 +121,7 @@ def run(quick: bool, out: str, shapes=None) -> int:
             progress(f"  flashcpp has no result for this case; row skipped")
             continue
         peaks = {name: _peak_bytes(torch, fns[name]) for name in fns}
-        times: Dict[str, List[float]] = {name: [] for name in fns}
-        for _ in range(2):
-            for name, fn in fns.items():
-                times[name].append(bench_us(fn, rep_ms=rep_ms))
-        t = {name: statistics.median(v) for name, v in times.items()}
+        t = interleaved(fns, rounds=2, graph=False, rep_ms=rep_ms)
         cid = (f"b{b}_h{h}{f'kv{hkv}' if hkv != h else ''}_n{n}_d{d}{f'v{dv}' if dv != d else ''}"
                f"{'_causal' if causal else ''}_bf16")
         fl = _flops(b, h, n, d, causal, dv)
@@ -163,29 +158,10 @@ def run(quick: bool, out: str, shapes=None) -> int:
 
 
 def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    peers = [p for p in ("fa4", "torch_cudnn", "torch_flash") if any(r["peer"] == p for r in rows)]
-    impls = ["flashcpp"] + peers
-    vals = {i: [] for i in impls}
-    for c in cases:
-        rs = [r for r in rows if r["case"] == c]
-        vals["flashcpp"].append(rs[0]["ours_tflops"])
-        for p in peers:
-            m = [r for r in rs if r["peer"] == p]
-            vals[p].append(m[0]["peer_tflops"] if m else 0)
-    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.9), 5))
-    w = 0.8 / len(impls)
-    for i, name in enumerate(impls):
-        ax.bar([x + (i - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals[name], w, label=name)
-    ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([c.replace("_bf16", "") for c in cases], rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("TFLOP/s (2.5x forward FLOPs, bf16)")
-    ax.set_title(f"Attention backward on {env['gpu']} (torch {env['torch']}, {env['git_commit']})")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {"flashcpp": lambda rs: rs[0]["ours_tflops"]}
+    series.update({p: peer_value(p, "peer_tflops") for p in ("fa4", "torch_cudnn", "torch_flash")
+                   if any(r["peer"] == p for r in rows)})
+    grouped_bars(path, cases, rows, series, "TFLOP/s (2.5x forward FLOPs, bf16)",
+                 f"Attention backward on {env['gpu']} (torch {env['torch']}, {env['git_commit']})",
+                 label=lambda c: c.replace("_bf16", ""))

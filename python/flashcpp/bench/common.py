@@ -7,7 +7,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Sequence, Tuple
 
 
 def git_commit() -> str:
@@ -124,6 +124,38 @@ def fa4():
         return flash_attn_func, ver
     except Exception as e:  # not installed, or a build for another torch / CUDA
         return None, f"{type(e).__name__}: {str(e)[:120]}"
+
+
+def grouped_bars(path: str, cases: List[str], rows: List[Dict[str, object]], series: Dict[str, Callable],
+                 ylabel: str, title: str, width_per_case: float = 0.9, rotation: int = 45,
+                 label: Callable[[str], str] = lambda c: c, lines: Sequence[Tuple[float, Dict[str, object]]] = (),
+                 legend_fontsize=None) -> None:
+    """One group of bars per case, one bar per series: series[name](case_rows) is the bar's value (0
+    where it has none); `lines` are (y, axhline keyword arguments) drawn across. The areas' plots."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * width_per_case), 5))
+    w = 0.8 / len(series)
+    for i, (name, value) in enumerate(series.items()):
+        vals = [value([r for r in rows if r["case"] == c]) for c in cases]
+        ax.bar([x + (i - (len(series) - 1) / 2) * w for x in range(len(cases))], vals, w, label=name)
+    for y, kw in lines:
+        ax.axhline(y, **kw)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([label(c) for c in cases], rotation=rotation, ha="right", fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_fontsize)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def peer_value(peer: str, column: str) -> Callable:
+    """A grouped_bars series: `column` of the case's row for `peer` (0 without one)."""
+    return lambda rs: next((r[column] for r in rs if r["peer"] == peer), 0)
 
 
 def progress(msg: str) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Dict, List, Tuple
 
-from .common import ceilings, environment, interleaved, progress, rep_ms_for, write_csv, write_json
+from .common import ceilings, environment, grouped_bars, interleaved, peer_value, progress, rep_ms_for, write_csv, write_json
 
 HBM_TBPS = 4.3
 EAGER_BAR = {"rmsnorm_residual": 1.8, "swiglu_fused": 1.5, "swiglu_two": 1.5}
@@ -369,32 +369,15 @@ def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> Lis
 
 
 def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    impls = ["flashcpp", "torch_eager", "torch_compile"] + [p for p in ("quack", "liger") if any(r["peer"] == p for r in rows)]
-    vals = {i: [] for i in impls}
-    for c in cases:
-        rs = [r for r in rows if r["case"] == c]
-        vals["flashcpp"].append(rs[0]["ours_tbps"])
-        for p in impls[1:]:
-            m = [r for r in rs if r["peer"] == p]
-            vals[p].append(m[0]["peer_tbps"] if m else 0)
-    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.1), 5))
-    w = 0.8 / len(impls)
-    for i, name in enumerate(impls):
-        ax.bar([x + (i - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals[name], w, label=name)
-    ax.axhline(HBM_TBPS, color="k", ls="--", lw=1, label=f"HBM {HBM_TBPS} TB/s (floor)")
-    ax.axhline(FLOOR_BAR * HBM_TBPS, color="r", ls=":", lw=1, label=f"{int(100 * FLOOR_BAR)}% of the floor")
+    series = {"flashcpp": lambda rs: rs[0]["ours_tbps"]}
+    peers = ["torch_eager", "torch_compile"] + [p for p in ("quack", "liger") if any(r["peer"] == p for r in rows)]
+    series.update({p: peer_value(p, "peer_tbps") for p in peers})
+    lines = [(HBM_TBPS, dict(color="k", ls="--", lw=1, label=f"HBM {HBM_TBPS} TB/s (floor)")),
+             (FLOOR_BAR * HBM_TBPS, dict(color="r", ls=":", lw=1, label=f"{int(100 * FLOOR_BAR)}% of the floor"))]
     if "copy_tbps" in env:
-        ax.axhline(float(env["copy_tbps"]), color="g", ls="-.", lw=1, label=f"measured copy {env['copy_tbps']} TB/s")
-    ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels(cases, rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel("TB/s of bytes that must move (CUDA-graph replay)")
-    ax.set_title(f"Fused kernels on {env['gpu']} (torch {env['torch']}, {env['git_commit']})")
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        lines.append((float(env["copy_tbps"]), dict(color="g", ls="-.", lw=1,
+                                                    label=f"measured copy {env['copy_tbps']} TB/s")))
+    grouped_bars(path, cases, rows, series, "TB/s of bytes that must move (CUDA-graph replay)",
+                 f"Fused kernels on {env['gpu']} (torch {env['torch']}, {env['git_commit']})",
+                 width_per_case=1.1, rotation=35, lines=lines, legend_fontsize=8)

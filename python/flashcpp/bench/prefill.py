@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
-from .common import bench_graph_us, ceilings, environment, fa4, interleaved, progress, rep_ms_for, write_csv, write_json
+from .common import (bench_graph_us, ceilings, environment, fa4, grouped_bars, interleaved, peer_value, progress,
+                     rep_ms_for, write_csv, write_json)
 
 SHAPES = [  # batch, heads (query), seqlen, head_dim[, KV heads: GQA]
     (1, 8, 512, 64), (1, 8, 2048, 64), (2, 16, 4096, 64), (2, 16, 16384, 64),
@@ -195,32 +196,10 @@ def run(quick: bool, out: str, shapes=None, area_reports: bool = True) -> int:
 
 
 def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = sorted({r["case"] for r in rows if r["dtype"] == "bf16"}, key=lambda c: [r["case"] for r in rows].index(c))
-    impls = ["flashcpp", "flashcpp_sm80", "torch_flash", "torch_cudnn", "torch_efficient"]
-    for extra in ("fa4", "flashinfer"):
-        if any(r["peer"] == extra for r in rows):
-            impls.append(extra)
-    vals = {i: [] for i in impls}
-    for c in cases:
-        rs = [r for r in rows if r["case"] == c]
-        vals["flashcpp"].append(rs[0]["ours_tflops"])
-        vals["flashcpp_sm80"].append(rs[0]["sm80_tflops"])
-        for p in impls[2:]:
-            m = [r for r in rs if r["peer"] == p]
-            vals[p].append(m[0]["peer_tflops"] if m else 0)
-    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.9), 5))
-    w = 0.8 / len(impls)
-    for i, name in enumerate(impls):
-        ax.bar([x + (i - (len(impls) - 1) / 2) * w for x in range(len(cases))], vals[name], w, label=name)
-    ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([c.replace("_bf16", "") for c in cases], rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("TFLOP/s (bf16, CUDA-graph replay)")
-    ax.set_title(f"Prefill forward on {env['gpu']} (torch {env['torch']}, cuDNN {env['cudnn']}, {env['git_commit']})")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {"flashcpp": lambda rs: rs[0]["ours_tflops"], "flashcpp_sm80": lambda rs: rs[0]["sm80_tflops"]}
+    peers = ["torch_flash", "torch_cudnn", "torch_efficient"] + [p for p in ("fa4", "flashinfer") if any(r["peer"] == p for r in rows)]
+    series.update({p: peer_value(p, "peer_tflops") for p in peers})
+    grouped_bars(path, cases, rows, series, "TFLOP/s (bf16, CUDA-graph replay)",
+                 f"Prefill forward on {env['gpu']} (torch {env['torch']}, cuDNN {env['cudnn']}, {env['git_commit']})",
+                 label=lambda c: c.replace("_bf16", ""))

@@ -97,37 +97,30 @@ template <typename T>
 Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardWorkspaceLayout& l, cudaStream_t stream,
                  int device) {
   const BwdParams p = make_params(a, l);
-  if (a.batch > 0 && a.seqlen_q > 0 && a.seqlen_k > 0) {
-    // Workspace: D = 0 and LSE log2 e = 3.4e38 in every padded row (so their P = exp2(t c - 3.4e38) = 0
-    // and dS = 0 without a bounds check), the dQ accumulator and the semaphores 0; the preprocess
-    // then writes the rows of the sequences.
+  const bool rows = a.batch > 0 && a.seqlen_q > 0, keys = a.batch > 0 && a.seqlen_k > 0;
+  const dim3 rows_grid(static_cast<unsigned>((a.seqlen_q + 31) / 32), static_cast<unsigned>(a.heads_q),
+                       static_cast<unsigned>(a.batch));
+  // The dQ accumulator starts at 0 wherever query rows exist (without keys dQ stays 0).
+  if (rows)
+    FLASHCPP_RETURN_IF_ERROR(
+        cuda_status(cudaMemsetAsync(p.dq_accum, 0, l.semaphores - l.dq_accum, stream), "cudaMemsetAsync(dq_accum)"));
+  if (rows && keys) {
+    // D = 0 and LSE log2 e = 0x7f7f7f7f (3.4e38) in every padded row, so their P = exp2(t c - 3.4e38) = 0
+    // and dS = 0 without a bounds check, and the semaphores 0; the preprocess then writes the rows of
+    // the sequences.
     const std::size_t row_bytes = static_cast<std::size_t>(a.heads_q) * static_cast<std::size_t>(l.rows) * sizeof(float);
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(p.delta, 0, row_bytes, stream), "cudaMemsetAsync(delta)"));
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(p.lse2, 0x7f, row_bytes, stream), "cudaMemsetAsync(lse)"));
-    FLASHCPP_RETURN_IF_ERROR(
-        cuda_status(cudaMemsetAsync(p.dq_accum, 0, l.semaphores - l.dq_accum, stream), "cudaMemsetAsync(dq_accum)"));
     if (p.sem != nullptr)
       FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaMemsetAsync(p.sem, 0, l.bytes - l.semaphores, stream), "cudaMemsetAsync(semaphores)"));
-    const dim3 rows_grid(static_cast<unsigned>((a.seqlen_q + 31) / 32), static_cast<unsigned>(a.heads_q),
-                         static_cast<unsigned>(a.batch));
     bwd_preprocess_kernel<T><<<rows_grid, 128, 0, stream>>>(p);
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward preprocess launch"));
-    const BwdRunFn run = std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16;
-    FLASHCPP_RETURN_IF_ERROR(run(p, stream, device));
+  }
+  // The main kernel wherever keys exist: without query rows it visits no pair and writes dK = dV = 0.
+  if (keys) FLASHCPP_RETURN_IF_ERROR((std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16)(p, stream, device));
+  if (rows) {
     bwd_postprocess_kernel<T><<<rows_grid, 128, 0, stream>>>(p);
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward postprocess launch"));
-  } else if (a.batch > 0 && a.seqlen_q > 0) {
-    // No keys: dQ = 0 in every row of the sequences (the postprocess of a zeroed accumulator).
-    FLASHCPP_RETURN_IF_ERROR(
-        cuda_status(cudaMemsetAsync(p.dq_accum, 0, l.semaphores - l.dq_accum, stream), "cudaMemsetAsync(dq_accum)"));
-    const dim3 rows_grid(static_cast<unsigned>((a.seqlen_q + 31) / 32), static_cast<unsigned>(a.heads_q),
-                         static_cast<unsigned>(a.batch));
-    bwd_postprocess_kernel<T><<<rows_grid, 128, 0, stream>>>(p);
-    FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward postprocess launch"));
-  } else if (a.batch > 0 && a.seqlen_k > 0) {
-    // No queries: dK = dV = 0 (the main kernel visits no pair and writes its zero accumulators).
-    const BwdRunFn run = std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16;
-    FLASHCPP_RETURN_IF_ERROR(run(p, stream, device));
   }
   const MaskParams& m = a.mask;
   if (m.is_varlen()) {

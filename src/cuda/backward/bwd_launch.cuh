@@ -6,6 +6,7 @@
 #include "common/attention_walk.h"
 #include "cuda/backward/bwd_kernel.cuh"
 #include "cuda/backward/bwd_registry.h"
+#include "cuda/common/smem_opt_in.h"
 
 namespace flashcpp::cuda {
 
@@ -15,13 +16,7 @@ template <class Cfg, typename T>
 Status bwd_run(const BwdParams& p, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
   auto* kernel = &bwd_main_kernel<Cfg, T>;
-  const unsigned long long bit = 1ull << (device & 63);
-  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (e != cudaSuccess)
-      return Status::Cuda(std::string("cudaFuncSetAttribute(max dynamic smem) failed: ") + cudaGetErrorString(e));
-    opted_in.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, Cfg::kSmemBytes, device, opted_in, "backward: "));
   const BlockSparseMask* bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
   const int n_tiles = walk::Tiles::make(p.seqlen_q, p.seqlen_k, Cfg::kBlockM, Cfg::kBlockN, bs).num_k_tiles();
   if (n_tiles == 0) return Status::Ok();

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cuda/common/launch.cuh"
+#include "cuda/common/smem_opt_in.h"
 #include "cuda/decode/decode_kernel.cuh"
 #include "cuda/decode/decode_launch.h"
 
@@ -19,13 +20,7 @@ Status decode_split_run(const DecodeKernelParams& p, int ctas, Stream stream, in
   // Opt in to > 48 KB of dynamic shared memory once per device (not a stream operation: safe
   // while a graph is being captured).
   static std::atomic<unsigned long long> opted_in{0};
-  const unsigned long long bit = 1ull << (device & 63);
-  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-    if (e != cudaSuccess)
-      return Status::Cuda(std::string("decode: cudaFuncSetAttribute(max dynamic smem) failed: ") + cudaGetErrorString(e));
-    opted_in.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, Cfg::kSmemBytes, device, opted_in, "decode: "));
   if (ctas <= 0) return Status::Ok();
   (void)launch_kernel(kernel, static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream, p.pdl != 0, p);
   const cudaError_t e = cudaGetLastError();

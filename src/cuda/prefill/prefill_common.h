@@ -13,6 +13,7 @@
 #include "common/attention_algebra.h"
 #include "common/fused_math.h"
 #include "common/mask_rules.h"
+#include "cuda/common/smem_opt_in.h"
 #include "cuda/prefill/prefill_mask.h"
 #include "cuda/prefill/prefill_rope.h"
 #include "flashcpp/attention.h"
@@ -105,13 +106,7 @@ template <class Params>
 Status launch_prefill(void (*kernel)(Params), const Params& p, int block_m, int threads, int smem_bytes,
                       Stream stream, int device, std::atomic<unsigned long long>& opted_in, const char* what,
                       int persistent_ctas = 0) {
-  const unsigned long long bit = 1ull << (device & 63);
-  if (!(opted_in.load(std::memory_order_acquire) & bit)) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-    if (e != cudaSuccess)
-      return Status::Cuda(std::string("cudaFuncSetAttribute(max dynamic smem) failed: ") + cudaGetErrorString(e));
-    opted_in.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, smem_bytes, device, opted_in));
   if (p.batch > 65535 || p.heads_q > 65535)
     return Status::Unsupported("batch " + std::to_string(p.batch) + " or heads_q " + std::to_string(p.heads_q) +
                                " exceeds the 65535 limit of a grid dimension");
