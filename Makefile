@@ -104,7 +104,7 @@ bench: build
 	mkdir -p $(BENCH_DIR)/numerics
 	$(call timed,prefill,cd /tmp && $(AREA_ENV) -m flashcpp.bench prefill $(BENCH_FLAGS) --out $(BENCH_DIR)/prefill)
 	$(call timed,fused,cd /tmp && $(AREA_ENV) -m flashcpp.bench fused $(BENCH_FLAGS) --out $(BENCH_DIR)/fused)
-	$(call timed,decode,cd /tmp && $(AREA_ENV) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode && $(AREA_ENV) -m flashcpp.bench.decode --grid $(if $(QUICK),--grid-max-seconds 60) --out $(BENCH_DIR)/decode)
+	$(call timed,decode,cd /tmp && $(AREA_ENV) -m flashcpp.bench decode $(BENCH_FLAGS) --out $(BENCH_DIR)/decode && $(AREA_ENV) -m flashcpp.bench.decode --grid $(if $(QUICK),--grid-max-seconds 60) --out $(BENCH_DIR)/decode && $(AREA_ENV) -m flashcpp.bench.decode_fp8 $(BENCH_FLAGS) --out $(BENCH_DIR)/decode)
 	$(call timed,masks,cd /tmp && $(AREA_ENV) -m flashcpp.bench masks $(BENCH_FLAGS) --out $(BENCH_DIR)/masks)
 	$(call timed,backward,cd /tmp && $(AREA_ENV) -m flashcpp.bench backward $(BENCH_FLAGS) --out $(BENCH_DIR)/backward)
 	$(call timed,head dims,cd /tmp && $(AREA_ENV) -m flashcpp.bench headdims $(BENCH_FLAGS) --out $(BENCH_DIR)/headdims)

@@ -47,7 +47,7 @@ void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
   sub->add_option("--page-size", o->page_size, "KV cache page size (power of two, 1..256)")
       ->check(power_of_two_upto(256))
       ->capture_default_str();
-  sub->add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: auto (the backend's) or fp8 (e4m3 with --kv-scale; CPU so far)")
+  sub->add_option("--kv-dtype", o->kv_dtype, "KV cache dtype: auto (the backend's) or fp8 (e4m3 with --kv-scale)")
       ->check(CLI::IsMember({"auto", "fp8"}))
       ->capture_default_str();
   sub->add_option("--kv-scale", o->kv_scale, "fp8 KV cache: the scale of every K and V head (value = code * scale)")

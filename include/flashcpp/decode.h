@@ -35,7 +35,9 @@
 //   The kernels fold the scales instead of dequantizing each element: scores use
 //   softmax_scale * k_scale[hk] (softcap and ALiBi act on that score as usual) and O is
 //   v_scale[hk] times the weighted sum of the codes, the same numbers up to fp32 rounding.
-//   Runs on the CPU backend; the CUDA kernels refuse an fp8 cache with a sentence until they land.
+//   Both backends: the CUDA kernels copy the codes (half the bytes of a 16-bit cache) and convert
+//   each tile to q's dtype in shared memory, exactly, before the same tensor-core loop. CUDA
+//   strides of an fp8 cache are multiples of 16 elements (16 bytes).
 //
 // Safety against device-resident values the host cannot check (CUDA backend): a length outside
 // [0, slots - (append ? seqlen_q : 0)] is clamped into it, a block-table entry outside

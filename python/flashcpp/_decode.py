@@ -22,7 +22,7 @@ MAX_PAGE_SIZE = _C.DECODE_MAX_PAGE_SIZE
 MAX_SPLITS = _C.DECODE_MAX_SPLITS
 _FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 #: The cache's dtype: q's, or OCP fp8 e4m3 ("e4m3fn": torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn)
-#: with per-KV-head fp32 scales, K = code * k_scale and V = code * v_scale (CPU backend so far).
+#: with per-KV-head fp32 scales, K = code * k_scale and V = code * v_scale (both backends).
 FP8_E4M3 = "float8_e4m3fn"
 _CACHE_CODES = dict(_core._DTYPE_CODES, **{FP8_E4M3: _C.DTYPE_F8E4M3})
 _ROTARY = {None: _C.ROPE_NONE, "none": _C.ROPE_NONE, "neox": _C.ROPE_NEOX,
@@ -336,8 +336,8 @@ class BatchDecodeWithKVCache:
                 plans for the CPU backend.
             kv_dtype: the cache's dtype: None (q's), or "float8_e4m3fn" / torch.float8_e4m3fn /
                 ml_dtypes.float8_e4m3fn, an fp8 e4m3 cache that run() dequantizes with its
-                k_scale and v_scale (the append quantizes into it). fp8 runs on the CPU backend
-                so far; a CUDA plan refuses it (NotImplementedError).
+                k_scale and v_scale (the append quantizes into it). Both backends; on CUDA the
+                cache strides are multiples of 16 codes.
             num_splits: force this many key splits per sequence (0 = heuristic); max_splits caps
                 the heuristic (0 = 256); num_sms: plan for this many SMs (0 = the device's).
             non_blocking: CUDA: the work list is uploaded on the current stream; by default plan()

@@ -73,8 +73,8 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
             ml_dtypes.float8_e4m3fn; q, k, v and the output in fp16, bf16 or fp32): the per-KV-head
             scales, a number or fp32 (heads_kv,), positive and finite. The step attends over
             K = code * k_scale and V = code * v_scale; an append stores the code of k / k_scale
-            (after rotary) and v / v_scale, rounded to nearest even and saturated at +-448. CPU
-            backend so far; on CUDA an fp8 cache raises NotImplementedError.
+            (after rotary) and v / v_scale, rounded to nearest even and saturated at +-448. Both
+            backends; the CUDA kernels read half the bytes of a 16-bit cache.
     Returns:
         out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, and with ``return_softmax_lse`` the
         fp32 natural-log LSE (batch, heads_q, seqlen_q).

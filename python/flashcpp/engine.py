@@ -135,7 +135,7 @@ class Engine:
         An exception it raises ends the run and propagates.
         eager: CUDA only, launch op by op instead of replaying a CUDA graph (default: graphs).
         kv_dtype: "auto" (the backend's dtype) or "fp8": an e4m3 KV cache holding codes of
-        x / kv_scale (CPU backend so far; docs/decode.md).
+        x / kv_scale (both backends; docs/decode.md).
         """
         if self.model_dir is None:
             raise ValueError("generate: no model is loaded (Engine.load first)")

@@ -106,10 +106,12 @@ struct ScoreTransform {
   float cap_k = 0.f;      ///< 2 log2(e) / cap: tanh(u / cap) = 1 - 2 / (1 + exp2(u cap_k))
   float inv_scale = 1.f;  ///< 1 / |softmax_scale|: an ALiBi slope in raw units per natural unit
 
-  /// scale = the effective softmax scale (finite, != 0); softcap >= 0 (0 = off).
-  static ScoreTransform make(float scale, float softcap) {
+  /// scale = the effective softmax scale (finite, != 0); softcap >= 0 (0 = off). Host and device:
+  /// the decode kernels form it per KV head for an fp8 cache (scale * k_scale[hk], a device value),
+  /// with the same IEEE operations, so both sides get the same bits.
+  FC_HD static ScoreTransform make(float scale, float softcap) {
     ScoreTransform t;
-    const float a = std::fabs(scale);
+    const float a = fabsf(scale);
     t.c = a * kLog2e;
     t.sign = scale < 0.f ? -1.f : 1.f;
     t.inv_scale = 1.f / a;

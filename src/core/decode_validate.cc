@@ -43,7 +43,6 @@ bool known_dtype(DType t) { return t == DType::kF16 || t == DType::kBF16 || t ==
 bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
 
 constexpr std::int64_t kCudaVectorBytes = 16;
-constexpr std::int64_t kCudaVectorElems = 8;
 
 /// Decode runs on the CPU backend or CUDA; kAuto is checked permissively (no host arrays read).
 struct Rules {
@@ -93,9 +92,11 @@ Status check_view(const char* name, const TensorView& t, std::int64_t e0, std::i
   for (int i = 0; i < 3; ++i) {
     if (d[i].stride < 0)
       return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride, " is negative (strides must be >= 0)"));
-    if (r.cuda && d[i].extent > 1 && d[i].stride % kCudaVectorElems != 0)
-      return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride,
-                                 " is not a multiple of 8 elements (the CUDA kernels use 16-byte vector loads)"));
+    // 16 bytes: 8 elements of 16 bits, 16 fp8 codes.
+    const std::int64_t vec = kCudaVectorBytes / elem;
+    if (r.cuda && d[i].extent > 1 && d[i].stride % vec != 0)
+      return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride, " is not a multiple of ", vec,
+                                 " elements (the CUDA kernels use 16-byte vector loads)"));
   }
   std::int64_t end = 1;  // largest offset + 1
   for (const Dim& x : d) {
@@ -205,9 +206,6 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
   }
   if (r.cuda && p.q.dtype == DType::kF32)
     return Status::Unsupported("fp32 decode runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
-  if (r.cuda && fp8)
-    return Status::Unsupported("an fp8_e4m3 KV cache runs on the CPU backend only so far (the CUDA decode kernels "
-                               "read fp16 or bf16 caches)");
   // cache geometry
   const KVCacheView& c = p.cache;
   if (c.paged()) {

@@ -206,9 +206,6 @@ Status Session::init(const LlamaModel* model, const SessionOptions& opt) {
   if (opt.capacity < 1) return Status::Invalid("the KV cache needs at least one slot per sequence");
   if (opt.page_size < 1 || opt.page_size > kDecodeMaxPageSize || (opt.page_size & (opt.page_size - 1)))
     return Status::Invalid("page size " + std::to_string(opt.page_size) + " is not a power of two in [1, 256]");
-  if (opt.kv_fp8 && ops_->cuda())
-    return Status::Unsupported("an fp8 KV cache runs on the CPU backend only so far (the CUDA decode kernels read "
-                               "bf16 caches)");
   if (opt.kv_fp8 && !(std::isfinite(opt.kv_scale) && opt.kv_scale > 0.f)) {
     char v[32];
     std::snprintf(v, sizeof v, "%g", static_cast<double>(opt.kv_scale));
@@ -292,12 +289,13 @@ Status Session::fill_cache_random(std::uint64_t seed) {
     const std::int64_t n = static_cast<std::int64_t>(kv_.empty() ? 0 : kv_[0].bytes());
     Buffer tmp;
     FLASHCPP_RETURN_IF_ERROR(tmp.allocate(ops_, static_cast<std::size_t>(n) * dtype_size(ops_->dtype())));
-    std::vector<float> host(static_cast<std::size_t>(n));
+    std::vector<unsigned char> host(static_cast<std::size_t>(n) * dtype_size(ops_->dtype()));  // the backend's dtype
     std::vector<std::uint8_t> codes(static_cast<std::size_t>(n));
     for (std::size_t i = 0; i < kv_.size(); ++i) {
       FLASHCPP_RETURN_IF_ERROR(ops_->fill_random(tmp.get(), n, seed + i, 1.f));
-      FLASHCPP_RETURN_IF_ERROR(ops_->download(host.data(), tmp.get(), host.size() * 4));
-      for (std::int64_t e = 0; e < n; ++e) store_from_float(codes.data(), DType::kF8E4M3, e, host[e] / opt_.kv_scale);
+      FLASHCPP_RETURN_IF_ERROR(ops_->download(host.data(), tmp.get(), host.size()));
+      for (std::int64_t e = 0; e < n; ++e)
+        store_from_float(codes.data(), DType::kF8E4M3, e, load_as_float(host.data(), ops_->dtype(), e) / opt_.kv_scale);
       FLASHCPP_RETURN_IF_ERROR(ops_->upload(kv_[i].get(), codes.data(), codes.size()));
     }
     return Status::Ok();

@@ -77,7 +77,7 @@ struct SessionOptions {
   int max_prompt = 0;     ///< longest prefill (tokens of one sequence)
   int logits_rows = 0;    ///< prefill rows whose logits may be requested (all-position dumps)
   int max_steps = 0;      ///< history rows (one per generated token)
-  /// An fp8 e4m3 KV cache (CPU backend so far): K and V stored as codes of x / kv_scale, every KV
+  /// An fp8 e4m3 KV cache (both backends): K and V stored as codes of x / kv_scale, every KV
   /// head of every layer with the scale kv_scale (positive, finite); the prompt's attention reads
   /// its own unquantized K/V, the decode steps read the cache (decode.h, "FP8 cache").
   bool kv_fp8 = false;

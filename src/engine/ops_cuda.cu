@@ -142,6 +142,11 @@ class CudaOps final : public Ops {
     p.k = k;
     p.v = v;
     p.ld = ld;
+    if (pool.dtype == DType::kF8E4M3) {
+      p.k_scale = pool.k_scale;
+      p.v_scale = pool.v_scale;
+      p.head_dim = pool.head_dim;
+    }
     return cuda::engine::write_kv(p, stream_);
   }
   Status sample(const float* logits, int rows, int vocab, const SampleArgs& args, std::int32_t* tokens_out,

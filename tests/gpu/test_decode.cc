@@ -21,6 +21,7 @@
 
 #include "cpu/cpu_backend.h"
 #include "flashcpp/decode.h"
+#include "flashcpp/half.h"
 #include "gpu_util.h"
 
 #if FLASHCPP_HAS_DECODE
@@ -46,6 +47,7 @@ struct GCase {
   bool alibi = false;
   int num_splits = 0;
   int extra_slots = 17;
+  bool fp8 = false;  ///< an fp8 e4m3 cache with per-KV-head scales (decode.h)
 };
 
 std::string describe(const GCase& c) {
@@ -58,6 +60,7 @@ std::string describe(const GCase& c) {
   if (c.softcap > 0) s += " softcap";
   if (c.alibi) s += " alibi";
   if (c.num_splits) s += " splits" + std::to_string(c.num_splits);
+  if (c.fp8) s += " fp8";
   return s;
 }
 
@@ -107,6 +110,9 @@ struct Step {
   Twin q, o, knew, vnew, kc, vc;
   TwinOf<std::int32_t> lens, block_table;
   TwinOf<float> lse, cos_t, sin_t, slopes;
+  /// fp8 cache: the codes (kc / vc then hold one unused element) and the per-KV-head scales.
+  TwinOf<std::uint8_t> kc8, vc8;
+  TwinOf<float> kscale, vscale;
   std::vector<std::uint16_t> o_cpu;
   std::vector<float> lse_cpu;
   DecodeParams hp, dp;
@@ -129,14 +135,18 @@ struct Step {
         o(q.h.size()),
         knew(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hkv * cs.d),
         vnew(knew.h.size()),
-        kc(static_cast<std::size_t>(cache_elems(cs))),
+        kc(cs.fp8 ? 1 : static_cast<std::size_t>(cache_elems(cs))),
         vc(kc.h.size()),
         lens(std::vector<std::int32_t>(cs.lens.begin(), cs.lens.end())),
         block_table(std::vector<std::int32_t>{}),
         lse(std::vector<float>(static_cast<std::size_t>(cs.batch) * cs.hq * cs.sq, NAN)),
         cos_t(std::vector<float>{}),
         sin_t(std::vector<float>{}),
-        slopes(std::vector<float>{}) {
+        slopes(std::vector<float>{}),
+        kc8(std::vector<std::uint8_t>(cs.fp8 ? static_cast<std::size_t>(cache_elems(cs)) : 1, 0x7f)),
+        vc8(std::vector<std::uint8_t>(kc8.h.size(), 0x7f)),  // NaN codes: slots no sequence has yet
+        kscale(std::vector<float>{}),
+        vscale(std::vector<float>{}) {
     const int D = c.d;
     const std::int64_t n = need(c);
     std::normal_distribution<float> nd(0.f, 1.f);
@@ -173,20 +183,33 @@ struct Step {
       p.cache.num_pages = num_pages;
       p.cache.block_table_stride = bt_stride;
       p.cache.pages_per_seq = pps;
-      p.cache.k = bshd_view(nullptr, c.dt, c.page_size, c.hkv, D);
+      p.cache.k = bshd_view(nullptr, cache_dt(), c.page_size, c.hkv, D);
     } else {
       slots = n;
       p.cache.capacity = static_cast<int>(n);
-      p.cache.k = bshd_view(nullptr, c.dt, n, c.hkv, D);
+      p.cache.k = bshd_view(nullptr, cache_dt(), n, c.hkv, D);
     }
     p.cache.v = p.cache.k;
+    if (c.fp8) {  // about amax / 448 of N(0, 1) values, different per head and for K and V
+      std::uniform_real_distribution<float> u(3.f, 5.f);
+      std::vector<float> ks(static_cast<std::size_t>(c.hkv)), vs(ks.size());
+      for (auto& x : ks) x = u(g) / 448.f;
+      for (auto& x : vs) x = u(g) / 448.f;
+      kscale = TwinOf<float>(ks);
+      vscale = TwinOf<float>(vs);
+    }
     for (int b = 0; b < c.batch; ++b)
       for (int j = 0; j < c.lens[b]; ++j)
         for (int h = 0; h < c.hkv; ++h) {
           const std::int64_t off = offset(p.cache.k, b, j, h);
           for (int d = 0; d < D; ++d) {
-            kc.h[off + d] = to_bits(nd(g), c.dt);
-            vc.h[off + d] = to_bits(nd(g), c.dt);
+            if (c.fp8) {
+              kc8.h[off + d] = float_to_fp8e4m3_bits(nd(g) / kscale.h[h]);
+              vc8.h[off + d] = float_to_fp8e4m3_bits(nd(g) / vscale.h[h]);
+            } else {
+              kc.h[off + d] = to_bits(nd(g), c.dt);
+              vc.h[off + d] = to_bits(nd(g), c.dt);
+            }
           }
         }
     if (c.rot != RopeStyle::kNone && c.tables) {
@@ -225,8 +248,12 @@ struct Step {
       x.q = bshd_view(ptr(q), c.dt, c.sq, c.hq, D);
       x.o = bshd_view(ptr(o), c.dt, c.sq, c.hq, D);
       x.lse = static_cast<float*>(ptr(lse));
-      x.cache.k.data = ptr(kc);
-      x.cache.v.data = ptr(vc);
+      x.cache.k.data = c.fp8 ? ptr(kc8) : ptr(kc);
+      x.cache.v.data = c.fp8 ? ptr(vc8) : ptr(vc);
+      if (c.fp8) {
+        x.cache.k_scale = static_cast<const float*>(ptr(kscale));
+        x.cache.v_scale = static_cast<const float*>(ptr(vscale));
+      }
       x.cache_seqlens = static_cast<const std::int32_t*>(ptr(lens));
       if (c.page_size > 0) x.cache.block_table = static_cast<const std::int32_t*>(ptr(block_table));
       if (c.append) {
@@ -257,6 +284,19 @@ struct Step {
     cos_t.upload();
     sin_t.upload();
     slopes.upload();
+    kc8.upload();
+    vc8.upload();
+    kscale.upload();
+    vscale.upload();
+  }
+
+  DType cache_dt() const { return c.fp8 ? DType::kF8E4M3 : c.dt; }
+  /// Cache element i of K (V) as the attention sees it: the value, or code * scale of its KV head.
+  float k_at(std::int64_t i, int h) const {
+    return c.fp8 ? fp8e4m3_bits_to_float(kc8.h[i]) * kscale.h[h] : bits_to_float(kc.h[i], c.dt);
+  }
+  float v_at(std::int64_t i, int h) const {
+    return c.fp8 ? fp8e4m3_bits_to_float(vc8.h[i]) * vscale.h[h] : bits_to_float(vc.h[i], c.dt);
   }
 
   std::int64_t offset(const TensorView& t, int b, int j, int h) const {
@@ -364,8 +404,8 @@ void reference(const Step& st, cpu::RefOutput* ref) {
         const std::int64_t dst = ((cu_k[b] + j) * static_cast<std::int64_t>(c.hkv) + h) * D;
         const std::int64_t src = st.offset(st.hp.cache.k, b, j, h);
         for (int d = 0; d < D; ++d) {
-          kd[dst + d] = bits_to_float(st.kc.h[src + d], c.dt);
-          vd[dst + d] = bits_to_float(st.vc.h[src + d], c.dt);
+          kd[dst + d] = st.k_at(src + d, h);
+          vd[dst + d] = st.v_at(src + d, h);
         }
       }
   }
@@ -457,6 +497,23 @@ std::int64_t cache_mismatches(const Step& st, const std::vector<std::uint16_t>& 
   return bad;
 }
 
+/// The fp8 cache after the step: device codes vs the CPU backend's. V bit for bit; a K code may be
+/// one step (adjacent code, same sign) apart where the rotation's cos/sin differ in the last bits
+/// (see cache_mismatches). NaN codes (0x7f, 0xff) are equal to each other.
+std::int64_t fp8_cache_mismatches(const Step& st, const std::vector<std::uint8_t>& dev_k,
+                                  const std::vector<std::uint8_t>& dev_v) {
+  auto nan = [](std::uint8_t x) { return (x & 0x7f) == 0x7f; };
+  std::int64_t bad = 0;
+  for (std::size_t i = 0; i < dev_k.size(); ++i) {
+    if (dev_v[i] != st.vc8.h[i] && !(nan(dev_v[i]) && nan(st.vc8.h[i]))) ++bad;
+    const std::uint8_t a = dev_k[i], b = st.kc8.h[i];
+    if (a == b || (nan(a) && nan(b))) continue;
+    const bool rot = st.c.rot != RopeStyle::kNone;
+    if (!(rot && (a & 0x80) == (b & 0x80) && std::abs((a & 0x7f) - (b & 0x7f)) == 1)) ++bad;
+  }
+  return bad;
+}
+
 /// Runs one case on the GPU (plan + run), the CPU backend and fp64; checks everything.
 void run_case(const GCase& c, std::uint64_t salt) {
   SCOPED_TRACE(describe(c));
@@ -479,7 +536,11 @@ void run_case(const GCase& c, std::uint64_t salt) {
   std::vector<std::uint16_t> dev_k(st.kc.h.size()), dev_v(st.vc.h.size());
   CUDA_OK(cudaMemcpy(dev_k.data(), st.kc.d.ptr, dev_k.size() * 2, cudaMemcpyDeviceToHost));
   CUDA_OK(cudaMemcpy(dev_v.data(), st.vc.d.ptr, dev_v.size() * 2, cudaMemcpyDeviceToHost));
-  run_cpu(st);  // host mirror: appends into st.kc.h / vc.h, writes o_cpu
+  std::vector<std::uint8_t> dev_k8(st.kc8.h.size()), dev_v8(st.vc8.h.size());
+  CUDA_OK(cudaMemcpy(dev_k8.data(), st.kc8.d.ptr, dev_k8.size(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(dev_v8.data(), st.vc8.d.ptr, dev_v8.size(), cudaMemcpyDeviceToHost));
+  const std::vector<std::uint8_t> k8_before = st.kc8.h;
+  run_cpu(st);  // host mirror: appends into st.kc.h / vc.h (kc8 / vc8), writes o_cpu
   cpu::RefOutput ref;
   reference(st, &ref);
   st.o.download();
@@ -488,8 +549,14 @@ void run_case(const GCase& c, std::uint64_t salt) {
   EXPECT_EQ(e.nan, 0) << "NaN in O (unwritten, or a read past a sequence's length)";
   EXPECT_EQ(e.bad, 0) << "O elements over tolerance; max_abs_err " << e.max_abs;
   EXPECT_EQ(e.lse_bad, 0) << "LSE rows over tolerance (1e-3, 5e-3 for bf16 theta rotary); max " << e.lse_max;
-  if (c.append) EXPECT_EQ(cache_mismatches(st, dev_k, dev_v), 0) << "cache after the append differs from the CPU backend's";
-  else EXPECT_EQ(std::memcmp(dev_k.data(), st.kc.h.data(), dev_k.size() * 2), 0) << "the cache was written without append";
+  if (c.fp8) {
+    EXPECT_EQ(fp8_cache_mismatches(st, dev_k8, dev_v8), 0) << "fp8 cache after the step differs from the CPU backend's";
+    if (!c.append) EXPECT_EQ(dev_k8, k8_before) << "the fp8 cache was written without append";
+  } else if (c.append) {
+    EXPECT_EQ(cache_mismatches(st, dev_k, dev_v), 0) << "cache after the append differs from the CPU backend's";
+  } else {
+    EXPECT_EQ(std::memcmp(dev_k.data(), st.kc.h.data(), dev_k.size() * 2), 0) << "the cache was written without append";
+  }
   std::printf("    %-78s splits<=%-3d ctas %-5d%s%s max_abs_err %.3e (cpu %.3e) lse_err %.3e\n", describe(c).c_str(),
               gp.plan.max_splits, gp.plan.ctas, ro.programmatic_launch ? " pdl" : "    ",
               gp.plan.fused_merge ? " fused" : "      ", e.max_abs, e.cpu_max_abs, e.lse_max);
@@ -646,6 +713,68 @@ TEST(DecodeGpu, HeadDimsAndDtypes) {
       c.lens = {1234, 97, 4097};
       run_case(c, salt_of(describe(c)));
     }
+}
+
+TEST(DecodeGpu, Fp8CacheIsAttentionOverTheDequantizedCache) {
+  // fp8 e4m3 codes with per-KV-head scales, against fp64 attention over code * scale and the CPU
+  // backend's append (codes of x / scale, K rotated first): every head dim and dtype, contiguous
+  // and paged (pages smaller and larger than a tile), splits, GQA and MQA, speculative tokens,
+  // rotary, window, softcap and ALiBi. NaN codes poison every slot past the lengths.
+  std::vector<GCase> cs;
+  for (int d : {64, 128, 256})
+    for (DType dt : {DType::kBF16, DType::kF16}) {
+      GCase c;
+      c.name = "fp8_dims";
+      c.fp8 = true;
+      c.batch = 3;
+      c.d = d;
+      c.dt = dt;
+      c.sq = 2;
+      c.append = true;
+      c.rot = RopeStyle::kNeox;
+      c.lens = {1234, 0, 4097};
+      cs.push_back(c);
+    }
+  for (int ps : {16, 128}) {
+    GCase c;
+    c.name = "fp8_paged";
+    c.fp8 = true;
+    c.batch = 5;
+    c.page_size = ps;
+    c.lens = ragged(5, 3000, 300 + ps);
+    c.num_splits = ps == 16 ? 3 : 0;
+    cs.push_back(c);
+  }
+  GCase m;
+  m.name = "fp8_mqa_rot_tables";
+  m.fp8 = true;
+  m.batch = 2;
+  m.hq = 32;
+  m.hkv = 1;
+  m.sq = 4;
+  m.append = true;
+  m.rot = RopeStyle::kInterleaved;
+  m.tables = true;
+  m.lens = {1000, 5};
+  cs.push_back(m);
+  GCase w;
+  w.name = "fp8_window_softcap_alibi";
+  w.fp8 = true;
+  w.batch = 2;
+  w.hq = 8;
+  w.hkv = 8;
+  w.lens = {5000, 64};
+  w.wl = 700;
+  w.softcap = 30.f;
+  w.alibi = true;
+  w.dt = DType::kF16;
+  cs.push_back(w);
+  GCase l;
+  l.name = "fp8_long";
+  l.fp8 = true;
+  l.lens = {32768};
+  cs.push_back(l);
+  for (const GCase& c : cs) run_case(c, salt_of(describe(c)));
 }
 
 /// Plan once for bound lengths, capture run() in a CUDA graph, replay with new cache_seqlens and

@@ -99,6 +99,60 @@ TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
   }
 }
 
+// An fp8 e4m3 KV cache on CUDA (`flashcpp decode --kv-dtype fp8`): the prompt's logits equal the
+// bf16 cache's (its attention reads unquantized K/V), the decode steps match the fp64 Llama whose
+// decode rows read K and V through the same quantization (engine_tiny.h) within the bf16 band of
+// MatchesFp64LlamaGraphAndEager, graph and eager agree, and the steps do read the fp8 cache.
+TEST(EngineGpu, Fp8KvCacheMatchesTheFp64LlamaOverTheQuantizedCache) {
+  SKIP_IF_THE_MODEL_CANNOT_RUN();
+  Tiny t;
+  t.heads = 4;
+  t.hidden = 4 * 64;
+  t.kv_heads = 2;
+  const fs::path dir = write_tiny(&t, "gpufp8", true, 31);
+  Loaded l = load_tiny(dir, cuda_ops());
+  ASSERT_TRUE(l.model);
+  const std::vector<std::int32_t> prompt = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3};
+  const int P = static_cast<int>(prompt.size()), N = 10;
+  GenerateOptions g;
+  g.prompts = {prompt};
+  g.max_new_tokens = N;
+  g.eager = true;
+  g.dump_logits = true;
+  g.page_size = 4;
+  GenerateResult plain, q8, q8_graph;
+  ASSERT_TRUE(generate(*l.model, g, &plain).ok());
+  g.kv_fp8 = true;
+  g.kv_scale = 0.01f;
+  Status s = generate(*l.model, g, &q8);
+  ASSERT_TRUE(s.ok()) << s.message();
+  g.eager = false;
+  s = generate(*l.model, g, &q8_graph);
+  ASSERT_TRUE(s.ok()) << s.message();
+  EXPECT_EQ(q8.tokens, q8_graph.tokens) << "graph and eager over the fp8 cache";
+  const std::size_t V = static_cast<std::size_t>(t.vocab);
+  ASSERT_EQ(plain.logits.size(), q8.logits.size());
+  for (std::size_t i = 0; i < static_cast<std::size_t>(P) * V; ++i)
+    ASSERT_EQ(plain.logits[i], q8.logits[i]) << "prompt logit " << i;
+  std::vector<int> seq(prompt.begin(), prompt.end());
+  for (int i = 0; i + 1 < N; ++i) seq.push_back(q8.tokens[0][i]);
+  const auto ref = reference_logits(t, seq, P, g.kv_scale);
+  LogitError e;
+  logit_error(t, ref, q8.logits, &e);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_LE(e.worst, 0.05 * e.scale);
+  double moved = 0;
+  for (std::size_t i = static_cast<std::size_t>(P) * V; i < q8.logits.size(); ++i)
+    moved = std::max(moved, std::fabs(static_cast<double>(q8.logits[i]) - plain.logits[i]));
+  EXPECT_GT(moved, 0.0) << "the decode steps must read the fp8 cache";
+  int agree = 0;
+  for (int s2 = 0; s2 < N; ++s2) agree += q8.tokens[0][s2] == argmax(ref[P - 1 + s2]);
+  EXPECT_GE(agree, N - 1) << "greedy tokens vs the fp64 model over the quantized cache";
+  std::printf("[ fp8 kv ] max |logit - fp64 over the quantized cache| %.3g (logits up to %.3g), max move from "
+              "the bf16 cache %.3g\n", e.worst, e.scale, moved);
+  fs::remove_all(dir);
+}
+
 TEST(EngineGpu, GraphEqualsEagerAndBatchEqualsSingle) {
   SKIP_IF_THE_MODEL_CANNOT_RUN();
   Tiny t;

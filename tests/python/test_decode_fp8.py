@@ -213,3 +213,39 @@ def test_flashinfer_style_paged_wrapper_with_an_fp8_cache(rng):
     w2.plan(indptr, pages, last, Hq, Hkv, D, ps, q_data_type="float32", kv_data_type="float32")
     o2 = w2.run(q, (dequantize(kq, ks).astype(np.float32), dequantize(vq, vs).astype(np.float32)))
     assert np.abs(o2 - o).max() <= 2 * tolerance(np.float32)
+
+
+def test_cuda_fp8_cache_matches_the_host_backend(rng):
+    # The CUDA kernels over the same fp8 cache (paged, with an append of 2 tokens and rotary): the
+    # output against the host backend's (itself tested against fp64 above) within bf16's tolerance,
+    # and the cache after the append equal to the host's codes (K may be one code apart where the
+    # device's rotation angle rounds differently; V exactly).
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not flashcpp.WITH_CUDA:
+        pytest.skip("needs a CUDA device and a CUDA build of flashcpp")
+    B, Hq, Hkv, D, Sq, ps = 3, 8, 2, 128, 2, 16
+    lens = [0, 40, 300]
+    slots = 320
+    kq, vq, table, ks, vs, _, _ = fp8_cache(rng, B, lens, slots, Hkv, D, page_size=ps)
+    q = torch.from_numpy(rng.standard_normal((B, Sq, Hq, D)).astype(np.float32)).to(torch.bfloat16)
+    kn = torch.from_numpy(rng.standard_normal((B, Sq, Hkv, D)).astype(np.float32)).to(torch.bfloat16)
+    vn = torch.from_numpy(rng.standard_normal((B, Sq, Hkv, D)).astype(np.float32)).to(torch.bfloat16)
+    out = {}
+    caches = {}
+    for dev in ("cpu", "cuda"):
+        kt = torch.from_numpy(kq.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(dev)
+        vt = torch.from_numpy(vq.view(np.uint8).copy()).view(torch.float8_e4m3fn).to(dev)
+        out[dev] = flashcpp.flash_attn_with_kvcache(
+            q.to(dev), kt, vt, kn.to(dev), vn.to(dev), cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_table=torch.from_numpy(table).to(dev), causal=True, rope_theta=10000.0,
+            k_scale=torch.from_numpy(ks).to(dev), v_scale=torch.from_numpy(vs).to(dev)).float().cpu()
+        caches[dev] = (kt.view(torch.uint8).cpu().numpy(), vt.view(torch.uint8).cpu().numpy())
+    assert torch.isfinite(out["cuda"]).all()
+    assert (out["cuda"] - out["cpu"]).abs().max().item() <= 2 * tolerance("bfloat16")
+    kc, vc = caches["cpu"]
+    kg, vg = caches["cuda"]
+    nan = lambda x: (x & 0x7F) == 0x7F  # noqa: E731
+    assert ((vg == vc) | (nan(vg) & nan(vc))).all()
+    dk = np.abs((kg & 0x7F).astype(int) - (kc & 0x7F).astype(int))
+    assert (((kg == kc) | (nan(kg) & nan(kc))) | (((kg & 0x80) == (kc & 0x80)) & (dk == 1))).all()
+    assert (kg != kq.view(np.uint8)).any(), "the append wrote nothing"

@@ -157,7 +157,11 @@ struct DecCase {
   /// NaN in q at the last token of the last sequence, head 1: that row must come out NaN (O and
   /// LSE, attention.h), every other row as usual, whatever the splits and the merge do.
   bool nan_q = false;
+  /// An fp8 e4m3 cache with per-KV-head scales (decode.h): the truth attends over code * scale and
+  /// the append's model stores the code of x / scale (K rotated in fp32 first).
+  bool fp8 = false;
 
+  DType cache_dt() const { return fp8 ? DType::kF8E4M3 : dt; }
   int total(int b) const { return lens[b] + (append ? sq : 0); }
   int max_total() const {
     int m = 0;
@@ -174,6 +178,7 @@ struct DecCase {
     if (append) n += fmt::format("_append{}", rot != RopeStyle::kNone ? std::string("_") + rope_style_name(rot) : "");
     n += fmt::format("_split{}_{}", splits, dtype_name(dt));
     if (nan_q) n += "_nan";
+    if (fp8) n += "_fp8kv";
     return n;
   }
 };
@@ -197,6 +202,9 @@ std::vector<DecCase> decode_cases(TableKind kind) {
     add({2, 32, 8, 64, 4, dt, {1, 90}, 16, true, RopeStyle::kNeox, true, 2});
     // NaN in q (GQA 32/8: the other heads of its KV group share the tiles and the merge).
     for (int s : {1, 3}) add({2, 32, 8, 128, s == 1 ? 1 : 4, dt, {300, 77}, s == 1 ? 0 : 16, false, RopeStyle::kNone, true, s, true});
+    // An fp8 e4m3 cache: contiguous GQA with append and rotary; paged q_len 4 over splits.
+    add({3, 32, 8, 128, 1, dt, {1, 37, 700}, 0, true, RopeStyle::kNeox, true, 1, false, true});
+    add({2, 16, 2, 64, 4, dt, {90, 1000}, 16, true, RopeStyle::kNeox, true, 3, false, true});
     if (kind == TableKind::kFull) {
       add({2, 32, 8, 128, 1, dt, {4097, 1}, 0, false, RopeStyle::kNone, true, 8});
       add({2, 32, 8, 128, 4, dt, {3000, 17}, 64, true, RopeStyle::kNeox, true, 5});
@@ -226,8 +234,8 @@ void rotate(RopeStyle style, int head_dim, int pos, float* x) {
 }
 
 void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
-  const DType dt = c.dt;
-  const std::size_t es = dtype_size(dt);
+  const DType dt = c.dt, cdt = c.cache_dt();
+  const std::size_t es = dtype_size(dt), ces = dtype_size(cdt);
   const int B = c.batch, D = c.d;
   std::mt19937_64 rng(mix(r->seed));
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -265,7 +273,17 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
   BufferSpace sp;
   const int iq = sp.add(nq * es, false), io = sp.add(nq * es, true);
   const int ilse = sp.add(static_cast<std::size_t>(B) * c.hq * c.sq * sizeof(float), true);
-  const int ik = sp.add(cache_elems * es, c.append), iv = sp.add(cache_elems * es, c.append);
+  const int ik = sp.add(cache_elems * ces, c.append), iv = sp.add(cache_elems * ces, c.append);
+  const int iks = c.fp8 ? sp.add(static_cast<std::size_t>(c.hkv) * sizeof(float), false) : -1;
+  const int ivs = c.fp8 ? sp.add(static_cast<std::size_t>(c.hkv) * sizeof(float), false) : -1;
+  std::vector<float> ks(static_cast<std::size_t>(c.hkv), 1.f), vs(ks);  // 1: a 16-bit cache
+  if (c.fp8) {  // about amax / 448 of N(0, 1) values, per head
+    std::uniform_real_distribution<float> u(3.f, 5.f);
+    for (auto& x : ks) x = u(rng) / 448.f;
+    for (auto& x : vs) x = u(rng) / 448.f;
+    std::memcpy(sp.host(iks), ks.data(), ks.size() * sizeof(float));
+    std::memcpy(sp.host(ivs), vs.data(), vs.size() * sizeof(float));
+  }
   const int ikn = c.append ? sp.add(nkn * es, false) : -1, ivn = c.append ? sp.add(nkn * es, false) : -1;
   const int ilen = sp.add(static_cast<std::size_t>(B) * sizeof(std::int32_t), false);
   const int ibt = c.page_size > 0 ? sp.add(block_table.size() * sizeof(std::int32_t), false) : -1;
@@ -278,8 +296,8 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
       for (int h = 0; h < c.hkv; ++h) {
         const std::int64_t o = slot_offset(b, j, h);
         for (int e = 0; e < D; ++e) {
-          store_from_float(sp.host(ik), dt, o + e, nd(rng));
-          store_from_float(sp.host(iv), dt, o + e, nd(rng));
+          store_from_float(sp.host(ik), cdt, o + e, nd(rng) / ks[h]);
+          store_from_float(sp.host(iv), cdt, o + e, nd(rng) / vs[h]);
         }
       }
   if (c.append)
@@ -305,17 +323,21 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
   p.o = bshd_view(sp.ptr(io), dt, c.sq, c.hq, D);
   p.lse = static_cast<float*>(sp.ptr(ilse));
   if (c.page_size > 0) {
-    p.cache.k = bshd_view(sp.ptr(ik), dt, c.page_size, c.hkv, D);
-    p.cache.v = bshd_view(sp.ptr(iv), dt, c.page_size, c.hkv, D);
+    p.cache.k = bshd_view(sp.ptr(ik), cdt, c.page_size, c.hkv, D);
+    p.cache.v = bshd_view(sp.ptr(iv), cdt, c.page_size, c.hkv, D);
     p.cache.page_size = c.page_size;
     p.cache.num_pages = num_pages;
     p.cache.block_table = static_cast<const std::int32_t*>(sp.ptr(ibt));
     p.cache.block_table_stride = bt_stride;
     p.cache.pages_per_seq = pps;
   } else {
-    p.cache.k = bshd_view(sp.ptr(ik), dt, slots, c.hkv, D);
-    p.cache.v = bshd_view(sp.ptr(iv), dt, slots, c.hkv, D);
+    p.cache.k = bshd_view(sp.ptr(ik), cdt, slots, c.hkv, D);
+    p.cache.v = bshd_view(sp.ptr(iv), cdt, slots, c.hkv, D);
     p.cache.capacity = slots;
+  }
+  if (c.fp8) {
+    p.cache.k_scale = static_cast<const float*>(sp.ptr(iks));
+    p.cache.v_scale = static_cast<const float*>(sp.ptr(ivs));
   }
   p.cache_seqlens = static_cast<const std::int32_t*>(sp.ptr(ilen));
   if (c.append) {
@@ -384,9 +406,10 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
           for (int e = 0; e < D; ++e) buf[e] = load_as_float(sp.host(ikn), dt, src + e);
           rotate(c.rot, D, pos, buf.data());
           const std::int64_t dst = slot_offset(b, pos, h);
-          for (int e = 0; e < D; ++e) {
-            store_from_float(km.data(), dt, dst + e, buf[e]);
-            store_from_float(vm.data(), dt, dst + e, load_as_float(sp.host(ivn), dt, src + e));
+          for (int e = 0; e < D; ++e) {  // an fp8 cache: the code of x / scale (1 otherwise)
+            store_from_float(km.data(), cdt, dst + e, c.fp8 ? buf[e] / ks[h] : buf[e]);
+            const float v = load_as_float(sp.host(ivn), dt, src + e);
+            store_from_float(vm.data(), cdt, dst + e, c.fp8 ? v / vs[h] : v);
           }
         }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
@@ -408,7 +431,8 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
         for (int j = 0; j < nk; ++j) {
           const std::int64_t ko = slot_offset(b, j, h / group);
           double s = 0;
-          for (int e = 0; e < D; ++e) s += qd[e] * load_as_float(km.data(), dt, ko + e);
+          const double kscale = ks[h / group];  // code * scale, exact in double
+          for (int e = 0; e < D; ++e) s += qd[e] * (load_as_float(km.data(), cdt, ko + e) * kscale);
           sc[j] = s * scale;
           m = std::max(m, sc[j]);
         }
@@ -419,7 +443,8 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
         for (int j = 0; j < nk; ++j) {
           const std::int64_t vo = slot_offset(b, j, h / group);
           const double w = sc[j] / l;
-          for (int e = 0; e < D; ++e) out[e] += w * load_as_float(vm.data(), dt, vo + e);
+          const double vscale = vs[h / group];
+          for (int e = 0; e < D; ++e) out[e] += w * (load_as_float(vm.data(), cdt, vo + e) * vscale);
         }
         ref_lse[(static_cast<std::size_t>(b) * c.hq + h) * c.sq + t] = nk > 0 ? m + std::log(l) : -INFINITY;
       }
@@ -488,21 +513,23 @@ void run_decode_case(const DecCase& c, const RunConfig& cfg, CaseResult* r) {
   // apart (seen on the H200: one fp16 element of ~10^4, 2026-12-02). The inputs are N(0, 1), so
   // 2e-5 bounds that absolute difference. NaN slots must match exactly.
   if (c.append) {
+    // An fp8 cache compares codes (x / scale, up to ~5e3 here) with 3 mantissa bits, and a step
+    // of at least the subnormal spacing 2^-9.
     std::int64_t diff = 0;
-    const std::size_t es = dtype_size(dt);
     constexpr double kSinCosAbs = 2e-5;
-    const int mantissa_bits = dt == DType::kBF16 ? 7 : dt == DType::kF16 ? 10 : 23;
+    const int mantissa_bits = c.fp8 ? 3 : dt == DType::kBF16 ? 7 : dt == DType::kF16 ? 10 : 23;
+    const double min_step = c.fp8 ? 0x1p-9 : 0.0;
     const std::uint8_t* kc = sp.host(ik);
-    for (std::size_t i = 0; i < km.size() / es; ++i) {
-      const double want = load_as_float(km.data(), dt, static_cast<std::int64_t>(i));
-      const double got = load_as_float(kc, dt, static_cast<std::int64_t>(i));
+    for (std::size_t i = 0; i < km.size() / ces; ++i) {
+      const double want = load_as_float(km.data(), cdt, static_cast<std::int64_t>(i));
+      const double got = load_as_float(kc, cdt, static_cast<std::int64_t>(i));
       if (std::isnan(want) || std::isnan(got)) {
         diff += std::isnan(want) != std::isnan(got);
         continue;
       }
       const double mag = std::max(std::fabs(want), std::fabs(got));
       const double ulp = mag > 0 ? std::ldexp(1.0, std::ilogb(mag) - mantissa_bits) : 0.0;
-      diff += !(std::fabs(got - want) <= std::max(ulp, kSinCosAbs));
+      diff += !(std::fabs(got - want) <= std::max({ulp, kSinCosAbs, min_step}));
     }
     for (std::size_t i = 0; i < vm.size(); ++i) diff += vm[i] != sp.host(iv)[i];
     if (diff > 0) {

@@ -38,29 +38,51 @@ __device__ __forceinline__ void rotate_pair(const T* src_a, const T* src_b, T* d
 }
 
 /// Appends token t of sequence b, KV head hk, at cache slot `pos`, by one warp: V copied, K
-/// rotated (dims past rotary_dim copied). The append kernel and the fused append of the split-KV
-/// kernel both call this, so the cache bytes are the same either way.
-template <typename T>
+/// rotated (dims past rotary_dim copied). An fp8 cache (C = Fp8Code) stores the code of x / scale,
+/// K rotated in fp32 and not rounded to T first (decode.h). The append kernel and the fused append
+/// of the split-KV kernel both call this, so the cache bytes are the same either way.
+template <typename T, typename C>
 __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, int t, int hk, int pos, int lane) {
   const T* kn = static_cast<const T*>(p.k_new) + b * p.kn_batch_stride + t * p.kn_seq_stride + hk * p.kn_head_stride;
   const T* vn = static_cast<const T*>(p.v_new) + b * p.vn_batch_stride + t * p.vn_seq_stride + hk * p.vn_head_stride;
   std::int64_t ko, vo;
   kv_rows(p, b, pos, &ko, &vo);
-  T* kc = static_cast<T*>(p.k_cache_w) + ko + hk * p.k_head_stride;
-  T* vc = static_cast<T*>(p.v_cache_w) + vo + hk * p.v_head_stride;
+  C* kc = static_cast<C*>(p.k_cache_w) + ko + hk * p.k_head_stride;
+  C* vc = static_cast<C*>(p.v_cache_w) + vo + hk * p.v_head_stride;
   const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
-  for (int e = lane; e < D; e += 32) {
-    vc[e] = vn[e];
-    if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
-  }
-  if (rd > 0) {
-    const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
-    for (int i = lane; i < rd / 2; i += 32) {
-      float c, s;
-      rotary_cos_sin(p, pos, i, &c, &s);
-      int ea, eb;
-      flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
-      rotate_pair(kn + ea, kn + eb, kc + ea, kc + eb, c, s);
+  if constexpr (kFp8Cache<C>) {
+    const float ks = __ldg(p.k_scale + hk), vs = __ldg(p.v_scale + hk);
+    for (int e = lane; e < D; e += 32) {
+      vc[e].bits = fp8_code(ptx::to_float(vn[e]) / vs);
+      if (e >= rd) kc[e].bits = fp8_code(ptx::to_float(kn[e]) / ks);
+    }
+    if (rd > 0) {
+      const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+      for (int i = lane; i < rd / 2; i += 32) {
+        float c, s;
+        rotary_cos_sin(p, pos, i, &c, &s);
+        int ea, eb;
+        flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
+        float x1 = ptx::to_float(kn[ea]), x2 = ptx::to_float(kn[eb]);
+        fused::rotate_pair(x1, x2, c, s);
+        kc[ea].bits = fp8_code(x1 / ks);
+        kc[eb].bits = fp8_code(x2 / ks);
+      }
+    }
+  } else {
+    for (int e = lane; e < D; e += 32) {
+      vc[e] = vn[e];
+      if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
+    }
+    if (rd > 0) {
+      const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+      for (int i = lane; i < rd / 2; i += 32) {
+        float c, s;
+        rotary_cos_sin(p, pos, i, &c, &s);
+        int ea, eb;
+        flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
+        rotate_pair(kn + ea, kn + eb, kc + ea, kc + eb, c, s);
+      }
     }
   }
 }

@@ -26,15 +26,15 @@ constexpr int kWarpsPerBlock = 4;
 
 
 /// One warp per (sequence b, token t, KV head hk): decode_dev::append_row at slot c_b + t
-/// (lengths and pages clamped as in decode.h).
-template <typename T>
+/// (lengths and pages clamped as in decode.h); C is the cache's element (T, or fp8 codes).
+template <typename T, typename C>
 __global__ void __launch_bounds__(32 * kWarpsPerBlock) decode_append_kernel(const __grid_constant__ DecodeKernelParams p) {
   pdl_wait_then_release();  // the kernel before it on the stream (RunOptions::programmatic_launch)
   const int w = blockIdx.x * kWarpsPerBlock + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (w >= p.batch * p.seqlen_q * p.heads_kv) return;
   const int hk = w % p.heads_kv, t = (w / p.heads_kv) % p.seqlen_q, b = w / (p.heads_kv * p.seqlen_q);
   const int pos = flashcpp::decode::total_len(p.cache_seqlens[b], p.slots, p.seqlen_q, true) - p.seqlen_q + t;
-  decode_dev::append_row<T>(p, b, t, hk, pos, lane);
+  decode_dev::append_row<T, C>(p, b, t, hk, pos, lane);
 }
 
 /// One CTA of kMergeWarps warps per (sequence b, token t, query head h) of a sequence with n_b > 1
@@ -88,7 +88,10 @@ unsigned blocks_for(std::int64_t warps) {
 Status decode_append_launch(const DecodeKernelParams& p, DType dt, Stream stream) {
   const std::int64_t warps = static_cast<std::int64_t>(p.batch) * p.seqlen_q * p.heads_kv;
   if (warps == 0) return Status::Ok();
-  auto* kernel = dt == DType::kBF16 ? &decode_append_kernel<__nv_bfloat16> : &decode_append_kernel<__half>;
+  using decode_dev::Fp8Code;
+  auto* kernel = dt == DType::kBF16 ? (p.kv_fp8 ? &decode_append_kernel<__nv_bfloat16, Fp8Code>
+                                                : &decode_append_kernel<__nv_bfloat16, __nv_bfloat16>)
+                                    : (p.kv_fp8 ? &decode_append_kernel<__half, Fp8Code> : &decode_append_kernel<__half, __half>);
   (void)launch_kernel(kernel, blocks_for(warps), 32 * kWarpsPerBlock, 0, stream, p.pdl != 0, p);
   return check_launch("decode append kernel");
 }

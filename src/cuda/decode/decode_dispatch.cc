@@ -52,6 +52,9 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.num_pages = c.num_pages;
   p.slots = static_cast<int>(c.slots());
   p.cache_seqlens = a.cache_seqlens;
+  p.kv_fp8 = c.fp8() ? 1 : 0;
+  p.k_scale = c.k_scale;
+  p.v_scale = c.v_scale;
 
   p.append = a.has_append() ? 1 : 0;
   p.k_new = a.k_new.data;
@@ -83,7 +86,9 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.row_blocks = plan.row_blocks;
   p.warp_rows = plan.warp_rows;
 
-  p.score = algebra::ScoreTransform::make(a.effective_scale(), a.mask.softcap);
+  p.softmax_scale = a.effective_scale();
+  p.softcap = a.mask.softcap;
+  p.score = algebra::ScoreTransform::make(p.softmax_scale, p.softcap);
   p.alibi = a.mask.alibi_slopes;
   p.alibi_batch_stride = a.mask.alibi_batch_stride;
   p.causal = a.mask.causal ? 1 : 0;
@@ -118,8 +123,8 @@ Status check_device(DeviceInfo* dev) {
 }
 
 template <int D>
-std::size_t smem_bytes() {
-  return static_cast<std::size_t>(decode::Config<D>::kSmemBytes);
+std::size_t smem_bytes(bool fp8) {
+  return static_cast<std::size_t>(fp8 ? decode::Config<D>::kSmemBytes8 : decode::Config<D>::kSmemBytes);
 }
 
 }  // namespace
@@ -127,7 +132,9 @@ std::size_t smem_bytes() {
 Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, bool programmatic) {
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(check_device(&dev));
-  const std::size_t smem = a.head_dim == 64 ? smem_bytes<64>() : a.head_dim == 128 ? smem_bytes<128>() : smem_bytes<256>();
+  const bool fp8 = a.cache.fp8();
+  const std::size_t smem =
+      a.head_dim == 64 ? smem_bytes<64>(fp8) : a.head_dim == 128 ? smem_bytes<128>(fp8) : smem_bytes<256>(fp8);
   if (smem > dev.smem_optin)
     return Status::Unsupported("the head_dim " + std::to_string(a.head_dim) + " decode kernel needs " +
                                std::to_string(smem) + " bytes of shared memory; " + dev.name + " allows " +

@@ -53,7 +53,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeKernelParams& p, con
     // NaN kept m = -inf (fmaxf drops NaN) with l = NaN, and that NaN reaches O and the LSE.
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int k = 0; k < WK; ++k) {
-      const float wt = algebra::partial_weight(sM[(w0 + k) * 16 + r16], row.m, p.score.c);
+      const float wt = algebra::partial_weight(sM[(w0 + k) * 16 + r16], row.m, cta.score.c);
       const float4 v = *reinterpret_cast<const float4*>(sO + ((w0 + k) * 16 + r16) * kORowStride + d);
       row.l = fmaf(sL[(w0 + k) * 16 + r16], wt, row.l);
       o.x = fmaf(wt, v.x, o.x);
@@ -61,7 +61,8 @@ __device__ __forceinline__ void decode_epilogue(const DecodeKernelParams& p, con
       o.z = fmaf(wt, v.z, o.z);
       o.w = fmaf(wt, v.w, o.w);
     }
-    const algebra::RowResult res = row.finalize(row.l, p.score.c);  // l == 0 (no visible key): O = 0, LSE = -inf
+    algebra::RowResult res = row.finalize(row.l, cta.score.c);  // l == 0 (no visible key): O = 0, LSE = -inf
+    res.inv *= cta.v_scale;  // an fp8 cache: O = v_scale * (sum of P * codes) / l (1 otherwise)
     const int h = cta.hk * p.group + gr / Sq, t = gr % Sq;
     if (cta.nsplit == 1) {
       T* dst = static_cast<T*>(p.o) + cta.b * p.o_batch_stride + t * p.o_seq_stride + h * p.o_head_stride + d;

@@ -57,7 +57,7 @@
 
 namespace flashcpp::cuda::decode_dev {
 
-template <int D, typename T>
+template <int D, typename T, typename C>
 __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     decode_split_kernel(const __grid_constant__ DecodeKernelParams p) {
   // The kernel before it on the stream (RunOptions::programmatic_launch): waited for here, or,
@@ -65,11 +65,16 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   const bool early = p.after_own_append != 0;
   if (!early) pdl_wait_then_release();
   using Cfg = Config<D>;
-  constexpr int BN = Cfg::kBlockN, S = Cfg::kStages;
+  constexpr bool kFp8 = kFp8Cache<C>;
+  constexpr int BN = Cfg::kBlockN, S = kFp8 ? Cfg::kStages8 : Cfg::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // Shared memory: Q rows, the ring of S stages (K then V) in the cache's element type, and for an
+  // fp8 cache one tile of K and V converted to T, which the warps read (Config::kSmemBytes8).
   T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = reinterpret_cast<T*>(smem_raw + Cfg::kQBytes);
-  T* sV = sK + S * BN * D;
+  C* rK = reinterpret_cast<C*>(smem_raw + Cfg::kQBytes);
+  C* rV = rK + S * BN * D;
+  T* sK = kFp8 ? reinterpret_cast<T*>(rV + S * BN * D) : reinterpret_cast<T*>(rK);
+  T* sV = kFp8 ? sK + BN * D : reinterpret_cast<T*>(rV);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const DecodeCta cta(p, BN);
   const int n_iters = cta.n_iters(), Sq = p.seqlen_q;
@@ -81,7 +86,7 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   if (p.fused_append) {
     for (int t = warp; t < Sq; t += Cfg::kWarps) {
       const int pos = cta.len - Sq + t;
-      if (pos >= cta.tile_begin * BN && pos < cta.tile_end * BN) append_row<T>(p, cta.b, t, cta.hk, pos, lane);
+      if (pos >= cta.tile_begin * BN && pos < cta.tile_end * BN) append_row<T, C>(p, cta.b, t, cta.hk, pos, lane);
     }
     __syncthreads();
   }
@@ -92,20 +97,20 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   // The first S - 1 stages. After the append kernel (early), the stages before the first tile that
   // holds an appended key ([len - Sq, len): the last tiles of the sequence, so a suffix of the
   // stages) are issued now and the rest after the wait below; the commit order is the same.
-  const DecodeKvLoads<D, T> loads(p, cta.hk, tid);
+  const DecodeKvLoads<D, C> loads(p, cta.hk, tid);
   const int first_new_tile = early ? (cta.len - Sq) / BN : INT_MAX;
   int s_early = 0;
 #pragma unroll
   for (; s_early < S - 1; ++s_early) {
     if (s_early < n_iters && cta.tile_begin + s_early >= first_new_tile) break;
-    if (s_early < n_iters) loads.load(p, sK, sV, cta.b, cta.key_hi, s_early, cta.tile_begin + s_early);
+    if (s_early < n_iters) loads.load(p, rK, rV, cta.b, cta.key_hi, s_early, cta.tile_begin + s_early);
     ptx::cp_async_commit();
   }
   decode_load_q<D, T>(p, cta, sQ, row0, cta_rows, tid);
   if (early) {
     pdl_wait_then_release();  // the append kernel: the appended keys are in the cache now
     for (int s = s_early; s < S - 1; ++s) {
-      if (s < n_iters) loads.load(p, sK, sV, cta.b, cta.key_hi, s, cta.tile_begin + s);
+      if (s < n_iters) loads.load(p, rK, rV, cta.b, cta.key_hi, s, cta.tile_begin + s);
       ptx::cp_async_commit();
     }
   }
@@ -115,17 +120,25 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   // tile (first barrier) its copy is issued, and only then does the CTA wait for tile it (S - 1
   // newer groups may stay in flight) and make it visible (second barrier). So all S stages are in
   // flight while a CTA waits, not S - 1 (a memory-bound kernel is mostly waiting).
+  // An fp8 cache converts tile it into the T tile between the second barrier and a third; the stage
+  // it - 1 came from was last read by that conversion, so its refill needs no wait for the warps.
   for (int it = 0; it < n_iters; ++it) {
-    __syncthreads();
-    if (it + S - 1 < n_iters) loads.load(p, sK, sV, cta.b, cta.key_hi, (it + S - 1) % S, cta.tile_begin + it + S - 1);
+    if constexpr (!kFp8) __syncthreads();
+    if (it + S - 1 < n_iters) loads.load(p, rK, rV, cta.b, cta.key_hi, (it + S - 1) % S, cta.tile_begin + it + S - 1);
     ptx::cp_async_commit();
     ptx::cp_async_wait<S - 1>();
     __syncthreads();
-    const std::uint32_t stage_off = (it % S) * BN * DecodeWarp<D, T>::kRowBytes;
+    std::uint32_t stage_off = 0;
+    if constexpr (kFp8) {
+      convert_fp8_tile<D, T>(rK + (it % S) * BN * D, rV + (it % S) * BN * D, sK, sV, tid);
+      __syncthreads();
+    } else {
+      stage_off = (it % S) * BN * DecodeWarp<D, T>::kRowBytes;
+    }
     const int j_tile = (cta.tile_begin + it) * BN;
     const bool full = cta.rules.tile_fully_visible(0, Sq, j_tile, j_tile + BN);
     for (int ch = wk; ch < Cfg::kChunks; ch += WK)
-      wp.chunk(p, cta.rules, stage_off + ch * 16 * DecodeWarp<D, T>::kRowBytes, j_tile + ch * 16, full, lane % 4);
+      wp.chunk(p, cta, stage_off + ch * 16 * DecodeWarp<D, T>::kRowBytes, j_tile + ch * 16, full, lane % 4);
   }
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: they become the epilogue scratch

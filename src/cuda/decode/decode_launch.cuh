@@ -13,25 +13,33 @@
 
 namespace flashcpp::cuda {
 
-template <int D, typename T>
+template <int D, typename T, typename C>
 Status decode_split_run(const DecodeKernelParams& p, int ctas, Stream stream, int device) {
   using Cfg = flashcpp::decode::Config<D>;
-  auto* kernel = &decode_dev::decode_split_kernel<D, T>;
+  constexpr int kSmem = decode_dev::kFp8Cache<C> ? Cfg::kSmemBytes8 : Cfg::kSmemBytes;
+  auto* kernel = &decode_dev::decode_split_kernel<D, T, C>;
   // Opt in to > 48 KB of dynamic shared memory once per device (not a stream operation: safe
   // while a graph is being captured).
   static std::atomic<unsigned long long> opted_in{0};
-  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, Cfg::kSmemBytes, device, opted_in, "decode: "));
+  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, kSmem, device, opted_in, "decode: "));
   if (ctas <= 0) return Status::Ok();
-  (void)launch_kernel(kernel, static_cast<unsigned>(ctas), Cfg::kThreads, Cfg::kSmemBytes, stream, p.pdl != 0, p);
+  (void)launch_kernel(kernel, static_cast<unsigned>(ctas), Cfg::kThreads, kSmem, stream, p.pdl != 0, p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::Cuda(std::string("decode split-KV kernel launch failed: ") + cudaGetErrorString(e));
   return Status::Ok();
 }
 
+/// q's dtype picks T; p.kv_fp8 picks the cache's element type (T itself, or fp8 e4m3 codes).
+template <int D, typename T>
+Status decode_split_cache(const DecodeKernelParams& p, int ctas, Stream stream, int device) {
+  if (p.kv_fp8) return decode_split_run<D, T, decode_dev::Fp8Code>(p, ctas, stream, device);
+  return decode_split_run<D, T, T>(p, ctas, stream, device);
+}
+
 template <int D>
 Status decode_split_dispatch(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device) {
-  if (dt == DType::kBF16) return decode_split_run<D, __nv_bfloat16>(p, ctas, stream, device);
-  if (dt == DType::kF16) return decode_split_run<D, __half>(p, ctas, stream, device);
+  if (dt == DType::kBF16) return decode_split_cache<D, __nv_bfloat16>(p, ctas, stream, device);
+  if (dt == DType::kF16) return decode_split_cache<D, __half>(p, ctas, stream, device);
   return Status::Unsupported("the CUDA decode kernels take fp16 or bf16");
 }
 

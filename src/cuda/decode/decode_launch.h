@@ -1,11 +1,12 @@
 // Launch functions of the decode kernels, one per translation unit family. The instantiations
 // (the whole list; everything else is a runtime argument: page size, paged or not, causal,
 // window, softcap, ALiBi, rotary style, GQA group, seqlen_q, split count):
-//   decode_split_kernel<D, T>  D in {64, 128, 256} x T in {bf16, fp16}   decode_hd{64,128,256}.cu
-//   decode_append_kernel<T>    T in {bf16, fp16}                           decode_aux.cu
-//   decode_merge_kernel<T>     T in {bf16, fp16}                           decode_aux.cu
-//   merge_states_kernel<T>     T in {bf16, fp16, fp32}                     decode_aux.cu
-// 13 kernels in all, each compiled for sm_80 and sm_90a.
+//   decode_split_kernel<D, T, C>  D in {64, 128, 256} x T in {bf16, fp16}   decode_hd{64,128,256}.cu
+//                                 x cache C in {T, fp8 e4m3}
+//   decode_append_kernel<T, C>    T in {bf16, fp16} x C in {T, fp8 e4m3}    decode_aux.cu
+//   decode_merge_kernel<T>        T in {bf16, fp16}                         decode_aux.cu
+//   merge_states_kernel<T>        T in {bf16, fp16, fp32}                   decode_aux.cu
+// 21 kernels in all, each compiled for sm_80 and sm_90a.
 #pragma once
 
 #include "cuda/decode/decode_params.h"

@@ -31,6 +31,10 @@ struct DecodeCta {
   int item, hk, rb, b, split, nsplit, len;
   MaskRules rules;
   int key_lo, key_hi, tile_begin, tile_end;
+  /// The score transform and the output factor of this KV head: p.score and 1, or for an fp8
+  /// cache softmax_scale * k_scale[hk] (made as the CPU backend makes it) and v_scale[hk].
+  algebra::ScoreTransform score;
+  float v_scale;
 
   __device__ __forceinline__ DecodeCta(const DecodeKernelParams& p, int block_n) {
     int bid = blockIdx.x;
@@ -43,35 +47,51 @@ struct DecodeCta {
     rules = flashcpp::decode::sequence_rules(p.seqlen_q, len, p.causal != 0, p.window_left, p.window_right);
     rules.key_range(0, p.seqlen_q, &key_lo, &key_hi);
     flashcpp::decode::split_tiles(key_lo, key_hi, split, nsplit, block_n, &tile_begin, &tile_end);
+    if (p.kv_fp8) {
+      score = algebra::ScoreTransform::make(p.softmax_scale * __ldg(p.k_scale + hk), p.softcap);
+      v_scale = __ldg(p.v_scale + hk);
+    } else {
+      score = p.score;
+      v_scale = 1.f;
+    }
   }
   __device__ __forceinline__ int n_iters() const { return tile_end - tile_begin; }
 };
 
 /// The producer side (every thread): copies of key tiles into the K/V ring, 16 bytes per thread and
-/// row. A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. Contiguous cache:
+/// row. A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. C is the cache's
+/// element: T (16-bit stages, swizzled as the warps read them) or Fp8Code (byte stages, rows
+/// unswizzled: the conversion pass reads them in order, convert_fp8_tile). Contiguous cache:
 /// one row offset per tile, the rest by a constant stride. Paged: one block-table read per tile when
 /// a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row, all
 /// loaded before the first copy is issued.
-template <int D, typename T>
+template <int D, typename C>
 struct DecodeKvLoads {
   using Cfg = Config<D>;
-  static constexpr int BN = Cfg::kBlockN, kRowChunks = D / 8, kRowsPerPass = Cfg::kThreads / kRowChunks;
-  const T* gK;
-  const T* gV;
+  static constexpr int kElems = 16 / static_cast<int>(sizeof(C));  ///< elements per 16-byte copy
+  static constexpr int BN = Cfg::kBlockN, kRowChunks = D / kElems, kRowsPerPass = Cfg::kThreads / kRowChunks;
+  const C* gK;
+  const C* gV;
   int c, r0;
   bool page_holds_tile;
 
   __device__ __forceinline__ DecodeKvLoads(const DecodeKernelParams& p, int hk, int tid)
-      : gK(static_cast<const T*>(p.k_cache) + hk * p.k_head_stride + (tid % kRowChunks) * 8),
-        gV(static_cast<const T*>(p.v_cache) + hk * p.v_head_stride + (tid % kRowChunks) * 8), c(tid % kRowChunks),
+      : gK(static_cast<const C*>(p.k_cache) + hk * p.k_head_stride + (tid % kRowChunks) * kElems),
+        gV(static_cast<const C*>(p.v_cache) + hk * p.v_head_stride + (tid % kRowChunks) * kElems), c(tid % kRowChunks),
         r0(tid / kRowChunks), page_holds_tile(p.paged && p.page_mask + 1 >= BN) {}
 
+  /// Element offset of chunk `chunk` of row `row` in a stage.
+  static __device__ __forceinline__ int stage_offset(int row, int chunk) {
+    if constexpr (kFp8Cache<C>) return row * D + chunk * kElems;
+    else return swz<D>(row, chunk);
+  }
+
   /// Key tile `tile` of sequence b into ring stage `stage`; keys at or past key_hi are zero-filled.
-  __device__ __forceinline__ void load(const DecodeKernelParams& p, T* sK, T* sV, int b, int key_hi, int stage,
+  __device__ __forceinline__ void load(const DecodeKernelParams& p, C* sK, C* sV, int b, int key_hi, int stage,
                                        int tile) const {
     constexpr int kIt = BN / kRowsPerPass;
-    T* dK = sK + stage * BN * D;
-    T* dV = sV + stage * BN * D;
+    C* dK = sK + stage * BN * D;
+    C* dV = sV + stage * BN * D;
     const int j0 = tile * BN + r0;
     std::int64_t ko[kIt], vo[kIt];
     if (!p.paged || page_holds_tile) {
@@ -95,11 +115,35 @@ struct DecodeKvLoads {
     for (int it = 0; it < kIt; ++it) {
       const int r = r0 + it * kRowsPerPass;
       const bool ok = j0 + it * kRowsPerPass < key_hi;  // keys at or past the visible end are zero-filled, never read
-      ptx::cp_async_16(ptx::smem_u32(dK + swz<D>(r, c)), gK + (ok ? ko[it] : 0), ok ? 16 : 0);
-      ptx::cp_async_16(ptx::smem_u32(dV + swz<D>(r, c)), gV + (ok ? vo[it] : 0), ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dK + stage_offset(r, c)), gK + (ok ? ko[it] : 0), ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dV + stage_offset(r, c)), gV + (ok ? vo[it] : 0), ok ? 16 : 0);
     }
   }
 };
+
+/// An fp8 stage (K and V codes, rows in order) into the converted tile (q's dtype T, swizzled as a
+/// 16-bit stage): each 16-byte chunk of codes becomes two 16-byte chunks of T. Exact (fp8x4_to), so
+/// the warps compute q . code and P . code, and the scales act once per score and per row
+/// (DecodeCta::score, v_scale).
+template <int D, typename T>
+__device__ __forceinline__ void convert_fp8_tile(const Fp8Code* s8K, const Fp8Code* s8V, T* sK, T* sV, int tid) {
+  using Cfg = Config<D>;
+  constexpr int kRowChunks = D / 16;
+  const auto* k8 = reinterpret_cast<const unsigned char*>(s8K);
+  const auto* v8 = reinterpret_cast<const unsigned char*>(s8V);
+#pragma unroll
+  for (int idx = tid; idx < Cfg::kBlockN * kRowChunks; idx += Cfg::kThreads) {
+    const int r = idx / kRowChunks, c = idx % kRowChunks;
+    const uint4 k = *reinterpret_cast<const uint4*>(k8 + r * D + c * 16);
+    const uint4 v = *reinterpret_cast<const uint4*>(v8 + r * D + c * 16);
+    const uint2 k0 = fp8x4_to<T>(k.x), k1 = fp8x4_to<T>(k.y), k2 = fp8x4_to<T>(k.z), k3 = fp8x4_to<T>(k.w);
+    const uint2 v0 = fp8x4_to<T>(v.x), v1 = fp8x4_to<T>(v.y), v2 = fp8x4_to<T>(v.z), v3 = fp8x4_to<T>(v.w);
+    *reinterpret_cast<uint4*>(sK + swz<D>(r, 2 * c)) = make_uint4(k0.x, k0.y, k1.x, k1.y);
+    *reinterpret_cast<uint4*>(sK + swz<D>(r, 2 * c + 1)) = make_uint4(k2.x, k2.y, k3.x, k3.y);
+    *reinterpret_cast<uint4*>(sV + swz<D>(r, 2 * c)) = make_uint4(v0.x, v0.y, v1.x, v1.y);
+    *reinterpret_cast<uint4*>(sV + swz<D>(r, 2 * c + 1)) = make_uint4(v2.x, v2.y, v3.x, v3.y);
+  }
+}
 
 /// The CTA's query rows (row r = head offset r / seqlen_q, token r % seqlen_q of KV head hk) into
 /// swizzled shared memory, rotated at their positions when rotary is on (rounded to the dtype, as
@@ -159,7 +203,7 @@ struct DecodeWarp {
       row_t[r] = gr % Sq;
       row_ia[r] = row_t[r] + cta.len - Sq;
       row_slope[r] =
-          p.alibi != nullptr ? p.score.slope_raw(__ldg(p.alibi + cta.b * p.alibi_batch_stride + cta.hk * p.group + gr / Sq)) : 0.f;
+          p.alibi != nullptr ? cta.score.slope_raw(__ldg(p.alibi + cta.b * p.alibi_batch_stride + cta.hk * p.group + gr / Sq)) : 0.f;
     }
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt)
@@ -175,8 +219,9 @@ struct DecodeWarp {
 
   /// The 16 keys j_chunk .. j_chunk + 15 of the stage chunk at byte offset chunk_off. full: every
   /// key of the tile is visible to every row (no mask test).
-  __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const MaskRules& rules, std::uint32_t chunk_off,
+  __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const DecodeCta& cta, std::uint32_t chunk_off,
                                         int j_chunk, bool full, int t4) {
+    const algebra::ScoreTransform& sc = cta.score;
     // S = Q K^T for 16 rows x 16 keys, raw q.k units
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -193,15 +238,15 @@ struct DecodeWarp {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = e >> 1, j = j_chunk + nt * 8 + 2 * t4 + (e & 1);
-        float u = p.score.raw(s_acc[nt][e]);  // a negative softmax_scale: the raw units are -q.k
-        if (p.score.cap > 0.f) u = p.score.softcap(u);
+        float u = sc.raw(s_acc[nt][e]);  // a negative softmax_scale: the raw units are -q.k
+        if (sc.cap > 0.f) u = sc.softcap(u);
         if (p.alibi != nullptr) u = algebra::alibi(u, row_slope[r], static_cast<float>(j - row_ia[r]));
-        if (!full && !rules.visible(row_t[r], j)) u = -INFINITY;
+        if (!full && !cta.rules.visible(row_t[r], j)) u = -INFINITY;
         s_acc[nt][e] = u;
       }
     // online softmax; O *= corr only when some row's max moved
     float corr[2];
-    softmax_block<2>([&](int j, int k) -> float& { return s_acc[j][k]; }, row, p.score.c, corr);
+    softmax_block<2>([&](int j, int k) -> float& { return s_acc[j][k]; }, row, sc.c, corr);
     rescale_rows_if_moved<DT>([&](int j, int k) -> float& { return acc_o[j][k]; }, corr);
     // O += P V (P straight from the S fragments)
     std::uint32_t a[4];

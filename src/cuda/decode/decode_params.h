@@ -32,6 +32,11 @@ struct DecodeKernelParams {
   int num_pages;
   int slots;       ///< key slots per sequence (capacity, or pages_per_seq * page_size)
   const std::int32_t* cache_seqlens;
+  /// 1: the cache holds fp8 e4m3 codes with per-KV-head scales (decode.h): scores use
+  /// softmax_scale * k_scale[hk], O is v_scale[hk] times the weighted sum of the codes.
+  int kv_fp8;
+  const float* k_scale;
+  const float* v_scale;
 
   // append: new K/V (batch, seqlen_q, heads_kv, D)
   int append;
@@ -59,6 +64,7 @@ struct DecodeKernelParams {
 
   // scores (raw q.k units, common/attention_algebra.h) and mask
   algebra::ScoreTransform score;
+  float softmax_scale, softcap;  ///< what `score` was made from (an fp8 cache remakes it per KV head)
   const float* alibi;  ///< slopes or nullptr
   std::int64_t alibi_batch_stride;
   int causal, window_left, window_right;  ///< windows pre-clamped (decode::clamp_window)

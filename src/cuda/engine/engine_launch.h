@@ -65,6 +65,11 @@ struct WriteKvParams {
   const void* k = nullptr;
   const void* v = nullptr;
   std::int64_t ld = 0;
+  /// An fp8 e4m3 pool: per-KV-head scales (device), codes of x / scale as decode's append stores
+  /// them; null = a bf16 pool.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
+  int head_dim = 0;  ///< fp8 only: the scale of element e of a row is that of head e / head_dim
 };
 Status write_kv(const WriteKvParams& p, Stream stream);
 
