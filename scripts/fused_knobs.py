@@ -1,0 +1,54 @@
+"""Times the fused kernels' cuda_config knobs against their defaults on the GPU (a measurement aid for
+reports/fused, not part of `make bench`): RMSNorm and RMSNorm + residual per row count and hidden
+size, rotary at the DESIGN shape. CUDA-graph medians (flashcpp.bench.common.interleaved), % of the
+floor = bytes that must move / 4.3 TB/s.
+
+    python scripts/fused_knobs.py [--knobs default,slots2,...]
+"""
+import argparse
+import sys
+
+import torch
+
+import flashcpp
+from flashcpp.bench import common
+
+ROOF = 4.3e12
+NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048), (16384, 1024)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--knobs", default="default,slots2,slots4,two_pass,streaming")
+    a = ap.parse_args()
+    knobs = a.knobs.split(",")
+    for rows, hidden in NORM_SHAPES:
+        x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn_like(x)
+        w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+        y, ro = torch.empty_like(x), torch.empty_like(x)
+        for name, nbytes, mk in (
+            ("rmsnorm", 2 * x.numel() * 2,
+             lambda cfg: (lambda: flashcpp.rms_norm(x, w, 1e-6, out=y, cuda_config=cfg))),
+            ("rmsnorm_res", 4 * x.numel() * 2,
+             lambda cfg: (lambda: flashcpp.fused_add_rms_norm(x, r, w, 1e-6, out=y, residual_out=ro,
+                                                              cuda_config=cfg))),
+        ):
+            fns = {k: mk("" if k == "default" else k) for k in knobs}
+            t = common.interleaved(fns, rounds=3, graph=True, rep_ms=50)
+            line = "  ".join(f"{k} {t[k]:7.1f} us {nbytes / (t[k] * 1e-6) / ROOF * 100:5.1f}%" for k in knobs)
+            print(f"{name:<12} {rows}x{hidden:<6} {line}", flush=True)
+    q = torch.randn(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
+    qo = torch.empty_like(q)
+    nbytes = 2 * q.numel() * 2
+    fns = {k: (lambda cfg: (lambda: flashcpp.apply_rotary(q, q_out=qo, theta=10000.0, cuda_config=cfg)))(
+        "" if k == "default" else k) for k in ["default", "staged", "heads2"]}
+    fns["copy"] = lambda: qo.copy_(q)
+    t = common.interleaved(fns, rounds=3, graph=True, rep_ms=50)
+    print("rotary q (4,4096,32,128) " + "  ".join(f"{k} {v:7.1f} us {nbytes / (v * 1e-6) / ROOF * 100:5.1f}%"
+                                                 for k, v in t.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
