@@ -447,7 +447,12 @@ TEST(FusedGpuRotary, DesignSize) {
   run_rope(c, 6);
   c.cache = true;
   run_rope(c, 7);
+  c.config = "shared";  // cos/sin once per token in shared memory, two heads per thread
+  run_rope(c, 8);
   c.cache = false;
+  run_rope(c, 9);
+  c.config = "shared,heads1";
+  run_rope(c, 10);
   c.config = "heads2";
   c.style = RopeStyle::kInterleaved;
   c.out_of_place = true;
@@ -462,7 +467,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
     for (DType dt : {DType::kBF16, DType::kF16})
       for (int rot : {0, 64, 32, 24, 2})
         for (bool oop : {false, true})
-          for (const char* cfg : {"", "staged"}) {  // staged: rows through shared memory (16-byte path)
+          for (const char* cfg : {"", "staged", "shared"}) {  // staged / shared: 16-byte path knobs
             RopeCase c;
             c.batch = 2;
             c.seqlen = 37;
@@ -497,6 +502,8 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   c.positions = true;
   run_rope(c, salt++);
   c.config = "staged";  // packed rows: the staged copy follows the head and token strides
+  run_rope(c, salt++);
+  c.config = "shared";
   run_rope(c, salt++);
   c.config = "";
   c.misalign = 1;  // scalar path
@@ -561,6 +568,9 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
+  cuda::FusedForce shared;
+  shared.shared = true;
+  EXPECT_EQ(cuda::rotary_path(rp, shared).name, "rotary neox vec8 sincos shared");
   rp.rotary.rotary_dim = 24;
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox scalar sincos");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox scalar sincos");  // staged needs 16-byte rows

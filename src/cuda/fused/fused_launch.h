@@ -10,7 +10,7 @@
 namespace flashcpp::cuda {
 
 /// Paths and switches the caller may force (RunOptions::cuda_config tokens "scalar",
-/// "two_pass", "streaming", "slotsN", "headsN", "staged", "persistent"). They change speed only, never results.
+/// "two_pass", "streaming", "slotsN", "headsN", "staged", "shared", "persistent"). They change speed only, never results.
 struct FusedForce {
   bool scalar = false;     ///< element-wise accesses even when 16-byte vectors would fit
   bool two_pass = false;   ///< norms: re-read the row instead of keeping it in registers
@@ -19,6 +19,7 @@ struct FusedForce {
   int heads = 0;           ///< rotary: heads a thread loads at once (1, 2; 0 = default 1)
   bool staged = false;     ///< rotary: rows through shared memory with cp.async (16-byte path)
   bool persistent = false; ///< norms: a persistent grid that prefetches the next row (16-byte rows of > 32 vectors)
+  bool shared = false;     ///< rotary: each token's cos/sin formed once per block in shared memory (16-byte path)
 };
 
 /// The path a launch takes, as a name for tests and `flashcpp info`-style printing, e.g.

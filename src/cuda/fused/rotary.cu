@@ -214,6 +214,93 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   }
 }
 
+/// Shared cos/sin variant (cuda_config "shared", 16-byte path): a block holds TB whole tokens
+/// (threadIdx.y), each with all its (head group, lane) threads (threadIdx.x). Every thread issues its
+/// loads first; then the block forms each token's rotary_dim / 2 cos/sin pairs once, in shared memory
+/// (one pair per thread, instead of once per head and lane: 40x fewer for q of 32 heads and k of 8),
+/// and after one barrier each thread reads its VEC pairs with 16-byte shared loads. With H = 2 a
+/// thread loads two heads (64 bytes in flight) at about the registers of one head of the register
+/// kernel, which holds its cos/sin arithmetic and table loads in registers per head.
+template <class T, int H>
+__global__ void __launch_bounds__(256, H == 2 ? 4 : 5) rotary_shared_kernel(const __grid_constant__ RotaryArgs a) {
+  constexpr int VEC = kVec16;
+  extern __shared__ __align__(16) float cs_raw[];  // [TB][2][half]: cos then sin of each token
+  const int ty = threadIdx.y, slot = threadIdx.x;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + ty;
+  float* s_cos = cs_raw + ty * 2 * a.half;
+  float* s_sin = s_cos + a.half;
+  // Token t -> (b, s) and its packed row; a token past the end (or past its packed sequence) loads
+  // and stores nothing but still reaches the barrier.
+  bool live = t < a.tokens;
+  std::int64_t b = 0, s = 0;
+  if (live) {
+    b = static_cast<std::uint32_t>(t) / static_cast<std::uint32_t>(a.seqlen);
+    s = t - b * a.seqlen;
+  }
+  std::int64_t tb = b, ts = s, tpos = t;
+  if (live && a.cu_seqlens != nullptr) {
+    const std::int32_t first = a.cu_seqlens[b];
+    live = s < a.cu_seqlens[b + 1] - first;
+    tb = 0;
+    ts = tpos = first + s;
+  }
+  const bool mine = live && slot < a.per_token;
+  const int lane = slot % a.lanes, group = slot / a.lanes;
+  const bool rotate = lane < a.rot_lanes;
+  int oa, ob;
+  lane_offsets<VEC>(a, lane, &oa, &ob);
+  const T* src_q = static_cast<const T*>(a.in[0]) + tb * a.in_bs[0] + ts * a.in_ss[0];
+  const T* src_k = static_cast<const T*>(a.in[1]) + tb * a.in_bs[1] + ts * a.in_ss[1];
+  T* dst_q = static_cast<T*>(a.out[0]) + tb * a.out_bs[0] + ts * a.out_ss[0];
+  T* dst_k = static_cast<T*>(a.out[1]) + tb * a.out_bs[1] + ts * a.out_ss[1];
+  auto head_valid = [&](int u) { return mine && group + u * a.groups < a.heads; };
+  // 1. Loads first.
+  Vec<T, VEC> va[H], vb[H];
+#pragma unroll
+  for (int u = 0; u < H; ++u) {
+    if (!head_valid(u)) continue;
+    const int h = group + u * a.groups;
+    const T* src = h >= a.heads_q ? src_k + (h - a.heads_q) * a.in_hs[1] : src_q + h * a.in_hs[0];
+    va[u] = load_vec<T, VEC>(src + oa, VEC, a.streaming);
+    if (rotate) vb[u] = load_vec<T, VEC>(src + ob, VEC, a.streaming);
+  }
+  // 2. This token's cos/sin, one pair per thread of the token's row of the block.
+  if (live) {
+    const std::int32_t pos = a.positions ? a.positions[tpos] : static_cast<std::int32_t>(s);
+    for (int i = slot; i < a.half; i += blockDim.x) rope::cos_sin(a.tables, a.inv_freq, pos, i, &s_cos[i], &s_sin[i]);
+  }
+  __syncthreads();
+  // 3. Rotate and store.
+  if (!mine) return;
+  float c[VEC], sn[VEC];
+  if (rotate) {
+#pragma unroll
+    for (int k = 0; k < VEC; k += 4) {
+      const float4 cv = *reinterpret_cast<const float4*>(s_cos + lane * VEC + k);
+      const float4 sv = *reinterpret_cast<const float4*>(s_sin + lane * VEC + k);
+      c[k] = cv.x, c[k + 1] = cv.y, c[k + 2] = cv.z, c[k + 3] = cv.w;
+      sn[k] = sv.x, sn[k + 1] = sv.y, sn[k + 2] = sv.z, sn[k + 3] = sv.w;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < H; ++u) {
+    if (!head_valid(u)) continue;
+    const int h = group + u * a.groups;
+    T* dst = h >= a.heads_q ? dst_k + (h - a.heads_q) * a.out_hs[1] : dst_q + h * a.out_hs[0];
+    if (!rotate) {
+      store_vec<T, VEC>(dst + oa, va[u], VEC, a.streaming);
+      continue;
+    }
+    Vec<T, VEC> ra, rb;
+    rotate_lane<T, VEC>(a.neox, va[u], vb[u], ra, rb, [&](int k, float* ck, float* sk) {
+      *ck = c[k];
+      *sk = sn[k];
+    });
+    store_vec<T, VEC>(dst + oa, ra, VEC, a.streaming);
+    store_vec<T, VEC>(dst + ob, rb, VEC, a.streaming);
+  }
+}
+
 /// Staged variant (cuda_config "staged", 16-byte path): a block copies kStagedBytes (32 KB) of whole
 /// (token, head) rows into shared memory with cp.async, then rotates from there. The bytes in
 /// flight no longer cost registers: 4 blocks of 256 threads (56 registers) keep ~128 KB in flight per SM
@@ -279,6 +366,18 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
   }
 }
 
+/// Heads per thread of the shared kernel: cuda_config heads1 or heads2 (default 2).
+int shared_heads(const FusedForce& force) { return force.heads == 1 ? 1 : 2; }
+
+/// The shared kernel takes a token's threads in one block of at most 256 and 32-bit token math.
+bool shared_ok(const RopeParams& p, const FusedForce& force) {
+  const int rot = p.effective_rotary_dim(), H = shared_heads(force);
+  const int heads = p.heads_q + p.heads_k, groups = (heads + H - 1) / H;
+  const int lanes = rot / 2 / kVec16 + (rot < p.head_dim ? (p.head_dim - rot) / kVec16 : 0);
+  return static_cast<std::int64_t>(groups) * lanes <= 256 &&
+         static_cast<std::int64_t>(p.batch) * p.seqlen <= std::numeric_limits<std::int32_t>::max();
+}
+
 bool vector_ok(const RopeParams& p) {
   const int rot = p.effective_rotary_dim();
   if (rot % (2 * kVec16) != 0 || p.head_dim % kVec16 != 0) return false;
@@ -302,8 +401,10 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   const bool staged = path.vector && force.staged &&
                       static_cast<std::int64_t>(p.batch) * p.seqlen * (p.heads_q + p.heads_k) <= std::numeric_limits<std::int32_t>::max();
   if (staged) path.threads = kStagedThreads;
+  const bool shared = path.vector && !staged && force.shared && shared_ok(p, force);
   path.name = std::string("rotary ") + rope_style_name(p.rotary.style) + (path.vector ? " vec8" : " scalar") +
-              (p.rotary.has_tables() ? " cache" : " sincos") + (staged ? " staged" : "") + (force.streaming ? " streaming" : "");
+              (p.rotary.has_tables() ? " cache" : " sincos") + (staged ? " staged" : "") + (shared ? " shared" : "") +
+              (force.streaming ? " streaming" : "");
   return path;
 }
 
@@ -359,6 +460,26 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
     return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
+  if (path.name.find(" shared") != std::string::npos) {
+    const int H = shared_heads(force);
+    a.groups = (a.heads + H - 1) / H;
+    a.per_token = a.groups * a.lanes;
+    const int tx = a.per_token;  // <= 256 (shared_ok)
+    const int ty = std::max(1, 256 / tx);
+    const std::int64_t sblocks = (a.tokens + ty - 1) / ty;
+    const std::size_t smem = static_cast<std::size_t>(ty) * 2 * a.half * sizeof(float);
+    if (sblocks > std::numeric_limits<std::int32_t>::max())
+      return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 blocks");
+    return with_half_type(p.q.dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      const dim3 sgrid(static_cast<unsigned>(sblocks)), sblock(tx, ty);
+      if (H == 2)
+        rotary_shared_kernel<T, 2><<<sgrid, sblock, smem, stream>>>(a);
+      else
+        rotary_shared_kernel<T, 1><<<sgrid, sblock, smem, stream>>>(a);
+      return launch_status("apply_rotary");
+    });
+  }
   if (path.vector && force.staged && cu_seqlens == nullptr &&
       a.tokens * a.heads <= std::numeric_limits<std::int32_t>::max()) {
     a.head_dim = p.head_dim;
