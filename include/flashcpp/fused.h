@@ -1,4 +1,5 @@
-// Fused LLM kernels: RMSNorm (plain and with the residual add), SwiGLU, rotary position embedding.
+// Fused LLM kernels: RMSNorm (plain and with the residual add), SwiGLU, rotary position embedding,
+// per-head QK-RMSNorm + rotary, and rotary + KV-cache append.
 //
 // Semantics (every backend computes exactly this with fp32 math; the tests compare it with an
 // fp64 evaluation of the same formulas). T is the tensors' dtype (bf16 or fp16 on CUDA; fp32 too
@@ -40,6 +41,24 @@
 //                        a = (original_max_position / wavelen - low_freq_factor)
 //                            / (high_freq_factor - low_freq_factor)
 //
+//   qk_norm_rope (the per-head QK-RMSNorm of Qwen3 and Gemma3, then rotary), for each token (b, s)
+//   and each head of q (weights q_weight) and of k (weights k_weight), with w the head's weights:
+//       n[j] = round_T( x[j] * rsqrt(mean_j x[j]^2 + eps) * (weight_offset + w[j]) )
+//       y    = apply_rotary(n)   (the pairs, angles and rotation above, read from the ROUNDED n)
+//     The normed value is rounded to T before the rotation, so y equals rms_norm over each head
+//     (hidden = head_dim) followed by apply_rotary, bit for bit on the same backend, when
+//     weight_offset is 0. weight_offset 1 is Gemma3's "1 + weight" (the sum formed in fp32).
+//     rotary.style kNone: the norm only.
+//
+//   rope_append_kv (FlashInfer's append_paged_kv_cache with rotary; decode.h's append), for each
+//   new token (b, s) with slot j = cache_seqlens[b] + s of sequence b and rotary position
+//   p = positions[b * seqlen + s] (or j when positions is null):
+//       cache.k[slot j of b] = apply_rotary(k_new[b, s]) at position p   (all heads_kv heads)
+//       cache.v[slot j of b] = v_new[b, s]                               (copied, bit for bit)
+//       q_out[b, s]          = apply_rotary(q[b, s]) at position p       (when heads_q > 0)
+//     Slot j of sequence b is decode's: contiguous cache row j of batch entry b, or in-page row
+//     j % page_size of page block_table[b * block_table_stride + j / page_size].
+//
 // Entry points validate first (one-sentence Status on failure), then run on opt.backend:
 // kAuto picks CUDA for device pointers and the CPU backend for host pointers; kCpu runs the fp32
 // CPU implementation; kCpuReference is refused (kUnsupported: the fp64 ground truth of these
@@ -59,6 +78,7 @@
 #include <cstdint>
 
 #include "flashcpp/attention.h"  // Backend, RunOptions
+#include "flashcpp/decode.h"     // KVCacheView (rope_append_kv)
 #include "flashcpp/rope.h"       // RotarySpec, rotary_inv_freq
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
@@ -170,5 +190,86 @@ Status validate(const RopeParams& p, Backend backend);
 
 /// Applies the rotary embedding (see the header comment) to q and k.
 Status apply_rotary(const RopeParams& p, const RunOptions& opt = {});
+
+// ---- QK-RMSNorm + rotary ------------------------------------------------------------------
+
+/// The largest head_dim of qk_norm_rope and rope_append_kv: on CUDA one warp (a power-of-two
+/// group of its lanes) holds a (token, head) row in registers, 8 elements a lane.
+inline constexpr int kFusedRowMaxHeadDim = 256;
+
+/// Per-head RMSNorm of q and k with separate weights, then the rotary embedding (header comment).
+///
+/// q and k are (batch, seqlen, heads, head_dim) TensorViews as in RopeParams (any strides, a
+/// contiguous head_dim; a packed (tokens, heads, head_dim) tensor is batch = 1, seqlen = tokens;
+/// views of one packed qkv buffer are fine). A null q_out.data (k_out.data) writes q (k) in
+/// place; an output may be exactly its input, nothing else may overlap it.
+struct QkNormRopeParams {
+  int batch = 1;
+  int seqlen = 0;    ///< tokens per sequence; 0 writes nothing
+  int heads_q = 0;   ///< >= 1
+  int heads_k = 0;   ///< 0: no k
+  int head_dim = 0;  ///< even, in [2, kFusedRowMaxHeadDim]
+  TensorView q, k;
+  TensorView q_out, k_out;    ///< data null: in place
+  const void* q_weight = nullptr;  ///< (head_dim,) contiguous, q's dtype
+  const void* k_weight = nullptr;  ///< (head_dim,) contiguous, q's dtype (needed when heads_k > 0)
+  float weight_offset = 0.f;  ///< 0 (Qwen3: w) or 1 (Gemma3: 1 + w)
+  float eps = 1e-6f;          ///< >= 0, finite
+  /// int32 [batch * seqlen] position of token (b, s); null: s. As RopeParams::positions.
+  const std::int32_t* positions = nullptr;
+  /// The rotation, exactly as apply_rotary takes it (rope.h); kNone = the norm only.
+  RotarySpec rotary = RotarySpec::of_style(RopeStyle::kNeox);
+
+  int effective_rotary_dim() const noexcept { return rotary.effective_rotary_dim(head_dim); }
+};
+
+/// Never launches; reads positions only for the CPU backends (host memory).
+Status validate(const QkNormRopeParams& p, Backend backend);
+
+/// y = rotary(rms_norm over head_dim (x) * (weight_offset + weight)) for q and k (header comment).
+Status qk_norm_rope(const QkNormRopeParams& p, const RunOptions& opt = {});
+
+// ---- rotary + KV-cache append ---------------------------------------------------------------
+
+/// New keys (rotated) and values written into a contiguous or paged KV cache, and optionally q
+/// rotated in the same pass (header comment).
+///
+/// k_new (batch, seqlen, heads_kv, head_dim) and v_new (..., head_dim_v) are TensorViews with a
+/// contiguous last dim; a packed (tokens, heads, dim) tensor of one new token per sequence is
+/// batch = tokens, seqlen = 1. The cache is decode.h's KVCacheView (contiguous or paged, same
+/// geometry rules), k_new's dtype (fp16 or bf16 on CUDA, fp32 too on the CPU backend); an fp8
+/// e4m3 cache is refused for now. Nothing outside the written slots changes.
+///
+/// Device values the host cannot read (CUDA backend) are handled as decode does: a length
+/// outside [0, slots - seqlen] is clamped into it and a block-table entry into [0, num_pages),
+/// so no write leaves the cache; a position outside the cos/sin tables writes NaN to the
+/// rotated dims (apply_rotary's rule). The CPU backend reads them and refuses bad values.
+struct RopeAppendParams {
+  int batch = 0;        ///< sequences; 0 writes nothing
+  int seqlen = 0;       ///< new tokens per sequence; 0 writes nothing
+  int heads_q = 0;      ///< 0: no q
+  int heads_kv = 0;     ///< >= 1
+  int head_dim = 0;     ///< of q and the keys: even, in [2, kFusedRowMaxHeadDim]
+  int head_dim_v = 0;   ///< of the values: [1, kFusedRowMaxHeadDim]; 0 = head_dim
+  TensorView q, q_out;  ///< (batch, seqlen, heads_q, head_dim); q_out.data null: q in place
+  TensorView k_new, v_new;
+  KVCacheView cache;
+  /// int32 [batch]: keys already in sequence b; its new token s goes to slot cache_seqlens[b] + s.
+  const std::int32_t* cache_seqlens = nullptr;
+  /// int32 [batch * seqlen] rotary position of token (b, s); null: its slot cache_seqlens[b] + s.
+  const std::int32_t* positions = nullptr;
+  /// The rotation, as apply_rotary takes it (rope.h); kNone appends K unrotated (q, when given,
+  /// is copied to q_out).
+  RotarySpec rotary = RotarySpec::of_style(RopeStyle::kNeox);
+
+  int effective_head_dim_v() const noexcept { return head_dim_v == 0 ? head_dim : head_dim_v; }
+  int effective_rotary_dim() const noexcept { return rotary.effective_rotary_dim(head_dim); }
+};
+
+/// Never launches; reads cache_seqlens, the block table and positions only for the CPU backends.
+Status validate(const RopeAppendParams& p, Backend backend);
+
+/// Rotates k_new (and q) and writes k and v into the cache (header comment).
+Status rope_append_kv(const RopeAppendParams& p, const RunOptions& opt = {});
 
 }  // namespace flashcpp

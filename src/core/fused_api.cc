@@ -19,6 +19,8 @@ namespace cpu {
 Status fused_rms_norm(const RmsNormParams& p, bool with_residual, int threads);
 Status fused_silu_and_mul(const SiluMulParams& p, int threads);
 Status fused_apply_rotary(const RopeParams& p, int threads);
+Status fused_qk_norm_rope(const QkNormRopeParams& p, int threads);
+Status fused_rope_append_kv(const RopeAppendParams& p, int threads);
 }  // namespace cpu
 
 namespace {
@@ -146,6 +148,48 @@ Status apply_rotary(const RopeParams& p, const RunOptions& opt) {
       return cuda::apply_rotary(p, force, opt.stream);
 #else
       return no_cuda("apply_rotary");
+#endif
+    }
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("fused backend selection fell through");
+}
+
+Status qk_norm_rope(const QkNormRopeParams& p, const RunOptions& opt) {
+  const Backend b = resolve(opt.backend, p.q.data);
+  FLASHCPP_RETURN_IF_ERROR(validate(p, b));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen == 0) return Status::Ok();
+  switch (b) {
+    case Backend::kCpu: return cpu::fused_qk_norm_rope(p, opt.cpu_threads);
+    case Backend::kCpuReference: return no_reference("qk_norm_rope");
+    case Backend::kCuda: {
+#if FLASHCPP_HAS_FUSED
+      cuda::FusedForce force;
+      FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
+      return cuda::qk_norm_rope(p, force, opt.stream);
+#else
+      return no_cuda("qk_norm_rope");
+#endif
+    }
+    case Backend::kAuto: break;
+  }
+  return Status::Internal("fused backend selection fell through");
+}
+
+Status rope_append_kv(const RopeAppendParams& p, const RunOptions& opt) {
+  const Backend b = resolve(opt.backend, p.k_new.data);
+  FLASHCPP_RETURN_IF_ERROR(validate(p, b));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen == 0) return Status::Ok();
+  switch (b) {
+    case Backend::kCpu: return cpu::fused_rope_append_kv(p, opt.cpu_threads);
+    case Backend::kCpuReference: return no_reference("rope_append_kv");
+    case Backend::kCuda: {
+#if FLASHCPP_HAS_FUSED
+      cuda::FusedForce force;
+      FLASHCPP_RETURN_IF_ERROR(cuda_prologue(opt.cuda_config, &force));
+      return cuda::rope_append_kv(p, force, opt.stream);
+#else
+      return no_cuda("rope_append_kv");
 #endif
     }
     case Backend::kAuto: break;

@@ -289,44 +289,37 @@ Status validate_silu(const SiluMulParams& p, Backend backend) {
 
 // ---- rotary ------------------------------------------------------------------------------
 
-Status validate_rotary(const RopeParams& p, Backend backend) {
-  bool cuda = false;
-  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
-  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
-  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
-  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
-    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
-  if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
-  if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
-  if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim)
-    return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kMaxHeadDim, "]"));
-  const RotarySpec& r = p.rotary;
-  if (r.style == RopeStyle::kNone)
-    return Status::Invalid("rotary.style is none: apply_rotary rotates neox or interleaved pairs (set rotary.style)");
-  FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
-  if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
-    return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
-  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
-  if (tokens == 0) return Status::Ok();
+/// The (batch, seqlen, heads, head_dim) tensors of a q/k op (apply_rotary, qk_norm_rope): q (when
+/// heads_q > 0) and k (when heads_k > 0) with their optional outputs, positions and the rotary
+/// tables; aliasing among them. Spans of the outputs come back in *q_out_span / *k_out_span.
+struct QkTensors {
+  int batch = 0, seqlen = 0, heads_q = 0, heads_k = 0, head_dim = 0;
+  TensorView q, k, q_out, k_out;
+  const std::int32_t* positions = nullptr;
+  RotarySpec rotary;
+};
 
+Status check_qk_tensors(const char* op, const QkTensors& p, bool cuda, Span* q_out_span, Span* k_out_span) {
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  const RotarySpec& r = p.rotary;
   const bool has_k = p.heads_k > 0;
   const TensorView q_out = p.q_out.data ? p.q_out : p.q;
   const TensorView k_out = p.k_out.data ? p.k_out : p.k;
   Span sq, sk, sqo, sko, spos, scos, ssin;
-  FLASHCPP_RETURN_IF_ERROR(check_dtype("q", p.q.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("q", p.q.dtype, p.q.dtype, "q", op, cuda));
   FLASHCPP_RETURN_IF_ERROR(check_view("q", p.q, p.batch, p.seqlen, p.heads_q, p.head_dim, &sq));
   if (p.q_out.data) {
-    FLASHCPP_RETURN_IF_ERROR(check_dtype("q_out", p.q_out.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+    FLASHCPP_RETURN_IF_ERROR(check_dtype("q_out", p.q_out.dtype, p.q.dtype, "q", op, cuda));
     FLASHCPP_RETURN_IF_ERROR(check_view("q_out", p.q_out, p.batch, p.seqlen, p.heads_q, p.head_dim, &sqo));
   } else {
     sqo = sq;
     sqo.name = "q (rotated in place)";
   }
   if (has_k) {
-    FLASHCPP_RETURN_IF_ERROR(check_dtype("k", p.k.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+    FLASHCPP_RETURN_IF_ERROR(check_dtype("k", p.k.dtype, p.q.dtype, "q", op, cuda));
     FLASHCPP_RETURN_IF_ERROR(check_view("k", p.k, p.batch, p.seqlen, p.heads_k, p.head_dim, &sk));
     if (p.k_out.data) {
-      FLASHCPP_RETURN_IF_ERROR(check_dtype("k_out", p.k_out.dtype, p.q.dtype, "q", "apply_rotary", cuda));
+      FLASHCPP_RETURN_IF_ERROR(check_dtype("k_out", p.k_out.dtype, p.q.dtype, "q", op, cuda));
       FLASHCPP_RETURN_IF_ERROR(check_view("k_out", p.k_out, p.batch, p.seqlen, p.heads_k, p.head_dim, &sko));
     } else {
       sko = sk;
@@ -358,7 +351,39 @@ Status validate_rotary(const RopeParams& p, Backend backend) {
   for (const Span* out : {&sqo, &sko})
     for (const Span* arr : {&spos, &scos, &ssin})
       if (out->overlaps(*arr)) return overlap_error(*out, *arr);
+  *q_out_span = sqo;
+  *k_out_span = sko;
   return Status::Ok();
+}
+
+
+Status validate_rotary(const RopeParams& p, Backend backend) {
+  bool cuda = false;
+  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
+  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
+  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
+    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
+  if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
+  if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim)
+    return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kMaxHeadDim, "]"));
+  const RotarySpec& r = p.rotary;
+  if (r.style == RopeStyle::kNone)
+    return Status::Invalid("rotary.style is none: apply_rotary rotates neox or interleaved pairs (set rotary.style)");
+  FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
+  if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
+    return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  if (tokens == 0) return Status::Ok();
+
+  QkTensors t;
+  t.batch = p.batch, t.seqlen = p.seqlen, t.heads_q = p.heads_q, t.heads_k = p.heads_k, t.head_dim = p.head_dim;
+  t.q = p.q, t.k = p.k, t.q_out = p.q_out, t.k_out = p.k_out;
+  t.positions = p.positions;
+  t.rotary = r;
+  Span sqo, sko;
+  return check_qk_tensors("apply_rotary", t, cuda, &sqo, &sko);
 }
 
 /// Host-memory checks of the CPU backend: positions must index the tables.
@@ -383,12 +408,238 @@ Status check_positions_host(const RopeParams& p) {
   return Status::Ok();
 }
 
+// ---- QK-RMSNorm + rotary ----------------------------------------------------------------
+
+constexpr int kRowMaxHeadDim = kFusedRowMaxHeadDim;
+
+Status validate_qk_norm(const QkNormRopeParams& p, Backend backend) {
+  bool cuda = false;
+  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
+  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
+  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
+    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
+  if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
+  if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kRowMaxHeadDim)
+    return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kRowMaxHeadDim,
+                               "] (qk_norm_rope keeps a head in one warp's registers; apply_rotary alone takes up to ",
+                               kMaxHeadDim, ")"));
+  if (!std::isfinite(p.eps) || p.eps < 0.f)
+    return Status::Invalid(cat("eps ", static_cast<double>(p.eps), " must be finite and >= 0"));
+  if (p.weight_offset != 0.f && p.weight_offset != 1.f)
+    return Status::Invalid(cat("weight_offset ", static_cast<double>(p.weight_offset),
+                               " must be 0 (y = n * weight, Qwen3) or 1 (y = n * (1 + weight), Gemma3)"));
+  const RotarySpec& r = p.rotary;
+  if (r.style != RopeStyle::kNone) FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
+  if (p.positions && addr(p.positions) % alignof(std::int32_t) != 0)
+    return Status::Invalid(cat("positions ", static_cast<const void*>(p.positions), " is not 4-byte aligned (int32)"));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen == 0) return Status::Ok();
+
+  QkTensors t;
+  t.batch = p.batch, t.seqlen = p.seqlen, t.heads_q = p.heads_q, t.heads_k = p.heads_k, t.head_dim = p.head_dim;
+  t.q = p.q, t.k = p.k, t.q_out = p.q_out, t.k_out = p.k_out;
+  t.positions = p.positions;
+  t.rotary = r.enabled() ? r : RotarySpec{};  // style none: the norm only, no tables read
+  Span sqo, sko, sqw, skw;
+  FLASHCPP_RETURN_IF_ERROR(check_qk_tensors("qk_norm_rope", t, cuda, &sqo, &sko));
+  const std::int64_t elem = dtype_size(p.q.dtype);
+  FLASHCPP_RETURN_IF_ERROR(check_pointer("q_weight", p.q_weight, elem, dtype_name(p.q.dtype)));
+  FLASHCPP_RETURN_IF_ERROR(span_of("q_weight", p.q_weight, p.head_dim, elem, &sqw));
+  if (p.heads_k > 0) {
+    FLASHCPP_RETURN_IF_ERROR(check_pointer("k_weight", p.k_weight, elem, dtype_name(p.q.dtype)));
+    FLASHCPP_RETURN_IF_ERROR(span_of("k_weight", p.k_weight, p.head_dim, elem, &skw));
+  } else if (p.k_weight) {
+    return Status::Invalid("k_weight is set but heads_k is 0 (no k to norm)");
+  }
+  // Every row reads its weights: no output may write them.
+  for (const Span* out : {&sqo, &sko})
+    for (const Span* w : {&sqw, &skw})
+      if (out->overlaps(*w)) return overlap_error(*out, *w);
+  return Status::Ok();
+}
+
+// ---- rotary + KV-cache append ------------------------------------------------------------
+
+bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
+
+/// A (e0, e1, e2, dim) view with unit dim stride as check_view, naming e0's stride `outer`.
+Status check_append_view(const char* name, const TensorView& t, std::int64_t e0, std::int64_t e1, std::int64_t e2,
+                         std::int64_t dim, DType want, bool cuda, Span* span) {
+  FLASHCPP_RETURN_IF_ERROR(check_dtype(name, t.dtype, want, "k_new", "rope_append_kv", cuda));
+  return check_view(name, t, e0, e1, e2, dim, span);
+}
+
+Status validate_append(const RopeAppendParams& p, Backend backend) {
+  bool cuda = false;
+  FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
+  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
+  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
+  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
+    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  if (p.heads_q < 0) return Status::Invalid(cat("heads_q ", p.heads_q, " is negative (must be >= 0; 0 = no q)"));
+  if (p.heads_kv < 1) return Status::Invalid(cat("heads_kv ", p.heads_kv, " must be >= 1"));
+  if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kRowMaxHeadDim)
+    return Status::Invalid(cat("head_dim ", p.head_dim, " must be even and in [2, ", kRowMaxHeadDim,
+                               "] (rope_append_kv keeps a head in one warp's registers)"));
+  if (p.head_dim_v < 0 || p.head_dim_v > kRowMaxHeadDim)
+    return Status::Invalid(cat("head_dim_v ", p.head_dim_v, " must be in [1, ", kRowMaxHeadDim, "] (0 = head_dim)"));
+  const RotarySpec& r = p.rotary;
+  if (r.style != RopeStyle::kNone) FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
+  const KVCacheView& c = p.cache;
+  if (c.k.dtype == DType::kF8E4M3 || c.v.dtype == DType::kF8E4M3)
+    return Status::Unsupported(
+        "rope_append_kv does not write an fp8_e4m3 cache yet (per-head k_scale/v_scale quantization is planned); "
+        "use decode_run's append for an fp8 cache on the CPU backend");
+  if (c.k_scale != nullptr || c.v_scale != nullptr)
+    return Status::Invalid(cat(c.k_scale ? "cache.k_scale" : "cache.v_scale",
+                               " is set but the cache is not fp8_e4m3 (the scales belong to an fp8 cache)"));
+  // Cache geometry: decode's rules (decode.h).
+  if (c.paged()) {
+    if (!is_pow2(c.page_size) || c.page_size > kDecodeMaxPageSize)
+      return Status::Invalid(cat("cache.page_size ", c.page_size, " is not a power of two in [1, ", kDecodeMaxPageSize,
+                                 "] (0 = contiguous cache)"));
+    if (c.num_pages < 1) return Status::Invalid(cat("cache.num_pages ", c.num_pages, " must be >= 1 for a paged cache"));
+    if (c.pages_per_seq < 1)
+      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " must be >= 1 for a paged cache"));
+    if (c.slots() > kInt32Max)
+      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " * page_size ", c.page_size,
+                                 " slots is more than 2^31-1"));
+    if (p.batch > 1 && c.block_table_stride < c.pages_per_seq)
+      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is less than cache.pages_per_seq ",
+                                 c.pages_per_seq, " (rows of the block table would share entries)"));
+    if (p.batch > 1 && c.block_table_stride > (INT64_MAX / 4 - c.pages_per_seq) / p.batch)
+      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is too large: ", p.batch,
+                                 " rows of the block table overflow int64"));
+  } else {
+    if (c.page_size < 0)
+      return Status::Invalid(cat("cache.page_size ", c.page_size, " is negative (0 = contiguous cache)"));
+    if (c.capacity < 0) return Status::Invalid(cat("cache.capacity ", c.capacity, " is negative (must be >= 0)"));
+    if (c.block_table != nullptr)
+      return Status::Invalid("cache.block_table is set but cache.page_size is 0 (set page_size for a paged cache)");
+  }
+  if (c.slots() < p.seqlen)
+    return Status::Invalid(cat("the cache has ", c.slots(), " key slots per sequence, fewer than the seqlen ", p.seqlen,
+                               " new tokens"));
+  for (const std::int32_t* a : {p.cache_seqlens, p.positions, c.block_table})
+    if (a && addr(a) % alignof(std::int32_t) != 0)
+      return Status::Invalid(cat(a == p.cache_seqlens ? "cache_seqlens " : a == p.positions ? "positions " : "cache.block_table ",
+                                 static_cast<const void*>(a), " is not 4-byte aligned (int32)"));
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  if (tokens == 0) return Status::Ok();
+
+  // Tensors.
+  const int dv = p.effective_head_dim_v();
+  const DType dt = p.k_new.dtype;
+  Span skn, svn, sq, sqo, skc, svc, scl, sbt, spos, scos, ssin;
+  FLASHCPP_RETURN_IF_ERROR(check_dtype("k_new", dt, dt, "k_new", "rope_append_kv", cuda));
+  FLASHCPP_RETURN_IF_ERROR(check_view("k_new", p.k_new, p.batch, p.seqlen, p.heads_kv, p.head_dim, &skn));
+  FLASHCPP_RETURN_IF_ERROR(check_append_view("v_new", p.v_new, p.batch, p.seqlen, p.heads_kv, dv, dt, cuda, &svn));
+  const std::int64_t blocks = c.paged() ? c.num_pages : p.batch;
+  const std::int64_t rows = c.paged() ? c.page_size : c.capacity;
+  FLASHCPP_RETURN_IF_ERROR(check_append_view("cache.k", c.k, blocks, rows, p.heads_kv, p.head_dim, dt, cuda, &skc));
+  FLASHCPP_RETURN_IF_ERROR(check_append_view("cache.v", c.v, blocks, rows, p.heads_kv, dv, dt, cuda, &svc));
+  if (p.heads_q > 0) {
+    FLASHCPP_RETURN_IF_ERROR(check_append_view("q", p.q, p.batch, p.seqlen, p.heads_q, p.head_dim, dt, cuda, &sq));
+    if (p.q_out.data) {
+      FLASHCPP_RETURN_IF_ERROR(check_append_view("q_out", p.q_out, p.batch, p.seqlen, p.heads_q, p.head_dim, dt, cuda, &sqo));
+    } else {
+      sqo = sq;
+      sqo.name = "q (rotated in place)";
+    }
+  } else if (p.q.data || p.q_out.data) {
+    return Status::Invalid(cat(p.q.data ? "q" : "q_out", ".data is set but heads_q is 0 (no q to rotate)"));
+  }
+  if (p.cache_seqlens == nullptr)
+    return Status::Invalid("cache_seqlens is null (int32 [batch]: keys already in each sequence)");
+  FLASHCPP_RETURN_IF_ERROR(span_of("cache_seqlens", p.cache_seqlens, p.batch, 4, &scl));
+  if (c.paged()) {
+    if (c.block_table == nullptr) return Status::Invalid("cache.block_table is null for a paged cache");
+    const std::int64_t entries = static_cast<std::int64_t>(p.batch - 1) * c.block_table_stride + c.pages_per_seq;
+    FLASHCPP_RETURN_IF_ERROR(span_of("cache.block_table", c.block_table, entries, 4, &sbt));
+  }
+  if (p.positions) FLASHCPP_RETURN_IF_ERROR(span_of("positions", p.positions, tokens, 4, &spos));
+  if (r.enabled() && r.has_tables()) {
+    const std::int64_t n = rotary_table_elems(r, p.head_dim);
+    FLASHCPP_RETURN_IF_ERROR(span_of("rotary.cos", r.cos, n, 4, &scos));
+    FLASHCPP_RETURN_IF_ERROR(span_of("rotary.sin", r.sin, n, 4, &ssin));
+  }
+  // Aliasing: q_out may be exactly q; the cache's K and V may share one buffer page by page
+  // (FlashInfer's (pages, 2, page_size, heads, dim) layout); nothing written meets anything read.
+  if (p.heads_q > 0 && p.q_out.data && sqo.overlaps(sq) && !same_view(p.q_out, p.q)) return overlap_error(sqo, sq);
+  if (skc.overlaps(svc)) {
+    const std::int64_t step = c.k.batch_stride, e = static_cast<std::int64_t>(dtype_size(dt));
+    const std::int64_t ext_k = (rows - 1) * c.k.seq_stride + (p.heads_kv - 1) * c.k.head_stride + p.head_dim;
+    const std::int64_t ext_v = (rows - 1) * c.v.seq_stride + (p.heads_kv - 1) * c.v.head_stride + dv;
+    const bool paired = blocks <= 1 ? false
+                                    : c.v.batch_stride == step && (interleaved_disjoint(c.k.data, ext_k, c.v.data, ext_v, step, e) ||
+                                                                   interleaved_disjoint(c.v.data, ext_v, c.k.data, ext_k, step, e));
+    if (!paired) return overlap_error(skc, svc);
+  }
+  for (const Span* out : {&skc, &svc, &sqo})
+    for (const Span* in : {&skn, &svn, &sq, &scl, &sbt, &spos, &scos, &ssin})
+      if (out != &sqo || in != &sq)
+        if (out->overlaps(*in)) return overlap_error(*out, *in);
+  if (sqo.overlaps(skc)) return overlap_error(sqo, skc);
+  if (sqo.overlaps(svc)) return overlap_error(sqo, svc);
+  return Status::Ok();
+}
+
+/// Host-memory checks of the CPU backend for rope_append_kv: lengths, pages in use, positions.
+Status check_append_host(const RopeAppendParams& p) {
+  const KVCacheView& c = p.cache;
+  const std::int64_t room = c.slots() - p.seqlen;
+  for (int b = 0; b < p.batch; ++b) {
+    const std::int64_t len = p.cache_seqlens[b];
+    if (len < 0 || len > room)
+      return Status::Invalid(cat("cache_seqlens[", b, "] = ", len, " leaves no room for the ", p.seqlen,
+                                 " new tokens (must be in [0, ", room, "] with ", c.slots(), " slots a sequence)"));
+    if (c.paged())
+      for (std::int64_t j = len; j < len + p.seqlen; j += 1) {
+        if (j != len && j % c.page_size != 0) continue;  // one check per page touched
+        const std::int64_t at = static_cast<std::int64_t>(b) * c.block_table_stride + j / c.page_size;
+        const std::int64_t page = c.block_table[at];
+        if (page < 0 || page >= c.num_pages)
+          return Status::Invalid(cat("cache.block_table[", b, "][", j / c.page_size, "] = ", page,
+                                     " is outside the pool's pages [0, num_pages ", c.num_pages, ")"));
+      }
+    if (p.rotary.enabled() && p.rotary.has_tables())
+      for (int s = 0; s < p.seqlen; ++s) {
+        const std::int64_t t = static_cast<std::int64_t>(b) * p.seqlen + s;
+        const std::int64_t pos = p.positions ? p.positions[t] : len + s;
+        if (pos < 0 || pos >= p.rotary.max_position)
+          return Status::Invalid(cat("position ", pos, " of token ", t,
+                                     " is outside the cos/sin tables' rows [0, max_position ", p.rotary.max_position, ")"));
+      }
+  }
+  return Status::Ok();
+}
+
+/// Host-memory checks of the CPU backend for qk_norm_rope: positions inside the tables.
+Status check_qk_positions_host(const QkNormRopeParams& p) {
+  if (!p.rotary.enabled() || !p.rotary.has_tables()) return Status::Ok();
+  RopeParams rp;
+  rp.batch = p.batch, rp.seqlen = p.seqlen, rp.positions = p.positions, rp.rotary = p.rotary;
+  return check_positions_host(rp);
+}
+
 }  // namespace
 
 Status validate(const RmsNormParams& p, bool with_residual, Backend backend) {
   return validate_norm(p, with_residual, backend);
 }
 Status validate(const SiluMulParams& p, Backend backend) { return validate_silu(p, backend); }
+Status validate(const QkNormRopeParams& p, Backend backend) {
+  FLASHCPP_RETURN_IF_ERROR(validate_qk_norm(p, backend));
+  if (backend == Backend::kCpu || backend == Backend::kCpuReference) return check_qk_positions_host(p);
+  return Status::Ok();
+}
+Status validate(const RopeAppendParams& p, Backend backend) {
+  FLASHCPP_RETURN_IF_ERROR(validate_append(p, backend));
+  if ((backend == Backend::kCpu || backend == Backend::kCpuReference) && static_cast<std::int64_t>(p.batch) * p.seqlen > 0)
+    return check_append_host(p);
+  return Status::Ok();
+}
 Status validate(const RopeParams& p, Backend backend) {
   FLASHCPP_RETURN_IF_ERROR(validate_rotary(p, backend));
   if (backend == Backend::kCpu || backend == Backend::kCpuReference) return check_positions_host(p);

@@ -17,6 +17,7 @@
 
 #include "flashcpp/half.h"
 #include "common/fused_math.h"
+#include "common/kv_append.h"
 #include "cpu/rotary.h"
 #include "flashcpp/fused.h"
 
@@ -94,7 +95,7 @@ void parallel_chunks(std::int64_t n, std::int64_t elems_per_item, int threads, F
 
 template <class E>
 void norm_row(const typename E::S* x, const typename E::S* r, typename E::S* ro, const typename E::S* w,
-              typename E::S* y, std::int64_t hidden, float eps, float inv_hidden) {
+              typename E::S* y, std::int64_t hidden, float eps, float inv_hidden, float w_offset = 0.f) {
   constexpr int kLanes = 8;
   float acc[kLanes] = {};
   // Pass 1: h (rounded, written to residual_out when there is a residual) and sum of h^2. Each
@@ -113,7 +114,11 @@ void norm_row(const typename E::S* x, const typename E::S* r, typename E::S* ro,
   const float rstd = 1.f / std::sqrt(acc[0] * inv_hidden + eps);
   // Pass 2: y from the rounded h (read back from residual_out, or x).
   const typename E::S* h_src = r ? ro : x;
-  for (std::int64_t j = 0; j < hidden; ++j) y[j] = E::st(E::ld(h_src[j]) * rstd * E::ld(w[j]));
+  // w_offset (qk_norm_rope's weight_offset): 0 takes w itself, so -0 weights keep their sign.
+  for (std::int64_t j = 0; j < hidden; ++j) {
+    const float wf = w_offset != 0.f ? w_offset + E::ld(w[j]) : E::ld(w[j]);
+    y[j] = E::st(E::ld(h_src[j]) * rstd * wf);
+  }
 }
 
 // ---- rotary ------------------------------------------------------------------------------
@@ -197,6 +202,99 @@ Status fused_apply_rotary(const RopeParams& p, int threads) {
             S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
             rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, copy_tail);
           }
+        }
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+Status fused_qk_norm_rope(const QkNormRopeParams& p, int threads) {
+  const bool rotate = p.rotary.enabled();
+  const int half = rotate ? p.effective_rotary_dim() / 2 : 0;
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  const int heads = p.heads_q + p.heads_k;
+  const float inv_hidden = static_cast<float>(1.0 / static_cast<double>(p.head_dim));  // rms_norm's, hidden = head_dim
+  return with_dtype(p.q.dtype, [&](auto e) {
+    using E = decltype(e);
+    using S = typename E::S;
+    parallel_chunks(tokens, static_cast<std::int64_t>(heads) * p.head_dim, threads, [&](std::int64_t t0, std::int64_t t1) {
+      std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
+      std::vector<S> normed(static_cast<std::size_t>(p.head_dim));
+      const RotarySpec spec = rotate ? p.rotary : RotarySpec::of_style(RopeStyle::kNeox);
+      const RotaryAngles angles(spec, p.head_dim);
+      for (std::int64_t t = t0; t < t1; ++t) {
+        const std::int64_t b = t / p.seqlen, s = t % p.seqlen;
+        const std::int32_t pos = p.positions ? p.positions[t] : static_cast<std::int32_t>(s);
+        for (int i = 0; i < half; ++i) angles.at(pos, i, &cs[i], &sn[i]);  // validated: pos inside the tables
+        for (int which = 0; which < 2; ++which) {
+          const TensorView& in = which == 0 ? p.q : p.k;
+          const TensorView& out_v = which == 0 ? p.q_out : p.k_out;
+          const TensorView& out = out_v.data ? out_v : in;
+          const S* w = static_cast<const S*>(which == 0 ? p.q_weight : p.k_weight);
+          const int nh = which == 0 ? p.heads_q : p.heads_k;
+          for (int h = 0; h < nh; ++h) {
+            const S* src = static_cast<const S*>(in.data) + b * in.batch_stride + s * in.seq_stride + h * in.head_stride;
+            S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
+            // rms_norm of the head (the same row function), rounded; then apply_rotary's rotation of it.
+            norm_row<E>(src, nullptr, nullptr, w, normed.data(), p.head_dim, p.eps, inv_hidden, p.weight_offset);
+            if (rotate)
+              rotate_head<E>(normed.data(), dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, true);
+            else
+              std::copy(normed.begin(), normed.end(), dst);
+          }
+        }
+      }
+    });
+    return Status::Ok();
+  });
+}
+
+Status fused_rope_append_kv(const RopeAppendParams& p, int threads) {
+  const bool rotate = p.rotary.enabled();
+  const int half = rotate ? p.effective_rotary_dim() / 2 : 0;
+  const int dv = p.effective_head_dim_v();
+  const KVCacheView& c = p.cache;
+  int page_shift = 0;
+  while (c.paged() && (1 << page_shift) < c.page_size) ++page_shift;
+  const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+  return with_dtype(p.k_new.dtype, [&](auto e) {
+    using E = decltype(e);
+    using S = typename E::S;
+    const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_kv) * p.head_dim + p.heads_kv * dv;
+    parallel_chunks(tokens, per_token, threads, [&](std::int64_t t0, std::int64_t t1) {
+      std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
+      const RotarySpec spec = rotate ? p.rotary : RotarySpec::of_style(RopeStyle::kNeox);
+      const RotaryAngles angles(spec, p.head_dim);
+      for (std::int64_t t = t0; t < t1; ++t) {
+        const int b = static_cast<int>(t / p.seqlen), s = static_cast<int>(t % p.seqlen);
+        // Validated on the host: the length leaves room, the pages exist, the position is in the tables.
+        const int j = fused::append_base(p.cache_seqlens[b], c.slots(), p.seqlen) + s;
+        const std::int32_t pos = p.positions ? p.positions[t] : j;
+        for (int i = 0; i < half; ++i) angles.at(pos, i, &cs[i], &sn[i]);
+        std::int64_t block = 0, row = 0;
+        fused::slot_place(c.block_table, c.block_table_stride, page_shift, c.num_pages, c.paged(), b, j, &block, &row);
+        auto rotate_or_copy = [&](const S* src, S* dst, bool copy_tail) {
+          if (rotate)
+            rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, copy_tail);
+          else if (dst != src)
+            std::copy(src, src + p.head_dim, dst);
+        };
+        for (int h = 0; h < p.heads_kv; ++h) {
+          const S* kn = static_cast<const S*>(p.k_new.data) + b * p.k_new.batch_stride + s * p.k_new.seq_stride +
+                        h * p.k_new.head_stride;
+          const S* vn = static_cast<const S*>(p.v_new.data) + b * p.v_new.batch_stride + s * p.v_new.seq_stride +
+                        h * p.v_new.head_stride;
+          S* kc = static_cast<S*>(c.k.data) + block * c.k.batch_stride + row * c.k.seq_stride + h * c.k.head_stride;
+          S* vc = static_cast<S*>(c.v.data) + block * c.v.batch_stride + row * c.v.seq_stride + h * c.v.head_stride;
+          rotate_or_copy(kn, kc, true);
+          std::copy(vn, vn + dv, vc);
+        }
+        const TensorView& qo = p.q_out.data ? p.q_out : p.q;
+        for (int h = 0; h < p.heads_q; ++h) {
+          const S* src = static_cast<const S*>(p.q.data) + b * p.q.batch_stride + s * p.q.seq_stride + h * p.q.head_stride;
+          S* dst = static_cast<S*>(qo.data) + b * qo.batch_stride + s * qo.seq_stride + h * qo.head_stride;
+          rotate_or_copy(src, dst, p.q_out.data != nullptr);
         }
       }
     });
