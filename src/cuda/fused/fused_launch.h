@@ -44,4 +44,10 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force);
 Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
                     const std::int32_t* cu_seqlens = nullptr);
 
+FusedPath qk_norm_rope_path(const QkNormRopeParams& p, const FusedForce& force);
+Status qk_norm_rope(const QkNormRopeParams& p, const FusedForce& force, Stream stream);
+
+FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force);
+Status rope_append_kv(const RopeAppendParams& p, const FusedForce& force, Stream stream);
+
 }  // namespace flashcpp::cuda

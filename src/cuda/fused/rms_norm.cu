@@ -32,6 +32,7 @@
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
+#include "cuda/fused/norm_row.cuh"
 
 namespace flashcpp::cuda {
 namespace fused {
@@ -68,46 +69,6 @@ struct NormArgs {
   float eps = 0.f, inv_hidden = 0.f;
   bool streaming = false;  ///< evict-first hints on data touched once (not on weight or re-read rows)
 };
-
-/// Elements of vector v inside a row of `hidden` elements (VEC, or fewer for the tail).
-template <int VEC>
-__device__ __forceinline__ int valid_in(int v, int hidden) {
-  return min(VEC, hidden - v * VEC);
-}
-
-/// h = round(x + r) (or x without a residual), kept packed; returns the sum of squares of the
-/// rounded h. n == 0 (no elements here) gives h = 0; load_vec zero-filled a tail already.
-template <class T, int VEC>
-__device__ __forceinline__ float add_residual(const Vec<T, VEC>& x, const Vec<T, VEC>& r, int n, bool has_res,
-                                              Vec<T, VEC>* h) {
-  float ss = 0.f;
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) {
-    float f = 0.f;
-    if (n > 0) {
-      f = to_float(x.v[i]);
-      if (has_res) {
-        h->v[i] = from_float<T>(f + to_float(r.v[i]));
-        f = to_float(h->v[i]);
-      } else {
-        h->v[i] = x.v[i];
-      }
-    } else {
-      h->v[i] = from_float<T>(0.f);
-    }
-    ss += f * f;
-  }
-  return ss;
-}
-
-/// y = (h * rstd) * w, rounded to T.
-template <class T, int VEC>
-__device__ __forceinline__ Vec<T, VEC> scale_by_weight(const Vec<T, VEC>& h, float rstd, const Vec<T, VEC>& w) {
-  Vec<T, VEC> o;
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) o.v[i] = from_float<T>(to_float(h.v[i]) * rstd * to_float(w.v[i]));
-  return o;
-}
 
 template <class T, int VEC, int SLOTS = RegisterConfig<VEC>::kSlots>
 __global__ void __launch_bounds__(RegisterConfig<VEC, SLOTS>::kMaxThreads)
@@ -164,7 +125,7 @@ __global__ void __launch_bounds__(RegisterConfig<VEC, SLOTS>::kMaxThreads)
   }
   // 4. Reduce, then y = (h * rstd) * w.
   ss = whole_block ? block_sum(ss, scratch) : group_sum(ss, a.group);
-  const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
+  const float rstd = row_rstd(ss, a.inv_hidden, a.eps);
   if (!live) return;
   T* y = static_cast<T*>(a.y) + row * a.y_stride;
 #pragma unroll
@@ -198,7 +159,7 @@ __global__ void __launch_bounds__(kTwoPassThreads) rms_norm_two_pass_kernel(cons
     for (int i = 0; i < VEC; ++i) ss += to_float(h.v[i]) * to_float(h.v[i]);  // tail lanes are 0
   }
   ss = block_sum(ss, scratch);
-  const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
+  const float rstd = row_rstd(ss, a.inv_hidden, a.eps);
   // Pass 2: re-read h (this thread's own elements: program order makes its writes visible).
   const T* hsrc = has_res ? ro : x;
   T* y = static_cast<T*>(a.y) + row * a.y_stride;
@@ -237,7 +198,7 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
     float ss = add_residual<T, VEC>(xc, rc, n, has_res, &h);
     if (has_res && n > 0) store_vec<T, VEC>(static_cast<T*>(a.residual_out) + row * a.ro_stride + v * VEC, h, n, a.streaming);
     ss = block_sum(ss, scratch[it & 1]);
-    const float rstd = rsqrtf(ss * a.inv_hidden + a.eps);
+    const float rstd = row_rstd(ss, a.inv_hidden, a.eps);
     if (n > 0) store_vec<T, VEC>(static_cast<T*>(a.y) + row * a.y_stride + v * VEC, scale_by_weight<T, VEC>(h, rstd, w), n,
                                  a.streaming);
     xc = xn;
