@@ -9,11 +9,14 @@
 // match bit for bit.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "flashcpp/fused.h"
@@ -808,6 +811,438 @@ TEST(FusedValidate, BackendsAndConfig) {
   EXPECT_TRUE(Passes(rms_norm(p, o)));
   EXPECT_STREQ(rope_style_name(RopeStyle::kInterleaved), "interleaved");
   EXPECT_STREQ(rope_style_name(RopeStyle::kNone), "none");
+}
+
+
+// ---- QK-RMSNorm + rotary -----------------------------------------------------------------
+
+/// Exact bytes of two buffers (the fused op against the unfused sequence).
+::testing::AssertionResult SameBits(const HostBuffer& a, const HostBuffer& b) {
+  if (a.bytes == b.bytes) return ::testing::AssertionSuccess();
+  for (std::int64_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(a.bytes.data() + i * dtype_size(a.dt), b.bytes.data() + i * dtype_size(a.dt), dtype_size(a.dt)) != 0)
+      return ::testing::AssertionFailure() << "element " << i << ": " << a.get(i) << " vs " << b.get(i);
+  return ::testing::AssertionFailure() << "sizes differ";
+}
+
+struct QkCase {
+  int tokens, heads_q, heads_k, head_dim, rotary_dim;
+  DType dt;
+  RopeStyle style;
+  bool in_place = false;
+  bool tables = false;
+};
+
+std::string describe(const QkCase& c) {
+  return std::to_string(c.tokens) + "t " + std::to_string(c.heads_q) + "/" + std::to_string(c.heads_k) + " d" +
+         std::to_string(c.head_dim) + " rot" + std::to_string(c.rotary_dim) + " " + dtype_name(c.dt) + " " +
+         rope_style_name(c.style) + (c.in_place ? " in-place" : "") + (c.tables ? " tables" : "");
+}
+
+/// qk_norm_rope (weight_offset 0) equals rms_norm over each head followed by apply_rotary, bit
+/// for bit (fused.h's rounding rule), in place or not, with tables or theta.
+void run_qk_vs_unfused(const QkCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  auto g = rng(salt);
+  const int d = c.head_dim;
+  const std::int64_t nq = static_cast<std::int64_t>(c.tokens) * c.heads_q * d, nk = static_cast<std::int64_t>(c.tokens) * c.heads_k * d;
+  HostBuffer q(c.dt, nq), k(c.dt, nk), wq(c.dt, d), wk(c.dt, d);
+  q.fill_normal(g, 2.f);
+  k.fill_normal(g, 2.f);
+  wq.fill_normal(g, 1.f);
+  wk.fill_normal(g, 1.f);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(c.tokens));
+  for (auto& x : pos) x = static_cast<std::int32_t>(g() % 4000);
+  const int rot = c.rotary_dim ? c.rotary_dim : d;
+  std::vector<float> cache(static_cast<std::size_t>(4000) * rot);
+  for (std::size_t i = 0; i < cache.size(); ++i) cache[i] = static_cast<float>(std::sin(0.001 * static_cast<double>(i)));
+  RotarySpec spec = RotarySpec::of_style(c.style);
+  spec.rotary_dim = c.rotary_dim;
+  if (c.tables) spec.set_cos_sin_cache(cache.data(), 4000, rot);
+
+  // Unfused: rms_norm of q's and k's heads as rows of head_dim, then apply_rotary in place.
+  HostBuffer uq = q, uk = k;
+  for (auto [x, w, n] : {std::tuple{&uq, &wq, nq}, std::tuple{&uk, &wk, nk}}) {
+    RmsNormParams np;
+    np.rows = n / d;
+    np.hidden = d;
+    np.eps = 1e-6f;
+    np.x = contiguous_matrix(x->data(), c.dt, d);
+    np.y = np.x;
+    np.weight = w->data();
+    ASSERT_TRUE(Passes(rms_norm(np, cpu())));
+  }
+  RopeParams rp;
+  rp.seqlen = c.tokens, rp.heads_q = c.heads_q, rp.heads_k = c.heads_k, rp.head_dim = d;
+  rp.q = bshd_view(uq.data(), c.dt, c.tokens, c.heads_q, d);
+  rp.k = bshd_view(uk.data(), c.dt, c.tokens, c.heads_k, d);
+  rp.positions = pos.data();
+  rp.rotary = spec;
+  ASSERT_TRUE(Passes(apply_rotary(rp, cpu())));
+
+  HostBuffer oq(c.dt, nq), ok(c.dt, nk);
+  oq.poison();
+  ok.poison();
+  if (c.in_place) oq = q, ok = k;
+  QkNormRopeParams p;
+  p.seqlen = c.tokens, p.heads_q = c.heads_q, p.heads_k = c.heads_k, p.head_dim = d;
+  p.q = bshd_view(c.in_place ? oq.data() : q.data(), c.dt, c.tokens, c.heads_q, d);
+  p.k = bshd_view(c.in_place ? ok.data() : k.data(), c.dt, c.tokens, c.heads_k, d);
+  if (!c.in_place) {
+    p.q_out = bshd_view(oq.data(), c.dt, c.tokens, c.heads_q, d);
+    p.k_out = bshd_view(ok.data(), c.dt, c.tokens, c.heads_k, d);
+  }
+  p.q_weight = wq.data();
+  p.k_weight = c.heads_k ? wk.data() : nullptr;
+  p.positions = pos.data();
+  p.rotary = spec;
+  ASSERT_TRUE(Passes(qk_norm_rope(p, cpu(3))));
+  EXPECT_TRUE(SameBits(oq, uq));
+  EXPECT_TRUE(SameBits(ok, uk));
+}
+
+TEST(QkNormRope, EqualsRmsNormThenApplyRotaryBitForBit) {
+  std::uint64_t salt = 9000;
+  for (DType dt : kAllDtypes)
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
+      for (auto [d, rd] : {std::pair{128, 0}, std::pair{64, 32}, std::pair{30, 0}, std::pair{256, 24}, std::pair{2, 0}})
+        run_qk_vs_unfused({7, 4, 2, d, rd, dt, st}, ++salt);
+  run_qk_vs_unfused({13, 3, 1, 128, 0, DType::kBF16, RopeStyle::kNeox, true, false}, ++salt);
+  run_qk_vs_unfused({5, 2, 2, 64, 32, DType::kF16, RopeStyle::kInterleaved, true, true}, ++salt);
+  run_qk_vs_unfused({1, 8, 0, 128, 0, DType::kBF16, RopeStyle::kNeox, false, true}, ++salt);  // no k
+}
+
+// Against the fp64 formula, Gemma3's weight_offset 1 included: n = round_T(x rstd (offset + w))
+// with rstd in fp64, then the fp64 rotation. The fp32 rstd can round n to the neighbouring T, so
+// the tolerance adds one ulp of n (2^-7 |n| bf16, 2^-10 fp16, 2^-23 fp32) to the usual rule.
+TEST(QkNormRope, MatchesFp64FormulaWithWeightOffset) {
+  for (DType dt : kAllDtypes)
+    for (float off : {0.f, 1.f}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " offset " + std::to_string(off));
+      auto g = rng(9100 + static_cast<int>(dt) * 2 + static_cast<int>(off));
+      const int tokens = 9, hq = 3, hk = 2, d = 64, rot = 64, half = rot / 2;
+      HostBuffer q(dt, tokens * hq * d), k(dt, tokens * hk * d), wq(dt, d), wk(dt, d), oq(dt, q.size()), ok(dt, k.size());
+      q.fill_normal(g, 3.f);
+      k.fill_normal(g, 3.f);
+      std::normal_distribution<float> wd(off != 0.f ? 0.f : 1.f, 0.2f);
+      for (int j = 0; j < d; ++j) wq.set(j, wd(g)), wk.set(j, wd(g));
+      oq.poison();
+      ok.poison();
+      QkNormRopeParams p;
+      p.seqlen = tokens, p.heads_q = hq, p.heads_k = hk, p.head_dim = d, p.weight_offset = off, p.eps = 1e-5f;
+      p.q = bshd_view(q.data(), dt, tokens, hq, d);
+      p.k = bshd_view(k.data(), dt, tokens, hk, d);
+      p.q_out = bshd_view(oq.data(), dt, tokens, hq, d);
+      p.k_out = bshd_view(ok.data(), dt, tokens, hk, d);
+      p.q_weight = wq.data();
+      p.k_weight = wk.data();
+      ASSERT_TRUE(Passes(qk_norm_rope(p, cpu())));
+      const double ulp = dt == DType::kBF16 ? std::ldexp(1.0, -7) : dt == DType::kF16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -23);
+      for (auto [in, w, out, heads] : {std::tuple{&q, &wq, &oq, hq}, std::tuple{&k, &wk, &ok, hk}})
+        for (int t = 0; t < tokens; ++t)
+          for (int h = 0; h < heads; ++h) {
+            const std::int64_t base = (static_cast<std::int64_t>(t) * heads + h) * d;
+            double ss = 0;
+            for (int j = 0; j < d; ++j) ss += static_cast<double>(in->get(base + j)) * in->get(base + j);
+            const double rstd = 1.0 / std::sqrt(ss / d + 1e-5);
+            std::vector<double> n(d);
+            double nmax = 0;
+            for (int j = 0; j < d; ++j) {
+              n[j] = round_to(dt, static_cast<float>(in->get(base + j) * rstd * (off + static_cast<double>(w->get(j)))));
+              nmax = std::max(nmax, std::fabs(n[j]));
+            }
+            for (int i = 0; i < half; ++i) {
+              const double a = t * std::pow(10000.0, -2.0 * i / rot), cs = std::cos(a), sn = std::sin(a);
+              const double x0 = n[i], x1 = n[i + half];
+              n[i] = x0 * cs - x1 * sn;
+              n[i + half] = x1 * cs + x0 * sn;
+            }
+            for (int j = 0; j < d; ++j) {
+              const double tol = kAtol + kRtol * std::fabs(n[j]) + rounding_allowance(dt, n[j]) + 2 * ulp * nmax;
+              ASSERT_LE(std::fabs(out->get(base + j) - n[j]), tol) << "token " << t << " head " << h << " j " << j;
+            }
+          }
+    }
+}
+
+TEST(QkNormRope, NanInNanOutAndNormOnly) {
+  const int tokens = 3, hq = 2, d = 16;
+  HostBuffer q(DType::kF32, tokens * hq * d), w(DType::kF32, d), out(DType::kF32, q.size()), ref = q;
+  auto g = rng(9200);
+  q.fill_normal(g);
+  w.fill_normal(g);
+  q.set(d + 5, NAN);  // token 0, head 1
+  QkNormRopeParams p;
+  p.seqlen = tokens, p.heads_q = hq, p.head_dim = d;
+  p.q = bshd_view(q.data(), DType::kF32, tokens, hq, d);
+  p.q_out = bshd_view(out.data(), DType::kF32, tokens, hq, d);
+  p.q_weight = w.data();
+  ASSERT_TRUE(Passes(qk_norm_rope(p, cpu())));
+  for (int j = 0; j < d; ++j) {
+    EXPECT_TRUE(std::isnan(out.get(d + j))) << j;    // the NaN head
+    EXPECT_FALSE(std::isnan(out.get(j))) << j;       // its neighbours
+    EXPECT_FALSE(std::isnan(out.get(2 * d + j))) << j;
+  }
+  // Style none: the per-head norm alone, rms_norm's bits.
+  q.set(d + 5, 0.5f);
+  p.rotary = RotarySpec{};
+  ASSERT_TRUE(Passes(qk_norm_rope(p, cpu())));
+  ref = q;
+  RmsNormParams np;
+  np.rows = tokens * hq, np.hidden = d;
+  np.x = contiguous_matrix(ref.data(), DType::kF32, d);
+  np.y = np.x;
+  np.weight = w.data();
+  ASSERT_TRUE(Passes(rms_norm(np, cpu())));
+  EXPECT_TRUE(SameBits(out, ref));
+}
+
+QkNormRopeParams qk_base() {
+  QkNormRopeParams p;
+  p.batch = 2;
+  p.seqlen = 128;
+  p.heads_q = 32;
+  p.heads_k = 8;
+  p.head_dim = 128;
+  p.q = bshd_view(fake(kX), DType::kBF16, 128, 32, 128);
+  p.k = bshd_view(fake(kR), DType::kBF16, 128, 8, 128);
+  p.q_weight = fake(kW);
+  p.k_weight = fake(kW + 4096);
+  return p;
+}
+
+TEST(FusedValidate, QkNormRopeSentences) {
+  const Backend b = Backend::kCuda;
+  EXPECT_TRUE(Passes(validate(qk_base(), b)));
+  QkNormRopeParams p = qk_base();
+  p.head_dim = 512;
+  EXPECT_TRUE(Invalid(validate(p, b), {"head_dim 512 must be even and in [2, 256]", "apply_rotary alone takes up to 1024"}));
+  p = qk_base();
+  p.weight_offset = 0.5f;
+  EXPECT_TRUE(Invalid(validate(p, b), {"weight_offset 0.5 must be 0", "Gemma3"}));
+  p = qk_base();
+  p.q_weight = nullptr;
+  EXPECT_TRUE(Invalid(validate(p, b), {"q_weight is null"}));
+  p = qk_base();
+  p.heads_k = 0;
+  EXPECT_TRUE(Invalid(validate(p, b), {"k_weight is set but heads_k is 0"}));
+  p = qk_base();
+  p.eps = -1.f;
+  EXPECT_TRUE(Invalid(validate(p, b), {"eps -1 must be finite and >= 0"}));
+  p = qk_base();
+  p.k.dtype = DType::kF16;
+  EXPECT_TRUE(Invalid(validate(p, b), {"k.dtype fp16 differs from q.dtype bf16", "qk_norm_rope"}));
+  p = qk_base();
+  p.q_out = bshd_view(fake(kX + 64), DType::kBF16, 128, 32, 128);  // overlaps q, not equal
+  EXPECT_TRUE(Invalid(validate(p, b), {"q_out overlaps q"}));
+  p = qk_base();
+  p.q_out = bshd_view(fake(kW - 64), DType::kBF16, 1, 1, 128);
+  p.batch = 1, p.seqlen = 1, p.heads_q = 1, p.heads_k = 0, p.k_weight = nullptr;
+  p.q = bshd_view(fake(kX), DType::kBF16, 1, 1, 128);
+  EXPECT_TRUE(Invalid(validate(p, b), {"q_out overlaps q_weight"}));
+  p = qk_base();
+  p.rotary = RotarySpec{};  // style none: the norm only
+  EXPECT_TRUE(Passes(validate(p, b)));
+  p.rotary.style = static_cast<RopeStyle>(7);
+  EXPECT_TRUE(Invalid(validate(p, b), {"rotary.style 7 is not a rotary style"}));
+}
+
+// ---- rotary + KV-cache append --------------------------------------------------------------
+
+struct AppendCase {
+  int batch, seqlen, heads_q, heads_kv, head_dim, head_dim_v, rotary_dim, page_size;
+  DType dt;
+  RopeStyle style;
+  bool positions = true;
+  bool q_in_place = false;
+};
+
+std::string describe(const AppendCase& c) {
+  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seqlen) + " " + std::to_string(c.heads_q) + "/" +
+         std::to_string(c.heads_kv) + " d" + std::to_string(c.head_dim) + "/" + std::to_string(c.head_dim_v) + " rot" +
+         std::to_string(c.rotary_dim) + " page" + std::to_string(c.page_size) + " " + dtype_name(c.dt) + " " +
+         rope_style_name(c.style) + (c.positions ? "" : " slot-positions") + (c.q_in_place ? " q-in-place" : "");
+}
+
+/// rope_append_kv writes apply_rotary's K (and q) and V's bits into exactly the slots decode's
+/// rule names, and nothing else in the (NaN-poisoned) cache.
+void run_append(const AppendCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  auto g = rng(salt);
+  const int d = c.head_dim, dv = c.head_dim_v ? c.head_dim_v : d, ps = c.page_size;
+  const int capacity = c.seqlen + 9, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
+  const int num_pages = ps ? c.batch * pages_per_seq + 2 : 0, slots = ps ? pages_per_seq * ps : capacity;
+  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : c.batch;
+  const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen;
+  HostBuffer q(c.dt, tokens * c.heads_q * d), kn(c.dt, tokens * c.heads_kv * d), vn(c.dt, tokens * c.heads_kv * dv);
+  HostBuffer kc(c.dt, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * d);
+  HostBuffer vc(c.dt, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * dv), qo(c.dt, q.size());
+  q.fill_normal(g);
+  kn.fill_normal(g);
+  vn.fill_normal(g);
+  kc.poison();
+  vc.poison();
+  qo.poison();
+  std::vector<std::int32_t> len(static_cast<std::size_t>(c.batch)), pos(static_cast<std::size_t>(tokens)), bt;
+  for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
+  for (std::int64_t t = 0; t < tokens; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(g() % 100000);
+  if (ps) {
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), g);
+    bt.assign(perm.begin(), perm.begin() + c.batch * pages_per_seq);
+  }
+  RopeAppendParams p;
+  p.batch = c.batch, p.seqlen = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv;
+  p.head_dim = d, p.head_dim_v = c.head_dim_v;
+  HostBuffer qin = q;  // q_in_place rotates this copy
+  p.q = bshd_view(qin.data(), c.dt, c.seqlen, c.heads_q, d);
+  if (!c.q_in_place) p.q_out = bshd_view(qo.data(), c.dt, c.seqlen, c.heads_q, d);
+  p.k_new = bshd_view(kn.data(), c.dt, c.seqlen, c.heads_kv, d);
+  p.v_new = bshd_view(vn.data(), c.dt, c.seqlen, c.heads_kv, dv);
+  p.cache.k = bshd_view(kc.data(), c.dt, rows, c.heads_kv, d);
+  p.cache.v = bshd_view(vc.data(), c.dt, rows, c.heads_kv, dv);
+  p.cache.capacity = ps ? 0 : capacity;
+  p.cache.page_size = ps;
+  p.cache.num_pages = num_pages;
+  p.cache.pages_per_seq = pages_per_seq;
+  p.cache.block_table_stride = pages_per_seq;
+  p.cache.block_table = ps ? bt.data() : nullptr;
+  p.cache_seqlens = len.data();
+  p.positions = c.positions ? pos.data() : nullptr;
+  p.rotary = RotarySpec::of_style(c.style);
+  p.rotary.rotary_dim = c.rotary_dim;
+  ASSERT_TRUE(Passes(rope_append_kv(p, cpu(2))));
+
+  // Expected: apply_rotary of q and k_new at the same positions (the slots when none are given).
+  std::vector<std::int32_t> want_pos(pos);
+  if (!c.positions)
+    for (std::int64_t t = 0; t < tokens; ++t) want_pos[static_cast<std::size_t>(t)] = len[static_cast<std::size_t>(t / c.seqlen)] + static_cast<std::int32_t>(t % c.seqlen);
+  HostBuffer rq = q, rk = kn;
+  if (c.style != RopeStyle::kNone) {
+    RopeParams rp;
+    rp.batch = c.batch, rp.seqlen = c.seqlen, rp.heads_q = c.heads_q ? c.heads_q : c.heads_kv, rp.head_dim = d;
+    rp.heads_k = c.heads_q ? c.heads_kv : 0;
+    rp.q = bshd_view(c.heads_q ? rq.data() : rk.data(), c.dt, c.seqlen, rp.heads_q, d);
+    if (c.heads_q) rp.k = bshd_view(rk.data(), c.dt, c.seqlen, c.heads_kv, d);
+    rp.positions = want_pos.data();
+    rp.rotary = p.rotary;
+    ASSERT_TRUE(Passes(apply_rotary(rp, cpu())));
+  }
+  if (c.heads_q) EXPECT_TRUE(SameBits(c.q_in_place ? qin : qo, rq));
+  HostBuffer want_k = kc, want_v = vc;  // still all NaN: the written rows are filled in below
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const int b = static_cast<int>(t / c.seqlen), j = len[static_cast<std::size_t>(b)] + static_cast<int>(t % c.seqlen);
+    const std::int64_t block = ps ? bt[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b, row = ps ? j % ps : j;
+    for (int h = 0; h < c.heads_kv; ++h) {
+      const std::int64_t at = (block * rows + row) * c.heads_kv + h;
+      std::memcpy(want_k.bytes.data() + at * d * dtype_size(c.dt), rk.bytes.data() + (t * c.heads_kv + h) * d * dtype_size(c.dt),
+                  d * dtype_size(c.dt));
+      std::memcpy(want_v.bytes.data() + at * dv * dtype_size(c.dt), vn.bytes.data() + (t * c.heads_kv + h) * dv * dtype_size(c.dt),
+                  dv * dtype_size(c.dt));
+    }
+  }
+  EXPECT_TRUE(SameBits(kc, want_k));
+  EXPECT_TRUE(SameBits(vc, want_v));
+}
+
+TEST(RopeAppendKv, PagedAndContiguousEqualApplyRotaryAndCopies) {
+  std::uint64_t salt = 9300;
+  for (DType dt : kAllDtypes)
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      run_append({3, 5, 4, 2, 128, 0, 0, 16, dt, st}, ++salt);
+      run_append({2, 7, 2, 1, 64, 40, 32, 1, dt, st}, ++salt);   // page_size 1, partial rotary, head_dim_v 40
+      run_append({3, 1, 8, 2, 30, 0, 0, 0, dt, st}, ++salt);    // contiguous, one token a sequence, odd head
+    }
+  run_append({2, 4, 0, 2, 64, 0, 0, 4, DType::kBF16, RopeStyle::kNeox}, ++salt);            // no q
+  run_append({2, 4, 2, 2, 64, 0, 0, 4, DType::kBF16, RopeStyle::kNeox, false}, ++salt);     // positions = slots
+  run_append({2, 4, 2, 2, 64, 0, 0, 0, DType::kF16, RopeStyle::kNeox, true, true}, ++salt); // q in place
+  run_append({2, 3, 2, 2, 32, 0, 0, 8, DType::kF32, RopeStyle::kNone}, ++salt);             // no rotary: copies
+}
+
+RopeAppendParams append_base() {
+  RopeAppendParams p;
+  p.batch = 4;
+  p.seqlen = 2;
+  p.heads_q = 32;
+  p.heads_kv = 8;
+  p.head_dim = 128;
+  p.q = bshd_view(fake(kX), DType::kBF16, 2, 32, 128);
+  p.k_new = bshd_view(fake(kR), DType::kBF16, 2, 8, 128);
+  p.v_new = bshd_view(fake(kR + (1 << 20)), DType::kBF16, 2, 8, 128);
+  p.cache.page_size = 16;
+  p.cache.num_pages = 64;
+  p.cache.pages_per_seq = 16;
+  p.cache.block_table_stride = 16;
+  p.cache.block_table = static_cast<const std::int32_t*>(fake(kW));
+  p.cache.k = bshd_view(fake(kY), DType::kBF16, 16, 8, 128);
+  p.cache.v = bshd_view(fake(kY + (std::uintptr_t{1} << 28)), DType::kBF16, 16, 8, 128);
+  p.cache_seqlens = static_cast<const std::int32_t*>(fake(kW + 8192));
+  return p;
+}
+
+TEST(FusedValidate, RopeAppendSentences) {
+  const Backend b = Backend::kCuda;
+  EXPECT_TRUE(Passes(validate(append_base(), b)));
+  RopeAppendParams p = append_base();
+  p.cache.k.dtype = p.cache.v.dtype = DType::kF8E4M3;
+  EXPECT_TRUE(Fails(validate(p, b), StatusCode::kUnsupported, {"fp8_e4m3 cache", "not", "k_scale/v_scale"}));
+  p = append_base();
+  p.cache.page_size = 3;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.page_size 3 is not a power of two in [1, 256]"}));
+  p = append_base();
+  p.heads_kv = 0;
+  EXPECT_TRUE(Invalid(validate(p, b), {"heads_kv 0 must be >= 1"}));
+  p = append_base();
+  p.head_dim = 320;
+  EXPECT_TRUE(Invalid(validate(p, b), {"head_dim 320 must be even and in [2, 256]"}));
+  p = append_base();
+  p.cache_seqlens = nullptr;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache_seqlens is null"}));
+  p = append_base();
+  p.cache.block_table = nullptr;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.block_table is null for a paged cache"}));
+  p = append_base();
+  p.seqlen = 300;
+  EXPECT_TRUE(Invalid(validate(p, b), {"256 key slots per sequence, fewer than the seqlen 300"}));
+  p = append_base();
+  p.v_new = p.cache.v;  // reads what it writes
+  p.v_new.seq_stride = 8 * 128;
+  EXPECT_TRUE(Invalid(validate(p, b), {"overlaps v_new"}));
+  p = append_base();
+  p.k_new.dtype = DType::kF16;
+  EXPECT_TRUE(Invalid(validate(p, b), {"differs from k_new.dtype", "rope_append_kv"}));
+  p = append_base();  // FlashInfer's (pages, 2, page_size, heads, dim): K and V interleave page by page
+  p.cache.k.batch_stride = p.cache.v.batch_stride = 2 * 16 * 8 * 128;
+  p.cache.v.data = static_cast<char*>(p.cache.k.data) + 16 * 8 * 128 * 2;
+  EXPECT_TRUE(Passes(validate(p, b)));
+  p.cache.v.data = static_cast<char*>(p.cache.k.data) + 64;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k overlaps cache.v"}));
+}
+
+TEST(FusedValidate, RopeAppendChecksHostValuesOnTheCpu) {
+  const int batch = 2, seqlen = 3, d = 8;
+  HostBuffer kn(DType::kF32, batch * seqlen * d), vn = kn, kc(DType::kF32, 4 * 4 * d), vc = kc;
+  std::vector<std::int32_t> len = {0, 6}, bt = {0, 1, 2, 3};
+  RopeAppendParams p;
+  p.batch = batch, p.seqlen = seqlen, p.heads_kv = 1, p.head_dim = d;
+  p.k_new = bshd_view(kn.data(), DType::kF32, seqlen, 1, d);
+  p.v_new = bshd_view(vn.data(), DType::kF32, seqlen, 1, d);
+  p.cache.k = bshd_view(kc.data(), DType::kF32, 4, 1, d);
+  p.cache.v = bshd_view(vc.data(), DType::kF32, 4, 1, d);
+  p.cache.page_size = 4, p.cache.num_pages = 4, p.cache.pages_per_seq = 2, p.cache.block_table_stride = 2;
+  p.cache.block_table = bt.data();
+  p.cache_seqlens = len.data();
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"cache_seqlens[1] = 6 leaves no room for the 3 new tokens", "[0, 5]"}));
+  len[1] = 5;
+  EXPECT_TRUE(Passes(validate(p, Backend::kCpu)));
+  EXPECT_TRUE(Passes(validate(p, Backend::kAuto)));  // values not read: on CUDA the kernel clamps them
+  bt[3] = 9;
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"cache.block_table[1][1] = 9 is outside the pool's pages [0, num_pages 4)"}));
+  bt[3] = 3;
+  std::vector<float> tables(16 * 4, 0.5f);
+  p.rotary.set_cos_sin_cache(tables.data(), 7, d);
+  EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"position 7 of token 5 is outside the cos/sin tables' rows [0, max_position 7)"}));
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/fused/fused_launch.h"
@@ -625,6 +626,348 @@ TEST(FusedGpu, CapturedInCudaGraph) {
   for (std::int64_t i = 0; i < rows * d; ++i) nan += std::isnan(o.get(dt, i));
   EXPECT_EQ(nan, 0);
   EXPECT_TRUE(o.host == o_direct) << "graph replay differs from the direct launch";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+}
+
+
+// ---- QK-RMSNorm + rotary -----------------------------------------------------------------
+
+struct QkCase {
+  int tokens, heads_q, heads_k, head_dim, rotary_dim;
+  DType dt = DType::kBF16;
+  RopeStyle style = RopeStyle::kNeox;
+  bool in_place = false;
+  std::int64_t misalign = 0;  // element offset of q and k (1: the scalar path)
+  std::string config;         // "" or "scalar" (both sides)
+};
+
+std::string describe(const QkCase& c) {
+  return std::to_string(c.tokens) + "t " + std::to_string(c.heads_q) + "/" + std::to_string(c.heads_k) + " d" +
+         std::to_string(c.head_dim) + " rot" + std::to_string(c.rotary_dim) + " " + dtype_name(c.dt) + " " +
+         rope_style_name(c.style) + (c.in_place ? " in-place" : "") + " misalign" + std::to_string(c.misalign) + " [" +
+         c.config + "]";
+}
+
+/// qk_norm_rope equals CUDA rms_norm over each head (rows of head_dim) followed by CUDA
+/// apply_rotary, bit for bit (fused.h's rounding rule), and writes nothing outside its outputs.
+void run_qk(const QkCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ salt);
+  const int d = c.head_dim;
+  const std::int64_t nq = static_cast<std::int64_t>(c.tokens) * c.heads_q * d, nk = static_cast<std::int64_t>(c.tokens) * c.heads_k * d;
+  Guarded q(nq, c.misalign), k(nk, c.misalign), wq(d), wk(d), oq(nq), ok(nk), uq(nq, c.misalign), uk(nk, c.misalign), pos(2 * c.tokens);
+  q.fill_random(c.dt, g, 2.f);
+  k.fill_random(c.dt, g, 2.f);
+  wq.fill_random(c.dt, g);
+  wk.fill_random(c.dt, g);
+  for (int t = 0; t < c.tokens; ++t) {  // int32 positions in pairs of 16-bit elements
+    const std::int32_t v = static_cast<std::int32_t>(g() % 40000);
+    std::memcpy(&pos.at(2 * t), &v, 4);
+  }
+  uq.host = q.host;
+  uk.host = k.host;
+  ASSERT_TRUE(q.upload() && k.upload() && wq.upload() && wk.upload() && oq.upload() && ok.upload() && uq.upload() &&
+              uk.upload() && pos.upload());
+  const auto* positions = static_cast<const std::int32_t*>(pos.data());
+  RotarySpec spec = RotarySpec::of_style(c.style);
+  spec.rotary_dim = c.rotary_dim;
+  // Unfused: rms_norm in place on copies of q and k, then apply_rotary in place.
+  for (auto [x, w, n] : {std::tuple{&uq, &wq, nq}, std::tuple{&uk, &wk, nk}}) {
+    if (n == 0) continue;
+    RmsNormParams np;
+    np.rows = n / d;
+    np.hidden = d;
+    np.x = contiguous_matrix(x->data(), c.dt, d);
+    np.y = np.x;
+    np.weight = w->data();
+    ASSERT_TRUE(rms_norm(np, cuda_opt(c.config)).ok());
+  }
+  RopeParams rp;
+  rp.seqlen = c.tokens, rp.heads_q = c.heads_q, rp.heads_k = c.heads_k, rp.head_dim = d;
+  rp.q = bshd_view(uq.data(), c.dt, c.tokens, c.heads_q, d);
+  rp.k = bshd_view(uk.data(), c.dt, c.tokens, c.heads_k, d);
+  rp.positions = positions;
+  rp.rotary = spec;
+  ASSERT_TRUE(apply_rotary(rp, cuda_opt(c.config)).ok());
+  // Fused.
+  QkNormRopeParams p;
+  p.seqlen = c.tokens, p.heads_q = c.heads_q, p.heads_k = c.heads_k, p.head_dim = d;
+  p.q = bshd_view(q.data(), c.dt, c.tokens, c.heads_q, d);
+  p.k = bshd_view(k.data(), c.dt, c.tokens, c.heads_k, d);
+  if (!c.in_place) {
+    p.q_out = bshd_view(oq.data(), c.dt, c.tokens, c.heads_q, d);
+    p.k_out = bshd_view(ok.data(), c.dt, c.tokens, c.heads_k, d);
+  }
+  p.q_weight = wq.data();
+  p.k_weight = c.heads_k ? wk.data() : nullptr;
+  p.positions = positions;
+  p.rotary = spec;
+  const Status st = qk_norm_rope(p, cuda_opt(c.config));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(q.download() && k.download() && oq.download() && ok.download() && uq.download() && uk.download());
+  Guarded& gq = c.in_place ? q : oq;
+  Guarded& gk = c.in_place ? k : ok;
+  std::int64_t diff = 0, first = -1;
+  for (std::int64_t i = 0; i < nq; ++i)
+    if (gq.at(i) != uq.at(i) && diff++ == 0) first = i;
+  for (std::int64_t i = 0; i < nk; ++i)
+    if (gk.at(i) != uk.at(i) && diff++ == 0) first = nq + i;
+  EXPECT_EQ(diff, 0) << "first differing element " << first;
+  EXPECT_EQ(gq.guards_changed() + gk.guards_changed(), 0);
+}
+
+TEST(FusedGpuQkNormRope, EqualsRmsNormThenApplyRotaryBitForBit) {
+  std::uint64_t salt = 700;
+  run_qk({4096, 32, 8, 128, 0}, ++salt);                                  // Qwen3-8B prefill chunk
+  run_qk({1000, 8, 4, 256, 0, DType::kBF16, RopeStyle::kNeox}, ++salt);   // Gemma3-style head 256
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved})
+      for (auto [d, rd] : {std::pair{128, 0}, std::pair{64, 32}, std::pair{96, 0}, std::pair{30, 0}, std::pair{72, 24}}) {
+        run_qk({127, 4, 2, d, rd, dt, st}, ++salt);
+        run_qk({7, 3, 1, d, rd, dt, st, true, 1}, ++salt);         // in place, misaligned: scalar
+        run_qk({33, 2, 2, d, rd, dt, st, false, 0, "scalar"}, ++salt);
+      }
+  run_qk({1, 16, 0, 128, 0}, ++salt);  // no k, one token
+}
+
+TEST(FusedGpuQkNormRope, WeightOffsetAndNan) {
+  const DType dt = DType::kBF16;
+  const int tokens = 257, hq = 4, d = 128;
+  std::mt19937_64 g(gpu_seed() ^ 777);
+  Guarded q(tokens * hq * d), w(d), o(tokens * hq * d);
+  q.fill_random(dt, g, 3.f);
+  std::normal_distribution<float> wd(0.f, 0.2f);  // Gemma3: weights near 0, used as 1 + w
+  for (int j = 0; j < d; ++j) w.at(j) = to_bits(dt, wd(g));
+  q.at(5 * hq * d + d + 3) = to_bits(dt, NAN);  // token 5, head 1
+  ASSERT_TRUE(q.upload() && w.upload() && o.upload());
+  QkNormRopeParams p;
+  p.seqlen = tokens, p.heads_q = hq, p.head_dim = d, p.weight_offset = 1.f;
+  p.q = bshd_view(q.data(), dt, tokens, hq, d);
+  p.q_out = bshd_view(o.data(), dt, tokens, hq, d);
+  p.q_weight = w.data();
+  ASSERT_TRUE(qk_norm_rope(p, cuda_opt("")).ok());
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(o.download());
+  // fp64: n = round(x rstd (1 + w)), rotated at position s; one ulp of n of slack (fused.h).
+  Compare cmp{dt};
+  double worst = 0;
+  for (int t = 0; t < tokens; ++t)
+    for (int h = 0; h < hq; ++h) {
+      const std::int64_t base = (static_cast<std::int64_t>(t) * hq + h) * d;
+      double ss = 0;
+      for (int j = 0; j < d; ++j) ss += static_cast<double>(q.get(dt, base + j)) * q.get(dt, base + j);
+      const double rstd = 1.0 / std::sqrt(ss / d + 1e-6);
+      std::vector<double> n(d);
+      for (int j = 0; j < d; ++j) n[j] = round_to(dt, static_cast<float>(q.get(dt, base + j) * rstd * (1.0 + w.get(dt, j))));
+      for (int i = 0; i < d / 2; ++i) {
+        const double a = t * std::pow(10000.0, -2.0 * i / d), cs = std::cos(a), sn = std::sin(a), x0 = n[i], x1 = n[i + d / 2];
+        n[i] = x0 * cs - x1 * sn;
+        n[i + d / 2] = x1 * cs + x0 * sn;
+      }
+      for (int j = 0; j < d; ++j) {
+        const double got = o.get(dt, base + j);
+        if (t == 5 && h == 1) {
+          EXPECT_TRUE(std::isnan(got)) << j;  // NaN in, NaN out: the whole head
+          continue;
+        }
+        const double err = std::fabs(got - n[j]), tol = 1e-3 + 1e-3 * std::fabs(n[j]) + half_ulp(dt, n[j]) + 2 * half_ulp(dt, 8.0);
+        worst = std::max(worst, err / tol);
+        cmp.add(base + j, got, n[j]);
+      }
+    }
+  EXPECT_LE(worst, 1.0);
+  EXPECT_EQ(o.guards_changed(), 0);
+}
+
+// ---- rotary + KV-cache append --------------------------------------------------------------
+
+struct AppendCase {
+  int batch, seqlen, heads_q, heads_kv, head_dim, rotary_dim, page_size;
+  DType dt = DType::kBF16;
+  RopeStyle style = RopeStyle::kNeox;
+  std::string config;
+  bool wild_device_values = false;  // lengths and block-table entries outside their ranges
+};
+
+std::string describe(const AppendCase& c) {
+  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seqlen) + " " + std::to_string(c.heads_q) + "/" +
+         std::to_string(c.heads_kv) + " d" + std::to_string(c.head_dim) + " rot" + std::to_string(c.rotary_dim) + " page" +
+         std::to_string(c.page_size) + " " + dtype_name(c.dt) + " " + rope_style_name(c.style) + " [" + c.config + "]" +
+         (c.wild_device_values ? " wild" : "");
+}
+
+/// rope_append_kv: K rows equal CUDA apply_rotary's, V rows the new values' bits, q_out apply_rotary's
+/// q, in the slots of decode's rule; every other cache element keeps the poison.
+void run_append(const AppendCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ salt);
+  const int d = c.head_dim, ps = c.page_size, capacity = c.seqlen + 13;
+  const int pages_per_seq = ps ? (capacity + ps - 1) / ps : 0, num_pages = ps ? c.batch * pages_per_seq + 3 : 0;
+  const int slots = ps ? pages_per_seq * ps : capacity, rows = ps ? ps : capacity, blocks = ps ? num_pages : c.batch;
+  const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen, cache_n = static_cast<std::int64_t>(blocks) * rows * c.heads_kv * d;
+  Guarded q(tokens * c.heads_q * d), qo(tokens * c.heads_q * d), kn(tokens * c.heads_kv * d), vn(tokens * c.heads_kv * d);
+  Guarded rq(tokens * c.heads_q * d), rk(tokens * c.heads_kv * d), kc(cache_n), vc(cache_n);
+  Guarded len(2 * c.batch), bt(2 * std::max(1, c.batch * pages_per_seq));
+  q.fill_random(c.dt, g);
+  kn.fill_random(c.dt, g);
+  vn.fill_random(c.dt, g);
+  rq.host = q.host;
+  rk.host = kn.host;
+  std::vector<std::int32_t> lens(c.batch), table(static_cast<std::size_t>(c.batch * pages_per_seq));
+  for (auto& x : lens) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
+  if (ps) {
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), g);
+    std::copy(perm.begin(), perm.begin() + static_cast<std::ptrdiff_t>(table.size()), table.begin());
+  }
+  std::vector<std::int32_t> dev_lens = lens, dev_table = table;
+  if (c.wild_device_values) {  // the kernel clamps: lengths into [0, slots - seqlen], pages into the pool
+    dev_lens[0] = 1 << 30;
+    if (c.batch > 1) dev_lens[1] = -5;
+    if (!dev_table.empty()) dev_table[0] = -7, dev_table.back() = 1 << 29;
+    lens[0] = slots - c.seqlen;
+    if (c.batch > 1) lens[1] = 0;
+    if (!table.empty()) table[0] = 0, table.back() = num_pages - 1;
+  }
+  std::memcpy(&len.at(0), dev_lens.data(), dev_lens.size() * 4);
+  if (ps) std::memcpy(&bt.at(0), dev_table.data(), dev_table.size() * 4);
+  for (Guarded* b : {&q, &qo, &kn, &vn, &rq, &rk, &kc, &vc, &len, &bt}) ASSERT_TRUE(b->upload());
+  // Expected rotations: CUDA apply_rotary of q and k_new at the slots (positions null).
+  std::vector<std::int32_t> slot_pos(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) slot_pos[static_cast<std::size_t>(t)] = lens[static_cast<std::size_t>(t / c.seqlen)] + static_cast<std::int32_t>(t % c.seqlen);
+  DeviceBuffer dpos(slot_pos.size() * 4);
+  CUDA_OK(cudaMemcpy(dpos.ptr, slot_pos.data(), slot_pos.size() * 4, cudaMemcpyHostToDevice));
+  RotarySpec spec = RotarySpec::of_style(c.style);
+  spec.rotary_dim = c.rotary_dim;
+  RopeParams rp;
+  rp.batch = c.batch, rp.seqlen = c.seqlen, rp.heads_q = c.heads_q, rp.heads_k = c.heads_kv, rp.head_dim = d;
+  rp.q = bshd_view(rq.data(), c.dt, c.seqlen, c.heads_q, d);
+  rp.k = bshd_view(rk.data(), c.dt, c.seqlen, c.heads_kv, d);
+  rp.positions = static_cast<const std::int32_t*>(dpos.ptr);
+  rp.rotary = spec;
+  ASSERT_TRUE(apply_rotary(rp, cuda_opt(c.config)).ok());
+
+  RopeAppendParams p;
+  p.batch = c.batch, p.seqlen = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv, p.head_dim = d;
+  p.q = bshd_view(q.data(), c.dt, c.seqlen, c.heads_q, d);
+  p.q_out = bshd_view(qo.data(), c.dt, c.seqlen, c.heads_q, d);
+  p.k_new = bshd_view(kn.data(), c.dt, c.seqlen, c.heads_kv, d);
+  p.v_new = bshd_view(vn.data(), c.dt, c.seqlen, c.heads_kv, d);
+  p.cache.k = bshd_view(kc.data(), c.dt, rows, c.heads_kv, d);
+  p.cache.v = bshd_view(vc.data(), c.dt, rows, c.heads_kv, d);
+  p.cache.capacity = ps ? 0 : capacity;
+  p.cache.page_size = ps;
+  p.cache.num_pages = num_pages;
+  p.cache.pages_per_seq = pages_per_seq;
+  p.cache.block_table_stride = pages_per_seq;
+  p.cache.block_table = ps ? static_cast<const std::int32_t*>(bt.data()) : nullptr;
+  p.cache_seqlens = static_cast<const std::int32_t*>(len.data());
+  p.rotary = spec;
+  const Status st = rope_append_kv(p, cuda_opt(c.config));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  for (Guarded* b : {&qo, &kc, &vc, &rq, &rk}) ASSERT_TRUE(b->download());
+  std::int64_t diff = 0;
+  for (std::int64_t i = 0; i < qo.n; ++i) diff += qo.at(i) != rq.at(i);
+  EXPECT_EQ(diff, 0) << "q_out differs from apply_rotary's q";
+  std::vector<char> written(static_cast<std::size_t>(cache_n), 0);
+  std::int64_t kdiff = 0, vdiff = 0, stray = 0;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const int b = static_cast<int>(t / c.seqlen), j = lens[static_cast<std::size_t>(b)] + static_cast<int>(t % c.seqlen);
+    const std::int64_t block = ps ? table[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b, row = ps ? j % ps : j;
+    for (int h = 0; h < c.heads_kv; ++h)
+      for (int e = 0; e < d; ++e) {
+        const std::int64_t at = ((block * rows + row) * c.heads_kv + h) * d + e, src = (t * c.heads_kv + h) * d + e;
+        kdiff += kc.at(at) != rk.at(src);
+        vdiff += vc.at(at) != vn.at(src);
+        written[static_cast<std::size_t>(at)] = 1;
+      }
+  }
+  for (std::int64_t i = 0; i < cache_n; ++i)
+    if (!written[static_cast<std::size_t>(i)]) stray += (kc.at(i) != kPoison) + (vc.at(i) != kPoison);
+  EXPECT_EQ(kdiff, 0) << "cache K differs from apply_rotary's k";
+  EXPECT_EQ(vdiff, 0) << "cache V differs from v_new";
+  EXPECT_EQ(stray, 0) << "cache elements written outside the step's slots";
+  EXPECT_EQ(kc.guards_changed() + vc.guards_changed() + qo.guards_changed(), 0);
+}
+
+TEST(FusedGpuRopeAppend, PagedAndContiguousEqualApplyRotaryAndCopies) {
+  std::uint64_t salt = 800;
+  run_append({256, 1, 32, 8, 128, 0, 16}, ++salt);  // a Llama-3-8B decode step
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      run_append({3, 17, 4, 2, 128, 0, 16, dt, st}, ++salt);
+      run_append({2, 5, 2, 1, 64, 32, 1, dt, st}, ++salt);
+      run_append({3, 7, 8, 2, 30, 0, 0, dt, st}, ++salt);  // contiguous, scalar head
+      run_append({2, 9, 4, 4, 256, 0, 8, dt, st, "scalar"}, ++salt);
+    }
+}
+
+TEST(FusedGpuRopeAppend, ClampsDeviceLengthsAndPages) {
+  run_append({3, 4, 2, 2, 64, 0, 4, DType::kBF16, RopeStyle::kNeox, "", true}, 900);
+  run_append({3, 4, 2, 2, 64, 0, 0, DType::kBF16, RopeStyle::kNeox, "", true}, 901);
+}
+
+TEST(FusedGpuPaths, NewFusionsChosenPaths) {
+  DeviceBuffer buf(1 << 20);
+  QkNormRopeParams qp;
+  qp.seqlen = 16, qp.heads_q = 32, qp.heads_k = 8, qp.head_dim = 128;
+  qp.q = bshd_view(buf.ptr, DType::kBF16, 16, 32, 128);
+  qp.k = bshd_view(buf.ptr, DType::kBF16, 16, 8, 128);
+  qp.q_weight = qp.k_weight = buf.ptr;
+  EXPECT_EQ(cuda::qk_norm_rope_path(qp, {}).name, "qk_norm_rope neox vec8 group=16");
+  qp.head_dim = 30;
+  EXPECT_EQ(cuda::qk_norm_rope_path(qp, {}).name, "qk_norm_rope neox scalar group=4");
+  RopeAppendParams ap;
+  ap.batch = 4, ap.seqlen = 1, ap.heads_kv = 8, ap.head_dim = 128;
+  ap.k_new = ap.v_new = bshd_view(buf.ptr, DType::kBF16, 1, 8, 128);
+  ap.cache.page_size = 16;
+  ap.cache.num_pages = 8;
+  ap.cache.k = ap.cache.v = bshd_view(buf.ptr, DType::kBF16, 16, 8, 128);
+  EXPECT_EQ(cuda::rope_append_path(ap, {}).name, "rope_append_kv neox vec8 paged group=16");
+}
+
+TEST(FusedGpu, NewFusionsCapturedInCudaGraph) {
+  const DType dt = DType::kBF16;
+  const int tokens = 64, hq = 8, hk = 2, d = 128;
+  std::mt19937_64 g(gpu_seed());
+  Guarded q(tokens * hq * d), k(tokens * hk * d), w(d), kc(tokens * hk * d), vc(tokens * hk * d), len(2);
+  for (Guarded* b : {&q, &k, &w}) b->fill_random(dt, g);
+  len.at(0) = len.at(1) = 0;
+  for (Guarded* b : {&q, &k, &w, &kc, &vc, &len}) ASSERT_TRUE(b->upload());
+  QkNormRopeParams qp;
+  qp.seqlen = tokens, qp.heads_q = hq, qp.heads_k = hk, qp.head_dim = d;
+  qp.q = bshd_view(q.data(), dt, tokens, hq, d);
+  qp.k = bshd_view(k.data(), dt, tokens, hk, d);
+  qp.q_weight = qp.k_weight = w.data();
+  RopeAppendParams ap;
+  ap.batch = 1, ap.seqlen = tokens, ap.heads_kv = hk, ap.head_dim = d;
+  ap.k_new = ap.v_new = bshd_view(k.data(), dt, tokens, hk, d);
+  ap.cache.capacity = tokens;
+  ap.cache.k = bshd_view(kc.data(), dt, tokens, hk, d);
+  ap.cache.v = bshd_view(vc.data(), dt, tokens, hk, d);
+  ap.cache_seqlens = static_cast<const std::int32_t*>(len.data());
+  ap.rotary = RotarySpec{};  // k is already rotated by qk_norm_rope: copy it
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  ASSERT_TRUE(qk_norm_rope(qp, cuda_opt("", s)).ok());  // warm the device-property cache
+  CUDA_OK(cudaStreamSynchronize(s));
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const Status a = qk_norm_rope(qp, cuda_opt("", s));
+  const Status b = rope_append_kv(ap, cuda_opt("", s));
+  CUDA_OK(cudaStreamEndCapture(s, &graph));
+  ASSERT_TRUE(a.ok() && b.ok()) << a.to_string() << b.to_string();
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_OK(cudaGraphLaunch(exec, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  ASSERT_TRUE(k.download() && kc.download());
+  EXPECT_TRUE(k.host == kc.host) << "the appended K is not the normed, rotated k";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(s);

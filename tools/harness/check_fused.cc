@@ -1,4 +1,5 @@
-// `flashcpp check --area fused`: the fused LLM kernels of include/flashcpp/fused.h against fp64
+// `flashcpp check --area fused`: the fused LLM kernels of include/flashcpp/fused.h (norms, SwiGLU,
+// rotary, qk_norm_rope, rope_append_kv) against fp64
 // evaluations of the formulas in that header, written here.
 //
 // Tolerance (as tests/cpu/test_fused.cc and the fused issue): per element
@@ -8,12 +9,21 @@
 // 1e-3 relative, so atol = rtol = 1e-3 applies on top of it (docs/tolerances.md explains the
 // same floor argument for attention). The updated residual of fused_add_rms_norm,
 // h = round_T(x + residual) in fp32, must match bit for bit.
+//
+// qk_norm_rope: the reference is fused.h's formula in fp64 with its one intermediate rounding,
+// n = round_T(x * rstd * (offset + w)), then the fp64 rotation of n. The kernels form rstd in fp32,
+// so a normed value may round to the neighbouring T: atol adds that one ulp of n (2 h_T times the
+// case's largest |n|). rope_append_kv: q_out and the K rows as apply_rotary; the V rows must equal
+// v_new (error 0), and every cache byte outside the step's slots must keep its poison (counted
+// with the guard bytes as writes outside the output).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <random>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -32,7 +42,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-enum class Op : std::uint8_t { kRmsNorm, kAddRmsNorm, kSilu, kSiluFused, kRotary };
+enum class Op : std::uint8_t { kRmsNorm, kAddRmsNorm, kSilu, kSiluFused, kRotary, kQkNormRope, kRopeAppend };
 
 struct FusedCase {
   Op op = Op::kRmsNorm;
@@ -40,6 +50,8 @@ struct FusedCase {
   std::int64_t rows = 7, hidden = 8;  ///< norms / SwiGLU: (rows, hidden); rotary: tokens = rows
   RopeStyle style = RopeStyle::kNeox;
   int heads_q = 4, heads_k = 2, head_dim = 128, rotary_dim = 0;
+  float weight_offset = 0.f;  ///< qk_norm_rope: 0 (Qwen3) or 1 (Gemma3)
+  int page_size = 0;          ///< rope_append_kv: 0 = contiguous cache
 
   std::string name() const {
     const char* t = dtype_name(dt);
@@ -51,6 +63,14 @@ struct FusedCase {
       case Op::kRotary:
         return fmt::format("rotary_{}_t{}_h{}kv{}_d{}{}_{}", rope_style_name(style), rows, heads_q, heads_k, head_dim,
                            rotary_dim ? fmt::format("_rot{}", rotary_dim) : "", t);
+      case Op::kQkNormRope:
+        return fmt::format("qk_norm_rope_{}_t{}_h{}kv{}_d{}{}{}_{}", rope_style_name(style), rows, heads_q, heads_k,
+                           head_dim, rotary_dim ? fmt::format("_rot{}", rotary_dim) : "",
+                           weight_offset != 0.f ? "_offset1" : "", t);
+      case Op::kRopeAppend:
+        return fmt::format("rope_append_kv_{}_b3_s{}_h{}kv{}_d{}{}_{}_{}", rope_style_name(style), rows, heads_q,
+                           heads_k, head_dim, rotary_dim ? fmt::format("_rot{}", rotary_dim) : "",
+                           page_size ? fmt::format("page{}", page_size) : std::string("contiguous"), t);
     }
     return "?";
   }
@@ -61,6 +81,8 @@ struct FusedCase {
       case Op::kSilu: return "silu_and_mul";
       case Op::kSiluFused: return "silu_and_mul_fused";
       case Op::kRotary: return "apply_rotary";
+      case Op::kQkNormRope: return "qk_norm_rope";
+      case Op::kRopeAppend: return "rope_append_kv";
     }
     return "?";
   }
@@ -93,8 +115,53 @@ std::vector<FusedCase> fused_cases(TableKind kind) {
         c.rotary_dim = rd;
         v.push_back(c);
       }
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      // qk_norm_rope (head_dim, rotary_dim, weight_offset): the 16-byte path at 128 and 256
+      // (Gemma3's 1 + w), partial rotary, a scalar head (30: not a multiple of 8).
+      for (auto [d, rd, off] : {std::tuple{128, 0, 0.f}, std::tuple{64, 32, 1.f}, std::tuple{256, 0, 1.f},
+                                std::tuple{30, 0, 0.f}}) {
+        FusedCase c;
+        c.op = Op::kQkNormRope;
+        c.dt = dt;
+        c.rows = kind == TableKind::kFull ? 257 : 13;
+        c.style = st;
+        c.head_dim = d;
+        c.rotary_dim = rd;
+        c.weight_offset = off;
+        v.push_back(c);
+      }
+      // rope_append_kv (head_dim, rotary_dim, page_size): pages of 16 and of 1, a contiguous cache
+      // with a scalar head; 3 sequences of `rows` new tokens each.
+      for (auto [d, rd, ps] : {std::tuple{128, 0, 16}, std::tuple{64, 32, 1}, std::tuple{30, 0, 0}}) {
+        FusedCase c;
+        c.op = Op::kRopeAppend;
+        c.dt = dt;
+        c.rows = kind == TableKind::kFull ? 33 : 5;
+        c.style = st;
+        c.heads_q = 4;
+        c.heads_k = 2;
+        c.head_dim = d;
+        c.rotary_dim = rd;
+        c.page_size = ps;
+        v.push_back(c);
+      }
+    }
   }
   return v;
+}
+
+/// The fp64 rotation of one row in place (fused.h), theta 10000, from the (rounded) inputs.
+void rotate_ref(double* x, int rot, RopeStyle style, std::int32_t pos) {
+  const int half = rot / 2;
+  for (int i = 0; i < half; ++i) {
+    const double a = pos * std::pow(10000.0, -2.0 * i / rot);
+    const double cs = std::cos(a), sn = std::sin(a);
+    const int ia = style == RopeStyle::kNeox ? i : 2 * i;
+    const int ib = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
+    const double a0 = x[ia], b0 = x[ib];
+    x[ia] = a0 * cs - b0 * sn;
+    x[ib] = b0 * cs + a0 * sn;
+  }
 }
 
 double half_ulp(DType dt) {
@@ -116,11 +183,12 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
   ro.cpu_threads = cfg.cpu_threads;
   r->kernel = fmt::format("{}_{}", cfg.backend == Backend::kCuda ? "cuda" : "cpu", c.op_name());
   r->reference = "cpu_fp64";
-  ErrorStats stats{dt, r->tol.atol, r->tol.rtol};
   std::vector<double> ref;  // expected output, in the output's element order
   std::int64_t n_out = 0;
   int iout = -1, ires = -1;
   std::vector<float> h_model;  // fused_add_rms_norm: the residual_out model
+  std::vector<float> gathered;  // rope_append_kv: the written elements (q_out, then K and V rows)
+  std::function<std::int64_t()> gather;  // rope_append_kv: fills `gathered`, returns bytes changed elsewhere
   Status st;
   double ms = NAN;
   auto timed = [&](auto&& f) {
@@ -209,6 +277,182 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
       st = timed([&] { return silu_and_mul(p, ro); });
     }
     n_out = n;
+  } else if (c.op == Op::kQkNormRope) {
+    // q (tokens, heads_q, d), k (tokens, heads_k, d), out of place into one buffer. Reference:
+    // n = round_T(x * rstd * (offset + w)) with rstd in fp64, then the fp64 rotation of n. The
+    // kernels form rstd in fp32, so a normed value can round to the neighbouring T: the tolerance
+    // adds that one ulp of n (2 h_T |n|, at most the case's largest |n|) to the usual rule.
+    const int d = c.head_dim, rot = c.rotary_dim ? c.rotary_dim : d;
+    const std::int64_t t = c.rows, nq = t * c.heads_q * d, nk = t * c.heads_k * d;
+    const int iq = sp.add(nq * es, false), ik = sp.add(nk * es, false);
+    const int iwq = sp.add(d * es, false), iwk = sp.add(d * es, false);
+    const int ipos = sp.add(static_cast<std::size_t>(t) * sizeof(std::int32_t), false);
+    iout = sp.add((nq + nk) * es, true);
+    fill(sp.host(iq), dt, nq, rng, 2.f);
+    fill(sp.host(ik), dt, nk, rng, 2.f);
+    std::normal_distribution<float> wd(c.weight_offset != 0.f ? 0.f : 1.f, 0.2f);  // Qwen3 ~1, Gemma3 ~0
+    for (int j = 0; j < d; ++j) {
+      store_from_float(sp.host(iwq), dt, j, wd(rng));
+      store_from_float(sp.host(iwk), dt, j, wd(rng));
+    }
+    std::vector<std::int32_t> pos(static_cast<std::size_t>(t));
+    std::uniform_int_distribution<std::int32_t> pd(0, 32767);
+    for (auto& x : pos) x = pd(rng);
+    std::memcpy(sp.host(ipos), pos.data(), pos.size() * sizeof(std::int32_t));
+    const float eps = 1e-6f;
+    ref.resize(static_cast<std::size_t>(nq + nk));
+    double nmax = 0;
+    for (int w = 0; w < 2; ++w) {
+      const int heads = w == 0 ? c.heads_q : c.heads_k;
+      const std::uint8_t* in = sp.host(w == 0 ? iq : ik);
+      const std::uint8_t* wt = sp.host(w == 0 ? iwq : iwk);
+      double* out = ref.data() + (w == 0 ? 0 : nq);
+      for (std::int64_t tok = 0; tok < t; ++tok)
+        for (int h = 0; h < heads; ++h) {
+          const std::int64_t base = (tok * heads + h) * d;
+          double ss = 0;
+          for (int j = 0; j < d; ++j) ss += static_cast<double>(load_as_float(in, dt, base + j)) * load_as_float(in, dt, base + j);
+          const double rstd = 1.0 / std::sqrt(ss / d + static_cast<double>(eps));
+          for (int j = 0; j < d; ++j) {
+            const double wf = c.weight_offset + static_cast<double>(load_as_float(wt, dt, j));
+            out[base + j] = round_to_dtype(dt, static_cast<float>(load_as_float(in, dt, base + j) * rstd * wf));
+            nmax = std::max(nmax, std::fabs(out[base + j]));
+          }
+          rotate_ref(out + base, rot, c.style, pos[static_cast<std::size_t>(tok)]);
+        }
+    }
+    r->tol.atol += 2 * half_ulp(dt) * nmax;
+    r->effective_atol = r->tol.atol;
+    st = sp.materialize(cfg.backend);
+    if (st.ok()) {
+      QkNormRopeParams p;
+      p.batch = 1;
+      p.seqlen = static_cast<int>(t);
+      p.heads_q = c.heads_q;
+      p.heads_k = c.heads_k;
+      p.head_dim = d;
+      p.eps = eps;
+      p.weight_offset = c.weight_offset;
+      p.rotary.rotary_dim = c.rotary_dim;
+      p.rotary.style = c.style;
+      p.q = bshd_view(sp.ptr(iq), dt, p.seqlen, c.heads_q, d);
+      p.k = bshd_view(sp.ptr(ik), dt, p.seqlen, c.heads_k, d);
+      p.q_out = bshd_view(sp.ptr(iout), dt, p.seqlen, c.heads_q, d);
+      p.k_out = bshd_view(static_cast<std::uint8_t*>(sp.ptr(iout)) + nq * es, dt, p.seqlen, c.heads_k, d);
+      p.q_weight = sp.ptr(iwq);
+      p.k_weight = sp.ptr(iwk);
+      p.positions = static_cast<const std::int32_t*>(sp.ptr(ipos));
+      st = timed([&] { return qk_norm_rope(p, ro); });
+    }
+    n_out = nq + nk;
+  } else if (c.op == Op::kRopeAppend) {
+    // 3 sequences of `rows` new tokens each into a poisoned cache (every byte 0xFF) at random
+    // lengths, pages in a shuffled order; explicit positions (slot + 1000). Compared: q_out, and
+    // the K (rotated) and V (bit for bit) rows of every written slot; any other cache byte that
+    // changed counts as written outside the output.
+    const int d = c.head_dim, rot = c.rotary_dim ? c.rotary_dim : d, hq = c.heads_q, hkv = c.heads_k;
+    const int batch = 3, sn = static_cast<int>(c.rows);
+    const int ps = c.page_size, capacity = sn + 11;
+    const int pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
+    const int num_pages = ps ? batch * pages_per_seq + 1 : 0;
+    const int slots = ps ? pages_per_seq * ps : capacity;
+    const std::int64_t tok = static_cast<std::int64_t>(batch) * sn, nq = tok * hq * d, nkv = tok * hkv * d;
+    const std::int64_t cache_elems = static_cast<std::int64_t>(ps ? num_pages * ps : batch * capacity) * hkv * d;
+    const int iq = sp.add(nq * es, false), ikn = sp.add(nkv * es, false), ivn = sp.add(nkv * es, false);
+    const int ilen = sp.add(batch * sizeof(std::int32_t), false);
+    const int ipos = sp.add(static_cast<std::size_t>(tok) * sizeof(std::int32_t), false);
+    const int ibt = ps ? sp.add(static_cast<std::size_t>(batch) * pages_per_seq * sizeof(std::int32_t), false) : -1;
+    iout = sp.add(nq * es, true);
+    const int ikc = sp.add(cache_elems * es, true), ivc = sp.add(cache_elems * es, true);
+    fill(sp.host(iq), dt, nq, rng, 1.f);
+    fill(sp.host(ikn), dt, nkv, rng, 1.f);
+    fill(sp.host(ivn), dt, nkv, rng, 1.f);
+    std::vector<std::int32_t> len(batch), pos(static_cast<std::size_t>(tok)), bt;
+    std::uniform_int_distribution<int> ld(0, slots - sn);
+    for (auto& x : len) x = ld(rng);
+    for (int b = 0; b < batch; ++b)
+      for (int s = 0; s < sn; ++s) pos[static_cast<std::size_t>(b * sn + s)] = len[b] + s + 1000;
+    if (ps) {
+      std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+      for (int i = 0; i < num_pages; ++i) perm[i] = i;
+      std::shuffle(perm.begin(), perm.end(), rng);
+      bt.assign(perm.begin(), perm.begin() + batch * pages_per_seq);
+      std::memcpy(sp.host(ibt), bt.data(), bt.size() * sizeof(std::int32_t));
+    }
+    std::memcpy(sp.host(ilen), len.data(), len.size() * sizeof(std::int32_t));
+    std::memcpy(sp.host(ipos), pos.data(), pos.size() * sizeof(std::int32_t));
+    // Element offset of (sequence b, slot j, head h) in the cache.
+    auto cache_at = [=](int b, int j, int h) -> std::int64_t {
+      const std::int64_t block = ps ? bt[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b;
+      const std::int64_t row = ps ? j % ps : j;
+      return ((block * (ps ? ps : capacity) + row) * hkv + h) * d;
+    };
+    // Reference, in the gathered order: q_out (tokens, hq, d), then per (token, KV head) K then V.
+    ref.resize(static_cast<std::size_t>(nq + 2 * nkv));
+    std::vector<double> row(static_cast<std::size_t>(d));
+    for (std::int64_t i = 0; i < tok; ++i) {
+      for (int h = 0; h < hq; ++h) {
+        for (int j = 0; j < d; ++j) row[j] = load_as_float(sp.host(iq), dt, (i * hq + h) * d + j);
+        rotate_ref(row.data(), rot, c.style, pos[static_cast<std::size_t>(i)]);
+        std::copy(row.begin(), row.end(), ref.begin() + (i * hq + h) * d);
+      }
+      for (int h = 0; h < hkv; ++h) {
+        for (int j = 0; j < d; ++j) row[j] = load_as_float(sp.host(ikn), dt, (i * hkv + h) * d + j);
+        rotate_ref(row.data(), rot, c.style, pos[static_cast<std::size_t>(i)]);
+        const std::int64_t at = nq + (i * hkv + h) * 2 * d;
+        std::copy(row.begin(), row.end(), ref.begin() + at);
+        for (int j = 0; j < d; ++j) ref[static_cast<std::size_t>(at + d + j)] = load_as_float(sp.host(ivn), dt, (i * hkv + h) * d + j);
+      }
+    }
+    gather = [&sp, &gathered, cache_at, cache_elems, es, dt, iout, ikc, ivc, nq, nkv, tok, hq, hkv, d, sn, len] {
+      gathered.assign(static_cast<std::size_t>(nq + 2 * nkv), 0.f);
+      for (std::int64_t i = 0; i < nq; ++i) gathered[static_cast<std::size_t>(i)] = load_as_float(sp.host(iout), dt, i);
+      std::vector<char> written(static_cast<std::size_t>(cache_elems), 0);
+      for (std::int64_t i = 0; i < tok; ++i) {
+        const int b = static_cast<int>(i / sn), s = static_cast<int>(i % sn);
+        for (int h = 0; h < hkv; ++h) {
+          const std::int64_t at = cache_at(b, len[b] + s, h), g = nq + (i * hkv + h) * 2 * d;
+          for (int j = 0; j < d; ++j) {
+            gathered[static_cast<std::size_t>(g + j)] = load_as_float(sp.host(ikc), dt, at + j);
+            gathered[static_cast<std::size_t>(g + d + j)] = load_as_float(sp.host(ivc), dt, at + j);
+            written[static_cast<std::size_t>(at + j)] = 1;
+          }
+        }
+      }
+      std::int64_t changed = sp.guard_violations(ikc) + sp.guard_violations(ivc);
+      for (std::int64_t e = 0; e < cache_elems; ++e)
+        if (!written[static_cast<std::size_t>(e)])
+          for (std::size_t k = 0; k < es; ++k)
+            changed += (sp.host(ikc)[e * es + k] != 0xFF) + (sp.host(ivc)[e * es + k] != 0xFF);
+      return changed;
+    };
+    st = sp.materialize(cfg.backend);
+    if (st.ok()) {
+      RopeAppendParams p;
+      p.batch = batch;
+      p.seqlen = sn;
+      p.heads_q = hq;
+      p.heads_kv = hkv;
+      p.head_dim = d;
+      p.rotary.rotary_dim = c.rotary_dim;
+      p.rotary.style = c.style;
+      p.q = bshd_view(sp.ptr(iq), dt, sn, hq, d);
+      p.q_out = bshd_view(sp.ptr(iout), dt, sn, hq, d);
+      p.k_new = bshd_view(sp.ptr(ikn), dt, sn, hkv, d);
+      p.v_new = bshd_view(sp.ptr(ivn), dt, sn, hkv, d);
+      p.cache.k = bshd_view(sp.ptr(ikc), dt, ps ? ps : capacity, hkv, d);
+      p.cache.v = bshd_view(sp.ptr(ivc), dt, ps ? ps : capacity, hkv, d);
+      p.cache.capacity = ps ? 0 : capacity;
+      p.cache.page_size = ps;
+      p.cache.num_pages = num_pages;
+      p.cache.pages_per_seq = pages_per_seq;
+      p.cache.block_table_stride = pages_per_seq;
+      p.cache.block_table = ps ? static_cast<const std::int32_t*>(sp.ptr(ibt)) : nullptr;
+      p.cache_seqlens = static_cast<const std::int32_t*>(sp.ptr(ilen));
+      p.positions = static_cast<const std::int32_t*>(sp.ptr(ipos));
+      st = timed([&] { return rope_append_kv(p, ro); });
+    }
+    n_out = nq + 2 * nkv;
   } else {  // rotary: q (tokens, heads_q, d) and k (tokens, heads_k, d), out of place
     const int d = c.head_dim, rot = c.rotary_dim ? c.rotary_dim : d, half = rot / 2;
     const std::int64_t t = c.rows, nq = t * c.heads_q * d, nk = t * c.heads_k * d;
@@ -273,10 +517,15 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
     return;
   }
   r->guard_violations = sp.guard_violations(iout) + (ires >= 0 ? sp.guard_violations(ires) : 0);
+  if (gather) r->guard_violations += gather();  // rope_append_kv: cache slots it must not write
   if (r->guard_violations)
     r->message = fmt::format("{} byte(s) written outside the output buffers", r->guard_violations);
+  ErrorStats stats{dt, r->tol.atol, r->tol.rtol};
   HostTensor out(dt, n_out);
-  std::memcpy(out.data(), sp.host(iout), out.bytes.size());
+  if (gathered.empty())
+    std::memcpy(out.data(), sp.host(iout), out.bytes.size());
+  else
+    for (std::int64_t i = 0; i < n_out; ++i) store_from_float(out.data(), dt, i, gathered[static_cast<std::size_t>(i)]);
   std::vector<float> no_lse;
   if (cfg.perturb_output) {
     Case pc;
@@ -286,7 +535,7 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
     pc.return_lse = false;
     cfg.perturb_output(pc, out, no_lse);
   }
-  const std::int64_t row_len = c.op == Op::kRotary ? c.head_dim : c.hidden;
+  const std::int64_t row_len = c.op == Op::kRotary || c.op == Op::kQkNormRope || c.op == Op::kRopeAppend ? c.head_dim : c.hidden;
   for (std::int64_t i = 0; i < n_out; ++i) {
     stats.add(r, out.get(i), ref[static_cast<std::size_t>(i)],
               [&] { return fmt::format("out[row={},j={}]", i / row_len, i % row_len); });
@@ -320,9 +569,10 @@ std::vector<AreaCase> make_fused_table(TableKind kind, Backend /*backend*/) {
                        r.c.batch = 1;
                        r.c.seqlen_q = static_cast<int>(c.rows);
                        r.c.seqlen_k = 0;
-                       r.c.heads_q = c.op == Op::kRotary ? c.heads_q : 1;
-                       r.c.heads_kv = c.op == Op::kRotary ? c.heads_k : 1;
-                       r.c.head_dim = static_cast<int>(c.op == Op::kRotary ? c.head_dim : c.hidden);
+                       const bool heads = c.op == Op::kRotary || c.op == Op::kQkNormRope || c.op == Op::kRopeAppend;
+                       r.c.heads_q = heads ? c.heads_q : 1;
+                       r.c.heads_kv = heads ? c.heads_k : 1;
+                       r.c.head_dim = static_cast<int>(heads ? c.head_dim : c.hidden);
                        r.c.dtype = c.dt;
                        r.c.return_lse = false;
                        r.tol.atol = 1e-3;
