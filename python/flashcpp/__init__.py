@@ -12,7 +12,7 @@ if _torch is not None:
 from .attention import (KernelChoice, Rotary, attention, flash_attn_func, flash_attn_varlen_func,
                         select_kernel)
 from .decode import BatchDecodeWithKVCache, BatchDecodeWithPagedKVCache, flash_attn_with_kvcache
-from .fused import apply_rotary, fused_add_rms_norm, rms_norm, silu_and_mul
+from .fused import apply_rotary, fused_add_rms_norm, qk_norm_rope, rms_norm, rope_append_kv, silu_and_mul
 from .merge import merge_attention_states
 
 __version__ = _C.VERSION
@@ -32,7 +32,7 @@ CUDA_HEAD_DIMS = _C.CUDA_HEAD_DIMS
 __all__ = [
     "flash_attn_func", "flash_attn_varlen_func", "attention", "select_kernel", "KernelChoice", "Rotary",
     "merge_attention_states", "flash_attn_with_kvcache", "BatchDecodeWithKVCache", "BatchDecodeWithPagedKVCache",
-    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary",
+    "rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "qk_norm_rope", "rope_append_kv",
     "WITH_CUDA", "GIT_COMMIT", "SUPPORTED_HEAD_DIMS", "CUDA_HEAD_DIMS", "__version__",
 ]
 

@@ -596,3 +596,206 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     if inplace:
         return q, k
     return q_out, k_out
+
+
+# ---- QK-RMSNorm + rotary ---------------------------------------------------------------------
+
+def _rotary_args(style: Optional[str], rotary_dim: Optional[int], head_dim: int, theta: float,
+                 llama3: Optional[Mapping[str, Any]], cos_sin_cache: Any, like: Any) -> Tuple[Any, Any]:
+    """(RotarySpec, the cache array to keep alive) of the rotary arguments the fused ops share with
+    apply_rotary; style None is no rotation."""
+    if style is None:
+        return _C.RotarySpec(), None
+    if style not in _STYLES:
+        raise ValueError(f"style must be one of {', '.join(_STYLES)} or None; got {style!r}")
+    rot = head_dim if rotary_dim is None else _core.check_int(rotary_dim, "rotary_dim", 0, head_dim, " (0 = head_dim)")
+    cache, max_position = _cache_arg(cos_sin_cache, like, rot or head_dim)
+    return _rotary_spec(_STYLES[style], rot, int(head_dim), theta, _llama3(llama3), cache, max_position), cache
+
+
+def _bshd(m: _core.Meta, one_token_per_batch: bool = False) -> Tuple[int, int, Tuple[int, int, int]]:
+    """(batch, seqlen, (batch_stride, seq_stride, head_stride)) of a 4-D (batch, seqlen, heads, d)
+    array, or of a 3-D one: (tokens, heads, d) as batch 1 (apply_rotary's reading), or with
+    one_token_per_batch (batch, heads, d), one token a sequence."""
+    if len(m.shape) not in (3, 4):
+        raise ValueError(f"{m.name} must be 3-D or 4-D (..., heads, head_dim); got shape {m.shape}")
+    if m.shape[-1] > 1 and 0 not in m.shape and m.strides[-1] != 1:
+        raise ValueError(f"{m.name}: the last dimension (head_dim) must be contiguous; got strides {m.strides}")
+    if any(s < 0 for s in m.strides):
+        raise ValueError(f"{m.name} has a negative stride {m.strides}; pass a contiguous copy")
+    if len(m.shape) == 4:
+        return m.shape[0], m.shape[1], _core._view(m, varlen=False)
+    if one_token_per_batch:
+        bs, hs = _core._view(m, varlen=True)[1:]
+        return m.shape[0], 1, (bs, bs, hs)
+    return 1, m.shape[0], _core._view(m, varlen=True)
+
+
+def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions: Any = None, *,
+                 eps: float = 1e-6, weight_offset: float = 0.0, style: Optional[str] = "neox",
+                 rotary_dim: Optional[int] = None, theta: float = 10000.0,
+                 llama3: Optional[Mapping[str, Any]] = None, cos_sin_cache: Any = None,
+                 inplace: bool = False, q_out: Any = None, k_out: Any = None, backend: str = "auto",
+                 cpu_threads: int = 0, cuda_config: str = "", stream: Optional[int] = None) -> Tuple[Any, Any]:
+    """Per-head RMSNorm of q and k (Qwen3, Gemma3), then the rotary embedding, in one pass.
+
+    ``y = rotary(round(x * rsqrt(mean(x**2, -1) + eps) * (weight_offset + weight)))`` per head of
+    head_dim elements, with q_weight for q's heads and k_weight for k's; the normed value is
+    rounded to the dtype before the rotation, so the result equals ``rms_norm`` over each head
+    followed by ``apply_rotary``, bit for bit (weight_offset 0). ``weight_offset=1.0`` is
+    Gemma3's ``1 + weight``. q, k, positions and the rotary arguments are apply_rotary's (k may be
+    None); ``style=None`` norms without rotating. Returns (q_out, k_out): new arrays, or q and k
+    with ``inplace=True``.
+    """
+    mq = _core.meta(q, "q")
+    _check_dtype(mq, "qk_norm_rope")
+    batch, seqlen, qv = _bshd(mq)
+    heads_q, head_dim = mq.shape[-2], mq.shape[-1]
+    ms = [mq]
+    heads_k, kv = 0, (0, 0, 0)
+    if k is not None:
+        mk = _core.meta(k, "k")
+        _check_dtype(mk, "qk_norm_rope")
+        if len(mk.shape) != len(mq.shape) or tuple(mk.shape[:-2]) != tuple(mq.shape[:-2]) or mk.shape[-1] != head_dim:
+            raise ValueError(f"k must have q's leading dims {tuple(mq.shape[:-2])} and head_dim {head_dim}; "
+                             f"got shape {mk.shape}")
+        heads_k, kv = mk.shape[-2], _bshd(mk)[2]
+        ms.append(mk)
+    for name, w, needed in (("q_weight", q_weight, True), ("k_weight", k_weight, k is not None)):
+        if w is None:
+            if needed:
+                raise ValueError(f"{name} is required (shape (head_dim,) = ({head_dim},))")
+            continue
+        mw = _core.meta(w, name)
+        if tuple(mw.shape) != (head_dim,) or (head_dim > 1 and mw.strides[0] != 1):
+            raise ValueError(f"{name} must be a contiguous (head_dim,) = ({head_dim},) array; got shape {mw.shape}")
+        ms.append(mw)
+    if k is None and k_weight is not None:
+        raise ValueError("k_weight given without k")
+    _check_same(ms, "qk_norm_rope")
+    if inplace and (q_out is not None or k_out is not None):
+        raise ValueError("inplace=True writes into q and k: do not pass q_out / k_out too")
+    if inplace:
+        _core.check_writable(q, "q")
+        if k is not None:
+            _core.check_writable(k, "k")
+    else:
+        q_out = _empty(q, mq.shape) if q_out is None else q_out
+        if k is not None and k_out is None:
+            k_out = _empty(k, ms[1].shape)
+    spec, cache = _rotary_args(style, rotary_dim, head_dim, theta, llama3, cos_sin_cache, q)
+    pos = _positions_arg(positions, q, "positions", ((batch * seqlen,), (batch, seqlen)))
+    code = _core._DTYPE_CODES[mq.dtype]
+    p = _C.QkNormRopeParams()
+    p.batch, p.seqlen, p.heads_q, p.heads_k, p.head_dim = int(batch), int(seqlen), int(heads_q), int(heads_k), int(head_dim)
+    p.eps, p.weight_offset = float(eps), float(weight_offset)
+    p.q = _C.TensorView(_core.data_ptr(q), code, *qv)
+    if k is not None:
+        p.k = _C.TensorView(_core.data_ptr(k), code, *kv)
+    if not inplace:
+        p.q_out = _C.TensorView(_core.data_ptr(q_out), code, *_bshd(_check_out(q_out, "q_out", mq.shape, mq))[2])
+        if k is not None:
+            p.k_out = _C.TensorView(_core.data_ptr(k_out), code, *_bshd(_check_out(k_out, "k_out", ms[1].shape, ms[1]))[2])
+    p.q_weight, p.k_weight = _core.data_ptr(q_weight), _core.data_ptr(k_weight)
+    p.positions = _core.data_ptr(pos)
+    p.rotary = spec
+    opt = _options(backend, cpu_threads, cuda_config, q, mq, stream)
+    if batch * seqlen > 0 and heads_q > 0:
+        _call(q, mq, _C.qk_norm_rope, p, opt)
+    del cache  # kept alive through the call
+    return (q, k) if inplace else (q_out, k_out)
+
+
+# ---- rotary + KV-cache append ------------------------------------------------------------------
+
+def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, q: Any = None,
+                   positions: Any = None, *, block_table: Any = None, style: Optional[str] = "neox",
+                   rotary_dim: Optional[int] = None, theta: float = 10000.0,
+                   llama3: Optional[Mapping[str, Any]] = None, cos_sin_cache: Any = None,
+                   inplace_q: bool = False, q_out: Any = None, backend: str = "auto", cpu_threads: int = 0,
+                   cuda_config: str = "", stream: Optional[int] = None) -> Any:
+    """Rotates the new keys and writes them and the new values into a KV cache (and rotates q).
+
+    k, v: (batch, seqlen, heads_kv, head_dim[_v]) new tokens, or 3-D (batch, heads_kv, ...) with one
+    token a sequence. k_cache / v_cache: contiguous (batch, capacity, heads_kv, ...) or, with
+    block_table (batch, pages_per_seq) int32, paged (num_pages, page_size, heads_kv, ...), the
+    layout of flash_attn_with_kvcache. Token s of sequence b goes to slot cache_seqlens[b] + s
+    (int32 (batch,)); positions (int32, one per token; default: the slot) drive the rotary, whose
+    arguments are apply_rotary's (style None: no rotation). q (optional, k's leading dims and
+    head_dim) is rotated at the same positions into q_out (a new array) or in place (inplace_q).
+    The cache is written in place; cache_seqlens is not advanced. Returns q_out (None without q).
+    """
+    mk, mv = _core.meta(k, "k"), _core.meta(v, "v")
+    mkc, mvc = _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
+    for m in (mk, mv, mkc, mvc):
+        _check_dtype(m, "rope_append_kv")
+    batch, seqlen, knv = _bshd(mk, one_token_per_batch=True)
+    heads_kv, head_dim = mk.shape[-2], mk.shape[-1]
+    if tuple(mv.shape[:-1]) != tuple(mk.shape[:-1]):
+        raise ValueError(f"v must have k's leading dims {tuple(mk.shape[:-1])}; got shape {mv.shape}")
+    head_dim_v = mv.shape[-1]
+    vnv = _bshd(mv, one_token_per_batch=True)[2]
+    for mc, d in ((mkc, head_dim), (mvc, head_dim_v)):
+        if len(mc.shape) != 4 or mc.shape[2] != heads_kv or mc.shape[3] != d:
+            raise ValueError(f"{mc.name} must be 4-D (blocks, slots, heads_kv={heads_kv}, {d}); got shape {mc.shape}")
+    if tuple(mkc.shape[:2]) != tuple(mvc.shape[:2]):
+        raise ValueError(f"v_cache must have k_cache's leading dims {tuple(mkc.shape[:2])}; got {mvc.shape}")
+    ms = [mk, mv, mkc, mvc]
+    heads_q = 0
+    if q is not None:
+        mq = _core.meta(q, "q")
+        _check_dtype(mq, "rope_append_kv")
+        if len(mq.shape) != len(mk.shape) or tuple(mq.shape[:-2]) != tuple(mk.shape[:-2]) or mq.shape[-1] != head_dim:
+            raise ValueError(f"q must have k's leading dims {tuple(mk.shape[:-2])} and head_dim {head_dim}; got {mq.shape}")
+        heads_q = mq.shape[-2]
+        ms.append(mq)
+    elif q_out is not None or inplace_q:
+        raise ValueError("q_out / inplace_q given without q")
+    _check_same(ms, "rope_append_kv")
+    first = ms[0]
+    code = _core._DTYPE_CODES[mk.dtype]
+    lens = _positions_arg(cache_seqlens, k, "cache_seqlens", ((batch,),))
+    pos = _positions_arg(positions, k, "positions", ((batch * seqlen,), (batch, seqlen)))
+    cache = _C.KVCacheView()
+    cache.k = _C.TensorView(_core.data_ptr(k_cache), code, *_core._view(mkc, varlen=False))
+    cache.v = _C.TensorView(_core.data_ptr(v_cache), code, *_core._view(mvc, varlen=False))
+    table = None
+    if block_table is not None:
+        table = _positions_arg(block_table, k, "block_table", ((batch, _core.meta(block_table, "block_table").shape[-1]),))
+        cache.page_size, cache.num_pages = int(mkc.shape[1]), int(mkc.shape[0])
+        cache.block_table = _core.data_ptr(table)
+        cache.block_table_stride = cache.pages_per_seq = int(table.shape[1])
+    else:
+        if mkc.shape[0] != batch:
+            raise ValueError(f"a contiguous k_cache must have batch {batch} rows; got shape {mkc.shape} "
+                             "(pass block_table for a paged cache)")
+        cache.capacity = int(mkc.shape[1])
+    spec, tables = _rotary_args(style, rotary_dim, head_dim, theta, llama3, cos_sin_cache, k)
+    p = _C.RopeAppendParams()
+    p.batch, p.seqlen, p.heads_q, p.heads_kv = int(batch), int(seqlen), int(heads_q), int(heads_kv)
+    p.head_dim, p.head_dim_v = int(head_dim), int(head_dim_v)
+    p.k_new = _C.TensorView(_core.data_ptr(k), code, *knv)
+    p.v_new = _C.TensorView(_core.data_ptr(v), code, *vnv)
+    p.cache = cache
+    p.cache_seqlens = _core.data_ptr(lens)
+    p.positions = _core.data_ptr(pos)
+    p.rotary = spec
+    if q is not None:
+        if inplace_q and q_out is not None:
+            raise ValueError("inplace_q=True rotates q itself: do not pass q_out too")
+        if inplace_q:
+            _core.check_writable(q, "q")
+        p.q = _C.TensorView(_core.data_ptr(q), code, *_bshd(mq, one_token_per_batch=True)[2])
+        if not inplace_q:
+            q_out = _empty(q, mq.shape) if q_out is None else q_out
+            mqo = _check_out(q_out, "q_out", mq.shape, mq)
+            p.q_out = _C.TensorView(_core.data_ptr(q_out), code, *_bshd(mqo, one_token_per_batch=True)[2])
+    _core.check_writable(k_cache, "k_cache")
+    _core.check_writable(v_cache, "v_cache")
+    opt = _options(backend, cpu_threads, cuda_config, k, first, stream)
+    if batch * seqlen > 0:
+        _call(k, first, _C.rope_append_kv, p, opt)
+    del tables, table
+    if q is None:
+        return None
+    return q if inplace_q else q_out

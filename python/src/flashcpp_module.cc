@@ -551,7 +551,9 @@ void bind(nb::module_& m) {
 namespace fused_binding {
 
 using flashcpp::MatrixView;
+using flashcpp::QkNormRopeParams;
 using flashcpp::RmsNormParams;
+using flashcpp::RopeAppendParams;
 using flashcpp::RopeParams;
 using flashcpp::SiluMulParams;
 
@@ -602,6 +604,41 @@ void bind(nb::module_& m) {
       .def_rw("rotary", &RopeParams::rotary);
   pointer_rw(rp, "positions", &RopeParams::positions);
 
+  nb::class_<QkNormRopeParams> qn(m, "QkNormRopeParams", "flashcpp::QkNormRopeParams (q_out/k_out data 0 = in place)");
+  qn.def(nb::init<>())
+      .def_rw("batch", &QkNormRopeParams::batch)
+      .def_rw("seqlen", &QkNormRopeParams::seqlen)
+      .def_rw("heads_q", &QkNormRopeParams::heads_q)
+      .def_rw("heads_k", &QkNormRopeParams::heads_k)
+      .def_rw("head_dim", &QkNormRopeParams::head_dim)
+      .def_rw("q", &QkNormRopeParams::q)
+      .def_rw("k", &QkNormRopeParams::k)
+      .def_rw("q_out", &QkNormRopeParams::q_out)
+      .def_rw("k_out", &QkNormRopeParams::k_out)
+      .def_rw("weight_offset", &QkNormRopeParams::weight_offset)
+      .def_rw("eps", &QkNormRopeParams::eps)
+      .def_rw("rotary", &QkNormRopeParams::rotary);
+  pointer_rw(qn, "q_weight", &QkNormRopeParams::q_weight);
+  pointer_rw(qn, "k_weight", &QkNormRopeParams::k_weight);
+  pointer_rw(qn, "positions", &QkNormRopeParams::positions);
+
+  nb::class_<RopeAppendParams> ra(m, "RopeAppendParams", "flashcpp::RopeAppendParams (q_out data 0 = q in place)");
+  ra.def(nb::init<>())
+      .def_rw("batch", &RopeAppendParams::batch)
+      .def_rw("seqlen", &RopeAppendParams::seqlen)
+      .def_rw("heads_q", &RopeAppendParams::heads_q)
+      .def_rw("heads_kv", &RopeAppendParams::heads_kv)
+      .def_rw("head_dim", &RopeAppendParams::head_dim)
+      .def_rw("head_dim_v", &RopeAppendParams::head_dim_v)
+      .def_rw("q", &RopeAppendParams::q)
+      .def_rw("q_out", &RopeAppendParams::q_out)
+      .def_rw("k_new", &RopeAppendParams::k_new)
+      .def_rw("v_new", &RopeAppendParams::v_new)
+      .def_rw("cache", &RopeAppendParams::cache)
+      .def_rw("rotary", &RopeAppendParams::rotary);
+  pointer_rw(ra, "cache_seqlens", &RopeAppendParams::cache_seqlens);
+  pointer_rw(ra, "positions", &RopeAppendParams::positions);
+
   m.def(
       "rms_norm",
       [](const RmsNormParams& params, const RunOptions& options) {
@@ -634,6 +671,22 @@ void bind(nb::module_& m) {
         call_released([&] { return flashcpp::apply_rotary(p, opt); });
       },
       "params"_a, "options"_a, "flashcpp::apply_rotary.");
+  m.def(
+      "qk_norm_rope",
+      [](const QkNormRopeParams& params, const RunOptions& options) {
+        const QkNormRopeParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::qk_norm_rope(p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::qk_norm_rope.");
+  m.def(
+      "rope_append_kv",
+      [](const RopeAppendParams& params, const RunOptions& options) {
+        const RopeAppendParams p = params;
+        const RunOptions opt = options;
+        call_released([&] { return flashcpp::rope_append_kv(p, opt); });
+      },
+      "params"_a, "options"_a, "flashcpp::rope_append_kv.");
 }
 
 }  // namespace fused_binding

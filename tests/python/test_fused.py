@@ -306,3 +306,164 @@ def test_cuda_rejects_fp32_and_host_backend_mismatch(rng):
         flashcpp.rms_norm(x, torch.ones(64, device="cuda"))
     with pytest.raises(ValueError, match="host"):
         flashcpp.rms_norm(x.half(), torch.ones(64, device="cuda").half(), backend="cpu")
+
+
+# ---- QK-RMSNorm + rotary, rotary + KV-cache append ------------------------------------------
+
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_qk_norm_rope_equals_rms_norm_then_apply_rotary(rng, style, dtype):
+    """fused.h's rounding rule: the normed head is rounded before the rotation, so the fused op has
+    the bits of rms_norm per head followed by apply_rotary."""
+    T, Hq, Hk, D = 7, 4, 2, 64
+    q = (2 * rng.standard_normal((T, Hq, D))).astype(dtype)
+    k = (2 * rng.standard_normal((T, Hk, D))).astype(dtype)
+    wq, wk = rng.standard_normal(D).astype(dtype), rng.standard_normal(D).astype(dtype)
+    pos = rng.integers(0, 100000, size=T).astype(np.int32)
+    qo, ko = flashcpp.qk_norm_rope(q, k, wq, wk, pos, style=style, rotary_dim=32)
+    uq = flashcpp.rms_norm(q.reshape(-1, D), wq).reshape(q.shape)
+    uk = flashcpp.rms_norm(k.reshape(-1, D), wk).reshape(k.shape)
+    rq, rk = flashcpp.apply_rotary(uq, uk, pos, style=style, rotary_dim=32)
+    assert np.array_equal(qo.view(np.uint8), rq.view(np.uint8))
+    assert np.array_equal(ko.view(np.uint8), rk.view(np.uint8))
+    q2, k2 = q.copy(), k.copy()
+    out = flashcpp.qk_norm_rope(q2, k2, wq, wk, pos, style=style, rotary_dim=32, inplace=True)
+    assert out[0] is q2 and out[1] is k2
+    assert np.array_equal(q2.view(np.uint8), rq.view(np.uint8))
+
+
+def test_qk_norm_rope_gemma_offset_vs_float64(rng):
+    B, S, H, D = 2, 5, 3, 128
+    q = (3 * rng.standard_normal((B, S, H, D))).astype(np.float32)
+    w = (0.2 * rng.standard_normal(D)).astype(np.float32)
+    qo, ko = flashcpp.qk_norm_rope(q, None, w, weight_offset=1.0, eps=1e-6, theta=1e6)
+    assert ko is None
+    x = q.astype(np.float64)
+    n = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6) * (1.0 + w.astype(np.float64))
+    ref = np.stack([rope_ref(n[b], np.arange(S), D, "neox", 1e6) for b in range(B)])
+    assert_close(qo, ref, "float32")
+    # style None: the per-head norm only; NaN in a head stays in that head.
+    q[0, 1, 2, 7] = np.nan
+    qo, _ = flashcpp.qk_norm_rope(q, None, w, weight_offset=1.0, style=None)
+    assert np.isnan(qo[0, 1, 2]).all() and not np.isnan(qo[0, 1, :2]).any() and not np.isnan(qo[1]).any()
+
+
+def test_qk_norm_rope_errors(rng):
+    q = rng.standard_normal((4, 2, 512)).astype(np.float32)
+    w = np.ones(512, np.float32)
+    with pytest.raises(ValueError, match=r"head_dim 512 must be even and in \[2, 256\]"):
+        flashcpp.qk_norm_rope(q, None, w)
+    q, w = q[..., :64].copy(), w[:64].copy()
+    with pytest.raises(ValueError, match="weight_offset 0.5 must be 0"):
+        flashcpp.qk_norm_rope(q, None, w, weight_offset=0.5)
+    with pytest.raises(ValueError, match="k_weight is required"):
+        flashcpp.qk_norm_rope(q, q.copy(), w)
+    with pytest.raises(ValueError, match="q_weight must be a contiguous"):
+        flashcpp.qk_norm_rope(q, None, w[:32])
+    with pytest.raises(TypeError, match="share one dtype"):
+        flashcpp.qk_norm_rope(q, None, w.astype(np.float16))
+
+
+def _append_expect(k_new, v_new, q, lens, pos, style, rot, table=None, page=0, cap_shape=None):
+    """float64-free expectation: apply_rotary's bits for k and q, v copied, per slot."""
+    B, S = k_new.shape[:2]
+    rq = flashcpp.apply_rotary(q, positions=pos, style=style, rotary_dim=rot)[0] if q is not None else None
+    rk = flashcpp.apply_rotary(k_new, positions=pos, style=style, rotary_dim=rot)[0]
+    places = []
+    for b in range(B):
+        for s in range(S):
+            j = lens[b] + s
+            places.append(((table[b, j // page], j % page) if page else (b, j), b, s))
+    return rq, rk, places
+
+
+@pytest.mark.parametrize("page", [0, 1, 16])
+@pytest.mark.parametrize("style", ["neox", "interleaved"])
+def test_rope_append_kv_paged_and_contiguous(rng, page, style):
+    B, S, Hq, Hkv, D, Dv, rot = 3, 4, 4, 2, 64, 48, 32
+    dtype = np.float16
+    cap = S + 9
+    pages_per_seq = (cap + page - 1) // page if page else 0
+    if page:
+        num_pages = B * pages_per_seq + 2
+        table = rng.permutation(num_pages)[:B * pages_per_seq].reshape(B, pages_per_seq).astype(np.int32)
+        slots, shape = pages_per_seq * page, (num_pages, page, Hkv)
+    else:
+        table, slots, shape = None, cap, (B, cap, Hkv)
+    k_cache = np.full(shape + (D,), np.nan, dtype)
+    v_cache = np.full(shape + (Dv,), np.nan, dtype)
+    k = rng.standard_normal((B, S, Hkv, D)).astype(dtype)
+    v = rng.standard_normal((B, S, Hkv, Dv)).astype(dtype)
+    q = rng.standard_normal((B, S, Hq, D)).astype(dtype)
+    lens = rng.integers(0, slots - S + 1, size=B).astype(np.int32)
+    pos = (lens[:, None] + np.arange(S)[None, :]).astype(np.int32)  # the default: the slots
+    qo = flashcpp.rope_append_kv(k, v, k_cache, v_cache, lens, q, block_table=table, style=style, rotary_dim=rot)
+    rq, rk, places = _append_expect(k, v, q, lens, pos, style, rot, table, page)
+    assert np.array_equal(qo.view(np.uint16), rq.view(np.uint16))
+    written = np.zeros(shape, bool)
+    for (blk, row), b, s in places:
+        assert np.array_equal(k_cache[blk, row].view(np.uint16), rk[b, s].view(np.uint16))
+        assert np.array_equal(v_cache[blk, row].view(np.uint16), v[b, s].view(np.uint16))
+        written[blk, row] = True
+    assert np.isnan(k_cache[~written]).all() and np.isnan(v_cache[~written]).all()
+
+
+def test_rope_append_kv_decode_step_positions_and_errors(rng):
+    B, H, D = 5, 2, 16
+    k = rng.standard_normal((B, H, D)).astype(np.float32)  # 3-D: one new token a sequence
+    v = rng.standard_normal((B, H, D)).astype(np.float32)
+    kc, vc = np.zeros((B, 8, H, D), np.float32), np.zeros((B, 8, H, D), np.float32)
+    lens = np.array([0, 3, 7, 1, 2], np.int32)
+    pos = np.array([100, 5, 9, 0, 77], np.int32)
+    assert flashcpp.rope_append_kv(k, v, kc, vc, lens, positions=pos, style="interleaved") is None
+    rk, _ = flashcpp.apply_rotary(k[:, None], positions=pos[:, None], style="interleaved")
+    for b in range(B):
+        assert np.array_equal(kc[b, lens[b]], rk[b, 0]) and np.array_equal(vc[b, lens[b]], v[b])
+    with pytest.raises(ValueError, match=r"cache_seqlens\[2\] = 8 leaves no room for the 1 new tokens"):
+        flashcpp.rope_append_kv(k, v, kc, vc, np.array([0, 3, 8, 1, 2], np.int32))
+    with pytest.raises(ValueError, match="outside the pool's pages"):
+        flashcpp.rope_append_kv(k, v, kc, vc, np.zeros(B, np.int32), block_table=np.full((B, 1), 9, np.int32))
+    with pytest.raises(ValueError, match="must be 4-D"):
+        flashcpp.rope_append_kv(k, v, kc[0], vc, lens)
+
+
+def test_new_fusions_torch_cpu_bf16(rng):
+    torch = _torch()
+    q = torch.from_numpy(2 * rng.standard_normal((2, 5, 4, 64)).astype(np.float32)).to(torch.bfloat16)
+    k = torch.from_numpy(2 * rng.standard_normal((2, 5, 2, 64)).astype(np.float32)).to(torch.bfloat16)
+    w = torch.from_numpy(rng.standard_normal(64).astype(np.float32)).to(torch.bfloat16)
+    qo, ko = flashcpp.qk_norm_rope(q, k, w, w)
+    nq = flashcpp.rms_norm(q.reshape(-1, 64), w).reshape(q.shape)
+    nk = flashcpp.rms_norm(k.reshape(-1, 64), w).reshape(k.shape)
+    rq, rk = flashcpp.apply_rotary(nq, nk)
+    assert torch.equal(qo, rq) and torch.equal(ko, rk)
+    kc = torch.zeros(2, 8, 2, 64, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    flashcpp.rope_append_kv(ko, k, kc, vc, lens, style=None)
+    assert torch.equal(kc[0, :5], ko[0]) and torch.equal(kc[1, 3:8], ko[1]) and torch.equal(vc[1, 3:8], k[1])
+
+
+def test_new_fusions_cuda(rng):
+    torch = _cuda_or_skip()
+    q = torch.randn(3, 17, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(3, 17, 2, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, device="cuda", dtype=torch.bfloat16)
+    qo, ko = flashcpp.qk_norm_rope(q, k, w, w)
+    nq = flashcpp.rms_norm(q.reshape(-1, 128), w).reshape(q.shape)
+    nk = flashcpp.rms_norm(k.reshape(-1, 128), w).reshape(k.shape)
+    rq, rk = flashcpp.apply_rotary(nq, nk)
+    assert torch.equal(qo, rq) and torch.equal(ko, rk)
+    kc = torch.full((8, 16, 2, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    vc = kc.clone()
+    table = torch.randperm(8, device="cuda", dtype=torch.int32)[:6].view(3, 2)
+    lens = torch.tensor([0, 5, 15], device="cuda", dtype=torch.int32)
+    qr = flashcpp.rope_append_kv(k, k, kc, vc, lens, q, block_table=table)
+    pos = (lens[:, None] + torch.arange(17, device="cuda", dtype=torch.int32)[None, :]).contiguous()
+    eq, ek = flashcpp.apply_rotary(q, k, pos)
+    assert torch.equal(qr, eq)
+    for b in range(3):
+        for s in range(17):
+            j = int(lens[b]) + s
+            page = int(table[b, j // 16])
+            assert torch.equal(kc[page, j % 16], ek[b, s]) and torch.equal(vc[page, j % 16], k[b, s])
