@@ -9,6 +9,9 @@ Cases (bf16; fp16 on the anchor cases unless --quick):
   swiglu_two         silu(gate) * up                         8192 x 14336
   rope_q             q of (4, 4096, 32, 128), neox           (anchor 1066.8 / 84.3 / 62.4 us)
   rope_qk            q (4, 4096, 32, 128) and k (.., 8, ..)  (Llama-3-8B GQA)
+  qk_norm_rope       Qwen3-8B per-head RMSNorm of q (32 heads) and k (8), then rotary, (4, 4096, .., 128)
+  rope_append_kv     rotate k (and q), append k and v to a paged cache (page 16): a prefill chunk
+                     (4, 2048, 32 / 8 heads, 128) and a decode step (256 sequences, 1 token)
 
 Peers are the PyTorch code a model runs today (Hugging Face LlamaRMSNorm, F.silu(g) * u,
 apply_rotary_pos_emb with rotate_half and precomputed cos/sin), eager and under torch.compile, and,
@@ -18,6 +21,11 @@ SiLU-mul, RoPE of q and k). A peer that does not import is named on the progress
 benchmark_env.json; one whose result differs from eager PyTorch by more than 0.1 is dropped from the
 case and said so, never timed silently. quack's rotary takes one tensor per call, so rope_qk times
 two calls; Liger's RoPE rotates q and k together and in place (timed on copies), so it has no rope_q.
+qk_norm_rope and rope_append_kv have no fused counterpart in quack or Liger (both have the norm and
+the rotary as separate kernels only), so their peers are eager PyTorch (Qwen3's RMSNorm and
+apply_rotary_pos_emb; the rotation then an index_copy_ into the cache) and torch.compile of the same;
+`unfused_us` times the unfused sequence of our own ops (rms_norm of q's and k's heads, then
+apply_rotary; apply_rotary, then the two scatters).
 flashcpp runs out of place (same bytes as in place, and repeatable). Every number is a median of
 interleaved rounds: `*_us` replays each call from a CUDA graph (kernel time: launch and Python
 overhead removed for everyone alike), `*_eager_us` calls it from Python with triton's do_bench
@@ -46,9 +54,9 @@ FLOOR_BAR = 0.85
 
 
 def _cases(torch, quick: bool) -> List[Tuple[str, torch.dtype]]:
-    names = ["rmsnorm_residual", "swiglu_fused", "rope_q"]
+    names = ["rmsnorm_residual", "swiglu_fused", "rope_q", "qk_norm_rope", "rope_append_kv_decode"]
     if not quick:
-        names += ["rmsnorm", "swiglu_two", "rope_qk"]
+        names += ["rmsnorm", "swiglu_two", "rope_qk", "rope_append_kv_prefill"]
     cases = [(n, torch.bfloat16) for n in names]
     if not quick:
         cases += [(n, torch.float16) for n in ("rmsnorm_residual", "swiglu_fused", "rope_q")]
@@ -156,6 +164,9 @@ def _build(name: str, dtype, torch, flashcpp, extra_mods: Dict[str, object] = No
             return (ours().float() - peer().float()).abs().max().item()
         return {"rows": rows, "d": d}, ours, peer, 3 * rows * d * esize, check, extra
 
+    if name == "qk_norm_rope" or name.startswith("rope_append_kv"):
+        return _build_new_fusions(name, dtype, torch, flashcpp)
+
     # rotary: Hugging Face apply_rotary_pos_emb with cos/sin precomputed in fp32, cast to the dtype
     b, s, hq, dh = 4, 4096, 32, 128
     hk = 8 if name == "rope_qk" else 0
@@ -216,6 +227,95 @@ def _build(name: str, dtype, torch, flashcpp, extra_mods: Dict[str, object] = No
     return {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh}, ours, peer, nbytes, check, extra
 
 
+def _build_new_fusions(name: str, dtype, torch, flashcpp):
+    """qk_norm_rope and rope_append_kv: (shape columns, ours, eager peer, bytes, check, {}); ours
+    carries `unfused_variant`, the same result from our separate ops."""
+    dev, esize, eps, theta = "cuda", 2, 1e-6, 1000000.0
+    dh = 128
+
+    def rope_tables(positions):  # Hugging Face: cos/sin of the positions in fp32, cast to the dtype
+        inv = 1.0 / theta ** (torch.arange(0, dh, 2, device=dev, dtype=torch.float32) / dh)
+        emb = positions.float()[..., None] * inv
+        emb = torch.cat([emb, emb], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def rotate_half(t):
+        return torch.cat([-t[..., dh // 2:], t[..., : dh // 2]], dim=-1)
+
+    if name == "qk_norm_rope":  # Qwen3-8B: q_norm / k_norm over head_dim, then apply_rotary_pos_emb
+        b, s, hq, hk = 4, 4096, 32, 8
+        q = torch.randn(b, s, hq, dh, device=dev, dtype=dtype)
+        k = torch.randn(b, s, hk, dh, device=dev, dtype=dtype)
+        wq = 1 + 0.1 * torch.randn(dh, device=dev, dtype=dtype)
+        wk = 1 + 0.1 * torch.randn(dh, device=dev, dtype=dtype)
+        qo, ko, nq, nk = torch.empty_like(q), torch.empty_like(k), torch.empty_like(q), torch.empty_like(k)
+        cos, sin = rope_tables(torch.arange(s, device=dev))
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+
+        def norm(x, w):  # transformers' Qwen3RMSNorm
+            xf = x.float()
+            return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+        def peer():
+            qn, kn = norm(q, wq), norm(k, wk)
+            return qn * cos + rotate_half(qn) * sin, kn * cos + rotate_half(kn) * sin
+
+        def ours(cfg=""):
+            return flashcpp.qk_norm_rope(q, k, wq, wk, eps=eps, theta=theta, q_out=qo, k_out=ko, cuda_config=cfg)
+
+        def unfused():
+            flashcpp.rms_norm(q.view(-1, dh), wq, eps, out=nq.view(-1, dh))
+            flashcpp.rms_norm(k.view(-1, dh), wk, eps, out=nk.view(-1, dh))
+            return flashcpp.apply_rotary(nq, nk, theta=theta, inplace=True)
+        shape = {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh}
+        nbytes = 2 * b * s * (hq + hk) * dh * esize
+    else:  # rope_append_kv: the step's q and k rotated, k and v appended to a paged cache
+        decode = name.endswith("decode")
+        b, s, hq, hk, page = (256, 1, 32, 8, 16) if decode else (4, 2048, 32, 8, 16)
+        ctx = 1000 if decode else 0  # keys already cached per sequence
+        pages_per_seq = (ctx + s + page - 1) // page
+        num_pages = b * pages_per_seq
+        q = torch.randn(b, s, hq, dh, device=dev, dtype=dtype)
+        k = torch.randn(b, s, hk, dh, device=dev, dtype=dtype)
+        v = torch.randn(b, s, hk, dh, device=dev, dtype=dtype)
+        k_cache = torch.zeros(num_pages, page, hk, dh, device=dev, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        table = torch.randperm(num_pages, device=dev, dtype=torch.int32).view(b, pages_per_seq)
+        lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
+        slot = lens[:, None].long() + torch.arange(s, device=dev)[None, :]  # (b, s)
+        flat = (table.long().gather(1, slot // page) * page + slot % page).view(-1)  # rows of the flat cache
+        positions = slot.to(torch.int32).contiguous()
+        cos, sin = rope_tables(slot)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+        qo, qo2, kr = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k)
+
+        def peer():
+            qr, kq = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+            k_cache.view(-1, hk, dh).index_copy_(0, flat, kq.reshape(-1, hk, dh))
+            v_cache.view(-1, hk, dh).index_copy_(0, flat, v.reshape(-1, hk, dh))
+            return qr, k_cache, v_cache
+
+        def ours(cfg=""):
+            out = flashcpp.rope_append_kv(k, v, k_cache, v_cache, lens, q, block_table=table, theta=theta,
+                                          q_out=qo, cuda_config=cfg)
+            return out, k_cache, v_cache
+
+        def unfused():
+            flashcpp.apply_rotary(q, k, positions, theta=theta, q_out=qo2, k_out=kr)
+            k_cache.view(-1, hk, dh).index_copy_(0, flat, kr.view(-1, hk, dh))
+            v_cache.view(-1, hk, dh).index_copy_(0, flat, v.view(-1, hk, dh))
+            return qo2, k_cache, v_cache
+        shape = {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh, "page_size": page}
+        nbytes = 2 * b * s * (hq + 2 * hk) * dh * esize
+    ours.unfused_variant = unfused
+
+    def check():
+        p = tuple(t.clone() for t in peer())
+        o = ours()
+        return _max_diff(o, p)
+    return shape, ours, peer, nbytes, check, {}
+
+
 def _max_diff(a, b) -> float:
     a, b = (a if isinstance(a, tuple) else (a,)), (b if isinstance(b, tuple) else (b,))
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
@@ -270,6 +370,8 @@ def run(quick: bool, out: str) -> int:
                "torch_compile": compiled}
         if hasattr(ours, "cache_variant"):
             fns["flashcpp_cache"] = ours.cache_variant
+        if hasattr(ours, "unfused_variant"):
+            fns["flashcpp_unfused"] = ours.unfused_variant
         fns.update(extra)
         t = interleaved(fns, rounds=3, graph=True, rep_ms=rep_ms)
         te = interleaved(fns, rounds=3, graph=False, rep_ms=rep_ms)
@@ -279,7 +381,8 @@ def run(quick: bool, out: str) -> int:
         frac = floor_us / t["flashcpp"]
         line = [f"{cid:44s} ours {t['flashcpp']:8.1f} us {nbytes / t['flashcpp'] / 1e6:5.2f} TB/s ({100 * frac:4.1f}% of floor)"
                 f" streaming {t['flashcpp_streaming']:8.1f} us"
-                + (f" cos/sin cache {t['flashcpp_cache']:8.1f} us" if "flashcpp_cache" in t else "")]
+                + (f" cos/sin cache {t['flashcpp_cache']:8.1f} us" if "flashcpp_cache" in t else "")
+                + (f" unfused (our ops) {t['flashcpp_unfused']:8.1f} us" if "flashcpp_unfused" in t else "")]
         for p in ("torch_eager", "torch_compile") + tuple(extra):
             sp = t[p] / t["flashcpp"]
             bar = EAGER_BAR.get(name, 1.0) if p == "torch_eager" else COMPILE_BAR
@@ -292,6 +395,7 @@ def run(quick: bool, out: str) -> int:
                          "streaming_us": round(t["flashcpp_streaming"], 2),
                          "streaming_speedup": round(t[p] / t["flashcpp_streaming"], 3),
                          "cache_us": round(t["flashcpp_cache"], 2) if "flashcpp_cache" in t else "",
+                         "unfused_us": round(t["flashcpp_unfused"], 2) if "flashcpp_unfused" in t else "",
                          "ours_eager_us": round(te["flashcpp"], 2), "peer_eager_us": round(te[p], 2),
                          "eager_speedup": round(te[p] / te["flashcpp"], 3), "max_abs_diff_vs_eager": f"{diff:.3e}",
                          "timing": "cuda_graph_median", "gpu": env["gpu"], "git_commit": env["git_commit"]})
