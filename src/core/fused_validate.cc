@@ -594,23 +594,28 @@ Status check_append_host(const RopeAppendParams& p) {
     if (len < 0 || len > room)
       return Status::Invalid(cat("cache_seqlens[", b, "] = ", len, " leaves no room for the ", p.seqlen,
                                  " new tokens (must be in [0, ", room, "] with ", c.slots(), " slots a sequence)"));
-    if (c.paged())
-      for (std::int64_t j = len; j < len + p.seqlen; j += 1) {
-        if (j != len && j % c.page_size != 0) continue;  // one check per page touched
-        const std::int64_t at = static_cast<std::int64_t>(b) * c.block_table_stride + j / c.page_size;
-        const std::int64_t page = c.block_table[at];
+    if (c.paged())  // one check per page the step touches (not per token: seqlen may be large)
+      for (std::int64_t pg = len / c.page_size; pg <= (len + p.seqlen - 1) / c.page_size; ++pg) {
+        const std::int64_t page = c.block_table[static_cast<std::int64_t>(b) * c.block_table_stride + pg];
         if (page < 0 || page >= c.num_pages)
-          return Status::Invalid(cat("cache.block_table[", b, "][", j / c.page_size, "] = ", page,
+          return Status::Invalid(cat("cache.block_table[", b, "][", pg, "] = ", page,
                                      " is outside the pool's pages [0, num_pages ", c.num_pages, ")"));
       }
-    if (p.rotary.enabled() && p.rotary.has_tables())
-      for (int s = 0; s < p.seqlen; ++s) {
-        const std::int64_t t = static_cast<std::int64_t>(b) * p.seqlen + s;
-        const std::int64_t pos = p.positions ? p.positions[t] : len + s;
-        if (pos < 0 || pos >= p.rotary.max_position)
-          return Status::Invalid(cat("position ", pos, " of token ", t,
-                                     " is outside the cos/sin tables' rows [0, max_position ", p.rotary.max_position, ")"));
-      }
+    if (p.rotary.enabled() && p.rotary.has_tables() && p.positions == nullptr && len + p.seqlen > p.rotary.max_position) {
+      // Positions are the slots len .. len + seqlen - 1: the first one past the tables, at once.
+      const std::int64_t pos = std::max<std::int64_t>(len, p.rotary.max_position);
+      return Status::Invalid(cat("position ", pos, " of token ", static_cast<std::int64_t>(b) * p.seqlen + (pos - len),
+                                 " is outside the cos/sin tables' rows [0, max_position ", p.rotary.max_position, ")"));
+    }
+  }
+  if (p.rotary.enabled() && p.rotary.has_tables() && p.positions != nullptr) {
+    const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
+    for (std::int64_t t = 0; t < tokens; ++t) {
+      const std::int64_t pos = p.positions[t];
+      if (pos < 0 || pos >= p.rotary.max_position)
+        return Status::Invalid(cat("position ", pos, " of token ", t, " is outside the cos/sin tables' rows [0, max_position ",
+                                   p.rotary.max_position, ")"));
+    }
   }
   return Status::Ok();
 }

@@ -1,5 +1,6 @@
 // libFuzzer target for the fused ops' validators (include/flashcpp/fused.h): validate() of
-// RmsNormParams (with and without the residual), SiluMulParams and RopeParams, one per input.
+// RmsNormParams (with and without the residual), SiluMulParams, RopeParams, QkNormRopeParams and
+// RopeAppendParams, one per input.
 //
 // Decodes random sizes, row strides, dtypes (unknown codes included), eps, head dims, rotary
 // specs (styles, rotary_dim, theta, Llama-3 scaling, cos/sin tables and their row stride), q/k
@@ -38,7 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Decoder d{{fdp}};
   const Backend backend = static_cast<Backend>(d.rare(30) ? d.in(4, 255) : d.in(0, 3));
   const DType dt = static_cast<DType>(d.in(0, 2));
-  switch (d.in(0, 2)) {
+  switch (d.in(0, 4)) {
     case 0: {  // RMSNorm, with or without the residual
       RmsNormParams p;
       p.rows = d.size(0, 64);
@@ -68,6 +69,93 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       }
       p.out = d.rare(4) ? p.gate : d.matrix(dt, p.d);
       fuzz::expect_sentence(validate(p, backend), "SiluMulParams");
+      break;
+    }
+    case 3: {  // QK-RMSNorm + rotary (tables fake: only positions are host memory)
+      QkNormRopeParams p;
+      p.batch = d.rare(12) ? 0 : d.size(1, 4);
+      p.seqlen = d.size(0, 40);
+      p.heads_q = d.size(0, 8);
+      p.heads_k = d.f.ConsumeBool() ? 0 : d.size(1, 8);
+      p.head_dim = d.rare(8) ? d.size(0, 600) : 2 * d.in(1, 128);
+      d.view(&p.q, dt, p.seqlen, p.heads_q, p.head_dim);
+      if (p.heads_k) d.view(&p.k, dt, p.seqlen, p.heads_k, p.head_dim);
+      if (d.f.ConsumeBool()) d.view(&p.q_out, dt, p.seqlen, p.heads_q, p.head_dim);
+      if (p.heads_k && d.f.ConsumeBool()) d.view(&p.k_out, dt, p.seqlen, p.heads_k, p.head_dim);
+      p.q_weight = d.rare(10) ? nullptr : d.fake();
+      p.k_weight = p.heads_k || d.rare(10) ? d.fake() : nullptr;
+      p.weight_offset = d.rare(6) ? d.real(0.5f) : static_cast<float>(d.in(0, 1));
+      p.eps = d.real(1e-6f);
+      RotarySpec& r = p.rotary;
+      r.style = static_cast<RopeStyle>(d.rare(6) ? d.in(0, 3) : d.in(1, 2));
+      r.rotary_dim = d.rare(3) ? d.size(0, 300) : 0;
+      r.theta = d.real(10000.f);
+      if (d.rare(3)) {
+        r.cos = static_cast<const float*>(d.fake());
+        r.sin = static_cast<const float*>(d.fake());
+        r.max_position = d.size(0, 4096);
+      }
+      std::unique_ptr<std::int32_t[]> pos;
+      Backend be = backend;
+      const __int128 n = static_cast<__int128>(p.batch > 0 ? p.batch : 0) * (p.seqlen > 0 ? p.seqlen : 0);
+      if (d.f.ConsumeBool() && n <= kMaxHostEntries) {
+        pos.reset(new std::int32_t[static_cast<std::size_t>(n) + (n == 0)]());
+        for (__int128 i = 0; i < n; ++i) pos[static_cast<std::size_t>(i)] = d.rare(6) ? d.f.ConsumeIntegral<std::int32_t>() : d.in(0, 4200);
+        p.positions = pos.get();
+      }
+      fuzz::expect_sentence(validate(p, be), "QkNormRopeParams");
+      break;
+    }
+    case 4: {  // rotary + KV-cache append: lengths, block table and positions are exact-size host arrays
+      RopeAppendParams p;
+      p.batch = d.rare(12) ? 0 : d.size(1, 4);
+      p.seqlen = d.size(0, 20);
+      p.heads_q = d.f.ConsumeBool() ? 0 : d.size(1, 8);
+      p.heads_kv = d.size(0, 4);
+      p.head_dim = d.rare(8) ? d.size(0, 600) : 2 * d.in(1, 128);
+      p.head_dim_v = d.rare(4) ? d.size(0, 300) : 0;
+      const int dv = p.head_dim_v ? p.head_dim_v : p.head_dim;
+      if (p.heads_q) d.view(&p.q, dt, p.seqlen, p.heads_q, p.head_dim);
+      if (p.heads_q && d.f.ConsumeBool()) d.view(&p.q_out, dt, p.seqlen, p.heads_q, p.head_dim);
+      d.view(&p.k_new, dt, p.seqlen, p.heads_kv, p.head_dim);
+      d.view(&p.v_new, dt, p.seqlen, p.heads_kv, dv);
+      KVCacheView& c = p.cache;
+      const bool paged = d.f.ConsumeBool();
+      c.page_size = paged ? (d.rare(6) ? d.size(-1, 300) : 1 << d.in(0, 8)) : (d.rare(10) ? d.size(-2, 4) : 0);
+      c.capacity = d.size(0, 300);
+      c.num_pages = d.size(0, 64);
+      c.pages_per_seq = d.size(0, 8);
+      c.block_table_stride = d.rare(5) ? d.size(-2, 20) : c.pages_per_seq;
+      if (d.rare(10)) c.k.dtype = c.v.dtype = DType::kF8E4M3;
+      d.view(&c.k, d.rare(10) ? DType::kF8E4M3 : dt, c.paged() ? c.page_size : c.capacity, p.heads_kv, p.head_dim);
+      d.view(&c.v, dt, c.paged() ? c.page_size : c.capacity, p.heads_kv, dv);
+      p.rotary.style = static_cast<RopeStyle>(d.in(0, 2));
+      p.rotary.rotary_dim = d.rare(3) ? d.size(0, 300) : 0;
+      if (d.rare(3)) {
+        p.rotary.cos = static_cast<const float*>(d.fake());
+        p.rotary.sin = static_cast<const float*>(d.fake());
+        p.rotary.max_position = d.size(0, 4096);
+      }
+      std::int64_t b = p.batch > 0 ? p.batch : 0, s = p.seqlen > 0 ? p.seqlen : 0;
+      const __int128 bt_wide = b > 0 ? static_cast<__int128>(b - 1) * (c.block_table_stride > 0 ? c.block_table_stride : 0) +
+                                           (c.pages_per_seq > 0 ? c.pages_per_seq : 0) : 0;
+      std::int64_t bt_n = bt_wide > kMaxHostEntries ? 0 : static_cast<std::int64_t>(bt_wide);
+      Backend be = backend;
+      if (b > kMaxHostEntries || static_cast<__int128>(b) * s > kMaxHostEntries || bt_wide > kMaxHostEntries) {
+        // Too large for host arrays: fake addresses, and a backend that reads none of them.
+        b = s = bt_n = 0;
+        if (be == Backend::kCpu || be == Backend::kCpuReference || be == Backend::kAuto) be = Backend::kCuda;
+      }
+      std::unique_ptr<std::int32_t[]> lens(new std::int32_t[static_cast<std::size_t>(b) + 1]()),
+          table(new std::int32_t[static_cast<std::size_t>(bt_n) + 1]()), pos(new std::int32_t[static_cast<std::size_t>(b * s) + 1]());
+      for (std::int64_t i = 0; i < b; ++i) lens[i] = d.rare(6) ? d.f.ConsumeIntegral<std::int32_t>() : d.in(0, 300);
+      for (std::int64_t i = 0; i < bt_n; ++i) table[i] = d.rare(6) ? d.f.ConsumeIntegral<std::int32_t>() : d.in(0, 63);
+      for (std::int64_t i = 0; i < b * s; ++i) pos[i] = d.rare(6) ? d.f.ConsumeIntegral<std::int32_t>() : d.in(0, 4200);
+      const bool fake = be != backend;
+      p.cache_seqlens = d.rare(10) ? nullptr : fake ? static_cast<const std::int32_t*>(d.fake()) : lens.get();
+      if (paged && !d.rare(10)) c.block_table = fake ? static_cast<const std::int32_t*>(d.fake()) : table.get();
+      if (d.f.ConsumeBool()) p.positions = fake ? static_cast<const std::int32_t*>(d.fake()) : pos.get();
+      fuzz::expect_sentence(validate(p, be), "RopeAppendParams");
       break;
     }
     default: {  // rotary
