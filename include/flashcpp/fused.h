@@ -67,7 +67,8 @@
 // and tuning: a comma-separated list of "scalar" (element-wise loads instead of 16-byte
 // vectors), "two_pass" (norms: re-read the row instead of keeping it in registers) and
 // "streaming" (evict-first cache hints on the 16-byte loads and stores); "" is automatic.
-// None of them changes a result. The automatic choice takes 16-byte vectors whenever every pointer is 16-byte
+// None of them changes a result. qk_norm_rope and rope_append_kv take "scalar" only (their row
+// kernels have no two-pass or streaming variant; the other tokens leave them unchanged). The automatic choice takes 16-byte vectors whenever every pointer is 16-byte
 // aligned and every row/token/head stride is a multiple of 8 elements (rotary also needs
 // rotary_dim % 16 == 0 and head_dim % 8 == 0; the norms and SwiGLU take any row length, the
 // last partial vector of a row element by element), and element-wise accesses otherwise
@@ -244,6 +245,8 @@ Status qk_norm_rope(const QkNormRopeParams& p, const RunOptions& opt = {});
 /// outside [0, slots - seqlen] is clamped into it and a block-table entry into [0, num_pages),
 /// so no write leaves the cache; a position outside the cos/sin tables writes NaN to the
 /// rotated dims (apply_rotary's rule). The CPU backend reads them and refuses bad values.
+/// Sequences must not name the same page for the slots they append to (two writes to one slot
+/// race on CUDA; nothing checks it).
 struct RopeAppendParams {
   int batch = 0;        ///< sequences; 0 writes nothing
   int seqlen = 0;       ///< new tokens per sequence; 0 writes nothing
