@@ -490,7 +490,7 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
   if (c.k.dtype == DType::kF8E4M3 || c.v.dtype == DType::kF8E4M3)
     return Status::Unsupported(
         "rope_append_kv does not write an fp8_e4m3 cache yet (per-head k_scale/v_scale quantization is planned); "
-        "use decode_run's append for an fp8 cache on the CPU backend");
+        "decode_run's append (DecodeParams::k_new / v_new) writes one");
   if (c.k_scale != nullptr || c.v_scale != nullptr)
     return Status::Invalid(cat(c.k_scale ? "cache.k_scale" : "cache.v_scale",
                                " is set but the cache is not fp8_e4m3 (the scales belong to an fp8 cache)"));
