@@ -19,7 +19,7 @@ NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048), (16384, 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--knobs", default="default,slots2,slots4,two_pass,streaming")
+    ap.add_argument("--knobs", default="default,slots1,slots2,two_pass,streaming")
     a = ap.parse_args()
     knobs = a.knobs.split(",")
     for rows, hidden in NORM_SHAPES:
@@ -42,7 +42,7 @@ def main() -> int:
     qo = torch.empty_like(q)
     nbytes = 2 * q.numel() * 2
     fns = {k: (lambda cfg: (lambda: flashcpp.apply_rotary(q, q_out=qo, theta=10000.0, cuda_config=cfg)))(
-        "" if k == "default" else k) for k in ["default", "staged", "heads2", "shared", "shared,heads1"]}
+        "" if k == "default" else k) for k in ["default", "heads1", "heads2", "staged", "shared,heads2"]}
     fns["copy"] = lambda: qo.copy_(q)
     t = common.interleaved(fns, rounds=3, graph=True, rep_ms=50)
     print("rotary q (4,4096,32,128) " + "  ".join(f"{k} {v:7.1f} us {nbytes / (v * 1e-6) / ROOF * 100:5.1f}%"

@@ -100,9 +100,15 @@ TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
 }
 
 // An fp8 e4m3 KV cache on CUDA (`flashcpp decode --kv-dtype fp8`): the prompt's logits equal the
-// bf16 cache's (its attention reads unquantized K/V), the decode steps match the fp64 Llama whose
-// decode rows read K and V through the same quantization (engine_tiny.h) within the bf16 band of
-// MatchesFp64LlamaGraphAndEager, graph and eager agree, and the steps do read the fp8 cache.
+// bf16 cache's (its attention reads unquantized K/V), graph and eager agree, and the decode steps
+// follow the fp64 Llama whose decode rows read K and V through the same quantization
+// (engine_tiny.h). The band is wider than MatchesFp64LlamaGraphAndEager's 0.05: the engine
+// quantizes bf16 K/V, the reference fp64 ones, and where they round to different codes an element
+// moves by a whole e4m3 step (1/16 relative), which this random model amplifies (quantizing the
+// cache at all moves its logits by more than their scale; the fp32 CPU engine, which flips almost
+// no codes, stays within 2e-5). Seen on the H200: 0.67 of a logit scale of 6.57 (0.10). So: within
+// 0.15 of the scale, far closer to the quantized model than to the unquantized cache (a quarter of
+// the move), and greedy tokens as the reference's.
 TEST(EngineGpu, Fp8KvCacheMatchesTheFp64LlamaOverTheQuantizedCache) {
   SKIP_IF_THE_MODEL_CANNOT_RUN();
   Tiny t;
@@ -140,11 +146,11 @@ TEST(EngineGpu, Fp8KvCacheMatchesTheFp64LlamaOverTheQuantizedCache) {
   LogitError e;
   logit_error(t, ref, q8.logits, &e);
   if (::testing::Test::HasFatalFailure()) return;
-  EXPECT_LE(e.worst, 0.05 * e.scale);
+  EXPECT_LE(e.worst, 0.15 * e.scale);
   double moved = 0;
   for (std::size_t i = static_cast<std::size_t>(P) * V; i < q8.logits.size(); ++i)
     moved = std::max(moved, std::fabs(static_cast<double>(q8.logits[i]) - plain.logits[i]));
-  EXPECT_GT(moved, 0.0) << "the decode steps must read the fp8 cache";
+  EXPECT_LT(e.worst, 0.25 * moved) << "the decode steps must read the fp8 cache";
   int agree = 0;
   for (int s2 = 0; s2 < N; ++s2) agree += q8.tokens[0][s2] == argmax(ref[P - 1 + s2]);
   EXPECT_GE(agree, N - 1) << "greedy tokens vs the fp64 model over the quantized cache";

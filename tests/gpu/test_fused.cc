@@ -185,7 +185,7 @@ void run_norm(const NormCase& c, std::uint64_t salt) {
 
 TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
   std::uint64_t salt = 1;
-  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots2", "slots4", "persistent"})
+  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots1", "slots2", "slots4", "persistent"})
     run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
   run_norm({8192, 4096, DType::kF16, true}, salt++);
   run_norm({8192, 4096, DType::kBF16, false}, salt++);
@@ -198,7 +198,7 @@ TEST(FusedGpuRmsNorm, OddSizes) {
   for (DType dt : {DType::kBF16, DType::kF16})
     for (const auto& s : shapes)
       for (bool res : {false, true})
-        for (const char* cfg : {"", "two_pass", "slots2", "persistent"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
+        for (const char* cfg : {"", "slots1", "slots2", "persistent"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
 }
 
 TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
@@ -448,11 +448,11 @@ TEST(FusedGpuRotary, DesignSize) {
   run_rope(c, 6);
   c.cache = true;
   run_rope(c, 7);
-  c.config = "shared";  // cos/sin once per token in shared memory, two heads per thread
+  c.config = "shared,heads2";  // cos/sin once per token in shared memory, two heads per thread
   run_rope(c, 8);
   c.cache = false;
   run_rope(c, 9);
-  c.config = "shared,heads1";
+  c.config = "heads1";  // the register kernel, one head a thread
   run_rope(c, 10);
   c.config = "heads2";
   c.style = RopeStyle::kInterleaved;
@@ -468,7 +468,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
     for (DType dt : {DType::kBF16, DType::kF16})
       for (int rot : {0, 64, 32, 24, 2})
         for (bool oop : {false, true})
-          for (const char* cfg : {"", "staged", "shared"}) {  // staged / shared: 16-byte path knobs
+          for (const char* cfg : {"", "staged", "heads1"}) {  // staged / register kernel: 16-byte path knobs
             RopeCase c;
             c.batch = 2;
             c.seqlen = 37;
@@ -504,7 +504,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   run_rope(c, salt++);
   c.config = "staged";  // packed rows: the staged copy follows the head and token strides
   run_rope(c, salt++);
-  c.config = "shared";
+  c.config = "heads1";
   run_rope(c, salt++);
   c.config = "";
   c.misalign = 1;  // scalar path
@@ -542,11 +542,14 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
     p.weight = buf;
     return cuda::rms_norm_path(p, true, f).name;
   };
-  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 register threads=512 group=512");
-  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 register threads=1024 group=1024");
+  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // wide rows: two passes
+  cuda::FusedForce slots1;
+  slots1.slots = 1;  // the register kernel on request
+  EXPECT_EQ(norm(4096, 4096, slots1), "fused_add_rms_norm vec8 register threads=512 group=512 slots=1");
+  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(128, 128), "fused_add_rms_norm vec8 register threads=128 group=16");  // QK-norm: 8 rows/block
   EXPECT_EQ(norm(4097, 4097), "fused_add_rms_norm scalar register threads=544 group=544");
-  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 register threads=544 group=544");  // padded rows: vector + tail
+  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // padded rows: vector + tail
   EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
@@ -567,11 +570,11 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.heads_q = 32;
   rp.head_dim = 128;
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos shared");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
-  cuda::FusedForce shared;
-  shared.shared = true;
-  EXPECT_EQ(cuda::rotary_path(rp, shared).name, "rotary neox vec8 sincos shared");
+  cuda::FusedForce heads1;
+  heads1.heads = 1;
+  EXPECT_EQ(cuda::rotary_path(rp, heads1).name, "rotary neox vec8 sincos");
   rp.rotary.rotary_dim = 24;
   EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox scalar sincos");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox scalar sincos");  // staged needs 16-byte rows

@@ -16,10 +16,10 @@ struct FusedForce {
   bool two_pass = false;   ///< norms: re-read the row instead of keeping it in registers
   bool streaming = false;  ///< evict-first hints (ld/st.global.cs) on the 16-byte streams
   int slots = 0;           ///< norms, register kernel: 16-byte slots per tensor and thread (1, 2, 4; 0 = default)
-  int heads = 0;           ///< rotary: heads a thread loads at once (1, 2; 0 = default 1)
+  int heads = 0;           ///< rotary: heads a thread loads at once (1, 2); without shared, the register kernel
   bool staged = false;     ///< rotary: rows through shared memory with cp.async (16-byte path)
   bool persistent = false; ///< norms: a persistent grid that prefetches the next row (16-byte rows of > 32 vectors)
-  bool shared = false;     ///< rotary: each token's cos/sin formed once per block in shared memory (16-byte path)
+  bool shared = false;     ///< rotary: the shared-cos/sin kernel (the default; with heads2: two heads a thread)
 };
 
 /// The path a launch takes, as a name for tests and `flashcpp info`-style printing, e.g.

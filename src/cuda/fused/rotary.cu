@@ -214,13 +214,13 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   }
 }
 
-/// Shared cos/sin variant (cuda_config "shared", 16-byte path): a block holds TB whole tokens
+/// Shared cos/sin kernel (the default on the 16-byte path): a block holds TB whole tokens
 /// (threadIdx.y), each with all its (head group, lane) threads (threadIdx.x). Every thread issues its
 /// loads first; then the block forms each token's rotary_dim / 2 cos/sin pairs once, in shared memory
 /// (one pair per thread, instead of once per head and lane: 40x fewer for q of 32 heads and k of 8),
-/// and after one barrier each thread reads its VEC pairs with 16-byte shared loads. With H = 2 a
-/// thread loads two heads (64 bytes in flight) at about the registers of one head of the register
-/// kernel, which holds its cos/sin arithmetic and table loads in registers per head.
+/// and after one barrier each thread reads its VEC pairs with 16-byte shared loads. H = 2 (two heads
+/// a thread, 64 bytes in flight, cuda_config "shared,heads2") measured no faster than the register
+/// kernel on the H200; H = 1 is the default.
 template <class T, int H>
 __global__ void __launch_bounds__(256, H == 2 ? 4 : 5) rotary_shared_kernel(const __grid_constant__ RotaryArgs a) {
   constexpr int VEC = kVec16;
@@ -366,8 +366,8 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
   }
 }
 
-/// Heads per thread of the shared kernel: cuda_config heads1 or heads2 (default 2).
-int shared_heads(const FusedForce& force) { return force.heads == 1 ? 1 : 2; }
+/// Heads per thread of the shared kernel: 1, or 2 with cuda_config "shared,heads2".
+int shared_heads(const FusedForce& force) { return force.shared && force.heads == 2 ? 2 : 1; }
 
 /// The shared kernel takes a token's threads in one block of at most 256 and 32-bit token math.
 bool shared_ok(const RopeParams& p, const FusedForce& force) {
@@ -401,7 +401,10 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   const bool staged = path.vector && force.staged &&
                       static_cast<std::int64_t>(p.batch) * p.seqlen * (p.heads_q + p.heads_k) <= std::numeric_limits<std::int32_t>::max();
   if (staged) path.threads = kStagedThreads;
-  const bool shared = path.vector && !staged && force.shared && shared_ok(p, force);
+  // The default on the 16-byte path: on the H200 it took the DESIGN case from 102.8 to 89.7 us
+  // (60.7% -> 69.6% of the floor; reports/fused). cuda_config heads1 / heads2 without "shared" pick
+  // the register kernel (one or two heads a thread), the default before it.
+  const bool shared = path.vector && !staged && (force.shared || force.heads == 0) && shared_ok(p, force);
   path.name = std::string("rotary ") + rope_style_name(p.rotary.style) + (path.vector ? " vec8" : " scalar") +
               (p.rotary.has_tables() ? " cache" : " sincos") + (staged ? " staged" : "") + (shared ? " shared" : "") +
               (force.streaming ? " streaming" : "");
