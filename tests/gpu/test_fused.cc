@@ -701,7 +701,7 @@ void run_qk(const QkCase& c, std::uint64_t salt) {
   p.k = bshd_view(k.data(), c.dt, c.tokens, c.heads_k, d);
   if (!c.in_place) {
     p.q_out = bshd_view(oq.data(), c.dt, c.tokens, c.heads_q, d);
-    p.k_out = bshd_view(ok.data(), c.dt, c.tokens, c.heads_k, d);
+    if (c.heads_k > 0) p.k_out = bshd_view(ok.data(), c.dt, c.tokens, c.heads_k, d);  // no k: no k_out
   }
   p.q_weight = wq.data();
   p.k_weight = c.heads_k ? wk.data() : nullptr;
