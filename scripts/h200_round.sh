@@ -108,9 +108,9 @@ case $phase in
     warm_or_stop
     fa4_path
     cd /tmp || exit 1
-    timeout 250 python3 -m flashcpp.bench decode --grid --grid-max-seconds 220 --out "$OUT/decode" > "$OUT/bench_decode_grid.log" 2>&1
+    timeout 200 python3 -m flashcpp.bench decode --grid --grid-max-seconds 170 --out "$OUT/decode" > "$OUT/bench_decode_grid.log" 2>&1
     say "decode grid rc $?"
-    timeout 200 python3 -m flashcpp.bench fused --out "$OUT/fused" > "$OUT/bench_fused.log" 2>&1
+    timeout 290 python3 -m flashcpp.bench fused --out "$OUT/fused" > "$OUT/bench_fused.log" 2>&1  # > 200 s since the new fusions
     say "fused rc $?"
     timeout 90 python3 -m flashcpp.bench masks --quick --out "$OUT/masks" > "$OUT/bench_masks.log" 2>&1
     say "masks rc $?"
