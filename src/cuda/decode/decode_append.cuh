@@ -29,6 +29,7 @@ __device__ __forceinline__ void rotary_cos_sin(const DecodeKernelParams& p, int 
 
 /// Rotates the pair (src_a, src_b) in fp32 (fused::rotate_pair, the expression every rotary path
 /// shares) and stores the rounded results to (dst_a, dst_b) (decode.h's rule); in place when equal.
+/// The query rows of the split-KV kernel (decode_load_q).
 template <typename T>
 __device__ __forceinline__ void rotate_pair(const T* src_a, const T* src_b, T* dst_a, T* dst_b, float c, float s) {
   float x1 = ptx::to_float(*src_a), x2 = ptx::to_float(*src_b);
@@ -37,10 +38,25 @@ __device__ __forceinline__ void rotate_pair(const T* src_a, const T* src_b, T* d
   *dst_b = ptx::from_float<T>(x2);
 }
 
+/// Stores x, computed in fp32, into a cache element (decode.h's rule): rounded to T, or for an fp8
+/// cache (C = Fp8Code) the code of x / scale.
+template <typename T, typename C>
+__device__ __forceinline__ void store_cache(C* dst, float x, float scale) {
+  if constexpr (kFp8Cache<C>) dst->bits = fp8_code(x / scale);
+  else *dst = ptx::from_float<T>(x);
+}
+/// An element of k_new / v_new into the cache unchanged: copied bit for bit, or its fp8 code.
+template <typename T, typename C>
+__device__ __forceinline__ void copy_cache(C* dst, T x, float scale) {
+  if constexpr (kFp8Cache<C>) dst->bits = fp8_code(ptx::to_float(x) / scale);
+  else *dst = x;
+}
+
 /// Appends token t of sequence b, KV head hk, at cache slot `pos`, by one warp: V copied, K
-/// rotated (dims past rotary_dim copied). An fp8 cache (C = Fp8Code) stores the code of x / scale,
-/// K rotated in fp32 and not rounded to T first (decode.h). The append kernel and the fused append
-/// of the split-KV kernel both call this, so the cache bytes are the same either way.
+/// rotated in fp32 (fused::rotate_pair, the expression every rotary path shares; dims past
+/// rotary_dim copied), stored by store_cache / copy_cache (an fp8 cache: K is not rounded to T
+/// before its division by the scale). The append kernel and the fused append of the split-KV kernel both call
+/// this, so the cache bytes are the same either way.
 template <typename T, typename C>
 __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, int t, int hk, int pos, int lane) {
   const T* kn = static_cast<const T*>(p.k_new) + b * p.kn_batch_stride + t * p.kn_seq_stride + hk * p.kn_head_stride;
@@ -50,39 +66,26 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
   C* kc = static_cast<C*>(p.k_cache_w) + ko + hk * p.k_head_stride;
   C* vc = static_cast<C*>(p.v_cache_w) + vo + hk * p.v_head_stride;
   const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
+  float ks = 1.f, vs = 1.f;
   if constexpr (kFp8Cache<C>) {
-    const float ks = __ldg(p.k_scale + hk), vs = __ldg(p.v_scale + hk);
-    for (int e = lane; e < D; e += 32) {
-      vc[e].bits = fp8_code(ptx::to_float(vn[e]) / vs);
-      if (e >= rd) kc[e].bits = fp8_code(ptx::to_float(kn[e]) / ks);
-    }
-    if (rd > 0) {
-      const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
-      for (int i = lane; i < rd / 2; i += 32) {
-        float c, s;
-        rotary_cos_sin(p, pos, i, &c, &s);
-        int ea, eb;
-        flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
-        float x1 = ptx::to_float(kn[ea]), x2 = ptx::to_float(kn[eb]);
-        fused::rotate_pair(x1, x2, c, s);
-        kc[ea].bits = fp8_code(x1 / ks);
-        kc[eb].bits = fp8_code(x2 / ks);
-      }
-    }
-  } else {
-    for (int e = lane; e < D; e += 32) {
-      vc[e] = vn[e];
-      if (e >= rd) kc[e] = kn[e];  // dims past rotary_dim pass through
-    }
-    if (rd > 0) {
-      const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
-      for (int i = lane; i < rd / 2; i += 32) {
-        float c, s;
-        rotary_cos_sin(p, pos, i, &c, &s);
-        int ea, eb;
-        flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
-        rotate_pair(kn + ea, kn + eb, kc + ea, kc + eb, c, s);
-      }
+    ks = __ldg(p.k_scale + hk);
+    vs = __ldg(p.v_scale + hk);
+  }
+  for (int e = lane; e < D; e += 32) {
+    copy_cache(vc + e, vn[e], vs);
+    if (e >= rd) copy_cache(kc + e, kn[e], ks);  // dims past rotary_dim pass through
+  }
+  if (rd > 0) {
+    const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
+    for (int i = lane; i < rd / 2; i += 32) {
+      float c, s;
+      rotary_cos_sin(p, pos, i, &c, &s);
+      int ea, eb;
+      flashcpp::decode::rotary_pair(style, i, rd, &ea, &eb);
+      float x1 = ptx::to_float(kn[ea]), x2 = ptx::to_float(kn[eb]);
+      fused::rotate_pair(x1, x2, c, s);
+      store_cache<T>(kc + ea, x1, ks);
+      store_cache<T>(kc + eb, x2, ks);
     }
   }
 }

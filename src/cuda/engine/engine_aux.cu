@@ -26,6 +26,14 @@ __global__ void embed_kernel(const std::int32_t* __restrict__ tokens, const bf16
   }
 }
 
+/// Element offset of key slot `slot` of sequence `seq` in a paged pool of `row`-element slots; the
+/// block-table entry clamped to the pool (device values are unchecked).
+__device__ __forceinline__ std::int64_t slot_offset(const std::int32_t* table, int pages_per_seq, int num_pages,
+                                                    int page_size, int seq, int slot, int row) {
+  const int page = min(max(table[static_cast<std::int64_t>(seq) * pages_per_seq + slot / page_size], 0), num_pages - 1);
+  return (static_cast<std::int64_t>(page) * page_size + slot % page_size) * row;
+}
+
 __global__ void write_kv_kernel(bf16* __restrict__ kc, bf16* __restrict__ vc, const std::int32_t* __restrict__ table,
                                 int pages_per_seq, int num_pages, int page_size, int seq, int start, int n, int row,
                                 const bf16* __restrict__ k, const bf16* __restrict__ v, std::int64_t ld) {
@@ -33,9 +41,7 @@ __global__ void write_kv_kernel(bf16* __restrict__ kc, bf16* __restrict__ vc, co
   const int per_token = row / 8;
   if (idx >= static_cast<std::int64_t>(n) * per_token) return;
   const int t = static_cast<int>(idx / per_token), c = static_cast<int>(idx % per_token);
-  const int slot = start + t;
-  const int page = min(max(table[static_cast<std::int64_t>(seq) * pages_per_seq + slot / page_size], 0), num_pages - 1);
-  const std::int64_t dst = (static_cast<std::int64_t>(page) * page_size + slot % page_size) * row + c * 8;
+  const std::int64_t dst = slot_offset(table, pages_per_seq, num_pages, page_size, seq, start + t, row) + c * 8;
   reinterpret_cast<uint4*>(kc + dst)[0] = reinterpret_cast<const uint4*>(k + t * ld + c * 8)[0];
   reinterpret_cast<uint4*>(vc + dst)[0] = reinterpret_cast<const uint4*>(v + t * ld + c * 8)[0];
 }
@@ -51,9 +57,7 @@ __global__ void write_kv_fp8_kernel(std::uint8_t* __restrict__ kc, std::uint8_t*
   const int per_token = row / 8;
   if (idx >= static_cast<std::int64_t>(n) * per_token) return;
   const int t = static_cast<int>(idx / per_token), c = static_cast<int>(idx % per_token);
-  const int slot = start + t;
-  const int page = min(max(table[static_cast<std::int64_t>(seq) * pages_per_seq + slot / page_size], 0), num_pages - 1);
-  const std::int64_t dst = (static_cast<std::int64_t>(page) * page_size + slot % page_size) * row + c * 8;
+  const std::int64_t dst = slot_offset(table, pages_per_seq, num_pages, page_size, seq, start + t, row) + c * 8;
   const int h = c * 8 / head_dim;  // head_dim is a multiple of 8: the 8 elements share a head
   const float ks = k_scale[h], vs = v_scale[h];
   const uint4 kx = reinterpret_cast<const uint4*>(k + t * ld + c * 8)[0];

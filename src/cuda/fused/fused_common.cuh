@@ -107,6 +107,24 @@ Status with_half_type(DType dt, F&& f) {
   return Status::Internal("the fused CUDA kernels got a dtype other than fp16/bf16");
 }
 
+/// q (index 0) and k (1) into kernel arguments that hold in[2], out[2] and their batch / seq / head
+/// strides (apply_rotary, qk_norm_rope): an output without data is its input (in place).
+template <class Args>
+void set_qk_views(const TensorView& q, const TensorView& k, const TensorView& q_out, const TensorView& k_out, Args* a) {
+  const TensorView* in[2] = {&q, &k};
+  const TensorView* out[2] = {q_out.data ? &q_out : &q, k_out.data ? &k_out : &k};
+  for (int w = 0; w < 2; ++w) {
+    a->in[w] = in[w]->data;
+    a->out[w] = out[w]->data;
+    a->in_bs[w] = in[w]->batch_stride;
+    a->in_ss[w] = in[w]->seq_stride;
+    a->in_hs[w] = in[w]->head_stride;
+    a->out_bs[w] = out[w]->batch_stride;
+    a->out_ss[w] = out[w]->seq_stride;
+    a->out_hs[w] = out[w]->head_stride;
+  }
+}
+
 /// True when p is aligned to `bytes`.
 inline bool aligned(const void* p, std::uintptr_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 

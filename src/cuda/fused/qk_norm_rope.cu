@@ -146,18 +146,7 @@ Status qk_norm_rope(const QkNormRopeParams& p, const FusedForce& force, Stream s
   const FusedPath path = qk_norm_rope_path(p, force);
   const int vec = path.vector ? kVec16 : kScalar;
   QkNormArgs a;
-  const TensorView* in[2] = {&p.q, &p.k};
-  const TensorView* out[2] = {p.q_out.data ? &p.q_out : &p.q, p.k_out.data ? &p.k_out : &p.k};
-  for (int w = 0; w < 2; ++w) {
-    a.in[w] = in[w]->data;
-    a.out[w] = out[w]->data;
-    a.in_bs[w] = in[w]->batch_stride;
-    a.in_ss[w] = in[w]->seq_stride;
-    a.in_hs[w] = in[w]->head_stride;
-    a.out_bs[w] = out[w]->batch_stride;
-    a.out_ss[w] = out[w]->seq_stride;
-    a.out_hs[w] = out[w]->head_stride;
-  }
+  set_qk_views(p.q, p.k, p.q_out, p.k_out, &a);
   a.weight[0] = p.q_weight;
   a.weight[1] = p.k_weight;
   a.heads_q = p.heads_q;

@@ -124,47 +124,58 @@ __device__ __forceinline__ void rotate_lane(bool neox, const Vec<T, VEC>& va, co
   }
 }
 
+/// Token t's sequence b and position s, and its row: (tb, ts) for the tensors' batch and seq strides
+/// and tpos into positions. Packed sequences (cu_seqlens): the packed row, batch strides unused, and
+/// live = false past its sequence's end.
+struct TokenRow {
+  std::int64_t s, tb, ts, tpos;
+  bool live;
+};
+__device__ __forceinline__ TokenRow token_row(const RotaryArgs& a, std::int64_t t) {
+  std::int64_t b;
+  if (t <= 0x7fffffff)  // 32-bit division whenever it can be (always, in practice)
+    b = static_cast<std::uint32_t>(t) / static_cast<std::uint32_t>(a.seqlen);
+  else
+    b = t / a.seqlen;
+  TokenRow r{t - b * a.seqlen, b, 0, t, true};
+  r.ts = r.s;
+  if (a.cu_seqlens != nullptr) {
+    const std::int32_t first = a.cu_seqlens[b];
+    r.live = r.s < a.cu_seqlens[b + 1] - first;
+    r.tb = 0;
+    r.ts = r.tpos = first + r.s;
+  }
+  return r;
+}
+
+/// Head h's row of q or k (heads_q and up are k's) at a token's (tb, ts): input and output.
+template <class T>
+__device__ __forceinline__ const T* head_src(const RotaryArgs& a, const TokenRow& r, int h) {
+  return h >= a.heads_q ? static_cast<const T*>(a.in[1]) + r.tb * a.in_bs[1] + r.ts * a.in_ss[1] + (h - a.heads_q) * a.in_hs[1]
+                        : static_cast<const T*>(a.in[0]) + r.tb * a.in_bs[0] + r.ts * a.in_ss[0] + h * a.in_hs[0];
+}
+template <class T>
+__device__ __forceinline__ T* head_dst(const RotaryArgs& a, const TokenRow& r, int h) {
+  return h >= a.heads_q ? static_cast<T*>(a.out[1]) + r.tb * a.out_bs[1] + r.ts * a.out_ss[1] + (h - a.heads_q) * a.out_hs[1]
+                        : static_cast<T*>(a.out[0]) + r.tb * a.out_bs[0] + r.ts * a.out_ss[0] + h * a.out_hs[0];
+}
+
 template <class T, int VEC, int H = kHeadsInFlight>
 __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant__ RotaryArgs a) {
   const int slot = static_cast<int>(blockIdx.y * blockDim.x + threadIdx.x);  // inside the token
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   if (slot >= a.per_token || t >= a.tokens) return;
   const int lane = slot % a.lanes, group = slot / a.lanes;
-  std::int64_t b, s;
-  if (t <= 0x7fffffff) {  // 32-bit division whenever it can be (always, in practice)
-    b = static_cast<std::uint32_t>(t) / static_cast<std::uint32_t>(a.seqlen);
-    s = t - b * a.seqlen;
-  } else {
-    b = t / a.seqlen;
-    s = t - b * a.seqlen;
-  }
-  // Packed sequences: the token's packed row (also its index into positions), batch strides unused.
-  std::int64_t tb = b, ts = s, tpos = t;
-  if (a.cu_seqlens != nullptr) {
-    const std::int32_t first = a.cu_seqlens[b];
-    if (s >= a.cu_seqlens[b + 1] - first) return;  // past this sequence's end
-    tb = 0;
-    ts = tpos = first + s;
-  }
+  const TokenRow row = token_row(a, t);
+  if (!row.live) return;  // past this packed sequence's end
+  const std::int64_t s = row.s, tpos = row.tpos;
   const bool rotate = lane < a.rot_lanes;
   int oa, ob;
   lane_offsets<VEC>(a, lane, &oa, &ob);
-  // This token's rows of q and k (inputs and outputs). Named variables, not arrays: a runtime
-  // index into a local array would put it in local memory.
-  const T* src_q = static_cast<const T*>(a.in[0]) + tb * a.in_bs[0] + ts * a.in_ss[0];
-  const T* src_k = static_cast<const T*>(a.in[1]) + tb * a.in_bs[1] + ts * a.in_ss[1];
-  T* dst_q = static_cast<T*>(a.out[0]) + tb * a.out_bs[0] + ts * a.out_ss[0];
-  T* dst_k = static_cast<T*>(a.out[1]) + tb * a.out_bs[1] + ts * a.out_ss[1];
   // Heads group, group + G, ... (at most H of them, by the choice of G).
   auto head_valid = [&](int u) { return group + u * a.groups < a.heads; };
-  auto src_of = [&](int u) {
-    const int h = group + u * a.groups;
-    return h >= a.heads_q ? src_k + (h - a.heads_q) * a.in_hs[1] : src_q + h * a.in_hs[0];
-  };
-  auto dst_of = [&](int u) {
-    const int h = group + u * a.groups;
-    return h >= a.heads_q ? dst_k + (h - a.heads_q) * a.out_hs[1] : dst_q + h * a.out_hs[0];
-  };
+  auto src_of = [&](int u) { return head_src<T>(a, row, group + u * a.groups); };
+  auto dst_of = [&](int u) { return head_dst<T>(a, row, group + u * a.groups); };
 
   // 1. Every load first: their latency overlaps the cos/sin work below.
   Vec<T, VEC> va[H], vb[H];
@@ -229,44 +240,28 @@ __global__ void __launch_bounds__(256, H == 2 ? 4 : 5) rotary_shared_kernel(cons
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.y + ty;
   float* s_cos = cs_raw + ty * 2 * a.half;
   float* s_sin = s_cos + a.half;
-  // Token t -> (b, s) and its packed row; a token past the end (or past its packed sequence) loads
-  // and stores nothing but still reaches the barrier.
-  bool live = t < a.tokens;
-  std::int64_t b = 0, s = 0;
-  if (live) {
-    b = static_cast<std::uint32_t>(t) / static_cast<std::uint32_t>(a.seqlen);
-    s = t - b * a.seqlen;
-  }
-  std::int64_t tb = b, ts = s, tpos = t;
-  if (live && a.cu_seqlens != nullptr) {
-    const std::int32_t first = a.cu_seqlens[b];
-    live = s < a.cu_seqlens[b + 1] - first;
-    tb = 0;
-    ts = tpos = first + s;
-  }
+  // A token past the end (or past its packed sequence) loads and stores nothing but still reaches
+  // the barrier.
+  const TokenRow row = t < a.tokens ? token_row(a, t) : TokenRow{0, 0, 0, 0, false};
+  const bool live = row.live;
   const bool mine = live && slot < a.per_token;
   const int lane = slot % a.lanes, group = slot / a.lanes;
   const bool rotate = lane < a.rot_lanes;
   int oa, ob;
   lane_offsets<VEC>(a, lane, &oa, &ob);
-  const T* src_q = static_cast<const T*>(a.in[0]) + tb * a.in_bs[0] + ts * a.in_ss[0];
-  const T* src_k = static_cast<const T*>(a.in[1]) + tb * a.in_bs[1] + ts * a.in_ss[1];
-  T* dst_q = static_cast<T*>(a.out[0]) + tb * a.out_bs[0] + ts * a.out_ss[0];
-  T* dst_k = static_cast<T*>(a.out[1]) + tb * a.out_bs[1] + ts * a.out_ss[1];
   auto head_valid = [&](int u) { return mine && group + u * a.groups < a.heads; };
   // 1. Loads first.
   Vec<T, VEC> va[H], vb[H];
 #pragma unroll
   for (int u = 0; u < H; ++u) {
     if (!head_valid(u)) continue;
-    const int h = group + u * a.groups;
-    const T* src = h >= a.heads_q ? src_k + (h - a.heads_q) * a.in_hs[1] : src_q + h * a.in_hs[0];
+    const T* src = head_src<T>(a, row, group + u * a.groups);
     va[u] = load_vec<T, VEC>(src + oa, VEC, a.streaming);
     if (rotate) vb[u] = load_vec<T, VEC>(src + ob, VEC, a.streaming);
   }
   // 2. This token's cos/sin, one pair per thread of the token's row of the block.
   if (live) {
-    const std::int32_t pos = a.positions ? a.positions[tpos] : static_cast<std::int32_t>(s);
+    const std::int32_t pos = a.positions ? a.positions[row.tpos] : static_cast<std::int32_t>(row.s);
     for (int i = slot; i < a.half; i += blockDim.x) rope::cos_sin(a.tables, a.inv_freq, pos, i, &s_cos[i], &s_sin[i]);
   }
   __syncthreads();
@@ -285,8 +280,7 @@ __global__ void __launch_bounds__(256, H == 2 ? 4 : 5) rotary_shared_kernel(cons
 #pragma unroll
   for (int u = 0; u < H; ++u) {
     if (!head_valid(u)) continue;
-    const int h = group + u * a.groups;
-    T* dst = h >= a.heads_q ? dst_k + (h - a.heads_q) * a.out_hs[1] : dst_q + h * a.out_hs[0];
+    T* dst = head_dst<T>(a, row, group + u * a.groups);
     if (!rotate) {
       store_vec<T, VEC>(dst + oa, va[u], VEC, a.streaming);
       continue;
@@ -417,18 +411,7 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   const int vec = path.vector ? kVec16 : kScalar;
   const int rot = p.effective_rotary_dim();
   RotaryArgs a;
-  const TensorView* in[2] = {&p.q, &p.k};
-  const TensorView* out[2] = {p.q_out.data ? &p.q_out : &p.q, p.k_out.data ? &p.k_out : &p.k};
-  for (int w = 0; w < 2; ++w) {
-    a.in[w] = in[w]->data;
-    a.out[w] = out[w]->data;
-    a.in_bs[w] = in[w]->batch_stride;
-    a.in_ss[w] = in[w]->seq_stride;
-    a.in_hs[w] = in[w]->head_stride;
-    a.out_bs[w] = out[w]->batch_stride;
-    a.out_ss[w] = out[w]->seq_stride;
-    a.out_hs[w] = out[w]->head_stride;
-  }
+  set_qk_views(p.q, p.k, p.q_out, p.k_out, &a);
   a.heads_q = p.heads_q;
   a.heads = p.heads_q + p.heads_k;
   a.seqlen = p.seqlen;
