@@ -42,16 +42,18 @@ struct Config {
   /// Epilogue scratch (reuses the K/V stages): per warp 16 rows of fp32 O (rows padded by 4
   /// floats against bank conflicts) plus m and l.
   static constexpr int kMergeBytes = kWarps * kRowsPerWarp * (D + 4 + 2) * 4;
-  /// An fp8 e4m3 cache (one byte per element): a ring of kStages8 fp8 stages (the bytes in flight)
-  /// and one tile of K + V converted to q's dtype, which the warps read as they read a 16-bit stage.
-  /// A stage is half the bytes, so the ring is deeper for the same shared memory and CTAs per SM.
-  static constexpr int kStages8 = D == 64 ? 6 : D == 128 ? 4 : 3;
+  /// An fp8 e4m3 cache (one byte per element): a ring of kStages8 fp8 stages, which the warps read
+  /// directly (ldmatrix on the codes, converted in registers), and the query rows' fp16 scales. A
+  /// stage is half the bytes and nothing else is staged, so the ring is twice as deep for the same
+  /// shared memory and CTAs per SM.
+  static constexpr int kStages8 = D == 64 ? 8 : 6;
   static constexpr int kStage8Bytes = 2 * kBlockN * D;
-  static constexpr int kSmemBytes8 = kQBytes + kStages8 * kStage8Bytes + kStageBytes;
+  static constexpr int kQScaleBytes = kMaxRows * 4;
+  static constexpr int kSmemBytes8 = kQBytes + kStages8 * kStage8Bytes + kQScaleBytes;
   static_assert(kBlockN % (kChunkN * 1) == 0 && kChunks == kWarps, "a tile is one chunk per warp");
   static_assert(kMergeBytes <= kStages * kStageBytes, "epilogue scratch fits in the K/V stages");
-  static_assert(kMergeBytes <= kStages8 * kStage8Bytes + kStageBytes, "epilogue scratch fits in the fp8 stages");
-  static_assert(kSmemBytes8 * kCtasPerSm <= 227 * 1024, "the fp8 ring keeps the CTAs per SM of the 16-bit one");
+  static_assert(kMergeBytes <= kStages8 * kStage8Bytes, "epilogue scratch fits in the fp8 stages");
+  static_assert((kSmemBytes8 + 1024) * kCtasPerSm <= 228 * 1024, "the fp8 ring keeps the CTAs per SM of the 16-bit one");
   static_assert(D % 16 == 0, "head_dim is a multiple of the mma k");
 };
 

@@ -48,6 +48,11 @@ struct GCase {
   int num_splits = 0;
   int extra_slots = 17;
   bool fp8 = false;  ///< an fp8 e4m3 cache with per-KV-head scales (decode.h)
+  /// q rows (one per token and head) scaled by 1e-6 .. 1e5 (bf16; fp16 up to 30) in turn, and
+  /// within a row one element 1e6 times smaller than the rest: the fp8 kernel's per-row fp16
+  /// scaling of q (decode_mainloop.cuh), past fp16's range for bf16 q (give such a case a softcap,
+  /// or its scores of ~1e6 leave the LSE to fp32 rounding)
+  bool q_spread = false;
 };
 
 std::string describe(const GCase& c) {
@@ -61,6 +66,7 @@ std::string describe(const GCase& c) {
   if (c.alibi) s += " alibi";
   if (c.num_splits) s += " splits" + std::to_string(c.num_splits);
   if (c.fp8) s += " fp8";
+  if (c.q_spread) s += " q-spread";
   return s;
 }
 
@@ -151,6 +157,15 @@ struct Step {
     const std::int64_t n = need(c);
     std::normal_distribution<float> nd(0.f, 1.f);
     for (auto& x : q.h) x = to_bits(nd(g), c.dt);
+    if (c.q_spread) {
+      const float bf16_scale[] = {1e-6f, 1e-3f, 1.f, 30.f, 1e5f}, f16_scale[] = {1e-5f, 1e-3f, 1.f, 3.f, 30.f};
+      const float* row_scale = c.dt == DType::kBF16 ? bf16_scale : f16_scale;
+      for (std::size_t r = 0; r * D < q.h.size(); ++r)
+        for (int d = 0; d < D; ++d) {
+          const float f = row_scale[r % 5] * (d == static_cast<int>(r % D) ? 1e-6f : 1.f);
+          q.h[r * D + d] = to_bits(bits_to_float(q.h[r * D + d], c.dt) * f, c.dt);
+        }
+    }
     for (auto& x : knew.h) x = to_bits(nd(g), c.dt);
     for (auto& x : vnew.h) x = to_bits(nd(g), c.dt);
     std::fill(kc.h.begin(), kc.h.end(), 0xFFFF);  // NaN: slots no sequence has yet
@@ -769,6 +784,18 @@ TEST(DecodeGpu, Fp8CacheIsAttentionOverTheDequantizedCache) {
   w.alibi = true;
   w.dt = DType::kF16;
   cs.push_back(w);
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    GCase q;
+    q.name = "fp8_q_spread";
+    q.fp8 = true;
+    q.dt = dt;
+    q.batch = 2;
+    q.sq = 3;
+    q.lens = {777, 2100};
+    q.q_spread = true;
+    q.softcap = dt == DType::kF16 ? 0.f : 50.f;
+    cs.push_back(q);
+  }
   GCase l;
   l.name = "fp8_long";
   l.fp8 = true;
@@ -1011,6 +1038,7 @@ TEST(DecodeGpu, NanQueryOrSlopeMakesItsRowNan) {
         if (splits == 1 && fused_merge) continue;  // nothing to merge
         GCase c;
         c.name = "nan";
+        c.fp8 = sq == 4;  // the fp8 kernel's fp16 query rows keep the NaN too
         c.batch = 2;
         c.sq = sq;
         c.lens = {1000, 300};

@@ -21,22 +21,6 @@ struct Fp8Code {
 template <typename C>
 inline constexpr bool kFp8Cache = std::is_same_v<C, Fp8Code>;
 
-/// Four e4m3 codes (the bytes of x, lowest first) as four T values packed two per word, lowest
-/// first. Exact: every e4m3 value, NaN included, is an fp16 and a bf16 value. cvt.rn.f16x2.e4m3x2
-/// on sm_89+ (cuda_fp8.h falls back to integer code on sm_80); bf16 goes through fp32.
-template <typename T>
-__device__ __forceinline__ uint2 fp8x4_to(std::uint32_t x) {
-  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3);
-  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x >> 16), __NV_E4M3);
-  if constexpr (std::is_same_v<T, __half>) {
-    return make_uint2(lo.x | (static_cast<std::uint32_t>(lo.y) << 16), hi.x | (static_cast<std::uint32_t>(hi.y) << 16));
-  } else {
-    const __nv_bfloat162 a = __float22bfloat162_rn(__half22float2(__half2(lo)));
-    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(__half2(hi)));
-    return make_uint2(*reinterpret_cast<const std::uint32_t*>(&a), *reinterpret_cast<const std::uint32_t*>(&b));
-  }
-}
-
 /// The e4m3 code of x (already divided by its scale): round to nearest even, +-448 beyond the
 /// range (infinity included), NaN stays NaN; the CPU backend's float_to_fp8e4m3_bits (half.h).
 __device__ __forceinline__ std::uint8_t fp8_code(float x) {

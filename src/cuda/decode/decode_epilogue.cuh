@@ -14,26 +14,24 @@
 
 namespace flashcpp::cuda::decode_dev {
 
-template <int D, typename T>
-__device__ __forceinline__ void decode_epilogue(const DecodeKernelParams& p, const DecodeCta& cta, const DecodeWarp<D, T>& w,
+/// W is the warp of the main loop (DecodeWarp, or DecodeWarp8 over an fp8 cache): its store_o
+/// knows which dims each lane holds.
+template <int D, typename T, class W>
+__device__ __forceinline__ void decode_epilogue(const DecodeKernelParams& p, const DecodeCta& cta, const W& w,
                                                 unsigned char* smem_raw, int row0, int cta_rows, int WK, int tid) {
   using Cfg = Config<D>;
-  constexpr int DT = D / 8;
   constexpr int kORowStride = D + 4;  // fp32 rows, padded against bank conflicts
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4, Sq = p.seqlen_q;
   // 1: each warp's (m, l, O) of its 16 rows into shared memory (the K/V stages, free now)
   float* sO = reinterpret_cast<float*>(smem_raw + Cfg::kQBytes);
   float* sM = sO + Cfg::kWarps * 16 * kORowStride;
   float* sL = sM + Cfg::kWarps * 16;
-  static_assert(Cfg::kWarps * 16 * (kORowStride + 2) * 4 <= Cfg::kStages * Cfg::kStageBytes, "epilogue scratch fits");
+  static_assert(Cfg::kMergeBytes == Cfg::kWarps * 16 * (kORowStride + 2) * 4, "Config::kMergeBytes is this scratch");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float l = quad_sum(w.row[r].l);
     const int row16 = g + 8 * r;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-      *reinterpret_cast<float2*>(sO + (warp * 16 + row16) * kORowStride + dt * 8 + 2 * t4) =
-          make_float2(w.acc_o[dt][2 * r], w.acc_o[dt][2 * r + 1]);
+    w.store_o(sO + (warp * 16 + row16) * kORowStride, r, t4);
     if (t4 == 0) {
       sM[warp * 16 + row16] = w.row[r].m;
       sL[warp * 16 + row16] = l;

@@ -44,6 +44,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/decode_common.h"
 #include "cuda/common/launch.cuh"
@@ -69,12 +70,11 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
   constexpr int BN = Cfg::kBlockN, S = kFp8 ? Cfg::kStages8 : Cfg::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Shared memory: Q rows, the ring of S stages (K then V) in the cache's element type, and for an
-  // fp8 cache one tile of K and V converted to T, which the warps read (Config::kSmemBytes8).
+  // fp8 cache the query rows' fp16 scales (Config::kSmemBytes8).
   T* sQ = reinterpret_cast<T*>(smem_raw);
   C* rK = reinterpret_cast<C*>(smem_raw + Cfg::kQBytes);
   C* rV = rK + S * BN * D;
-  T* sK = kFp8 ? reinterpret_cast<T*>(rV + S * BN * D) : reinterpret_cast<T*>(rK);
-  T* sV = kFp8 ? sK + BN * D : reinterpret_cast<T*>(rV);
+  float* q_inv = reinterpret_cast<float*>(rV + S * BN * D);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const DecodeCta cta(p, BN);
   const int n_iters = cta.n_iters(), Sq = p.seqlen_q;
@@ -115,30 +115,32 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
     }
   }
 
-  DecodeWarp<D, T> wp(p, cta, sQ, sK, sV, row0, wr, lane);
+  using Warp = std::conditional_t<kFp8, DecodeWarp8<D, T>, DecodeWarp<D, T>>;
+  Warp wp = [&] {
+    if constexpr (kFp8) {
+      __syncthreads();  // decode_load_q's rows
+      prepare_q_fp16<D, T>(sQ, q_inv, cta_rows, tid);
+      __syncthreads();
+      return Warp(p, cta, sQ, q_inv, rK, rV, row0, wr, lane);
+    } else {
+      return Warp(p, cta, sQ, rK, rV, row0, wr, lane);
+    }
+  }();
   // The stage of tile it + S - 1 is the one tile it - 1 was read from; once every warp is past that
   // tile (first barrier) its copy is issued, and only then does the CTA wait for tile it (S - 1
   // newer groups may stay in flight) and make it visible (second barrier). So all S stages are in
   // flight while a CTA waits, not S - 1 (a memory-bound kernel is mostly waiting).
-  // An fp8 cache converts tile it into the T tile between the second barrier and a third; the stage
-  // it - 1 came from was last read by that conversion, so its refill needs no wait for the warps.
   for (int it = 0; it < n_iters; ++it) {
-    if constexpr (!kFp8) __syncthreads();
+    __syncthreads();
     if (it + S - 1 < n_iters) loads.load(p, rK, rV, cta.b, cta.key_hi, (it + S - 1) % S, cta.tile_begin + it + S - 1);
     ptx::cp_async_commit();
     ptx::cp_async_wait<S - 1>();
     __syncthreads();
-    std::uint32_t stage_off = 0;
-    if constexpr (kFp8) {
-      convert_fp8_tile<D, T>(rK + (it % S) * BN * D, rV + (it % S) * BN * D, sK, sV, tid);
-      __syncthreads();
-    } else {
-      stage_off = (it % S) * BN * DecodeWarp<D, T>::kRowBytes;
-    }
+    const std::uint32_t stage_off = (it % S) * BN * Warp::kRowBytes;
     const int j_tile = (cta.tile_begin + it) * BN;
     const bool full = cta.rules.tile_fully_visible(0, Sq, j_tile, j_tile + BN);
     for (int ch = wk; ch < Cfg::kChunks; ch += WK)
-      wp.chunk(p, cta, stage_off + ch * 16 * DecodeWarp<D, T>::kRowBytes, j_tile + ch * 16, full, lane % 4);
+      wp.chunk(p, cta, stage_off + ch * 16 * Warp::kRowBytes, j_tile + ch * 16, full, lane % 4);
   }
   ptx::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stages: they become the epilogue scratch

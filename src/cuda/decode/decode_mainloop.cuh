@@ -25,6 +25,15 @@ __device__ __forceinline__ int swz(int row, int chunk) {
   return algebra::swizzled_offset<D>(row, chunk);
 }
 
+/// Byte offset of 16-code chunk `chunk` of row `row` in an fp8 stage ([rows][D] codes): the same
+/// 128-byte XOR swizzle as a 16-bit tile, so the 8 rows one ldmatrix phase reads land in 8 bank
+/// groups. Rows of D bytes: at D = 64 two rows share a 128-byte segment, so the XOR takes row / 2.
+template <int D>
+__device__ __forceinline__ int swz8(int row, int chunk) {
+  if constexpr (D >= 128) return row * D + (algebra::swizzle_chunk(row, chunk) << 4);
+  else return row * D + ((chunk ^ ((row >> 1) & 3)) << 4);
+}
+
 /// One CTA's work: (work item, KV head, row block) from blockIdx.x, the item's sequence and split,
 /// and the split's key tiles [tile_begin, tile_end) of the keys its rows can see.
 struct DecodeCta {
@@ -60,8 +69,8 @@ struct DecodeCta {
 
 /// The producer side (every thread): copies of key tiles into the K/V ring, 16 bytes per thread and
 /// row. A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. C is the cache's
-/// element: T (16-bit stages, swizzled as the warps read them) or Fp8Code (byte stages, rows
-/// unswizzled: the conversion pass reads them in order, convert_fp8_tile). Contiguous cache:
+/// element: T or Fp8Code (byte stages); either way the stage is swizzled as the warps' ldmatrix
+/// reads it (swz, swz8). Contiguous cache:
 /// one row offset per tile, the rest by a constant stride. Paged: one block-table read per tile when
 /// a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row, all
 /// loaded before the first copy is issued.
@@ -82,7 +91,7 @@ struct DecodeKvLoads {
 
   /// Element offset of chunk `chunk` of row `row` in a stage.
   static __device__ __forceinline__ int stage_offset(int row, int chunk) {
-    if constexpr (kFp8Cache<C>) return row * D + chunk * kElems;
+    if constexpr (kFp8Cache<C>) return swz8<D>(row, chunk);
     else return swz<D>(row, chunk);
   }
 
@@ -120,30 +129,6 @@ struct DecodeKvLoads {
     }
   }
 };
-
-/// An fp8 stage (K and V codes, rows in order) into the converted tile (q's dtype T, swizzled as a
-/// 16-bit stage): each 16-byte chunk of codes becomes two 16-byte chunks of T. Exact (fp8x4_to), so
-/// the warps compute q . code and P . code, and the scales act once per score and per row
-/// (DecodeCta::score, v_scale).
-template <int D, typename T>
-__device__ __forceinline__ void convert_fp8_tile(const Fp8Code* s8K, const Fp8Code* s8V, T* sK, T* sV, int tid) {
-  using Cfg = Config<D>;
-  constexpr int kRowChunks = D / 16;
-  const auto* k8 = reinterpret_cast<const unsigned char*>(s8K);
-  const auto* v8 = reinterpret_cast<const unsigned char*>(s8V);
-#pragma unroll
-  for (int idx = tid; idx < Cfg::kBlockN * kRowChunks; idx += Cfg::kThreads) {
-    const int r = idx / kRowChunks, c = idx % kRowChunks;
-    const uint4 k = *reinterpret_cast<const uint4*>(k8 + r * D + c * 16);
-    const uint4 v = *reinterpret_cast<const uint4*>(v8 + r * D + c * 16);
-    const uint2 k0 = fp8x4_to<T>(k.x), k1 = fp8x4_to<T>(k.y), k2 = fp8x4_to<T>(k.z), k3 = fp8x4_to<T>(k.w);
-    const uint2 v0 = fp8x4_to<T>(v.x), v1 = fp8x4_to<T>(v.y), v2 = fp8x4_to<T>(v.z), v3 = fp8x4_to<T>(v.w);
-    *reinterpret_cast<uint4*>(sK + swz<D>(r, 2 * c)) = make_uint4(k0.x, k0.y, k1.x, k1.y);
-    *reinterpret_cast<uint4*>(sK + swz<D>(r, 2 * c + 1)) = make_uint4(k2.x, k2.y, k3.x, k3.y);
-    *reinterpret_cast<uint4*>(sV + swz<D>(r, 2 * c)) = make_uint4(v0.x, v0.y, v1.x, v1.y);
-    *reinterpret_cast<uint4*>(sV + swz<D>(r, 2 * c + 1)) = make_uint4(v2.x, v2.y, v3.x, v3.y);
-  }
-}
 
 /// The CTA's query rows (row r = head offset r / seqlen_q, token r % seqlen_q of KV head hk) into
 /// swizzled shared memory, rotated at their positions when rotary is on (rounded to the dtype, as
@@ -217,6 +202,13 @@ struct DecodeWarp {
     v_base = ptx::smem_u32(sV) + (lane & 15) * kRowBytes + (((lane >> 4) ^ r7) << 4);
   }
 
+  /// Row r (g or g + 8) of the warp's O accumulator into an fp32 row of D columns.
+  __device__ __forceinline__ void store_o(float* o_row, int r, int t4) const {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+      *reinterpret_cast<float2*>(o_row + dt * 8 + 2 * t4) = make_float2(acc_o[dt][2 * r], acc_o[dt][2 * r + 1]);
+  }
+
   /// The 16 keys j_chunk .. j_chunk + 15 of the stage chunk at byte offset chunk_off. full: every
   /// key of the tile is visible to every row (no mask test).
   __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const DecodeCta& cta, std::uint32_t chunk_off,
@@ -261,6 +253,169 @@ struct DecodeWarp {
       ptx::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
       ptx::mma_16816<T>(acc_o[2 * dp + 1], a, bv[2], bv[3]);
     }
+  }
+};
+
+/// Two e4m3 codes (the low 16 bits of x, lowest first) as an fp16 pair, exact (cvt.rn.f16x2.e4m3x2
+/// on sm_89+).
+__device__ __forceinline__ std::uint32_t f16x2_of_e4m3x2(std::uint32_t x) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x & 0xffffu), __NV_E4M3);
+  return static_cast<std::uint32_t>(h.x) | (static_cast<std::uint32_t>(h.y) << 16);
+}
+
+/// Over an fp8 cache the warps multiply in fp16: e4m3 -> fp16 is one cvt per pair (bf16 would take
+/// four), and every e4m3 value is an fp16 value. So the CTA's query rows (q's dtype, in sQ) become
+/// fp16 in place, each scaled by a power of two 2^e that puts the row's largest |q| in
+/// [2^14, 2^15): nothing overflows, every element above 2^-24 of the scaled maximum keeps all its
+/// bits (a smaller one weighs < 2^-38 of the row's largest term and rounds), and qinv[row] = 2^-e
+/// undoes it on the scores. The dims are also permuted within each 16 so that the A fragment an
+/// ldmatrix takes from the row pairs each k slot with the dim that an ldmatrix over codes puts in
+/// the K fragment's slot (DecodeWarp8: k slots 2t, 2t+1, 2t+8, 2t+9 hold dims 4t .. 4t+3). A lane
+/// owns 16 dims of a row: it reads and writes only those 32 bytes.
+template <int D, typename T>
+__device__ __forceinline__ void prepare_q_fp16(T* sQ, float* qinv, int cta_rows, int tid) {
+  constexpr int kLanesPerRow = D / 16, kRowsPerPass = 32 / kLanesPerRow;
+  const int warp = tid / 32, lane = tid % 32, sub = lane / kLanesPerRow, c = lane % kLanesPerRow;
+  for (int r0 = warp * kRowsPerPass; r0 < cta_rows; r0 += Config<D>::kWarps * kRowsPerPass) {
+    const int rr = r0 + sub;
+    const bool ok = rr < cta_rows;
+    uint4 raw[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+    if (ok) {
+      raw[0] = *reinterpret_cast<const uint4*>(sQ + swz<D>(rr, 2 * c));
+      raw[1] = *reinterpret_cast<const uint4*>(sQ + swz<D>(rr, 2 * c + 1));
+    }
+    const T* e16 = reinterpret_cast<const T*>(raw);
+    float v[16], m = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[i] = ptx::to_float(e16[i]);
+      m = fmaxf(m, fabsf(v[i]));  // NaN is dropped here and kept in v
+    }
+#pragma unroll
+    for (int o = kLanesPerRow / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    int x = 0;
+    if (m > 0.f && m <= 3.0e38f) frexpf(m, &x);  // m = f 2^x, f in [0.5, 1); 0 and inf keep e = 15
+    const int e = min(max(15 - x, -126), 126);
+    std::uint32_t out[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {  // slots 2k, 2k + 1 <- dims (k < 4: 4k, 4k + 1; else 4(k - 4) + 2, + 3)
+      const int src = k < 4 ? 4 * k : 4 * (k - 4) + 2;
+      out[k] = ptx::pack2<__half>(ldexpf(v[src], e), ldexpf(v[src + 1], e));
+    }
+    if (ok) {
+      *reinterpret_cast<uint4*>(sQ + swz<D>(rr, 2 * c)) = make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(sQ + swz<D>(rr, 2 * c + 1)) = make_uint4(out[4], out[5], out[6], out[7]);
+      if (c == 0) qinv[rr] = ldexpf(1.f, -e);
+    }
+  }
+}
+
+/// DecodeWarp over an fp8 stage: the same recurrence, with K and V fragments taken by ldmatrix
+/// straight from the codes and converted in registers (no converted copy in shared memory, no
+/// extra barrier), fp16 MMAs against the fp16 query rows of prepare_q_fp16, and P packed as fp16
+/// (finer than bf16 on [0, 1]; a p below 2^-24 flushes, as in any fp16 attention).
+///   K: an ldmatrix of 8 keys x 16 codes gives lane (g, t) codes 4t .. 4t+3 of key g, one cvt per
+///      pair: the B fragment of that n8 x k16 block with k slots (2t, 2t+1, 2t+8, 2t+9) holding dims
+///      4t .. 4t+3, the order prepare_q_fp16 gave Q.
+///   V: an ldmatrix.trans of the same block gives lane (g, t) dims 2g, 2g+1 of keys 2t, 2t+1; one
+///      byte permute makes the key pairs of dim 2g and of dim 2g+1, so a block of 16 dims feeds two
+///      n8 tiles, the even dims (acc_o[2c]) and the odd ones (acc_o[2c + 1]). Lane (g, t) ends with
+///      dims 16c + 4t .. 4t+3 of its rows (store_o).
+template <int D, typename T>
+struct DecodeWarp8 {
+  static constexpr int DT = D / 8, KT = D / 16;
+  static constexpr std::uint32_t kRowBytes = D;  ///< a stage row: D codes
+  int row_t[2], row_ia[2];
+  float row_slope[2], row_qinv[2];
+  std::uint32_t q_base, k_base, v_base;
+  float acc_o[DT][4];
+  RowSoftmax row[2];
+
+  __device__ __forceinline__ DecodeWarp8(const DecodeKernelParams& p, const DecodeCta& cta, const T* sQ,
+                                         const float* qinv, const Fp8Code* sK, const Fp8Code* sV, int row0, int wr,
+                                         int lane) {
+    const int g = lane / 4, Sq = p.seqlen_q;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int gr = min(row0 + wr * 16 + g + 8 * r, p.rows - 1);
+      row_t[r] = gr % Sq;
+      row_ia[r] = row_t[r] + cta.len - Sq;
+      row_slope[r] =
+          p.alibi != nullptr ? cta.score.slope_raw(__ldg(p.alibi + cta.b * p.alibi_batch_stride + cta.hk * p.group + gr / Sq)) : 0.f;
+      row_qinv[r] = qinv[wr * 16 + g + 8 * r];
+    }
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+    const std::uint32_t r7 = lane & 7;
+    q_base = ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * (D * 2) + (((lane >> 4) ^ r7) << 4);
+    // lanes 8m .. 8m + 7 address matrix m: keys 0-7 / 8-15 (m & 1) of the chunk, 16-code block
+    // 2 kp + m / 2; kp enters as an XOR on the swizzled block (swz8), as in DecodeWarp
+    const std::uint32_t f = D >= 128 ? r7 : (r7 >> 1) & 3;
+    const std::uint32_t lane_off = (r7 + ((lane >> 3) & 1) * 8) * D + (((lane >> 4) ^ f) << 4);
+    k_base = ptx::smem_u32(sK) + lane_off;
+    v_base = ptx::smem_u32(sV) + lane_off;
+  }
+
+  /// As DecodeWarp::chunk (16 keys at byte offset chunk_off of the stages).
+  __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const DecodeCta& cta, std::uint32_t chunk_off,
+                                        int j_chunk, bool full, int t4) {
+    const algebra::ScoreTransform& sc = cta.score;
+    float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kp = 0; kp < KT / 2; ++kp) {
+      std::uint32_t kf[4];  // keys 0-7 / 8-15 of dims 32 kp .. + 15, then of dims 32 kp + 16 .. + 31
+      ptx::ldmatrix_x4(kf, (k_base + chunk_off) ^ (kp << 5));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        std::uint32_t a[4];
+        ptx::ldmatrix_x4(a, q_base ^ ((2 * kp + h) << 5));
+        ptx::mma_16816<__half>(s_acc[0], a, f16x2_of_e4m3x2(kf[2 * h]), f16x2_of_e4m3x2(kf[2 * h] >> 16));
+        ptx::mma_16816<__half>(s_acc[1], a, f16x2_of_e4m3x2(kf[2 * h + 1]), f16x2_of_e4m3x2(kf[2 * h + 1] >> 16));
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j_chunk + nt * 8 + 2 * t4 + (e & 1);
+        float u = sc.raw(s_acc[nt][e] * row_qinv[r]);
+        if (sc.cap > 0.f) u = sc.softcap(u);
+        if (p.alibi != nullptr) u = algebra::alibi(u, row_slope[r], static_cast<float>(j - row_ia[r]));
+        if (!full && !cta.rules.visible(row_t[r], j)) u = -INFINITY;
+        s_acc[nt][e] = u;
+      }
+    float corr[2];
+    softmax_block<2>([&](int j, int k) -> float& { return s_acc[j][k]; }, row, sc.c, corr);
+    rescale_rows_if_moved<DT>([&](int j, int k) -> float& { return acc_o[j][k]; }, corr);
+    std::uint32_t a[4];
+    a[0] = ptx::pack2<__half>(s_acc[0][0], s_acc[0][1]);
+    a[1] = ptx::pack2<__half>(s_acc[0][2], s_acc[0][3]);
+    a[2] = ptx::pack2<__half>(s_acc[1][0], s_acc[1][1]);
+    a[3] = ptx::pack2<__half>(s_acc[1][2], s_acc[1][3]);
+#pragma unroll
+    for (int kp = 0; kp < KT / 2; ++kp) {
+      std::uint32_t vf[4];  // as kf, transposed: lane (g, t) holds dims 2g, 2g+1 of keys 2t, 2t+1
+      ptx::ldmatrix_x4_trans(vf, (v_base + chunk_off) ^ (kp << 5));
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int c = 2 * kp + h;
+        const std::uint32_t lo = __byte_perm(vf[2 * h], 0, 0x3120);      // keys 2t, 2t+1: dim 2g | dim 2g+1
+        const std::uint32_t hi = __byte_perm(vf[2 * h + 1], 0, 0x3120);  // keys 2t+8, 2t+9
+        ptx::mma_16816<__half>(acc_o[2 * c], a, f16x2_of_e4m3x2(lo), f16x2_of_e4m3x2(hi));
+        ptx::mma_16816<__half>(acc_o[2 * c + 1], a, f16x2_of_e4m3x2(lo >> 16), f16x2_of_e4m3x2(hi >> 16));
+      }
+    }
+  }
+
+  /// Row r (g or g + 8) of the warp's O accumulator into an fp32 row of D columns: lane (g, t) holds
+  /// dims 16c + 4t .. 4t+3 (even dims in acc_o[2c], odd ones in acc_o[2c + 1]).
+  __device__ __forceinline__ void store_o(float* o_row, int r, int t4) const {
+#pragma unroll
+    for (int c = 0; c < KT; ++c)
+      *reinterpret_cast<float4*>(o_row + 16 * c + 4 * t4) =
+          make_float4(acc_o[2 * c][2 * r], acc_o[2 * c + 1][2 * r], acc_o[2 * c][2 * r + 1], acc_o[2 * c + 1][2 * r + 1]);
   }
 };
 
