@@ -58,6 +58,15 @@
 //       q_out[b, s]          = apply_rotary(q[b, s]) at position p       (when heads_q > 0)
 //     Slot j of sequence b is decode's: contiguous cache row j of batch entry b, or in-page row
 //     j % page_size of page block_table[b * block_table_stride + j / page_size].
+//     An fp8 e4m3 cache (cache.k and cache.v of DType::kF8E4M3, with fp32 per-KV-head scales
+//     cache.k_scale / v_scale; decode.h) stores codes instead, by decode's rule, for KV head hk:
+//       cache.k[slot j of b] = e4m3( rotate_fp32(k_new[b, s]) / k_scale[hk] )
+//       cache.v[slot j of b] = e4m3( v_new[b, s] / v_scale[hk] )
+//     where rotate_fp32 is the rotation above in fp32, NOT rounded to the dtype first, the division
+//     is an fp32 division and e4m3() rounds to nearest even, saturating at +-448 (infinity too);
+//     NaN gives a NaN code, 0x7f or 0xff (the CPU backend keeps the NaN's sign; the GPU's
+//     cvt.rn.satfinite gives 0x7f). decode_run's append applies the same rule with the same
+//     conversions, so both appends write the same bytes on one backend. q_out is q's dtype as above.
 //
 // Entry points validate first (one-sentence Status on failure), then run on opt.backend:
 // kAuto picks CUDA for device pointers and the CPU backend for host pointers; kCpu runs the fp32
@@ -238,8 +247,11 @@ Status qk_norm_rope(const QkNormRopeParams& p, const RunOptions& opt = {});
 /// k_new (batch, seqlen, heads_kv, head_dim) and v_new (..., head_dim_v) are TensorViews with a
 /// contiguous last dim; a packed (tokens, heads, dim) tensor of one new token per sequence is
 /// batch = tokens, seqlen = 1. The cache is decode.h's KVCacheView (contiguous or paged, same
-/// geometry rules), k_new's dtype (fp16 or bf16 on CUDA, fp32 too on the CPU backend); an fp8
-/// e4m3 cache is refused for now. Nothing outside the written slots changes.
+/// geometry rules), of k_new's dtype (fp16 or bf16 on CUDA, fp32 too on the CPU backend) or fp8
+/// e4m3 with per-KV-head k_scale / v_scale (required for fp8 and refused otherwise; positive and
+/// finite; on CUDA the cache 16-byte aligned with strides in multiples of 16 codes, as decode
+/// reads it): K and V are quantized in the same pass (header comment). Nothing outside the
+/// written slots changes.
 ///
 /// Device values the host cannot read (CUDA backend) are handled as decode does: a length
 /// outside [0, slots - seqlen] is clamped into it and a block-table entry into [0, num_pages),

@@ -687,3 +687,88 @@ def merge_host(v_a: np.ndarray, s_a: np.ndarray, v_b: np.ndarray, s_b: np.ndarra
         c = lambda x, shape: np.ascontiguousarray(x, dtype=np.float32).reshape(shape)  # noqa: E731
         _C.merge_by_lse(c(v_a, (rows, dim)), c(s_a, (rows,)), c(v_b, (rows, dim)), c(s_b, (rows,)), o, lse)
     return o.reshape(v_a.shape), lse.reshape(s_a.shape)
+
+
+# ---- KV caches (decode and rope_append_kv) ---------------------------------------------------
+#: The cache's dtype: q's, or OCP fp8 e4m3 ("e4m3fn": torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn)
+#: with per-KV-head fp32 scales, K = code * k_scale and V = code * v_scale (both backends).
+FP8_E4M3 = "float8_e4m3fn"
+CACHE_CODES = dict(_DTYPE_CODES, **{FP8_E4M3: _C.DTYPE_F8E4M3})
+
+
+def capturing(device: Any) -> bool:
+    return (torch is not None and isinstance(device, torch.device) and device.type == "cuda"
+            and torch.cuda.is_current_stream_capturing())
+
+
+def small_array(x: Any, name: str, kind: str, like: Any, is_cuda: bool, device: Any) -> Any:
+    """A small array (lengths, block table, slopes, rotary tables) as the binding wants it: int32 or
+    float32, contiguous, where the step runs. No copy when it already is; a copy otherwise (outside
+    a CUDA graph capture: the run of a captured graph must be handed the right tensors)."""
+    if x is None:
+        return None
+    want_np = np.int32 if kind == "int32" else np.float32
+    if is_cuda:
+        want = torch.int32 if kind == "int32" else torch.float32
+        if isinstance(x, torch.Tensor):
+            if kind == "int32" and (x.dtype.is_floating_point or x.dtype.is_complex):
+                raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+            if x.device != device:
+                if x.device.type == "cuda":
+                    raise ValueError(f"{name} must be on q's device ({device}); got {x.device}")
+            elif x.dtype == want and x.is_contiguous():
+                return x
+            if capturing(device):
+                raise ValueError(f"{name} must already be a contiguous {kind} tensor on {device} inside a CUDA "
+                                 f"graph capture (got {x.dtype} on {x.device}); converting it would copy")
+            return x.to(device=device, dtype=want).contiguous()
+        if capturing(device):
+            raise ValueError(f"{name} must be a {kind} tensor on {device} inside a CUDA graph capture")
+        a = np.asarray(x)
+        if kind == "int32" and a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        return torch.as_tensor(np.ascontiguousarray(a, dtype=want_np), device=device)
+    if is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be on the host like q; got {x.device}")
+        if kind == "int32" and (x.dtype.is_floating_point or x.dtype.is_complex):
+            raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+        x = x.detach().numpy() if x.dtype != torch.bfloat16 else x.detach().float().numpy()
+    a = np.asarray(x)
+    if kind == "int32":
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"{name} values must fit int32")
+    return np.ascontiguousarray(a, dtype=want_np)
+
+
+def kv_scales(k_scale: Any, v_scale: Any, fp8: bool, heads_kv: int, like: Any, is_cuda: bool, device: Any,
+              check_values: bool = True) -> Tuple[Any, Any]:
+    """k_scale and v_scale of an fp8 cache as fp32 (heads_kv,) arrays on the cache's device: a
+    number is every head's scale. They belong to an fp8 cache only. Host values are checked by the
+    C++ validator (positive and finite); device values are the caller's to keep so."""
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{'k_scale' if k_scale is not None else 'v_scale'} is given but the cache is not "
+                             f"{FP8_E4M3} (the scales dequantize an fp8 cache)")
+        return None, None
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"an {FP8_E4M3} cache needs k_scale and v_scale (K = code * k_scale, V = code * v_scale): "
+                         "a number, or one per KV head")
+    out = []
+    for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool):
+            x = np.full(heads_kv, float(x), dtype=np.float32)
+        if not check_values and is_torch(x):  # the fake of the torch op: shapes only
+            if tuple(x.shape) != (heads_kv,):
+                raise ValueError(f"{name} must be a number or have shape (heads_kv,) = ({heads_kv},); "
+                                 f"got {tuple(x.shape)}")
+            out.append(x)
+            continue
+        a = small_array(x, name, "float32", like, is_cuda, device)
+        if tuple(a.shape) != (heads_kv,):
+            raise ValueError(f"{name} must be a number or have shape (heads_kv,) = ({heads_kv},); "
+                             f"got {tuple(a.shape)}")
+        out.append(a)  # values: the C++ validator checks host ones (positive and finite)
+    return out[0], out[1]

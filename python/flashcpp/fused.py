@@ -712,8 +712,9 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
                    positions: Any = None, *, block_table: Any = None, style: Optional[str] = "neox",
                    rotary_dim: Optional[int] = None, theta: float = 10000.0,
                    llama3: Optional[Mapping[str, Any]] = None, cos_sin_cache: Any = None,
-                   inplace_q: bool = False, q_out: Any = None, backend: str = "auto", cpu_threads: int = 0,
-                   cuda_config: str = "", stream: Optional[int] = None) -> Any:
+                   inplace_q: bool = False, q_out: Any = None, k_scale: Any = None, v_scale: Any = None,
+                   backend: str = "auto", cpu_threads: int = 0, cuda_config: str = "",
+                   stream: Optional[int] = None) -> Any:
     """Rotates the new keys and writes them and the new values into a KV cache (and rotates q).
 
     k, v: (batch, seqlen, heads_kv, head_dim[_v]) new tokens, or 3-D (batch, heads_kv, ...) with one
@@ -724,11 +725,25 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     arguments are apply_rotary's (style None: no rotation). q (optional, k's leading dims and
     head_dim) is rotated at the same positions into q_out (a new array) or in place (inplace_q).
     The cache is written in place; cache_seqlens is not advanced. Returns q_out (None without q).
+
+    The cache holds k's dtype, or fp8 e4m3 (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn on numpy;
+    both backends) with k_scale and v_scale (a number, or fp32 (heads_kv,) per KV head), as
+    flash_attn_with_kvcache takes them: the cache then receives the codes of
+    rotate(k) / k_scale (the rotation in fp32, not rounded to k's dtype first) and v / v_scale,
+    rounded to nearest even and saturated at +-448, the bytes decode's append writes. q_out stays
+    in q's dtype.
     """
     mk, mv = _core.meta(k, "k"), _core.meta(v, "v")
     mkc, mvc = _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
-    for m in (mk, mv, mkc, mvc):
+    for m in (mk, mv):
         _check_dtype(m, "rope_append_kv")
+    for m in (mkc, mvc):
+        if m.dtype != _core.FP8_E4M3:
+            _check_dtype(m, "rope_append_kv")
+    if mkc.dtype != mvc.dtype or (mkc.dtype != _core.FP8_E4M3 and mkc.dtype != mk.dtype):
+        raise TypeError(f"k_cache and v_cache must share k's dtype, or both be {_core.FP8_E4M3} (with k_scale and "
+                        f"v_scale); got k {mk.dtype}, k_cache {mkc.dtype}, v_cache {mvc.dtype}")
+    fp8 = mkc.dtype == _core.FP8_E4M3
     batch, seqlen, knv = _bshd(mk, one_token_per_batch=True)
     heads_kv, head_dim = mk.shape[-2], mk.shape[-1]
     if tuple(mv.shape[:-1]) != tuple(mk.shape[:-1]):
@@ -740,7 +755,7 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
             raise ValueError(f"{mc.name} must be 4-D (blocks, slots, heads_kv={heads_kv}, {d}); got shape {mc.shape}")
     if tuple(mkc.shape[:2]) != tuple(mvc.shape[:2]):
         raise ValueError(f"v_cache must have k_cache's leading dims {tuple(mkc.shape[:2])}; got {mvc.shape}")
-    ms = [mk, mv, mkc, mvc]
+    ms = [mk, mv]
     heads_q = 0
     if q is not None:
         mq = _core.meta(q, "q")
@@ -752,13 +767,20 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     elif q_out is not None or inplace_q:
         raise ValueError("q_out / inplace_q given without q")
     _check_same(ms, "rope_append_kv")
+    _core._same_library("k, k_cache, v_cache", mk, mkc, mvc)
+    for mc in (mkc, mvc):
+        if mc.device != mk.device:
+            raise ValueError(f"{mc.name} is on {mc.device} but k is on {mk.device} "
+                             "(the tensors of rope_append_kv live on one device)")
     first = ms[0]
-    code = _core._DTYPE_CODES[mk.dtype]
+    code, cache_code = _core._DTYPE_CODES[mk.dtype], _core.CACHE_CODES[mkc.dtype]
+    ks, vs = _core.kv_scales(k_scale, v_scale, fp8, int(heads_kv), k, mk.is_cuda, mk.device)
     lens = _positions_arg(cache_seqlens, k, "cache_seqlens", ((batch,),))
     pos = _positions_arg(positions, k, "positions", ((batch * seqlen,), (batch, seqlen)))
     cache = _C.KVCacheView()
-    cache.k = _C.TensorView(_core.data_ptr(k_cache), code, *_core._view(mkc, varlen=False))
-    cache.v = _C.TensorView(_core.data_ptr(v_cache), code, *_core._view(mvc, varlen=False))
+    cache.k = _C.TensorView(_core.data_ptr(k_cache), cache_code, *_core._view(mkc, varlen=False))
+    cache.v = _C.TensorView(_core.data_ptr(v_cache), cache_code, *_core._view(mvc, varlen=False))
+    cache.k_scale, cache.v_scale = _core.data_ptr(ks), _core.data_ptr(vs)
     table = None
     if block_table is not None:
         table = _positions_arg(block_table, k, "block_table", ((batch, _core.meta(block_table, "block_table").shape[-1]),))
@@ -795,7 +817,7 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     opt = _options(backend, cpu_threads, cuda_config, k, first, stream)
     if batch * seqlen > 0:
         _call(k, first, _C.rope_append_kv, p, opt)
-    del tables, table
+    del tables, table, ks, vs  # kept alive through the call
     if q is None:
         return None
     return q if inplace_q else q_out

@@ -25,6 +25,7 @@
 
 #include "core/decode_backends.h"
 #include "core/head_dim_checks.h"
+#include "core/kv_cache_checks.h"
 #include "flashcpp/decode.h"
 
 #include "core/message.h"
@@ -82,22 +83,14 @@ Status check_view(const char* name, const TensorView& t, std::int64_t e0, std::i
   if (addr(t.data) % elem != 0)
     return Status::Invalid(cat(name, ".data ", static_cast<const void*>(t.data), " is not aligned to its ", elem,
                                "-byte ", dtype_name(t.dtype), " elements"));
-  if (r.cuda && addr(t.data) % kCudaVectorBytes != 0)
-    return Status::Invalid(cat(name, ".data ", static_cast<const void*>(t.data),
-                               " is not 16-byte aligned (the CUDA kernels use 16-byte vector loads)"));
   std::array<Dim, 4> d = {{{stride0, t.batch_stride, e0, false},
                            {"seq_stride", t.seq_stride, e1, false},
                            {"head_stride", t.head_stride, e2, false},
                            {"head_dim", 1, dim, true}}};
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < 3; ++i)
     if (d[i].stride < 0)
       return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride, " is negative (strides must be >= 0)"));
-    // 16 bytes: 8 elements of 16 bits, 16 fp8 codes.
-    const std::int64_t vec = kCudaVectorBytes / elem;
-    if (r.cuda && d[i].extent > 1 && d[i].stride % vec != 0)
-      return Status::Invalid(cat(name, ".", d[i].name, " ", d[i].stride, " is not a multiple of ", vec,
-                                 " elements (the CUDA kernels use 16-byte vector loads)"));
-  }
+  if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_vector_view(name, t, e0, e1, e2, stride0));
   std::int64_t end = 1;  // largest offset + 1
   for (const Dim& x : d) {
     std::int64_t step = 0;
@@ -148,6 +141,65 @@ Status check_array(const char* name, const void* p, std::int64_t count, std::siz
 
 }  // namespace
 
+// ---- the KV-cache rules rope_append_kv shares (core/kv_cache_checks.h) ----------------------
+
+namespace detail {
+
+Status check_cache_dtype(const KVCacheView& c, DType dt, const char* owner) {
+  for (const auto& [name, t] : {std::pair{"cache.k", c.k.dtype}, std::pair{"cache.v", c.v.dtype}})
+    if (!known_dtype(t) && t != DType::kF8E4M3)
+      return Status::Invalid(cat(name, ".dtype ", static_cast<int>(t),
+                                 " is not a known cache dtype (fp16, bf16, fp32, or fp8_e4m3 with scales)"));
+  if (c.k.dtype == DType::kF8E4M3 || c.v.dtype == DType::kF8E4M3) {
+    if (c.k.dtype != c.v.dtype)
+      return Status::Invalid(cat("cache.k.dtype ", dtype_name(c.k.dtype), " differs from cache.v.dtype ",
+                                 dtype_name(c.v.dtype), " (an fp8 cache quantizes both K and V)"));
+    return Status::Ok();
+  }
+  for (const auto& [name, t] : {std::pair{"cache.k", c.k.dtype}, std::pair{"cache.v", c.v.dtype}})
+    if (t != dt)
+      return Status::Invalid(cat(name, ".dtype ", dtype_name(t), " differs from ", owner, ".dtype ", dtype_name(dt),
+                                 " (the cache holds ", owner, "'s dtype, or fp8_e4m3 with scales)"));
+  if (c.k_scale != nullptr || c.v_scale != nullptr)
+    return Status::Invalid(cat(c.k_scale ? "cache.k_scale" : "cache.v_scale", " is set but the cache is ",
+                               dtype_name(c.k.dtype), " (the scales belong to an fp8_e4m3 cache)"));
+  return Status::Ok();
+}
+
+Status check_cache_scale_arrays(const KVCacheView& c, int heads_kv, Span* k_span, Span* v_span) {
+  if (!c.fp8()) return Status::Ok();
+  FLASHCPP_RETURN_IF_ERROR(check_array("cache.k_scale", c.k_scale, heads_kv, 4, "fp32", k_span));
+  return check_array("cache.v_scale", c.v_scale, heads_kv, 4, "fp32", v_span);
+}
+
+Status check_cache_scale_values(const KVCacheView& c, int heads_kv) {
+  if (!c.fp8()) return Status::Ok();
+  for (int h = 0; h < heads_kv; ++h)
+    for (const auto& [name, sc] : {std::pair{"cache.k_scale", c.k_scale}, std::pair{"cache.v_scale", c.v_scale}})
+      if (!(std::isfinite(sc[h]) && sc[h] > 0.f))
+        return Status::Invalid(cat(name, "[", h, "] ", static_cast<double>(sc[h]), " must be positive and finite"));
+  return Status::Ok();
+}
+
+Status check_cuda_vector_view(const char* name, const TensorView& t, std::int64_t e0, std::int64_t e1,
+                              std::int64_t e2, const char* stride0) {
+  if (addr(t.data) % kCudaVectorBytes != 0)
+    return Status::Invalid(cat(name, ".data ", static_cast<const void*>(t.data),
+                               " is not 16-byte aligned (the CUDA kernels use 16-byte vector loads)"));
+  // 16 bytes: 8 elements of 16 bits, 16 fp8 codes.
+  const std::int64_t vec = kCudaVectorBytes / static_cast<std::int64_t>(dtype_size(t.dtype));
+  const std::array<Dim, 3> d = {{{stride0, t.batch_stride, e0, false},
+                                 {"seq_stride", t.seq_stride, e1, false},
+                                 {"head_stride", t.head_stride, e2, false}}};
+  for (const Dim& x : d)
+    if (x.extent > 1 && x.stride % vec != 0)
+      return Status::Invalid(cat(name, ".", x.name, " ", x.stride, " is not a multiple of ", vec,
+                                 " elements (the CUDA kernels use 16-byte vector loads)"));
+  return Status::Ok();
+}
+
+}  // namespace detail
+
 float DecodeParams::effective_scale() const noexcept {
   if (softmax_scale != 0.f) return softmax_scale;
   return head_dim > 0 ? 1.f / std::sqrt(static_cast<float>(head_dim)) : 0.f;
@@ -172,38 +224,21 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
   if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "decode"));
   // dtypes
   const bool append = p.has_append();
-  // q, o and the new K/V share one dtype; the cache holds it too, or fp8 e4m3 with per-head scales.
-  const bool fp8 = p.cache.k.dtype == DType::kF8E4M3 || p.cache.v.dtype == DType::kF8E4M3;
-  std::array<std::pair<const char*, DType>, 6> ts = {{{"q", p.q.dtype},
-                                                       {"o", p.o.dtype},
-                                                       {"k_new", p.k_new.dtype},
-                                                       {"v_new", p.v_new.dtype},
-                                                       {"cache.k", p.cache.k.dtype},
-                                                       {"cache.v", p.cache.v.dtype}}};
+  // q, o and the new K/V share one dtype; the cache holds it too, or fp8 e4m3 with per-head scales
+  // (kv_cache_checks.h, the rules rope_append_kv's cache follows too).
+  std::array<std::pair<const char*, DType>, 4> ts = {
+      {{"q", p.q.dtype}, {"o", p.o.dtype}, {"k_new", p.k_new.dtype}, {"v_new", p.v_new.dtype}}};
   for (std::size_t i = 0; i < ts.size(); ++i) {
     if (!append && (i == 2 || i == 3)) continue;
-    if (!known_dtype(ts[i].second) && !(i >= 4 && ts[i].second == DType::kF8E4M3))
+    if (!known_dtype(ts[i].second))
       return Status::Invalid(cat(ts[i].first, ".dtype ", static_cast<int>(ts[i].second),
-                                 i >= 4 ? " is not a known cache dtype (fp16, bf16, fp32, or fp8_e4m3 with scales)"
-                                        : " is not a known dtype (fp16, bf16 or fp32)"));
+                                 " is not a known dtype (fp16, bf16 or fp32)"));
   }
   for (std::size_t i = 1; i < 4; ++i)
     if ((append || i < 2) && ts[i].second != p.q.dtype)
       return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
                                  dtype_name(p.q.dtype), " (q, o and k_new/v_new share one dtype)"));
-  if (fp8) {
-    if (p.cache.k.dtype != p.cache.v.dtype)
-      return Status::Invalid(cat("cache.k.dtype ", dtype_name(p.cache.k.dtype), " differs from cache.v.dtype ",
-                                 dtype_name(p.cache.v.dtype), " (an fp8 cache quantizes both K and V)"));
-  } else {
-    for (std::size_t i = 4; i < 6; ++i)
-      if (ts[i].second != p.q.dtype)
-        return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
-                                   dtype_name(p.q.dtype), " (the cache holds q's dtype, or fp8_e4m3 with scales)"));
-    if (p.cache.k_scale != nullptr || p.cache.v_scale != nullptr)
-      return Status::Invalid(cat(p.cache.k_scale ? "cache.k_scale" : "cache.v_scale", " is set but the cache is ",
-                                 dtype_name(p.cache.k.dtype), " (the scales belong to an fp8_e4m3 cache)"));
-  }
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_dtype(p.cache, p.q.dtype, "q"));
   if (r.cuda && p.q.dtype == DType::kF32)
     return Status::Unsupported("fp32 decode runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
   // cache geometry
@@ -307,10 +342,7 @@ Status validate(const DecodeParams& p, Backend backend) {
     FLASHCPP_RETURN_IF_ERROR(check_array("lse", p.lse, static_cast<std::int64_t>(p.batch) * p.heads_q * p.seqlen_q,
                                          4, "fp32", &slse));
   Span sks, svs;
-  if (c.fp8()) {
-    FLASHCPP_RETURN_IF_ERROR(check_array("cache.k_scale", c.k_scale, p.heads_kv, 4, "fp32", &sks));
-    FLASHCPP_RETURN_IF_ERROR(check_array("cache.v_scale", c.v_scale, p.heads_kv, 4, "fp32", &svs));
-  }
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_scale_arrays(c, p.heads_kv, &sks, &svs));
   if (p.mask.alibi_slopes)
     FLASHCPP_RETURN_IF_ERROR(check_array("mask.alibi_slopes", p.mask.alibi_slopes,
                                          p.mask.alibi_batch_stride ? static_cast<std::int64_t>(p.batch) * p.heads_q
@@ -342,15 +374,12 @@ Status validate(const DecodeParams& p, Backend backend) {
 
   // 5. host values (CPU backend)
   if (!r.host_arrays) return Status::Ok();
-  if (c.fp8())
-    for (int h = 0; h < p.heads_kv; ++h)
-      for (const auto& [name, sc] : {std::pair{"cache.k_scale", c.k_scale}, std::pair{"cache.v_scale", c.v_scale}}) {
-        if (!(std::isfinite(sc[h]) && sc[h] > 0.f))
-          return Status::Invalid(cat(name, "[", h, "] ", static_cast<double>(sc[h]), " must be positive and finite"));
-        if (sc == c.k_scale)  // the score's units: softmax_scale * k_scale (score_checks.h)
-          FLASHCPP_RETURN_IF_ERROR(check_score_units(p.effective_scale() * sc[h], p.mask.softcap,
-                                                     p.mask.alibi_slopes != nullptr));
-      }
+  if (c.fp8()) {
+    FLASHCPP_RETURN_IF_ERROR(detail::check_cache_scale_values(c, p.heads_kv));
+    for (int h = 0; h < p.heads_kv; ++h)  // the score's units: softmax_scale * k_scale (score_checks.h)
+      FLASHCPP_RETURN_IF_ERROR(
+          check_score_units(p.effective_scale() * c.k_scale[h], p.mask.softcap, p.mask.alibi_slopes != nullptr));
+  }
   const std::int64_t slots = c.slots();
   for (int b = 0; b < p.batch; ++b) {
     const std::int64_t cl = p.cache_seqlens[b];

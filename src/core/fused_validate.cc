@@ -24,6 +24,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/kv_cache_checks.h"
 #include "core/message.h"
 #include "core/rope_checks.h"
 #include "flashcpp/fused.h"
@@ -487,13 +488,8 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
   const RotarySpec& r = p.rotary;
   if (r.style != RopeStyle::kNone) FLASHCPP_RETURN_IF_ERROR(check_rotary_spec("rotary.", p.head_dim, r));
   const KVCacheView& c = p.cache;
-  if (c.k.dtype == DType::kF8E4M3 || c.v.dtype == DType::kF8E4M3)
-    return Status::Unsupported(
-        "rope_append_kv does not write an fp8_e4m3 cache yet (per-head k_scale/v_scale quantization is planned); "
-        "decode_run's append (DecodeParams::k_new / v_new) writes one");
-  if (c.k_scale != nullptr || c.v_scale != nullptr)
-    return Status::Invalid(cat(c.k_scale ? "cache.k_scale" : "cache.v_scale",
-                               " is set but the cache is not fp8_e4m3 (the scales belong to an fp8 cache)"));
+  // The cache holds k_new's dtype, or fp8 e4m3 with per-head scales: decode's rules (kv_cache_checks.h).
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_dtype(c, p.k_new.dtype, "k_new"));
   // Cache geometry: decode's rules (decode.h).
   if (c.paged()) {
     if (!is_pow2(c.page_size) || c.page_size > kDecodeMaxPageSize)
@@ -537,8 +533,17 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
   FLASHCPP_RETURN_IF_ERROR(check_append_view("v_new", p.v_new, p.batch, p.seqlen, p.heads_kv, dv, dt, cuda, &svn));
   const std::int64_t blocks = c.paged() ? c.num_pages : p.batch;
   const std::int64_t rows = c.paged() ? c.page_size : c.capacity;
-  FLASHCPP_RETURN_IF_ERROR(check_append_view("cache.k", c.k, blocks, rows, p.heads_kv, p.head_dim, dt, cuda, &skc));
-  FLASHCPP_RETURN_IF_ERROR(check_append_view("cache.v", c.v, blocks, rows, p.heads_kv, dv, dt, cuda, &svc));
+  // The cache's dtypes passed check_cache_dtype above; an fp8 cache keeps decode's CUDA rule (16-byte
+  // aligned, strides in 16 codes) so that decode reads what this writes.
+  FLASHCPP_RETURN_IF_ERROR(check_view("cache.k", c.k, blocks, rows, p.heads_kv, p.head_dim, &skc));
+  FLASHCPP_RETURN_IF_ERROR(check_view("cache.v", c.v, blocks, rows, p.heads_kv, dv, &svc));
+  if (cuda && c.fp8()) {
+    const char* stride0 = c.paged() ? "batch_stride (page stride)" : "batch_stride";
+    FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_vector_view("cache.k", c.k, blocks, rows, p.heads_kv, stride0));
+    FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_vector_view("cache.v", c.v, blocks, rows, p.heads_kv, stride0));
+  }
+  Span sks, svs;
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_scale_arrays(c, p.heads_kv, &sks, &svs));
   if (p.heads_q > 0) {
     FLASHCPP_RETURN_IF_ERROR(check_append_view("q", p.q, p.batch, p.seqlen, p.heads_q, p.head_dim, dt, cuda, &sq));
     if (p.q_out.data) {
@@ -568,7 +573,7 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
   // (FlashInfer's (pages, 2, page_size, heads, dim) layout); nothing written meets anything read.
   if (p.heads_q > 0 && p.q_out.data && sqo.overlaps(sq) && !same_view(p.q_out, p.q)) return overlap_error(sqo, sq);
   if (skc.overlaps(svc)) {
-    const std::int64_t step = c.k.batch_stride, e = static_cast<std::int64_t>(dtype_size(dt));
+    const std::int64_t step = c.k.batch_stride, e = static_cast<std::int64_t>(dtype_size(c.k.dtype));
     const std::int64_t ext_k = (rows - 1) * c.k.seq_stride + (p.heads_kv - 1) * c.k.head_stride + p.head_dim;
     const std::int64_t ext_v = (rows - 1) * c.v.seq_stride + (p.heads_kv - 1) * c.v.head_stride + dv;
     const bool paired = blocks <= 1 ? false
@@ -577,7 +582,7 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
     if (!paired) return overlap_error(skc, svc);
   }
   for (const Span* out : {&skc, &svc, &sqo})
-    for (const Span* in : {&skn, &svn, &sq, &scl, &sbt, &spos, &scos, &ssin})
+    for (const Span* in : {&skn, &svn, &sq, &scl, &sbt, &spos, &scos, &ssin, &sks, &svs})
       if (out != &sqo || in != &sq)
         if (out->overlaps(*in)) return overlap_error(*out, *in);
   if (sqo.overlaps(skc)) return overlap_error(sqo, skc);
@@ -585,9 +590,11 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
   return Status::Ok();
 }
 
-/// Host-memory checks of the CPU backend for rope_append_kv: lengths, pages in use, positions.
+/// Host-memory checks of the CPU backend for rope_append_kv: an fp8 cache's scales, lengths, pages
+/// in use, positions.
 Status check_append_host(const RopeAppendParams& p) {
   const KVCacheView& c = p.cache;
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_scale_values(c, p.heads_kv));
   const std::int64_t room = c.slots() - p.seqlen;
   for (int b = 0; b < p.batch; ++b) {
     const std::int64_t len = p.cache_seqlens[b];

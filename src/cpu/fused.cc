@@ -139,6 +139,25 @@ void rotate_head(const typename E::S* in, typename E::S* out, const float* cs, c
     for (int j = 2 * half; j < head_dim; ++j) out[j] = in[j];
 }
 
+/// One head rotated into fp32, unrounded (rotate_head's pairs; dims past them as they are): the
+/// key an fp8 cache quantizes (fused.h: K is not rounded to the dtype before its division by the scale).
+template <class E>
+void rotate_head_f32(const typename E::S* in, float* out, const float* cs, const float* sn, int half, int head_dim,
+                     RopeStyle style) {
+  for (int j = 0; j < head_dim; ++j) out[j] = E::ld(in[j]);
+  for (int i = 0; i < half; ++i) {
+    const int ia = style == RopeStyle::kNeox ? i : 2 * i;
+    const int ib = style == RopeStyle::kNeox ? i + half : 2 * i + 1;
+    fused::rotate_pair(out[ia], out[ib], cs[i], sn[i]);
+  }
+}
+
+/// The fp8 e4m3 codes of n fp32 values divided by the head's scale (decode.h's rule, as decode's
+/// append stores them): round to nearest even, saturating at +-448, NaN stays NaN.
+void quantize_fp8(const float* x, int n, float scale, std::uint8_t* dst) {
+  for (int j = 0; j < n; ++j) dst[j] = float_to_fp8e4m3_bits(x[j] / scale);
+}
+
 }  // namespace
 
 Status fused_rms_norm(const RmsNormParams& p, bool with_residual, int threads) {
@@ -255,6 +274,7 @@ Status fused_rope_append_kv(const RopeAppendParams& p, int threads) {
   const int half = rotate ? p.effective_rotary_dim() / 2 : 0;
   const int dv = p.effective_head_dim_v();
   const KVCacheView& c = p.cache;
+  const bool fp8 = c.fp8();  // codes of x / scale (fused.h), else the dtype of k_new
   int page_shift = 0;
   while (c.paged() && (1 << page_shift) < c.page_size) ++page_shift;
   const std::int64_t tokens = static_cast<std::int64_t>(p.batch) * p.seqlen;
@@ -264,6 +284,7 @@ Status fused_rope_append_kv(const RopeAppendParams& p, int threads) {
     const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_kv) * p.head_dim + p.heads_kv * dv;
     parallel_chunks(tokens, per_token, threads, [&](std::int64_t t0, std::int64_t t1) {
       std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
+      std::vector<float> row(static_cast<std::size_t>(fp8 ? std::max(p.head_dim, dv) : 0));
       const RotarySpec spec = rotate ? p.rotary : RotarySpec::of_style(RopeStyle::kNeox);
       const RotaryAngles angles(spec, p.head_dim);
       for (std::int64_t t = t0; t < t1; ++t) {
@@ -272,8 +293,8 @@ Status fused_rope_append_kv(const RopeAppendParams& p, int threads) {
         const int j = fused::append_base(p.cache_seqlens[b], c.slots(), p.seqlen) + s;
         const std::int32_t pos = p.positions ? p.positions[t] : j;
         for (int i = 0; i < half; ++i) angles.at(pos, i, &cs[i], &sn[i]);
-        std::int64_t block = 0, row = 0;
-        fused::slot_place(c.block_table, c.block_table_stride, page_shift, c.num_pages, c.paged(), b, j, &block, &row);
+        std::int64_t block = 0, slot = 0;
+        fused::slot_place(c.block_table, c.block_table_stride, page_shift, c.num_pages, c.paged(), b, j, &block, &slot);
         auto rotate_or_copy = [&](const S* src, S* dst, bool copy_tail) {
           if (rotate)
             rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, copy_tail);
@@ -285,10 +306,17 @@ Status fused_rope_append_kv(const RopeAppendParams& p, int threads) {
                         h * p.k_new.head_stride;
           const S* vn = static_cast<const S*>(p.v_new.data) + b * p.v_new.batch_stride + s * p.v_new.seq_stride +
                         h * p.v_new.head_stride;
-          S* kc = static_cast<S*>(c.k.data) + block * c.k.batch_stride + row * c.k.seq_stride + h * c.k.head_stride;
-          S* vc = static_cast<S*>(c.v.data) + block * c.v.batch_stride + row * c.v.seq_stride + h * c.v.head_stride;
-          rotate_or_copy(kn, kc, true);
-          std::copy(vn, vn + dv, vc);
+          const std::int64_t ko = block * c.k.batch_stride + slot * c.k.seq_stride + h * c.k.head_stride;
+          const std::int64_t vo = block * c.v.batch_stride + slot * c.v.seq_stride + h * c.v.head_stride;
+          if (fp8) {  // K rotated in fp32, V as it is, each divided by its head's scale and quantized
+            rotate_head_f32<E>(kn, row.data(), cs.data(), sn.data(), half, p.head_dim, p.rotary.style);
+            quantize_fp8(row.data(), p.head_dim, c.k_scale[h], static_cast<std::uint8_t*>(c.k.data) + ko);
+            for (int d = 0; d < dv; ++d) row[d] = E::ld(vn[d]);
+            quantize_fp8(row.data(), dv, c.v_scale[h], static_cast<std::uint8_t*>(c.v.data) + vo);
+            continue;
+          }
+          rotate_or_copy(kn, static_cast<S*>(c.k.data) + ko, true);
+          std::copy(vn, vn + dv, static_cast<S*>(c.v.data) + vo);
         }
         const TensorView& qo = p.q_out.data ? p.q_out : p.q;
         for (int h = 0; h < p.heads_q; ++h) {

@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "test_util.h"
 
@@ -1185,9 +1186,6 @@ TEST(FusedValidate, RopeAppendSentences) {
   const Backend b = Backend::kCuda;
   EXPECT_TRUE(Passes(validate(append_base(), b)));
   RopeAppendParams p = append_base();
-  p.cache.k.dtype = p.cache.v.dtype = DType::kF8E4M3;
-  EXPECT_TRUE(Fails(validate(p, b), StatusCode::kUnsupported, {"fp8_e4m3 cache", "not", "k_scale/v_scale"}));
-  p = append_base();
   p.cache.page_size = 3;
   EXPECT_TRUE(Invalid(validate(p, b), {"cache.page_size 3 is not a power of two in [1, 256]"}));
   p = append_base();
@@ -1210,8 +1208,11 @@ TEST(FusedValidate, RopeAppendSentences) {
   p.v_new.seq_stride = 8 * 128;
   EXPECT_TRUE(Invalid(validate(p, b), {"overlaps v_new"}));
   p = append_base();
-  p.k_new.dtype = DType::kF16;
-  EXPECT_TRUE(Invalid(validate(p, b), {"differs from k_new.dtype", "rope_append_kv"}));
+  p.k_new.dtype = DType::kF16;  // the cache holds k_new's dtype (decode's rule)
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k.dtype bf16 differs from k_new.dtype fp16", "or fp8_e4m3 with scales"}));
+  p = append_base();
+  p.q.dtype = DType::kF16;
+  EXPECT_TRUE(Invalid(validate(p, b), {"q.dtype fp16 differs from k_new.dtype bf16", "rope_append_kv"}));
   p = append_base();  // FlashInfer's (pages, 2, page_size, heads, dim): K and V interleave page by page
   p.cache.k.batch_stride = p.cache.v.batch_stride = 2 * 16 * 8 * 128;
   p.cache.v.data = static_cast<char*>(p.cache.k.data) + 16 * 8 * 128 * 2;
@@ -1243,6 +1244,303 @@ TEST(FusedValidate, RopeAppendChecksHostValuesOnTheCpu) {
   std::vector<float> tables(16 * 4, 0.5f);
   p.rotary.set_cos_sin_cache(tables.data(), 7, d);
   EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"position 7 of token 5 is outside the cos/sin tables' rows [0, max_position 7)"}));
+}
+
+// ---- rotary + append into an fp8 e4m3 cache ---------------------------------------------------
+
+/// The e4m3 code of x / scale, fused.h's (and decode.h's) rule, from half.h's conversion.
+std::uint8_t code_of(float x, float scale) { return float_to_fp8e4m3_bits(x / scale); }
+bool nan_code(std::uint8_t c) { return (c & 0x7fu) == 0x7fu; }
+
+/// Per-head scales, log-uniform over [2^-7, 2]: inputs of sd 2 reach past 448 * scale (saturation)
+/// and below the smallest normal code (subnormals) on the heads at either end.
+std::vector<float> random_scales(std::mt19937_64& g, int heads) {
+  std::uniform_real_distribution<float> e(-7.f, 1.f);
+  std::vector<float> s(static_cast<std::size_t>(heads));
+  for (auto& x : s) x = std::exp2(e(g));
+  return s;
+}
+
+/// An fp8 cache: q rotated into q_out in q's dtype as before; K = code(rotate_fp32(k_new) / k_scale)
+/// and V = code(v_new / v_scale) in exactly the slots of decode's rule; every other byte of the
+/// NaN-poisoned cache kept. The expectation is built from the public pieces: apply_rotary on an fp32
+/// copy of k_new (the rotation in fp32, unrounded) and half.h's conversion. Special values: a NaN in
+/// k_new (its pair turns NaN too), +-inf and 1e6 in v_new (saturate to +-448).
+void run_append_fp8(const AppendCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c) + " fp8 cache");
+  auto g = rng(salt);
+  const int d = c.head_dim, dv = c.head_dim_v ? c.head_dim_v : d, ps = c.page_size;
+  const int capacity = c.seqlen + 9, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
+  const int num_pages = ps ? c.batch * pages_per_seq + 2 : 0, slots = ps ? pages_per_seq * ps : capacity;
+  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : c.batch;
+  const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen;
+  HostBuffer q(c.dt, tokens * c.heads_q * d), kn(c.dt, tokens * c.heads_kv * d), vn(c.dt, tokens * c.heads_kv * dv);
+  HostBuffer kc(DType::kF8E4M3, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * d);
+  HostBuffer vc(DType::kF8E4M3, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * dv), qo(c.dt, q.size());
+  q.fill_normal(g);
+  kn.fill_normal(g, 2.f);
+  vn.fill_normal(g, 2.f);
+  const std::int64_t nan_at = (tokens - 1) * c.heads_kv * d + 1;  // last token, head 0, element 1
+  kn.set(nan_at, NAN);
+  vn.set(0, INFINITY);
+  vn.set(1, -INFINITY);
+  vn.set(2, 1e6f);
+  std::memset(kc.data(), 0xFF, kc.bytes.size());  // NaN codes: an unwritten element stays NaN
+  std::memset(vc.data(), 0xFF, vc.bytes.size());
+  qo.poison();
+  const HostBuffer kc0 = kc, vc0 = vc;
+  const std::vector<float> ks = random_scales(g, c.heads_kv), vs = random_scales(g, c.heads_kv);
+  std::vector<std::int32_t> len(static_cast<std::size_t>(c.batch)), pos(static_cast<std::size_t>(tokens)), bt;
+  for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
+  for (std::int64_t t = 0; t < tokens; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(g() % 100000);
+  if (ps) {
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), g);
+    bt.assign(perm.begin(), perm.begin() + c.batch * pages_per_seq);
+  }
+  RopeAppendParams p;
+  p.batch = c.batch, p.seqlen = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv;
+  p.head_dim = d, p.head_dim_v = c.head_dim_v;
+  if (c.heads_q) {
+    p.q = bshd_view(q.data(), c.dt, c.seqlen, c.heads_q, d);
+    p.q_out = bshd_view(qo.data(), c.dt, c.seqlen, c.heads_q, d);
+  }
+  p.k_new = bshd_view(kn.data(), c.dt, c.seqlen, c.heads_kv, d);
+  p.v_new = bshd_view(vn.data(), c.dt, c.seqlen, c.heads_kv, dv);
+  p.cache.k = bshd_view(kc.data(), DType::kF8E4M3, rows, c.heads_kv, d);
+  p.cache.v = bshd_view(vc.data(), DType::kF8E4M3, rows, c.heads_kv, dv);
+  p.cache.k_scale = ks.data();
+  p.cache.v_scale = vs.data();
+  p.cache.capacity = ps ? 0 : capacity;
+  p.cache.page_size = ps;
+  p.cache.num_pages = num_pages;
+  p.cache.pages_per_seq = pages_per_seq;
+  p.cache.block_table_stride = pages_per_seq;
+  p.cache.block_table = ps ? bt.data() : nullptr;
+  p.cache_seqlens = len.data();
+  p.positions = c.positions ? pos.data() : nullptr;
+  p.rotary = RotarySpec::of_style(c.style);
+  p.rotary.rotary_dim = c.rotary_dim;
+  ASSERT_TRUE(Passes(rope_append_kv(p, cpu(2))));
+
+  std::vector<std::int32_t> want_pos(pos);
+  if (!c.positions)
+    for (std::int64_t t = 0; t < tokens; ++t)
+      want_pos[static_cast<std::size_t>(t)] = len[static_cast<std::size_t>(t / c.seqlen)] + static_cast<std::int32_t>(t % c.seqlen);
+  // q in its dtype, and k_new rotated in fp32 (an exact fp32 copy through apply_rotary's fp32 path).
+  HostBuffer rq = q, rk(DType::kF32, kn.size());
+  for (std::int64_t i = 0; i < kn.size(); ++i) rk.set(i, kn.get(i));
+  if (c.style != RopeStyle::kNone) {
+    RopeParams rp;
+    rp.batch = c.batch, rp.seqlen = c.seqlen, rp.heads_q = c.heads_kv, rp.head_dim = d;
+    rp.q = bshd_view(rk.data(), DType::kF32, c.seqlen, c.heads_kv, d);
+    rp.positions = want_pos.data();
+    rp.rotary = p.rotary;
+    ASSERT_TRUE(Passes(apply_rotary(rp, cpu())));
+    if (c.heads_q) {
+      rp.heads_q = c.heads_q;
+      rp.q = bshd_view(rq.data(), c.dt, c.seqlen, c.heads_q, d);
+      rp.rotary = p.rotary;
+      ASSERT_TRUE(Passes(apply_rotary(rp, cpu())));
+    }
+  }
+  if (c.heads_q) EXPECT_TRUE(SameBits(qo, rq));
+  HostBuffer want_k = kc0, want_v = vc0;
+  std::int64_t nan_slot = -1;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const int b = static_cast<int>(t / c.seqlen), j = len[static_cast<std::size_t>(b)] + static_cast<int>(t % c.seqlen);
+    const std::int64_t block = ps ? bt[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b, row = ps ? j % ps : j;
+    for (int h = 0; h < c.heads_kv; ++h) {
+      const std::int64_t at = (block * rows + row) * c.heads_kv + h, src = t * c.heads_kv + h;
+      for (int e = 0; e < d; ++e) want_k.bytes[static_cast<std::size_t>(at * d + e)] = code_of(rk.get(src * d + e), ks[static_cast<std::size_t>(h)]);
+      for (int e = 0; e < dv; ++e) want_v.bytes[static_cast<std::size_t>(at * dv + e)] = code_of(vn.get(src * dv + e), vs[static_cast<std::size_t>(h)]);
+      if (src * d <= nan_at && nan_at < (src + 1) * d) nan_slot = at * d + (nan_at - src * d);
+      if (t == 0 && h == 0) {  // the specials of v_new saturate
+        EXPECT_EQ(vc.bytes[static_cast<std::size_t>(at * dv)], 0x7e) << "+inf -> +448";
+        EXPECT_EQ(vc.bytes[static_cast<std::size_t>(at * dv + 1)], 0xfe) << "-inf -> -448";
+        EXPECT_EQ(vc.bytes[static_cast<std::size_t>(at * dv + 2)], 0x7e) << "1e6 -> +448";
+      }
+    }
+  }
+  ASSERT_GE(nan_slot, 0);
+  EXPECT_TRUE(nan_code(kc.bytes[static_cast<std::size_t>(nan_slot)])) << "NaN in k_new gives a NaN code";
+  EXPECT_TRUE(SameBits(kc, want_k));
+  EXPECT_TRUE(SameBits(vc, want_v));
+}
+
+TEST(RopeAppendKv, Fp8CacheQuantizesTheFp32RotationPerHead) {
+  std::uint64_t salt = 9400;
+  for (DType dt : kAllDtypes)
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      run_append_fp8({3, 5, 4, 2, 128, 0, 0, 16, dt, st}, ++salt);
+      run_append_fp8({2, 7, 2, 1, 64, 40, 32, 1, dt, st}, ++salt);  // page_size 1, partial rotary, head_dim_v 40
+      run_append_fp8({3, 1, 8, 3, 30, 0, 0, 0, dt, st}, ++salt);    // contiguous, odd head, 3 KV heads
+    }
+  run_append_fp8({2, 4, 0, 2, 64, 0, 0, 4, DType::kBF16, RopeStyle::kNeox}, ++salt);         // no q
+  run_append_fp8({2, 4, 2, 2, 64, 0, 0, 4, DType::kF16, RopeStyle::kNeox, false}, ++salt);   // positions = slots
+  run_append_fp8({2, 3, 2, 2, 32, 0, 0, 8, DType::kF32, RopeStyle::kNone}, ++salt);          // no rotary
+}
+
+/// rope_append_kv (positions = slots) and decode_run's append write the same fp8 bytes into
+/// identical caches: one quantization rule for both appends.
+void append_fp8_equals_decode(int batch, int seqlen, int heads_q, int heads_kv, int d, int ps, DType dt,
+                              RopeStyle style, std::uint64_t salt) {
+  SCOPED_TRACE("b" + std::to_string(batch) + " s" + std::to_string(seqlen) + " " + std::to_string(heads_q) + "/" +
+               std::to_string(heads_kv) + " d" + std::to_string(d) + " page" + std::to_string(ps) + " " +
+               dtype_name(dt) + " " + rope_style_name(style));
+  auto g = rng(salt);
+  const int capacity = seqlen + 13, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
+  const int num_pages = ps ? batch * pages_per_seq + 1 : 0, slots = ps ? pages_per_seq * ps : capacity;
+  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : batch;
+  const std::int64_t tokens = static_cast<std::int64_t>(batch) * seqlen, cache_n = static_cast<std::int64_t>(blocks) * rows * heads_kv * d;
+  HostBuffer q(dt, tokens * heads_q * d), o(dt, tokens * heads_q * d), kn(dt, tokens * heads_kv * d), vn = kn;
+  q.fill_normal(g);
+  kn.fill_normal(g, 2.f);
+  vn.fill_normal(g, 2.f);
+  kn.set(3, NAN);
+  HostBuffer kc(DType::kF8E4M3, cache_n), vc = kc;
+  for (auto* c : {&kc, &vc})
+    for (auto& byte : c->bytes) byte = static_cast<std::uint8_t>(g() & 0x77u);  // finite codes: the keys decode reads
+  const HostBuffer kc0 = kc, vc0 = vc;
+  const std::vector<float> ks = random_scales(g, heads_kv), vs = random_scales(g, heads_kv);
+  std::vector<std::int32_t> len(static_cast<std::size_t>(batch)), bt;
+  for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - seqlen + 1));
+  if (ps) {
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), g);
+    bt.assign(perm.begin(), perm.begin() + batch * pages_per_seq);
+  }
+  KVCacheView cache;
+  cache.k = bshd_view(kc.data(), DType::kF8E4M3, rows, heads_kv, d);
+  cache.v = bshd_view(vc.data(), DType::kF8E4M3, rows, heads_kv, d);
+  cache.k_scale = ks.data();
+  cache.v_scale = vs.data();
+  cache.capacity = ps ? 0 : capacity;
+  cache.page_size = ps;
+  cache.num_pages = num_pages;
+  cache.pages_per_seq = pages_per_seq;
+  cache.block_table_stride = pages_per_seq;
+  cache.block_table = ps ? bt.data() : nullptr;
+  const RotarySpec rot = RotarySpec::of_style(style);
+
+  RopeAppendParams a;
+  a.batch = batch, a.seqlen = seqlen, a.heads_kv = heads_kv, a.head_dim = d;
+  a.k_new = bshd_view(kn.data(), dt, seqlen, heads_kv, d);
+  a.v_new = bshd_view(vn.data(), dt, seqlen, heads_kv, d);
+  a.cache = cache;
+  a.cache_seqlens = len.data();
+  a.rotary = rot;
+  ASSERT_TRUE(Passes(rope_append_kv(a, cpu(2))));
+  const HostBuffer kc_append = kc, vc_append = vc;
+  EXPECT_FALSE(kc_append.bytes == kc0.bytes);  // it wrote something
+
+  std::copy(kc0.bytes.begin(), kc0.bytes.end(), kc.bytes.begin());  // the same storage the view names
+  std::copy(vc0.bytes.begin(), vc0.bytes.end(), vc.bytes.begin());
+  DecodeParams p;
+  p.batch = batch, p.seqlen_q = seqlen, p.heads_q = heads_q, p.heads_kv = heads_kv, p.head_dim = d;
+  p.q = bshd_view(q.data(), dt, seqlen, heads_q, d);
+  p.o = bshd_view(o.data(), dt, seqlen, heads_q, d);
+  p.cache = cache;
+  p.cache_seqlens = len.data();
+  p.k_new = a.k_new;
+  p.v_new = a.v_new;
+  p.rotary = rot;
+  DecodePlanOptions po;
+  po.backend = Backend::kCpu;
+  DecodeWorkspaceSize ws;
+  ASSERT_TRUE(Passes(decode_workspace_size(p, po, &ws)));
+  std::vector<std::uint8_t> iw(ws.int_bytes + 16), fw(ws.float_bytes + 16);
+  auto aligned16 = [](std::vector<std::uint8_t>& v) {
+    return v.data() + (16 - reinterpret_cast<std::uintptr_t>(v.data()) % 16) % 16;
+  };
+  DecodePlan plan;
+  ASSERT_TRUE(Passes(decode_plan(p, po, aligned16(iw), ws.int_bytes, aligned16(fw), ws.float_bytes, &plan)));
+  ASSERT_TRUE(Passes(decode_run(p, plan, cpu(2))));
+  EXPECT_TRUE(SameBits(kc_append, kc));
+  EXPECT_TRUE(SameBits(vc_append, vc));
+}
+
+TEST(RopeAppendKv, Fp8CacheBytesEqualDecodeAppends) {
+  std::uint64_t salt = 9500;
+  for (DType dt : kAllDtypes)
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      append_fp8_equals_decode(3, 4, 8, 2, 128, 16, dt, st, ++salt);
+      append_fp8_equals_decode(2, 1, 4, 4, 64, 0, dt, st, ++salt);
+      append_fp8_equals_decode(2, 7, 2, 1, 256, 1, dt, st, ++salt);
+    }
+  append_fp8_equals_decode(2, 3, 4, 2, 64, 8, DType::kBF16, RopeStyle::kNone, ++salt);
+}
+
+TEST(FusedValidate, RopeAppendFp8CacheFollowsDecodesRules) {
+  const Backend b = Backend::kCuda;
+  auto fp8 = [] {
+    RopeAppendParams p = append_base();
+    p.cache.k.dtype = p.cache.v.dtype = DType::kF8E4M3;
+    p.cache.k_scale = static_cast<const float*>(fake(kW + 65536));
+    p.cache.v_scale = static_cast<const float*>(fake(kW + 65536 + 64));
+    return p;
+  };
+  EXPECT_TRUE(Passes(validate(fp8(), b)));
+  EXPECT_TRUE(Passes(validate(fp8(), Backend::kAuto)));
+  RopeAppendParams p = fp8();
+  p.cache.k_scale = nullptr;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k_scale is null"}));
+  p = fp8();
+  p.cache.v_scale = static_cast<const float*>(fake(kW + 65536 + 66));
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.v_scale", "is not 4-byte aligned (fp32)"}));
+  p = fp8();
+  p.cache.v.dtype = DType::kBF16;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k.dtype fp8_e4m3 differs from cache.v.dtype bf16", "quantizes both"}));
+  p = append_base();  // scales on a bf16 cache
+  p.cache.v_scale = static_cast<const float*>(fake(kW + 65536));
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.v_scale is set but the cache is bf16"}));
+  p = append_base();
+  p.cache.k_scale = static_cast<const float*>(fake(kW + 65536));
+  p.batch = 0;  // refused before the empty-problem shortcut, as decode refuses it
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k_scale is set but the cache is bf16"}));
+  // CUDA: decode's 16-byte rule in codes; the CPU backend takes any stride.
+  p = fp8();
+  p.cache.k.head_stride = 136;
+  p.cache.k.seq_stride = 8 * 136;
+  p.cache.k.batch_stride = 16 * 8 * 136;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k.head_stride 136 is not a multiple of 16 elements"}));
+  EXPECT_TRUE(Passes(validate(p, Backend::kAuto)));
+  p = fp8();
+  p.cache.v.data = static_cast<char*>(p.cache.v.data) + 8;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.v.data", "is not 16-byte aligned"}));
+  p = fp8();  // the kernel reads the scales: the cache must not overlap them
+  p.cache.k_scale = static_cast<const float*>(p.cache.k.data) + 4;
+  EXPECT_TRUE(Invalid(validate(p, b), {"cache.k overlaps cache.k_scale"}));
+  p = fp8();
+  p.k_new.dtype = p.v_new.dtype = p.q.dtype = DType::kF32;
+  EXPECT_TRUE(Fails(validate(p, b), StatusCode::kUnsupported, {"fp32 rope_append_kv runs on the CPU backend only"}));
+}
+
+TEST(FusedValidate, RopeAppendFp8ScalesAreCheckedOnTheCpu) {
+  const int d = 16;
+  HostBuffer kc(DType::kF8E4M3, 4 * 2 * d), vc = kc;
+  std::vector<std::int32_t> len = {0};
+  std::vector<float> ks = {0.5f, 0.25f}, vs = {1.f, 2.f};
+  RopeAppendParams p;
+  p.batch = 1, p.seqlen = 1, p.heads_kv = 2, p.head_dim = d;
+  HostBuffer kn2(DType::kBF16, 2 * d), vn2 = kn2;
+  p.k_new = bshd_view(kn2.data(), DType::kBF16, 1, 2, d);
+  p.v_new = bshd_view(vn2.data(), DType::kBF16, 1, 2, d);
+  p.cache.k = bshd_view(kc.data(), DType::kF8E4M3, 4, 2, d);
+  p.cache.v = bshd_view(vc.data(), DType::kF8E4M3, 4, 2, d);
+  p.cache.capacity = 4;
+  p.cache.k_scale = ks.data();
+  p.cache.v_scale = vs.data();
+  p.cache_seqlens = len.data();
+  EXPECT_TRUE(Passes(validate(p, Backend::kCpu)));
+  for (float bad : {0.f, -1.f, NAN, INFINITY}) {
+    vs[1] = bad;
+    EXPECT_TRUE(Invalid(validate(p, Backend::kCpu), {"cache.v_scale[1]", "must be positive and finite"})) << bad;
+    EXPECT_TRUE(Invalid(rope_append_kv(p, cpu()), {"cache.v_scale[1]"}));
+    EXPECT_TRUE(Passes(validate(p, Backend::kAuto)));  // device values: not read
+  }
 }
 
 }  // namespace

@@ -8,10 +8,14 @@
 //   * validate() never crashes and never hits UB (ASan + UBSan, no recovery);
 //   * it never dereferences the tensors or the rotary tables: they are fake addresses;
 //   * it reads the positions array only inside its documented size (batch * seqlen int32), an
-//     exact-size heap block, so ASan stops a read one element past the end;
+//     exact-size heap block, so ASan stops a read one element past the end; likewise
+//     rope_append_kv's lengths, block table and an fp8 cache's k_scale / v_scale (heads_kv fp32
+//     each: positive and finite mostly, else 0, negative, NaN or infinite; sometimes null,
+//     misaligned, or set on a cache that is not fp8);
 //   * every failure carries a sentence and is invalid_argument or unsupported.
 //
 // Build and run: tests/fuzz/run_fuzz.sh.
+#include <cmath>
 #include <cstdint>
 #include <memory>
 
@@ -126,9 +130,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       c.num_pages = d.size(0, 64);
       c.pages_per_seq = d.size(0, 8);
       c.block_table_stride = d.rare(5) ? d.size(-2, 20) : c.pages_per_seq;
-      if (d.rare(10)) c.k.dtype = c.v.dtype = DType::kF8E4M3;
-      d.view(&c.k, d.rare(10) ? DType::kF8E4M3 : dt, c.paged() ? c.page_size : c.capacity, p.heads_kv, p.head_dim);
-      d.view(&c.v, dt, c.paged() ? c.page_size : c.capacity, p.heads_kv, dv);
+      // An fp8 e4m3 cache one time in three (K or V alone fp8 sometimes), otherwise k_new's dtype.
+      const bool fp8 = d.rare(3);
+      d.view(&c.k, fp8 || d.rare(20) ? DType::kF8E4M3 : dt, c.paged() ? c.page_size : c.capacity, p.heads_kv, p.head_dim);
+      d.view(&c.v, fp8 && !d.rare(10) ? DType::kF8E4M3 : dt, c.paged() ? c.page_size : c.capacity, p.heads_kv, dv);
       p.rotary.style = static_cast<RopeStyle>(d.in(0, 2));
       p.rotary.rotary_dim = d.rare(3) ? d.size(0, 300) : 0;
       if (d.rare(3)) {
@@ -141,9 +146,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                            (c.pages_per_seq > 0 ? c.pages_per_seq : 0) : 0;
       std::int64_t bt_n = bt_wide > kMaxHostEntries ? 0 : static_cast<std::int64_t>(bt_wide);
       Backend be = backend;
-      if (b > kMaxHostEntries || static_cast<__int128>(b) * s > kMaxHostEntries || bt_wide > kMaxHostEntries) {
+      std::int64_t hk = p.heads_kv > 0 ? p.heads_kv : 0;  // entries of each scale array
+      if (b > kMaxHostEntries || static_cast<__int128>(b) * s > kMaxHostEntries || bt_wide > kMaxHostEntries ||
+          hk > kMaxHostEntries) {
         // Too large for host arrays: fake addresses, and a backend that reads none of them.
-        b = s = bt_n = 0;
+        b = s = bt_n = hk = 0;
         if (be == Backend::kCpu || be == Backend::kCpuReference || be == Backend::kAuto) be = Backend::kCuda;
       }
       std::unique_ptr<std::int32_t[]> lens(new std::int32_t[static_cast<std::size_t>(b) + 1]()),
@@ -155,6 +162,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       p.cache_seqlens = d.rare(10) ? nullptr : fake ? static_cast<const std::int32_t*>(d.fake()) : lens.get();
       if (paged && !d.rare(10)) c.block_table = fake ? static_cast<const std::int32_t*>(d.fake()) : table.get();
       if (d.f.ConsumeBool()) p.positions = fake ? static_cast<const std::int32_t*>(d.fake()) : pos.get();
+      // Scales: exact-size host arrays of heads_kv floats (fake addresses where no host array is read).
+      std::unique_ptr<float[]> ks(new float[static_cast<std::size_t>(hk + (hk == 0))]()),
+          vs(new float[static_cast<std::size_t>(hk + (hk == 0))]());
+      for (float* sc : {ks.get(), vs.get()})
+        for (std::int64_t i = 0; i < hk; ++i) {
+          const int kind = d.rare(12) ? d.in(0, 3) : 4;
+          sc[i] = kind == 0 ? 0.f : kind == 1 ? -1.f : kind == 2 ? NAN : kind == 3 ? INFINITY : 0.01f * static_cast<float>(d.in(1, 200));
+        }
+      if (fp8 || d.rare(15)) {  // the scales belong to an fp8 cache; set on another they are refused
+        const float* host[2] = {ks.get(), vs.get()};
+        const float** field[2] = {&c.k_scale, &c.v_scale};
+        for (int w = 0; w < 2; ++w) {
+          *field[w] = d.rare(15) ? nullptr : fake ? static_cast<const float*>(d.fake()) : host[w];
+          if (*field[w] && d.rare(20)) *field[w] = reinterpret_cast<const float*>(reinterpret_cast<const char*>(*field[w]) + 2);
+        }
+      }
       fuzz::expect_sentence(validate(p, be), "RopeAppendParams");
       break;
     }

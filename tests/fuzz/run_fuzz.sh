@@ -63,7 +63,8 @@ compile fuzz_engine_parsers -DFMT_HEADER_ONLY src/engine/safetensors.cc src/engi
   tests/fuzz/fuzz_engine_parsers.cc
 compile fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc
 compile fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc
-compile fuzz_fused_validate src/core/fused_validate.cc src/core/names.cc tests/fuzz/fuzz_fused_validate.cc
+compile fuzz_fused_validate src/core/fused_validate.cc src/core/decode_validate.cc src/core/names.cc \
+  tests/fuzz/fuzz_fused_validate.cc
 built=0
 for pid in "${pids[@]}"; do wait "$pid" && built=$(( built + 1 )); done
 for t in fuzz_validate fuzz_decode_validate fuzz_fused_validate fuzz_engine_parsers; do

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/fused/fused_launch.h"
+#include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "gpu_util.h"
 
@@ -913,6 +914,352 @@ TEST(FusedGpuRopeAppend, ClampsDeviceLengthsAndPages) {
   run_append({3, 4, 2, 2, 64, 0, 0, DType::kBF16, RopeStyle::kNeox, "", true}, 901);
 }
 
+// ---- rotary + append into an fp8 e4m3 cache -------------------------------------------------
+
+/// A device buffer of fp8 codes with kGuard bytes of 0xFF (NaN codes) on each side; the view starts
+/// 16-byte aligned (CUDA's rule for fp8 caches).
+struct Codes {
+  std::int64_t n;
+  DeviceBuffer buf;
+  std::vector<std::uint8_t> host;
+  explicit Codes(std::int64_t n_) : n(n_), buf(static_cast<std::size_t>(n_ + 2 * kGuard)), host(static_cast<std::size_t>(n_ + 2 * kGuard), 0xFF) {}
+  void* data() { return static_cast<std::uint8_t*>(buf.ptr) + kGuard; }
+  std::uint8_t* host_data() { return host.data() + kGuard; }
+  std::uint8_t at(std::int64_t i) const { return host[static_cast<std::size_t>(kGuard + i)]; }
+  bool upload() { return cudaMemcpy(buf.ptr, host.data(), host.size(), cudaMemcpyHostToDevice) == cudaSuccess; }
+  bool download() { return cudaMemcpy(host.data(), buf.ptr, host.size(), cudaMemcpyDeviceToHost) == cudaSuccess; }
+};
+
+bool nan_code(std::uint8_t c) { return (c & 0x7fu) == 0x7fu; }
+/// Equal codes; NaN codes as one class (the CPU backend keeps a NaN's sign, cvt.rn.satfinite does not).
+bool same_code(std::uint8_t a, std::uint8_t b) { return a == b || (nan_code(a) && nan_code(b)); }
+/// Whether `code` is a nearest e4m3 value of x (code units), saturating at +-448, within `slack` ulps.
+bool nearest_e4m3(std::uint8_t code, float x, double slack) {
+  if (std::isnan(x)) return nan_code(code);
+  const double y = std::clamp(static_cast<double>(x), -448.0, 448.0), a = std::fabs(y);
+  const double ulp = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, std::ilogb(a) - 3);
+  const float got = fp8e4m3_bits_to_float(code);
+  return !std::isnan(got) && std::fabs(got - y) <= (0.5 + slack) * ulp;
+}
+
+std::vector<float> random_scales(std::mt19937_64& g, int heads) {  // log-uniform in [2^-7, 2]
+  std::uniform_real_distribution<float> e(-7.f, 1.f);
+  std::vector<float> s(static_cast<std::size_t>(heads));
+  for (auto& x : s) x = std::exp2(e(g));
+  return s;
+}
+
+/// A cos_sin_cache (rows [cos | sin], rotary_dim wide) of fp32 values at theta 10000.
+std::vector<float> cos_sin_cache(int rows, int rot) {
+  std::vector<float> t(static_cast<std::size_t>(rows) * rot);
+  for (int p = 0; p < rows; ++p)
+    for (int i = 0; i < rot / 2; ++i) {
+      const double a = p * std::pow(10000.0, -2.0 * i / rot);
+      t[static_cast<std::size_t>(p) * rot + i] = static_cast<float>(std::cos(a));
+      t[static_cast<std::size_t>(p) * rot + rot / 2 + i] = static_cast<float>(std::sin(a));
+    }
+  return t;
+}
+
+struct Fp8AppendCase {
+  int batch, seqlen, heads_q, heads_kv, head_dim, rotary_dim, page_size;
+  DType dt = DType::kBF16;
+  RopeStyle style = RopeStyle::kNeox;
+  bool tables = true;  ///< cos/sin tables (the same fp32 angles on both backends) or theta
+  std::string config;
+  bool wild_device_values = false;
+};
+
+std::string describe(const Fp8AppendCase& c) {
+  return "b" + std::to_string(c.batch) + " s" + std::to_string(c.seqlen) + " " + std::to_string(c.heads_q) + "/" +
+         std::to_string(c.heads_kv) + " d" + std::to_string(c.head_dim) + " rot" + std::to_string(c.rotary_dim) + " page" +
+         std::to_string(c.page_size) + " " + dtype_name(c.dt) + " " + rope_style_name(c.style) +
+         (c.tables ? " tables" : " theta") + " [" + c.config + "]" + (c.wild_device_values ? " wild" : "");
+}
+
+/// rope_append_kv into an fp8 cache on CUDA against the CPU backend on the same inputs (specials
+/// included: a NaN key, +-inf values): V codes bit for bit; K codes bit for bit with cos/sin tables
+/// (both backends then rotate the same fp32 numbers) and, from theta (hardware sincos against libm),
+/// equal or a nearest e4m3 value of the CPU's fp32 rotation / scale; q_out bit for bit with tables;
+/// every other cache byte, guards included, keeps its 0xFF poison.
+void run_append_fp8(const Fp8AppendCase& c, std::uint64_t salt) {
+  SCOPED_TRACE(describe(c));
+  std::mt19937_64 g(gpu_seed() ^ salt);
+  const int d = c.head_dim, ps = c.page_size, capacity = c.seqlen + 13, rot = c.rotary_dim ? c.rotary_dim : d;
+  const int pages_per_seq = ps ? (capacity + ps - 1) / ps : 0, num_pages = ps ? c.batch * pages_per_seq + 3 : 0;
+  const int slots = ps ? pages_per_seq * ps : capacity, rows = ps ? ps : capacity, blocks = ps ? num_pages : c.batch;
+  const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen, cache_n = static_cast<std::int64_t>(blocks) * rows * c.heads_kv * d;
+  constexpr int kMaxPos = 4096;
+  Guarded q(tokens * c.heads_q * d), qo(tokens * c.heads_q * d), kn(tokens * c.heads_kv * d), vn(tokens * c.heads_kv * d);
+  Guarded rq(tokens * c.heads_q * d), len(2 * c.batch), bt(2 * std::max(1, c.batch * pages_per_seq)), pos(2 * tokens);
+  Codes kc(cache_n), vc(cache_n);
+  q.fill_random(c.dt, g, 2.f);
+  kn.fill_random(c.dt, g, 2.f);
+  vn.fill_random(c.dt, g, 2.f);
+  kn.at(tokens * c.heads_kv * d - 2) = kPoison;  // a NaN key element (last token, last head)
+  vn.at(0) = to_bits(c.dt, INFINITY);
+  vn.at(1) = to_bits(c.dt, -INFINITY);
+  rq.host = q.host;
+  const std::vector<float> ks = random_scales(g, c.heads_kv), vs = random_scales(g, c.heads_kv);
+  std::vector<std::int32_t> lens(static_cast<std::size_t>(c.batch)), table(static_cast<std::size_t>(c.batch * pages_per_seq));
+  std::vector<std::int32_t> positions(static_cast<std::size_t>(tokens));
+  for (auto& x : lens) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
+  for (auto& x : positions) x = static_cast<std::int32_t>(g() % kMaxPos);
+  if (ps) {  // pages 1 .. num_pages - 2 (wild entries clamp to 0 and num_pages - 1: no page is named twice)
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages - 2));
+    for (int i = 0; i < num_pages - 2; ++i) perm[static_cast<std::size_t>(i)] = i + 1;
+    std::shuffle(perm.begin(), perm.end(), g);
+    std::copy(perm.begin(), perm.begin() + static_cast<std::ptrdiff_t>(table.size()), table.begin());
+  }
+  std::vector<std::int32_t> dev_lens = lens, dev_table = table;
+  if (c.wild_device_values) {  // the kernel clamps; the CPU backend gets the clamped values
+    dev_lens[0] = 1 << 30;
+    if (c.batch > 1) dev_lens[1] = -5;
+    if (!dev_table.empty()) dev_table[0] = -7, dev_table.back() = 1 << 29;
+    lens[0] = slots - c.seqlen;
+    if (c.batch > 1) lens[1] = 0;
+    if (!table.empty()) table[0] = 0, table.back() = num_pages - 1;
+  }
+  std::memcpy(&len.at(0), dev_lens.data(), dev_lens.size() * 4);
+  if (ps) std::memcpy(&bt.at(0), dev_table.data(), dev_table.size() * 4);
+  std::memcpy(&pos.at(0), positions.data(), positions.size() * 4);
+  const std::vector<float> tab = cos_sin_cache(kMaxPos, rot);
+  DeviceBuffer dks(ks.size() * 4), dvs(vs.size() * 4), dtab(tab.size() * 4);
+  CUDA_OK(cudaMemcpy(dks.ptr, ks.data(), ks.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dvs.ptr, vs.data(), vs.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dtab.ptr, tab.data(), tab.size() * 4, cudaMemcpyHostToDevice));
+  for (Guarded* b : {&q, &qo, &kn, &vn, &rq, &len, &bt, &pos}) ASSERT_TRUE(b->upload());
+  ASSERT_TRUE(kc.upload() && vc.upload());
+  // The same problem on the host (CPU backend), from host copies taken before the launch.
+  std::vector<std::uint16_t> hq(q.host), hkn(kn.host), hvn(vn.host), hqo(qo.host);
+  std::vector<std::uint8_t> hkc(kc.host), hvc(vc.host);
+
+  auto params = [&](void* qp, void* qop, void* knp, void* vnp, void* kcp, void* vcp, const float* ksp, const float* vsp,
+                    const void* lp, const void* btp, const void* pp, const float* tp) {
+    RopeAppendParams p;
+    p.batch = c.batch, p.seqlen = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv, p.head_dim = d;
+    if (c.heads_q > 0) {
+      p.q = bshd_view(qp, c.dt, c.seqlen, c.heads_q, d);
+      p.q_out = bshd_view(qop, c.dt, c.seqlen, c.heads_q, d);
+    }
+    p.k_new = bshd_view(knp, c.dt, c.seqlen, c.heads_kv, d);
+    p.v_new = bshd_view(vnp, c.dt, c.seqlen, c.heads_kv, d);
+    p.cache.k = bshd_view(kcp, DType::kF8E4M3, rows, c.heads_kv, d);
+    p.cache.v = bshd_view(vcp, DType::kF8E4M3, rows, c.heads_kv, d);
+    p.cache.k_scale = ksp;
+    p.cache.v_scale = vsp;
+    p.cache.capacity = ps ? 0 : capacity;
+    p.cache.page_size = ps;
+    p.cache.num_pages = num_pages;
+    p.cache.pages_per_seq = pages_per_seq;
+    p.cache.block_table_stride = pages_per_seq;
+    p.cache.block_table = ps ? static_cast<const std::int32_t*>(btp) : nullptr;
+    p.cache_seqlens = static_cast<const std::int32_t*>(lp);
+    p.positions = static_cast<const std::int32_t*>(pp);
+    p.rotary = RotarySpec::of_style(c.style);
+    p.rotary.rotary_dim = c.rotary_dim;
+    if (c.tables && c.style != RopeStyle::kNone) p.rotary.set_cos_sin_cache(tp, kMaxPos, rot);
+    return p;
+  };
+  const RopeAppendParams dp = params(q.data(), qo.data(), kn.data(), vn.data(), kc.data(), vc.data(),
+                                     static_cast<const float*>(dks.ptr), static_cast<const float*>(dvs.ptr), len.data(),
+                                     bt.data(), pos.data(), static_cast<const float*>(dtab.ptr));
+  const Status st = rope_append_kv(dp, cuda_opt(c.config));
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(qo.download() && kc.download() && vc.download());
+  const RopeAppendParams hp = params(hq.data() + kGuard, hqo.data() + kGuard, hkn.data() + kGuard, hvn.data() + kGuard,
+                                     hkc.data() + kGuard, hvc.data() + kGuard, ks.data(), vs.data(), lens.data(),
+                                     table.data(), positions.data(), tab.data());
+  RunOptions cpu;
+  cpu.backend = Backend::kCpu;
+  ASSERT_TRUE(rope_append_kv(hp, cpu).ok());
+  // The CPU's fp32 rotation of k_new (apply_rotary on an fp32 copy), for the theta cases.
+  std::vector<float> k32(static_cast<std::size_t>(kn.n));
+  for (std::int64_t i = 0; i < kn.n; ++i) k32[static_cast<std::size_t>(i)] = kn.get(c.dt, i);
+  if (c.style != RopeStyle::kNone) {
+    RopeParams rp;
+    rp.batch = c.batch, rp.seqlen = c.seqlen, rp.heads_q = c.heads_kv, rp.head_dim = d;
+    rp.q = bshd_view(k32.data(), DType::kF32, c.seqlen, c.heads_kv, d);
+    rp.positions = positions.data();
+    rp.rotary = hp.rotary;
+    ASSERT_TRUE(apply_rotary(rp, cpu).ok());
+  }
+  if (c.heads_q > 0 && !c.tables && c.style != RopeStyle::kNone) {  // theta: q_out as CUDA apply_rotary writes it
+    RopeParams rp;
+    rp.batch = c.batch, rp.seqlen = c.seqlen, rp.heads_q = c.heads_q, rp.head_dim = d;
+    rp.q = bshd_view(rq.data(), c.dt, c.seqlen, c.heads_q, d);
+    rp.positions = static_cast<const std::int32_t*>(pos.data());
+    rp.rotary = dp.rotary;
+    ASSERT_TRUE(apply_rotary(rp, cuda_opt(c.config)).ok());
+    CUDA_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(rq.download());
+    hqo = rq.host;
+  }
+  std::int64_t qdiff = 0;
+  for (std::int64_t i = 0; i < qo.n; ++i) qdiff += qo.at(i) != hqo[static_cast<std::size_t>(kGuard + i)];
+  EXPECT_EQ(qdiff, 0) << "q_out differs from the CPU backend's (tables) or CUDA apply_rotary's (theta)";
+  std::vector<char> written(static_cast<std::size_t>(cache_n), 0);
+  std::int64_t kdiff = 0, kflip = 0, vdiff = 0, stray = 0, nans = 0;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const int b = static_cast<int>(t / c.seqlen), j = lens[static_cast<std::size_t>(b)] + static_cast<int>(t % c.seqlen);
+    const std::int64_t block = ps ? table[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b, row = ps ? j % ps : j;
+    for (int h = 0; h < c.heads_kv; ++h)
+      for (int e = 0; e < d; ++e) {
+        const std::int64_t at = ((block * rows + row) * c.heads_kv + h) * d + e, src = (t * c.heads_kv + h) * d + e;
+        const std::uint8_t want_k = hkc[static_cast<std::size_t>(kGuard + at)];
+        if (!same_code(kc.at(at), want_k)) {
+          ++kflip;  // theta: the rounding may fall the other way from a last-bit different rotation
+          if (c.tables || !nearest_e4m3(kc.at(at), k32[static_cast<std::size_t>(src)] / ks[static_cast<std::size_t>(h)], 1e-3)) ++kdiff;
+        }
+        vdiff += !same_code(vc.at(at), hvc[static_cast<std::size_t>(kGuard + at)]);
+        nans += nan_code(kc.at(at));
+        written[static_cast<std::size_t>(at)] = 1;
+      }
+  }
+  for (std::int64_t i = 0; i < cache_n; ++i)
+    if (!written[static_cast<std::size_t>(i)]) stray += (kc.at(i) != 0xFF) + (vc.at(i) != 0xFF);
+  for (std::int64_t i = 0; i < kGuard; ++i)
+    stray += (kc.host[static_cast<std::size_t>(i)] != 0xFF) + (vc.host[static_cast<std::size_t>(i)] != 0xFF) +
+             (kc.host[static_cast<std::size_t>(kGuard + cache_n + i)] != 0xFF) + (vc.host[static_cast<std::size_t>(kGuard + cache_n + i)] != 0xFF);
+  EXPECT_EQ(kdiff, 0) << "cache K codes differ from the CPU backend's (" << kflip << " differ in all)";
+  EXPECT_EQ(vdiff, 0) << "cache V codes differ from the CPU backend's";
+  EXPECT_GE(nans, 1) << "the NaN key element gives a NaN code";
+  EXPECT_EQ(stray, 0) << "cache bytes written outside the step's slots";
+  EXPECT_EQ(qo.guards_changed(), 0);
+}
+
+TEST(FusedGpuRopeAppendFp8, CodesEqualCpuBackend) {
+  std::uint64_t salt = 1200;
+  run_append_fp8({256, 1, 32, 8, 128, 0, 16}, ++salt);  // a Llama-3-8B decode step
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      run_append_fp8({3, 17, 4, 2, 128, 0, 16, dt, st}, ++salt);
+      run_append_fp8({2, 5, 2, 1, 64, 32, 1, dt, st}, ++salt);                  // page_size 1, partial rotary
+      run_append_fp8({3, 7, 8, 2, 48, 0, 0, dt, st}, ++salt);                   // contiguous
+      run_append_fp8({2, 9, 4, 4, 256, 0, 8, dt, st, true, "scalar"}, ++salt);  // the scalar path
+      run_append_fp8({3, 6, 4, 2, 128, 64, 16, dt, st, false}, ++salt);         // theta
+      run_append_fp8({2, 3, 0, 3, 32, 0, 0, dt, st, false, "scalar"}, ++salt);  // theta, no q
+    }
+  run_append_fp8({2, 4, 2, 2, 64, 0, 4, DType::kBF16, RopeStyle::kNone}, ++salt);  // no rotary
+}
+
+TEST(FusedGpuRopeAppendFp8, ClampsDeviceLengthsAndPages) {
+  run_append_fp8({3, 4, 2, 2, 64, 0, 4, DType::kBF16, RopeStyle::kNeox, true, "", true}, 1300);
+  run_append_fp8({3, 4, 2, 2, 64, 0, 0, DType::kF16, RopeStyle::kInterleaved, true, "scalar", true}, 1301);
+}
+
+#if FLASHCPP_HAS_DECODE
+/// CUDA rope_append_kv (positions = slots) and CUDA decode_run's append (its own kernel, or fused
+/// into the split-KV kernel) write the same bytes into identical fp8 caches.
+void append_fp8_equals_decode(int batch, int seqlen, int heads_q, int heads_kv, int d, int ps, DType dt, RopeStyle style,
+                              bool tables, bool fused_append, std::uint64_t salt) {
+  SCOPED_TRACE("b" + std::to_string(batch) + " s" + std::to_string(seqlen) + " " + std::to_string(heads_q) + "/" +
+               std::to_string(heads_kv) + " d" + std::to_string(d) + " page" + std::to_string(ps) + " " + dtype_name(dt) +
+               " " + rope_style_name(style) + (tables ? " tables" : " theta") + (fused_append ? " fused_append" : ""));
+  std::mt19937_64 g(gpu_seed() ^ salt);
+  const int capacity = seqlen + 40, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
+  const int num_pages = ps ? batch * pages_per_seq + 1 : 0, slots = ps ? pages_per_seq * ps : capacity;
+  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : batch;
+  const std::int64_t tokens = static_cast<std::int64_t>(batch) * seqlen, cache_n = static_cast<std::int64_t>(blocks) * rows * heads_kv * d;
+  constexpr int kMaxPos = 1024;
+  Guarded q(tokens * heads_q * d), o(tokens * heads_q * d), kn(tokens * heads_kv * d), vn(tokens * heads_kv * d);
+  Guarded len(2 * batch), bt(2 * std::max(1, batch * pages_per_seq));
+  Codes kc(cache_n), vc(cache_n), kc2(cache_n), vc2(cache_n);
+  q.fill_random(dt, g);
+  kn.fill_random(dt, g, 2.f);
+  vn.fill_random(dt, g, 2.f);
+  kn.at(5) = kPoison;  // NaN in, NaN code out, on both
+  for (Codes* c : {&kc, &vc})
+    for (std::int64_t i = 0; i < cache_n; ++i) c->host_data()[i] = static_cast<std::uint8_t>(g() & 0x77u);  // finite keys
+  kc2.host = kc.host;
+  vc2.host = vc.host;
+  const std::vector<float> ks = random_scales(g, heads_kv), vs = random_scales(g, heads_kv);
+  std::vector<std::int32_t> lens(static_cast<std::size_t>(batch)), table(static_cast<std::size_t>(batch * pages_per_seq));
+  for (auto& x : lens) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - seqlen + 1));
+  if (ps) {
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+    std::shuffle(perm.begin(), perm.end(), g);
+    std::copy(perm.begin(), perm.begin() + static_cast<std::ptrdiff_t>(table.size()), table.begin());
+  }
+  std::memcpy(&len.at(0), lens.data(), lens.size() * 4);
+  if (ps) std::memcpy(&bt.at(0), table.data(), table.size() * 4);
+  const std::vector<float> tab = cos_sin_cache(kMaxPos, d);
+  DeviceBuffer dks(ks.size() * 4), dvs(vs.size() * 4), dtab(tab.size() * 4);
+  CUDA_OK(cudaMemcpy(dks.ptr, ks.data(), ks.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dvs.ptr, vs.data(), vs.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dtab.ptr, tab.data(), tab.size() * 4, cudaMemcpyHostToDevice));
+  for (Guarded* b : {&q, &o, &kn, &vn, &len, &bt}) ASSERT_TRUE(b->upload());
+  for (Codes* c : {&kc, &vc, &kc2, &vc2}) ASSERT_TRUE(c->upload());
+  RotarySpec rot = RotarySpec::of_style(style);
+  if (tables && style != RopeStyle::kNone) rot.set_cos_sin_cache(static_cast<const float*>(dtab.ptr), kMaxPos, d);
+  auto cache = [&](Codes& k, Codes& v) {
+    KVCacheView cv;
+    cv.k = bshd_view(k.data(), DType::kF8E4M3, rows, heads_kv, d);
+    cv.v = bshd_view(v.data(), DType::kF8E4M3, rows, heads_kv, d);
+    cv.k_scale = static_cast<const float*>(dks.ptr);
+    cv.v_scale = static_cast<const float*>(dvs.ptr);
+    cv.capacity = ps ? 0 : capacity;
+    cv.page_size = ps;
+    cv.num_pages = num_pages;
+    cv.pages_per_seq = pages_per_seq;
+    cv.block_table_stride = pages_per_seq;
+    cv.block_table = ps ? static_cast<const std::int32_t*>(bt.data()) : nullptr;
+    return cv;
+  };
+  RopeAppendParams a;
+  a.batch = batch, a.seqlen = seqlen, a.heads_kv = heads_kv, a.head_dim = d;
+  a.k_new = bshd_view(kn.data(), dt, seqlen, heads_kv, d);
+  a.v_new = bshd_view(vn.data(), dt, seqlen, heads_kv, d);
+  a.cache = cache(kc, vc);
+  a.cache_seqlens = static_cast<const std::int32_t*>(len.data());
+  a.rotary = rot;
+  const Status sa = rope_append_kv(a, cuda_opt(""));
+  ASSERT_TRUE(sa.ok()) << sa.to_string();
+
+  DecodeParams p;
+  p.batch = batch, p.seqlen_q = seqlen, p.heads_q = heads_q, p.heads_kv = heads_kv, p.head_dim = d;
+  p.q = bshd_view(q.data(), dt, seqlen, heads_q, d);
+  p.o = bshd_view(o.data(), dt, seqlen, heads_q, d);
+  p.cache = cache(kc2, vc2);
+  p.cache_seqlens = static_cast<const std::int32_t*>(len.data());
+  p.k_new = a.k_new;
+  p.v_new = a.v_new;
+  p.rotary = rot;
+  DecodePlanOptions po;
+  po.backend = Backend::kCuda;
+  po.host_cache_seqlens = lens.data();
+  po.fused_append = fused_append;
+  DecodeWorkspaceSize ws;
+  ASSERT_TRUE(decode_workspace_size(p, po, &ws).ok());
+  DeviceBuffer iw(ws.int_bytes), fw(ws.float_bytes);
+  DecodePlan plan;
+  const Status sp = decode_plan(p, po, iw.ptr, ws.int_bytes, fw.ptr, ws.float_bytes, &plan);
+  ASSERT_TRUE(sp.ok()) << sp.to_string();
+  const Status sr = decode_run(p, plan, cuda_opt(""));
+  ASSERT_TRUE(sr.ok()) << sr.to_string();
+  CUDA_OK(cudaDeviceSynchronize());
+  for (Codes* c : {&kc, &vc, &kc2, &vc2}) ASSERT_TRUE(c->download());
+  std::int64_t kdiff = 0, vdiff = 0;
+  for (std::size_t i = 0; i < kc.host.size(); ++i) kdiff += kc.host[i] != kc2.host[i], vdiff += vc.host[i] != vc2.host[i];
+  EXPECT_EQ(kdiff, 0) << "K cache bytes differ from decode's append";
+  EXPECT_EQ(vdiff, 0) << "V cache bytes differ from decode's append";
+}
+
+TEST(FusedGpuRopeAppendFp8, CodesEqualDecodeAppend) {
+  std::uint64_t salt = 1400;
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (RopeStyle st : {RopeStyle::kNeox, RopeStyle::kInterleaved}) {
+      append_fp8_equals_decode(3, 4, 8, 2, 128, 16, dt, st, false, false, ++salt);
+      append_fp8_equals_decode(2, 1, 4, 4, 64, 0, dt, st, false, false, ++salt);
+      append_fp8_equals_decode(2, 7, 2, 1, 256, 1, dt, st, true, false, ++salt);
+      append_fp8_equals_decode(4, 2, 32, 8, 128, 16, dt, st, false, true, ++salt);  // the split-KV kernel appends
+    }
+  append_fp8_equals_decode(2, 3, 4, 2, 64, 8, DType::kBF16, RopeStyle::kNone, false, false, ++salt);
+}
+#endif
+
 TEST(FusedGpuPaths, NewFusionsChosenPaths) {
   DeviceBuffer buf(1 << 20);
   QkNormRopeParams qp;
@@ -930,6 +1277,8 @@ TEST(FusedGpuPaths, NewFusionsChosenPaths) {
   ap.cache.num_pages = 8;
   ap.cache.k = ap.cache.v = bshd_view(buf.ptr, DType::kBF16, 16, 8, 128);
   EXPECT_EQ(cuda::rope_append_path(ap, {}).name, "rope_append_kv neox vec8 paged group=16");
+  ap.cache.k.dtype = ap.cache.v.dtype = DType::kF8E4M3;  // the same kernel, codes stored
+  EXPECT_EQ(cuda::rope_append_path(ap, {}).name, "rope_append_kv neox vec8 paged fp8 group=16");
 }
 
 TEST(FusedGpu, NewFusionsCapturedInCudaGraph) {

@@ -1,5 +1,6 @@
-"""The fused bench's extra peers (python -m flashcpp.bench fused): quack and Liger-Kernel are timed
-only where they import and agree with eager PyTorch; the others are named, never timed silently.
+"""The fused bench's extra peers (python -m flashcpp.bench fused): quack, Liger-Kernel and (on the
+fp8-cache rope_append_kv rows) FlashInfer are timed only where they import and agree with eager
+PyTorch; the others are named, never timed silently.
 CPU-only: the peers' CUDA calls are replaced by plain functions."""
 import pytest
 
@@ -10,7 +11,7 @@ from flashcpp.bench import fused  # noqa: E402
 
 def test_missing_peers_are_named_with_their_reason():
     mods, why = fused._extra_peers()
-    assert set(mods) | set(why) == {"quack", "liger"}
+    assert set(mods) | set(why) == {"quack", "liger", "flashinfer"}
     assert not (set(mods) & set(why))
     for name, reason in why.items():
         assert reason and ":" in reason, (name, reason)
@@ -46,3 +47,11 @@ def test_a_nan_result_is_dropped(capsys):
     x = torch.randn(4)
     kept = fused._checked_extra({"nan": lambda: x * float("nan")}, lambda: x, "c")
     assert kept == {} and "nan dropped" in capsys.readouterr().out
+
+
+def test_fp8_rows_allow_one_e4m3_step(capsys):
+    x = torch.randn(4)
+    one_step = {"fp8": lambda: x + 0.5}  # two roundings of one value one e4m3 step apart (|x| < 8)
+    assert fused._checked_extra(one_step, lambda: x, "c") == {}
+    assert list(fused._checked_extra(one_step, lambda: x, "c_fp8", tol=0.6)) == ["fp8"]
+    assert fused._checked_extra({"off": lambda: x + 1.0}, lambda: x, "c_fp8", tol=0.6) == {}

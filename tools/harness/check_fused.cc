@@ -15,13 +15,19 @@
 // so a normed value may round to the neighbouring T: atol adds that one ulp of n (2 h_T times the
 // case's largest |n|). rope_append_kv: q_out and the K rows as apply_rotary; the V rows must equal
 // v_new (error 0), and every cache byte outside the step's slots must keep its poison (counted
-// with the guard bytes as writes outside the output).
+// with the guard bytes as writes outside the output). rope_append_kv into an fp8 e4m3 cache
+// (per-head scales drawn log-uniform in [2^-8, 1], so some heads saturate and some reach the
+// subnormal codes): q_out as above; every written code must be a nearest e4m3 value of the fp64
+// truth x = rotated k (or v) / scale, i.e. |code - clamp(x, +-448)| <= half an e4m3 ulp of it plus
+// the fp32 rotation's own error, 2e-6 of the row's largest |value| / scale (the device's sincos is
+// within ~4e-7; a code further away counts as a violation); NaN needs a NaN code.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <random>
 #include <tuple>
 #include <string>
@@ -52,6 +58,7 @@ struct FusedCase {
   int heads_q = 4, heads_k = 2, head_dim = 128, rotary_dim = 0;
   float weight_offset = 0.f;  ///< qk_norm_rope: 0 (Qwen3) or 1 (Gemma3)
   int page_size = 0;          ///< rope_append_kv: 0 = contiguous cache
+  bool fp8 = false;           ///< rope_append_kv: an fp8 e4m3 cache with per-head scales
 
   std::string name() const {
     const char* t = dtype_name(dt);
@@ -70,7 +77,8 @@ struct FusedCase {
       case Op::kRopeAppend:
         return fmt::format("rope_append_kv_{}_b3_s{}_h{}kv{}_d{}{}_{}_{}", rope_style_name(style), rows, heads_q,
                            heads_k, head_dim, rotary_dim ? fmt::format("_rot{}", rotary_dim) : "",
-                           page_size ? fmt::format("page{}", page_size) : std::string("contiguous"), t);
+                           page_size ? fmt::format("page{}", page_size) : std::string("contiguous"),
+                           fp8 ? fmt::format("{}_fp8cache", t) : std::string(t));
     }
     return "?";
   }
@@ -145,9 +153,33 @@ std::vector<FusedCase> fused_cases(TableKind kind) {
         c.page_size = ps;
         v.push_back(c);
       }
+      // ... into an fp8 e4m3 cache: paged with the 16-byte path, and page_size 1 with partial
+      // rotary (head dims whose strides are multiples of 16 codes, as CUDA requires of fp8 caches).
+      for (auto [d, rd, ps] : {std::tuple{128, 0, 16}, std::tuple{64, 32, 1}}) {
+        FusedCase c;
+        c.op = Op::kRopeAppend;
+        c.dt = dt;
+        c.rows = kind == TableKind::kFull ? 33 : 5;
+        c.style = st;
+        c.head_dim = d;
+        c.rotary_dim = rd;
+        c.page_size = ps;
+        c.fp8 = true;
+        v.push_back(c);
+      }
     }
   }
   return v;
+}
+
+/// Whether an e4m3 code is a nearest value of x (code units: the value divided by its scale),
+/// saturating at +-448; `slack` (code units) covers an fp32 rotation against the fp64 truth.
+bool nearest_e4m3(std::uint8_t code, double x, double slack) {
+  if (std::isnan(x)) return (code & 0x7f) == 0x7f;
+  const double y = std::clamp(x, -448.0, 448.0), a = std::fabs(y);
+  const double ulp = a < 0x1p-6 ? 0x1p-9 : std::ldexp(1.0, std::ilogb(a) - 3);
+  const float got = fp8e4m3_bits_to_float(code);
+  return !std::isnan(got) && std::fabs(got - y) <= 0.5 * ulp + slack;
 }
 
 /// The fp64 rotation of one row in place (fused.h), theta 10000, from the (rounded) inputs.
@@ -189,6 +221,7 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
   std::vector<float> h_model;  // fused_add_rms_norm: the residual_out model
   std::vector<float> gathered;  // rope_append_kv: the written elements (q_out, then K and V rows)
   std::function<std::int64_t()> gather;  // rope_append_kv: fills `gathered`, returns bytes changed elsewhere
+  std::function<void(CaseResult*)> fp8_check;  // rope_append_kv, fp8 cache: the codes' verdict (after gather)
   Status st;
   double ms = NAN;
   auto timed = [&](auto&& f) {
@@ -351,6 +384,8 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
     // the K (rotated) and V (bit for bit) rows of every written slot; any other cache byte that
     // changed counts as written outside the output.
     const int d = c.head_dim, rot = c.rotary_dim ? c.rotary_dim : d, hq = c.heads_q, hkv = c.heads_k;
+    const DType cdt = c.fp8 ? DType::kF8E4M3 : dt;  // the cache's
+    const std::size_t ces = dtype_size(cdt);
     const int batch = 3, sn = static_cast<int>(c.rows);
     const int ps = c.page_size, capacity = sn + 11;
     const int pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
@@ -363,7 +398,16 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
     const int ipos = sp.add(static_cast<std::size_t>(tok) * sizeof(std::int32_t), false);
     const int ibt = ps ? sp.add(static_cast<std::size_t>(batch) * pages_per_seq * sizeof(std::int32_t), false) : -1;
     iout = sp.add(nq * es, true);
-    const int ikc = sp.add(cache_elems * es, true), ivc = sp.add(cache_elems * es, true);
+    const int ikc = sp.add(cache_elems * ces, true), ivc = sp.add(cache_elems * ces, true);
+    const int iks = c.fp8 ? sp.add(hkv * sizeof(float), false) : -1, ivs = c.fp8 ? sp.add(hkv * sizeof(float), false) : -1;
+    std::vector<float> scale_k(static_cast<std::size_t>(hkv), 1.f), scale_v = scale_k;
+    if (c.fp8) {
+      std::uniform_real_distribution<float> ex(-8.f, 0.f);
+      for (auto* sv : {&scale_k, &scale_v})
+        for (auto& x : *sv) x = std::exp2(ex(rng));
+      std::memcpy(sp.host(iks), scale_k.data(), scale_k.size() * sizeof(float));
+      std::memcpy(sp.host(ivs), scale_v.data(), scale_v.size() * sizeof(float));
+    }
     fill(sp.host(iq), dt, nq, rng, 1.f);
     fill(sp.host(ikn), dt, nkv, rng, 1.f);
     fill(sp.host(ivn), dt, nkv, rng, 1.f);
@@ -404,8 +448,13 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
         for (int j = 0; j < d; ++j) ref[static_cast<std::size_t>(at + d + j)] = load_as_float(sp.host(ivn), dt, (i * hkv + h) * d + j);
       }
     }
-    gather = [&sp, &gathered, cache_at, cache_elems, es, dt, iout, ikc, ivc, nq, nkv, tok, hq, hkv, d, sn, len] {
-      gathered.assign(static_cast<std::size_t>(nq + 2 * nkv), 0.f);
+    // fp8: every written code against the fp64 truth in code units (nearest_e4m3), counted in
+    // fp8_bad with the first one described in fp8_msg; only q_out goes through the error statistics.
+    auto fp8_bad = std::make_shared<std::int64_t>(0);
+    auto fp8_msg = std::make_shared<std::string>();
+    gather = [&sp, &gathered, &ref, cache_at, cache_elems, ces, dt, cdt, iout, ikc, ivc, nq, nkv, tok, hq, hkv, d, sn, len,
+              fp8 = c.fp8, scale_k, scale_v, fp8_bad, fp8_msg] {
+      gathered.assign(static_cast<std::size_t>(fp8 ? nq : nq + 2 * nkv), 0.f);
       for (std::int64_t i = 0; i < nq; ++i) gathered[static_cast<std::size_t>(i)] = load_as_float(sp.host(iout), dt, i);
       std::vector<char> written(static_cast<std::size_t>(cache_elems), 0);
       for (std::int64_t i = 0; i < tok; ++i) {
@@ -413,18 +462,35 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
         for (int h = 0; h < hkv; ++h) {
           const std::int64_t at = cache_at(b, len[b] + s, h), g = nq + (i * hkv + h) * 2 * d;
           for (int j = 0; j < d; ++j) {
-            gathered[static_cast<std::size_t>(g + j)] = load_as_float(sp.host(ikc), dt, at + j);
-            gathered[static_cast<std::size_t>(g + d + j)] = load_as_float(sp.host(ivc), dt, at + j);
             written[static_cast<std::size_t>(at + j)] = 1;
+            if (!fp8) {
+              gathered[static_cast<std::size_t>(g + j)] = load_as_float(sp.host(ikc), cdt, at + j);
+              gathered[static_cast<std::size_t>(g + d + j)] = load_as_float(sp.host(ivc), cdt, at + j);
+              continue;
+            }
+            for (int w = 0; w < 2; ++w) {  // K, then V
+              const std::uint8_t code = sp.host(w == 0 ? ikc : ivc)[at + j];
+              const double scale = (w == 0 ? scale_k : scale_v)[static_cast<std::size_t>(h)];
+              double row_max = 0;
+              for (int e = 0; e < d; ++e) row_max = std::max(row_max, std::fabs(ref[static_cast<std::size_t>(g + w * d + e)]));
+              const double x = ref[static_cast<std::size_t>(g + w * d + j)] / scale;
+              if (!nearest_e4m3(code, x, 2e-6 * row_max / scale) && (*fp8_bad)++ == 0)
+                *fp8_msg = fmt::format("{} code 0x{:02x} ({}) of token {} head {} dim {} is not a nearest e4m3 value of {:.8g}",
+                                       w == 0 ? "K" : "V", code, fp8e4m3_bits_to_float(code), i, h, j, x);
+            }
           }
         }
       }
       std::int64_t changed = sp.guard_violations(ikc) + sp.guard_violations(ivc);
       for (std::int64_t e = 0; e < cache_elems; ++e)
         if (!written[static_cast<std::size_t>(e)])
-          for (std::size_t k = 0; k < es; ++k)
-            changed += (sp.host(ikc)[e * es + k] != 0xFF) + (sp.host(ivc)[e * es + k] != 0xFF);
+          for (std::size_t k = 0; k < ces; ++k)
+            changed += (sp.host(ikc)[e * ces + k] != 0xFF) + (sp.host(ivc)[e * ces + k] != 0xFF);
       return changed;
+    };
+    fp8_check = [fp8_bad, fp8_msg](CaseResult* res) {
+      res->violations += *fp8_bad;
+      if (*fp8_bad && res->message.empty()) res->message = fmt::format("{} fp8 code(s) off: {}", *fp8_bad, *fp8_msg);
     };
     st = sp.materialize(cfg.backend);
     if (st.ok()) {
@@ -440,8 +506,12 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
       p.q_out = bshd_view(sp.ptr(iout), dt, sn, hq, d);
       p.k_new = bshd_view(sp.ptr(ikn), dt, sn, hkv, d);
       p.v_new = bshd_view(sp.ptr(ivn), dt, sn, hkv, d);
-      p.cache.k = bshd_view(sp.ptr(ikc), dt, ps ? ps : capacity, hkv, d);
-      p.cache.v = bshd_view(sp.ptr(ivc), dt, ps ? ps : capacity, hkv, d);
+      p.cache.k = bshd_view(sp.ptr(ikc), cdt, ps ? ps : capacity, hkv, d);
+      p.cache.v = bshd_view(sp.ptr(ivc), cdt, ps ? ps : capacity, hkv, d);
+      if (c.fp8) {
+        p.cache.k_scale = static_cast<const float*>(sp.ptr(iks));
+        p.cache.v_scale = static_cast<const float*>(sp.ptr(ivs));
+      }
       p.cache.capacity = ps ? 0 : capacity;
       p.cache.page_size = ps;
       p.cache.num_pages = num_pages;
@@ -452,7 +522,7 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
       p.positions = static_cast<const std::int32_t*>(sp.ptr(ipos));
       st = timed([&] { return rope_append_kv(p, ro); });
     }
-    n_out = nq + 2 * nkv;
+    n_out = c.fp8 ? nq : nq + 2 * nkv;
   } else {  // rotary: q (tokens, heads_q, d) and k (tokens, heads_k, d), out of place
     const int d = c.head_dim, rot = c.rotary_dim ? c.rotary_dim : d, half = rot / 2;
     const std::int64_t t = c.rows, nq = t * c.heads_q * d, nk = t * c.heads_k * d;
@@ -542,6 +612,7 @@ void run_fused_case(const FusedCase& c, const RunConfig& cfg, CaseResult* r) {
     if ((i + 1) % row_len == 0) stats.end_row();
   }
   stats.finish(r);
+  if (fp8_check) fp8_check(r);
   if (ires >= 0) {  // residual_out must be round_T(x + residual), bit for bit
     std::int64_t diff = 0;
     for (std::int64_t i = 0; i < n_out; ++i) {

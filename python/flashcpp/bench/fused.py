@@ -12,6 +12,8 @@ Cases (bf16; fp16 on the anchor cases unless --quick):
   qk_norm_rope       Qwen3-8B per-head RMSNorm of q (32 heads) and k (8), then rotary, (4, 4096, .., 128)
   rope_append_kv     rotate k (and q), append k and v to a paged cache (page 16): a prefill chunk
                      (4, 2048, 32 / 8 heads, 128) and a decode step (256 sequences, 1 token)
+  rope_append_kv_fp8 the same into an fp8 e4m3 cache (per-KV-head k_scale / v_scale, the codes of
+                     rotate(k) / k_scale and v / v_scale), beside the bf16-cache rows
 
 Peers are the PyTorch code a model runs today (Hugging Face LlamaRMSNorm, F.silu(g) * u,
 apply_rotary_pos_emb with rotate_half and precomputed cos/sin), eager and under torch.compile, and,
@@ -25,7 +27,13 @@ qk_norm_rope and rope_append_kv have no fused counterpart in quack or Liger (bot
 the rotary as separate kernels only), so their peers are eager PyTorch (Qwen3's RMSNorm and
 apply_rotary_pos_emb; the rotation then an index_copy_ into the cache) and torch.compile of the same;
 `unfused_us` times the unfused sequence of our own ops (rms_norm of q's and k's heads, then
-apply_rotary; apply_rotary, then the two scatters).
+apply_rotary; apply_rotary, then the two scatters). The fp8-cache rows have one more peer where it
+imports: FlashInfer's rope_quantize_fp8_append_paged_kv_cache (`flashinfer`), which rotates with
+an fp32 cos_sin_cache, quantizes with one scalar scale for every head (quant_scale_kv, a multiplier:
+the rows use scale 1 on every head so both compute the same codes) and writes q in fp8 too (half our
+q_out bytes: the row counts our bytes). When flashinfer does not import, the progress line and
+benchmark_env.json say so and the rows have no flashinfer peer. The eager peer of the fp8 rows
+rotates in the dtype, divides by the scale, clamps to +-448 and casts to float8_e4m3fn.
 flashcpp runs out of place (same bytes as in place, and repeatable). Every number is a median of
 interleaved rounds: `*_us` replays each call from a CUDA graph (kernel time: launch and Python
 overhead removed for everyone alike), `*_eager_us` calls it from Python with triton's do_bench
@@ -54,9 +62,10 @@ FLOOR_BAR = 0.85
 
 
 def _cases(torch, quick: bool) -> List[Tuple[str, torch.dtype]]:
-    names = ["rmsnorm_residual", "swiglu_fused", "rope_q", "qk_norm_rope", "rope_append_kv_decode"]
+    names = ["rmsnorm_residual", "swiglu_fused", "rope_q", "qk_norm_rope", "rope_append_kv_decode",
+             "rope_append_kv_fp8_decode"]
     if not quick:
-        names += ["rmsnorm", "swiglu_two", "rope_qk", "rope_append_kv_prefill"]
+        names += ["rmsnorm", "swiglu_two", "rope_qk", "rope_append_kv_prefill", "rope_append_kv_fp8_prefill"]
     cases = [(n, torch.bfloat16) for n in names]
     if not quick:
         cases += [(n, torch.float16) for n in ("rmsnorm_residual", "swiglu_fused", "rope_q")]
@@ -77,6 +86,11 @@ def _extra_peers() -> Tuple[Dict[str, object], Dict[str, str]]:
         mods["liger"] = {"rmsnorm": l_rms, "add_rmsnorm": l_add, "swiglu": l_sw, "rope": l_rope}
     except Exception as e:
         why["liger"] = f"{type(e).__name__}: {str(e)[:100]}"
+    try:
+        from flashinfer.rope import rope_quantize_fp8_append_paged_kv_cache as fi_rope_fp8_append
+        mods["flashinfer"] = {"rope_quantize_fp8_append_paged_kv_cache": fi_rope_fp8_append}
+    except Exception as e:
+        why["flashinfer"] = f"{type(e).__name__}: {str(e)[:100]}"
     return mods, why
 
 
@@ -165,7 +179,7 @@ def _build(name: str, dtype, torch, flashcpp, extra_mods: Dict[str, object] = No
         return {"rows": rows, "d": d}, ours, peer, 3 * rows * d * esize, check, extra
 
     if name == "qk_norm_rope" or name.startswith("rope_append_kv"):
-        return _build_new_fusions(name, dtype, torch, flashcpp)
+        return _build_new_fusions(name, dtype, torch, flashcpp, (extra_mods or {}).get("flashinfer"))
 
     # rotary: Hugging Face apply_rotary_pos_emb with cos/sin precomputed in fp32, cast to the dtype
     b, s, hq, dh = 4, 4096, 32, 128
@@ -227,11 +241,13 @@ def _build(name: str, dtype, torch, flashcpp, extra_mods: Dict[str, object] = No
     return {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh}, ours, peer, nbytes, check, extra
 
 
-def _build_new_fusions(name: str, dtype, torch, flashcpp):
-    """qk_norm_rope and rope_append_kv: (shape columns, ours, eager peer, bytes, check, {}); ours
-    carries `unfused_variant`, the same result from our separate ops."""
+def _build_new_fusions(name: str, dtype, torch, flashcpp, flashinfer=None):
+    """qk_norm_rope and rope_append_kv: (shape columns, ours, eager peer, bytes, check, {extra peer:
+    function}); ours carries `unfused_variant`, the same result from our separate ops. The fp8-cache
+    rows of rope_append_kv take FlashInfer's fused op as an extra peer (flashinfer: its module dict)."""
     dev, esize, eps, theta = "cuda", 2, 1e-6, 1000000.0
     dh = 128
+    extra: Dict[str, Callable] = {}
 
     def rope_tables(positions):  # Hugging Face: cos/sin of the positions in fp32, cast to the dtype
         inv = 1.0 / theta ** (torch.arange(0, dh, 2, device=dev, dtype=torch.float32) / dh)
@@ -271,6 +287,7 @@ def _build_new_fusions(name: str, dtype, torch, flashcpp):
         nbytes = 2 * b * s * (hq + hk) * dh * esize
     else:  # rope_append_kv: the step's q and k rotated, k and v appended to a paged cache
         decode = name.endswith("decode")
+        fp8 = "_fp8" in name  # an fp8 e4m3 cache with per-KV-head scales
         b, s, hq, hk, page = (256, 1, 32, 8, 16) if decode else (4, 2048, 32, 8, 16)
         ctx = 1000 if decode else 0  # keys already cached per sequence
         pages_per_seq = (ctx + s + page - 1) // page
@@ -278,8 +295,13 @@ def _build_new_fusions(name: str, dtype, torch, flashcpp):
         q = torch.randn(b, s, hq, dh, device=dev, dtype=dtype)
         k = torch.randn(b, s, hk, dh, device=dev, dtype=dtype)
         v = torch.randn(b, s, hk, dh, device=dev, dtype=dtype)
-        k_cache = torch.zeros(num_pages, page, hk, dh, device=dev, dtype=dtype)
+        cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+        k_cache = torch.zeros(num_pages, page, hk, dh, device=dev, dtype=cache_dtype)
         v_cache = torch.zeros_like(k_cache)
+        # Scale 1 on every head: FlashInfer takes one scalar for all heads, and the codes then equal
+        # the values (e4m3's relative precision is the same at every scale above its subnormals).
+        ks = torch.ones(hk, device=dev, dtype=torch.float32) if fp8 else None
+        vs = ks
         table = torch.randperm(num_pages, device=dev, dtype=torch.int32).view(b, pages_per_seq)
         lens = torch.full((b,), ctx, device=dev, dtype=torch.int32)
         slot = lens[:, None].long() + torch.arange(s, device=dev)[None, :]  # (b, s)
@@ -289,31 +311,69 @@ def _build_new_fusions(name: str, dtype, torch, flashcpp):
         cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         qo, qo2, kr = torch.empty_like(q), torch.empty_like(q), torch.empty_like(k)
 
+        def to_cache(x, scale):  # the rows as the cache stores them (fp8: the codes of x / scale)
+            if not fp8:
+                return x
+            y = (x.float() / scale[:, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            return y.view(torch.uint8)  # index_copy_ into the cache's bytes
+
+        def put(cache, rows):
+            (cache.view(torch.uint8) if fp8 else cache).view(-1, hk, dh).index_copy_(0, flat, rows.reshape(-1, hk, dh))
+
         def peer():
             qr, kq = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-            k_cache.view(-1, hk, dh).index_copy_(0, flat, kq.reshape(-1, hk, dh))
-            v_cache.view(-1, hk, dh).index_copy_(0, flat, v.reshape(-1, hk, dh))
+            put(k_cache, to_cache(kq, ks))
+            put(v_cache, to_cache(v, vs))
             return qr, k_cache, v_cache
 
         def ours(cfg=""):
             out = flashcpp.rope_append_kv(k, v, k_cache, v_cache, lens, q, block_table=table, theta=theta,
-                                          q_out=qo, cuda_config=cfg)
+                                          q_out=qo, k_scale=ks, v_scale=vs, cuda_config=cfg)
             return out, k_cache, v_cache
 
-        def unfused():
+        def unfused():  # our apply_rotary, then the scatters (fp8: the eager quantization between)
             flashcpp.apply_rotary(q, k, positions, theta=theta, q_out=qo2, k_out=kr)
-            k_cache.view(-1, hk, dh).index_copy_(0, flat, kr.view(-1, hk, dh))
-            v_cache.view(-1, hk, dh).index_copy_(0, flat, v.view(-1, hk, dh))
+            put(k_cache, to_cache(kr, ks))
+            put(v_cache, to_cache(v, vs))
             return qo2, k_cache, v_cache
         shape = {"batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": dh, "page_size": page}
-        nbytes = 2 * b * s * (hq + 2 * hk) * dh * esize
+        # read q, k, v; write q_out and the cache rows (one byte a code for fp8)
+        nbytes = b * s * dh * (2 * hq * esize + 2 * hk * esize + 2 * hk * (1 if fp8 else esize))
+        if fp8 and flashinfer is not None:
+            extra["flashinfer"] = _flashinfer_rope_fp8_append(
+                torch, flashinfer, q, k, v, k_cache, v_cache, table, slot, theta, b, s, hq, hk, dh, page)
     ours.unfused_variant = unfused
 
     def check():
         p = tuple(t.clone() for t in peer())
         o = ours()
         return _max_diff(o, p)
-    return shape, ours, peer, nbytes, check, {}
+    return shape, ours, peer, nbytes, check, extra
+
+
+def _flashinfer_rope_fp8_append(torch, fi, q, k, v, k_cache, v_cache, table, slot, theta, b, s, hq, hk, dh, page):
+    """FlashInfer's rope_quantize_fp8_append_paged_kv_cache on the case's tensors (NHD pages of
+    `page` keys, the same block table and slots, a cos_sin_cache of the same theta, scale 1): it
+    returns q in fp8 (compared as its values) and the caches it wrote."""
+    fn = fi["rope_quantize_fp8_append_paged_kv_cache"]
+    dev = q.device
+    max_pos = int(slot.max().item()) + 1
+    inv = 1.0 / theta ** (torch.arange(0, dh, 2, device=dev, dtype=torch.float64) / dh)
+    ang = torch.arange(max_pos, device=dev, dtype=torch.float64)[:, None] * inv[None, :]
+    cos_sin = torch.cat([ang.cos(), ang.sin()], dim=1).float().contiguous()  # (max_pos, dh): [cos | sin]
+    pos_ids = slot.reshape(-1).to(torch.int32).contiguous()
+    kv_indices = table.reshape(-1).contiguous()
+    kv_indptr = (torch.arange(b + 1, device=dev, dtype=torch.int32) * table.shape[1]).contiguous()
+    batch_indices = torch.arange(b, device=dev, dtype=torch.int32).repeat_interleave(s).contiguous()
+    q3, k3, v3 = q.reshape(-1, hq, dh), k.reshape(-1, hk, dh), v.reshape(-1, hk, dh)
+    q8 = torch.empty(q3.shape, device=dev, dtype=torch.float8_e4m3fn)
+
+    def run():
+        fn(q3, k3, None, None, v3, cos_sin, pos_ids, (k_cache, v_cache), kv_indices, kv_indptr, batch_indices,
+           pos_ids, is_neox=True, quantize_dtype=torch.float8_e4m3fn, quant_scale_q=1.0, quant_scale_kv=1.0,
+           page_size=page, kv_layout="NHD", q_rope_out=q8)
+        return q8.view(q.shape), k_cache, v_cache
+    return run
 
 
 def _max_diff(a, b) -> float:
@@ -321,8 +381,8 @@ def _max_diff(a, b) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
-def _checked_extra(extra: Dict[str, Callable], peer: Callable, case: str) -> Dict[str, Callable]:
-    """The extra peers that run on this case and agree with eager PyTorch (max |diff| <= 0.1 on these
+def _checked_extra(extra: Dict[str, Callable], peer: Callable, case: str, tol: float = 0.1) -> Dict[str, Callable]:
+    """The extra peers that run on this case and agree with eager PyTorch (max |diff| <= tol on these
     O(1) values); the others are named on a progress line and left out."""
     kept: Dict[str, Callable] = {}
     for name, fn in extra.items():
@@ -333,7 +393,7 @@ def _checked_extra(extra: Dict[str, Callable], peer: Callable, case: str) -> Dic
         except Exception as e:  # a peer that refuses a shape is reported, not hidden
             progress(f"  {name} unavailable for {case}: {type(e).__name__}: {str(e)[:120]}")
             continue
-        if not d <= 0.1:
+        if not d <= tol:
             progress(f"  {name} dropped for {case}: max |diff| vs eager {d:.3e}")
             continue
         kept[name] = fn
@@ -353,9 +413,10 @@ def run(quick: bool, out: str) -> int:
     progress(f"[bench fused] {env}")
     rows: List[Dict[str, object]] = []
     extra_mods, extra_why = _extra_peers()
-    for nm in ("quack", "liger"):
-        progress(f"[bench fused] {nm}: " + ("imports" if nm in extra_mods else f"not timed ({extra_why[nm]})"))
-        env[nm] = "imports" if nm in extra_mods else f"not available: {extra_why[nm]}"
+    for nm in ("quack", "liger", "flashinfer"):
+        what = " (the rope_append_kv fp8-cache rows have no FlashInfer peer)" if nm == "flashinfer" else ""
+        progress(f"[bench fused] {nm}: " + ("imports" if nm in extra_mods else f"not timed{what} ({extra_why[nm]})"))
+        env[nm] = "imports" if nm in extra_mods else f"not available{what}: {extra_why[nm]}"
     for name, dtype in _cases(torch, quick):
         torch.manual_seed(0)
         shape, ours, peer, nbytes, check, extra = _build(name, dtype, torch, flashcpp, extra_mods)
@@ -363,7 +424,9 @@ def run(quick: bool, out: str) -> int:
         for _ in range(3):  # compile and warm up outside the timing
             compiled()
         diff = check()
-        extra = _checked_extra(extra, peer, name)
+        # fp8 caches (and FlashInfer's fp8 q): two roundings of one value may land one e4m3 step
+        # apart, at most 0.5 below |x| = 8 (these inputs are standard normal).
+        extra = _checked_extra(extra, peer, name, tol=0.6 if "_fp8" in name else 0.1)
         # flashcpp_streaming: the same kernels with evict-first cache hints (cuda_config
         # "streaming"), timed alongside so the default can be chosen from data.
         fns = {"flashcpp": ours, "flashcpp_streaming": lambda: ours("streaming"), "torch_eager": peer,

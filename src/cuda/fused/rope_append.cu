@@ -13,12 +13,20 @@
 // Cache addressing is common/kv_append.h's (decode's rule: slot cache_seqlens[b] + s, the page from
 // the block table), clamped on the device so no write leaves the cache.
 //
-// Instantiations: {bf16, fp16} x {16-byte vectors, scalar} = 4.
+// An fp8 e4m3 cache (k_scale set) is written in the same pass: a KV row's key is rotated in fp32
+// from the staged row without rounding to T, divided by its head's scale and stored as its
+// cvt.rn.satfinite code (decode's fp8_code, so decode's append writes the same bytes), 8 codes per
+// 8-byte store on the vector path; the value likewise. A runtime branch per row, not a template
+// parameter: the bytes a KV row moves drop from 8 to 6 per element pair (k, v read as T, written as
+// codes) and the branch is uniform over a row's lanes.
+//
+// Instantiations: {bf16, fp16} x {16-byte vectors, scalar} = 4 (either cache kind).
 #include <algorithm>
 #include <limits>
 
 #include "common/kv_append.h"
 #include "cuda/cuda_api.h"
+#include "cuda/decode/decode_device.cuh"  // fp8_code: the code decode's append stores
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
 #include "cuda/fused/rope_row.cuh"
@@ -51,6 +59,9 @@ struct AppendArgs {
   std::int64_t block_table_stride = 0;
   const std::int32_t* cache_seqlens = nullptr;
   const std::int32_t* positions = nullptr;  ///< null: the token's slot
+  /// fp8 e4m3 cache only: fp32 [heads_kv] scales (the cache holds codes of x / scale); null: T.
+  const float* k_scale = nullptr;
+  const float* v_scale = nullptr;
   RowRotary rotary;
 };
 
@@ -70,6 +81,28 @@ __device__ __forceinline__ void store_row(T* dst, const Vec<T, VEC> (&v)[SLOTS],
   for (int k = 0; k < SLOTS; ++k) {
     const int e = row_elem<VEC>(lane, k, g);
     if (e < n) store_vec<T, VEC>(dst + e, v[k], min(VEC, n - e));
+  }
+}
+
+/// A row of an fp8 cache (fused.h): each valid element of the lane's vectors in fp32 (rotated from
+/// the staged row `srow`, unrounded, when `rotate` and below rotary_dim), divided by the head's
+/// scale and stored as its e4m3 code; a vector's codes in one store (8 bytes on the 16-byte path).
+template <class T, int VEC, int SLOTS>
+__device__ __forceinline__ void store_codes(std::uint8_t* dst, const Vec<T, VEC> (&x)[SLOTS], const RowRotary& r,
+                                            bool rotate, const T* srow, std::int32_t pos, float scale, int lane, int g,
+                                            int n) {
+#pragma unroll
+  for (int k = 0; k < SLOTS; ++k) {
+    const int e0 = row_elem<VEC>(lane, k, g);
+    if (e0 >= n) continue;
+    Vec<std::uint8_t, VEC> c;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const int e = e0 + i;  // e >= n: never stored (rotary_dim <= n, so never rotated either)
+      const float f = rotate && e < r.rot ? rotated_f32<T>(r, srow, e, x[k].v[i], pos) : to_float(x[k].v[i]);
+      c.v[i] = decode_dev::fp8_code(f / scale);
+    }
+    store_vec<std::uint8_t, VEC>(dst + e0, c, min(VEC, n - e0));
   }
 }
 
@@ -98,11 +131,12 @@ __global__ void __launch_bounds__(kRowBlockThreads) rope_append_kernel(const __g
   if (!is_q)
     load_row<T, VEC, kSlots>(static_cast<const T*>(a.v_new) + b * a.vn_bs + s * a.vn_ss + hk * a.vn_hs, v, lane, g,
                              a.head_dim_v, live);
-  // 2. Rotate through the warp-private stage (rope_row.cuh).
-  if (a.rotary.style != 0) {
+  // 2. Rotate through the warp-private stage (rope_row.cuh); an fp8 KV row rotates as it stores.
+  const bool rotate = a.rotary.style != 0, fp8 = !is_q && a.k_scale != nullptr;
+  if (rotate) {
     if (live) stage_row<T, VEC, kSlots>(srow, x, lane, g, a.head_dim);
     __syncwarp();
-    if (live) rotate_lane_row<T, VEC, kSlots>(a.rotary, srow, x, lane, g, a.head_dim, pos);
+    if (live && !fp8) rotate_lane_row<T, VEC, kSlots>(a.rotary, srow, x, lane, g, a.head_dim, pos);
   }
   if (!live) return;
   // 3. Store: q_out, or the cache's K and V rows of slot j.
@@ -113,6 +147,13 @@ __global__ void __launch_bounds__(kRowBlockThreads) rope_append_kernel(const __g
   std::int64_t block, slot_row;
   flashcpp::fused::slot_place(a.block_table, a.block_table_stride, a.page_shift, a.num_pages, a.paged, b, j, &block,
                               &slot_row);
+  if (fp8) {
+    store_codes<T, VEC, kSlots>(static_cast<std::uint8_t*>(a.k_cache) + block * a.kc_bs + slot_row * a.kc_ss + hk * a.kc_hs,
+                                x, a.rotary, rotate, srow, pos, __ldg(a.k_scale + hk), lane, g, a.head_dim);
+    store_codes<T, VEC, kSlots>(static_cast<std::uint8_t*>(a.v_cache) + block * a.vc_bs + slot_row * a.vc_ss + hk * a.vc_hs,
+                                v, a.rotary, false, srow, pos, __ldg(a.v_scale + hk), lane, g, a.head_dim_v);
+    return;
+  }
   store_row<T, VEC, kSlots>(static_cast<T*>(a.k_cache) + block * a.kc_bs + slot_row * a.kc_ss + hk * a.kc_hs, x, lane, g,
                             a.head_dim);
   store_row<T, VEC, kSlots>(static_cast<T*>(a.v_cache) + block * a.vc_bs + slot_row * a.vc_ss + hk * a.vc_hs, v, lane, g,
@@ -130,7 +171,8 @@ int log2_of(int pow2) {
   return s;
 }
 
-/// 16-byte accesses: every pointer 16-byte aligned, head dims and every stride in use a multiple of 8.
+/// 16-byte accesses: every pointer 16-byte aligned, head dims and every stride in use a multiple of 8
+/// (an fp8 cache then takes aligned 8-byte stores of 8 codes).
 bool vector_ok(const RopeAppendParams& p) {
   if (p.head_dim % kVec16 != 0 || p.effective_head_dim_v() % kVec16 != 0) return false;
   auto ok = [](const TensorView& t, std::int64_t e0, std::int64_t e1, std::int64_t e2) {
@@ -159,6 +201,7 @@ FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force) {
   path.group = next_pow2((widest + kRowLaneElems - 1) / kRowLaneElems);
   path.name = std::string("rope_append_kv ") + (p.rotary.enabled() ? rope_style_name(p.rotary.style) : "no-rotary") +
               (path.vector ? " vec8" : " scalar") + (p.cache.paged() ? " paged" : " contiguous") +
+              (p.cache.fp8() ? " fp8" : "") +
               (p.rotary.has_tables() ? " cache" : "") + " group=" + std::to_string(path.group);
   return path;
 }
@@ -196,6 +239,8 @@ Status rope_append_kv(const RopeAppendParams& p, const FusedForce& force, Stream
   a.block_table_stride = c.block_table_stride;
   a.cache_seqlens = p.cache_seqlens;
   a.positions = p.positions;
+  a.k_scale = c.fp8() ? c.k_scale : nullptr;
+  a.v_scale = c.fp8() ? c.v_scale : nullptr;
   if (p.head_dim > kFusedRowMaxHeadDim || a.head_dim_v > kFusedRowMaxHeadDim)
     return Status::Internal("rope_append_kv: a head dim past the row kernel's 256");
   set_row_rotary(p.rotary, p.head_dim, &a.rotary);

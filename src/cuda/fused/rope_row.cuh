@@ -51,11 +51,10 @@ inline void set_row_rotary(const RotarySpec& spec, int head_dim, RowRotary* r) {
   }
 }
 
-/// The rotated value of element e of a row: `own` is the element's rounded value, `row` the
-/// row's stage in shared memory (for the partner). Elements past rotary_dim pass through.
+/// The rotated value of element e < rotary_dim of a row (rotation on) in fp32, before any rounding:
+/// `own` is the element's value, `row` the row's stage in shared memory (for the partner).
 template <class T>
-__device__ __forceinline__ T rotate_element(const RowRotary& r, const T* row, int e, T own, std::int32_t pos) {
-  if (r.style == 0 || e >= r.rot) return own;
+__device__ __forceinline__ float rotated_f32(const RowRotary& r, const T* row, int e, T own, std::int32_t pos) {
   bool first;
   int i, partner;
   if (r.style == static_cast<int>(RopeStyle::kNeox)) {
@@ -72,7 +71,15 @@ __device__ __forceinline__ T rotate_element(const RowRotary& r, const T* row, in
   float x0 = to_float(first ? own : row[partner]);
   float x1 = to_float(first ? row[partner] : own);
   rope::rotate_pair(x0, x1, c, s);
-  return from_float<T>(first ? x0 : x1);
+  return first ? x0 : x1;
+}
+
+/// The rotated value of element e of a row, rounded to T (rotated_f32); elements past rotary_dim
+/// pass through.
+template <class T>
+__device__ __forceinline__ T rotate_element(const RowRotary& r, const T* row, int e, T own, std::int32_t pos) {
+  if (r.style == 0 || e >= r.rot) return own;
+  return from_float<T>(rotated_f32<T>(r, row, e, own, pos));
 }
 
 /// Element offset of a lane's vector k in the row.
