@@ -2,10 +2,11 @@
 (CUDA graph of calls, replays interleaved across variants, median per call).
 
     python scripts/decode_probe.py --shape B,HQ,HKV,N,D,PS [--shape ...] [--kinds bf16,fp8]
-                                   [--fused-merge 0,1] [--splits 0] [--reps 15] [--out FILE]
+                                   [--fused-merge 0,1] [--splits 0,1,4] [--reps 15] [--out FILE]
 
 Prints one line per (shape, kind, option) with the plan it ran and its time and bandwidth (KV
-bytes / time), and writes them as CSV to --out.
+bytes / time), and writes them as CSV to --out. --splits: forced split counts per sequence (0 = the
+planner's heuristic), each a variant.
 """
 import argparse
 import csv
@@ -34,7 +35,7 @@ def main():
     ap.add_argument("--shape", action="append", required=True)
     ap.add_argument("--kinds", default="bf16,fp8")
     ap.add_argument("--fused-merge", default="0")
-    ap.add_argument("--splits", type=int, default=0)
+    ap.add_argument("--splits", default="0")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -55,18 +56,18 @@ def main():
         table = torch.randperm(B * N // ps).cuda().int().view(B, N // ps) if ps else None
         variants = {}
         for kind in a.kinds.split(","):
-            for fm in a.fused_merge.split(","):
+            for fm, sp in [(f, x) for f in a.fused_merge.split(",") for x in a.splits.split(",")]:
                 w = BatchDecodeWithKVCache()
                 extra = {"kv_dtype": torch.float8_e4m3fn} if kind == "fp8" else {}
                 w.plan(B, Hq, Hkv, D, kv_capacity=N, page_size=ps, cache_seqlens=lens_host, causal=True,
-                       dtype=torch.bfloat16, device="cuda", num_splits=a.splits, fused_merge=fm == "1", **extra)
+                       dtype=torch.bfloat16, device="cuda", num_splits=int(sp), fused_merge=fm == "1", **extra)
                 out = torch.empty_like(q)
                 if kind == "fp8":
                     fn = (lambda w=w, out=out: w.run(q, k8, v8, lens, block_table=table, out=out, k_scale=ks,
                                                      v_scale=vs))
                 else:
                     fn = lambda w=w, out=out: w.run(q, kc, vc, lens, block_table=table, out=out)
-                variants[(kind, fm)] = (w, fn)
+                variants[(kind, fm, sp)] = (w, fn)
         # calls per replay: about 300 us of work (one eager call to size it)
         graphs, calls = {}, {}
         for key, (w, fn) in variants.items():
@@ -99,7 +100,7 @@ def main():
             info = w.plan_info
             us = statistics.median(times[k])
             kvb = B * N * Hkv * D * 2 * (1 if k[0] == "fp8" else 2)
-            row = {"shape": sh, "kind": k[0], "fused_merge": k[1], "us": round(us, 2),
+            row = {"shape": sh, "kind": k[0], "fused_merge": k[1], "forced_splits": k[2], "us": round(us, 2),
                    "tbps": round(kvb / us / 1e6, 3), "ctas": info.ctas, "splits": info.max_splits,
                    "merge": int(info.needs_merge), "fm": int(info.fused_merge)}
             rows.append(row)
