@@ -169,7 +169,6 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
     return Status::Invalid(cat("heads_q ", p.heads_q, " is not a multiple of heads_kv ", p.heads_kv));
   FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim", p.head_dim));
   if (p.head_dim_v != 0) FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim_v", p.head_dim_v));
-  if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "decode"));
   // dtypes
   const bool append = p.has_append();
   // q, o and the new K/V share one dtype; the cache holds it too, or fp8 e4m3 with per-head scales.
@@ -195,6 +194,7 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
     if (p.cache.k.dtype != p.cache.v.dtype)
       return Status::Invalid(cat("cache.k.dtype ", dtype_name(p.cache.k.dtype), " differs from cache.v.dtype ",
                                  dtype_name(p.cache.v.dtype), " (an fp8 cache quantizes both K and V)"));
+    if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_fp8_head_dims(p.head_dim, p.effective_head_dim_v()));
   } else {
     for (std::size_t i = 4; i < 6; ++i)
       if (ts[i].second != p.q.dtype)
