@@ -194,10 +194,10 @@ int cmd_info(ShapeOptions s) {
 #endif
   std::string dims;
   for (int d : flashcpp::kCudaHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-  fmt::print("supported head dims: any multiple of {} in [{}, {}] for q/k and for v/o (CPU backends and CUDA prefill, "
-             "which runs a pair in the smallest of the classes {} that holds both); CUDA decode: {} with head_dim_v = "
-             "head_dim\n",
-             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims, dims);
+  fmt::print("supported head dims: any multiple of {} in [{}, {}] for q/k and for v/o (every backend: the CUDA prefill, "
+             "backward and decode kernels run a pair in the smallest of the classes {} that holds both; CUDA decode "
+             "over an fp8 cache takes multiples of 16)\n",
+             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims);
 
   std::string mask = s.causal ? "causal" : "";
   if (s.window_left >= 0 || s.window_right >= 0)
@@ -214,12 +214,14 @@ int cmd_info(ShapeOptions s) {
     fmt::print("  (q {}, k {}, v {}, o {}; nothing is allocated: the dispatcher reads no element)\n",
                bytes_str(lay.q_bytes), bytes_str(lay.k_bytes), bytes_str(lay.v_bytes), bytes_str(lay.o_bytes));
   const AttnParams p = info_params(s, lay.q, lay.k, lay.v, lay.o);
-  // The class this shape's head dims run in on CUDA (prefill), whether or not a device is here.
+  // The class this shape's head dims run in on CUDA (prefill, backward, decode), whether or not a
+  // device is here.
   if (const int cls = p.head_dim_class(); cls != 0) {
     const bool own = cls == p.head_dim && cls == p.effective_head_dim_v();
-    fmt::print("  CUDA head-dim class: {}{}; CUDA decode {}\n", cls,
-               own ? "" : " (the prefill kernels pad to it inside: zero columns, nothing copied)",
-               own ? "takes it too" : "refuses it (its kernels take 64, 128 or 256 with head_dim_v = head_dim)");
+    const bool fp8_ok = p.head_dim % 16 == 0 && p.effective_head_dim_v() % 16 == 0;
+    fmt::print("  CUDA head-dim class (prefill, backward, decode): {}{}{}\n", cls,
+               own ? "" : " (the kernels pad to it inside: zero columns, nothing copied)",
+               fp8_ok ? "" : "; CUDA decode over an fp8 cache refuses it (fp8 head dims are multiples of 16)");
   }
   for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
     RunOptions opt;

@@ -67,12 +67,11 @@ constexpr bool is_supported_head_dim(int d) noexcept {
   return d >= kHeadDimStep && d <= kMaxHeadDim && d % kHeadDimStep == 0;
 }
 
-/// The head-dim classes the CUDA kernels are compiled for. The prefill kernels run any supported
-/// pair (head_dim, head_dim_v) in the class of the larger (cuda_head_dim_class): columns past a
-/// tensor's own head dim load as zeros inside the kernel (TMA out-of-bounds fill on sm90, cp.async
-/// zero-fill on sm80) and are never stored, so no tensor is copied or padded in memory. Decode
-/// takes head_dim_v == head_dim in this set only so far; a CUDA call outside it is refused with
-/// Status::Unsupported.
+/// The head-dim classes the CUDA kernels are compiled for. The prefill, backward and decode kernels
+/// run any supported pair (head_dim, head_dim_v) in the class of the larger (cuda_head_dim_class):
+/// columns past a tensor's own head dim load as zeros inside the kernel (TMA out-of-bounds fill on
+/// sm90, cp.async zero-fill on sm80 and in decode) and are never stored, so no tensor is copied or
+/// padded in memory. (CUDA decode over an fp8 cache takes head dims that are multiples of 16.)
 inline constexpr int kCudaHeadDims[] = {64, 128, 256};
 constexpr bool is_cuda_head_dim(int d) noexcept {
   for (int c : kCudaHeadDims)

@@ -97,7 +97,9 @@ struct DecodeParams {
   int heads_q = 0;
   int heads_kv = 0;   ///< heads_q % heads_kv == 0 (GQA/MQA)
   int head_dim = 0;   ///< of q and the keys: a multiple of 8 in [8, 256] (is_supported_head_dim)
-  int head_dim_v = 0; ///< of the values and o: likewise; 0 = head_dim (CUDA: equal to head_dim)
+  /// Of the values and o: likewise; 0 = head_dim. CUDA runs the pair in the class of both
+  /// (cuda_head_dim_class, padded inside the kernels); an fp8 cache there takes multiples of 16.
+  int head_dim_v = 0;
   TensorView q;       ///< (batch, seqlen_q, heads_q, head_dim)
   TensorView o;       ///< (batch, seqlen_q, heads_q, head_dim_v), q's dtype; must not overlap any input
   /// Optional fp32 log-sum-exp (natural log), contiguous (batch, heads_q, seqlen_q).

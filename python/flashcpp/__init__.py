@@ -23,10 +23,10 @@ GIT_COMMIT: str = _C.GIT_COMMIT
 #: Head dims attention and decode take: every multiple of 8 in [8, 256], for q and k (head_dim)
 #: and, independently, for v and the output (head_dim_v, v's last dim). The CPU backends run them all.
 SUPPORTED_HEAD_DIMS = _C.SUPPORTED_HEAD_DIMS
-#: The head-dim classes the CUDA kernels are built for. CUDA prefill (flash_attn_func and the
-#: rest) runs every supported pair in the smallest class that holds both, padded inside the kernel;
-#: CUDA decode takes these with v's head dim equal to q's and raises NotImplementedError (the C++
-#: library's answer) for any other.
+#: The head-dim classes the CUDA kernels are built for. CUDA prefill, backward and decode
+#: (flash_attn_func, flash_attn_with_kvcache and the rest) run every supported pair in the smallest
+#: class that holds both, padded inside the kernel; CUDA decode over an fp8 KV cache takes head dims
+#: that are multiples of 16 and raises NotImplementedError (the C++ library's answer) for others.
 CUDA_HEAD_DIMS = _C.CUDA_HEAD_DIMS
 
 __all__ = [

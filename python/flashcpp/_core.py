@@ -130,8 +130,9 @@ class Dims(NamedTuple):
 def head_dim_error(name: str, d: Any) -> Optional[str]:
     """The C++ validator's sentence (src/core/head_dim_checks.h) for a head dim (`name`: head_dim or
     head_dim_v) that no backend takes, else None. SUPPORTED_HEAD_DIMS is every multiple of 8 in
-    [8, 256]; which of them a backend runs (CUDA decode: CUDA_HEAD_DIMS, with head_dim_v == head_dim) is
-    left to C++, which refuses the rest as Unsupported (NotImplementedError)."""
+    [8, 256], and every backend runs all of them; what a backend refuses beyond that (CUDA decode over
+    an fp8 cache: head dims that are not multiples of 16) is left to C++, which says so as Unsupported
+    (NotImplementedError)."""
     dims = _C.SUPPORTED_HEAD_DIMS
     if d in dims:
         return None

@@ -243,8 +243,9 @@ class BatchDecodeWithKVCache:
             batch_size, num_qo_heads, num_kv_heads, head_dim, seqlen_q: the step's shape
                 (q is (batch_size, seqlen_q, num_qo_heads, head_dim), 1 <= seqlen_q <= 16).
             head_dim_v: the head dim of v_cache (and of v and out); None = head_dim. Any multiple
-                of 8 in [8, 256] on the CPU backend; the CUDA kernels take head_dim_v == head_dim
-                in (64, 128, 256) and refuse the rest (NotImplementedError).
+                of 8 in [8, 256] on both backends (the CUDA kernels run it in the class 64, 128
+                or 256 holding both head dims, padded inside); an fp8 cache on CUDA takes
+                multiples of 16 and refuses the rest (NotImplementedError).
             kv_capacity: key slots per sequence: k_cache.shape[1] (contiguous), or
                 pages_per_seq * page_size (paged). Default: the largest planned length (+ seqlen_q
                 with append); required when cache_seqlens is None.

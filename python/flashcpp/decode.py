@@ -12,7 +12,8 @@ wrappers), with the semantics of ``include/flashcpp/decode.h``:
   at ``cache_seqlens`` for every token instead);
 * 1 <= seqlen_q <= 16; GQA/MQA; sliding window, softcap and ALiBi as in ``flash_attn_func``;
 * head dims as in ``flash_attn_func``: ``v_cache`` (and ``v``, the output) may have its own head
-  dim, head_dim_v; the CUDA kernels take head_dim_v == head_dim in (64, 128, 256) only.
+  dim, head_dim_v; both backends take any multiple of 8 in [8, 256] (the CUDA kernels pad inside
+  to the class 64, 128 or 256 that holds both; an fp8 cache on CUDA takes multiples of 16).
 
 Three entry points, one C++ path (``flashcpp::decode_plan`` / ``decode_run`` through the
 ``_flashcpp`` binding, in ``_decode``; CUDA tensors run the CUDA kernels, numpy arrays and CPU

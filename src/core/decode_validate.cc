@@ -221,7 +221,6 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
     return Status::Invalid(cat("heads_q ", p.heads_q, " is not a multiple of heads_kv ", p.heads_kv));
   FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim", p.head_dim));
   if (p.head_dim_v != 0) FLASHCPP_RETURN_IF_ERROR(detail::check_head_dim("head_dim_v", p.head_dim_v));
-  if (r.cuda) FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_head_dims(p.head_dim, p.effective_head_dim_v(), "decode"));
   // dtypes
   const bool append = p.has_append();
   // q, o and the new K/V share one dtype; the cache holds it too, or fp8 e4m3 with per-head scales
@@ -239,6 +238,8 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
       return Status::Invalid(cat(ts[i].first, ".dtype ", dtype_name(ts[i].second), " differs from q.dtype ",
                                  dtype_name(p.q.dtype), " (q, o and k_new/v_new share one dtype)"));
   FLASHCPP_RETURN_IF_ERROR(detail::check_cache_dtype(p.cache, p.q.dtype, "q"));
+  if (r.cuda && p.cache.k.dtype == DType::kF8E4M3)
+    FLASHCPP_RETURN_IF_ERROR(detail::check_cuda_fp8_head_dims(p.head_dim, p.effective_head_dim_v()));
   if (r.cuda && p.q.dtype == DType::kF32)
     return Status::Unsupported("fp32 decode runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
   // cache geometry

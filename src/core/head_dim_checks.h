@@ -1,10 +1,10 @@
-// The head-dim rules every validator shares (attention, backward, decode), one sentence each:
-// any multiple of 8 in [8, 256] on the CPU backends, and the compiled set kCudaHeadDims with
-// head_dim_v == head_dim on CUDA (attention.h).
+// The head-dim rules every validator shares (attention, backward, decode), one sentence each: any
+// multiple of 8 in [8, 256] on every backend (the CUDA kernels run a head dim in the compiled class
+// that holds it, attention.h's cuda_head_dim_class), and the fp8 cache's rule of CUDA decode.
 #pragma once
 
-#include <iterator>
 #include <string>
+#include <utility>
 
 #include "core/message.h"
 #include "flashcpp/attention.h"
@@ -19,22 +19,16 @@ inline Status check_head_dim(const char* name, int d) {
                              kHeadDimStep, ", ", kMaxHeadDim, "])"));
 }
 
-/// The CUDA kernels' set, "64, 128 or 256".
-inline std::string cuda_head_dim_list() {
-  std::string s;
-  constexpr int n = static_cast<int>(std::size(kCudaHeadDims));
-  for (int i = 0; i < n; ++i) s += cat(i == 0 ? "" : i + 1 == n ? " or " : ", ", kCudaHeadDims[i]);
-  return s;
-}
-
-/// What the CUDA kernels of `what` ("attention", "the backward", "decode") are compiled for.
-inline Status check_cuda_head_dims(int head_dim, int head_dim_v, const char* what) {
-  if (head_dim_v != head_dim)
-    return Status::Unsupported(cat("head_dim ", head_dim, " with head_dim_v ", head_dim_v, " runs on the CPU backends only (",
-                                   "the CUDA kernels of ", what, " take head_dim_v == head_dim)"));
-  if (!is_cuda_head_dim(head_dim))
-    return Status::Unsupported(cat("head_dim ", head_dim, " runs on the CPU backends only (the CUDA kernels of ", what,
-                                   " are built for head_dim ", cuda_head_dim_list(), ")"));
+/// An fp8 e4m3 KV cache on CUDA: the decode kernels copy 16 codes per 16-byte load from rows that
+/// start on 16-byte boundaries, and at a head dim 8 past a multiple of 16 a dense cache's rows start
+/// on 8-byte ones. Such head dims run on the CPU backend, or on CUDA with a 16-bit cache.
+inline Status check_cuda_fp8_head_dims(int head_dim, int head_dim_v) {
+  for (auto [name, d] : {std::pair<const char*, int>{"head_dim", head_dim}, {"head_dim_v", head_dim_v}})
+    if (d % 16 != 0)
+      return Status::Unsupported(cat("an fp8_e4m3 cache with ", name, " ", d,
+                                     " runs on the CPU backend only (the CUDA decode kernels copy 16 fp8 codes per "
+                                     "16-byte load and take fp8 head dims that are multiples of 16; a 16-bit cache "
+                                     "takes every multiple of 8)"));
   return Status::Ok();
 }
 

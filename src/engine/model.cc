@@ -140,10 +140,6 @@ Status LlamaModel::load(const std::string& dir, Ops* ops, std::unique_ptr<LlamaM
   if (!is_supported_head_dim(c.head_dim))
     return Status::Unsupported("config.json: head_dim " + std::to_string(c.head_dim) +
                                " is not supported (attention takes a multiple of 8 in [8, 256])");
-  if (ops->cuda() && !is_cuda_head_dim(c.head_dim))
-    return Status::Unsupported("config.json: head_dim " + std::to_string(c.head_dim) +
-                               " runs on the engine's CPU backend only (the CUDA attention kernels are built for "
-                               "head_dim 64, 128 or 256)");
   std::unique_ptr<SafetensorsArchive> a;
   FLASHCPP_RETURN_IF_ERROR(SafetensorsArchive::open(dir, &a));
   FLASHCPP_RETURN_IF_ERROR(check_layer_count(*a, c.num_hidden_layers));

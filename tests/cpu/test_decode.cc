@@ -1296,6 +1296,41 @@ TEST(DecodeValidate, Messages) {
   EXPECT_TRUE(has(msg([](DecodeParams&) {}, Backend::kCpuReference), "no fp64 reference backend"));
 }
 
+// CUDA decode runs every head dim, and head_dim_v != head_dim, in the class that holds both (padded
+// inside the kernels); over an fp8 cache it refuses head dims that are not multiples of 16, with a
+// sentence naming the one. Validation only: host pointers, no device touched.
+TEST(DecodeValidate, CudaTakesEveryHeadDimAndFp8MultiplesOf16) {
+  for (int d = 8; d <= 256; d += 8)
+    for (int dv : {0, 8, 40, 96, 256})
+      for (bool fp8 : {false, true}) {
+        DCase c = fp8_case("cuda_head_dims");
+        c.fp8 = fp8;
+        c.dt = DType::kBF16;
+        c.d = d;
+        c.dv = dv;
+        c.batch = 1;
+        c.hkv = 1;
+        c.hq = 2;
+        c.lens = {40};
+        Problem pr(c, 5);
+        const int w = c.width_v();
+        SCOPED_TRACE("head_dim " + std::to_string(d) + " head_dim_v " + std::to_string(w) + (fp8 ? " fp8" : ""));
+        ASSERT_TRUE(validate(pr.p, Backend::kCpu).ok());
+        const Status s = validate(pr.p, Backend::kCuda);
+        if (!fp8 || (d % 16 == 0 && w % 16 == 0)) {
+          EXPECT_TRUE(s.ok()) << s.message();
+        } else {
+          const bool k_bad = d % 16 != 0;
+          EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+          EXPECT_EQ(s.message(), "an fp8_e4m3 cache with " + std::string(k_bad ? "head_dim " : "head_dim_v ") +
+                                     std::to_string(k_bad ? d : w) +
+                                     " runs on the CPU backend only (the CUDA decode kernels copy 16 fp8 codes per "
+                                     "16-byte load and take fp8 head dims that are multiples of 16; a 16-bit cache "
+                                     "takes every multiple of 8)");
+        }
+      }
+}
+
 TEST(DecodeValidate, CudaAlignmentRules) {
   DCase c;
   c.batch = 1;

@@ -7,7 +7,10 @@
 //     must match it to one ulp of the dtype (the rotation's cos/sin differ by < 1e-6 between
 //     double on the host and MUFU on the device, which can flip a rounding), V exactly.
 // Fresh random inputs each run (seed printed), O/LSE poisoned with NaN, cache slots past every
-// sequence's length poisoned with NaN (a read past the length would poison O).
+// sequence's length poisoned with NaN (a read past the length would poison O). Head dims between
+// the compiled classes (64, 128, 256) run padded inside the kernels; a case with `pad` gives every
+// head row of q, o, the cache and the new K/V `pad` more elements, poisoned with NaN: a read of
+// them would poison O, and O's and the cache's must come back with their poison bits unchanged.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -33,6 +36,9 @@ constexpr double kAtol = 1e-2, kRtol = 1e-2, kLseAtol = 1e-3, kLseAtolThetaBf16 
 struct GCase {
   std::string name;
   int batch = 1, hq = 32, hkv = 8, d = 128, sq = 1;
+  int dv = 0;   ///< head_dim_v (v, v_new, o); 0 = d
+  int pad = 0;  ///< elements past each head row (poisoned, never read or written); keeps rows 16-byte aligned
+  int width_v() const { return dv ? dv : d; }
   DType dt = DType::kBF16;
   std::vector<int> lens;  ///< cache_seqlens before the step
   int page_size = 0;      ///< 0 = contiguous
@@ -57,7 +63,8 @@ struct GCase {
 
 std::string describe(const GCase& c) {
   std::string s = c.name + ": b" + std::to_string(c.batch) + " hq" + std::to_string(c.hq) + " hkv" +
-                  std::to_string(c.hkv) + " d" + std::to_string(c.d) + " sq" + std::to_string(c.sq) +
+                  std::to_string(c.hkv) + " d" + std::to_string(c.d) + (c.dv ? "/" + std::to_string(c.dv) : "") +
+                  (c.pad ? " pad" + std::to_string(c.pad) : "") + " sq" + std::to_string(c.sq) +
                   (c.dt == DType::kBF16 ? " bf16" : " fp16") + " page" + std::to_string(c.page_size);
   if (c.append) s += " append";
   if (c.rot != RopeStyle::kNone) s += std::string(" rot-") + rope_style_name(c.rot) + (c.tables ? (c.cos_sin_cache ? "-cache" : "-tables") : "");
@@ -107,6 +114,14 @@ struct TwinOf {
 
 std::uint16_t to_bits(float x, DType dt) { return dt == DType::kBF16 ? float_to_bf16_bits(x) : float_to_half_bits(x); }
 
+/// A (batch, s, h, d) view whose head rows are w >= d elements apart (w - d padding elements).
+TensorView padded_view(void* ptr, DType dt, std::int64_t s, std::int64_t h, int w) {
+  return TensorView{ptr, dt, s * h * w, h * w, w};
+}
+
+constexpr std::uint16_t kPoison16 = 0xFFFF;  // a NaN no kernel writes (they write 0x7FFF / 0x7FC0)
+constexpr std::uint8_t kPoison8 = 0x7f;      // an e4m3 NaN code
+
 /// One decode step with host and device copies of everything. `hp` points at host memory (for
 /// the CPU backend), `dp` at device memory; both describe the same step.
 struct Step {
@@ -128,55 +143,66 @@ struct Step {
     for (int l : c.lens) m = std::max(m, l + (c.append ? c.sq : 0));
     return m + c.extra_slots;
   }
-  static std::int64_t cache_elems(const GCase& c) {
+  /// Elements of a K (w = d + pad) or V (w = dv + pad) cache.
+  static std::int64_t cache_elems(const GCase& c, int w) {
     const std::int64_t n = need(c);
-    if (c.page_size == 0) return c.batch * n * c.hkv * c.d;
+    if (c.page_size == 0) return c.batch * n * c.hkv * w;
     const std::int64_t pps = (n + c.page_size - 1) / c.page_size;
-    return (c.batch * pps + 5) * c.page_size * c.hkv * c.d;
+    return (c.batch * pps + 5) * c.page_size * c.hkv * w;
   }
+  int wk() const { return c.d + c.pad; }
+  int wv() const { return c.width_v() + c.pad; }
 
   Step(const GCase& cs, std::mt19937_64& g)
       : c(cs),
-        q(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hq * cs.d),
-        o(q.h.size()),
-        knew(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hkv * cs.d),
-        vnew(knew.h.size()),
-        kc(cs.fp8 ? 1 : static_cast<std::size_t>(cache_elems(cs))),
-        vc(kc.h.size()),
+        q(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hq * (cs.d + cs.pad)),
+        o(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hq * (cs.width_v() + cs.pad)),
+        knew(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hkv * (cs.d + cs.pad)),
+        vnew(static_cast<std::size_t>(cs.batch) * cs.sq * cs.hkv * (cs.width_v() + cs.pad)),
+        kc(cs.fp8 ? 1 : static_cast<std::size_t>(cache_elems(cs, cs.d + cs.pad))),
+        vc(cs.fp8 ? 1 : static_cast<std::size_t>(cache_elems(cs, cs.width_v() + cs.pad))),
         lens(std::vector<std::int32_t>(cs.lens.begin(), cs.lens.end())),
         block_table(std::vector<std::int32_t>{}),
         lse(std::vector<float>(static_cast<std::size_t>(cs.batch) * cs.hq * cs.sq, NAN)),
         cos_t(std::vector<float>{}),
         sin_t(std::vector<float>{}),
         slopes(std::vector<float>{}),
-        kc8(std::vector<std::uint8_t>(cs.fp8 ? static_cast<std::size_t>(cache_elems(cs)) : 1, 0x7f)),
-        vc8(std::vector<std::uint8_t>(kc8.h.size(), 0x7f)),  // NaN codes: slots no sequence has yet
+        kc8(std::vector<std::uint8_t>(cs.fp8 ? static_cast<std::size_t>(cache_elems(cs, cs.d + cs.pad)) : 1, kPoison8)),
+        // NaN codes: slots no sequence has yet, and the padding
+        vc8(std::vector<std::uint8_t>(cs.fp8 ? static_cast<std::size_t>(cache_elems(cs, cs.width_v() + cs.pad)) : 1,
+                                      kPoison8)),
         kscale(std::vector<float>{}),
         vscale(std::vector<float>{}) {
-    const int D = c.d;
+    const int D = c.d, Dv = c.width_v();
     const std::int64_t n = need(c);
     std::normal_distribution<float> nd(0.f, 1.f);
-    for (auto& x : q.h) x = to_bits(nd(g), c.dt);
+    // Random elements, the padding of each head row poisoned (a read of it would poison O).
+    auto fill = [&](std::vector<std::uint16_t>& v, int d, int w) {
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int>(i % w) < d ? to_bits(nd(g), c.dt) : kPoison16;
+    };
+    fill(q.h, D, wk());
     if (c.q_spread) {
       const float bf16_scale[] = {1e-6f, 1e-3f, 1.f, 30.f, 1e5f}, f16_scale[] = {1e-5f, 1e-3f, 1.f, 3.f, 30.f};
       const float* row_scale = c.dt == DType::kBF16 ? bf16_scale : f16_scale;
-      for (std::size_t r = 0; r * D < q.h.size(); ++r)
+      const std::size_t w = static_cast<std::size_t>(wk());
+      for (std::size_t r = 0; r * w < q.h.size(); ++r)
         for (int d = 0; d < D; ++d) {
           const float f = row_scale[r % 5] * (d == static_cast<int>(r % D) ? 1e-6f : 1.f);
-          q.h[r * D + d] = to_bits(bits_to_float(q.h[r * D + d], c.dt) * f, c.dt);
+          q.h[r * w + d] = to_bits(bits_to_float(q.h[r * w + d], c.dt) * f, c.dt);
         }
     }
-    for (auto& x : knew.h) x = to_bits(nd(g), c.dt);
-    for (auto& x : vnew.h) x = to_bits(nd(g), c.dt);
-    std::fill(kc.h.begin(), kc.h.end(), 0xFFFF);  // NaN: slots no sequence has yet
-    std::fill(vc.h.begin(), vc.h.end(), 0xFFFF);
-    std::fill(o.h.begin(), o.h.end(), 0xFFFF);
+    fill(knew.h, D, wk());
+    fill(vnew.h, Dv, wv());
+    std::fill(kc.h.begin(), kc.h.end(), kPoison16);  // NaN: slots no sequence has yet, and the padding
+    std::fill(vc.h.begin(), vc.h.end(), kPoison16);
+    std::fill(o.h.begin(), o.h.end(), kPoison16);
     DecodeParams p;
     p.batch = c.batch;
     p.seqlen_q = c.sq;
     p.heads_q = c.hq;
     p.heads_kv = c.hkv;
     p.head_dim = D;
+    p.head_dim_v = c.dv;
     p.mask.causal = c.causal;
     p.mask.window_left = c.wl;
     p.mask.softcap = c.softcap;
@@ -198,13 +224,14 @@ struct Step {
       p.cache.num_pages = num_pages;
       p.cache.block_table_stride = bt_stride;
       p.cache.pages_per_seq = pps;
-      p.cache.k = bshd_view(nullptr, cache_dt(), c.page_size, c.hkv, D);
+      p.cache.k = padded_view(nullptr, cache_dt(), c.page_size, c.hkv, wk());
+      p.cache.v = padded_view(nullptr, cache_dt(), c.page_size, c.hkv, wv());
     } else {
       slots = n;
       p.cache.capacity = static_cast<int>(n);
-      p.cache.k = bshd_view(nullptr, cache_dt(), n, c.hkv, D);
+      p.cache.k = padded_view(nullptr, cache_dt(), n, c.hkv, wk());
+      p.cache.v = padded_view(nullptr, cache_dt(), n, c.hkv, wv());
     }
-    p.cache.v = p.cache.k;
     if (c.fp8) {  // about amax / 448 of N(0, 1) values, different per head and for K and V
       std::uniform_real_distribution<float> u(3.f, 5.f);
       std::vector<float> ks(static_cast<std::size_t>(c.hkv)), vs(ks.size());
@@ -216,15 +243,14 @@ struct Step {
     for (int b = 0; b < c.batch; ++b)
       for (int j = 0; j < c.lens[b]; ++j)
         for (int h = 0; h < c.hkv; ++h) {
-          const std::int64_t off = offset(p.cache.k, b, j, h);
+          const std::int64_t ko = offset(p.cache.k, b, j, h), vo = offset(p.cache.v, b, j, h);
           for (int d = 0; d < D; ++d) {
-            if (c.fp8) {
-              kc8.h[off + d] = float_to_fp8e4m3_bits(nd(g) / kscale.h[h]);
-              vc8.h[off + d] = float_to_fp8e4m3_bits(nd(g) / vscale.h[h]);
-            } else {
-              kc.h[off + d] = to_bits(nd(g), c.dt);
-              vc.h[off + d] = to_bits(nd(g), c.dt);
-            }
+            if (c.fp8) kc8.h[ko + d] = float_to_fp8e4m3_bits(nd(g) / kscale.h[h]);
+            else kc.h[ko + d] = to_bits(nd(g), c.dt);
+          }
+          for (int d = 0; d < Dv; ++d) {
+            if (c.fp8) vc8.h[vo + d] = float_to_fp8e4m3_bits(nd(g) / vscale.h[h]);
+            else vc.h[vo + d] = to_bits(nd(g), c.dt);
           }
         }
     if (c.rot != RopeStyle::kNone && c.tables) {
@@ -260,8 +286,8 @@ struct Step {
     dp = p;
     auto bind = [&](DecodeParams& x, bool dev) {
       auto ptr = [&](auto& twin) -> void* { return dev ? twin.d.ptr : static_cast<void*>(twin.h.data()); };
-      x.q = bshd_view(ptr(q), c.dt, c.sq, c.hq, D);
-      x.o = bshd_view(ptr(o), c.dt, c.sq, c.hq, D);
+      x.q = padded_view(ptr(q), c.dt, c.sq, c.hq, wk());
+      x.o = padded_view(ptr(o), c.dt, c.sq, c.hq, wv());
       x.lse = static_cast<float*>(ptr(lse));
       x.cache.k.data = c.fp8 ? ptr(kc8) : ptr(kc);
       x.cache.v.data = c.fp8 ? ptr(vc8) : ptr(vc);
@@ -272,8 +298,8 @@ struct Step {
       x.cache_seqlens = static_cast<const std::int32_t*>(ptr(lens));
       if (c.page_size > 0) x.cache.block_table = static_cast<const std::int32_t*>(ptr(block_table));
       if (c.append) {
-        x.k_new = bshd_view(ptr(knew), c.dt, c.sq, c.hkv, D);
-        x.v_new = bshd_view(ptr(vnew), c.dt, c.sq, c.hkv, D);
+        x.k_new = padded_view(ptr(knew), c.dt, c.sq, c.hkv, wk());
+        x.v_new = padded_view(ptr(vnew), c.dt, c.sq, c.hkv, wv());
       }
       if (c.rot != RopeStyle::kNone && c.tables) {
         if (c.cos_sin_cache) {
@@ -395,7 +421,7 @@ void rotate(const GCase& c, const float* cos_t, const float* sin_t, int pos, flo
 /// fp64 reference over the host mirror's cache (after the CPU append).
 void reference(const Step& st, cpu::RefOutput* ref) {
   const GCase& c = st.c;
-  const int D = c.d;
+  const int D = c.d, Dv = c.width_v();
   std::vector<std::int32_t> cu_q{0}, cu_k{0};
   int max_k = 0;
   for (int b = 0; b < c.batch; ++b) {
@@ -404,24 +430,23 @@ void reference(const Step& st, cpu::RefOutput* ref) {
     max_k = std::max(max_k, st.total(b));
   }
   const std::int64_t tk = std::max<std::int64_t>(cu_k.back(), 1);
-  std::vector<float> qd(st.q.h.size()), kd(tk * c.hkv * D), vd(kd.size());
+  // Dense fp32 copies of the real elements only (q rotated as the kernels rotate it).
+  std::vector<float> qd(static_cast<std::size_t>(c.batch) * c.sq * c.hq * D), kd(tk * c.hkv * D), vd(tk * c.hkv * Dv);
   std::vector<float> row(D);
   for (int b = 0; b < c.batch; ++b) {
     for (int t = 0; t < c.sq; ++t)
       for (int h = 0; h < c.hq; ++h) {
-        const std::int64_t at = ((static_cast<std::int64_t>(b) * c.sq + t) * c.hq + h) * D;
-        for (int d = 0; d < D; ++d) row[d] = bits_to_float(st.q.h[at + d], c.dt);
+        const std::int64_t r = (static_cast<std::int64_t>(b) * c.sq + t) * c.hq + h;
+        for (int d = 0; d < D; ++d) row[d] = bits_to_float(st.q.h[r * st.wk() + d], c.dt);
         rotate(c, st.cos_t.h.data(), st.sin_t.h.data(), st.total(b) - c.sq + t, row.data());
-        for (int d = 0; d < D; ++d) qd[at + d] = bits_to_float(to_bits(row[d], c.dt), c.dt);
+        for (int d = 0; d < D; ++d) qd[r * D + d] = bits_to_float(to_bits(row[d], c.dt), c.dt);
       }
     for (int j = 0; j < st.total(b); ++j)
       for (int h = 0; h < c.hkv; ++h) {
-        const std::int64_t dst = ((cu_k[b] + j) * static_cast<std::int64_t>(c.hkv) + h) * D;
-        const std::int64_t src = st.offset(st.hp.cache.k, b, j, h);
-        for (int d = 0; d < D; ++d) {
-          kd[dst + d] = st.k_at(src + d, h);
-          vd[dst + d] = st.v_at(src + d, h);
-        }
+        const std::int64_t dst = (cu_k[b] + j) * static_cast<std::int64_t>(c.hkv) + h;
+        const std::int64_t ks = st.offset(st.hp.cache.k, b, j, h), vs = st.offset(st.hp.cache.v, b, j, h);
+        for (int d = 0; d < D; ++d) kd[dst * D + d] = st.k_at(ks + d, h);
+        for (int d = 0; d < Dv; ++d) vd[dst * Dv + d] = st.v_at(vs + d, h);
       }
   }
   AttnParams a;
@@ -431,9 +456,10 @@ void reference(const Step& st, cpu::RefOutput* ref) {
   a.heads_q = c.hq;
   a.heads_kv = c.hkv;
   a.head_dim = D;
+  a.head_dim_v = Dv;
   a.q = TensorView{qd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hq) * D, D};
   a.k = TensorView{kd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hkv) * D, D};
-  a.v = TensorView{vd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hkv) * D, D};
+  a.v = TensorView{vd.data(), DType::kF32, 0, static_cast<std::int64_t>(c.hkv) * Dv, Dv};
   a.mask.causal = c.causal;
   a.mask.window_left = c.wl;
   a.mask.softcap = c.softcap;
@@ -454,7 +480,7 @@ struct Errors {
 /// reference is NaN (NaN inputs, attention.h) every element and the LSE must be NaN too.
 Errors compare_outputs(const Step& st, const cpu::RefOutput& ref) {
   const GCase& c = st.c;
-  const int D = c.d;
+  const int D = c.width_v(), W = st.wv();  // o's columns; the device's rows are W apart, the reference's D
   const std::int64_t total_q = static_cast<std::int64_t>(c.batch) * c.sq;
   // With in-kernel theta rotary the device's fp32 angles differ from the host mirror's in the
   // last bits, so an appended bf16 K element may round one ulp apart (cache_mismatches allows
@@ -469,13 +495,13 @@ Errors compare_outputs(const Step& st, const cpu::RefOutput& ref) {
         const double lo_row = st.lse.h[(static_cast<std::int64_t>(b) * c.hq + h) * c.sq + t];
         if (std::isnan(ref.lse[h * total_q + row])) {
           ++e.nan_rows;
-          for (int d = 0; d < D; ++d) e.bad += !std::isnan(bits_to_float(st.o.h[(row * c.hq + h) * D + d], c.dt));
+          for (int d = 0; d < D; ++d) e.bad += !std::isnan(bits_to_float(st.o.h[(row * c.hq + h) * W + d], c.dt));
           e.lse_bad += !std::isnan(lo_row);
           continue;
         }
         for (int d = 0; d < D; ++d) {
-          const std::int64_t at = (row * c.hq + h) * D + d;
-          const double out = bits_to_float(st.o.h[at], c.dt), r = ref.o[at];
+          const std::int64_t at = (row * c.hq + h) * W + d;
+          const double out = bits_to_float(st.o.h[at], c.dt), r = ref.o[(row * c.hq + h) * D + d];
           if (std::isnan(out)) {
             ++e.nan;
             continue;
@@ -503,8 +529,8 @@ std::int64_t cache_mismatches(const Step& st, const std::vector<std::uint16_t>& 
                               const std::vector<std::uint16_t>& dev_v) {
   const double u = st.c.dt == DType::kBF16 ? 1.0 / 128 : 1.0 / 1024;  // one ulp relative
   std::int64_t bad = 0;
+  for (std::size_t i = 0; i < dev_v.size(); ++i) bad += dev_v[i] != st.vc.h[i];
   for (std::size_t i = 0; i < dev_k.size(); ++i) {
-    if (dev_v[i] != st.vc.h[i]) ++bad;
     if (dev_k[i] == st.kc.h[i]) continue;
     const double a = bits_to_float(dev_k[i], st.c.dt), b = bits_to_float(st.kc.h[i], st.c.dt);
     if (!(std::fabs(a - b) <= u * std::fabs(b) + 1e-6)) ++bad;
@@ -519,13 +545,23 @@ std::int64_t fp8_cache_mismatches(const Step& st, const std::vector<std::uint8_t
                                   const std::vector<std::uint8_t>& dev_v) {
   auto nan = [](std::uint8_t x) { return (x & 0x7f) == 0x7f; };
   std::int64_t bad = 0;
+  for (std::size_t i = 0; i < dev_v.size(); ++i) bad += dev_v[i] != st.vc8.h[i] && !(nan(dev_v[i]) && nan(st.vc8.h[i]));
   for (std::size_t i = 0; i < dev_k.size(); ++i) {
-    if (dev_v[i] != st.vc8.h[i] && !(nan(dev_v[i]) && nan(st.vc8.h[i]))) ++bad;
     const std::uint8_t a = dev_k[i], b = st.kc8.h[i];
     if (a == b || (nan(a) && nan(b))) continue;
     const bool rot = st.c.rot != RopeStyle::kNone;
     if (!(rot && (a & 0x80) == (b & 0x80) && std::abs((a & 0x7f) - (b & 0x7f)) == 1)) ++bad;
   }
+  return bad;
+}
+
+/// Elements of the padding columns (index % w >= d) of a row-major array that are not `poison`
+/// any more: the kernels must neither write them (O, the cache) nor need them.
+template <class E>
+std::int64_t padding_changed(const std::vector<E>& v, int d, int w, E poison) {
+  std::int64_t bad = 0;
+  if (w == d) return 0;
+  for (std::size_t i = 0; i < v.size(); ++i) bad += static_cast<int>(i % w) >= d && v[i] != poison;
   return bad;
 }
 
@@ -561,7 +597,18 @@ void run_case(const GCase& c, std::uint64_t salt) {
   st.o.download();
   st.lse.download();
   const Errors e = compare_outputs(st, ref);
-  EXPECT_EQ(e.nan, 0) << "NaN in O (unwritten, or a read past a sequence's length)";
+  if (c.pad > 0) {
+    const int dv = c.width_v();
+    EXPECT_EQ(padding_changed(st.o.h, dv, st.wv(), kPoison16), 0) << "O written past head_dim_v";
+    if (c.fp8) {
+      EXPECT_EQ(padding_changed(dev_k8, c.d, st.wk(), kPoison8), 0) << "the fp8 K cache written past head_dim";
+      EXPECT_EQ(padding_changed(dev_v8, dv, st.wv(), kPoison8), 0) << "the fp8 V cache written past head_dim_v";
+    } else {
+      EXPECT_EQ(padding_changed(dev_k, c.d, st.wk(), kPoison16), 0) << "the K cache written past head_dim";
+      EXPECT_EQ(padding_changed(dev_v, dv, st.wv(), kPoison16), 0) << "the V cache written past head_dim_v";
+    }
+  }
+  EXPECT_EQ(e.nan, 0) << "NaN in O (unwritten, or a read past a sequence's length or head dim)";
   EXPECT_EQ(e.bad, 0) << "O elements over tolerance; max_abs_err " << e.max_abs;
   EXPECT_EQ(e.lse_bad, 0) << "LSE rows over tolerance (1e-3, 5e-3 for bf16 theta rotary); max " << e.lse_max;
   if (c.fp8) {
@@ -728,6 +775,112 @@ TEST(DecodeGpu, HeadDimsAndDtypes) {
       c.lens = {1234, 97, 4097};
       run_case(c, salt_of(describe(c)));
     }
+}
+
+// Every head dim from 8 to 256 runs in the class that holds it (64, 128, 256), padded inside the
+// kernels: the K/V copies zero-fill the chunks past head_dim, q loads zeros there, and O, the split
+// partials, both merges and the append store only real elements. Per head dim two steps, both with
+// forced splits (the merge runs; the salt varies the fused merge, the fused append and PDL):
+//   padded rows: contiguous, GQA 8/2, two speculative tokens, append + neox rotary over the whole
+//     head, head rows 8 elements longer and poisoned (never read, never written);
+//   dense rows: paged (page 16), MQA 4/1, append + interleaved rotary from tables over part of the
+//     head, so the last head's real elements end where the allocation does.
+TEST(DecodeGpu, EveryHeadDimPaddedToItsClass) {
+  for (int d = 8; d <= 256; d += 8) {
+    GCase a;
+    a.name = "every_dim_padded";
+    a.batch = 3;
+    a.hq = 8;
+    a.hkv = 2;
+    a.d = d;
+    a.sq = 2;
+    a.pad = 8;
+    a.dt = d % 16 == 0 ? DType::kBF16 : DType::kF16;
+    a.append = true;
+    a.rot = RopeStyle::kNeox;
+    a.lens = {300, 1, 777};
+    a.num_splits = 3;
+    run_case(a, salt_of(describe(a)));
+    GCase b;
+    b.name = "every_dim_dense_paged";
+    b.batch = 2;
+    b.hq = 4;
+    b.hkv = 1;
+    b.d = d;
+    b.page_size = 16;
+    b.dt = d % 16 == 0 ? DType::kF16 : DType::kBF16;
+    b.append = true;
+    b.rot = RopeStyle::kInterleaved;
+    b.tables = true;
+    b.rotary_dim = d >= 16 ? d / 2 / 2 * 2 : d;
+    b.lens = {517, 64};
+    b.num_splits = 2;
+    run_case(b, salt_of(describe(b)));
+  }
+}
+
+// head_dim_v != head_dim: the class holds both; V is zero-filled past head_dim_v, q and K past
+// head_dim, and O and the partials are head_dim_v wide. Padded rows, contiguous and paged, splits.
+TEST(DecodeGpu, HeadDimVDiffersFromHeadDim) {
+  const std::pair<int, int> pairs[] = {{192, 128}, {128, 64}, {64, 128}, {96, 80}, {8, 256}, {256, 8}, {40, 24}};
+  for (const auto& [d, dv] : pairs)
+    for (int page : {0, 16}) {
+      GCase c;
+      c.name = "head_dim_v";
+      c.batch = 3;
+      c.hq = 8;
+      c.hkv = 2;
+      c.d = d;
+      c.dv = dv;
+      c.sq = 2;
+      c.pad = page ? 0 : 8;
+      c.page_size = page;
+      c.append = true;
+      c.rot = RopeStyle::kNeox;
+      c.lens = {1000, 3, 130};
+      c.num_splits = page ? 0 : 4;
+      run_case(c, salt_of(describe(c)));
+    }
+}
+
+// An fp8 cache at head dims between the classes (multiples of 16): padded like the 16-bit one, the
+// padding of each head row holding NaN codes that must stay. Head dims 8 past a multiple of 16 are
+// refused with a sentence before any kernel (decode_validate.cc).
+TEST(DecodeGpu, Fp8CacheAtPaddedHeadDims) {
+  const std::pair<int, int> dims[] = {{16, 16}, {48, 48}, {80, 80}, {96, 96}, {112, 112}, {144, 144}, {208, 208}, {96, 80}};
+  for (const auto& [d, dv] : dims) {
+    GCase c;
+    c.name = "fp8_padded";
+    c.fp8 = true;
+    c.batch = 3;
+    c.hq = 8;
+    c.hkv = 2;
+    c.d = d;
+    c.dv = dv == d ? 0 : dv;
+    c.sq = 2;
+    c.pad = 16;  // fp8 strides are multiples of 16 codes
+    c.append = true;
+    c.rot = RopeStyle::kNeox;
+    c.lens = {1234, 0, 300};
+    c.num_splits = 3;
+    run_case(c, salt_of(describe(c)));
+  }
+  GCase r;
+  r.name = "fp8_refused";
+  r.fp8 = true;
+  r.batch = 1;
+  r.hq = 2;
+  r.hkv = 1;
+  r.d = 24;
+  r.pad = 8;
+  r.lens = {10};
+  std::mt19937_64 g(gpu_seed());
+  Step st(r, g);
+  GpuPlan gp;
+  const Status s = plan_gpu(st, &gp);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("an fp8_e4m3 cache with head_dim 24 runs on the CPU backend only"), std::string::npos)
+      << s.message();
 }
 
 TEST(DecodeGpu, Fp8CacheIsAttentionOverTheDequantizedCache) {

@@ -99,6 +99,42 @@ TEST(EngineGpu, MatchesFp64LlamaGraphAndEager) {
   }
 }
 
+// Phi-3's head_dim 96 and Phi-2's 80 on CUDA: prefill, the decode steps (append + rotary + split-KV)
+// and the KV writes run them in the 128 class, padded inside the kernels. Against the fp64 Llama
+// with MatchesFp64LlamaGraphAndEager's band, graph and eager, GQA 4/2 (heads * head_dim != hidden,
+// as these models have), with a page size (4) that puts several pages in each 64-key tile.
+TEST(EngineGpu, HeadDims96And80MatchTheFp64Llama) {
+  SKIP_IF_THE_MODEL_CANNOT_RUN();
+  for (int d : {96, 80}) {
+    SCOPED_TRACE("head_dim " + std::to_string(d));
+    Tiny t;
+    t.head_dim = d;
+    t.heads = 4;
+    t.kv_heads = 2;
+    const fs::path dir = write_tiny(&t, "gpud" + std::to_string(d), true, 50 + d);
+    Loaded l = load_tiny(dir, cuda_ops());
+    ASSERT_TRUE(l.model);
+    const std::vector<std::int32_t> prompt = {3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46};
+    const int P = static_cast<int>(prompt.size()), N = 12;
+    for (bool eager : {true, false}) {
+      GenerateResult r = run(*l.model, {prompt}, N, eager, true, 4);
+      ASSERT_EQ(r.tokens.size(), 1u);
+      std::vector<int> seq(prompt.begin(), prompt.end());
+      for (int i = 0; i + 1 < N; ++i) seq.push_back(r.tokens[0][i]);
+      const auto ref = reference_logits(t, seq);
+      LogitError e;
+      logit_error(t, ref, r.logits, &e);
+      if (::testing::Test::HasFatalFailure()) return;
+      EXPECT_LE(e.worst, 0.05 * e.scale) << (eager ? "eager" : "graph");
+      EXPECT_GT(e.scale, 0.5);
+      int agree = 0;
+      for (int s2 = 0; s2 < N; ++s2) agree += r.tokens[0][s2] == argmax(ref[P - 1 + s2]);
+      EXPECT_GE(agree, N - 1) << "greedy tokens vs the fp64 model";
+    }
+    fs::remove_all(dir);
+  }
+}
+
 // An fp8 e4m3 KV cache on CUDA (`flashcpp decode --kv-dtype fp8`): the prompt's logits equal the
 // bf16 cache's (its attention reads unquantized K/V), graph and eager agree, and the decode steps
 // follow the fp64 Llama whose decode rows read K and V through the same quantization

@@ -152,7 +152,7 @@ def append_step(gen, lens, S, Hq, Hkv, D, Sq, page_size, dtype):
 # ---- plan / run -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [8, 64, 80, 96, 128, 200, 256])  # between the classes: padded inside the kernel
 @pytest.mark.parametrize("Hq,Hkv", [(32, 8), (8, 8), (16, 1)])
 def test_contiguous_ragged(gen, dtype, D, Hq, Hkv):
     lens = [0, 1, 63, 64, 65, 1000, 4097]

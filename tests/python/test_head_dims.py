@@ -230,12 +230,11 @@ def _views(p, dims):
     return bufs
 
 
-@pytest.mark.parametrize("d,dv", [(96, 96), (128, 64)])
-def test_cuda_refuses_what_its_kernels_are_not_built_for(d, dv):
+@pytest.mark.parametrize("d,dv", [(96, 96), (128, 64), (24, 40)])
+def test_cuda_takes_every_pair_and_refuses_fp8_decode_off_16(d, dv):
     # The C++ answer on the CUDA backend, through the binding (validation only: no device is touched).
-    # The CUDA prefill and backward kernels take every pair (padded to their class inside); the decode
-    # kernels are refused outside their compiled head dims.
-    want = r"runs on the CPU backends only"
+    # The CUDA prefill, backward and decode kernels take every pair (padded to their class inside);
+    # decode over an fp8 cache refuses head dims that are not multiples of 16.
     p = _C.AttnParams()
     p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = 1, 8, 8, 2, 2, d, dv
     keep = _views(p, dict(q=d, k=d, v=dv, o=dv))
@@ -244,7 +243,7 @@ def test_cuda_refuses_what_its_kernels_are_not_built_for(d, dv):
     except (NotImplementedError, RuntimeError) as e:  # no CUDA in this build, or no device: not the head dims
         assert "head_dim" not in str(e), str(e)
     else:
-        assert "128 class" in choice[2], choice
+        assert f"{64 if max(d, dv) <= 64 else 128} class" in choice[2], choice
     assert _C.select_kernel(p, _C.RunOptions("cpu"))[0] == "cpu_tiled_online_softmax"
     if dv != d:
         b = _C.AttnBackwardParams()
@@ -265,8 +264,17 @@ def test_cuda_refuses_what_its_kernels_are_not_built_for(d, dv):
     dp.cache.k = dp.cache.v = _C.TensorView(0, _C.DTYPE_F16)
     opt = _C.DecodePlanOptions()
     opt.backend = "cuda"
-    with pytest.raises(NotImplementedError, match=want + "|no CUDA kernels"):  # a CUDA-off build says that first
-        _C.decode_workspace_size(dp, opt, False)
+    try:  # sized like the CPU plan's; only a missing device or build refuses
+        assert _C.decode_workspace_size(dp, opt, False)[0] > 0
+    except (NotImplementedError, RuntimeError) as e:
+        assert "head_dim" not in str(e) and ("no usable CUDA device" in str(e) or "no CUDA kernels" in str(e)
+                                             or "this build leaves out" in str(e)), str(e)
+    dp.cache.k = dp.cache.v = _C.TensorView(0, _C.DTYPE_F8E4M3)
+    if d % 16 or dv % 16:
+        name, bad = ("head_dim", d) if d % 16 else ("head_dim_v", dv)
+        want = f"an fp8_e4m3 cache with {name} {bad} runs on the CPU backend only"
+        with pytest.raises(NotImplementedError, match=want + "|no CUDA kernels"):  # a CUDA-off build says that first
+            _C.decode_workspace_size(dp, opt, False)
     opt.backend = "cpu"
     assert _C.decode_workspace_size(dp, opt, False)[0] > 0
 

@@ -205,6 +205,13 @@ std::vector<DecCase> decode_cases(TableKind kind) {
     // An fp8 e4m3 cache: contiguous GQA with append and rotary; paged q_len 4 over splits.
     add({3, 32, 8, 128, 1, dt, {1, 37, 700}, 0, true, RopeStyle::kNeox, true, 1, false, true});
     add({2, 16, 2, 64, 4, dt, {90, 1000}, 16, true, RopeStyle::kNeox, true, 3, false, true});
+    // Head dims between the CUDA classes, run padded inside the kernels: Phi-3's 96 paged with
+    // append, rotary and splits; Phi-2's 80 contiguous MHA over splits; 8, the smallest, GQA with
+    // speculative tokens; 48 over an fp8 cache.
+    add({3, 32, 8, 96, 1, dt, {1, 37, 700}, 16, true, RopeStyle::kNeox, true, 3});
+    add({2, 32, 32, 80, 1, dt, {500, 64}, 0, false, RopeStyle::kNone, true, 4});
+    add({2, 8, 2, 8, 4, dt, {90, 300}, 0, true, RopeStyle::kNeox, true, 2});
+    add({2, 16, 2, 48, 4, dt, {90, 1000}, 16, true, RopeStyle::kNeox, true, 3, false, true});
     if (kind == TableKind::kFull) {
       add({2, 32, 8, 128, 1, dt, {4097, 1}, 0, false, RopeStyle::kNone, true, 8});
       add({2, 32, 8, 128, 4, dt, {3000, 17}, 64, true, RopeStyle::kNeox, true, 5});

@@ -56,7 +56,7 @@ __global__ void fill_uncovered_kernel(std::uint16_t* o, std::int64_t seq_stride,
 Status fill_uncovered_rows(const AttnParams& p, Stream stream) {
   const std::int64_t rows = p.mask.total_q;
   if (rows <= 0 || p.o.data == nullptr) return Status::Ok();
-  const int chunks = p.head_dim / 8;  // head_dim is 64, 128 or 256
+  const int chunks = p.effective_head_dim_v() / 8;  // o has head_dim_v columns, a multiple of 8
   const std::int64_t n = rows * p.heads_q * chunks;
   const int threads = 256;
   const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((n + threads - 1) / threads, 1024));

@@ -65,16 +65,15 @@ __device__ __forceinline__ void append_row(const DecodeKernelParams& p, int b, i
   kv_rows(p, b, pos, &ko, &vo);
   C* kc = static_cast<C*>(p.k_cache_w) + ko + hk * p.k_head_stride;
   C* vc = static_cast<C*>(p.v_cache_w) + vo + hk * p.v_head_stride;
-  const int D = p.head_dim, rd = p.rot_style != 0 ? p.rot_dim : 0;
+  const int rd = p.rot_style != 0 ? p.rot_dim : 0;
   float ks = 1.f, vs = 1.f;
   if constexpr (kFp8Cache<C>) {
     ks = __ldg(p.k_scale + hk);
     vs = __ldg(p.v_scale + hk);
   }
-  for (int e = lane; e < D; e += 32) {
-    copy_cache(vc + e, vn[e], vs);
-    if (e >= rd) copy_cache(kc + e, kn[e], ks);  // dims past rotary_dim pass through
-  }
+  // Only the tensors' own elements: a cache row padded past head_dim (head_dim_v) keeps its bytes.
+  for (int e = lane; e < p.head_dim_v; e += 32) copy_cache(vc + e, vn[e], vs);
+  for (int e = rd + lane; e < p.head_dim; e += 32) copy_cache(kc + e, kn[e], ks);  // dims past rotary_dim pass through
   if (rd > 0) {
     const RopeStyle style = p.rot_style == 2 ? RopeStyle::kInterleaved : RopeStyle::kNeox;
     for (int i = lane; i < rd / 2; i += 32) {

@@ -1,6 +1,7 @@
 // CUDA backend of decode_run and merge_attention_states: DecodeParams + plan -> one kernel
 // params struct, then the launches (append, split-KV, merge) on one stream. Runtime values
-// become template constants only here: head_dim picks the translation unit, dtype the type.
+// become template constants only here: the head-dim class (cuda_head_dim_class of head_dim and
+// head_dim_v: 64, 128 or 256) picks the translation unit, dtype the type.
 // Nothing allocates and nothing synchronizes, so the sequence is capturable in a CUDA graph;
 // the kernels read cache_seqlens at run time, so a replay sees new lengths.
 #include <cuda_runtime_api.h>
@@ -81,6 +82,7 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.heads_q = a.heads_q;
   p.heads_kv = a.heads_kv;
   p.head_dim = a.head_dim;
+  p.head_dim_v = a.effective_head_dim_v();
   p.group = a.heads_q / a.heads_kv;
   p.rows = plan.rows_per_kv;
   p.row_blocks = plan.row_blocks;
@@ -109,7 +111,8 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
     p.merge_counters = static_cast<int*>(plan.int_workspace) + decode::worklist_int_count(a.batch, plan.num_items);
   if (plan.needs_merge) {
     p.part_o = static_cast<float*>(plan.float_workspace);
-    p.part_lse = p.part_o + decode::partial_lse_offset(plan.num_items, a.heads_kv, plan.rows_per_kv, a.head_dim);
+    // Partial rows are head_dim_v wide, as decode_workspace_size sized them (not the class).
+    p.part_lse = p.part_o + decode::partial_lse_offset(plan.num_items, a.heads_kv, plan.rows_per_kv, p.head_dim_v);
   }
   return p;
 }
@@ -133,10 +136,11 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(check_device(&dev));
   const bool fp8 = a.cache.fp8();
-  const std::size_t smem =
-      a.head_dim == 64 ? smem_bytes<64>(fp8) : a.head_dim == 128 ? smem_bytes<128>(fp8) : smem_bytes<256>(fp8);
+  // The class runs the shape padded inside the kernel (decode_params.h), nothing copied.
+  const int cls = cuda_head_dim_class(a.head_dim, a.effective_head_dim_v());
+  const std::size_t smem = cls == 64 ? smem_bytes<64>(fp8) : cls == 128 ? smem_bytes<128>(fp8) : smem_bytes<256>(fp8);
   if (smem > dev.smem_optin)
-    return Status::Unsupported("the head_dim " + std::to_string(a.head_dim) + " decode kernel needs " +
+    return Status::Unsupported("the head_dim class " + std::to_string(cls) + " decode kernel needs " +
                                std::to_string(smem) + " bytes of shared memory; " + dev.name + " allows " +
                                std::to_string(dev.smem_optin));
   DecodeKernelParams p = make_params(a, plan);
@@ -153,11 +157,13 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
     p.pdl = pdl_ok ? 1 : 0;
     p.after_own_append = pdl_ok ? 1 : 0;  // the split kernel may start its loads beside the append
   }
-  switch (a.head_dim) {
+  switch (cls) {
     case 64: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd64(p, dt, plan.ctas, stream, dev.device)); break;
     case 128: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd128(p, dt, plan.ctas, stream, dev.device)); break;
     case 256: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd256(p, dt, plan.ctas, stream, dev.device)); break;
-    default: return Status::Internal("decode_run: head_dim " + std::to_string(a.head_dim) + " passed validation");
+    default:
+      return Status::Internal("decode_run: head_dim " + std::to_string(a.head_dim) + " / head_dim_v " +
+                              std::to_string(a.effective_head_dim_v()) + " has no class but passed validation");
   }
   p.pdl = pdl_ok ? 1 : 0;
   p.after_own_append = 0;

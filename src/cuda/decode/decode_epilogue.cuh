@@ -39,11 +39,12 @@ __device__ __forceinline__ void decode_epilogue(const DecodeKernelParams& p, con
   }
   __syncthreads();
 
-  // 2: merge the key-splitting warps of each row; write O and the LSE, or the split's partial
-  const int Dq = D / 4;
+  // 2: merge the key-splitting warps of each row; write O and the LSE, or the split's partial. Only
+  // the columns of head_dim_v (a multiple of 8) are stored: the class's padding columns are zero.
+  const int Dq = D / 4, Dv = p.head_dim_v;
   for (int idx = tid; idx < cta_rows * Dq; idx += Cfg::kThreads) {
     const int rr = idx / Dq, d = (idx % Dq) * 4, gr = row0 + rr;
-    if (gr >= p.rows) continue;
+    if (gr >= p.rows || d >= Dv) continue;
     const int w0 = (rr / 16) * WK, r16 = rr % 16;
     RowSoftmax row;  // the row's merged state: the largest m, then l summed against it
     for (int k = 0; k < WK; ++k) row.m = fmaxf(row.m, sM[(w0 + k) * 16 + r16]);
@@ -71,7 +72,7 @@ __device__ __forceinline__ void decode_epilogue(const DecodeKernelParams& p, con
       if (d == 0 && p.lse != nullptr) p.lse[(static_cast<std::int64_t>(cta.b) * p.heads_q + h) * Sq + t] = res.lse;
     } else {
       const std::int64_t pi = (static_cast<std::int64_t>(cta.item) * p.heads_kv + cta.hk) * p.rows + gr;
-      *reinterpret_cast<float4*>(p.part_o + pi * D + d) =
+      *reinterpret_cast<float4*>(p.part_o + pi * Dv + d) =
           make_float4(o.x * res.inv, o.y * res.inv, o.z * res.inv, o.w * res.inv);
       if (d == 0) p.part_lse[pi] = res.lse;
     }

@@ -1,4 +1,4 @@
-// Split-KV decode kernel, head_dim 128 (bf16 + fp16). See decode_launch.h for the instantiation list.
+// Split-KV decode kernel, head-dim class 128 (head dims 72..128, padded inside; bf16 + fp16). See decode_launch.h for the instantiation list.
 #include "cuda/decode/decode_launch.cuh"
 
 namespace flashcpp::cuda {

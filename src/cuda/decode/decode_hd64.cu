@@ -1,4 +1,4 @@
-// Split-KV decode kernel, head_dim 64 (bf16 + fp16). See decode_launch.h for the instantiation list.
+// Split-KV decode kernel, head-dim class 64 (head dims 8..64, padded inside; bf16 + fp16). See decode_launch.h for the instantiation list.
 #include "cuda/decode/decode_launch.cuh"
 
 namespace flashcpp::cuda {

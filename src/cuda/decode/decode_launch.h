@@ -1,6 +1,7 @@
 // Launch functions of the decode kernels, one per translation unit family. The instantiations
 // (the whole list; everything else is a runtime argument: page size, paged or not, causal,
-// window, softcap, ALiBi, rotary style, GQA group, seqlen_q, split count):
+// window, softcap, ALiBi, rotary style, GQA group, seqlen_q, split count, and the head dims inside
+// a class, which pad to it in the loads and stores):
 //   decode_split_kernel<D, T, C>  D in {64, 128, 256} x T in {bf16, fp16}   decode_hd{64,128,256}.cu
 //                                 x cache C in {T, fp8 e4m3}
 //   decode_append_kernel<T, C>    T in {bf16, fp16} x C in {T, fp8 e4m3}    decode_aux.cu
@@ -15,7 +16,7 @@
 
 namespace flashcpp::cuda {
 
-/// The split-KV kernel for one head dim; `ctas` = plan.ctas (1-D grid).
+/// The split-KV kernel of one head-dim class (every head_dim, head_dim_v it holds); `ctas` = plan.ctas (1-D grid).
 Status decode_split_launch_hd64(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device);
 Status decode_split_launch_hd128(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device);
 Status decode_split_launch_hd256(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device);

@@ -68,9 +68,10 @@ struct DecodeCta {
 };
 
 /// The producer side (every thread): copies of key tiles into the K/V ring, 16 bytes per thread and
-/// row. A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. C is the cache's
-/// element: T or Fp8Code (byte stages); either way the stage is swizzled as the warps' ldmatrix
-/// reads it (swz, swz8). Contiguous cache:
+/// row. A thread copies chunk c of rows r0, r0 + kRowsPerPass, ... of each tile. A chunk past the
+/// tensor's own head dim (a head dim below the class D) copies 0 source bytes: cp.async zero-fills
+/// it and reads nothing past the row. C is the cache's element: T or Fp8Code (byte stages); either
+/// way the stage is swizzled as the warps' ldmatrix reads it (swz, swz8). Contiguous cache:
 /// one row offset per tile, the rest by a constant stride. Paged: one block-table read per tile when
 /// a page holds whole tiles (page_size >= BN; tiles start on multiples of BN), else one per row, all
 /// loaded before the first copy is issued.
@@ -82,12 +83,22 @@ struct DecodeKvLoads {
   const C* gK;
   const C* gV;
   int c, r0;
+  int k_bytes, v_bytes;  ///< source bytes of chunk c inside head_dim / head_dim_v: 16, or 0 past them
   bool page_holds_tile;
 
+  /// Bytes of chunk `chunk` inside a row of `dim` elements (16 when the head dim is the class).
+  static __device__ __forceinline__ int chunk_bytes(int dim, int chunk) {
+    const int left = (dim - chunk * kElems) * static_cast<int>(sizeof(C));
+    return left >= 16 ? 16 : left > 0 ? left : 0;
+  }
+
   __device__ __forceinline__ DecodeKvLoads(const DecodeKernelParams& p, int hk, int tid)
-      : gK(static_cast<const C*>(p.k_cache) + hk * p.k_head_stride + (tid % kRowChunks) * kElems),
-        gV(static_cast<const C*>(p.v_cache) + hk * p.v_head_stride + (tid % kRowChunks) * kElems), c(tid % kRowChunks),
-        r0(tid / kRowChunks), page_holds_tile(p.paged && p.page_mask + 1 >= BN) {}
+      : c(tid % kRowChunks), r0(tid / kRowChunks), k_bytes(chunk_bytes(p.head_dim, tid % kRowChunks)),
+        v_bytes(chunk_bytes(p.head_dim_v, tid % kRowChunks)), page_holds_tile(p.paged && p.page_mask + 1 >= BN) {
+    // A padding chunk keeps its row's first address: nothing is read, and it stays inside the view.
+    gK = static_cast<const C*>(p.k_cache) + hk * p.k_head_stride + (k_bytes > 0 ? c * kElems : 0);
+    gV = static_cast<const C*>(p.v_cache) + hk * p.v_head_stride + (v_bytes > 0 ? c * kElems : 0);
+  }
 
   /// Element offset of chunk `chunk` of row `row` in a stage.
   static __device__ __forceinline__ int stage_offset(int row, int chunk) {
@@ -128,15 +139,15 @@ struct DecodeKvLoads {
     for (int it = 0; it < kIt; ++it) {
       const int r = r0 + it * kRowsPerPass;
       const bool ok = j0 + it * kRowsPerPass < key_hi;  // keys at or past the visible end are zero-filled, never read
-      ptx::cp_async_16(ptx::smem_u32(dK + stage_offset(r, c)), gK + (ok ? ko[it] : 0), ok ? 16 : 0);
-      ptx::cp_async_16(ptx::smem_u32(dV + stage_offset(r, c)), gV + (ok ? vo[it] : 0), ok ? 16 : 0);
+      ptx::cp_async_16(ptx::smem_u32(dK + stage_offset(r, c)), gK + (ok ? ko[it] : 0), ok ? k_bytes : 0);
+      ptx::cp_async_16(ptx::smem_u32(dV + stage_offset(r, c)), gV + (ok ? vo[it] : 0), ok ? v_bytes : 0);
     }
   }
 };
 
 /// The CTA's query rows (row r = head offset r / seqlen_q, token r % seqlen_q of KV head hk) into
 /// swizzled shared memory, rotated at their positions when rotary is on (rounded to the dtype, as
-/// the cache's keys are). Zero rows past p.rows.
+/// the cache's keys are). Zero rows past p.rows, zero columns past head_dim.
 template <int D, typename T>
 __device__ __forceinline__ void decode_load_q(const DecodeKernelParams& p, const DecodeCta& cta, T* sQ, int row0,
                                               int cta_rows, int tid) {
@@ -147,7 +158,7 @@ __device__ __forceinline__ void decode_load_q(const DecodeKernelParams& p, const
   for (int idx = tid; idx < cta_rows * kRowChunks; idx += Cfg::kThreads) {
     const int rr = idx / kRowChunks, c = idx % kRowChunks, gr = row0 + rr;
     uint4 val = make_uint4(0, 0, 0, 0);
-    if (gr < p.rows) {
+    if (gr < p.rows && c * 8 < p.head_dim) {
       const int h = cta.hk * p.group + gr / Sq, t = gr % Sq;
       val = __ldg(reinterpret_cast<const uint4*>(gQ + t * p.q_seq_stride + h * p.q_head_stride + c * 8));
     }

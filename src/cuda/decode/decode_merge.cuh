@@ -38,7 +38,7 @@ struct MergeRow {
 #else
   static constexpr int kBatch = 8;  // partial rows in flight per lane (the H200's best: reports/decode)
 #endif
-  int n, first, hk, r, D;
+  int n, first, hk, r, D;  ///< D: head_dim_v, the partial rows' width and the columns stored
   float w[kRounds];  // lane's weights exp(lse - max): splits lane, lane + 32, ...
   float mx, sum, inv;
 
@@ -50,7 +50,7 @@ struct MergeRow {
     first = first_item_of(p, b);
     hk = h / p.group;
     r = (h % p.group) * p.seqlen_q + t;
-    D = p.head_dim;
+    D = p.head_dim_v;
   }
   /// Loads the LSEs and computes the weights (the whole warp).
   __device__ __forceinline__ void weights(const DecodeKernelParams& p, int lane) {
@@ -74,7 +74,7 @@ struct MergeRow {
     inv = sum != 0.f ? 1.f / sum : 0.f;
   }
   /// acc = sum over quarter q's splits of w_i O_i, in split order. Lane l owns columns 4l .. 4l + 3
-  /// and, for D = 256, 128 + 4l ..; the weights are broadcast from their lanes by every lane
+  /// and, for D > 128, 128 + 4l .. (those below D: D is a multiple of 8); the weights are broadcast from their lanes by every lane
   /// (shuffles outside the column test).
   __device__ __forceinline__ void quarter(const DecodeKernelParams& p, int q, int lane, float4 acc[2]) const {
     const int per = (n + kMergeWarps - 1) / kMergeWarps, lo = min(n, q * per), hi = min(n, lo + per);

@@ -56,8 +56,10 @@ struct DecodeKernelParams {
   /// (fused_math.h).
   double rot_inv_freq[128];
 
-  // shape
-  int batch, seqlen_q, heads_q, heads_kv, head_dim, group;
+  // shape. head_dim (q, k) and head_dim_v (v, o) are the tensors' own; the kernel's D is the class
+  // that holds both (cuda_head_dim_class): columns past a tensor's head dim load as zeros and are
+  // never stored, so zero q.k terms and zero O columns are all the padding adds.
+  int batch, seqlen_q, heads_q, heads_kv, head_dim, head_dim_v, group;
   int rows;        ///< group * seqlen_q: query rows per KV head
   int row_blocks;  ///< CTAs along the rows
   int warp_rows;   ///< warps along the rows in a CTA (1, 2, 4); 4 / warp_rows split the keys
@@ -74,7 +76,7 @@ struct DecodeKernelParams {
   const std::int32_t* num_splits;
   const std::int32_t* item_batch;
   const std::int32_t* item_split;
-  float* part_o;    ///< [items][heads_kv][rows][D], normalized
+  float* part_o;    ///< [items][heads_kv][rows][head_dim_v], normalized
   float* part_lse;  ///< [items][heads_kv][rows], natural log
   /// Fused merge (DecodePlan::fused_merge): arrival counters [batch][heads_kv][row_blocks] after
   /// the work list; null = the merge kernel merges.
