@@ -123,7 +123,6 @@ __global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
       __syncthreads();
       return Warp(p, cta, sQ, q_inv, rK, rV, row0, wr, lane);
     } else {
-      if constexpr (QFrags<D>::kInRegs) __syncthreads();  // decode_load_q's rows, read by the constructor
       return Warp(p, cta, sQ, rK, rV, row0, wr, lane);
     }
   }();

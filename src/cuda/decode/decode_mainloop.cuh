@@ -122,16 +122,12 @@ struct DecodeKvLoads {
         vo[it] = vo[0] + static_cast<std::int64_t>(it * kRowsPerPass) * p.v_seq_stride;
       }
     } else {
-      // Small pages: one block-table read per page a thread's rows fall in, all issued before any
-      // is used (one round trip per tile). A thread's rows step by kRowsPerPass from a tile start
-      // (a multiple of the page), so rows it .. it + rpp - 1 of each run of rpp share a page:
-      // at D = 256 and page 16 that is 4 reads instead of 16. Rows past the visible end read the
-      // last visible key's entry and copy nothing.
-      const int rpp = max((p.page_mask + 1) / kRowsPerPass, 1);  // both powers of two
+      // Small pages: one block-table read per row, all issued before any is used (one round trip
+      // per tile, not kIt in a row). Rows past the visible end read the last visible key's entry
+      // and copy nothing.
       int page[kIt];
 #pragma unroll
-      for (int it = 0; it < kIt; ++it)
-        page[it] = (it & (rpp - 1)) == 0 ? page_of(p, b, min(j0 + it * kRowsPerPass, key_hi - 1)) : page[it - (it > 0)];
+      for (int it = 0; it < kIt; ++it) page[it] = page_of(p, b, min(j0 + it * kRowsPerPass, key_hi - 1));
 #pragma unroll
       for (int it = 0; it < kIt; ++it) kv_offsets(p, page[it], (j0 + it * kRowsPerPass) & p.page_mask, &ko[it], &vo[it]);
     }
@@ -182,35 +178,6 @@ __device__ __forceinline__ void decode_load_q(const DecodeKernelParams& p, const
   }
 }
 
-/// The A fragments (ldmatrix of the m16 x k16 blocks) of a warp's 16 query rows: held in registers
-/// for D <= 128 (D / 4 of them, loaded once, so a 16-key step reads only K and V from shared
-/// memory), read per use at D = 256, where 64 more registers beside the O accumulator would spill.
-template <int D>
-struct QFrags {
-  static constexpr int KT = D / 16;
-  static constexpr bool kInRegs = D <= 128;
-  std::uint32_t base;
-  std::uint32_t f[kInRegs ? KT : 1][4];
-
-  /// base: this lane's ldmatrix row address of block 0 (block kk at base ^ (kk << 5)). The rows
-  /// must be in shared memory and visible to the warp.
-  __device__ __forceinline__ void init(std::uint32_t b) {
-    base = b;
-    if constexpr (kInRegs) {
-#pragma unroll
-      for (int kk = 0; kk < KT; ++kk) ptx::ldmatrix_x4(f[kk], base ^ (kk << 5));
-    }
-  }
-  __device__ __forceinline__ void get(int kk, std::uint32_t (&a)[4]) const {
-    if constexpr (kInRegs) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) a[i] = f[kk][i];
-    } else {
-      ptx::ldmatrix_x4(a, base ^ (kk << 5));
-    }
-  }
-};
-
 /// One warp's share of the recurrence: rows g and g + 8 of its m16 tile (warp row block wr), the
 /// 16-key chunks ch = wk, wk + WK, ... of each tile, its online-softmax state and O accumulator.
 template <int D, typename T>
@@ -219,12 +186,10 @@ struct DecodeWarp {
   static constexpr std::uint32_t kRowBytes = D * 2;
   int row_t[2], row_ia[2];  ///< each row's token and bottom-right key position
   float row_slope[2];       ///< ALiBi slopes in raw units (0 without ALiBi)
-  QFrags<D> q;
-  std::uint32_t k_base, v_base;
+  std::uint32_t q_base, k_base, v_base;
   float acc_o[DT][4];
   RowSoftmax row[2];
 
-  /// sQ's rows must be visible to the warp (the fragments are read here for D <= 128).
   __device__ __forceinline__ DecodeWarp(const DecodeKernelParams& p, const DecodeCta& cta, const T* sQ, const T* sK,
                                         const T* sV, int row0, int wr, int lane) {
     const int g = lane / 4, Sq = p.seqlen_q;
@@ -243,7 +208,7 @@ struct DecodeWarp {
     // ldmatrix row addresses (see fa2_kernel.cuh): chunk 2*kk + c of a lane's row sits at
     // (row_base | ((c ^ row%8) << 4)) ^ (kk << 5); tiles and stages start on multiples of a row.
     const std::uint32_t r7 = lane & 7;
-    q.init(ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * kRowBytes + (((lane >> 4) ^ r7) << 4));
+    q_base = ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * kRowBytes + (((lane >> 4) ^ r7) << 4);
     k_base = ptx::smem_u32(sK) + ((lane & 7) + ((lane >> 4) << 3)) * kRowBytes + ((((lane >> 3) & 1) ^ r7) << 4);
     v_base = ptx::smem_u32(sV) + (lane & 15) * kRowBytes + (((lane >> 4) ^ r7) << 4);
   }
@@ -265,7 +230,7 @@ struct DecodeWarp {
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
       std::uint32_t a[4], bk[4];
-      q.get(kk, a);
+      ptx::ldmatrix_x4(a, q_base ^ (kk << 5));
       ptx::ldmatrix_x4(bk, (k_base + chunk_off) ^ (kk << 5));
       ptx::mma_16816<T>(s_acc[0], a, bk[0], bk[1]);
       ptx::mma_16816<T>(s_acc[1], a, bk[2], bk[3]);
@@ -373,8 +338,7 @@ struct DecodeWarp8 {
   static constexpr std::uint32_t kRowBytes = D;  ///< a stage row: D codes
   int row_t[2], row_ia[2];
   float row_slope[2], row_qinv[2];
-  QFrags<D> q;
-  std::uint32_t k_base, v_base;
+  std::uint32_t q_base, k_base, v_base;
   float acc_o[DT][4];
   RowSoftmax row[2];
 
@@ -396,7 +360,7 @@ struct DecodeWarp8 {
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
     const std::uint32_t r7 = lane & 7;
-    q.init(ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * (D * 2) + (((lane >> 4) ^ r7) << 4));
+    q_base = ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * (D * 2) + (((lane >> 4) ^ r7) << 4);
     // lanes 8m .. 8m + 7 address matrix m: keys 0-7 / 8-15 (m & 1) of the chunk, 16-code block
     // 2 kp + m / 2; kp enters as an XOR on the swizzled block (swz8), as in DecodeWarp
     const std::uint32_t f = D >= 128 ? r7 : (r7 >> 1) & 3;
@@ -417,7 +381,7 @@ struct DecodeWarp8 {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         std::uint32_t a[4];
-        q.get(2 * kp + h, a);
+        ptx::ldmatrix_x4(a, q_base ^ ((2 * kp + h) << 5));
         ptx::mma_16816<__half>(s_acc[0], a, f16x2_of_e4m3x2(kf[2 * h]), f16x2_of_e4m3x2(kf[2 * h] >> 16));
         ptx::mma_16816<__half>(s_acc[1], a, f16x2_of_e4m3x2(kf[2 * h + 1]), f16x2_of_e4m3x2(kf[2 * h + 1] >> 16));
       }
