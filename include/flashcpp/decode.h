@@ -147,6 +147,14 @@ struct DecodePlanOptions {
   /// zeroed by the plan and reset by that CTA) merges the partials while they are in L2. Same
   /// arithmetic as the merge kernel, so the same results. The CPU backend ignores it.
   bool fused_merge = false;
+  /// How widely a latency-bound plan spreads: one whose 256-key splits cannot fill a wave splits
+  /// further (down to one 64-key tile per split) until it occupies, with kFullWave, one full wave
+  /// of CTAs (num_sms x CTAs per SM: the fastest attention step alone, reports/decode), or with
+  /// kShared, 5/8 of the SMs: for a caller whose other kernels run beside attention, as the
+  /// engine's GEMVs do under programmatic launches, where fewer attention CTAs made the whole
+  /// step faster (docs/decode.md, "The split heuristic").
+  enum class SmallPlan { kFullWave, kShared };
+  SmallPlan small_plan = SmallPlan::kFullWave;
   /// CUDA, with new K/V (append): the split-KV kernel writes them into the cache itself instead of
   /// an append launch. Each split's CTAs write the step's tokens whose slots fall in their tiles
   /// before loading any tile; same arithmetic as the append kernel, so the same cache bytes and

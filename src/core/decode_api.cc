@@ -83,7 +83,8 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
 #endif
   }
   FLASHCPP_RETURN_IF_ERROR(
-      select::decode_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split));
+      select::decode_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split,
+                            opt.small_plan));
   out->rows = decode::row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
   out->fused_merge = opt.fused_merge && backend == Backend::kCuda && out->split.needs_merge;
   out->fused_append = opt.fused_append && backend == Backend::kCuda && p.has_append();

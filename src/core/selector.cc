@@ -520,7 +520,8 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
 //     row and dim) stay under 1/8 of the K/V bytes it reads (4 bytes per key and dim).
 //   small problems (ceil(sum_b tiles_b * units / target) < min_tiles: 256-key splits cannot fill
 //     a wave) are latency-bound: base = min(base, max(ceil(16 * rows / 64), ceil(sum_b tiles_b *
-//     units / budget))), budget = 5/8 of num_sms CTAs; more splits than above, never fewer.
+//     units / budget))), budget = target (SmallPlan::kFullWave) or 5/8 of num_sms CTAs
+//     (kShared, the engine's); more splits than above, never fewer.
 // Splits are proportional to each sequence's length, so a ragged batch gives every CTA about the
 // same number of tiles. A forced count (DecodePlanOptions::num_splits) gives every sequence that
 // count, even beyond its tile count (the extra splits are empty and merge as LSE = -inf).
@@ -528,9 +529,11 @@ namespace {
 constexpr int kMinSplitKeys = 256;
 constexpr int kMinKeysPerRow = 16;
 /// A problem too small to fill a wave with kMinSplitKeys-key splits is latency-bound: it splits
-/// further, down to one tile per split, up to a budget of 5/8 of the SM count in CTAs (82 on an
-/// H200; the engine's short contexts measured best at 72-80 CTAs and worse at 128+, docs/decode.md).
-constexpr int kSmallPlanBudgetEighths = 5;
+/// further, down to one tile per split, up to one full wave of CTAs (attention alone measured
+/// 1.07-1.25x faster there than at the earlier 5/8 of the SMs, reports/decode), or with
+/// SmallPlan::kShared up to 5/8 of the SM count (82 on an H200: the engine's short contexts, whose
+/// GEMVs run beside attention, measured best at 72-80 CTAs and worse at 128+, docs/decode.md).
+constexpr int kSharedSmallPlanEighths = 5;
 
 std::int32_t split_count(std::int64_t tiles, std::int64_t chunk, int cap) {
   return static_cast<std::int32_t>(std::clamp<std::int64_t>((tiles + chunk - 1) / chunk, 1, cap));
@@ -568,7 +571,7 @@ std::int64_t wave_aware_chunk(const std::vector<std::int64_t>& tiles, std::int64
 }  // namespace
 
 Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
-                     SplitDecision* out) {
+                     SplitDecision* out, DecodePlanOptions::SmallPlan small) {
   using namespace flashcpp::decode;
   *out = SplitDecision{};
   out->splits.assign(static_cast<std::size_t>(p.batch), 1);
@@ -604,7 +607,10 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
       const std::int64_t fill = (total_tiles + target - 1) / target;  // tiles per CTA for one full wave
       std::int64_t base = std::max(min_tiles, fill);
       if (fill < min_tiles) {  // small: more splits (never fewer), up to the CTA budget
-        const std::int64_t budget = std::max<std::int64_t>(1, std::max(num_sms, 1) * kSmallPlanBudgetEighths / 8);
+        const std::int64_t budget =
+            small == DecodePlanOptions::SmallPlan::kShared
+                ? std::max<std::int64_t>(1, std::max(num_sms, 1) * kSharedSmallPlanEighths / 8)
+                : target;
         base = std::min(base, std::max<std::int64_t>({1, row_tiles, (total_tiles + budget - 1) / budget}));
       }
       const std::int64_t chunk = wave_aware_chunk(tiles, units, target, base, cap);

@@ -86,9 +86,10 @@ inline constexpr int kCpuPlanSms = 132;
 
 /// The split rule (selector.cc has it in full; docs/decode.md the reasoning). `lengths`: host
 /// lengths in the meaning of cache_seqlens (nullptr: full caches); `forced` > 0 gives every
-/// sequence that many splits; `max_splits` caps the count (0: kDecodeMaxSplits).
+/// sequence that many splits; `max_splits` caps the count (0: kDecodeMaxSplits); `small` is
+/// DecodePlanOptions::small_plan.
 Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
-                     SplitDecision* out);
+                     SplitDecision* out, DecodePlanOptions::SmallPlan small = DecodePlanOptions::SmallPlan::kFullWave);
 
 // ---- register budgets ----------------------------------------------------------------------------
 /// The sm90 prefill kernel's setmaxnreg split of the 64K-register file (multiples of 8): the

@@ -474,6 +474,7 @@ Status Session::plan(const std::vector<std::int32_t>& host_final_lengths, int nu
   o.max_splits = max_splits;
   o.fused_merge = fused_merge;
   o.fused_append = fused_append;
+  o.small_plan = DecodePlanOptions::SmallPlan::kShared;  // the GEMVs run beside attention (decode.h)
   o.stream = ops_->stream();
   DecodeWorkspaceSize ws;
   FLASHCPP_RETURN_IF_ERROR(decode_workspace_size(p, o, &ws));

@@ -1055,7 +1055,9 @@ TEST(DecodeCpu, ReplayWithNewLengthsUnderOnePlan) {
 
 TEST(DecodeCpu, SplitHeuristic) {
   // The documented examples (docs/decode.md).
-  auto splits = [](int batch, int hq, int hkv, int d, int len, int sq = 1, int sms = 132) {
+  using SmallPlan = DecodePlanOptions::SmallPlan;
+  auto splits = [](int batch, int hq, int hkv, int d, int len, int sq = 1, int sms = 132,
+                   SmallPlan small = SmallPlan::kFullWave) {
     DecodeParams p;
     p.batch = batch;
     p.heads_q = hq;
@@ -1065,8 +1067,11 @@ TEST(DecodeCpu, SplitHeuristic) {
     p.cache.capacity = len;
     select::SplitDecision s;
     std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
-    EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, sms, &s).ok());
+    EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, sms, &s, small).ok());
     return s;
+  };
+  auto shared = [&](int batch, int hq, int hkv, int d, int len) {
+    return splits(batch, hq, hkv, d, len, 1, 132, SmallPlan::kShared).max_splits;
   };
   // B=1, Hq=32, Hkv=8, N=8192, D=128: 8 CTAs unsplit; one wave is 132*2 = 264 CTAs;
   // 1024 tiles of work -> chunk max(4, ceil(1024/264)) = 4 tiles -> 32 splits, 256 CTAs.
@@ -1081,16 +1086,35 @@ TEST(DecodeCpu, SplitHeuristic) {
   // B=64 GQA: 512 CTAs unsplit already fill the GPU.
   EXPECT_EQ(splits(64, 32, 8, 128, 8192).max_splits, 1);
   // Too small to fill a wave with 256-key splits: latency-bound, so it splits further, down to one
-  // 64-key tile (and >= 16 keys per row), until 5/8 of the SMs' worth of CTAs (82 on 132 SMs),
-  // never to fewer splits than 256-key splits give. The engine's shapes (D 64, GQA 32/8, times
-  // with forced split counts, reports/engine): ctx 512 at batch 1 -> 9 splits, 72 CTAs (3 splits
-  // 992 us/step, 9 splits 955); batch 2 -> 5 splits, 80 CTAs (3: 1125, 4: 1117, 5: 1102, 9: 1169);
-  // ctx 2048 -> 9 splits as before (9: 999, 16: 1099, 33: 1091).
+  // 64-key tile (and >= 16 keys per row), never to fewer splits than 256-key splits give, until
+  // one full wave of CTAs (attention alone; the split-count sweep at ce1fc6d,
+  // reports/raw_decode_ce1fc6d_2026-12-04/probe_splits.csv, us for the old rule's count -> this
+  // one's, both forced on the H200 in one run):
+  EXPECT_EQ(splits(1, 32, 8, 128, 2048).max_splits, 32);  // 8 -> 32: 14.2 -> 11.3 us
+  EXPECT_EQ(splits(4, 16, 2, 128, 2048).max_splits, 16);  // 8 -> 16: 15.7 -> 13.6
+  EXPECT_EQ(splits(1, 64, 8, 256, 2048).max_splits, 16);  // 8 -> 16: 23.6 -> 20.3
+  EXPECT_EQ(splits(4, 32, 8, 64, 512).max_splits, 8);     // 2 -> 8: 12.5 -> 10.3
+  EXPECT_EQ(splits(1, 32, 32, 64, 512).max_splits, 8);    // 2 -> 8: 13.8 -> 11.0
+  EXPECT_EQ(splits(32, 16, 2, 64, 512).max_splits, 4);    // 2 -> 4: 14.2 -> 13.3
+  EXPECT_EQ(splits(1, 32, 8, 128, 512).max_splits, 8);    // as before (10.4 us)
+  // With 8 query rows per KV head the 16-keys-per-row floor (2 tiles) decides, as before: 1 x 16/2
+  // and 1 x 8/1 at 2048 keys keep 16 splits (12.0 and 9.8 us; one tile a split measured 10.4, 9.1).
+  EXPECT_EQ(splits(1, 16, 2, 128, 2048).max_splits, 16);
+  EXPECT_EQ(splits(1, 8, 1, 64, 2048).max_splits, 16);
   EXPECT_EQ(splits(1, 32, 8, 64, 513).max_splits, 9);
-  EXPECT_EQ(splits(2, 32, 8, 64, 513).max_splits, 5);
-  EXPECT_EQ(splits(1, 32, 8, 64, 2049).max_splits, 9);
-  EXPECT_EQ(splits(8, 32, 8, 64, 513).max_splits, 3);  // 256-key splits (3) beat the budget's 2
+  EXPECT_EQ(splits(2, 32, 8, 64, 513).max_splits, 9);
+  EXPECT_EQ(splits(1, 32, 8, 64, 2049).max_splits, 33);
+  EXPECT_EQ(splits(8, 32, 8, 64, 513).max_splits, 5);
   EXPECT_EQ(splits(1, 32, 8, 128, 300).max_splits, 5);
+  // SmallPlan::kShared stops at 5/8 of the SMs' worth of CTAs (82 on 132 SMs), the engine's
+  // setting: its shapes (D 64, GQA 32/8, forced split counts inside the graph step, reports/engine)
+  // measured ctx 512 at batch 1 -> 9 splits, 72 CTAs (3 splits 992 us/step, 9 splits 955); batch
+  // 2 -> 5 splits, 80 CTAs (3: 1125, 4: 1117, 5: 1102, 9: 1169); ctx 2048 -> 9 splits (9: 999,
+  // 16: 1099, 33: 1091), although attention alone got faster with more.
+  EXPECT_EQ(shared(1, 32, 8, 64, 513), 9);
+  EXPECT_EQ(shared(2, 32, 8, 64, 513), 5);
+  EXPECT_EQ(shared(1, 32, 8, 64, 2049), 9);
+  EXPECT_EQ(shared(8, 32, 8, 64, 513), 3);  // 256-key splits (3) beat the budget's 2
   EXPECT_EQ(splits(1, 32, 8, 128, 64).max_splits, 1);
   // ... and never below 16 keys per row: a 4-token speculative step of GQA 32/8 (16 rows) keeps
   // 256 keys per split.
