@@ -598,7 +598,7 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
   if (forced > 0) {
     std::fill(out->splits.begin(), out->splits.end(), forced);
   } else {
-    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(p.head_dim);
+    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(std::max(p.head_dim, p.effective_head_dim_v()));
     if (static_cast<std::int64_t>(p.batch) * units < target) {
       // >= 16 keys per row it serves, and >= kMinSplitKeys keys unless the problem is small (below)
       const std::int64_t row_tiles = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;

@@ -1119,6 +1119,22 @@ TEST(DecodeCpu, SplitHeuristic) {
   // ... and never below 16 keys per row: a 4-token speculative step of GQA 32/8 (16 rows) keeps
   // 256 keys per split.
   EXPECT_EQ(splits(1, 32, 8, 128, 300, 4).max_splits, 2);
+  // The wave is that of the kernel class that holds both head dims: 64 / 128 plans as D = 128.
+  {
+    DecodeParams pv;
+    pv.batch = 4;
+    pv.heads_q = 32;
+    pv.heads_kv = 8;
+    pv.head_dim = 64;
+    pv.head_dim_v = 128;
+    pv.seqlen_q = 1;
+    pv.cache.capacity = 8192;
+    const std::vector<std::int32_t> lv(4, 8192);
+    select::SplitDecision sv;
+    ASSERT_TRUE(select::decode_splits(pv, lv.data(), 0, 0, 132, &sv).ok());
+    EXPECT_EQ(sv.max_splits, splits(4, 32, 8, 128, 8192).max_splits);
+    EXPECT_NE(sv.max_splits, splits(4, 32, 8, 64, 8192).max_splits);
+  }
   // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
   // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.
   DecodeParams p;

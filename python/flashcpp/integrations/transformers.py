@@ -49,10 +49,9 @@ What a call does (``attention_forward``):
   ``or_mask_function``/``and_mask_function``/``block_sequence_ids`` (bidirectional image-token
   blocks and the like). ``output_attentions`` gives no weights (None), as flash-attn's.
 
-Gradients flow through torch.autograd (flashcpp's CPU backward; the CUDA backward raises
-NotImplementedError until its kernels land). fp32 CUDA inputs are cast to the autocast dtype under
-``torch.autocast``; without it the CUDA kernels refuse fp32 (they run fp16/bf16), as they refuse
-head dims other than 64/128/256.
+Gradients flow through torch.autograd (flashcpp's backward on either backend). fp32 CUDA inputs
+are cast to the autocast dtype under ``torch.autocast``; without it the CUDA kernels refuse fp32
+(they run fp16/bf16, at every head dim that is a multiple of 8 up to 256).
 """
 from __future__ import annotations
 
