@@ -236,7 +236,7 @@ class BatchDecodeWithKVCache:
              rotary: Optional[str] = None, rotary_dim: int = 0, rope_theta: float = 10000.0,
              dtype: Any = "bfloat16", device: Any = "cuda", num_splits: int = 0, max_splits: int = 0,
              num_sms: int = 0, non_blocking: bool = False, fused_merge: bool = False,
-             fused_append: bool = False, kv_dtype: Any = None) -> Any:
+             fused_append: bool = False, kv_dtype: Any = None, small_plan: str = "full_wave") -> Any:
         """Plans the steps that ``run()`` will compute.
 
         Args:
@@ -273,9 +273,15 @@ class BatchDecodeWithKVCache:
             fused_append: CUDA, with append: the split-KV kernel writes the new k/v into the cache
                 itself (each split the tokens in its tiles), instead of an append launch; same
                 cache bytes and results.
+            small_plan: how widely a latency-bound step (one whose 256-key splits cannot fill the
+                GPU) spreads its splits: "full_wave" (one full wave of CTAs: the fastest attention
+                alone) or "shared" (5/8 of the SMs: for a step whose other kernels run beside
+                attention, as the engine's GEMVs do). Splits only; results are the same.
         Returns:
             the C++ DecodePlan (also ``self.plan_info``).
         """
+        if small_plan not in ("full_wave", "shared"):
+            raise ValueError(f"small_plan must be 'full_wave' or 'shared'; got {small_plan!r}")
         torch = _core.torch
         dt = _dtype_name(dtype)
         kv_dt = _kv_dtype_name(kv_dtype, dt)
@@ -365,6 +371,7 @@ class BatchDecodeWithKVCache:
         opt.host_cache_seqlens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
         opt.num_splits, opt.max_splits, opt.num_sms = int(num_splits), int(max_splits), int(num_sms)
         opt.fused_merge, opt.fused_append = bool(fused_merge), bool(fused_append)
+        opt.small_plan = small_plan
         with _DeviceGuard(device):
             ib, fb = _C.decode_workspace_size(params, opt, bool(append))
             iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)

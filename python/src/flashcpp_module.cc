@@ -805,7 +805,19 @@ void bind(nb::module_& m) {
       .def_rw("max_splits", &PlanOptions::max_splits)
       .def_rw("num_sms", &PlanOptions::num_sms)
       .def_rw("fused_merge", &PlanOptions::fused_merge)
-      .def_rw("fused_append", &PlanOptions::fused_append);
+      .def_rw("fused_append", &PlanOptions::fused_append)
+      .def_prop_rw(
+          "small_plan",
+          [](const PlanOptions& o) {
+            return std::string(o.small_plan == flashcpp::DecodePlanOptions::SmallPlan::kShared ? "shared" : "full_wave");
+          },
+          [](PlanOptions& o, const std::string& v) {
+            if (v != "full_wave" && v != "shared")
+              throw nb::value_error(("small_plan must be 'full_wave' or 'shared'; got '" + v + "'").c_str());
+            o.small_plan = v == "shared" ? flashcpp::DecodePlanOptions::SmallPlan::kShared
+                                         : flashcpp::DecodePlanOptions::SmallPlan::kFullWave;
+          },
+          "DecodePlanOptions::small_plan: 'full_wave' or 'shared'");
   pointer_rw(po, "stream", &PlanOptions::stream, "cudaStream_t of the work-list upload, as an int");
 
   nb::class_<DecodePlan>(m, "DecodePlan", "flashcpp::DecodePlan: the decisions decode_plan made (read-only)")

@@ -228,6 +228,22 @@ def test_plan_run_wrapper_torch_cpu_bf16():
         assert np.abs(out[b].float().numpy() - ro[0]).max() <= tolerance("bfloat16")
 
 
+def test_plan_small_plan_spreads_a_short_step():
+    # B1 GQA 32/8 D64 over 2049 keys: too short for 256-key splits to fill a wave. "full_wave"
+    # splits it down to one 64-key tile per split (33 splits, 264 CTAs on the 132 SMs the CPU
+    # backend plans for), "shared" stops at 5/8 of the SMs (9 splits, 72 CTAs; docs/decode.md).
+    from flashcpp.decode import BatchDecodeWithKVCache
+    counts = {}
+    for sp in ("full_wave", "shared"):
+        w = BatchDecodeWithKVCache()
+        plan = w.plan(1, 32, 8, 64, kv_capacity=2049, cache_seqlens=[2049], dtype=np.float32, device="cpu",
+                      small_plan=sp)
+        counts[sp] = plan.max_splits
+    assert counts == {"full_wave": 33, "shared": 9}
+    with pytest.raises(ValueError, match="small_plan must be 'full_wave' or 'shared'"):
+        BatchDecodeWithKVCache().plan(1, 32, 8, 64, kv_capacity=64, dtype=np.float32, device="cpu", small_plan="half")
+
+
 def test_plan_run_wrapper_errors(rng):
     from flashcpp.decode import BatchDecodeWithKVCache
     w = BatchDecodeWithKVCache()
