@@ -16,7 +16,10 @@
 //   P, (m, l), corr = online softmax of u (common/attention_algebra.h)      O = O corr + P V
 // then the warps that shared a row block merge their (m, l, O) through shared memory, and the CTA
 // writes either the final O and LSE (n_b = 1) or the normalized partial O and LSE of its split
-// (fp32, float workspace) for decode_merge_kernel.
+// (fp32, float workspace) for decode_merge_kernel. Over an fp8 e4m3 cache (C = Fp8Code) the ring
+// holds codes and DecodeWarp8 runs the same recurrence in fp16 on fragments converted in registers
+// (decode_mainloop.cuh says why and how); without a shared converted copy the fp8 step is still
+// bound by this per-chunk work more than by its halved bytes (reports/decode, "FP8").
 //
 // Napkin math (H200, bf16, D = 128), and why mma.sync rather than FMA. Per KV head and key the
 // kernel reads 2*D*2 = 512 bytes of K/V and does 4*D*rows FLOPs, rows = group * seqlen_q:
