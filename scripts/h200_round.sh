@@ -6,26 +6,33 @@
 #   bash ../shared/tools/fa4-carry.sh                  # .fa4a .fa4b .fa4c (FA4 4.0.0b36 and quack 0.6.5)
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download -q --no-deps liger-kernel==0.8.5 -d .whl      # Liger-Kernel, 0.3 MB
+#   mkdir -p .fi && echo /.fi/ >> .git/info/exclude                      # FlashInfer 0.6.0, 19 MB
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .fi flashinfer-python==0.6.0 nvidia-cudnn-frontend
 # On the device (the run tool), C = the commit being measured (the device's copy has no usable git):
 #   call 1, carry [".fa4a", ".debs"]:  bash scripts/h200_round.sh 1 C   build, GPU tests, check tables   (~250 s)
 #   call 2, carry [".fa4b"]:           bash scripts/h200_round.sh 2 C   CUDA pytest, memcheck, host overhead,
 #                                                                      transformers generate           (~300 s)
 #   call 3, carry [".fa4c", ".whl"]:   bash scripts/h200_round.sh 3 C   FA4 and quack installed; prefill, backward,
 #                                                                      head dims                        (~500 s)
-#   call 4, no carry:                  bash scripts/h200_round.sh 4 C   decode grid, fused (quack, Liger), masks
-#                                                                      (~550 s)
+#   call 4, carry [".fi"]:             bash scripts/h200_round.sh 4 C   FlashInfer installed; decode grid, masks
+#                                                                      (~380 s: the whole grid took 268 s
+#                                                                      at 793b0a9)
+#   call 5, no carry:                  bash scripts/h200_round.sh 5 C   fused (quack, Liger)              (~300 s)
+# The five calls need ~29 minutes plus the start, more than a round's 30 device minutes once a start
+# is refused or a machine is taken back: run phase 1 and then the phases the change needs.
 # Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
 # folders as one tarball per phase: unpack with `tar xzf` into reports/ and name the raw folder by
 # commit and date). A phase that finds its machine cold says so and stops (start again at phase 1).
 set -uo pipefail
-phase=${1:?phase 1..4}
+phase=${1:?phase 1..5}
 commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 case $phase in
-  1 | 2 | 3 | 4) ;;
+  1 | 2 | 3 | 4 | 5) ;;
   *)
-    echo "h200_round.sh: phase must be 1, 2, 3 or 4; got '$phase'" >&2
+    echo "h200_round.sh: phase must be 1, 2, 3, 4 or 5; got '$phase'" >&2
     exit 2
     ;;
 esac
@@ -107,14 +114,24 @@ case $phase in
   4)
     warm_or_stop
     fa4_path
+    if ls .fi/*.whl > /dev/null 2>&1; then  # FlashInfer (apache-tvm-ffi comes with FA4's wheels)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fi .fi/*.whl /tmp/fa4/apache_tvm_ffi*.whl \
+        > /dev/null 2>&1 && export PYTHONPATH=/tmp/fi:$PYTHONPATH
+    fi
     cd /tmp || exit 1
-    timeout 200 python3 -m flashcpp.bench decode --grid --grid-max-seconds 170 --out "$OUT/decode" > "$OUT/bench_decode_grid.log" 2>&1
+    timeout 300 python3 -m flashcpp.bench decode --grid --grid-max-seconds 280 --out "$OUT/decode" > "$OUT/bench_decode_grid.log" 2>&1
     say "decode grid rc $?"
-    timeout 290 python3 -m flashcpp.bench fused --out "$OUT/fused" > "$OUT/bench_fused.log" 2>&1  # > 200 s since the new fusions
-    say "fused rc $?"
     timeout 90 python3 -m flashcpp.bench masks --quick --out "$OUT/masks" > "$OUT/bench_masks.log" 2>&1
     say "masks rc $?"
-    pack phase4 decode fused masks
+    pack phase4 decode masks
+    ;;
+  5)
+    warm_or_stop
+    fa4_path
+    cd /tmp || exit 1
+    timeout 290 python3 -m flashcpp.bench fused --out "$OUT/fused" > "$OUT/bench_fused.log" 2>&1  # > 200 s since the new fusions
+    say "fused rc $?"
+    pack phase5 fused
     ;;
 esac
 cat "$summary"
