@@ -25,6 +25,7 @@
 #include "flashcpp/attention.h"
 #include "flashcpp/backward.h"
 #include "flashcpp/build.h"
+#include "flashcpp/decode.h"
 #include "harness/harness.h"
 #include "tune.h"
 #if FLASHCPP_WITH_CUDA
@@ -135,6 +136,62 @@ std::string info_shape_error(const ShapeOptions& s) {
     return fmt::format("q, k, v and o of this shape would take {}, more than a 64-bit address space holds",
                        bytes_str(l.q_bytes + l.k_bytes + l.v_bytes + l.o_bytes));
   return {};
+}
+
+/// The split plan decode would make for the shape's heads and head dims: seqlen_q new tokens a
+/// sequence over a contiguous cache of seqlen_k keys, as the CUDA backend plans it for the 132 SMs of
+/// an H200 (the CPU planner walks the same rule), with each DecodePlanOptions::small_plan. The planner
+/// reads no tensor element: only its work list is allocated, and only when under 64 MiB.
+void print_decode_plan(const ShapeOptions& s) {
+  using Small = flashcpp::DecodePlanOptions::SmallPlan;
+  constexpr int kSms = 132;
+  constexpr std::size_t kMaxWorkList = std::size_t{64} << 20;
+  flashcpp::DecodeParams p;
+  p.batch = s.batch;
+  p.seqlen_q = s.seqlen_q;
+  p.heads_q = s.heads_q;
+  p.heads_kv = s.heads_kv;
+  p.head_dim = s.head_dim;
+  p.head_dim_v = s.head_dim_v;
+  const DType dt = parse_dtype(s.dtype);
+  const int dv = p.effective_head_dim_v();
+  p.q = flashcpp::bshd_view(nullptr, dt, s.seqlen_q, s.heads_q, s.head_dim);
+  p.o = flashcpp::bshd_view(nullptr, dt, s.seqlen_q, s.heads_q, dv);
+  p.cache.k = flashcpp::bshd_view(nullptr, dt, s.seqlen_k, s.heads_kv, s.head_dim);
+  p.cache.v = flashcpp::bshd_view(nullptr, dt, s.seqlen_k, s.heads_kv, dv);
+  p.cache.capacity = s.seqlen_k;
+  p.mask.causal = s.causal;
+  p.mask.window_left = s.window_left;
+  p.mask.window_right = s.window_right;
+  fmt::print("decode plan for the same heads, {} new token(s) a sequence over a cache of {} keys ({} SMs):\n",
+             s.seqlen_q, s.seqlen_k, kSms);
+  for (const Small small : {Small::kFullWave, Small::kShared}) {
+    const char* name = small == Small::kFullWave ? "full_wave" : "shared";
+    flashcpp::DecodePlanOptions o;
+    o.backend = Backend::kCpu;
+    o.num_sms = kSms;
+    o.small_plan = small;
+    flashcpp::DecodeWorkspaceSize ws;
+    Status st = flashcpp::decode_workspace_size(p, o, &ws);
+    if (st.ok() && ws.int_bytes > kMaxWorkList) {
+      fmt::print("  small_plan {}: not planned here (its work list would take {})\n", name, bytes_str(ws.int_bytes));
+      continue;
+    }
+    flashcpp::DecodePlan plan;
+    if (st.ok()) {
+      std::vector<std::uint8_t> work_list(std::max<std::size_t>(ws.int_bytes, 1));
+      // the partials' workspace is only sized by the plan, never touched: a fake address, as above
+      void* partials = ws.float_bytes ? reinterpret_cast<void*>(std::uintptr_t{1} << 20) : nullptr;
+      st = flashcpp::decode_plan(p, o, work_list.data(), ws.int_bytes, partials, ws.float_bytes, &plan);
+    }
+    if (!st.ok()) {
+      fmt::print("  refused: {}\n", st.to_string());
+      return;
+    }
+    fmt::print("  small_plan {}: {} split(s) a sequence at most, {} work items, {} CTAs of {} row block(s){}\n", name,
+               plan.max_splits, plan.num_items, plan.ctas, plan.row_blocks,
+               plan.needs_merge ? ", partials merged" : "");
+  }
 }
 
 void print_choice(const char* backend, const Status& st, const KernelChoice& kc) {
@@ -274,6 +331,7 @@ int cmd_info(ShapeOptions s) {
       print_choice(flashcpp::backend_name(b), st, kc);
     }
   }
+  print_decode_plan(s);
 #if FLASHCPP_WITH_CUDA
   auto list_configs = [](const char* title, std::vector<std::string> (*configs)(int), bool built) {
     if (!built) {  // a family left out: its configs list empty, say why instead of "(none compiled)"

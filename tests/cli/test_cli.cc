@@ -237,6 +237,23 @@ TEST(CliInfo, TheBackwardChoiceIsPrintedForEveryBackend) {
       << tail;
 }
 
+// A decode step's split plan is printed with each small_plan (the CUDA planner's rule for an H200's 132
+// SMs, walked on the host): B1 GQA 32/8 D128 over 2048 keys spreads over one full wave (32 splits,
+// 256 CTAs) or 5/8 of the SMs (8 splits); a prefill-sized query block gets decode's own refusal.
+TEST(CliInfo, TheDecodePlanIsPrintedForEachSmallPlan) {
+  const Outcome r = run({"info", "--seqlen-q", "1", "--seqlen-k", "2048", "--heads-q", "32", "--heads-kv", "8"},
+                        std::size_t{1} << 30, 60);
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("small_plan full_wave: 32 split(s) a sequence at most, 32 work items, 256 CTAs"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("small_plan shared: 8 split(s) a sequence at most, 8 work items, 64 CTAs"), std::string::npos)
+      << r.out;
+  const Outcome big = run({"info"}, std::size_t{1} << 30, 60);
+  EXPECT_EQ(big.status, 0) << big.out << big.err;
+  EXPECT_NE(big.out.find("seqlen_q 4096 is outside the decode range"), std::string::npos) << big.out;
+}
+
 // ---- every subcommand's numeric flags; CLI11's exit codes ------------------------------------
 
 TEST(CliFlags, EveryNumericFlagIsRangeChecked) {
