@@ -97,23 +97,29 @@ InfoLayout info_layout(const ShapeOptions& s, unsigned __int128 base = static_ca
   return l;
 }
 
+/// The shape's sizes and mask into an attention or decode params struct (the same field names).
+template <class Params>
+void set_shape(const ShapeOptions& s, Params* p) {
+  p->batch = s.batch;
+  p->seqlen_q = s.seqlen_q;
+  p->heads_q = s.heads_q;
+  p->heads_kv = s.heads_kv;
+  p->head_dim = s.head_dim;
+  p->head_dim_v = s.head_dim_v;
+  p->mask.causal = s.causal;
+  p->mask.window_left = s.window_left;
+  p->mask.window_right = s.window_right;
+}
+
 AttnParams info_params(const ShapeOptions& s, void* q, void* k, void* v, void* o) {
   AttnParams p;
-  p.batch = s.batch;
-  p.seqlen_q = s.seqlen_q;
+  set_shape(s, &p);
   p.seqlen_k = s.seqlen_k;
-  p.heads_q = s.heads_q;
-  p.heads_kv = s.heads_kv;
-  p.head_dim = s.head_dim;
-  p.head_dim_v = s.head_dim_v;
   const DType dt = parse_dtype(s.dtype);
   p.q = flashcpp::bshd_view(q, dt, s.seqlen_q, s.heads_q, s.head_dim);
   p.k = flashcpp::bshd_view(k, dt, s.seqlen_k, s.heads_kv, s.head_dim);
   p.v = flashcpp::bshd_view(v, dt, s.seqlen_k, s.heads_kv, p.effective_head_dim_v());
   p.o = flashcpp::bshd_view(o, dt, s.seqlen_q, s.heads_q, p.effective_head_dim_v());
-  p.mask.causal = s.causal;
-  p.mask.window_left = s.window_left;
-  p.mask.window_right = s.window_right;
   return p;
 }
 
@@ -147,12 +153,7 @@ void print_decode_plan(const ShapeOptions& s) {
   constexpr int kSms = 132;
   constexpr std::size_t kMaxWorkList = std::size_t{64} << 20;
   flashcpp::DecodeParams p;
-  p.batch = s.batch;
-  p.seqlen_q = s.seqlen_q;
-  p.heads_q = s.heads_q;
-  p.heads_kv = s.heads_kv;
-  p.head_dim = s.head_dim;
-  p.head_dim_v = s.head_dim_v;
+  set_shape(s, &p);
   const DType dt = parse_dtype(s.dtype);
   const int dv = p.effective_head_dim_v();
   p.q = flashcpp::bshd_view(nullptr, dt, s.seqlen_q, s.heads_q, s.head_dim);
@@ -160,9 +161,6 @@ void print_decode_plan(const ShapeOptions& s) {
   p.cache.k = flashcpp::bshd_view(nullptr, dt, s.seqlen_k, s.heads_kv, s.head_dim);
   p.cache.v = flashcpp::bshd_view(nullptr, dt, s.seqlen_k, s.heads_kv, dv);
   p.cache.capacity = s.seqlen_k;
-  p.mask.causal = s.causal;
-  p.mask.window_left = s.window_left;
-  p.mask.window_right = s.window_right;
   fmt::print("decode plan for the same heads, {} new token(s) a sequence over a cache of {} keys ({} SMs):\n",
              s.seqlen_q, s.seqlen_k, kSms);
   for (const Small small : {Small::kFullWave, Small::kShared}) {

@@ -1065,34 +1065,71 @@ std::string describe(const AppendCase& c) {
          rope_style_name(c.style) + (c.positions ? "" : " slot-positions") + (c.q_in_place ? " q-in-place" : "");
 }
 
+/// The cache of a rope_append_kv CPU case: contiguous with `capacity` slots a sequence, or pages of
+/// page_size keys (`spare` pages more than the batch names), with random lengths that leave room for
+/// the new tokens and a shuffled block table.
+struct AppendCache {
+  int ps, capacity, pages_per_seq, num_pages, slots, rows, blocks;
+  std::vector<std::int32_t> len, bt;
+
+  AppendCache(int batch, int page_size, int cap, int spare)
+      : ps(page_size), capacity(cap), pages_per_seq(ps ? (cap + ps - 1) / ps : 0),
+        num_pages(ps ? batch * pages_per_seq + spare : 0), slots(ps ? pages_per_seq * ps : cap), rows(ps ? ps : cap),
+        blocks(ps ? num_pages : batch) {}
+  /// Elements of a K or V cache of `heads` x `dim`.
+  std::int64_t elems(int heads, int dim) const { return static_cast<std::int64_t>(blocks) * rows * heads * dim; }
+  /// Draws, in this order: lengths in [0, slots - seqlen], the `positions` (in [0, 100000)) when
+  /// given, and the block table (paged).
+  template <class G>
+  void draw(G& g, int batch, int seqlen, std::vector<std::int32_t>* positions = nullptr) {
+    len.assign(static_cast<std::size_t>(batch), 0);
+    for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - seqlen + 1));
+    if (positions)
+      for (auto& x : *positions) x = static_cast<std::int32_t>(g() % 100000);
+    if (ps) {
+      std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
+      for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
+      std::shuffle(perm.begin(), perm.end(), g);
+      bt.assign(perm.begin(), perm.begin() + batch * pages_per_seq);
+    }
+  }
+  /// Where key j of sequence b lives: its block (page, or the sequence) and row there.
+  void slot(int b, int j, std::int64_t* block, std::int64_t* row) const {
+    *block = ps ? bt[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b;
+    *row = ps ? j % ps : j;
+  }
+  /// The geometry and block table into `c` (its k/v views and scales are the caller's).
+  void wire(KVCacheView* c) const {
+    c->capacity = ps ? 0 : capacity;
+    c->page_size = ps;
+    c->num_pages = num_pages;
+    c->pages_per_seq = pages_per_seq;
+    c->block_table_stride = pages_per_seq;
+    c->block_table = ps ? bt.data() : nullptr;
+  }
+};
+
 /// rope_append_kv writes apply_rotary's K (and q) and V's bits into exactly the slots decode's
 /// rule names, and nothing else in the (NaN-poisoned) cache.
 void run_append(const AppendCase& c, std::uint64_t salt) {
   SCOPED_TRACE(describe(c));
   auto g = rng(salt);
   const int d = c.head_dim, dv = c.head_dim_v ? c.head_dim_v : d, ps = c.page_size;
-  const int capacity = c.seqlen + 9, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
-  const int num_pages = ps ? c.batch * pages_per_seq + 2 : 0, slots = ps ? pages_per_seq * ps : capacity;
-  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : c.batch;
+  AppendCache ac(c.batch, ps, c.seqlen + 9, 2);
+  const int rows = ac.rows;
   const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen;
   HostBuffer q(c.dt, tokens * c.heads_q * d), kn(c.dt, tokens * c.heads_kv * d), vn(c.dt, tokens * c.heads_kv * dv);
-  HostBuffer kc(c.dt, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * d);
-  HostBuffer vc(c.dt, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * dv), qo(c.dt, q.size());
+  HostBuffer kc(c.dt, ac.elems(c.heads_kv, d)), vc(c.dt, ac.elems(c.heads_kv, dv)), qo(c.dt, q.size());
   q.fill_normal(g);
   kn.fill_normal(g);
   vn.fill_normal(g);
   kc.poison();
   vc.poison();
   qo.poison();
-  std::vector<std::int32_t> len(static_cast<std::size_t>(c.batch)), pos(static_cast<std::size_t>(tokens)), bt;
-  for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
-  for (std::int64_t t = 0; t < tokens; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(g() % 100000);
-  if (ps) {
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
-    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
-    std::shuffle(perm.begin(), perm.end(), g);
-    bt.assign(perm.begin(), perm.begin() + c.batch * pages_per_seq);
-  }
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens));
+  ac.draw(g, c.batch, c.seqlen, &pos);
+  const std::vector<std::int32_t>& len = ac.len;
+  const std::vector<std::int32_t>& bt = ac.bt;
   RopeAppendParams p;
   p.batch = c.batch, p.seqlen = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv;
   p.head_dim = d, p.head_dim_v = c.head_dim_v;
@@ -1103,12 +1140,7 @@ void run_append(const AppendCase& c, std::uint64_t salt) {
   p.v_new = bshd_view(vn.data(), c.dt, c.seqlen, c.heads_kv, dv);
   p.cache.k = bshd_view(kc.data(), c.dt, rows, c.heads_kv, d);
   p.cache.v = bshd_view(vc.data(), c.dt, rows, c.heads_kv, dv);
-  p.cache.capacity = ps ? 0 : capacity;
-  p.cache.page_size = ps;
-  p.cache.num_pages = num_pages;
-  p.cache.pages_per_seq = pages_per_seq;
-  p.cache.block_table_stride = pages_per_seq;
-  p.cache.block_table = ps ? bt.data() : nullptr;
+  ac.wire(&p.cache);
   p.cache_seqlens = len.data();
   p.positions = c.positions ? pos.data() : nullptr;
   p.rotary = RotarySpec::of_style(c.style);
@@ -1134,7 +1166,8 @@ void run_append(const AppendCase& c, std::uint64_t salt) {
   HostBuffer want_k = kc, want_v = vc;  // still all NaN: the written rows are filled in below
   for (std::int64_t t = 0; t < tokens; ++t) {
     const int b = static_cast<int>(t / c.seqlen), j = len[static_cast<std::size_t>(b)] + static_cast<int>(t % c.seqlen);
-    const std::int64_t block = ps ? bt[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b, row = ps ? j % ps : j;
+    std::int64_t block, row;
+    ac.slot(b, j, &block, &row);
     for (int h = 0; h < c.heads_kv; ++h) {
       const std::int64_t at = (block * rows + row) * c.heads_kv + h;
       std::memcpy(want_k.bytes.data() + at * d * dtype_size(c.dt), rk.bytes.data() + (t * c.heads_kv + h) * d * dtype_size(c.dt),
@@ -1270,13 +1303,12 @@ void run_append_fp8(const AppendCase& c, std::uint64_t salt) {
   SCOPED_TRACE(describe(c) + " fp8 cache");
   auto g = rng(salt);
   const int d = c.head_dim, dv = c.head_dim_v ? c.head_dim_v : d, ps = c.page_size;
-  const int capacity = c.seqlen + 9, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
-  const int num_pages = ps ? c.batch * pages_per_seq + 2 : 0, slots = ps ? pages_per_seq * ps : capacity;
-  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : c.batch;
+  AppendCache ac(c.batch, ps, c.seqlen + 9, 2);
+  const int rows = ac.rows;
   const std::int64_t tokens = static_cast<std::int64_t>(c.batch) * c.seqlen;
   HostBuffer q(c.dt, tokens * c.heads_q * d), kn(c.dt, tokens * c.heads_kv * d), vn(c.dt, tokens * c.heads_kv * dv);
-  HostBuffer kc(DType::kF8E4M3, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * d);
-  HostBuffer vc(DType::kF8E4M3, static_cast<std::int64_t>(blocks) * rows * c.heads_kv * dv), qo(c.dt, q.size());
+  HostBuffer kc(DType::kF8E4M3, ac.elems(c.heads_kv, d)), vc(DType::kF8E4M3, ac.elems(c.heads_kv, dv));
+  HostBuffer qo(c.dt, q.size());
   q.fill_normal(g);
   kn.fill_normal(g, 2.f);
   vn.fill_normal(g, 2.f);
@@ -1290,15 +1322,10 @@ void run_append_fp8(const AppendCase& c, std::uint64_t salt) {
   qo.poison();
   const HostBuffer kc0 = kc, vc0 = vc;
   const std::vector<float> ks = random_scales(g, c.heads_kv), vs = random_scales(g, c.heads_kv);
-  std::vector<std::int32_t> len(static_cast<std::size_t>(c.batch)), pos(static_cast<std::size_t>(tokens)), bt;
-  for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
-  for (std::int64_t t = 0; t < tokens; ++t) pos[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(g() % 100000);
-  if (ps) {
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
-    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
-    std::shuffle(perm.begin(), perm.end(), g);
-    bt.assign(perm.begin(), perm.begin() + c.batch * pages_per_seq);
-  }
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(tokens));
+  ac.draw(g, c.batch, c.seqlen, &pos);
+  const std::vector<std::int32_t>& len = ac.len;
+  const std::vector<std::int32_t>& bt = ac.bt;
   RopeAppendParams p;
   p.batch = c.batch, p.seqlen = c.seqlen, p.heads_q = c.heads_q, p.heads_kv = c.heads_kv;
   p.head_dim = d, p.head_dim_v = c.head_dim_v;
@@ -1312,12 +1339,7 @@ void run_append_fp8(const AppendCase& c, std::uint64_t salt) {
   p.cache.v = bshd_view(vc.data(), DType::kF8E4M3, rows, c.heads_kv, dv);
   p.cache.k_scale = ks.data();
   p.cache.v_scale = vs.data();
-  p.cache.capacity = ps ? 0 : capacity;
-  p.cache.page_size = ps;
-  p.cache.num_pages = num_pages;
-  p.cache.pages_per_seq = pages_per_seq;
-  p.cache.block_table_stride = pages_per_seq;
-  p.cache.block_table = ps ? bt.data() : nullptr;
+  ac.wire(&p.cache);
   p.cache_seqlens = len.data();
   p.positions = c.positions ? pos.data() : nullptr;
   p.rotary = RotarySpec::of_style(c.style);
@@ -1350,7 +1372,8 @@ void run_append_fp8(const AppendCase& c, std::uint64_t salt) {
   std::int64_t nan_slot = -1;
   for (std::int64_t t = 0; t < tokens; ++t) {
     const int b = static_cast<int>(t / c.seqlen), j = len[static_cast<std::size_t>(b)] + static_cast<int>(t % c.seqlen);
-    const std::int64_t block = ps ? bt[static_cast<std::size_t>(b * pages_per_seq + j / ps)] : b, row = ps ? j % ps : j;
+    std::int64_t block, row;
+    ac.slot(b, j, &block, &row);
     for (int h = 0; h < c.heads_kv; ++h) {
       const std::int64_t at = (block * rows + row) * c.heads_kv + h, src = t * c.heads_kv + h;
       for (int e = 0; e < d; ++e) want_k.bytes[static_cast<std::size_t>(at * d + e)] = code_of(rk.get(src * d + e), ks[static_cast<std::size_t>(h)]);
@@ -1390,10 +1413,9 @@ void append_fp8_equals_decode(int batch, int seqlen, int heads_q, int heads_kv, 
                std::to_string(heads_kv) + " d" + std::to_string(d) + " page" + std::to_string(ps) + " " +
                dtype_name(dt) + " " + rope_style_name(style));
   auto g = rng(salt);
-  const int capacity = seqlen + 13, pages_per_seq = ps ? (capacity + ps - 1) / ps : 0;
-  const int num_pages = ps ? batch * pages_per_seq + 1 : 0, slots = ps ? pages_per_seq * ps : capacity;
-  const int rows = ps ? ps : capacity, blocks = ps ? num_pages : batch;
-  const std::int64_t tokens = static_cast<std::int64_t>(batch) * seqlen, cache_n = static_cast<std::int64_t>(blocks) * rows * heads_kv * d;
+  AppendCache ac(batch, ps, seqlen + 13, 1);
+  const int rows = ac.rows;
+  const std::int64_t tokens = static_cast<std::int64_t>(batch) * seqlen, cache_n = ac.elems(heads_kv, d);
   HostBuffer q(dt, tokens * heads_q * d), o(dt, tokens * heads_q * d), kn(dt, tokens * heads_kv * d), vn = kn;
   q.fill_normal(g);
   kn.fill_normal(g, 2.f);
@@ -1404,25 +1426,14 @@ void append_fp8_equals_decode(int batch, int seqlen, int heads_q, int heads_kv, 
     for (auto& byte : c->bytes) byte = static_cast<std::uint8_t>(g() & 0x77u);  // finite codes: the keys decode reads
   const HostBuffer kc0 = kc, vc0 = vc;
   const std::vector<float> ks = random_scales(g, heads_kv), vs = random_scales(g, heads_kv);
-  std::vector<std::int32_t> len(static_cast<std::size_t>(batch)), bt;
-  for (auto& x : len) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - seqlen + 1));
-  if (ps) {
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages));
-    for (int i = 0; i < num_pages; ++i) perm[static_cast<std::size_t>(i)] = i;
-    std::shuffle(perm.begin(), perm.end(), g);
-    bt.assign(perm.begin(), perm.begin() + batch * pages_per_seq);
-  }
+  ac.draw(g, batch, seqlen);
+  const std::vector<std::int32_t>& len = ac.len;
   KVCacheView cache;
   cache.k = bshd_view(kc.data(), DType::kF8E4M3, rows, heads_kv, d);
   cache.v = bshd_view(vc.data(), DType::kF8E4M3, rows, heads_kv, d);
   cache.k_scale = ks.data();
   cache.v_scale = vs.data();
-  cache.capacity = ps ? 0 : capacity;
-  cache.page_size = ps;
-  cache.num_pages = num_pages;
-  cache.pages_per_seq = pages_per_seq;
-  cache.block_table_stride = pages_per_seq;
-  cache.block_table = ps ? bt.data() : nullptr;
+  ac.wire(&cache);
   const RotarySpec rot = RotarySpec::of_style(style);
 
   RopeAppendParams a;

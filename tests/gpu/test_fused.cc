@@ -801,6 +801,28 @@ std::string describe(const AppendCase& c) {
          (c.wild_device_values ? " wild" : "");
 }
 
+/// A rope_append_kv test's block table: pages 1 .. num_pages - 2 in a random order (the wild entries
+/// of make_wild clamp to 0 and num_pages - 1, so no page is named twice).
+void shuffle_pages(std::mt19937_64& g, int num_pages, std::vector<std::int32_t>* table) {
+  std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages - 2));
+  for (int i = 0; i < num_pages - 2; ++i) perm[static_cast<std::size_t>(i)] = i + 1;
+  std::shuffle(perm.begin(), perm.end(), g);
+  std::copy(perm.begin(), perm.begin() + static_cast<std::ptrdiff_t>(table->size()), table->begin());
+}
+
+/// Device values out of range (a length past max_len and a negative one, pages below and past the
+/// pool) in dev_lens / dev_table, and in lens / table what the kernel must clamp them to (lengths
+/// into [0, max_len], pages into [0, num_pages)): the expectations, and the CPU backend's inputs.
+void make_wild(int batch, int max_len, int num_pages, std::vector<std::int32_t>* lens, std::vector<std::int32_t>* table,
+               std::vector<std::int32_t>* dev_lens, std::vector<std::int32_t>* dev_table) {
+  (*dev_lens)[0] = 1 << 30;
+  if (batch > 1) (*dev_lens)[1] = -5;
+  if (!dev_table->empty()) dev_table->front() = -7, dev_table->back() = 1 << 29;
+  (*lens)[0] = max_len;
+  if (batch > 1) (*lens)[1] = 0;
+  if (!table->empty()) table->front() = 0, table->back() = num_pages - 1;
+}
+
 /// rope_append_kv: K rows equal CUDA apply_rotary's, V rows the new values' bits, q_out apply_rotary's
 /// q, in the slots of decode's rule; every other cache element keeps the poison.
 void run_append(const AppendCase& c, std::uint64_t salt) {
@@ -820,21 +842,9 @@ void run_append(const AppendCase& c, std::uint64_t salt) {
   rk.host = kn.host;
   std::vector<std::int32_t> lens(c.batch), table(static_cast<std::size_t>(c.batch * pages_per_seq));
   for (auto& x : lens) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
-  if (ps) {  // pages 1 .. num_pages - 2 (the wild entries clamp to 0 and num_pages - 1: no page is named twice)
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages - 2));
-    for (int i = 0; i < num_pages - 2; ++i) perm[static_cast<std::size_t>(i)] = i + 1;
-    std::shuffle(perm.begin(), perm.end(), g);
-    std::copy(perm.begin(), perm.begin() + static_cast<std::ptrdiff_t>(table.size()), table.begin());
-  }
+  if (ps) shuffle_pages(g, num_pages, &table);
   std::vector<std::int32_t> dev_lens = lens, dev_table = table;
-  if (c.wild_device_values) {  // the kernel clamps: lengths into [0, slots - seqlen], pages into the pool
-    dev_lens[0] = 1 << 30;
-    if (c.batch > 1) dev_lens[1] = -5;
-    if (!dev_table.empty()) dev_table[0] = -7, dev_table.back() = 1 << 29;
-    lens[0] = slots - c.seqlen;
-    if (c.batch > 1) lens[1] = 0;
-    if (!table.empty()) table[0] = 0, table.back() = num_pages - 1;
-  }
+  if (c.wild_device_values) make_wild(c.batch, slots - c.seqlen, num_pages, &lens, &table, &dev_lens, &dev_table);
   std::memcpy(&len.at(0), dev_lens.data(), dev_lens.size() * 4);
   if (ps) std::memcpy(&bt.at(0), dev_table.data(), dev_table.size() * 4);
   for (Guarded* b : {&q, &qo, &kn, &vn, &rq, &rk, &kc, &vc, &len, &bt}) ASSERT_TRUE(b->upload());
@@ -1005,21 +1015,9 @@ void run_append_fp8(const Fp8AppendCase& c, std::uint64_t salt) {
   std::vector<std::int32_t> positions(static_cast<std::size_t>(tokens));
   for (auto& x : lens) x = static_cast<std::int32_t>(g() % static_cast<std::uint64_t>(slots - c.seqlen + 1));
   for (auto& x : positions) x = static_cast<std::int32_t>(g() % kMaxPos);
-  if (ps) {  // pages 1 .. num_pages - 2 (wild entries clamp to 0 and num_pages - 1: no page is named twice)
-    std::vector<std::int32_t> perm(static_cast<std::size_t>(num_pages - 2));
-    for (int i = 0; i < num_pages - 2; ++i) perm[static_cast<std::size_t>(i)] = i + 1;
-    std::shuffle(perm.begin(), perm.end(), g);
-    std::copy(perm.begin(), perm.begin() + static_cast<std::ptrdiff_t>(table.size()), table.begin());
-  }
+  if (ps) shuffle_pages(g, num_pages, &table);
   std::vector<std::int32_t> dev_lens = lens, dev_table = table;
-  if (c.wild_device_values) {  // the kernel clamps; the CPU backend gets the clamped values
-    dev_lens[0] = 1 << 30;
-    if (c.batch > 1) dev_lens[1] = -5;
-    if (!dev_table.empty()) dev_table[0] = -7, dev_table.back() = 1 << 29;
-    lens[0] = slots - c.seqlen;
-    if (c.batch > 1) lens[1] = 0;
-    if (!table.empty()) table[0] = 0, table.back() = num_pages - 1;
-  }
+  if (c.wild_device_values) make_wild(c.batch, slots - c.seqlen, num_pages, &lens, &table, &dev_lens, &dev_table);
   std::memcpy(&len.at(0), dev_lens.data(), dev_lens.size() * 4);
   if (ps) std::memcpy(&bt.at(0), dev_table.data(), dev_table.size() * 4);
   std::memcpy(&pos.at(0), positions.data(), positions.size() * 4);

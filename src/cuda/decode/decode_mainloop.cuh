@@ -178,20 +178,19 @@ __device__ __forceinline__ void decode_load_q(const DecodeKernelParams& p, const
   }
 }
 
-/// One warp's share of the recurrence: rows g and g + 8 of its m16 tile (warp row block wr), the
-/// 16-key chunks ch = wk, wk + WK, ... of each tile, its online-softmax state and O accumulator.
-template <int D, typename T>
-struct DecodeWarp {
-  static constexpr int DT = D / 8, KT = D / 16;
-  static constexpr std::uint32_t kRowBytes = D * 2;
+/// What both warps of the loop (DecodeWarp over a 16-bit stage, DecodeWarp8 over fp8 codes) keep
+/// for rows g and g + 8 of their m16 tile (warp row block wr): each row's token, bottom-right key
+/// position and ALiBi slope, its online-softmax state and the O accumulator; and the step from a
+/// 16-key chunk's raw scores to P, which both loops take the same way.
+template <int D>
+struct DecodeRows {
+  static constexpr int DT = D / 8;
   int row_t[2], row_ia[2];  ///< each row's token and bottom-right key position
   float row_slope[2];       ///< ALiBi slopes in raw units (0 without ALiBi)
-  std::uint32_t q_base, k_base, v_base;
   float acc_o[DT][4];
   RowSoftmax row[2];
 
-  __device__ __forceinline__ DecodeWarp(const DecodeKernelParams& p, const DecodeCta& cta, const T* sQ, const T* sK,
-                                        const T* sV, int row0, int wr, int lane) {
+  __device__ __forceinline__ DecodeRows(const DecodeKernelParams& p, const DecodeCta& cta, int row0, int wr, int lane) {
     const int g = lane / 4, Sq = p.seqlen_q;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -205,6 +204,50 @@ struct DecodeWarp {
     for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  }
+
+  /// The raw scores s of keys j_chunk .. j_chunk + 15 (q.k units; times row_scale[r] first when
+  /// kRowScaled) through softcap, ALiBi and the mask (full: every key of the tile is visible to
+  /// every row), then the online softmax: O *= corr only when some row's max moved, and P, packed
+  /// as P_T two to a register, into the A fragment `a` of the P V MMAs.
+  template <typename P_T, bool kRowScaled>
+  __device__ __forceinline__ void scores_to_p(const DecodeKernelParams& p, const DecodeCta& cta, float (&s)[2][4],
+                                              const float (&row_scale)[2], int j_chunk, bool full, int t4,
+                                              std::uint32_t (&a)[4]) {
+    const algebra::ScoreTransform& sc = cta.score;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1, j = j_chunk + nt * 8 + 2 * t4 + (e & 1);
+        float u = sc.raw(kRowScaled ? s[nt][e] * row_scale[r] : s[nt][e]);  // a negative softmax_scale: -q.k
+        if (sc.cap > 0.f) u = sc.softcap(u);
+        if (p.alibi != nullptr) u = algebra::alibi(u, row_slope[r], static_cast<float>(j - row_ia[r]));
+        if (!full && !cta.rules.visible(row_t[r], j)) u = -INFINITY;
+        s[nt][e] = u;
+      }
+    float corr[2];
+    softmax_block<2>([&](int j, int k) -> float& { return s[j][k]; }, row, sc.c, corr);
+    rescale_rows_if_moved<DT>([&](int j, int k) -> float& { return acc_o[j][k]; }, corr);
+    a[0] = ptx::pack2<P_T>(s[0][0], s[0][1]);
+    a[1] = ptx::pack2<P_T>(s[0][2], s[0][3]);
+    a[2] = ptx::pack2<P_T>(s[1][0], s[1][1]);
+    a[3] = ptx::pack2<P_T>(s[1][2], s[1][3]);
+  }
+};
+
+/// One warp's share of the recurrence: rows g and g + 8 of its m16 tile (warp row block wr), the
+/// 16-key chunks ch = wk, wk + WK, ... of each tile, its online-softmax state and O accumulator.
+template <int D, typename T>
+struct DecodeWarp : DecodeRows<D> {
+  static constexpr int DT = D / 8, KT = D / 16;
+  static constexpr std::uint32_t kRowBytes = D * 2;
+  using DecodeRows<D>::acc_o;
+  std::uint32_t q_base, k_base, v_base;
+
+  __device__ __forceinline__ DecodeWarp(const DecodeKernelParams& p, const DecodeCta& cta, const T* sQ, const T* sK,
+                                        const T* sV, int row0, int wr, int lane)
+      : DecodeRows<D>(p, cta, row0, wr, lane) {
     // ldmatrix row addresses (see fa2_kernel.cuh): chunk 2*kk + c of a lane's row sits at
     // (row_base | ((c ^ row%8) << 4)) ^ (kk << 5); tiles and stages start on multiples of a row.
     const std::uint32_t r7 = lane & 7;
@@ -224,7 +267,6 @@ struct DecodeWarp {
   /// key of the tile is visible to every row (no mask test).
   __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const DecodeCta& cta, std::uint32_t chunk_off,
                                         int j_chunk, bool full, int t4) {
-    const algebra::ScoreTransform& sc = cta.score;
     // S = Q K^T for 16 rows x 16 keys, raw q.k units
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -235,28 +277,9 @@ struct DecodeWarp {
       ptx::mma_16816<T>(s_acc[0], a, bk[0], bk[1]);
       ptx::mma_16816<T>(s_acc[1], a, bk[2], bk[3]);
     }
-    // softcap, ALiBi, mask
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, j = j_chunk + nt * 8 + 2 * t4 + (e & 1);
-        float u = sc.raw(s_acc[nt][e]);  // a negative softmax_scale: the raw units are -q.k
-        if (sc.cap > 0.f) u = sc.softcap(u);
-        if (p.alibi != nullptr) u = algebra::alibi(u, row_slope[r], static_cast<float>(j - row_ia[r]));
-        if (!full && !cta.rules.visible(row_t[r], j)) u = -INFINITY;
-        s_acc[nt][e] = u;
-      }
-    // online softmax; O *= corr only when some row's max moved
-    float corr[2];
-    softmax_block<2>([&](int j, int k) -> float& { return s_acc[j][k]; }, row, sc.c, corr);
-    rescale_rows_if_moved<DT>([&](int j, int k) -> float& { return acc_o[j][k]; }, corr);
-    // O += P V (P straight from the S fragments)
+    // softcap, ALiBi, mask, online softmax; O += P V (P straight from the S fragments)
     std::uint32_t a[4];
-    a[0] = ptx::pack2<T>(s_acc[0][0], s_acc[0][1]);
-    a[1] = ptx::pack2<T>(s_acc[0][2], s_acc[0][3]);
-    a[2] = ptx::pack2<T>(s_acc[1][0], s_acc[1][1]);
-    a[3] = ptx::pack2<T>(s_acc[1][2], s_acc[1][3]);
+    this->template scores_to_p<T, false>(p, cta, s_acc, {1.f, 1.f}, j_chunk, full, t4, a);
 #pragma unroll
     for (int dp = 0; dp < DT / 2; ++dp) {
       std::uint32_t bv[4];
@@ -333,32 +356,20 @@ __device__ __forceinline__ void prepare_q_fp16(T* sQ, float* qinv, int cta_rows,
 ///      n8 tiles, the even dims (acc_o[2c]) and the odd ones (acc_o[2c + 1]). Lane (g, t) ends with
 ///      dims 16c + 4t .. 4t+3 of its rows (store_o).
 template <int D, typename T>
-struct DecodeWarp8 {
+struct DecodeWarp8 : DecodeRows<D> {
   static constexpr int DT = D / 8, KT = D / 16;
   static constexpr std::uint32_t kRowBytes = D;  ///< a stage row: D codes
-  int row_t[2], row_ia[2];
-  float row_slope[2], row_qinv[2];
+  using DecodeRows<D>::acc_o;
+  float row_qinv[2];  ///< 2^-e of each row's fp16 scale (prepare_q_fp16)
   std::uint32_t q_base, k_base, v_base;
-  float acc_o[DT][4];
-  RowSoftmax row[2];
 
   __device__ __forceinline__ DecodeWarp8(const DecodeKernelParams& p, const DecodeCta& cta, const T* sQ,
                                          const float* qinv, const Fp8Code* sK, const Fp8Code* sV, int row0, int wr,
-                                         int lane) {
-    const int g = lane / 4, Sq = p.seqlen_q;
+                                         int lane)
+      : DecodeRows<D>(p, cta, row0, wr, lane) {
+    const int g = lane / 4;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int gr = min(row0 + wr * 16 + g + 8 * r, p.rows - 1);
-      row_t[r] = gr % Sq;
-      row_ia[r] = row_t[r] + cta.len - Sq;
-      row_slope[r] =
-          p.alibi != nullptr ? cta.score.slope_raw(__ldg(p.alibi + cta.b * p.alibi_batch_stride + cta.hk * p.group + gr / Sq)) : 0.f;
-      row_qinv[r] = qinv[wr * 16 + g + 8 * r];
-    }
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+    for (int r = 0; r < 2; ++r) row_qinv[r] = qinv[wr * 16 + g + 8 * r];
     const std::uint32_t r7 = lane & 7;
     q_base = ptx::smem_u32(sQ) + (wr * 16 + (lane & 15)) * (D * 2) + (((lane >> 4) ^ r7) << 4);
     // lanes 8m .. 8m + 7 address matrix m: keys 0-7 / 8-15 (m & 1) of the chunk, 16-code block
@@ -372,7 +383,6 @@ struct DecodeWarp8 {
   /// As DecodeWarp::chunk (16 keys at byte offset chunk_off of the stages).
   __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const DecodeCta& cta, std::uint32_t chunk_off,
                                         int j_chunk, bool full, int t4) {
-    const algebra::ScoreTransform& sc = cta.score;
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kp = 0; kp < KT / 2; ++kp) {
@@ -386,25 +396,8 @@ struct DecodeWarp8 {
         ptx::mma_16816<__half>(s_acc[1], a, f16x2_of_e4m3x2(kf[2 * h + 1]), f16x2_of_e4m3x2(kf[2 * h + 1] >> 16));
       }
     }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1, j = j_chunk + nt * 8 + 2 * t4 + (e & 1);
-        float u = sc.raw(s_acc[nt][e] * row_qinv[r]);
-        if (sc.cap > 0.f) u = sc.softcap(u);
-        if (p.alibi != nullptr) u = algebra::alibi(u, row_slope[r], static_cast<float>(j - row_ia[r]));
-        if (!full && !cta.rules.visible(row_t[r], j)) u = -INFINITY;
-        s_acc[nt][e] = u;
-      }
-    float corr[2];
-    softmax_block<2>([&](int j, int k) -> float& { return s_acc[j][k]; }, row, sc.c, corr);
-    rescale_rows_if_moved<DT>([&](int j, int k) -> float& { return acc_o[j][k]; }, corr);
     std::uint32_t a[4];
-    a[0] = ptx::pack2<__half>(s_acc[0][0], s_acc[0][1]);
-    a[1] = ptx::pack2<__half>(s_acc[0][2], s_acc[0][3]);
-    a[2] = ptx::pack2<__half>(s_acc[1][0], s_acc[1][1]);
-    a[3] = ptx::pack2<__half>(s_acc[1][2], s_acc[1][3]);
+    this->template scores_to_p<__half, true>(p, cta, s_acc, row_qinv, j_chunk, full, t4, a);
 #pragma unroll
     for (int kp = 0; kp < KT / 2; ++kp) {
       std::uint32_t vf[4];  // as kf, transposed: lane (g, t) holds dims 2g, 2g+1 of keys 2t, 2t+1
