@@ -1,5 +1,6 @@
 // The producer role of the sm90 prefill kernel: one thread of the producer warpgroup issues every
-// TMA load of the CTA. Per tile: the Q tile (one box per 64-column panel) on q_full, then each key
+// TMA load of the CTA, and sleeps in its barrier waits (mbar_wait_sleep) rather than spinning on
+// the scheduler it shares with consumer warps. Per tile: the Q tile (one box per 64-column panel) on q_full, then each key
 // tile's K and V into the next ring stage, each on its own barrier and released by the consumers
 // apart (k_empty after Q K^T has read the keys, v_empty after P V has read the values), so the
 // keys of block j+S can land while the values of block j are still in use.
@@ -43,12 +44,12 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
     auto load_kv = [&](int it) {
       const int s = kv.stage();
       const int n0 = w.key_n0<BN>(it);
-      sm90::mbar_wait(sm.k_empty(s), kv.empty_phase());
+      sm90::mbar_wait_sleep(sm.k_empty(s), kv.empty_phase());
       sm90::mbar_expect_tx(sm.k_full(s), Cfg::kKVBytes);
 #pragma unroll
       for (int pn = 0; pn < Cfg::kPanels; ++pn)
         sm90::tma_load_4d(sm.k() + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, sm.k_full(s));
-      sm90::mbar_wait(sm.v_empty(s), kv.empty_phase());
+      sm90::mbar_wait_sleep(sm.v_empty(s), kv.empty_phase());
       sm90::mbar_expect_tx(sm.v_full(s), Cfg::kKVBytes);
 #pragma unroll
       for (int pn = 0; pn < Cfg::kPanels; ++pn)
@@ -58,7 +59,7 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
     const int early = Cfg::kPersistent ? min(S, w.n_iters) : 0;
     for (int it = 0; it < early; ++it) load_kv(it);
     if constexpr (Cfg::kPersistent) {
-      if (q.count > 0) sm90::mbar_wait(sm.q_empty(), q.empty_phase());
+      if (q.count > 0) sm90::mbar_wait_sleep(sm.q_empty(), q.empty_phase());
       sm.work() = w;  // published by the Q barrier (this thread's arrive.expect_tx releases it)
     }
     sm90::mbar_expect_tx(sm.q_full(), Cfg::kQBytes);
