@@ -70,6 +70,13 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v, int n, bool 
   }
 }
 
+/// x / d for x >= 0 and d > 0: a 32-bit division whenever x fits (always, in practice; a 64-bit
+/// division is a ~70-instruction call), else 64-bit.
+__device__ __forceinline__ std::int64_t div_i64(std::int64_t x, int d) {
+  if (x <= 0x7fffffff) return static_cast<std::uint32_t>(x) / static_cast<std::uint32_t>(d);
+  return x / d;
+}
+
 /// Sum over groups of `width` consecutive lanes (a power of two <= 32); every lane gets its
 /// group's sum. All 32 lanes of the warp must call it.
 __device__ __forceinline__ float group_sum(float v, int width) {

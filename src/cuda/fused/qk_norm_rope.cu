@@ -6,18 +6,24 @@
 //   sequence (rms_norm of q, of k, then apply_rotary) moves the same bytes twice: 156 us floor.
 //   Per element ~10 FLOPs and, per pair, one sincos (or two table loads): memory bound.
 //
-// Work split: one (token, head) row per group of G lanes, G = the next power of two of
-// head_dim / 8 (16 lanes for 128), 128 / G rows per 128-thread block; the row stays in registers
-// from the load to the store. Exactly the layout of rms_norm's register kernel for a row of
-// head_dim (norm_row.cuh: the same sum of squares, lanes, shuffle tree and rsqrt), so the normed
-// head has rms_norm's bits; then the group parks the rounded row in a warp-private shared-memory
-// stage and every lane rotates its own elements with apply_rotary's arithmetic (rope_row.cuh).
-// Each element forms its pair's cos/sin itself, so a pair's angle is evaluated twice (once per
-// element): a few percent of issue slots on Hopper; pass a cos_sin_cache where fp64 is slow.
+// Work split, 16-byte path (rows aligned, head_dim a multiple of 8): a group of G lanes (G = the
+// next power of two of head_dim / 8, 16 for 128) owns a chunk of kChunkRows = 4 heads of one
+// token, lane l elements [8l, 8l + 8) of each (rope_row.cuh's chunk layout). A thread issues its
+// four 16-byte row loads and its weight loads first, then forms the token's cos/sin for its 8
+// pairs once (for all four heads) while they are in flight, then per head: rms_norm's sum of
+// squares and shuffle tree (norm_row.cuh: the lane holds the vector rms_norm's lane holds, so the
+// normed head has rms_norm's bits), the rounded normed vector rotated through shuffles with
+// apply_rotary's arithmetic, and a 16-byte store. Why: one row per group with the rotation staged
+// through shared memory kept only 16 bytes a thread in flight and evaluated each pair's angle
+// twice per head; here a thread keeps 64 bytes in flight and evaluates its angles once per four
+// heads. A neox rotary_dim that is not a multiple of 16 parks each row in a warp-private stage
+// instead of shuffling (rope_row.cuh), still on this layout.
 //
-// Instantiations: {bf16, fp16} x {16-byte vectors, scalar} = 4. The scalar path (a pointer not
-// 16-byte aligned, a stride or head_dim not a multiple of 8) holds 8 elements a lane at stride G
-// (rms_norm's scalar layout) and is ~8x more memory instructions: expect about half the bandwidth.
+// Scalar path (a pointer not 16-byte aligned, a stride or head_dim not a multiple of 8): one row
+// per group, 8 elements a lane at stride G (rms_norm's scalar layout), the rotation through the
+// stage; ~8x more memory instructions: expect about half the bandwidth.
+//
+// Instantiations: {bf16, fp16} x {16-byte chunk kernel, scalar row kernel} = 4.
 #include <algorithm>
 #include <limits>
 
@@ -41,6 +47,8 @@ struct QkNormArgs {
   int heads_q = 0, heads = 0;  ///< heads of q, and of q and k together
   int seqlen = 0;
   std::int64_t rows = 0;       ///< tokens * heads
+  std::int64_t chunks = 0;     ///< chunk kernel: tokens * chunks_per_token
+  int chunks_per_token = 0;    ///< ceil(heads / kChunkRows)
   int head_dim = 0;
   int nvec = 0;                ///< vectors of VEC elements in a row
   int group = 0;               ///< lanes per row: a power of two <= 32
@@ -49,6 +57,7 @@ struct QkNormArgs {
   RowRotary rotary;
 };
 
+/// Row kernel (the scalar path): one (token, head) row per group of G lanes.
 template <class T, int VEC>
 __global__ void __launch_bounds__(kRowBlockThreads) qk_norm_rope_kernel(const __grid_constant__ QkNormArgs a) {
   constexpr int kSlots = kRowLaneElems / VEC;  // 1 vector, or 8 scalars
@@ -102,6 +111,68 @@ __global__ void __launch_bounds__(kRowBlockThreads) qk_norm_rope_kernel(const __
     const int v = lane + k * g;
     const int n = v < a.nvec ? valid_in<VEC>(v, a.head_dim) : 0;
     if (n > 0) store_vec<T, VEC>(dst + v * VEC, y[k], n);
+  }
+}
+
+/// Chunk kernel (the 16-byte path): kChunkRows heads of one token per group of G lanes.
+template <class T>
+__global__ void __launch_bounds__(kRowBlockThreads, kChunkBlocksPerSm) qk_norm_rope_chunk_kernel(const __grid_constant__ QkNormArgs a) {
+  constexpr int R = kChunkRows, V = kVec16;
+  __shared__ __align__(16) T stage[kRowStageElems];  // rows of a neox half that is not a multiple of 8
+  const int g = a.group, lane = threadIdx.x & (g - 1);
+  const std::int64_t chunk = static_cast<std::int64_t>(blockIdx.x) * (kRowBlockThreads / g) + threadIdx.x / g;
+  T* srow = stage + (threadIdx.x / g) * (g * kRowLaneElems);
+  // A dead group (past the last chunk) still runs the shuffles and the __syncwarp (all lanes must).
+  const bool live = chunk < a.chunks;
+  const std::int64_t t = live ? div_i64(chunk, a.chunks_per_token) : 0;
+  const int h0 = live ? static_cast<int>(chunk - t * a.chunks_per_token) * R : a.heads;  // dead: no head
+  const std::int64_t b = div_i64(t, a.seqlen), s = t - b * a.seqlen;
+  const bool vec_lane = lane < a.nvec;  // holds a vector of each row
+  const int e0 = lane * V;
+  auto has = [&](int r) { return vec_lane && h0 + r < a.heads; };
+  auto is_k = [&](int r) { return h0 + r >= a.heads_q; };
+  auto src_of = [&](int r) {
+    const int h = h0 + r;
+    return is_k(r) ? static_cast<const T*>(a.in[1]) + b * a.in_bs[1] + s * a.in_ss[1] + (h - a.heads_q) * a.in_hs[1]
+                   : static_cast<const T*>(a.in[0]) + b * a.in_bs[0] + s * a.in_ss[0] + h * a.in_hs[0];
+  };
+  auto dst_of = [&](int r) {
+    const int h = h0 + r;
+    return is_k(r) ? static_cast<T*>(a.out[1]) + b * a.out_bs[1] + s * a.out_ss[1] + (h - a.heads_q) * a.out_hs[1]
+                   : static_cast<T*>(a.out[0]) + b * a.out_bs[0] + s * a.out_ss[0] + h * a.out_hs[0];
+  };
+
+  // 1. Every load first: the chunk's rows (kept as raw words: unpacked bf16 would take twice the
+  //    registers), and the weight of its first head.
+  auto weight_of = [&](int r) { return load_vec<T, V>(static_cast<const T*>(is_k(r) ? a.weight[1] : a.weight[0]) + e0, V); };
+  uint4 xr[R];
+  Vec<T, V> w;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (has(r)) xr[r] = *reinterpret_cast<const uint4*>(src_of(r) + e0);
+  if (has(0)) w = weight_of(0);  // a chunk that runs from q's heads into k's reloads at the change
+  // 2. The token's cos/sin for this lane's pairs, once for all R heads, while the loads are out.
+  const std::int32_t pos = live ? (a.positions ? a.positions[t] : static_cast<std::int32_t>(s)) : 0;
+  LanePairs lp;
+  if (a.rotary.style != 0 && a.rotary.in_lanes) lp = lane_pairs(a.rotary, lane, threadIdx.x & 31, pos, live);
+  // 3. Per head: the sum of squares (rms_norm's order), the group's shuffle tree (group_sum's), the
+  //    normed row rounded to T (fused.h: the rotation reads the rounded values), rotated, stored.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    Vec<T, V> y, xv;
+    *reinterpret_cast<uint4*>(&xv) = xr[r];
+    float ss = 0.f;
+    ss += add_residual<T, V>(xv, xv, has(r) ? V : 0, false, &y);
+    ss = group_sum(ss, g);
+    const float rstd = row_rstd(ss, a.inv_hidden, a.eps);
+    if (r > 0 && has(r) && is_k(r) != is_k(r - 1)) w = weight_of(r);
+    Vec<T, V> o = scale_by_weight<T, V>(y, rstd, w, a.weight_offset);
+    if (a.rotary.style != 0) {
+      float f[V];
+      const int count = rotate_chunk_row_f32<T>(a.rotary, lp, srow, o, lane, has(r), pos, f);
+      o = merge_rotated<T>(o, f, count);
+    }
+    if (has(r)) store_vec<T, V>(dst_of(r) + e0, o, V);
   }
 }
 
@@ -163,14 +234,18 @@ Status qk_norm_rope(const QkNormRopeParams& p, const FusedForce& force, Stream s
   if (p.head_dim > kFusedRowMaxHeadDim) return Status::Internal("qk_norm_rope: head_dim past the row kernel's 256");
   set_row_rotary(p.rotary, p.head_dim, &a.rotary);
   if (a.rows == 0) return Status::Ok();
-  const int rows_per_block = kRowBlockThreads / path.group;
-  const std::int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  // A group takes a row (scalar path) or a chunk of kChunkRows heads of one token (16-byte path).
+  a.chunks_per_token = (a.heads + kChunkRows - 1) / kChunkRows;
+  a.chunks = static_cast<std::int64_t>(p.batch) * p.seqlen * a.chunks_per_token;
+  const std::int64_t items = path.vector ? a.chunks : a.rows;
+  const int per_block = kRowBlockThreads / path.group;
+  const std::int64_t blocks = (items + per_block - 1) / per_block;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     return Status::Unsupported("qk_norm_rope: the launch needs more than 2^31-1 blocks (too many tokens x heads)");
   return with_half_type(p.heads_q > 0 ? p.q.dtype : p.k.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (path.vector)
-      qk_norm_rope_kernel<T, kVec16><<<static_cast<unsigned>(blocks), kRowBlockThreads, 0, stream>>>(a);
+      qk_norm_rope_chunk_kernel<T><<<static_cast<unsigned>(blocks), kRowBlockThreads, 0, stream>>>(a);
     else
       qk_norm_rope_kernel<T, kScalar><<<static_cast<unsigned>(blocks), kRowBlockThreads, 0, stream>>>(a);
     return launch_status("qk_norm_rope");

@@ -7,9 +7,17 @@
 // floor: launch latency bound, which is the point of doing it in one launch instead of three
 // (apply_rotary, then two scatters). A prefill chunk of 16384 tokens moves 403 MB: 94 us floor.
 //
-// Work split: one row per group of G lanes (rope_row.cuh's layout, G = the next power of two of
-// max(head_dim, head_dim_v) / 8): rows are (token, head) over the heads_q query heads and the
-// heads_kv KV heads; a KV row carries both the key (rotated) and the value (copied) of its head.
+// Work split, 16-byte path: a group of G lanes (G = the next power of two of max(head_dim,
+// head_dim_v) / 8) owns a chunk of kChunkRows = 4 heads of one token, rows over the heads_q query
+// heads and then the heads_kv KV heads; lane l holds elements [8l, 8l + 8) of each (rope_row.cuh's
+// chunk layout) and a KV row carries both the key (rotated) and the value (copied) of its head.
+// A thread issues every load of its chunk first (up to 8 x 16 bytes), then forms the token's
+// cos/sin once for the four heads and the cache place once for the token, rotates through
+// shuffles and stores. Why: one row per group staged through shared memory kept 16-32 bytes a
+// thread in flight and formed each pair's angle twice per head. A neox rotary_dim that is not a
+// multiple of 16 parks each row in a warp-private stage instead (rope_row.cuh). Scalar path (any
+// pointer, stride or head dim off the 16-byte grid): one row per group, 8 elements a lane at
+// stride G, the rotation through the stage.
 // Cache addressing is common/kv_append.h's (decode's rule: slot cache_seqlens[b] + s, the page from
 // the block table), clamped on the device so no write leaves the cache.
 //
@@ -20,7 +28,7 @@
 // parameter: the bytes a KV row moves drop from 8 to 6 per element pair (k, v read as T, written as
 // codes) and the branch is uniform over a row's lanes.
 //
-// Instantiations: {bf16, fp16} x {16-byte vectors, scalar} = 4 (either cache kind).
+// Instantiations: {bf16, fp16} x {16-byte chunk kernel, scalar row kernel} = 4 (either cache kind).
 #include <algorithm>
 #include <limits>
 
@@ -49,6 +57,8 @@ struct AppendArgs {
   int heads_q = 0, heads = 0;  ///< query heads, and query + KV heads (rows per token)
   int seqlen = 0;
   std::int64_t rows = 0;       ///< tokens * heads
+  std::int64_t chunks = 0;     ///< chunk kernel: tokens * chunks_per_token
+  int chunks_per_token = 0;    ///< ceil(heads / kChunkRows)
   int head_dim = 0, head_dim_v = 0;
   int group = 0;               ///< lanes per row
   // The cache (flashcpp/decode.h's KVCacheView).
@@ -106,6 +116,7 @@ __device__ __forceinline__ void store_codes(std::uint8_t* dst, const Vec<T, VEC>
   }
 }
 
+/// Row kernel (the scalar path): one (token, head) row per group of G lanes.
 template <class T, int VEC>
 __global__ void __launch_bounds__(kRowBlockThreads) rope_append_kernel(const __grid_constant__ AppendArgs a) {
   constexpr int kSlots = kRowLaneElems / VEC;
@@ -158,6 +169,92 @@ __global__ void __launch_bounds__(kRowBlockThreads) rope_append_kernel(const __g
                             a.head_dim);
   store_row<T, VEC, kSlots>(static_cast<T*>(a.v_cache) + block * a.vc_bs + slot_row * a.vc_ss + hk * a.vc_hs, v, lane, g,
                             a.head_dim_v);
+}
+
+/// Chunk kernel (the 16-byte path): kChunkRows heads of one token per group of G lanes.
+template <class T>
+__global__ void __launch_bounds__(kRowBlockThreads) rope_append_chunk_kernel(const __grid_constant__ AppendArgs a) {
+  constexpr int R = kChunkRows, V = kVec16;
+  __shared__ __align__(16) T stage[kRowStageElems];  // rows of a neox half that is not a multiple of 8
+  const int g = a.group, lane = threadIdx.x & (g - 1);
+  const std::int64_t chunk = static_cast<std::int64_t>(blockIdx.x) * (kRowBlockThreads / g) + threadIdx.x / g;
+  T* srow = stage + (threadIdx.x / g) * (g * kRowLaneElems);
+  const bool live = chunk < a.chunks;  // a dead group still reaches the shuffles and __syncwarp
+  const std::int64_t t = live ? div_i64(chunk, a.chunks_per_token) : 0;
+  const int h0 = live ? static_cast<int>(chunk - t * a.chunks_per_token) * R : a.heads;  // dead: no head
+  const int b = static_cast<int>(div_i64(t, a.seqlen)), s = static_cast<int>(t - static_cast<std::int64_t>(b) * a.seqlen);
+  const bool k_lane = lane * V < a.head_dim, v_lane = lane * V < a.head_dim_v;
+  const int e0 = lane * V;
+  auto valid = [&](int r) { return h0 + r < a.heads; };
+  auto is_q = [&](int r) { return h0 + r < a.heads_q; };
+  const bool any_kv = valid(0) && min(h0 + R, a.heads) > a.heads_q;
+  // The token's slot in its sequence (clamped so the step fits the cache) and rotary position.
+  const int j = live ? flashcpp::fused::append_base(__ldg(a.cache_seqlens + b), a.slots, a.seqlen) + s : 0;
+  const std::int32_t pos = live ? (a.positions ? __ldg(a.positions + t) : j) : 0;
+
+  // 1. Every load first (raw words: unpacked bf16 would take twice the registers): q or the new key
+  //    of each head, and the value of each KV head.
+  uint4 xr[R], vr[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int h = h0 + r, hk = h - a.heads_q;
+    if (!valid(r)) continue;
+    if (is_q(r)) {
+      if (k_lane) xr[r] = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.q) + b * a.q_bs + s * a.q_ss + h * a.q_hs + e0);
+      continue;
+    }
+    if (k_lane)
+      xr[r] = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.k_new) + b * a.kn_bs + s * a.kn_ss + hk * a.kn_hs + e0);
+    if (v_lane)
+      vr[r] = *reinterpret_cast<const uint4*>(static_cast<const T*>(a.v_new) + b * a.vn_bs + s * a.vn_ss + hk * a.vn_hs + e0);
+  }
+  // 2. While they are out: the token's cache place (one block-table read) and cos/sin, once for
+  //    all R heads.
+  std::int64_t block = 0, slot_row = 0;
+  if (any_kv)
+    flashcpp::fused::slot_place(a.block_table, a.block_table_stride, a.page_shift, a.num_pages, a.paged, b, j, &block,
+                                &slot_row);
+  const bool rotate = a.rotary.style != 0, fp8 = a.k_scale != nullptr;
+  LanePairs lp;
+  if (rotate && a.rotary.in_lanes) lp = lane_pairs(a.rotary, lane, threadIdx.x & 31, pos, live);
+  // 3. Per head: rotate (every lane takes part in the shuffles or the stage), store.
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int h = h0 + r, hk = h - a.heads_q;
+    Vec<T, V> x;
+    *reinterpret_cast<uint4*>(&x) = xr[r];
+    float f[V];
+    const int count = rotate ? rotate_chunk_row_f32<T>(a.rotary, lp, srow, x, lane, valid(r) && k_lane, pos, f) : 0;
+    if (!valid(r)) continue;
+    if (is_q(r)) {
+      if (k_lane)
+        store_vec<T, V>(static_cast<T*>(a.q_out) + b * a.qo_bs + s * a.qo_ss + h * a.qo_hs + e0, merge_rotated<T>(x, f, count), V);
+      continue;
+    }
+    Vec<T, V> v;
+    *reinterpret_cast<uint4*>(&v) = vr[r];
+    const std::int64_t kc = block * a.kc_bs + slot_row * a.kc_ss + hk * a.kc_hs + e0;
+    const std::int64_t vc = block * a.vc_bs + slot_row * a.vc_ss + hk * a.vc_hs + e0;
+    if (fp8) {  // fused.h: codes of the unrounded rotation / k_scale and of v / v_scale
+      if (k_lane) {
+        const float scale = __ldg(a.k_scale + hk);
+        Vec<std::uint8_t, V> c;
+#pragma unroll
+        for (int i = 0; i < V; ++i) c.v[i] = decode_dev::fp8_code((i < count ? f[i] : to_float(x.v[i])) / scale);
+        store_vec<std::uint8_t, V>(static_cast<std::uint8_t*>(a.k_cache) + kc, c, V);
+      }
+      if (v_lane) {
+        const float scale = __ldg(a.v_scale + hk);
+        Vec<std::uint8_t, V> c;
+#pragma unroll
+        for (int i = 0; i < V; ++i) c.v[i] = decode_dev::fp8_code(to_float(v.v[i]) / scale);
+        store_vec<std::uint8_t, V>(static_cast<std::uint8_t*>(a.v_cache) + vc, c, V);
+      }
+      continue;
+    }
+    if (k_lane) store_vec<T, V>(static_cast<T*>(a.k_cache) + kc, merge_rotated<T>(x, f, count), V);
+    if (v_lane) store_vec<T, V>(static_cast<T*>(a.v_cache) + vc, v, V);
+  }
 }
 
 int next_pow2(int a) {
@@ -245,14 +342,18 @@ Status rope_append_kv(const RopeAppendParams& p, const FusedForce& force, Stream
     return Status::Internal("rope_append_kv: a head dim past the row kernel's 256");
   set_row_rotary(p.rotary, p.head_dim, &a.rotary);
   if (a.rows == 0) return Status::Ok();
-  const int rows_per_block = kRowBlockThreads / path.group;
-  const std::int64_t blocks = (a.rows + rows_per_block - 1) / rows_per_block;
+  // A group takes a row (scalar path) or a chunk of kChunkRows heads of one token (16-byte path).
+  a.chunks_per_token = (a.heads + kChunkRows - 1) / kChunkRows;
+  a.chunks = static_cast<std::int64_t>(p.batch) * p.seqlen * a.chunks_per_token;
+  const std::int64_t items = path.vector ? a.chunks : a.rows;
+  const int per_block = kRowBlockThreads / path.group;
+  const std::int64_t blocks = (items + per_block - 1) / per_block;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     return Status::Unsupported("rope_append_kv: the launch needs more than 2^31-1 blocks (too many tokens x heads)");
   return with_half_type(p.k_new.dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (path.vector)
-      rope_append_kernel<T, kVec16><<<static_cast<unsigned>(blocks), kRowBlockThreads, 0, stream>>>(a);
+      rope_append_chunk_kernel<T><<<static_cast<unsigned>(blocks), kRowBlockThreads, 0, stream>>>(a);
     else
       rope_append_kernel<T, kScalar><<<static_cast<unsigned>(blocks), kRowBlockThreads, 0, stream>>>(a);
     return launch_status("rope_append_kv");
