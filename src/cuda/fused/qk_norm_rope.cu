@@ -234,12 +234,10 @@ Status qk_norm_rope(const QkNormRopeParams& p, const FusedForce& force, Stream s
   if (p.head_dim > kFusedRowMaxHeadDim) return Status::Internal("qk_norm_rope: head_dim past the row kernel's 256");
   set_row_rotary(p.rotary, p.head_dim, &a.rotary);
   if (a.rows == 0) return Status::Ok();
-  // A group takes a row (scalar path) or a chunk of kChunkRows heads of one token (16-byte path).
-  a.chunks_per_token = (a.heads + kChunkRows - 1) / kChunkRows;
-  a.chunks = static_cast<std::int64_t>(p.batch) * p.seqlen * a.chunks_per_token;
-  const std::int64_t items = path.vector ? a.chunks : a.rows;
-  const int per_block = kRowBlockThreads / path.group;
-  const std::int64_t blocks = (items + per_block - 1) / per_block;
+  const RowGrid grid = row_grid(static_cast<std::int64_t>(p.batch) * p.seqlen, a.heads, path.group, path.vector);
+  a.chunks_per_token = grid.chunks_per_token;
+  a.chunks = grid.chunks;
+  const std::int64_t blocks = grid.blocks;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     return Status::Unsupported("qk_norm_rope: the launch needs more than 2^31-1 blocks (too many tokens x heads)");
   return with_half_type(p.heads_q > 0 ? p.q.dtype : p.k.dtype, [&](auto tag) {

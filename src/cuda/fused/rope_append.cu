@@ -116,6 +116,17 @@ __device__ __forceinline__ void store_codes(std::uint8_t* dst, const Vec<T, VEC>
   }
 }
 
+/// A chunk-layout vector of an fp8 cache row: its first `count` elements from the unrounded
+/// rotation f, the rest from x, each divided by the head's scale and stored as its e4m3 code.
+template <class T>
+__device__ __forceinline__ void store_codes_vec(std::uint8_t* dst, const Vec<T, kVec16>& x, const float (&f)[kVec16],
+                                                int count, float scale) {
+  Vec<std::uint8_t, kVec16> c;
+#pragma unroll
+  for (int i = 0; i < kVec16; ++i) c.v[i] = decode_dev::fp8_code((i < count ? f[i] : to_float(x.v[i])) / scale);
+  store_vec<std::uint8_t, kVec16>(dst, c, kVec16);
+}
+
 /// Row kernel (the scalar path): one (token, head) row per group of G lanes.
 template <class T, int VEC>
 __global__ void __launch_bounds__(kRowBlockThreads) rope_append_kernel(const __grid_constant__ AppendArgs a) {
@@ -236,20 +247,8 @@ __global__ void __launch_bounds__(kRowBlockThreads) rope_append_chunk_kernel(con
     const std::int64_t kc = block * a.kc_bs + slot_row * a.kc_ss + hk * a.kc_hs + e0;
     const std::int64_t vc = block * a.vc_bs + slot_row * a.vc_ss + hk * a.vc_hs + e0;
     if (fp8) {  // fused.h: codes of the unrounded rotation / k_scale and of v / v_scale
-      if (k_lane) {
-        const float scale = __ldg(a.k_scale + hk);
-        Vec<std::uint8_t, V> c;
-#pragma unroll
-        for (int i = 0; i < V; ++i) c.v[i] = decode_dev::fp8_code((i < count ? f[i] : to_float(x.v[i])) / scale);
-        store_vec<std::uint8_t, V>(static_cast<std::uint8_t*>(a.k_cache) + kc, c, V);
-      }
-      if (v_lane) {
-        const float scale = __ldg(a.v_scale + hk);
-        Vec<std::uint8_t, V> c;
-#pragma unroll
-        for (int i = 0; i < V; ++i) c.v[i] = decode_dev::fp8_code(to_float(v.v[i]) / scale);
-        store_vec<std::uint8_t, V>(static_cast<std::uint8_t*>(a.v_cache) + vc, c, V);
-      }
+      if (k_lane) store_codes_vec<T>(static_cast<std::uint8_t*>(a.k_cache) + kc, x, f, count, __ldg(a.k_scale + hk));
+      if (v_lane) store_codes_vec<T>(static_cast<std::uint8_t*>(a.v_cache) + vc, v, f, 0, __ldg(a.v_scale + hk));
       continue;
     }
     if (k_lane) store_vec<T, V>(static_cast<T*>(a.k_cache) + kc, merge_rotated<T>(x, f, count), V);
@@ -342,12 +341,10 @@ Status rope_append_kv(const RopeAppendParams& p, const FusedForce& force, Stream
     return Status::Internal("rope_append_kv: a head dim past the row kernel's 256");
   set_row_rotary(p.rotary, p.head_dim, &a.rotary);
   if (a.rows == 0) return Status::Ok();
-  // A group takes a row (scalar path) or a chunk of kChunkRows heads of one token (16-byte path).
-  a.chunks_per_token = (a.heads + kChunkRows - 1) / kChunkRows;
-  a.chunks = static_cast<std::int64_t>(p.batch) * p.seqlen * a.chunks_per_token;
-  const std::int64_t items = path.vector ? a.chunks : a.rows;
-  const int per_block = kRowBlockThreads / path.group;
-  const std::int64_t blocks = (items + per_block - 1) / per_block;
+  const RowGrid grid = row_grid(static_cast<std::int64_t>(p.batch) * p.seqlen, a.heads, path.group, path.vector);
+  a.chunks_per_token = grid.chunks_per_token;
+  a.chunks = grid.chunks;
+  const std::int64_t blocks = grid.blocks;
   if (blocks > std::numeric_limits<std::int32_t>::max())
     return Status::Unsupported("rope_append_kv: the launch needs more than 2^31-1 blocks (too many tokens x heads)");
   return with_half_type(p.k_new.dtype, [&](auto tag) {

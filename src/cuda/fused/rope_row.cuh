@@ -140,6 +140,24 @@ constexpr int kChunkRows = 4;
 /// SMs and ~1.5 us of loaded latency (reports/fused); the row kernel held ~24 KB.
 constexpr int kChunkBlocksPerSm = 6;
 
+/// The launch of a row-layout op over `tokens` x `heads` (token, head) rows: a group of `group`
+/// lanes takes one row (scalar path) or one chunk of kChunkRows heads of a token (the 16-byte
+/// chunk kernels). Sets the chunk counts the chunk kernels read and returns the block count.
+struct RowGrid {
+  int chunks_per_token = 0;  ///< ceil(heads / kChunkRows)
+  std::int64_t chunks = 0;   ///< tokens * chunks_per_token
+  std::int64_t blocks = 0;   ///< 128-thread blocks
+};
+inline RowGrid row_grid(std::int64_t tokens, int heads, int group, bool chunks) {
+  RowGrid gr;
+  gr.chunks_per_token = (heads + kChunkRows - 1) / kChunkRows;
+  gr.chunks = tokens * gr.chunks_per_token;
+  const std::int64_t items = chunks ? gr.chunks : tokens * heads;
+  const int per_block = kRowBlockThreads / group;
+  gr.blocks = (items + per_block - 1) / per_block;
+  return gr;
+}
+
 /// How a lane's vector rotates on the chunk layout (in_lanes): `count` elements from element 0
 /// are rotated (8 or 0 for neox, the elements below rotary_dim for interleaved), the rest pass.
 struct LanePairs {
