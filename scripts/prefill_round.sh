@@ -8,6 +8,10 @@
 #   call 2, carry [".fa4b"]:          bash scripts/prefill_round.sh 2 C   (copies FA4's second part)
 #   call 3, carry [".fa4c"]:          bash scripts/prefill_round.sh 3 C   prefill on the shapes of the FA4 bar
 #                                                                        (25 ms rounds), head dims --quick (~300 s)
+# An A/B round without FA4, two calls back to back (no carry):
+#   bash scripts/prefill_round.sh ab1 C   build; scripts/prefill_probe.py over $PROBE (shapes, configs and
+#                                         FLASHCPP_FA3_EXP variants); the prefill, mask and rotary GPU tests (~450 s)
+#   bash scripts/prefill_round.sh ab2 C   the persistent tests under each FLASHCPP_FA3_EXP in $EXPS; memcheck
 # C = the commit measured (the device's copy of the tree has no usable git). At most 8 files come back.
 set -uo pipefail
 phase=${1:?phase 1..3}; commit=${2:?commit}
@@ -54,5 +58,26 @@ PY
     grep -E "^b[0-9]" "$OUT/prefill_fa4_shapes.log" | awk '{printf "%-34s ours %6s", $1, $3; for (i=1;i<=NF;i++) if ($i=="fa4" || $i=="torch_cudnn") printf "  %s %s %s", $i, $(i+1), $(i+2); print ""}'
     tail -15 "$OUT/headdims.log"
     ;;
-  *) echo "prefill_round.sh: phase must be 1, 2 or 3; got '$phase'" >&2; exit 2 ;;
+  ab1)
+    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+    tail -2 "$OUT/build.txt" | head -1
+    python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1; echo "pip rc $?"
+    (cd /tmp && eval timeout 200 python3 "$OLDPWD/scripts/prefill_probe.py" ${PROBE:?} --out "$OUT/probe.csv") > "$OUT/probe.txt" 2>&1
+    echo "probe rc $?"
+    timeout 200 ./build/flashcpp_gpu_tests --gtest_filter='Prefill.*:MasksGpu*:Rotary*:-Prefill.CourseShapes' > "$OUT/gpu_tests.txt" 2>&1
+    echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_tests.txt" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$OUT/gpu_tests.txt" | head
+    cat "$OUT/probe.txt"
+    ;;
+  ab2)
+    for e in ${EXPS:-1 2 4}; do
+      FLASHCPP_FA3_EXP=$e timeout 90 ./build/flashcpp_gpu_tests \
+        --gtest_filter='Prefill.PersistentEqualsItsTwinBitForBit:Prefill.EveryCompiledConfig:MasksGpuPersistent*' > "$OUT/exp$e.txt" 2>&1
+      echo "FLASHCPP_FA3_EXP=$e rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/exp$e.txt" | tr '\n' ' ')"
+    done
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/flashcpp_gpu_tests \
+      --gtest_filter='Prefill.EveryCompiledConfig*:MasksGpuPersistent*' > "$OUT/memcheck.txt" 2>&1
+    echo "memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -1)"
+    ;;
+  *) echo "prefill_round.sh: phase must be 1, 2, 3, ab1 or ab2; got '$phase'" >&2; exit 2 ;;
 esac

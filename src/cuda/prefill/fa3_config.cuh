@@ -37,26 +37,34 @@ struct Fa3Config {
   static constexpr int kBarrierBytes = 256;
   /// Rotary: each consumer warpgroup's copy of the fp64 inv_freq table (128 pairs at most).
   static constexpr int kRopeBytes = Consumers * 128 * 8;
-  static constexpr int kSmemBytes =
-      kCtaWorkBytes + 1024 /*align*/ + kQBytes + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
+  /// Bytes of a CTA with q_bufs Q buffers (each with its own CtaWork record).
+  static constexpr int smem_bytes(int q_bufs) {
+    return q_bufs * (kCtaWorkBytes + kQBytes) + 1024 /*align*/ + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
+  }
+  /// Q buffers: persistent configs take two where they fit, so that the next tile's Q (and its
+  /// CtaWork record) lands while the current tile still computes and writes O through its own
+  /// buffer; with one, every tile waited for the previous epilogue's store and then for its Q.
+  static constexpr int kQBufs = Persistent && smem_bytes(2) <= 227 * 1024 ? 2 : 1;
+  static constexpr int kSmemBytes = smem_bytes(kQBufs);
   /// setmaxnreg budgets: the selector's rule (core/selector.h, sm90_registers).
   static constexpr int kProducerRegs = select::sm90_registers(Consumers, BlockN).producer;
   static constexpr int kConsumerRegs = select::sm90_registers(Consumers, BlockN).consumer;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
-  static_assert(8 * (2 + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
+  static_assert(8 * (2 * kQBufs + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory fits an sm_90 SM (227 KB per block)");
   static_assert(Consumers == 2 || Consumers == 3, "two or three consumer warpgroups");
   static_assert(kProducerRegs * 128 + Consumers * kConsumerRegs * 128 <= 65536, "register file");
 };
 
-/// The CTA's shared memory: the CtaWork record first (a fixed address: no register holds its
-/// base), then, 1024-byte aligned for the 128B-swizzle atoms that TMA writes and wgmma reads:
-///   Q [panel][BlockM][64]   K ring [stage][panel][BlockN][64]   V ring (same)
-///   mbarriers: q_full, k_full[S], v_full[S], k_empty[S], v_empty[S], q_empty
+/// The CTA's shared memory: the CtaWork records first (fixed addresses: no register holds their
+/// base; one per Q buffer), then, 1024-byte aligned for the 128B-swizzle atoms that TMA writes
+/// and wgmma reads:
+///   Q [buffer][panel][BlockM][64]   K ring [stage][panel][BlockN][64]   V ring (same)
+///   mbarriers: q_full[QB], k_full[S], v_full[S], k_empty[S], v_empty[S], q_empty[QB]
 ///   rotary: each consumer warpgroup's inv_freq copy (fp64)
 /// k_empty / v_empty: every consumer warp has read stage s's keys (values); the producer may
-/// refill it. q_empty (persistent): every consumer warpgroup is done with the tile's Q buffer,
-/// which is also the O staging area, so the next tile's Q may land.
+/// refill it. q_empty[b] (persistent): every consumer warpgroup is done with Q buffer b, which is
+/// also its tile's O staging area, so a later tile's Q may land there.
 /// The kernel's dynamic shared memory. Read from the symbol wherever it is needed, never kept in a
 /// variable: an address derived from the symbol is known to be shared memory (LDS/STS), one that
 /// went through a struct or a reference may come back as a generic address (LD/ST).
@@ -67,25 +75,30 @@ __device__ __forceinline__ unsigned char* fa3_smem_raw() {
 
 template <class Cfg, typename T>
 struct Fa3Smem {
-  static constexpr int S = Cfg::kStages;
-  __device__ __forceinline__ static CtaWork& work() { return *reinterpret_cast<CtaWork*>(fa3_smem_raw()); }
-  /// The 1024-byte aligned start of the Q buffer.
-  __device__ __forceinline__ static unsigned char* base() {
+  static constexpr int S = Cfg::kStages, QB = Cfg::kQBufs;
+  static constexpr int kQAll = QB * Cfg::kQBytes;
+  /// Q buffer b's CtaWork record.
+  __device__ __forceinline__ static CtaWork& work(int b = 0) {
+    return *reinterpret_cast<CtaWork*>(fa3_smem_raw() + b * kCtaWorkBytes);
+  }
+  /// The 1024-byte aligned start of Q buffer b.
+  __device__ __forceinline__ static unsigned char* base(int b = 0) {
     return reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<std::uintptr_t>(fa3_smem_raw() + kCtaWorkBytes) + 1023) & ~std::uintptr_t(1023));
+               (reinterpret_cast<std::uintptr_t>(fa3_smem_raw() + QB * kCtaWorkBytes) + 1023) & ~std::uintptr_t(1023)) +
+           b * Cfg::kQBytes;
   }
-  __device__ __forceinline__ static T* q() { return reinterpret_cast<T*>(base()); }
-  __device__ __forceinline__ static T* k() { return reinterpret_cast<T*>(base() + Cfg::kQBytes); }
-  __device__ __forceinline__ static T* v() { return reinterpret_cast<T*>(base() + Cfg::kQBytes + S * Cfg::kKVBytes); }
+  __device__ __forceinline__ static T* q(int b = 0) { return reinterpret_cast<T*>(base(b)); }
+  __device__ __forceinline__ static T* k() { return reinterpret_cast<T*>(base() + kQAll); }
+  __device__ __forceinline__ static T* v() { return reinterpret_cast<T*>(base() + kQAll + S * Cfg::kKVBytes); }
   __device__ __forceinline__ static std::uint64_t* bars() {
-    return reinterpret_cast<std::uint64_t*>(base() + Cfg::kQBytes + 2 * S * Cfg::kKVBytes);
+    return reinterpret_cast<std::uint64_t*>(base() + kQAll + 2 * S * Cfg::kKVBytes);
   }
-  __device__ __forceinline__ static std::uint64_t* q_full() { return bars(); }
-  __device__ __forceinline__ static std::uint64_t* k_full(int s) { return bars() + 1 + s; }
-  __device__ __forceinline__ static std::uint64_t* v_full(int s) { return bars() + 1 + S + s; }
-  __device__ __forceinline__ static std::uint64_t* k_empty(int s) { return bars() + 1 + 2 * S + s; }
-  __device__ __forceinline__ static std::uint64_t* v_empty(int s) { return bars() + 1 + 3 * S + s; }
-  __device__ __forceinline__ static std::uint64_t* q_empty() { return bars() + 1 + 4 * S; }
+  __device__ __forceinline__ static std::uint64_t* q_full(int b = 0) { return bars() + b; }
+  __device__ __forceinline__ static std::uint64_t* k_full(int s) { return bars() + QB + s; }
+  __device__ __forceinline__ static std::uint64_t* v_full(int s) { return bars() + QB + S + s; }
+  __device__ __forceinline__ static std::uint64_t* k_empty(int s) { return bars() + QB + 2 * S + s; }
+  __device__ __forceinline__ static std::uint64_t* v_empty(int s) { return bars() + QB + 3 * S + s; }
+  __device__ __forceinline__ static std::uint64_t* q_empty(int b = 0) { return bars() + QB + 4 * S + b; }
   /// Consumer warpgroup c's inv_freq copy (rotary without a cache).
   __device__ __forceinline__ static double* inv_freq(int c) {
     return reinterpret_cast<double*>(reinterpret_cast<unsigned char*>(bars()) + Cfg::kBarrierBytes) + 128 * c;

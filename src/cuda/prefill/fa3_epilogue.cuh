@@ -16,11 +16,20 @@
 
 namespace flashcpp::cuda {
 
+/// Persistent, thread 0 of a consumer warpgroup: once the TMA store of its O rows has read shared
+/// memory, hands Q buffer b back to the producer.
+template <class Cfg, typename T>
+__device__ __forceinline__ void fa3_release_q(const Fa3Consumer<Cfg, T>& cs, int b) {
+  sm90::bulk_wait_read<0>();
+  sm90::mbar_arrive(cs.sm.q_empty(b));
+}
+
 template <class Cfg, typename T>
 __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
-                                             const float (&acc_o)[Cfg::kHeadDim / 2], const RowSoftmax (&row)[2]) {
+                                             const float (&acc_o)[Cfg::kHeadDim / 2], const RowSoftmax (&row)[2],
+                                             bool defer_release = false) {
   constexpr int BM = Cfg::kBlockM, DC = Cfg::kHeadDim / 8;
-  const CtaWork& cta = cs.sm.work();
+  const CtaWork& cta = cs.work();
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   const int c = cs.c, t = cs.t;
   float inv[2];
@@ -35,7 +44,7 @@ __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consum
       p.lse[cta.lse_row0 + i] = row[r].finalize(l, p.score.c, row_term).lse;
     }
   }
-  unsigned char* sO = cs.sm.base();  // this warpgroup's own rows of the Q buffer
+  unsigned char* sO = cs.q_base();  // this warpgroup's own rows of the tile's Q buffer
 #pragma unroll
   for (int j = 0; j < DC; ++j)
 #pragma unroll
@@ -58,8 +67,7 @@ __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consum
       for (int pn = 0; pn < Cfg::kPanels; ++pn)
         sm90::tma_store_4d(&p.tmap_o, pn * 64, q_x0 + tr.m0 + 64 * c, tr.h, q_c3, sO + pn * BM * 128 + 64 * c * 128);
       sm90::bulk_commit();
-      sm90::bulk_wait_read<0>();
-      sm90::mbar_arrive(cs.sm.q_empty());
+      if (!defer_release) fa3_release_q(cs, cs.q_buf());
     }
   } else {
     sm90::named_barrier_sync(1 + c, 128);

@@ -40,7 +40,7 @@ namespace flashcpp::cuda {
 template <class Cfg, typename T>
 __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<Cfg, T>& sm, int c, int ct) {
   constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
-  const Fa3Consumer<Cfg, T> cs(sm, c, ct);
+  Fa3Consumer<Cfg, T> cs(sm, c, ct);
   const bool rotary = p.mask.flags & PrefillMask::kRotary;
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   // Rotary without a cache: this warpgroup's copy of inv_freq in shared memory (a warp reads 16
@@ -51,7 +51,19 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
     sm90::named_barrier_sync(1 + c, 128);
   }
   PipelineState<Cfg::kStages> kv;
-  PipelineState<1> q;
+  PipelineState<Cfg::kQBufs> q;  // tiles: the Q buffer and its barriers' phases
+  // Persistent: the previous tile's Q buffer, when its release waits for the O store's read of shared
+  // memory until the next tile's first Q K^T is queued (thread 0 then does not hold up its
+  // warpgroup's first issue window); -1 when none is pending.
+  const bool defer = Cfg::kPersistent && (p.exp & 4);
+  int pending = -1;
+  auto release_pending = [&] {
+    if constexpr (Cfg::kPersistent)
+      if (pending >= 0) {
+        if (ct == 0) fa3_release_q(cs, pending);
+        pending = -1;
+      }
+  };
   constexpr int kHalves = Cfg::kPersistent ? 2 : 1;
   const int tile_end = Cfg::kPersistent ? p.n_units : 1;
   for (int ti = Cfg::kPersistent ? fresh_sreg_ctaid(0) : 0, step = Cfg::kPersistent ? fresh_sreg_nctaid_x() : 1; ti < tile_end; ti += step)
@@ -67,8 +79,9 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
     for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
     RowSoftmax row[2];
 
-    sm90::mbar_wait(sm.q_full(), q.phase());
-    const CtaWork& cta = sm.work();  // this tile's until this warpgroup arrives on q_empty
+    cs.use_q_buf(q.stage());
+    sm90::mbar_wait(sm.q_full(q.stage()), q.phase());
+    const CtaWork& cta = cs.work();  // this tile's until this warpgroup arrives on q_empty
     const int n_iters = cta.n_iters;
     const PlainIters plain = plain_iters<BN>(p, cta, m0);
     if (rotary) {
@@ -79,7 +92,7 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
       rope_tile<T, Cfg::kPersistent ? (D >= 256 ? 1 : 2) : 4>(
           p.rope, inv_freq, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, tl.b, p.seqlen_q), r0,
           cta.rules.seqlen_k - cta.rules.seqlen_q, max(0, min(64, cta.m_end - r0)), ct, 128,
-          [sq = ptx::smem_u32(sm.q()), c](int r, int col) {
+          [sq = ptx::smem_u32(cs.q_base()), c](int r, int col) {
             return sq + algebra::panel_offset<BM>(64 * c + r, col >> 3) + (col & 7) * 2;
           });
       sm90::fence_proxy_async_smem();
@@ -87,13 +100,15 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
     }
     const Fa3TileRows tr{tl.h, tl.b, m0, row_base, m0 + cta.rules.offset(), plain};
     if constexpr (Cfg::kPingPong)
-      fa3_mainloop_pingpong(p, cs, tr, acc_o, row, kv, n_iters);
+      fa3_mainloop_pingpong(p, cs, tr, acc_o, row, kv, n_iters, release_pending);
     else
-      fa3_mainloop_plain(p, cs, tr, acc_o, row, kv, n_iters);
+      fa3_mainloop_plain(p, cs, tr, acc_o, row, kv, n_iters, release_pending);
     kv += n_iters;
-    fa3_epilogue(p, cs, tr, acc_o, row);
+    fa3_epilogue(p, cs, tr, acc_o, row, defer);
+    if (defer) pending = cs.q_buf();
     ++q;
   }
+  release_pending();
 }
 
 template <class Cfg, typename T>
@@ -111,14 +126,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) fa3_forward_kernel(const __g
     if (tid == 0) sm.work() = w;
   }
   if (tid == 0) {
-    sm90::mbar_init(sm.q_full(), 1);
+    for (int b = 0; b < Cfg::kQBufs; ++b) {
+      sm90::mbar_init(sm.q_full(b), 1);
+      sm90::mbar_init(sm.q_empty(b), Cfg::kConsumers);
+    }
     for (int s = 0; s < Cfg::kStages; ++s) {
       sm90::mbar_init(sm.k_full(s), 1);
       sm90::mbar_init(sm.v_full(s), 1);
       sm90::mbar_init(sm.k_empty(s), 4 * Cfg::kConsumers);  // one arrival per consumer warp
       sm90::mbar_init(sm.v_empty(s), 4 * Cfg::kConsumers);
     }
-    sm90::mbar_init(sm.q_empty(), Cfg::kConsumers);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();

@@ -46,6 +46,10 @@ struct Fa3Consumer {
   /// from a per-thread address instead cost ~120 instructions per key block inside the ping-pong
   /// issue window (ncu, d128: 184 instructions from turn to hand-over, now 80).
   std::uint64_t q_desc, k_desc, v_desc;
+  /// The Q buffer of the current tile (persistent configs with two: it alternates per tile) and the
+  /// byte offset between the two, which q_desc moves by when it changes.
+  int qb = 0;
+  static constexpr int kQBufStep = Cfg::kQBytes;
 
   __device__ __forceinline__ Fa3Consumer(const Fa3Smem<Cfg, T>& sm_, int c_, int ct_)
       : sm(sm_), c(c_), ct(ct_), warp(ct_ / 32), lane(ct_ % 32), g(ct_ % 32 / 4), t(ct_ % 4) {
@@ -57,6 +61,20 @@ struct Fa3Consumer {
   /// Descriptor d advanced by `bytes`.
   __device__ __forceinline__ static std::uint64_t advance(std::uint64_t d, int bytes) {
     return d + static_cast<std::uint64_t>(bytes >> 4);
+  }
+  /// The current Q buffer (a constant 0 with one buffer), its tile's CtaWork record and its base.
+  __device__ __forceinline__ int q_buf() const {
+    if constexpr (Cfg::kQBufs == 1) return 0;
+    else return qb;
+  }
+  __device__ __forceinline__ const CtaWork& work() const { return sm.work(q_buf()); }
+  __device__ __forceinline__ unsigned char* q_base() const { return sm.base(q_buf()); }
+  /// Moves to Q buffer b (a no-op with one buffer): q_desc follows.
+  __device__ __forceinline__ void use_q_buf(int b) {
+    if constexpr (Cfg::kQBufs > 1) {
+      if (b != qb) q_desc = b > qb ? advance(q_desc, kQBufStep) : q_desc - static_cast<std::uint64_t>(kQBufStep >> 4);
+      qb = b;
+    }
   }
 
   /// Issue S = Q K^T for stage s (D/16 k-steps; the first overwrites S).
@@ -118,7 +136,7 @@ __device__ __forceinline__ void fa3_scores(const Fa3Params& p, const Fa3Consumer
                                            float (&s_acc)[Cfg::kBlockN / 2], int it) {
   constexpr int BN = Cfg::kBlockN, NC = BN / 8;
   if (tr.plain.contains(it)) return;  // no record lookup on the hot path
-  const CtaWork& cta = cs.sm.work();
+  const CtaWork& cta = cs.work();
   const KeyTile kt = cta.key_tile<BN>(it);
   const int n0 = kt.n0, t = cs.t;
   const MaskRules& rules = cta.rules;
@@ -148,13 +166,15 @@ __device__ __forceinline__ void fa3_scores(const Fa3Params& p, const Fa3Consumer
 }
 
 /// The plain schedule over one tile's n_iters key blocks; kv = the ring position of block 0.
-template <class Cfg, typename T>
+/// after_first_qk runs once block 0's Q K^T is queued (the previous tile's deferred epilogue work).
+template <class Cfg, typename T, class F>
 __device__ __forceinline__ void fa3_mainloop_plain(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
                                                    float (&acc_o)[Cfg::kHeadDim / 2], RowSoftmax (&row)[2],
-                                                   PipelineState<Cfg::kStages> kv, int n_iters) {
+                                                   PipelineState<Cfg::kStages> kv, int n_iters, F&& after_first_qk) {
   float s_acc[Cfg::kBlockN / 2];
   std::uint32_t pa[Cfg::kBlockN / 16][4];
   float corr[2];
+  if (n_iters <= 0) after_first_qk();
   for (int it = 0; it < n_iters; ++it) {
     const PipelineState<Cfg::kStages> u = kv + it;
     const int s = u.stage();
@@ -162,6 +182,7 @@ __device__ __forceinline__ void fa3_mainloop_plain(const Fa3Params& p, const Fa3
     sm90::wgmma_fence();
     cs.issue_qk(s_acc, s);  // S = Q K^T
     sm90::wgmma_commit();
+    if (it == 0) after_first_qk();
     sm90::wgmma_wait<0>();
     cs.release_k(s);
     fa3_scores(p, cs, tr, s_acc, it);  // transform, mask
@@ -181,11 +202,12 @@ __device__ __forceinline__ void fa3_mainloop_plain(const Fa3Params& p, const Fa3
 /// Cfg::kSched: warpgroup c waits on its scheduler barrier before issuing, then hands the turn to
 /// the next (round robin). Warpgroup 0 goes first; the last warpgroup skips its last hand-over so
 /// that every barrier sees exactly as many arrivals as waits (n_iters + 1 issue windows each).
-template <class Cfg, typename T>
+/// after_first_qk as in the plain schedule (outside the issue window).
+template <class Cfg, typename T, class F>
 __device__ __forceinline__ void fa3_mainloop_pingpong(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
                                                       float (&acc_o)[Cfg::kHeadDim / 2], RowSoftmax (&row)[2],
-                                                      PipelineState<Cfg::kStages> kv, int n_iters) {
-  if (n_iters <= 0) return;
+                                                      PipelineState<Cfg::kStages> kv, int n_iters, F&& after_first_qk) {
+  if (n_iters <= 0) return after_first_qk();
   const int c = cs.c;
   // Scheduler barrier ids: after the per-warpgroup ones (1 .. kConsumers).
   constexpr int kSched = 1 + Cfg::kConsumers, kLast = Cfg::kConsumers - 1;
@@ -211,6 +233,7 @@ __device__ __forceinline__ void fa3_mainloop_pingpong(const Fa3Params& p, const 
   cs.issue_qk(s_acc, kv.stage());
   sm90::wgmma_commit();
   window_end(false);
+  after_first_qk();
   sm90::wgmma_wait<0>();
   cs.release_k(kv.stage());
   fa3_scores(p, cs, tr, s_acc, 0);

@@ -28,7 +28,7 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, S = Cfg::kStages;
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   PipelineState<S> kv;  // K/V stage uses, across tiles
-  PipelineState<1> q;   // tiles (the Q barriers' phases)
+  PipelineState<Cfg::kQBufs> q;  // tiles (the Q buffer and its barriers' phases)
   for_each_fa3_tile<Cfg>(p, [&](const Fa3Tile& tl) {
     const int m0 = tl.m_block * BM, hk = tl.h / p.group;
     CtaWork own;  // persistent: this tile's record, computed here (the shared one may still be in use)
@@ -56,16 +56,29 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
         sm90::tma_load_4d(sm.v() + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, k_x0 + n0, hk, k_c3, sm.v_full(s));
       ++kv;
     };
-    const int early = Cfg::kPersistent ? min(S, w.n_iters) : 0;
-    for (int it = 0; it < early; ++it) load_kv(it);
-    if constexpr (Cfg::kPersistent) {
-      if (q.count > 0) sm90::mbar_wait_sleep(sm.q_empty(), q.empty_phase());
-      sm.work() = w;  // published by the Q barrier (this thread's arrive.expect_tx releases it)
-    }
-    sm90::mbar_expect_tx(sm.q_full(), Cfg::kQBytes);
+    const int qs = q.stage();
+    auto load_q = [&] {
+      if constexpr (Cfg::kPersistent) {
+        if (q.count > 0) sm90::mbar_wait_sleep(sm.q_empty(qs), q.empty_phase());
+        if (Cfg::kQBufs > 1 && (p.exp & 2) && q.count > 0) {  // A/B: wait for the previous tile too
+          const PipelineState<Cfg::kQBufs> prev{q.count - 1};
+          sm90::mbar_wait_sleep(sm.q_empty(prev.stage()), prev.phase());
+        }
+        sm.work(qs) = w;  // published by the Q barrier (this thread's arrive.expect_tx releases it)
+      }
+      sm90::mbar_expect_tx(sm.q_full(qs), Cfg::kQBytes);
 #pragma unroll
-    for (int pn = 0; pn < Cfg::kPanels; ++pn)
-      sm90::tma_load_4d(sm.q() + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, tl.h, q_c3, sm.q_full());
+      for (int pn = 0; pn < Cfg::kPanels; ++pn)
+        sm90::tma_load_4d(sm.q(qs) + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, tl.h, q_c3, sm.q_full(qs));
+    };
+    // Persistent: the next tile's first S key tiles load while the consumers finish this one. With
+    // two Q buffers its Q goes first (its buffer was freed a tile ago); with one, Q waits for the
+    // current tile's epilogue, so the keys go first.
+    const bool q_first = Cfg::kQBufs > 1 && !(p.exp & 3);
+    const int early = Cfg::kPersistent && !q_first ? min(S, w.n_iters) : 0;
+    if (q_first) load_q();
+    for (int it = 0; it < early; ++it) load_kv(it);
+    if (!q_first) load_q();
     for (int it = early; it < w.n_iters; ++it) load_kv(it);
     ++q;
   });
