@@ -9,9 +9,9 @@
 #   call 3, carry [".fa4c"]:          bash scripts/prefill_round.sh 3 C   prefill on the shapes of the FA4 bar
 #                                                                        (25 ms rounds), head dims --quick (~300 s)
 # An A/B round without FA4, two calls back to back (no carry):
-#   bash scripts/prefill_round.sh ab1 C   build; scripts/prefill_probe.py over $PROBE (shapes, configs and
-#                                         FLASHCPP_FA3_EXP variants); the prefill, mask and rotary GPU tests (~450 s)
-#   bash scripts/prefill_round.sh ab2 C   the persistent tests under each FLASHCPP_FA3_EXP in $EXPS; memcheck
+#   bash scripts/prefill_round.sh ab1 C   build; scripts/prefill_probe.py over $PROBE (its arguments: shapes,
+#                                         configs, variants); the prefill, mask and rotary GPU tests (~450 s)
+#   bash scripts/prefill_round.sh ab2 C   memcheck of every compiled config and the persistent masks
 # C = the commit measured (the device's copy of the tree has no usable git). At most 8 files come back.
 set -uo pipefail
 phase=${1:?phase 1..3}; commit=${2:?commit}
@@ -70,11 +70,6 @@ PY
     cat "$OUT/probe.txt"
     ;;
   ab2)
-    for e in ${EXPS:-1 2 4}; do
-      FLASHCPP_FA3_EXP=$e timeout 90 ./build/flashcpp_gpu_tests \
-        --gtest_filter='Prefill.PersistentEqualsItsTwinBitForBit:Prefill.EveryCompiledConfig:MasksGpuPersistent*' > "$OUT/exp$e.txt" 2>&1
-      echo "FLASHCPP_FA3_EXP=$e rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/exp$e.txt" | tr '\n' ' ')"
-    done
     timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/flashcpp_gpu_tests \
       --gtest_filter='Prefill.EveryCompiledConfig*:MasksGpuPersistent*' > "$OUT/memcheck.txt" 2>&1
     echo "memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -1)"

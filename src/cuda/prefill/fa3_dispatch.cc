@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
@@ -139,7 +138,6 @@ Status prefill_sm90(const AttnParams& a, const TileConfig& tile, Stream stream) 
     // (head, batch) pairs per L2 group: their K/V within ~24 MB, half the H100/H200 L2.
     p.tile_heads = persistent_tile_heads(a.seqlen_k, a.head_dim, a.heads_q, a.heads_kv, a.batch);
   }
-  if (const char* e = std::getenv("FLASHCPP_FA3_EXP")) p.exp = std::atoi(e);  // A/B, temporary
   const Fa3RunFn fn = a.q.dtype == DType::kBF16 ? entry->run_bf16 : entry->run_fp16;
   return fn(p, stream, dev.device);
 }

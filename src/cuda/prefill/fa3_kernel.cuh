@@ -52,13 +52,14 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
   }
   PipelineState<Cfg::kStages> kv;
   PipelineState<Cfg::kQBufs> q;  // tiles: the Q buffer and its barriers' phases
-  // Persistent: the previous tile's Q buffer, when its release waits for the O store's read of shared
-  // memory until the next tile's first Q K^T is queued (thread 0 then does not hold up its
-  // warpgroup's first issue window); -1 when none is pending.
-  const bool defer = Cfg::kPersistent && (p.exp & 4);
+  // Two Q buffers: the previous tile's buffer is released (after the O store has read it) only once
+  // this tile's first Q K^T is queued, so thread 0 does not hold up its warpgroup's first issue
+  // window; the producer needs that buffer a tile later. -1 when no release is pending. (With one
+  // buffer the release cannot wait: this tile's Q needs it.)
+  constexpr bool defer = Cfg::kQBufs > 1;
   int pending = -1;
   auto release_pending = [&] {
-    if constexpr (Cfg::kPersistent)
+    if constexpr (defer)
       if (pending >= 0) {
         if (ct == 0) fa3_release_q(cs, pending);
         pending = -1;
@@ -105,7 +106,7 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
       fa3_mainloop_plain(p, cs, tr, acc_o, row, kv, n_iters, release_pending);
     kv += n_iters;
     fa3_epilogue(p, cs, tr, acc_o, row, defer);
-    if (defer) pending = cs.q_buf();
+    if constexpr (defer) pending = cs.q_buf();
     ++q;
   }
   release_pending();

@@ -32,7 +32,6 @@ struct Fa3Params {
   MaskRules rules;
   PrefillMask mask;  ///< softcap, ALiBi, varlen, block-sparse (prefill_mask.h)
   PrefillRope rope;  ///< rotary fused into the q/k loads (prefill_rope.h); on iff mask.flags has kRotary
-  int exp = 0;  ///< A/B experiment switch (FLASHCPP_FA3_EXP), temporary
 };
 
 }  // namespace flashcpp::cuda

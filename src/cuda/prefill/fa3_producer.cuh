@@ -5,9 +5,11 @@
 // apart (k_empty after Q K^T has read the keys, v_empty after P V has read the values), so the
 // keys of block j+S can land while the values of block j are still in use.
 //
-// Persistent configs overlap tiles: the first S key tiles of the next tile load while the
-// consumers finish the current one; its Q (and its CtaWork record, which the consumers read after
-// the Q barrier) wait until every consumer warpgroup has released the Q buffer (q_empty).
+// Persistent configs overlap tiles. With two Q buffers (d64, d128) the next tile's Q (and its
+// CtaWork record, which the consumers read after the Q barrier) loads as soon as the tile before
+// the current one has released its buffer (q_empty), then its K/V follow the current tile's into
+// the ring. With one (d256) the first S key tiles of the next tile load while the consumers finish
+// the current one, and its Q waits until every consumer warpgroup has stored O out of the buffer.
 //
 // Varlen: each sequence is loaded through the same rank-4 tensor maps with a shifted origin
 // (fa3_dispatch.cc, encode_map): coordinate (x, seq_end) addresses packed row x + seq_end - max_len,
@@ -60,10 +62,6 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
     auto load_q = [&] {
       if constexpr (Cfg::kPersistent) {
         if (q.count > 0) sm90::mbar_wait_sleep(sm.q_empty(qs), q.empty_phase());
-        if (Cfg::kQBufs > 1 && (p.exp & 2) && q.count > 0) {  // A/B: wait for the previous tile too
-          const PipelineState<Cfg::kQBufs> prev{q.count - 1};
-          sm90::mbar_wait_sleep(sm.q_empty(prev.stage()), prev.phase());
-        }
         sm.work(qs) = w;  // published by the Q barrier (this thread's arrive.expect_tx releases it)
       }
       sm90::mbar_expect_tx(sm.q_full(qs), Cfg::kQBytes);
@@ -74,11 +72,11 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
     // Persistent: the next tile's first S key tiles load while the consumers finish this one. With
     // two Q buffers its Q goes first (its buffer was freed a tile ago); with one, Q waits for the
     // current tile's epilogue, so the keys go first.
-    const bool q_first = Cfg::kQBufs > 1 && !(p.exp & 3);
+    constexpr bool q_first = Cfg::kQBufs > 1;
     const int early = Cfg::kPersistent && !q_first ? min(S, w.n_iters) : 0;
-    if (q_first) load_q();
+    if constexpr (q_first) load_q();
     for (int it = 0; it < early; ++it) load_kv(it);
-    if (!q_first) load_q();
+    if constexpr (!q_first) load_q();
     for (int it = early; it < w.n_iters; ++it) load_kv(it);
     ++q;
   });
