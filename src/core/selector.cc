@@ -63,6 +63,15 @@ bool persistent_units_fill_waves(std::int64_t units, int sms) {
   return 4 * units >= 3 * waves * sms;
 }
 
+bool sm90_persistent_pays(std::int64_t units, int sms, bool causal, int key_blocks, int q_bufs) {
+  if (!persistent_units_fill_waves(units, sms) || key_blocks <= 0) return false;
+  const int mean_blocks = causal ? (key_blocks + 1) / 2 : key_blocks;  // key tiles a tile walks, on average
+  if (q_bufs > 1) return mean_blocks <= 32;
+  return causal && mean_blocks >= 16;
+}
+
+bool sm90_short_for_wide_tile(int seqlen_k, bool causal) { return seqlen_k < (causal ? 8192 : 2048); }
+
 bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal, int wide_rows, int sms) {
   if (seqlen_q <= 0 || heads_batch <= 0 || sms <= 0) return false;
   auto tiles = [&](int rows) { return (seqlen_q + rows - 1) / rows * heads_batch; };
@@ -232,24 +241,41 @@ bool sm90_fits(const TileConfig& t, const AttnParams& p) {
          (!t.ping_pong && tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n));
 }
 
-/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
-/// where wide_tile_pays. Its own persistent twin lost everywhere (spills at 160 registers) and is
-/// not built.
-bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
-  if (t.block_m <= 128) return true;
-  return wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms);
+/// The persistent twin of `base` (same tiles, stages and scheduling), if compiled.
+const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
+  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
+    if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong && e.tile.sched == base.sched)
+      return &e;
+  return nullptr;
 }
 
-/// Whether the automatic choice is the persistent twin of `base`: causal problems of dense (or
-/// window / sink) masks, without varlen or block-sparse walks, whose work units fill their last
-/// wave (persistent_units_fill_waves). Non-causal problems keep the default (the twin measured
-/// 0.93-1.00x there).
+/// Whether the automatic choice is the persistent twin of `base`: problems of dense (or window /
+/// sink) masks, without varlen or block-sparse walks, where sm90_persistent_pays.
 bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num_sms) {
-  if (!p.mask.causal || p.mask.is_varlen() || p.mask.block_sparse != nullptr) return false;
+  if (p.mask.is_varlen() || p.mask.block_sparse != nullptr) return false;
+  const cuda::Fa3Entry* twin = sm90_twin(p, base);
+  if (twin == nullptr) return false;
   const int m_blocks = (p.seqlen_q + base.block_m - 1) / base.block_m;
   if (static_cast<std::int64_t>(m_blocks) * p.heads_q * p.batch > std::numeric_limits<std::int32_t>::max())
     return false;  // units fit an int
-  return persistent_units_fill_waves(persistent_units(m_blocks, p.heads_q, p.batch), num_sms);
+  const int key_blocks = (p.seqlen_k + base.block_n - 1) / base.block_n;
+  return sm90_persistent_pays(persistent_units(m_blocks, p.heads_q, p.batch), num_sms, p.mask.causal, key_blocks,
+                              twin->q_bufs);
+}
+
+/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
+/// where wide_tile_pays, unless the problem is short and the 128-row config's persistent twin pays
+/// (sm90_short_for_wide_tile). Its own persistent twin lost everywhere (spills at 160 registers) and
+/// is not built.
+bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
+  if (t.block_m <= 128) return true;
+  if (!wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms))
+    return false;
+  if (!sm90_short_for_wide_tile(p.seqlen_k, p.mask.causal)) return true;
+  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))  // the 128-row config the table lists first
+    if (!e.tile.persistent && e.tile.block_m <= 128 && sm90_fits(e.tile, p))
+      return !sm90_prefer_persistent(p, e.tile, num_sms);
+  return true;
 }
 
 /// The automatic sm90 config: the first config (table order) that fits and suits the problem, or
@@ -262,11 +288,7 @@ const cuda::Fa3Entry* sm90_auto(const AttnParams& p, int num_sms) {
       break;
     }
   if (base == nullptr || !sm90_prefer_persistent(p, base->tile, num_sms)) return base;
-  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
-    if (e.tile.persistent && same_tiles(e.tile, base->tile) && e.tile.ping_pong == base->tile.ping_pong &&
-        e.tile.sched == base->tile.sched)
-      return &e;
-  return base;
+  return sm90_twin(p, base->tile);
 }
 
 std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {

@@ -51,6 +51,22 @@ bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n)
 /// "at least 1.5 tiles per SM".
 bool persistent_units_fill_waves(std::int64_t units, int sms);
 
+/// The sm90 persistent rule as dispatch applies it: whether the persistent twin (q_bufs Q buffers)
+/// beats its non-persistent config on a problem of `units` work units and `key_blocks` key tiles
+/// per row block (before the causal triangle). Both need units that fill their waves
+/// (persistent_units_fill_waves). With two Q buffers (d64, d128: the next tile's Q lands under the
+/// current one), causal or not, while a tile walks at most 32 key tiles on average: (16,32,512,128)
+/// causal 1.15x, non-causal 1.12x; (4,32,4096,128) causal 1.03x, non-causal 1.01x; longer tiles lose
+/// the wave tail (1,16,16384,128) causal 0.98x, non-causal 0.99x. With one (d256): causal only, from
+/// 16 key tiles per tile on average ((1,16,4096,256) 1.17x; (16,32,512,256) 0.93x, non-causal 0.89x).
+bool sm90_persistent_pays(std::int64_t units, int sms, bool causal, int key_blocks, int q_bufs);
+
+/// Whether a problem is short enough that the 128-row persistent twin (where it pays) beats a wide
+/// tile that would also pay: keys below 2048 (non-causal; (16,32,512,64) 1.13x the 192-row tile,
+/// (2,16,4096,64) 0.98x) or below 8192 (causal; (16,32,1024,64) 1.29x, (4,32,2048,64) 1.11x,
+/// (2,16,16384,64) 0.87x).
+bool sm90_short_for_wide_tile(int seqlen_k, bool causal);
+
 /// The sm90 wide-tile rule: whether a tile of `wide_rows` (> 128) query rows beats the 128-row tile
 /// on `heads_batch` (head, batch) pairs of `seqlen_q` rows. d64's 192-row tile costs 0.88x per
 /// query row once the SMs are full ((2,16,16384,64): 476.5 vs 419.1 TFLOP/s) but comes in coarser

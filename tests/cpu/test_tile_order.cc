@@ -102,6 +102,33 @@ TEST(Sm90Rules, PersistentTwinWhereItsUnitsFillTheirWaves) {
   EXPECT_FALSE(select::persistent_units_fill_waves(100, 0));
 }
 
+// Two Q buffers (d64, d128): persistent, causal or not, while tiles walk <= 32 key tiles on average;
+// one (d256): causal from 16. H200, reports/raw_prefill_527a834_2026-12-04/probe.txt (twin vs base).
+TEST(Sm90Rules, PersistentTwinWhereItsTilesAreShort) {
+  auto u = [](int n, int heads, int batch) { return persistent_units((n + 127) / 128, heads, batch); };
+  auto kb = [](int n, int bn) { return (n + bn - 1) / bn; };
+  EXPECT_TRUE(select::sm90_persistent_pays(u(512, 32, 16), 132, true, kb(512, 128), 2));      // 1.15x
+  EXPECT_TRUE(select::sm90_persistent_pays(u(512, 32, 16), 132, false, kb(512, 128), 2));     // 1.12x
+  EXPECT_TRUE(select::sm90_persistent_pays(u(4096, 32, 4), 132, true, kb(4096, 128), 2));     // 1.03x
+  EXPECT_TRUE(select::sm90_persistent_pays(u(4096, 32, 4), 132, false, kb(4096, 128), 2));    // 1.01x
+  EXPECT_TRUE(select::sm90_persistent_pays(u(2048, 32, 4), 132, false, kb(2048, 128), 2));    // 1.03x
+  EXPECT_FALSE(select::sm90_persistent_pays(u(16384, 16, 1), 132, true, kb(16384, 128), 2));  // 0.98x
+  EXPECT_FALSE(select::sm90_persistent_pays(u(16384, 16, 1), 132, false, kb(16384, 128), 2)); // 0.99x
+  EXPECT_TRUE(select::sm90_persistent_pays(u(4096, 16, 1), 132, true, kb(4096, 64), 1));      // d256: 1.17x
+  EXPECT_FALSE(select::sm90_persistent_pays(u(512, 32, 16), 132, true, kb(512, 64), 1));      // d256: 0.93x
+  EXPECT_FALSE(select::sm90_persistent_pays(u(512, 32, 16), 132, false, kb(512, 64), 1));     // d256: 0.89x
+  EXPECT_FALSE(select::sm90_persistent_pays(u(2048, 8, 1), 132, true, kb(2048, 128), 2));     // 64 units: the waves rule
+  EXPECT_FALSE(select::sm90_persistent_pays(u(512, 32, 16), 132, true, 0, 2));                // no keys
+}
+
+TEST(Sm90Rules, ShortProblemsKeepTheTwinOverTheWideTile) {
+  EXPECT_TRUE(select::sm90_short_for_wide_tile(512, false));     // (16,32,512,64): twin 1.13x the wide tile
+  EXPECT_FALSE(select::sm90_short_for_wide_tile(4096, false));   // (2,16,4096,64): twin 0.98x
+  EXPECT_TRUE(select::sm90_short_for_wide_tile(1024, true));     // (16,32,1024,64) causal: 1.29x
+  EXPECT_TRUE(select::sm90_short_for_wide_tile(2048, true));     // (4,32,2048,64) causal: 1.11x
+  EXPECT_FALSE(select::sm90_short_for_wide_tile(16384, true));   // (2,16,16384,64) causal: 0.87x
+}
+
 TEST(Sm90Rules, WideD64TileWhereItsRowGainBeatsItsWaves) {
   // Non-causal: the measured winner of each pair (192-row vs 128-row tile, TFLOP/s).
   EXPECT_FALSE(select::wide_tile_pays(2048, 8, false, 192, 132));     // (1,8,2048): 298.5 vs 357.8

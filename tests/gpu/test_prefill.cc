@@ -312,7 +312,9 @@ TEST(Prefill, AutoChoiceTakesThePersistentTwinForLargeCausalProblems) {
   const int sms = dev.num_sms;
   EXPECT_TRUE(persistent(pick(sms, 512, true))) << pick(sms, 512, true);          // 2 x SMs units: two full waves
   EXPECT_TRUE(persistent(pick(2 * sms, 256, true))) << pick(2 * sms, 256, true);  // one unit per head: 2 x SMs units
-  EXPECT_FALSE(persistent(pick(sms, 512, false))) << pick(sms, 512, false);       // non-causal
+  EXPECT_TRUE(persistent(pick(sms, 512, false))) << pick(sms, 512, false);        // non-causal, short tiles
+  EXPECT_FALSE(persistent(pick(8, 16384, false))) << pick(8, 16384, false);       // 128 key tiles per tile
+  EXPECT_FALSE(persistent(pick(8, 16384, true))) << pick(8, 16384, true);         // 64 on average
   EXPECT_FALSE(persistent(pick(16, 256, true))) << pick(16, 256, true);           // 16 units
   EXPECT_FALSE(persistent(pick(sms + 8, 256, true))) << pick(sms + 8, 256, true); // SMs + 8 units: a second wave of 8
 #else
@@ -338,6 +340,11 @@ TEST(Prefill, AutoChoiceTakesTheWideD64TileForLargeProblems) {
   EXPECT_EQ(pick(1, big / 2, true), "sm90_m128n128s4p_persist");
   // Sequences of 128 rows: a 192-row tile would only add empty rows.
   EXPECT_EQ(pick(dev.num_sms, 128, false), "sm90_m128n128s4p");
+  // Short sequences in large batches: the wide tile would pay by its waves, the 128-row persistent
+  // twin pays more (sm90_short_for_wide_tile).
+  const int wide_batch = (10 * dev.num_sms + 6 * 16 - 1) / (6 * 16);  // 6 wide tiles a head of 1024: >= 10 x SMs
+  EXPECT_EQ(pick(wide_batch, 1024, true), "sm90_m128n128s4p_persist");
+  EXPECT_EQ(pick(2 * dev.num_sms / 16, 512, false), "sm90_m128n128s4p_persist");
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif

@@ -17,6 +17,7 @@ struct Fa3Entry {
   int head_dim;
   TileConfig tile;  ///< block_m 64 per consumer warpgroup; its name: select::sm90_config_name
   int smem_bytes;
+  int q_bufs;  ///< Q buffers (persistent configs: 2 where shared memory allows; Fa3Config::kQBufs)
   Fa3RunFn run_bf16;
   Fa3RunFn run_fp16;
 };
