@@ -10,10 +10,13 @@
 
 namespace flashcpp::cuda {
 
+/// HeadDim: the q/k class (Q K^T's depth); HeadDimV: the v/o class (P V's width, O's columns),
+/// HeadDim unless a class of two head dims (fa3_hd192.cu: 192 / 128) says otherwise.
 template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
-          int Consumers = 2>
+          int Consumers = 2, int HeadDimV = HeadDim>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimV = HeadDimV;
   /// Consumer warpgroups, 64 query rows each: 2 (BlockM 128), or 3 (BlockM 192, FA3's d64 tile:
   /// more rows per K/V stage, and with ping-pong two warpgroups' softmax under one's GEMMs).
   static constexpr int kConsumers = Consumers;
@@ -31,15 +34,18 @@ struct Fa3Config {
   /// tile's K/V loads overlapping the current tile's last blocks and epilogue, O stored by TMA.
   static constexpr bool kPersistent = Persistent;
   static constexpr int kThreads = 128 * (1 + Consumers);  ///< producer warpgroup + the consumers
-  static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row
+  static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row of Q and K
+  static constexpr int kPanelsV = HeadDimV / 64;   ///< the same per row of V and O
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
-  static constexpr int kKVBytes = BlockN * HeadDim * 2;
+  static constexpr int kKBytes = BlockN * HeadDim * 2;   ///< one K stage
+  static constexpr int kVBytes = BlockN * HeadDimV * 2;  ///< one V stage
   static constexpr int kBarrierBytes = 256;
   /// Rotary: each consumer warpgroup's copy of the fp64 inv_freq table (128 pairs at most).
   static constexpr int kRopeBytes = Consumers * 128 * 8;
   /// Bytes of a CTA with q_bufs Q buffers (each with its own CtaWork record).
   static constexpr int smem_bytes(int q_bufs) {
-    return q_bufs * (kCtaWorkBytes + kQBytes) + 1024 /*align*/ + 2 * Stages * kKVBytes + kBarrierBytes + kRopeBytes;
+    return q_bufs * (kCtaWorkBytes + kQBytes) + 1024 /*align*/ + Stages * (kKBytes + kVBytes) + kBarrierBytes +
+           kRopeBytes;
   }
   /// Q buffers: persistent configs take two where they fit, so that the next tile's Q (and its
   /// CtaWork record) lands while the current tile still computes and writes O through its own
@@ -50,6 +56,8 @@ struct Fa3Config {
   static constexpr int kProducerRegs = select::sm90_registers(Consumers, BlockN).producer;
   static constexpr int kConsumerRegs = select::sm90_registers(Consumers, BlockN).consumer;
   static_assert(HeadDim % 64 == 0 && BlockN % 16 == 0 && BlockN <= 256);
+  // O is staged in the Q buffer (fa3_epilogue.cuh): its panels must fit there.
+  static_assert(HeadDimV % 64 == 0 && HeadDimV <= HeadDim, "v/o panels fit the Q buffer");
   static_assert(8 * (2 * kQBufs + 4 * Stages) <= kBarrierBytes, "the mbarriers fit their bytes");
   static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory fits an sm_90 SM (227 KB per block)");
   static_assert(Consumers == 2 || Consumers == 3, "two or three consumer warpgroups");
@@ -59,7 +67,7 @@ struct Fa3Config {
 /// The CTA's shared memory: the CtaWork records first (fixed addresses: no register holds their
 /// base; one per Q buffer), then, 1024-byte aligned for the 128B-swizzle atoms that TMA writes
 /// and wgmma reads:
-///   Q [buffer][panel][BlockM][64]   K ring [stage][panel][BlockN][64]   V ring (same)
+///   Q [buffer][panel][BlockM][64]   K ring [stage][panel][BlockN][64]   V ring (same, HeadDimV's panels)
 ///   mbarriers: q_full[QB], k_full[S], v_full[S], k_empty[S], v_empty[S], q_empty[QB]
 ///   rotary: each consumer warpgroup's inv_freq copy (fp64)
 /// k_empty / v_empty: every consumer warp has read stage s's keys (values); the producer may
@@ -89,9 +97,9 @@ struct Fa3Smem {
   }
   __device__ __forceinline__ static T* q(int b = 0) { return reinterpret_cast<T*>(base(b)); }
   __device__ __forceinline__ static T* k() { return reinterpret_cast<T*>(base() + kQAll); }
-  __device__ __forceinline__ static T* v() { return reinterpret_cast<T*>(base() + kQAll + S * Cfg::kKVBytes); }
+  __device__ __forceinline__ static T* v() { return reinterpret_cast<T*>(base() + kQAll + S * Cfg::kKBytes); }
   __device__ __forceinline__ static std::uint64_t* bars() {
-    return reinterpret_cast<std::uint64_t*>(base() + kQAll + 2 * S * Cfg::kKVBytes);
+    return reinterpret_cast<std::uint64_t*>(base() + kQAll + S * (Cfg::kKBytes + Cfg::kVBytes));
   }
   __device__ __forceinline__ static std::uint64_t* q_full(int b = 0) { return bars() + b; }
   __device__ __forceinline__ static std::uint64_t* k_full(int s) { return bars() + QB + s; }

@@ -26,9 +26,9 @@ __device__ __forceinline__ void fa3_release_q(const Fa3Consumer<Cfg, T>& cs, int
 
 template <class Cfg, typename T>
 __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
-                                             const float (&acc_o)[Cfg::kHeadDim / 2], const RowSoftmax (&row)[2],
+                                             const float (&acc_o)[Cfg::kHeadDimV / 2], const RowSoftmax (&row)[2],
                                              bool defer_release = false) {
-  constexpr int BM = Cfg::kBlockM, DC = Cfg::kHeadDim / 8;
+  constexpr int BM = Cfg::kBlockM, DC = Cfg::kHeadDimV / 8;
   const CtaWork& cta = cs.work();
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   const int c = cs.c, t = cs.t;
@@ -64,7 +64,7 @@ __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consum
       const int q_x0 = varlen ? p.seqlen_q - cta.rules.seqlen_q : 0;
       const int q_c3 = varlen ? static_cast<int>(cta.q_row0) + cta.rules.seqlen_q : tr.b;
 #pragma unroll
-      for (int pn = 0; pn < Cfg::kPanels; ++pn)
+      for (int pn = 0; pn < Cfg::kPanelsV; ++pn)
         sm90::tma_store_4d(&p.tmap_o, pn * 64, q_x0 + tr.m0 + 64 * c, tr.h, q_c3, sO + pn * BM * 128 + 64 * c * 128);
       sm90::bulk_commit();
       if (!defer_release) fa3_release_q(cs, cs.q_buf());

@@ -39,7 +39,7 @@ namespace flashcpp::cuda {
 /// K/V ring uses and its Q barrier phases as the producer does.
 template <class Cfg, typename T>
 __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<Cfg, T>& sm, int c, int ct) {
-  constexpr int D = Cfg::kHeadDim, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+  constexpr int D = Cfg::kHeadDim, DV = Cfg::kHeadDimV, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
   Fa3Consumer<Cfg, T> cs(sm, c, ct);
   const bool rotary = p.mask.flags & PrefillMask::kRotary;
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
@@ -75,9 +75,9 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
     if constexpr (Cfg::kPersistent)
       if (!tile_exists(p, tl.b, m0)) continue;
     const int row_base = m0 + 64 * c + 16 * cs.warp + cs.g;  // query row of this thread's r = 0 values
-    float acc_o[D / 2];
+    float acc_o[DV / 2];
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc_o[i] = 0.f;
+    for (int i = 0; i < DV / 2; ++i) acc_o[i] = 0.f;
     RowSoftmax row[2];
 
     cs.use_q_buf(q.stage());

@@ -31,9 +31,9 @@ namespace flashcpp::cuda {
 /// One consumer warpgroup: where its operands live and the steps of one key block.
 template <class Cfg, typename T>
 struct Fa3Consumer {
-  static constexpr int D = Cfg::kHeadDim, BN = Cfg::kBlockN;
+  static constexpr int D = Cfg::kHeadDim, DV = Cfg::kHeadDimV, BN = Cfg::kBlockN;
   static constexpr int NC = BN / 8;  ///< n8 column chunks of S per row
-  static constexpr int DC = D / 8;   ///< n8 column chunks of O per row
+  static constexpr int DC = DV / 8;  ///< n8 column chunks of O per row
   Fa3Smem<Cfg, T> sm;  // empty: its accessors read the shared-memory symbol
   int c;        ///< consumer warpgroup: rows [64c, 64c + 64) of the tile
   int ct;       ///< thread inside the warpgroup
@@ -79,7 +79,7 @@ struct Fa3Consumer {
 
   /// Issue S = Q K^T for stage s (D/16 k-steps; the first overwrites S).
   __device__ __forceinline__ void issue_qk(float (&s_acc)[BN / 2], int s) const {
-    const std::uint64_t kd = advance(k_desc, s * Cfg::kKVBytes);
+    const std::uint64_t kd = advance(k_desc, s * Cfg::kKBytes);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, then 32 bytes per k16 step
@@ -87,12 +87,12 @@ struct Fa3Consumer {
                             kk > 0 ? 1 : 0);
     }
   }
-  /// Issue O += P V for stage s: 16 keys = 2 K-groups of 8 rows x 128 B per k-step; panels of
-  /// 64 head-dim columns are BN*128 B apart (the MN-major leading byte offset).
-  __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const std::uint32_t (&pa)[BN / 16][4], int s) const {
-    const std::uint64_t vd = advance(v_desc, s * Cfg::kKVBytes);
+  /// Issue O += P V for stage s (N = the v/o class DV): 16 keys = 2 K-groups of 8 rows x 128 B per
+  /// k-step; panels of 64 head-dim columns are BN*128 B apart (the MN-major leading byte offset).
+  __device__ __forceinline__ void issue_pv(float (&o)[DV / 2], const std::uint32_t (&pa)[BN / 16][4], int s) const {
+    const std::uint64_t vd = advance(v_desc, s * Cfg::kVBytes);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) sm90::wgmma_rs<D, T>(o, pa[kk], advance(vd, kk * 16 * 128), 1);
+    for (int kk = 0; kk < BN / 16; ++kk) sm90::wgmma_rs<DV, T>(o, pa[kk], advance(vd, kk * 16 * 128), 1);
   }
   /// P as wgmma A fragments: k16 step kk covers S chunks 2kk (a0, a1) and 2kk+1 (a2, a3).
   __device__ __forceinline__ void pack_p(const float (&s_acc)[BN / 2], std::uint32_t (&pa)[BN / 16][4]) const {
@@ -112,7 +112,7 @@ struct Fa3Consumer {
     softmax_block<NC, true>([&](int j, int k) -> float& { return s_acc[4 * j + k]; }, row, c_fold, corr);
   }
   /// O *= corr, skipped for a warp none of whose rows moved its reference max (most blocks).
-  __device__ __forceinline__ void rescale_o(float (&o)[D / 2], const float (&corr)[2]) const {
+  __device__ __forceinline__ void rescale_o(float (&o)[DV / 2], const float (&corr)[2]) const {
     rescale_rows_if_moved<DC>([&](int j, int k) -> float& { return o[4 * j + k]; }, corr);
   }
 };
@@ -169,7 +169,7 @@ __device__ __forceinline__ void fa3_scores(const Fa3Params& p, const Fa3Consumer
 /// after_first_qk runs once block 0's Q K^T is queued (the previous tile's deferred epilogue work).
 template <class Cfg, typename T, class F>
 __device__ __forceinline__ void fa3_mainloop_plain(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
-                                                   float (&acc_o)[Cfg::kHeadDim / 2], RowSoftmax (&row)[2],
+                                                   float (&acc_o)[Cfg::kHeadDimV / 2], RowSoftmax (&row)[2],
                                                    PipelineState<Cfg::kStages> kv, int n_iters, F&& after_first_qk) {
   float s_acc[Cfg::kBlockN / 2];
   std::uint32_t pa[Cfg::kBlockN / 16][4];
@@ -205,7 +205,7 @@ __device__ __forceinline__ void fa3_mainloop_plain(const Fa3Params& p, const Fa3
 /// after_first_qk as in the plain schedule (outside the issue window).
 template <class Cfg, typename T, class F>
 __device__ __forceinline__ void fa3_mainloop_pingpong(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
-                                                      float (&acc_o)[Cfg::kHeadDim / 2], RowSoftmax (&row)[2],
+                                                      float (&acc_o)[Cfg::kHeadDimV / 2], RowSoftmax (&row)[2],
                                                       PipelineState<Cfg::kStages> kv, int n_iters, F&& after_first_qk) {
   if (n_iters <= 0) return after_first_qk();
   const int c = cs.c;

@@ -47,15 +47,15 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
       const int s = kv.stage();
       const int n0 = w.key_n0<BN>(it);
       sm90::mbar_wait_sleep(sm.k_empty(s), kv.empty_phase());
-      sm90::mbar_expect_tx(sm.k_full(s), Cfg::kKVBytes);
+      sm90::mbar_expect_tx(sm.k_full(s), Cfg::kKBytes);
 #pragma unroll
       for (int pn = 0; pn < Cfg::kPanels; ++pn)
         sm90::tma_load_4d(sm.k() + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_k, pn * 64, k_x0 + n0, hk, k_c3, sm.k_full(s));
       sm90::mbar_wait_sleep(sm.v_empty(s), kv.empty_phase());
-      sm90::mbar_expect_tx(sm.v_full(s), Cfg::kKVBytes);
+      sm90::mbar_expect_tx(sm.v_full(s), Cfg::kVBytes);
 #pragma unroll
-      for (int pn = 0; pn < Cfg::kPanels; ++pn)
-        sm90::tma_load_4d(sm.v() + (s * Cfg::kPanels + pn) * BN * 64, &p.tmap_v, pn * 64, k_x0 + n0, hk, k_c3, sm.v_full(s));
+      for (int pn = 0; pn < Cfg::kPanelsV; ++pn)
+        sm90::tma_load_4d(sm.v() + (s * Cfg::kPanelsV + pn) * BN * 64, &p.tmap_v, pn * 64, k_x0 + n0, hk, k_c3, sm.v_full(s));
       ++kv;
     };
     const int qs = q.stage();
