@@ -250,9 +250,11 @@ int cmd_info(ShapeOptions s) {
   std::string dims;
   for (int d : flashcpp::kCudaHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
   fmt::print("supported head dims: any multiple of {} in [{}, {}] for q/k and for v/o (every backend: the CUDA prefill, "
-             "backward and decode kernels run a pair in the smallest of the classes {} that holds both; CUDA decode "
-             "over an fp8 cache takes multiples of 16)\n",
-             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims);
+             "backward and decode kernels run a pair in the smallest of the classes {} that holds both, and the sm90 "
+             "prefill kernel q/k in (128, {}] with v/o up to {} in its {}/{} class; CUDA decode over an fp8 cache takes "
+             "multiples of 16)\n",
+             flashcpp::kHeadDimStep, flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim, dims, flashcpp::kCudaSm90HeadDim192,
+             flashcpp::kCudaSm90HeadDimV192, flashcpp::kCudaSm90HeadDim192, flashcpp::kCudaSm90HeadDimV192);
 
   std::string mask = s.causal ? "causal" : "";
   if (s.window_left >= 0 || s.window_right >= 0)
@@ -274,8 +276,16 @@ int cmd_info(ShapeOptions s) {
   if (const int cls = p.head_dim_class(); cls != 0) {
     const bool own = cls == p.head_dim && cls == p.effective_head_dim_v();
     const bool fp8_ok = p.head_dim % 16 == 0 && p.effective_head_dim_v() % 16 == 0;
-    fmt::print("  CUDA head-dim class (prefill, backward, decode): {}{}{}\n", cls,
-               own ? "" : " (the kernels pad to it inside: zero columns, nothing copied)",
+    const int cls90 = p.sm90_head_dim_class();  // the sm90 prefill kernel's own 192 / 128 class
+    const std::string sm90 =
+        cls90 == cls ? ""
+                     : fmt::format("; the sm90 (Hopper) prefill kernel runs it in its {}/{} class{}", cls90,
+                                   flashcpp::kCudaSm90HeadDimV192,
+                                   p.head_dim == cls90 && p.effective_head_dim_v() == flashcpp::kCudaSm90HeadDimV192
+                                       ? ""
+                                       : " (padded likewise)");
+    fmt::print("  CUDA head-dim class (prefill, backward, decode): {}{}{}{}\n", cls,
+               own ? "" : " (the kernels pad to it inside: zero columns, nothing copied)", sm90,
                fp8_ok ? "" : "; CUDA decode over an fp8 cache refuses it (fp8 head dims are multiples of 16)");
   }
   for (Backend b : {Backend::kCpu, Backend::kCpuReference}) {
@@ -331,20 +341,27 @@ int cmd_info(ShapeOptions s) {
   }
   print_decode_plan(s);
 #if FLASHCPP_WITH_CUDA
-  auto list_configs = [](const char* title, std::vector<std::string> (*configs)(int), bool built) {
+  // configs(head_dim, head_dim_v) per class: kCudaHeadDims and `pairs` (classes of two head dims), by q/k head dim.
+  auto list_configs = [](const char* title, auto configs, bool built, std::vector<std::pair<int, int>> pairs) {
     if (!built) {  // a family left out: its configs list empty, say why instead of "(none compiled)"
       fmt::print("{}: none, left out of this build\n", title);
       return;
     }
     fmt::print("{}:\n", title);
-    for (int d : flashcpp::kCudaHeadDims) {
+    for (int d : flashcpp::kCudaHeadDims) pairs.emplace_back(d, d);
+    std::stable_sort(pairs.begin(), pairs.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+    for (const auto& [d, dv] : pairs) {
       std::string names;
-      for (const auto& c : configs(d)) names += (names.empty() ? "" : ", ") + c;
-      fmt::print("  head_dim {:>3}: {}\n", d, names.empty() ? "(none compiled)" : names);
+      for (const auto& c : configs(d, dv)) names += (names.empty() ? "" : ", ") + c;
+      const std::string dims = dv == d ? fmt::format("{:>3}", d) : fmt::format("{}/{}", d, dv);
+      fmt::print("  head_dim {}: {}\n", dims, names.empty() ? "(none compiled)" : names);
     }
   };
-  list_configs("cuda sm80 prefill configs (mma.sync)", &flashcpp::cuda::prefill_sm80_configs, FLASHCPP_HAS_SM80);
-  list_configs("cuda sm90a prefill configs (wgmma + TMA)", &flashcpp::cuda::prefill_sm90_configs, FLASHCPP_HAS_SM90);
+  list_configs("cuda sm80 prefill configs (mma.sync)", [](int d, int) { return flashcpp::cuda::prefill_sm80_configs(d); },
+               FLASHCPP_HAS_SM80, {});
+  list_configs("cuda sm90a prefill configs (wgmma + TMA)",
+               [](int d, int dv) { return flashcpp::cuda::prefill_sm90_configs(d, dv); }, FLASHCPP_HAS_SM90,
+               {{flashcpp::kCudaSm90HeadDim192, flashcpp::kCudaSm90HeadDimV192}});
 #endif
   return 0;
 }

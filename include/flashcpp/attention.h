@@ -85,6 +85,18 @@ constexpr int cuda_head_dim_class(int head_dim, int head_dim_v) noexcept {
     if (c >= d) return c;
   return 0;
 }
+/// The sm90 (Hopper) prefill kernel's one class of two head dims: 192 for q/k and 128 for v/o
+/// (DeepSeek-V2/V3's MLA prefill). Its class id is 192 (cuda_sm90_head_dim_class); the other
+/// kernels (sm80 prefill, backward, decode) run such pairs in the 256 class.
+inline constexpr int kCudaSm90HeadDim192 = 192, kCudaSm90HeadDimV192 = 128;
+/// The sm90 prefill kernel's class for a pair: 192 (the 192 / 128 class) when head_dim is in
+/// (128, 192] and head_dim_v <= 128 (zero columns inside the kernel as in every class), else
+/// cuda_head_dim_class.
+constexpr int cuda_sm90_head_dim_class(int head_dim, int head_dim_v) noexcept {
+  if (head_dim > 128 && head_dim <= kCudaSm90HeadDim192 && head_dim_v >= 1 && head_dim_v <= kCudaSm90HeadDimV192)
+    return kCudaSm90HeadDim192;
+  return cuda_head_dim_class(head_dim, head_dim_v);
+}
 
 /// Block-sparse mask in CSR form over (mask_batch, mask_head, query_block).
 /// Built on the host by build_block_sparse() (masks.h) or by hand. All arrays live in the
@@ -196,6 +208,8 @@ struct AttnParams {
   int effective_head_dim_v() const noexcept { return head_dim_v == 0 ? head_dim : head_dim_v; }
   /// The CUDA prefill kernels' class for this problem (cuda_head_dim_class of both head dims).
   int head_dim_class() const noexcept { return cuda_head_dim_class(head_dim, effective_head_dim_v()); }
+  /// The sm90 prefill kernel's class (cuda_sm90_head_dim_class: 192 stands for 192 / 128).
+  int sm90_head_dim_class() const noexcept { return cuda_sm90_head_dim_class(head_dim, effective_head_dim_v()); }
 };
 
 enum class Backend : std::uint8_t {

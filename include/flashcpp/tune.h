@@ -21,8 +21,9 @@ Status prefill_sm80(const AttnParams& p, const std::string& config, Stream strea
 /// The config the tuned table picks for a problem on the current device.
 std::string prefill_sm80_pick(const AttnParams& p, const DeviceInfo& dev);
 
-/// Names of the compiled configs of the sm_90a (wgmma + TMA) prefill kernel for a head dim.
-std::vector<std::string> prefill_sm90_configs(int head_dim);
+/// Names of the compiled configs of the sm_90a (wgmma + TMA) prefill kernel for a pair of head
+/// dims (head_dim_v 0: head_dim), those of its class (cuda_sm90_head_dim_class).
+std::vector<std::string> prefill_sm90_configs(int head_dim, int head_dim_v = 0);
 /// Runs the sm_90a prefill kernel with the named config ("" = the selector's sm90 choice).
 Status prefill_sm90(const AttnParams& p, const std::string& config, Stream stream);
 

@@ -98,7 +98,7 @@ Status prefill_sm80(const AttnParams&, const std::string& config, Stream) {
 }
 #endif
 #if FLASHCPP_WITH_CUDA && !FLASHCPP_HAS_SM90
-std::vector<std::string> prefill_sm90_configs(int) { return {}; }
+std::vector<std::string> prefill_sm90_configs(int, int) { return {}; }
 Status prefill_sm90(const AttnParams&, const std::string& config, Stream) {
   return build::refuse(build::Family::kSm90, "prefill_sm90('" + config + "') cannot run");
 }

@@ -229,6 +229,11 @@ std::string sm80_misfit(const AttnParams& p, const TileConfig& t) {
 #endif
 
 #if FLASHCPP_HAS_SM90
+/// The compiled configs of the problem's sm90 class (attention.h, cuda_sm90_head_dim_class).
+std::span<const cuda::Fa3Entry> sm90_entries(const AttnParams& p) {
+  return cuda::fa3_entries(p.head_dim, p.effective_head_dim_v());
+}
+
 /// Same tiles and stages (twins differ in scheduling or persistence only).
 bool same_tiles(const TileConfig& x, const TileConfig& y) {
   return x.block_m == y.block_m && x.block_n == y.block_n && x.stages == y.stages;
@@ -243,7 +248,7 @@ bool sm90_fits(const TileConfig& t, const AttnParams& p) {
 
 /// The persistent twin of `base` (same tiles, stages and scheduling), if compiled.
 const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
-  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
+  for (const auto& e : sm90_entries(p))
     if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong && e.tile.sched == base.sched)
       return &e;
   return nullptr;
@@ -272,7 +277,7 @@ bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
   if (!wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms))
     return false;
   if (!sm90_short_for_wide_tile(p.seqlen_k, p.mask.causal)) return true;
-  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))  // the 128-row config the table lists first
+  for (const auto& e : sm90_entries(p))  // the 128-row config the table lists first
     if (!e.tile.persistent && e.tile.block_m <= 128 && sm90_fits(e.tile, p))
       return !sm90_prefer_persistent(p, e.tile, num_sms);
   return true;
@@ -282,7 +287,7 @@ bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
 /// its persistent twin (same tiles, stages and scheduling) when sm90_prefer_persistent says so.
 const cuda::Fa3Entry* sm90_auto(const AttnParams& p, int num_sms) {
   const cuda::Fa3Entry* base = nullptr;
-  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
+  for (const auto& e : sm90_entries(p))
     if (!e.tile.persistent && sm90_fits(e.tile, p) && sm90_suits(e.tile, p, num_sms)) {
       base = &e;
       break;
@@ -296,7 +301,7 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
   const std::string name = sm90_config_name(t);
   if (t.ping_pong) {
     std::string twin;  // same tiles, stages and persistence with plain consumers, if compiled
-    for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
+    for (const auto& e : sm90_entries(p))
       if (!e.tile.ping_pong && same_tiles(e.tile, t) && e.tile.persistent == t.persistent)
         twin = sm90_config_name(e.tile);
     return "sm90 config " + name + " (pipelined consumers) does not run block-sparse masks; " +
@@ -312,13 +317,17 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
 }  // namespace
 
 /// "; head_dim 96 runs in the 128 class ..." when the problem's head dims are not a class of their
-/// own (attention.h, cuda_head_dim_class), else "".
-[[maybe_unused]] static std::string head_dim_class_note(const AttnParams& p) {
-  const int d = p.head_dim, dv = p.effective_head_dim_v(), c = p.head_dim_class();
-  if (d == c && dv == c) return {};
+/// own (attention.h, cuda_head_dim_class; with `sm90`, cuda_sm90_head_dim_class, whose 192 / 128
+/// class is named so), else "".
+[[maybe_unused]] static std::string head_dim_class_note(const AttnParams& p, bool sm90 = false) {
+  const int d = p.head_dim, dv = p.effective_head_dim_v(), c = sm90 ? p.sm90_head_dim_class() : p.head_dim_class();
+  const int cv = c == kCudaSm90HeadDim192 ? kCudaSm90HeadDimV192 : c;
   const std::string dims = dv == d ? "head_dim " + std::to_string(d)
                                    : "head_dim " + std::to_string(d) + " / head_dim_v " + std::to_string(dv);
-  return "; " + dims + " runs in the " + std::to_string(c) + " class (zero columns inside the kernel, nothing copied)";
+  const std::string cls = cv == c ? std::to_string(c) : std::to_string(c) + "/" + std::to_string(cv);
+  if (d == c && dv == cv)  // its own class: named only where config names repeat across classes (192/128's)
+    return cv == c ? std::string() : "; " + dims + " runs in the sm90 " + cls + " class";
+  return "; " + dims + " runs in the " + cls + " class (zero columns inside the kernel, nothing copied)";
 }
 
 Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out) {
@@ -344,11 +353,11 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
   std::string sm90_note;  // why an automatic choice on Hopper fell back to the sm80 kernel
 #if FLASHCPP_HAS_SM90
   const cuda::Fa3Entry* named90 = nullptr;
-  for (const auto& e : cuda::fa3_entries(p.head_dim_class()))
+  for (const auto& e : sm90_entries(p))
     if (sm90_config_name(e.tile) == want) named90 = &e;
   if ((want == "sm90" || named90 != nullptr) && dev.sm_major != 9)
     return Status::Unsupported("the sm90 kernel family needs a Hopper (sm_90) device; '" + dev.name + "' is not one");
-  if (dev.sm_major == 9 && !cuda::fa3_entries(p.head_dim_class()).empty() && (want.empty() || want == "sm90" || named90)) {
+  if (dev.sm_major == 9 && !sm90_entries(p).empty() && (want.empty() || want == "sm90" || named90)) {
     const cuda::Fa3Entry* e = named90;
     if (named90 != nullptr) {
       const std::string misfit = sm90_misfit(p, named90->tile);
@@ -356,12 +365,12 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
     } else {
       e = sm90_auto(p, dev.num_sms);
       if (e == nullptr && want == "sm90")
-        return Status::Unsupported("no sm90 config has tiles (" + tiles_of(cuda::fa3_entries(p.head_dim_class())) +
+        return Status::Unsupported("no sm90 config has tiles (" + tiles_of(sm90_entries(p)) +
                                    ") that divide the " + bs_blocks +
                                    " block-sparse blocks; build the mask with multiples of them (e.g. 128x128), "
                                    "or run it on the sm80 kernel (cuda_config \"sm80\")");
       if (e == nullptr)
-        sm90_note = "; the sm90 tiles (" + tiles_of(cuda::fa3_entries(p.head_dim_class())) + ") do not divide the " +
+        sm90_note = "; the sm90 tiles (" + tiles_of(sm90_entries(p)) + ") do not divide the " +
                     bs_blocks + " block-sparse blocks, so this mask runs on the sm80 kernel";
     }
     if (e != nullptr) {
@@ -369,7 +378,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
       out->tile = e->tile;
       out->config = sm90_config_name(e->tile);
       out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named90 ? " (config forced)" : "") + masks +
-                    head_dim_class_note(p);
+                    head_dim_class_note(p, /*sm90=*/true);
       return Status::Ok();
     }
   }

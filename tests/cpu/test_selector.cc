@@ -13,6 +13,9 @@
 #include "common/attention_algebra.h"
 #include "core/decode_backends.h"
 #include "core/selector.h"
+#if FLASHCPP_HAS_SM90
+#include "cuda/prefill/fa3_registry.h"
+#endif
 #include "flashcpp/tune.h"
 #include "flashcpp/attention.h"
 #include "flashcpp/decode.h"
@@ -99,11 +102,12 @@ TEST(Selector, CpuBackendsAreNamedChoicesWithoutATile) {
 #if FLASHCPP_WITH_CUDA
 TEST(Selector, AHeadDimRunsInTheSmallestClassThatHoldsIt) {
   // Described devices (nothing is launched): an H200 and an A100. head_dim 96 picks the 128 class's
-  // configs, 192 / 128 the 256 class's, and the reason names the class.
+  // configs, 160 / 128 the sm90 kernel's 192 / 128 class (Test Sm90Runs192By128InItsOwnClass) and
+  // the sm80 kernel's 256 class, and the reason names the class.
   cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"}, a100{0, 8, 0, 108, 166912, "NVIDIA A100"};
   const struct {
     int d, dv, cls;
-  } cases[] = {{96, 96, 128}, {80, 80, 128}, {32, 32, 64}, {8, 8, 64}, {192, 128, 256}, {128, 64, 128}, {64, 128, 128}};
+  } cases[] = {{96, 96, 128}, {80, 80, 128}, {32, 32, 64}, {8, 8, 64}, {160, 128, 256}, {128, 64, 128}, {64, 128, 128}};
   for (const auto& c : cases)
     for (const cuda::DeviceInfo* dev : {&h200, &a100}) {
       std::vector<std::uint16_t> buf;
@@ -117,10 +121,12 @@ TEST(Selector, AHeadDimRunsInTheSmallestClassThatHoldsIt) {
       if (dev->sm_major != 9) continue;
 #endif
       ASSERT_TRUE(st.ok()) << c.d << "/" << c.dv << " " << dev->name << ": " << st.message();
-      EXPECT_NE(kc.reason.find(std::to_string(c.cls) + " class"), std::string::npos) << kc.reason;
+      const bool sm90 = kc.id == KernelId::kCudaSm90;
+      const std::string cls = sm90 && cuda_sm90_head_dim_class(c.d, c.dv) == 192 ? "192/128" : std::to_string(c.cls);
+      EXPECT_NE(kc.reason.find(" " + cls + " class"), std::string::npos) << kc.reason;
       // The chosen config is one of the class's own.
       const std::vector<std::string> names =
-          kc.id == KernelId::kCudaSm90 ? cuda::prefill_sm90_configs(c.cls) : cuda::prefill_sm80_configs(c.cls);
+          sm90 ? cuda::prefill_sm90_configs(c.d, c.dv) : cuda::prefill_sm80_configs(c.cls);
       EXPECT_NE(std::find(names.begin(), names.end(), kc.config), names.end()) << kc.config;
     }
   // A head dim that is its own class says nothing about classes.
@@ -128,6 +134,98 @@ TEST(Selector, AHeadDimRunsInTheSmallestClassThatHoldsIt) {
   KernelChoice kc;
   ASSERT_TRUE(select::cuda_prefill(host_problem(&buf), RunOptions{}, h200, &kc).ok());
   EXPECT_EQ(kc.reason.find("class"), std::string::npos) << kc.reason;
+}
+#endif
+
+#if FLASHCPP_HAS_SM90
+TEST(Selector, Sm90Runs192By128InItsOwnClass) {
+  // q/k head dims in (128, 192] with v/o up to 128 (DeepSeek-V2/V3's 192 / 128 and its padded
+  // neighbours) run on Hopper in the sm90 kernel's 192 / 128 class: its configs (BlockM 128,
+  // BlockN 128, two stages: Q K^T over 192 columns, P V over 128), chosen by the same rules as the
+  // other classes. The sm80 kernel (an A100) keeps the 256 class.
+  cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"}, a100{0, 8, 0, 108, 166912, "NVIDIA A100"};
+  // The class's compiled configs: the default, its plain twin (block-sparse) and its persistent twin.
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(192, 128);
+  EXPECT_EQ(names, (std::vector<std::string>{"sm90_m128n128s2p", "sm90_m128n128s2", "sm90_m128n128s2p_persist"}));
+  EXPECT_EQ(cuda::prefill_sm90_configs(192), cuda::prefill_sm90_configs(256, 256)) << "192 / 192 stays in the 256 class";
+  for (const auto& e : cuda::fa3_entries(192, 128)) {
+    EXPECT_EQ(e.head_dim, 192);
+    EXPECT_EQ(e.head_dim_v, 128);
+    // Q 48 KB + 2 x (K 48 KB + V 32 KB) + CtaWork, alignment, barriers, rotary tables.
+    EXPECT_EQ(e.smem_bytes, 128 + 1024 + 128 * 192 * 2 + 2 * 128 * (192 + 128) * 2 + 256 + 2 * 128 * 8);
+    EXPECT_LE(static_cast<std::size_t>(e.smem_bytes), h200.smem_optin);
+  }
+  struct Want {
+    int d, dv;
+    bool causal;
+    int batch, seqlen;
+    bool sparse;
+    const char* config;
+  };
+  const Want wants[] = {
+      {192, 128, false, 1, 4096, false, "sm90_m128n128s2p"},         // the default
+      {160, 128, true, 1, 1000, false, "sm90_m128n128s2p"},          // causal, too few units for the persistent twin
+      {192, 96, true, 2, 4096, false, "sm90_m128n128s2p_persist"},   // causal, 512 units fill four waves
+      {136, 64, false, 1, 127, false, "sm90_m128n128s2p"},
+      {192, 128, false, 1, 4096, true, "sm90_m128n128s2"},           // block-sparse: the plain consumers
+  };
+  for (const Want& w : wants) {
+    std::vector<std::uint16_t> buf;
+    AttnParams p = host_problem(&buf);
+    p.batch = w.batch;
+    p.heads_q = p.heads_kv = 16;
+    p.seqlen_q = p.seqlen_k = w.seqlen;
+    p.head_dim = w.d;
+    p.head_dim_v = w.dv;
+    p.mask.causal = w.causal;
+    BlockSparseMask bs;
+    bs.block_m = bs.block_n = 128;
+    if (w.sparse) p.mask.block_sparse = &bs;
+    const std::string what = std::to_string(w.d) + "/" + std::to_string(w.dv) + (w.causal ? " causal" : "") +
+                             (w.sparse ? " block-sparse" : "") + " n" + std::to_string(w.seqlen);
+    KernelChoice kc;
+    Status st = select::cuda_prefill(p, RunOptions{}, h200, &kc);
+    ASSERT_TRUE(st.ok()) << what << ": " << st.message();
+    EXPECT_EQ(kc.id, KernelId::kCudaSm90) << what;
+    EXPECT_EQ(kc.config, w.config) << what;
+    EXPECT_EQ(kc.tile.block_m, 128) << what;
+    EXPECT_EQ(kc.tile.block_n, 128) << what;
+    EXPECT_NE(kc.reason.find("192/128 class"), std::string::npos) << what << ": " << kc.reason;
+    // A config of the class forced by name runs there too; a 256-class name is not one of them.
+    RunOptions named;
+    named.cuda_config = "sm90_m128n128s2";
+    ASSERT_TRUE(select::cuda_prefill(p, named, h200, &kc).ok()) << what;
+    EXPECT_EQ(kc.config, "sm90_m128n128s2") << what;
+#if FLASHCPP_HAS_SM80
+    // The sm80 kernel runs it in the 256 class.
+    st = select::cuda_prefill(p, RunOptions{}, a100, &kc);
+    ASSERT_TRUE(st.ok()) << what << ": " << st.message();
+    EXPECT_EQ(kc.id, KernelId::kCudaSm80) << what;
+    const std::vector<std::string> sm80 = cuda::prefill_sm80_configs(256);
+    EXPECT_NE(std::find(sm80.begin(), sm80.end(), kc.config), sm80.end()) << what << ": " << kc.config;
+    EXPECT_NE(kc.reason.find("256 class"), std::string::npos) << what << ": " << kc.reason;
+#endif
+  }
+  // 192 / 128 exactly is the class's own pair: the reason still names the class (its config names
+  // are the 128 class's too), without the padding sentence.
+  std::vector<std::uint16_t> buf;
+  AttnParams p = host_problem(&buf);
+  p.seqlen_q = p.seqlen_k = 4096;
+  p.head_dim = 192;
+  p.head_dim_v = 128;
+  KernelChoice kc;
+  ASSERT_TRUE(select::cuda_prefill(p, RunOptions{}, h200, &kc).ok());
+  EXPECT_NE(kc.reason.find("runs in the sm90 192/128 class"), std::string::npos) << kc.reason;
+  EXPECT_EQ(kc.reason.find("zero columns"), std::string::npos) << kc.reason;
+  // Just outside the class: v/o 136 or q/k 200 run in the 256 class on Hopper as before.
+  for (const auto& dd : {std::pair{192, 136}, {200, 128}}) {
+    p.head_dim = dd.first;
+    p.head_dim_v = dd.second;
+    ASSERT_TRUE(select::cuda_prefill(p, RunOptions{}, h200, &kc).ok());
+    const std::vector<std::string> n256 = cuda::prefill_sm90_configs(256);
+    EXPECT_NE(std::find(n256.begin(), n256.end(), kc.config), n256.end()) << kc.config;
+    EXPECT_NE(kc.reason.find(" 256 class"), std::string::npos) << kc.reason;
+  }
 }
 #endif
 

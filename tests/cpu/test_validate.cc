@@ -156,6 +156,24 @@ TEST(HeadDimClass, SmallestCompiledClassThatHoldsBoth) {
   EXPECT_EQ(p.head_dim_class(), 256);
 }
 
+TEST(HeadDimClass, Sm90PrefillHasA192By128Class) {
+  // q/k in (128, 192] with v/o up to 128: the sm90 prefill kernel's 192 / 128 class (id 192).
+  for (const auto& dd : {std::pair{192, 128}, {160, 128}, {192, 96}, {136, 64}, {136, 8}, {144, 128}}) {
+    EXPECT_EQ(cuda_sm90_head_dim_class(dd.first, dd.second), 192) << dd.first << "/" << dd.second;
+    EXPECT_EQ(cuda_head_dim_class(dd.first, dd.second), 256) << "the other kernels keep the 256 class";
+  }
+  // Everything else is cuda_head_dim_class's.
+  for (const auto& dd : {std::pair{128, 128}, {128, 64}, {96, 96}, {64, 8}, {192, 136}, {192, 192}, {200, 128},
+                         {256, 128}, {64, 192}, {128, 192}, {264, 8}})
+    EXPECT_EQ(cuda_sm90_head_dim_class(dd.first, dd.second), cuda_head_dim_class(dd.first, dd.second))
+        << dd.first << "/" << dd.second;
+  AttnParams p = with_dims(192);
+  EXPECT_EQ(p.sm90_head_dim_class(), 256);  // head_dim_v 0: 192 / 192
+  p.head_dim_v = 128;
+  EXPECT_EQ(p.sm90_head_dim_class(), 192);
+  EXPECT_EQ(p.head_dim_class(), 256);
+}
+
 TEST(ValidateShape, VAndOAreCheckedAtHeadDimV) {
   // o laid out 64 wide but head_dim_v 128: o's own rows overlap.
   AttnParams p = with_dims(128, 64);

@@ -196,12 +196,14 @@ TEST(Prefill, SlidingWindows) {
     }
 }
 
-std::vector<std::string> all_configs(int d) {
+/// Every compiled config this device runs for head dims (d, dv) (dv 0: d): the sm80 kernel's and,
+/// on Hopper, those of the pair's sm90 class.
+std::vector<std::string> all_configs(int d, int dv = 0) {
   auto v = cuda::prefill_sm80_configs(d);
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
-    for (const auto& c : cuda::prefill_sm90_configs(d)) v.push_back(c);
+    for (const auto& c : cuda::prefill_sm90_configs(d, dv)) v.push_back(c);
 #endif
   return v;
 }
@@ -505,13 +507,13 @@ TEST(Prefill, EveryHeadDimRunsPaddedToItsClass) {
 }
 
 // Every compiled config of the 128 class at head dims 96 and 80 (both epilogues: the coalesced
-// stores and, in the persistent configs, the TMA store through the map's own bounds), and of the
-// 256 class at 192 / 128.
+// stores and, in the persistent configs, the TMA store through the map's own bounds), and at
+// 192 / 128 of the sm80 kernel's 256 class and the sm90 kernel's 192 / 128 class.
 TEST(Prefill, EveryConfigOfAClassAtAPaddedHeadDim) {
   std::uint64_t salt = 950;
   const int dims[][2] = {{96, 96}, {80, 80}, {192, 128}};
   for (const auto& dd : dims)
-    for (const auto& cfg : all_configs(dd[0]))
+    for (const auto& cfg : all_configs(dd[0], dd[1]))
       for (bool causal : {false, true}) {
         Case c{2, 777, 1025, 4, 2, dd[0], causal, causal ? DType::kF16 : DType::kBF16};
         c.dv = dd[1];

@@ -71,7 +71,7 @@ std::vector<std::string> configs(int d) {
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
-    for (const auto& e : cuda::fa3_entries(d))
+    for (const auto& e : cuda::fa3_entries(d, d))
       out.push_back(select::sm90_config_name(e.tile));
 #endif
   return out;

@@ -19,6 +19,7 @@ namespace flashcpp::cuda {
 
 std::span<const Fa3Entry> fa3_entries_hd64();
 std::span<const Fa3Entry> fa3_entries_hd128();
+std::span<const Fa3Entry> fa3_entries_hd192();
 std::span<const Fa3Entry> fa3_entries_hd256();
 
 namespace {
@@ -88,18 +89,20 @@ Status encode_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, 
 
 }  // namespace
 
-std::span<const Fa3Entry> fa3_entries(int head_dim) {
-  switch (cuda_head_dim_class(head_dim, head_dim)) {  // a head dim runs in its class, padded inside
+std::span<const Fa3Entry> fa3_entries(int head_dim, int head_dim_v) {
+  switch (cuda_sm90_head_dim_class(head_dim, head_dim_v)) {  // a pair runs in its class, padded inside
     case 64: return fa3_entries_hd64();
     case 128: return fa3_entries_hd128();
+    case kCudaSm90HeadDim192: return fa3_entries_hd192();
     case 256: return fa3_entries_hd256();
     default: return {};
   }
 }
 
-std::vector<std::string> prefill_sm90_configs(int head_dim) {
+std::vector<std::string> prefill_sm90_configs(int head_dim, int head_dim_v) {
   std::vector<std::string> out;
-  for (const auto& e : fa3_entries(head_dim)) out.push_back(select::sm90_config_name(e.tile));
+  for (const auto& e : fa3_entries(head_dim, head_dim_v == 0 ? head_dim : head_dim_v))
+    out.push_back(select::sm90_config_name(e.tile));
   return out;
 }
 
@@ -108,7 +111,7 @@ Status prefill_sm90(const AttnParams& a, const TileConfig& tile, Stream stream) 
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   if (dev.sm_major != 9) return Status::Unsupported("the sm90 prefill kernel needs an sm_90 (Hopper) device");
   const Fa3Entry* entry = nullptr;
-  for (const auto& e : fa3_entries(a.head_dim_class()))
+  for (const auto& e : fa3_entries(a.head_dim, a.effective_head_dim_v()))
     if (e.tile == tile) entry = &e;
   const std::string name = select::sm90_config_name(tile);
   if (entry == nullptr)
@@ -152,7 +155,7 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
     FLASHCPP_RETURN_IF_ERROR(select::cuda_prefill(a, opt, dev, &kc));
     return prefill_sm90(a, kc.tile, stream);
   }
-  for (const auto& e : fa3_entries(a.head_dim_class()))
+  for (const auto& e : fa3_entries(a.head_dim, a.effective_head_dim_v()))
     if (select::sm90_config_name(e.tile) == config) return prefill_sm90(a, e.tile, stream);
   return Status::Invalid("no sm90 prefill config '" + config + "' for head_dim " + std::to_string(a.head_dim));
 }

@@ -90,7 +90,7 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
       // reads of the async proxy), then its 128 threads meet before the first Q K^T. Items per
       // round: 4, or fewer where the persistent consumers' registers are short.
       const int r0 = m0 + 64 * c;
-      rope_tile<T, Cfg::kPersistent ? (D >= 256 ? 1 : 2) : 4>(
+      rope_tile<T, Cfg::kPersistent ? (D > 128 ? 1 : 2) : 4>(
           p.rope, inv_freq, rope_seq_positions(p.rope.positions_q, varlen, cta.q_row0, tl.b, p.seqlen_q), r0,
           cta.rules.seqlen_k - cta.rules.seqlen_q, max(0, min(64, cta.m_end - r0)), ct, 128,
           [sq = ptx::smem_u32(cs.q_base()), c](int r, int col) {

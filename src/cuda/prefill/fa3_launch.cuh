@@ -34,7 +34,8 @@ constexpr Fa3Entry fa3_entry() {
   t.ping_pong = Cfg::kPingPong;
   t.sched = Cfg::kSched;
   t.persistent = Cfg::kPersistent;
-  return Fa3Entry{Cfg::kHeadDim, t, Cfg::kSmemBytes, Cfg::kQBufs, &fa3_run<Cfg, __nv_bfloat16>, &fa3_run<Cfg, __half>};
+  return Fa3Entry{Cfg::kHeadDim, Cfg::kHeadDimV, t, Cfg::kSmemBytes, Cfg::kQBufs, &fa3_run<Cfg, __nv_bfloat16>,
+                  &fa3_run<Cfg, __half>};
 }
 
 }  // namespace flashcpp::cuda
