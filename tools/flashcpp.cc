@@ -379,6 +379,10 @@ int main(int argc, char** argv) {
   // dim the library takes (info, audit: the CPU backends run any of them), the CPU thread count.
   const CLI::Validator head_dims = flashcpp::tools::one_of(
       std::vector<int>(std::begin(flashcpp::kCudaHeadDims), std::end(flashcpp::kCudaHeadDims)));
+  // bench also times the sm90 192 / 128 class: --head-dims 192 is q/k 192 with v/o 128 (DeepSeek).
+  std::vector<int> bench_dims(std::begin(flashcpp::kCudaHeadDims), std::end(flashcpp::kCudaHeadDims));
+  bench_dims.insert(std::find(bench_dims.begin(), bench_dims.end(), 256), flashcpp::kCudaSm90HeadDim192);
+  const CLI::Validator bench_head_dims = flashcpp::tools::one_of(bench_dims);
   const CLI::Validator any_head_dim = flashcpp::tools::multiple_of_upto(flashcpp::kHeadDimStep, flashcpp::kMaxHeadDim);
   const CLI::Validator threads = flashcpp::tools::in_range(0, flashcpp::tools::kMaxThreads);
 
@@ -428,9 +432,9 @@ int main(int argc, char** argv) {
 
   flashcpp::tools::BenchOptions bench_opt;
   auto* bench = app.add_subcommand("bench", "Time flashcpp's CUDA prefill kernels from C++ (peers: python -m flashcpp.bench)");
-  bench->add_option("--head-dims", bench_opt.head_dims, "head dims to time")
+  bench->add_option("--head-dims", bench_opt.head_dims, "head dims to time (192: q/k 192 with v/o 128)")
       ->delimiter(',')
-      ->check(head_dims)
+      ->check(bench_head_dims)
       ->capture_default_str();
   bench->add_flag("--all-configs", bench_opt.all_configs, "time every compiled config, not just the tuned choice");
   bench->add_flag("--quick", bench_opt.quick, "the course shapes only, fewer iterations");

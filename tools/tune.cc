@@ -20,8 +20,9 @@
 
 namespace flashcpp::tools {
 
-double prefill_flops(int batch, int heads_q, int seqlen_q, int seqlen_k, int head_dim, bool causal) {
-  const double f = 4.0 * batch * heads_q * static_cast<double>(seqlen_q) * seqlen_k * head_dim;
+double prefill_flops(int batch, int heads_q, int seqlen_q, int seqlen_k, int head_dim, bool causal, int head_dim_v) {
+  const int dv = head_dim_v == 0 ? head_dim : head_dim_v;
+  const double f = 2.0 * batch * heads_q * static_cast<double>(seqlen_q) * seqlen_k * (head_dim + dv);
   return causal ? f / 2 : f;
 }
 
@@ -42,9 +43,12 @@ struct Shape {
   int b, h, hkv, sq, sk, d;
   bool causal;
   DType dt;
+  int dv = 0;  ///< head_dim_v, 0: d
+  int vd() const { return dv == 0 ? d : dv; }
   std::string id() const {
     return "b" + std::to_string(b) + "_h" + std::to_string(h) + (hkv != h ? "kv" + std::to_string(hkv) : "") + "_n" +
            std::to_string(sq) + (sk != sq ? "k" + std::to_string(sk) : "") + "_d" + std::to_string(d) +
+           (vd() != d ? "v" + std::to_string(vd()) : "") +
            (causal ? "_causal" : "") + "_" + dtype_name(dt);
   }
 };
@@ -62,23 +66,26 @@ struct Inputs {
 Status make_inputs(const Shape& s, Inputs* in, std::uint64_t seed) {
   const std::int64_t nq = static_cast<std::int64_t>(s.b) * s.sq * s.h * s.d;
   const std::int64_t nk = static_cast<std::int64_t>(s.b) * s.sk * s.hkv * s.d;
-  const std::int64_t bytes = (2 * nq + 2 * nk) * 2;
+  const std::int64_t nv = static_cast<std::int64_t>(s.b) * s.sk * s.hkv * s.vd();
+  const std::int64_t no = static_cast<std::int64_t>(s.b) * s.sq * s.h * s.vd();
+  const std::int64_t bytes = (nq + nk + nv + no) * 2;
   const int copies = static_cast<int>(std::clamp<std::int64_t>((160ll << 20) / std::max<std::int64_t>(bytes, 1) + 1, 1, 8));
   for (int c = 0; c < copies; ++c) {
     void *q, *k, *v, *o;
-    for (auto [pp, n] : {std::pair{&q, nq}, {&k, nk}, {&v, nk}, {&o, nq}}) {
+    for (auto [pp, n] : {std::pair{&q, nq}, {&k, nk}, {&v, nv}, {&o, no}}) {
       if (cudaMalloc(pp, n * 2) != cudaSuccess) return Status::Cuda("bench: out of device memory");
       in->bufs.push_back(*pp);
     }
     FLASHCPP_RETURN_IF_ERROR(cuda::fill_random(q, s.dt, nq, seed + 3 * c, 1.f, nullptr));
     FLASHCPP_RETURN_IF_ERROR(cuda::fill_random(k, s.dt, nk, seed + 3 * c + 1, 1.f, nullptr));
-    FLASHCPP_RETURN_IF_ERROR(cuda::fill_random(v, s.dt, nk, seed + 3 * c + 2, 1.f, nullptr));
+    FLASHCPP_RETURN_IF_ERROR(cuda::fill_random(v, s.dt, nv, seed + 3 * c + 2, 1.f, nullptr));
     AttnParams p;
     p.batch = s.b; p.seqlen_q = s.sq; p.seqlen_k = s.sk; p.heads_q = s.h; p.heads_kv = s.hkv; p.head_dim = s.d;
+    p.head_dim_v = s.dv;
     p.q = bshd_view(q, s.dt, s.sq, s.h, s.d);
     p.k = bshd_view(k, s.dt, s.sk, s.hkv, s.d);
-    p.v = bshd_view(v, s.dt, s.sk, s.hkv, s.d);
-    p.o = bshd_view(o, s.dt, s.sq, s.h, s.d);
+    p.v = bshd_view(v, s.dt, s.sk, s.hkv, s.vd());
+    p.o = bshd_view(o, s.dt, s.sq, s.h, s.vd());
     p.mask.causal = s.causal;
     in->sets.push_back(p);
   }
@@ -113,13 +120,16 @@ Status time_config(const Inputs& in, const std::string& config, int warmup, int 
 
 std::vector<Shape> course_shapes(const std::vector<int>& dims, bool quick) {
   std::vector<Shape> out;
-  const int base[][4] = {{1, 8, 512, 64},   {1, 8, 2048, 64},   {2, 16, 4096, 64},  {2, 16, 16384, 64},
-                         {4, 32, 4096, 128}, {1, 8, 8192, 128}, {1, 16, 16384, 128}, {1, 16, 4096, 256}};
+  // batch, heads, seqlen, head_dim, head_dim_v (0: head_dim); 192 / 128 is DeepSeek-V2/V3's prefill
+  // (the first such shape is python -m flashcpp.bench headdims' 192 / 128 shape).
+  const int base[][5] = {{1, 8, 512, 64, 0},   {1, 8, 2048, 64, 0},   {2, 16, 4096, 64, 0},   {2, 16, 16384, 64, 0},
+                         {4, 32, 4096, 128, 0}, {1, 8, 8192, 128, 0}, {1, 16, 16384, 128, 0}, {1, 16, 4096, 192, 128},
+                         {1, 16, 16384, 192, 128}, {1, 16, 4096, 256, 0}};
   for (auto& s : base) {
     if (std::find(dims.begin(), dims.end(), s[3]) == dims.end()) continue;
     for (bool causal : {false, true}) {
-      out.push_back({s[0], s[1], s[1], s[2], s[2], s[3], causal, DType::kBF16});
-      if (!quick) out.push_back({s[0], s[1], s[1], s[2], s[2], s[3], causal, DType::kF16});
+      out.push_back({s[0], s[1], s[1], s[2], s[2], s[3], causal, DType::kBF16, s[4]});
+      if (!quick) out.push_back({s[0], s[1], s[1], s[2], s[2], s[3], causal, DType::kF16, s[4]});
     }
   }
   return out;
@@ -170,7 +180,7 @@ int bench_main(const BenchOptions& opt) {
     std::vector<std::string> cfgs = opt.all_configs ? cuda::prefill_sm80_configs(s.d) : std::vector<std::string>{tuned};
 #if FLASHCPP_HAS_SM90
     if (dev.sm_major == 9)
-      for (const auto& c : cuda::prefill_sm90_configs(s.d)) cfgs.push_back(c);
+      for (const auto& c : cuda::prefill_sm90_configs(s.d, s.vd())) cfgs.push_back(c);
 #endif
     for (const auto& cfg : cfgs) {
       double us = 0;
@@ -178,7 +188,7 @@ int bench_main(const BenchOptions& opt) {
         std::printf("%-34s %-14s %s\n", s.id().c_str(), cfg.c_str(), st.to_string().c_str());
         continue;
       }
-      const double tf = prefill_flops(s.b, s.h, s.sq, s.sk, s.d, s.causal) / (us * 1e-6) / 1e12;
+      const double tf = prefill_flops(s.b, s.h, s.sq, s.sk, s.d, s.causal, s.vd()) / (us * 1e-6) / 1e12;
       std::printf("%-34s %-14s %6s %10.1f %9.1f\n", s.id().c_str(), cfg.c_str(), cfg == tuned ? "*" : "", us, tf);
       if (csv)
         csv << s.id() << ',' << s.b << ',' << s.h << ',' << s.hkv << ',' << s.sq << ',' << s.sk << ',' << s.d << ','

@@ -10,6 +10,7 @@
 namespace flashcpp::tools {
 
 struct BenchOptions {
+  /// Classes to time; 192 is the sm90 192 / 128 class (q/k head dim 192, v/o 128: DeepSeek's).
   std::vector<int> head_dims = {64, 128, 256};
   bool all_configs = false;  ///< time every compiled config, not just the tuned choice
   bool quick = false;        ///< the course shapes only at fewer iterations
@@ -26,7 +27,8 @@ struct TuneOptions {
 int bench_main(const BenchOptions& opt);
 int tune_main(const TuneOptions& opt);
 
-/// FLOPs of a prefill problem as DESIGN.md counts them: 4*B*Hq*Sq*Sk*D, halved for causal.
-double prefill_flops(int batch, int heads_q, int seqlen_q, int seqlen_k, int head_dim, bool causal);
+/// FLOPs of a prefill problem as DESIGN.md counts them: 4*B*Hq*Sq*Sk*D, halved for causal; with a
+/// head_dim_v (0: head_dim) 2*B*Hq*Sq*Sk*(D + Dv) (Q K^T and P V apart).
+double prefill_flops(int batch, int heads_q, int seqlen_q, int seqlen_k, int head_dim, bool causal, int head_dim_v = 0);
 
 }  // namespace flashcpp::tools

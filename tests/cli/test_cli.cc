@@ -269,7 +269,7 @@ TEST(CliFlags, EveryNumericFlagIsRangeChecked) {
   expect_usage_error({"audit", "--n", "1048576", "--heads", "64", "--list"}, "at most 2^30");
   expect_usage_error({"bench", "--iters", "0"}, "--iters: must be an integer >= 1");
   expect_usage_error({"bench", "--warmup", "-1"}, "--warmup: must be an integer >= 0");
-  expect_usage_error({"bench", "--head-dims", "64,100"}, "--head-dims: must be one of 64, 128, 256; got '100'");
+  expect_usage_error({"bench", "--head-dims", "64,100"}, "--head-dims: must be one of 64, 128, 192, 256; got '100'");
   expect_usage_error({"tune", "--iters", "0"}, "--iters: must be an integer >= 1");
   expect_usage_error({"tune", "--head-dims", "32"}, "--head-dims: must be one of 64, 128, 256");
   const auto& d = decode_cpu();
