@@ -110,10 +110,10 @@ inline SeqLayout seq_layout(const std::vector<int>& lq, const std::vector<int>& 
 struct Sm90Twin {
   std::string config, twin;
 };
-/// The configs of a head dim that carry `suffix`, each with its twin.
-inline std::vector<Sm90Twin> sm90_twins(int head_dim, const std::string& suffix) {
+/// The configs of a head dim (or a pair: head_dim_v 0 = head_dim) that carry `suffix`, each with its twin.
+inline std::vector<Sm90Twin> sm90_twins(int head_dim, const std::string& suffix, int head_dim_v = 0) {
   std::vector<Sm90Twin> out;
-  for (const auto& cfg : cuda::prefill_sm90_configs(head_dim))
+  for (const auto& cfg : cuda::prefill_sm90_configs(head_dim, head_dim_v))
     if (cfg.size() > suffix.size() && cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) == 0)
       out.push_back({cfg, cfg.substr(0, cfg.size() - suffix.size())});
   return out;

@@ -31,6 +31,7 @@ using BsFn = std::function<bool(int b, int h, int i, int j)>;
 
 struct MaskCase {
   int b = 1, sq = 0, sk = 0, hq = 2, hkv = 2, d = 64;
+  int dv = 0;  ///< head_dim_v of v and o (0 = d)
   DType dt = kBf16;
   std::vector<int> lq, lk;  ///< varlen lengths (lq non-empty = varlen; lk empty = lq)
   int max_pad = 0;          ///< varlen: max_seqlen passed = true maximum + this (grid CTAs past every sequence)
@@ -67,7 +68,7 @@ std::string describe(const MaskCase& c) {
                                   (c.max_pad ? "+pad" + std::to_string(c.max_pad) : "")
                             : "b" + std::to_string(c.b) + " sq" + std::to_string(c.sq) + " sk" + std::to_string(c.sk);
   s += " hq" + std::to_string(c.hq) + " hkv" + std::to_string(c.hkv) + " d" + std::to_string(c.d) +
-       (c.dt == kBf16 ? " bf16" : " fp16");
+       (c.dv && c.dv != c.d ? " dv" + std::to_string(c.dv) : "") + (c.dt == kBf16 ? " bf16" : " fp16");
   if (c.causal) s += " causal";
   if (c.wl >= 0 || c.wr >= 0) s += " w(" + std::to_string(c.wl) + "," + std::to_string(c.wr) + ")";
   if (c.g > 0) s += std::string(c.gq ? " gq" : " sink") + std::to_string(c.g);
@@ -122,17 +123,19 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   const std::int64_t rows_q = sl.rows_q, rows_k = sl.rows_k;
   // total_q: rows_q covered rows, then extra_rows that no sequence covers (varlen only).
   const std::int64_t total_q = rows_q + (vl ? c.extra_rows : 0);
-  const std::int64_t nq = rows_q * c.hq * c.d, nk = std::max<std::int64_t>(rows_k * c.hkv * c.d, 8);
-  const std::int64_t nq_all = total_q * c.hq * c.d;
+  const int dv = c.dv ? c.dv : c.d;  // v and o: (rows, heads, dv)
+  const std::int64_t no = rows_q * c.hq * dv, nk = std::max<std::int64_t>(rows_k * c.hkv * c.d, 8);
+  const std::int64_t nv = std::max<std::int64_t>(rows_k * c.hkv * dv, 8);
+  const std::int64_t nq_all = total_q * c.hq * c.d, no_all = total_q * c.hq * dv;
   const std::int64_t n_lse = rows_q * c.hq, n_lse_all = total_q * c.hq;
 
   auto hq_bits = random_half_bits(nq_all, c.dt, gen), hk_bits = random_half_bits(nk, c.dt, gen),
-       hv_bits = random_half_bits(nk, c.dt, gen);
+       hv_bits = random_half_bits(nv, c.dt, gen);
   const std::uint16_t nan_bits = c.dt == kBf16 ? 0x7FC0 : 0x7E00;
   for (const auto& [r, h, dd] : c.nan_q) hq_bits[(static_cast<std::int64_t>(r) * c.hq + h) * c.d + dd] = nan_bits;
   for (const auto& [r, h, dd] : c.nan_k) hk_bits[(static_cast<std::int64_t>(r) * c.hkv + h) * c.d + dd] = nan_bits;
-  const std::int64_t o_elems = nq_all + static_cast<std::int64_t>(kGuardRows) * c.hq * c.d;
-  DeviceBuffer q(nq_all * 2), k(nk * 2), v(nk * 2), o(o_elems * 2), lse(sizeof(float) * (n_lse_all + 64));
+  const std::int64_t o_elems = no_all + static_cast<std::int64_t>(kGuardRows) * c.hq * dv;
+  DeviceBuffer q(nq_all * 2), k(nk * 2), v(nv * 2), o(o_elems * 2), lse(sizeof(float) * (n_lse_all + 64));
   ASSERT_TRUE(q.ptr && k.ptr && v.ptr && o.ptr && lse.ptr);
   upload(q, hq_bits);
   upload(k, hk_bits);
@@ -141,10 +144,13 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
 
   AttnParams p = attn_params(batch, max_q, max_k, c.hq, c.hkv, c.d, c.dt, vl, q.ptr, k.ptr, v.ptr, o.ptr);
-  auto view = [&](void* ptr, int seqlen, int heads) {
-    return vl ? TensorView{ptr, c.dt, 0, static_cast<std::int64_t>(heads) * c.d, c.d}
-              : bshd_view(ptr, c.dt, seqlen, heads, c.d);
+  auto view = [&](void* ptr, int seqlen, int heads, int dim) {
+    return vl ? TensorView{ptr, c.dt, 0, static_cast<std::int64_t>(heads) * dim, dim}
+              : bshd_view(ptr, c.dt, seqlen, heads, dim);
   };
+  p.head_dim_v = c.dv;
+  p.v = view(v.ptr, max_k, c.hkv, dv);
+  p.o = view(o.ptr, max_q, c.hq, dv);
   p.lse = static_cast<float*>(lse.ptr);
   p.softmax_scale = c.scale;
   p.mask.causal = c.causal;
@@ -216,13 +222,13 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   CUDA_OK(cudaGetLastError());
   CUDA_OK(cudaDeviceSynchronize());
 
-  // ---- reference (packed rows: o (rows_q, hq, d), lse (hq, rows_q)) ------------------------
-  std::vector<double> ro(nq), rlse(n_lse);
+  // ---- reference (packed rows: o (rows_q, hq, dv), lse (hq, rows_q)) ------------------------
+  std::vector<double> ro(no), rlse(n_lse);
   if (c.bsm) {  // the GPU reference does not evaluate block-sparse masks
     AttnParams hp = p;
-    hp.q = view(hq_bits.data(), max_q, c.hq);
-    hp.k = view(hk_bits.data(), max_k, c.hkv);
-    hp.v = view(hv_bits.data(), max_k, c.hkv);
+    hp.q = view(hq_bits.data(), max_q, c.hq, c.d);
+    hp.k = view(hk_bits.data(), max_k, c.hkv, c.d);
+    hp.v = view(hv_bits.data(), max_k, c.hkv, dv);
     hp.o = TensorView{};
     hp.lse = nullptr;
     hp.mask.alibi_slopes = c.alibi ? slopes.data() : nullptr;
@@ -235,14 +241,14 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
     ro = ref.o;
     rlse = ref.lse;
   } else {
-    DeviceBuffer oref(sizeof(double) * nq), lseref(sizeof(double) * std::max<std::int64_t>(n_lse, 1));
+    DeviceBuffer oref(sizeof(double) * no), lseref(sizeof(double) * std::max<std::int64_t>(n_lse, 1));
     ASSERT_TRUE(oref.ptr && lseref.ptr);
     AttnParams rp = p;
     rp.mask.total_q = 0;  // the reference's own packed layout: (hq, rows_q)
     const Status rs =
         cuda::reference_attention_f64(rp, static_cast<double*>(oref.ptr), static_cast<double*>(lseref.ptr), nullptr);
     ASSERT_TRUE(rs.ok()) << rs.to_string();
-    CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, sizeof(double) * nq, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(ro.data(), oref.ptr, sizeof(double) * no, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(rlse.data(), lseref.ptr, sizeof(double) * n_lse, cudaMemcpyDeviceToHost));
   }
 
@@ -254,7 +260,7 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
   // Guards: the rows after O and the floats after the LSE, and (total_q given) the packed rows
   // past cu_seqlens_q[batch], which the CUDA kernels leave as they are (attention.h).
   std::int64_t guard_bad = 0;
-  for (std::int64_t x = nq; x < o_elems; ++x) guard_bad += ho[x] != 0xFFFF;
+  for (std::int64_t x = no; x < o_elems; ++x) guard_bad += ho[x] != 0xFFFF;
   auto lse_poisoned = [&](std::int64_t x) {
     std::uint32_t u;
     std::memcpy(&u, &hlse[x], 4);
@@ -282,13 +288,13 @@ void run_mask_case(const MaskCase& c, const std::string& family, std::uint64_t s
         empty_rows += empty;
         if (std::isnan(rl)) {  // a NaN score at a visible key: every element and the LSE are NaN
           ++nan_rows;
-          for (int dd = 0; dd < c.d; ++dd) bad += !std::isnan(bits_to_float(ho[(row * c.hq + h) * c.d + dd], c.dt));
+          for (int dd = 0; dd < dv; ++dd) bad += !std::isnan(bits_to_float(ho[(row * c.hq + h) * dv + dd], c.dt));
           lse_bad += !std::isnan(kl);
           continue;
         }
         double rerr = 0;
-        for (int dd = 0; dd < c.d; ++dd) {
-          const std::int64_t idx = (row * c.hq + h) * c.d + dd;
+        for (int dd = 0; dd < dv; ++dd) {
+          const std::int64_t idx = (row * c.hq + h) * dv + dd;
           const double o_val = bits_to_float(ho[idx], c.dt), ref = ro[idx];
           if (std::isnan(o_val) || std::isinf(o_val)) {
             ++nan;
@@ -729,6 +735,85 @@ TEST(MasksGpuDispatch, HopperRunsEveryMaskOnTheSm90Kernel) {
   EXPECT_EQ(ob.choice.id, KernelId::kCudaSm90) << ob.choice.reason;  // the plain (not ping-pong) config
   EXPECT_NE(ob.choice.config.back(), 'p') << ob.choice.config;  // ping-pong consumers do not read element bits
 }
+
+// ---- the sm90 192 / 128 class ---------------------------------------------------------------------
+
+/// The mask cases of the 192 / 128 tests at head dims (d, dv): window, sinks + global queries,
+/// softcap, ALiBi per (batch, head), varlen documents of odd lengths (q shorter than k too, and
+/// uncovered rows), NaN rows, and a block-sparse mask of 128 x 128 blocks (the plain config's).
+std::vector<MaskCase> class192_cases(int d, int dv) {
+  std::vector<MaskCase> out;
+  out.push_back(window(dense(1, 1000, 1000, 4, 2, d, kBf16, true), 200, 0));
+  out.push_back(window(dense(2, 777, 777, 2, 2, d, kF16), 64, 33));
+  out.push_back(global(window(dense(1, 1000, 1000, 2, 2, d, kF16, true), 128, 0), 16, true));
+  MaskCase cap = dense(2, 127, 127, 2, 1, d, kBf16, false);
+  cap.softcap = 1.f;
+  out.push_back(cap);
+  MaskCase al = dense(1, 1000, 1300, 6, 3, d, kF16, true);
+  al.alibi = 2;
+  out.push_back(al);
+  for (bool causal : {false, true})
+    out.push_back(packed({1, 7, 127, 1000, 1, 300}, {}, 4, 2, d, causal ? kBf16 : kF16, causal));
+  MaskCase ck = packed({1, 7, 50}, {10, 7, 127}, 2, 2, d, kBf16, true);  // q shorter than k (chunked prefill)
+  ck.extra_rows = 3;
+  out.push_back(ck);
+  MaskCase nan = dense(2, 300, 300, 4, 2, d, kBf16, true);
+  nan.nan_q = {{5, 3, 7}};
+  nan.nan_k = {{250, 1, 3}};  // batch 0 key 250, kv head 1: q heads 2, 3 of rows 250..299
+  nan.expect_nan_rows = 1 + 2 * 50;
+  out.push_back(nan);
+  out.push_back(sparse(dense(1, 1000, 1000, 2, 2, d, kBf16), 128, 128, true, dilated, "dilated"));
+  out.push_back(sparse(dense(2, 777, 1025, 2, 1, d, kF16, true), 128, 128, true, speckled, "speckled"));
+  for (MaskCase& c : out) c.dv = dv;
+  return out;
+}
+
+// DeepSeek's 192 / 128 and pairs padded to it under every mask, on both families: the sm90 kernel's
+// automatic choice in its 192 / 128 class (the plain config for block-sparse masks), the sm80
+// kernel in the 256 class.
+TEST(MasksGpuHeadDim192By128, EveryMaskOnBothFamilies) {
+  std::uint64_t salt = 2300;
+  for (const auto& [d, dv] : {std::pair{192, 128}, {160, 128}, {192, 96}, {136, 64}})
+    for (const MaskCase& c : class192_cases(d, dv)) {
+      for (const auto& f : families()) {
+        Outcome out;
+        run_mask_case(c, f, salt, &out);
+        if (f == "sm90")
+          EXPECT_NE(out.choice.reason.find("192/128 class"), std::string::npos) << describe(c) << ": " << out.choice.reason;
+      }
+      ++salt;
+    }
+}
+
+#if FLASHCPP_HAS_SM90
+// Every compiled config of the 192 / 128 class forced by name under the stacked masks (window,
+// sinks, softcap, ALiBi; several tiles per CTA for the persistent twin) and varlen; block-sparse
+// masks on the plain config only (the pipelined ones refuse them, MasksGpuBlockSparse).
+TEST(MasksGpuHeadDim192By128, EveryConfigUnderStackedMasks) {
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  std::uint64_t salt = 2400;
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(192, 128);
+  ASSERT_FALSE(names.empty()) << "no config of the 192 / 128 class compiled";
+  for (const std::string& cfg : names) {
+    const bool plain = cfg.substr(0, cfg.find("_persist")).back() != 'p';
+    for (const auto& [d, dv] : {std::pair{192, 128}, {136, 64}}) {
+      std::vector<MaskCase> cases = stacked_mask_cases(d);
+      cases.push_back(window(packed({1000, 1, 523, 64, 130}, {}, 4, 2, d, kBf16, true), 100, 0));
+      MaskCase a = packed({257, 1, 800}, {300, 5, 800}, 6, 3, d, kF16, true);
+      a.alibi = 2;
+      cases.push_back(a);
+      if (plain) cases.push_back(sparse(dense(2, 777, 1025, 2, 1, d, kBf16), 128, 128, true, speckled, "speckled"));
+      for (MaskCase& c : cases) {
+        c.dv = dv;
+        Outcome out;
+        run_mask_case(c, cfg, salt++, &out);
+      }
+    }
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace flashcpp::testing

@@ -275,6 +275,19 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
                                       // ~16 tiles per CTA: each Q buffer's barriers wrap their phases
                                       Case{16, 515, 515, 32, 8, d, true}},
                                      700 + d);
+  // The sm90 192 / 128 class (fa3_hd192.cu), at its own pair and padded.
+  auto dv = [](Case c, int v) {
+    c.dv = v;
+    return c;
+  };
+  for (const auto& [d, v] : {std::pair{192, 128}, {160, 96}})
+    for (const Sm90Twin& t : sm90_twins(d, "_persist", v))
+      compared += expect_equals_twin(t,
+                                     {dv(Case{2, 2047, 2047, 8, 8, d, true}, v), dv(Case{2, 777, 1025, 4, 2, d, false}, v),
+                                      dv(Case{2, 1100, 16384, 8, 2, d, true}, v), dv(Case{3, 1, 300, 4, 4, d, true}, v),
+                                      dv(Case{2, 3000, 3000, 8, 4, d, true, DType::kF16, false, 700, -1}, v),
+                                      dv(Case{16, 515, 515, 32, 8, d, true}, v)},  // ~16 tiles per CTA
+                                     760 + d);
   EXPECT_GT(compared, 0) << "no persistent sm90 config compiled";
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
@@ -520,6 +533,83 @@ TEST(Prefill, EveryConfigOfAClassAtAPaddedHeadDim) {
         c.config = cfg;
         run_case(c, salt++);
       }
+}
+
+// DeepSeek-V2/V3's head dims, q/k 192 with v/o 128, and pairs padded to them (q/k in (128, 192],
+// v/o up to 128): on Hopper the sm90 kernel's own 192 / 128 class (fa3_hd192.cu), on the sm80
+// kernel the 256 class. Odd lengths (1, 7, 127, 1000: a partial tile, a single row, one short of a
+// tile, several tiles with a partial last one), causal and not, GQA and MQA, both layouts, both
+// dtypes, sq != sk, a window; o poisoned with NaN and laid out at exactly head_dim_v.
+TEST(Prefill, HeadDims192By128RunInTheSm90Class) {
+  std::uint64_t salt = 2000;
+  const int pairs[][2] = {{192, 128}, {160, 128}, {192, 96}, {136, 64}};
+  for (const auto& pr : pairs)
+    for (int n : {1, 7, 127, 1000})
+      for (bool causal : {false, true}) {
+        Case c{2, n, n, 4, 2, pr[0], causal, (n + causal) % 2 ? DType::kF16 : DType::kBF16, n == 127};
+        c.dv = pr[1];
+        run_paths(c, salt++);
+      }
+  for (const auto& pr : pairs)
+    for (bool causal : {false, true}) {
+      Case g{1, 1000, 1000, 16, 1, pr[0], causal};  // MQA
+      g.dv = pr[1];
+      run_paths(g, salt++);
+      Case u{2, 300, 1025, 8, 2, pr[0], causal, DType::kF16};  // sq < sk (bottom-right causal)
+      u.dv = pr[1];
+      run_paths(u, salt++);
+      Case w{1, 1500, 1500, 4, 2, pr[0], causal};  // sliding window
+      w.dv = pr[1], w.wl = 100, w.wr = causal ? 0 : 37;
+      run_paths(w, salt++);
+    }
+#if FLASHCPP_HAS_SM90
+  // On Hopper the automatic choice is the sm90 kernel in the 192 / 128 class (its reason says so).
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major == 9)
+    for (const auto& pr : pairs) {
+      const std::int64_t bytes = std::int64_t{4096} * 16 * 192 * 2;  // select_kernel reads no element
+      DeviceBuffer q(bytes), k(bytes), v(bytes), o(bytes);
+      AttnParams p = attn_params(1, 4096, 4096, 16, 16, pr[0], DType::kBF16, false, q.ptr, k.ptr, v.ptr, o.ptr);
+      p.head_dim_v = pr[1];
+      p.v = bshd_view(v.ptr, DType::kBF16, 4096, 16, pr[1]);
+      p.o = bshd_view(o.ptr, DType::kBF16, 4096, 16, pr[1]);
+      RunOptions opt;
+      opt.backend = Backend::kCuda;
+      KernelChoice ch;
+      const Status st = select_kernel(p, opt, &ch);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      EXPECT_EQ(ch.id, KernelId::kCudaSm90);
+      EXPECT_NE(ch.reason.find("192/128 class"), std::string::npos) << pr[0] << "/" << pr[1] << ": " << ch.reason;
+    }
+#endif
+}
+
+// Every compiled config of the sm90 192 / 128 class, forced by name (the default, its plain twin
+// and its persistent twin: coalesced and TMA-store epilogues), at the class's own pair and padded
+// ones, odd lengths, causal and not, GQA.
+TEST(Prefill, EveryConfigOfTheSm90Class192By128) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  std::uint64_t salt = 2100;
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(192, 128);
+  ASSERT_FALSE(names.empty()) << "no config of the 192 / 128 class compiled";
+  const int pairs[][2] = {{192, 128}, {160, 128}, {192, 96}, {136, 64}};
+  for (const auto& cfg : names)
+    for (const auto& pr : pairs)
+      for (bool causal : {false, true}) {
+        for (const auto& sz : {std::pair{1, 1}, {7, 7}, {127, 127}, {1000, 1000}, {777, 1025}, {1025, 130}}) {
+          Case c{2, sz.first, sz.second, 8, 2, pr[0], causal, causal ? DType::kF16 : DType::kBF16};
+          c.dv = pr[1];
+          c.config = cfg;
+          run_case(c, salt++);
+        }
+      }
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
 }
 
 }  // namespace
