@@ -20,26 +20,36 @@ OUT=${OUT:?run through the device tool: OUT is its output folder}
 mkdir -p "$OUT"
 case $phase in
   1)
+    # Overrides: GT (gtest filter, default every test), MC (memcheck filter), CHECKS=0 (no check
+    # tables), NCU=0 (no instruction mix), HF=1 (transformers' generate on CUDA, flashcpp.bench.hf_generate).
     mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2>/dev/null
     make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
     tail -2 "$OUT/build.txt" | head -1
     (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1; echo "pip rc $?" >> /tmp/pip.txt) &
-    timeout 280 ./build/flashcpp_gpu_tests > "$OUT/gpu_tests.txt" 2>&1
+    timeout 280 ./build/flashcpp_gpu_tests --gtest_filter="${GT:-*}" > "$OUT/gpu_tests.txt" 2>&1
     echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_tests.txt" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$OUT/gpu_tests.txt" | head
-    for area in attention backward; do
-      timeout 120 ./build/flashcpp check --backend cuda --area $area >> "$OUT/checks.txt" 2>&1
-      echo "check $area rc $?: $(tail -1 "$OUT/checks.txt")"
-    done
+    if [ "${CHECKS:-1}" = 1 ]; then
+      for area in attention backward; do
+        timeout 120 ./build/flashcpp check --backend cuda --area $area >> "$OUT/checks.txt" 2>&1
+        echo "check $area rc $?: $(tail -1 "$OUT/checks.txt")"
+      done
+    fi
     timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./build/flashcpp_gpu_tests \
-      --gtest_filter='Prefill.EveryCompiledConfig*:MasksGpuPersistent*' > "$OUT/memcheck.txt" 2>&1
+      --gtest_filter="${MC:-Prefill.EveryCompiledConfig*:MasksGpuPersistent*}" > "$OUT/memcheck.txt" 2>&1
     echo "memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.txt" | tail -1)"
-    timeout 120 ncu --section InstructionStats --section SourceCounters --section SpeedOfLight -k regex:fa3_forward_kernel -c 1 \
-      -o /tmp/d128 -f ./build/flashcpp bench --head-dims 128 --warmup 0 --iters 1 > /dev/null 2>&1
-    ncu -i /tmp/d128.ncu-rep --page source --csv --print-source sass > /tmp/d128_sass.csv 2>/dev/null
-    ncu -i /tmp/d128.ncu-rep --page details 2>/dev/null | grep -E "SM Frequency|Duration|Executed Instructions  " | tee "$OUT/ncu_d128.txt"
-    python3 scripts/sass_mix.py /tmp/d128_sass.csv >> "$OUT/ncu_d128.txt" 2>&1
+    if [ "${NCU:-1}" = 1 ]; then
+      timeout 120 ncu --section InstructionStats --section SourceCounters --section SpeedOfLight -k regex:fa3_forward_kernel -c 1 \
+        -o /tmp/d128 -f ./build/flashcpp bench --head-dims 128 --warmup 0 --iters 1 > /dev/null 2>&1
+      ncu -i /tmp/d128.ncu-rep --page source --csv --print-source sass > /tmp/d128_sass.csv 2>/dev/null
+      ncu -i /tmp/d128.ncu-rep --page details 2>/dev/null | grep -E "SM Frequency|Duration|Executed Instructions  " | tee "$OUT/ncu_d128.txt"
+      python3 scripts/sass_mix.py /tmp/d128_sass.csv >> "$OUT/ncu_d128.txt" 2>&1
+    fi
     wait; tail -1 /tmp/pip.txt
+    if [ "${HF:-0}" = 1 ]; then
+      (cd /tmp && timeout 170 python3 -m flashcpp.bench.hf_generate --device cuda --out "$OUT/hf") > "$OUT/hf_generate.log" 2>&1
+      echo "hf_generate rc $?"; tail -12 "$OUT/hf_generate.log"
+    fi
     ;;
   2) cp .fa4b/* /tmp/fa4/ && echo "fa4 part 2 copied" ;;
   3)
