@@ -1,12 +1,12 @@
 """Prefill A/B probe on CUDA: shapes x sm90 configs x run-time variants, in one process.
 
-    python scripts/prefill_probe.py --shape B,H,N,D[,HKV][,c] [--shape ...]
+    python scripts/prefill_probe.py --shape B,H,N,D[,HKV][,vDV][,c] [--shape ...]
                                     [--configs auto,sm90_m128n128s2p,...] [--env VAR=v1,v2]
                                     [--reps 15] [--out FILE]
 
 Each (config, variant) becomes a CUDA graph of calls (about 2 ms of work); the graphs' replays are
 interleaved over --reps rounds and each variant's median time per call is reported with its TFLOP/s
-(causal counts half the score matrix, bottom-right aligned). --env names an environment variable
+(causal counts half the score matrix, bottom-right aligned; vDV: v and o head dim DV). --env names an environment variable
 the library reads at dispatch (a kernel-parameter switch baked into the graph when it is captured)
 and the values to capture under. Every variant's output is compared with the first one's: the
 largest absolute difference is printed, so a variant that changes results shows it.
@@ -34,9 +34,9 @@ def graph_of(fn, calls):
     return g
 
 
-def flops(B, H, N, D, causal):
+def flops(B, H, N, D, DV, causal):
     pairs = N * (N + 1) / 2 if causal else N * N
-    return 4.0 * B * H * pairs * D
+    return 2.0 * B * H * pairs * (D + DV)
 
 
 def main():
@@ -52,19 +52,21 @@ def main():
     for sh in a.shape:
         parts = sh.split(",")
         causal = parts[-1] == "c"
-        nums = [int(x) for x in parts if x != "c"]
+        dvs = [int(x[1:]) for x in parts if x.startswith("v")]
+        nums = [int(x) for x in parts if x != "c" and not x.startswith("v")]
         B, H, N, D = nums[:4]
         HKV = nums[4] if len(nums) > 4 else H
+        DV = dvs[0] if dvs else D
         g = torch.Generator(device="cuda").manual_seed(1)
         q = torch.randn(B, N, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
         k = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        v = torch.randn(B, N, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, N, HKV, DV, device="cuda", dtype=torch.bfloat16, generator=g)
         variants = {}
         for cfg in a.configs.split(","):
             for ev in env_vals:
                 if env_name:
                     os.environ[env_name] = ev
-                out = torch.full_like(q, float("nan"))
+                out = torch.full((B, N, H, DV), float("nan"), device="cuda", dtype=torch.bfloat16)
                 fn = (lambda out=out, cfg=cfg: attention(q, k, v, out=out, causal=causal, backend="cuda",
                                                          cuda_config="" if cfg == "auto" else cfg))
                 try:
@@ -103,7 +105,7 @@ def main():
             if ref is None:
                 ref = out
             nan = bool(torch.isnan(out).any())
-            tf = flops(B, H, N, D, causal) / us / 1e6
+            tf = flops(B, H, N, D, DV, causal) / us / 1e6
             rows.append(dict(shape=sh, config=key[0], variant=key[1], us=round(us, 2), tflops=round(tf, 1),
                              max_diff=diff, nan=nan))
             print(f"{sh:22} {key[0]:28} {str(key[1]):4} {us:9.2f} us {tf:7.1f} TFLOP/s  diff {diff:.3g}"

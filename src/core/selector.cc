@@ -66,7 +66,7 @@ bool persistent_units_fill_waves(std::int64_t units, int sms) {
 bool sm90_persistent_pays(std::int64_t units, int sms, bool causal, int key_blocks, int q_bufs) {
   if (!persistent_units_fill_waves(units, sms) || key_blocks <= 0) return false;
   const int mean_blocks = causal ? (key_blocks + 1) / 2 : key_blocks;  // key tiles a tile walks, on average
-  if (q_bufs > 1) return mean_blocks <= 32;
+  if (q_bufs > 1) return mean_blocks <= (causal ? 32 : 4);
   return causal && mean_blocks >= 16;
 }
 

@@ -55,10 +55,12 @@ bool persistent_units_fill_waves(std::int64_t units, int sms);
 /// beats its non-persistent config on a problem of `units` work units and `key_blocks` key tiles
 /// per row block (before the causal triangle). Both need units that fill their waves
 /// (persistent_units_fill_waves). With two Q buffers (d64, d128: the next tile's Q lands under the
-/// current one), causal or not, while a tile walks at most 32 key tiles on average: (16,32,512,128)
-/// causal 1.15x, non-causal 1.12x; (4,32,4096,128) causal 1.03x, non-causal 1.01x; longer tiles lose
-/// the wave tail (1,16,16384,128) causal 0.98x, non-causal 0.99x. With one (d256): causal only, from
-/// 16 key tiles per tile on average ((1,16,4096,256) 1.17x; (16,32,512,256) 0.93x, non-causal 0.89x).
+/// current one): causal while a tile walks at most 32 key tiles on average ((16,32,512,128) 1.15x,
+/// (4,32,4096,128) 1.03x; the longer (1,16,16384,128) loses its wave tail, 0.98x); non-causal at
+/// most 4 ((16,32,512,128) 1.12x; from 8 the probe's 1.01-1.03x did not hold up in the prefill
+/// bench, which put (8,16,1024,128) and (4,32,4096,128) 3-4% lower against FA4 than the
+/// non-persistent kernel had). With one (d256): causal only, from 16 key tiles per tile on average
+/// ((1,16,4096,256) 1.17x; (16,32,512,256) 0.93x, non-causal 0.89x).
 bool sm90_persistent_pays(std::int64_t units, int sms, bool causal, int key_blocks, int q_bufs);
 
 /// Whether a problem is short enough that the 128-row persistent twin (where it pays) beats a wide
