@@ -15,19 +15,7 @@ import statistics
 import torch
 
 from flashcpp.decode import BatchDecodeWithKVCache
-
-
-def graph_of(fn, calls):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return g
+from flashcpp.bench.common import cuda_graph_of as graph_of
 
 
 def main():

@@ -19,19 +19,7 @@ import statistics
 import torch
 
 from flashcpp.attention import attention
-
-
-def graph_of(fn, calls):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return g
+from flashcpp.bench.common import cuda_graph_of as graph_of
 
 
 def flops(B, H, N, D, DV, causal):

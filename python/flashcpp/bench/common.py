@@ -63,6 +63,22 @@ def bench_graph_us(fn: Callable[[], object], rep_ms: int = FULL_REP_MS) -> float
     return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
 
 
+def cuda_graph_of(fn: Callable[[], object], calls: int):
+    """A CUDA graph of `calls` back-to-back calls of fn (one warm-up call first, on a side stream as
+    capture wants), for A/B probes that replay several such graphs interleaved."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return g
+
+
 def interleaved(fns: Dict[str, Callable[[], object]], rounds: int = 2, graph: bool = False,
                 rep_ms: int = FULL_REP_MS) -> Dict[str, float]:
     """Time each implementation `rounds` times in alternating order; the median of the rounds."""
