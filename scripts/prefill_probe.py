@@ -19,12 +19,46 @@ import statistics
 import torch
 
 from flashcpp.attention import attention
-from flashcpp.bench.common import cuda_graph_of as graph_of
+from flashcpp.bench.common import cuda_graph_of as graph_of, interleaved
 
 
 def flops(B, H, N, D, DV, causal):
     pairs = N * (N + 1) / 2 if causal else N * N
     return 2.0 * B * H * pairs * (D + DV)
+
+
+def replay_times(variants, reps):
+    """us per call of each variant's graph: 2 warm-up replays, then reps interleaved replays."""
+    times = {key: [] for key in variants}
+    for _ in range(2):
+        for gr, _, _, _ in variants.values():
+            gr.replay()
+    torch.cuda.synchronize()
+    for _ in range(reps):
+        for key, (gr, calls, _, _) in variants.items():
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            gr.replay()
+            e1.record()
+            e1.synchronize()
+            times[key].append(e0.elapsed_time(e1) * 1000 / calls)
+    return times
+
+
+def bench_times(variants, env_name, reps):
+    """us per call as the prefill bench times (interleaved do_bench_cudagraph rounds of 25 ms); the
+    environment variable is set inside each call, so every capture the harness makes sees its value."""
+    def setting(value, fn):
+        def run():
+            if env_name:
+                os.environ[env_name] = value
+            fn()
+        return run
+    fns = {key: setting(key[1], v[3]) for key, v in variants.items()}
+    med = interleaved(fns, rounds=reps, graph=True, rep_ms=25)
+    if env_name:
+        os.environ.pop(env_name, None)
+    return {key: [med[key]] for key in variants}
 
 
 def main():
@@ -33,6 +67,10 @@ def main():
     ap.add_argument("--configs", default="auto")
     ap.add_argument("--env", default=None)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--harness", choices=["graph", "bench"], default="graph",
+                    help="graph: this probe's replays; bench: the prefill bench's own timing "
+                         "(flashcpp.bench.common.interleaved, triton's do_bench_cudagraph, 25 ms "
+                         "a round, --reps rounds), to tell a harness effect from a kernel one")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     env_name, env_vals = (a.env.split("=", 1)[0], a.env.split("=", 1)[1].split(",")) if a.env else (None, [None])
@@ -70,24 +108,12 @@ def main():
                 e1.record()
                 torch.cuda.synchronize()
                 calls = max(2, min(200, int(2000 / max(1.0, e0.elapsed_time(e1) * 1000 / 5))))
-                variants[(cfg, ev)] = (graph_of(fn, calls), calls, out)
+                variants[(cfg, ev)] = (graph_of(fn, calls), calls, out, fn)
         if env_name:
             os.environ.pop(env_name, None)
-        times = {key: [] for key in variants}
-        for _ in range(2):  # warm-up replays
-            for gr, _, _ in variants.values():
-                gr.replay()
-        torch.cuda.synchronize()
-        for _ in range(a.reps):
-            for key, (gr, calls, _) in variants.items():
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                gr.replay()
-                e1.record()
-                e1.synchronize()
-                times[key].append(e0.elapsed_time(e1) * 1000 / calls)
+        times = bench_times(variants, env_name, a.reps) if a.harness == "bench" else replay_times(variants, a.reps)
         ref = None
-        for key, (_, calls, out) in variants.items():
+        for key, (_, calls, out, _) in variants.items():
             us = statistics.median(times[key])
             diff = 0.0 if ref is None else (out.float() - ref.float()).abs().max().item()
             if ref is None:
