@@ -51,6 +51,10 @@ struct Fa3Config {
   /// CtaWork record) lands while the current tile still computes and writes O through its own
   /// buffer; with one, every tile waited for the previous epilogue's store and then for its Q.
   static constexpr int kQBufs = Persistent && smem_bytes(2) <= 227 * 1024 ? 2 : 1;
+  /// With two Q buffers, tiles overlap further: the producer loads the next tile's Q before its
+  /// keys, and a warpgroup releases a buffer only once the next tile's first Q K^T is queued (with
+  /// one, the next Q needs the buffer at once, so it is released right after the O store).
+  static constexpr bool kOverlapQ = kQBufs > 1;
   static constexpr int kSmemBytes = smem_bytes(kQBufs);
   /// setmaxnreg budgets: the selector's rule (core/selector.h, sm90_registers).
   static constexpr int kProducerRegs = select::sm90_registers(Consumers, BlockN).producer;

@@ -26,8 +26,7 @@ __device__ __forceinline__ void fa3_release_q(const Fa3Consumer<Cfg, T>& cs, int
 
 template <class Cfg, typename T>
 __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consumer<Cfg, T>& cs, const Fa3TileRows& tr,
-                                             const float (&acc_o)[Cfg::kHeadDimV / 2], const RowSoftmax (&row)[2],
-                                             bool defer_release = false) {
+                                             const float (&acc_o)[Cfg::kHeadDimV / 2], const RowSoftmax (&row)[2]) {
   constexpr int BM = Cfg::kBlockM, DC = Cfg::kHeadDimV / 8;
   const CtaWork& cta = cs.work();
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
@@ -67,7 +66,7 @@ __device__ __forceinline__ void fa3_epilogue(const Fa3Params& p, const Fa3Consum
       for (int pn = 0; pn < Cfg::kPanelsV; ++pn)
         sm90::tma_store_4d(&p.tmap_o, pn * 64, q_x0 + tr.m0 + 64 * c, tr.h, q_c3, sO + pn * BM * 128 + 64 * c * 128);
       sm90::bulk_commit();
-      if (!defer_release) fa3_release_q(cs, cs.q_buf());
+      if constexpr (!Cfg::kOverlapQ) fa3_release_q(cs, cs.q_buf());  // else after the next tile's first Q K^T
     }
   } else {
     sm90::named_barrier_sync(1 + c, 128);

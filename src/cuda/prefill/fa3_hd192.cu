@@ -9,7 +9,7 @@
 // 268 KB) do not fit, nor a second Q buffer for the persistent twin (259.5 KB): it keeps one, as
 // d256's, and the selector's one-buffer persistent rule. FA3 takes the same tile for 192 / 128
 // (hopper/tile_size.h).
-// Not yet measured on the H200 (reports/hopper/README.md).
+// On the H200: reports/hopper/README.md ("Head dims 192 / 128").
 #include "cuda/prefill/fa3_launch.cuh"
 
 namespace flashcpp::cuda {

@@ -52,14 +52,12 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
   }
   PipelineState<Cfg::kStages> kv;
   PipelineState<Cfg::kQBufs> q;  // tiles: the Q buffer and its barriers' phases
-  // Two Q buffers: the previous tile's buffer is released (after the O store has read it) only once
+  // Cfg::kOverlapQ: the previous tile's buffer is released (after the O store has read it) only once
   // this tile's first Q K^T is queued, so thread 0 does not hold up its warpgroup's first issue
-  // window; the producer needs that buffer a tile later. -1 when no release is pending. (With one
-  // buffer the release cannot wait: this tile's Q needs it.)
-  constexpr bool defer = Cfg::kQBufs > 1;
+  // window; the producer needs that buffer a tile later. -1 when no release is pending.
   int pending = -1;
   auto release_pending = [&] {
-    if constexpr (defer)
+    if constexpr (Cfg::kOverlapQ)
       if (pending >= 0) {
         if (ct == 0) fa3_release_q(cs, pending);
         pending = -1;
@@ -105,8 +103,8 @@ __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<C
     else
       fa3_mainloop_plain(p, cs, tr, acc_o, row, kv, n_iters, release_pending);
     kv += n_iters;
-    fa3_epilogue(p, cs, tr, acc_o, row, defer);
-    if constexpr (defer) pending = cs.q_buf();
+    fa3_epilogue(p, cs, tr, acc_o, row);
+    if constexpr (Cfg::kOverlapQ) pending = cs.q_buf();
     ++q;
   }
   release_pending();

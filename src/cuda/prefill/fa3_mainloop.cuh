@@ -46,10 +46,8 @@ struct Fa3Consumer {
   /// from a per-thread address instead cost ~120 instructions per key block inside the ping-pong
   /// issue window (ncu, d128: 184 instructions from turn to hand-over, now 80).
   std::uint64_t q_desc, k_desc, v_desc;
-  /// The Q buffer of the current tile (persistent configs with two: it alternates per tile) and the
-  /// byte offset between the two, which q_desc moves by when it changes.
+  /// The Q buffer of the current tile (persistent configs with two: it alternates per tile).
   int qb = 0;
-  static constexpr int kQBufStep = Cfg::kQBytes;
 
   __device__ __forceinline__ Fa3Consumer(const Fa3Smem<Cfg, T>& sm_, int c_, int ct_)
       : sm(sm_), c(c_), ct(ct_), warp(ct_ / 32), lane(ct_ % 32), g(ct_ % 32 / 4), t(ct_ % 4) {
@@ -69,10 +67,10 @@ struct Fa3Consumer {
   }
   __device__ __forceinline__ const CtaWork& work() const { return sm.work(q_buf()); }
   __device__ __forceinline__ unsigned char* q_base() const { return sm.base(q_buf()); }
-  /// Moves to Q buffer b (a no-op with one buffer): q_desc follows.
+  /// Moves to Q buffer b (a no-op with one buffer): q_desc moves by one buffer, forward or back.
   __device__ __forceinline__ void use_q_buf(int b) {
     if constexpr (Cfg::kQBufs > 1) {
-      if (b != qb) q_desc = b > qb ? advance(q_desc, kQBufStep) : q_desc - static_cast<std::uint64_t>(kQBufStep >> 4);
+      if (b != qb) q_desc = b > qb ? advance(q_desc, Cfg::kQBytes) : q_desc - static_cast<std::uint64_t>(Cfg::kQBytes >> 4);
       qb = b;
     }
   }

@@ -70,13 +70,12 @@ __device__ __forceinline__ void fa3_producer(const Fa3Params& p, const Fa3Smem<C
         sm90::tma_load_4d(sm.q(qs) + pn * BM * 64, &p.tmap_q, pn * 64, q_x0 + m0, tl.h, q_c3, sm.q_full(qs));
     };
     // Persistent: the next tile's first S key tiles load while the consumers finish this one. With
-    // two Q buffers its Q goes first (its buffer was freed a tile ago); with one, Q waits for the
-    // current tile's epilogue, so the keys go first.
-    constexpr bool q_first = Cfg::kQBufs > 1;
-    const int early = Cfg::kPersistent && !q_first ? min(S, w.n_iters) : 0;
-    if constexpr (q_first) load_q();
+    // two Q buffers (kOverlapQ) its Q goes first (its buffer was freed a tile ago); with one, Q waits
+    // for the current tile's epilogue, so the keys go first.
+    const int early = Cfg::kPersistent && !Cfg::kOverlapQ ? min(S, w.n_iters) : 0;
+    if constexpr (Cfg::kOverlapQ) load_q();
     for (int it = 0; it < early; ++it) load_kv(it);
-    if constexpr (!q_first) load_q();
+    if constexpr (!Cfg::kOverlapQ) load_q();
     for (int it = early; it < w.n_iters; ++it) load_kv(it);
     ++q;
   });
