@@ -18,14 +18,22 @@ phase=${1:?phase 1..3}; commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 mkdir -p "$OUT"
+# The build on the device (its log in $OUT/build.txt; the round stops if it fails), then the Python
+# package beside it (log /tmp/pip.txt, its rc as the log's last line).
+build() {
+  make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+  tail -2 "$OUT/build.txt" | head -1
+}
+install_package() {
+  python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1; echo "pip rc $?" >> /tmp/pip.txt
+}
 case $phase in
   1)
     # Overrides: GT (gtest filter, default every test), MC (memcheck filter), CHECKS=0 (no check
     # tables), NCU=0 (no instruction mix), HF=1 (transformers' generate on CUDA, flashcpp.bench.hf_generate).
     mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2>/dev/null
-    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
-    tail -2 "$OUT/build.txt" | head -1
-    (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1; echo "pip rc $?" >> /tmp/pip.txt) &
+    build
+    install_package &
     timeout 280 ./build/flashcpp_gpu_tests --gtest_filter="${GT:-*}" > "$OUT/gpu_tests.txt" 2>&1
     echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_tests.txt" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$OUT/gpu_tests.txt" | head
@@ -69,9 +77,8 @@ PY
     tail -15 "$OUT/headdims.log"
     ;;
   ab1)
-    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
-    tail -2 "$OUT/build.txt" | head -1
-    python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1; echo "pip rc $?"
+    build
+    install_package; tail -1 /tmp/pip.txt
     (cd /tmp && eval timeout 200 python3 "$OLDPWD/scripts/prefill_probe.py" ${PROBE:?} --out "$OUT/probe.csv") > "$OUT/probe.txt" 2>&1
     echo "probe rc $?"
     timeout 200 ./build/flashcpp_gpu_tests --gtest_filter='Prefill.*:MasksGpu*:Rotary*:-Prefill.CourseShapes' > "$OUT/gpu_tests.txt" 2>&1
