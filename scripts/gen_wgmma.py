@@ -3,9 +3,12 @@
 Hopper kernel uses (m64nNk16, fp32 accumulators, bf16/fp16 inputs).
   ss: A and B from shared memory, both K-major (S = Q K^T).
   rs: A from registers, B from shared memory MN-major (O += P V, V stored [key][d]).
+  tt: A and B from shared memory, both MN-major (the backward's dQ = dS K: dS^T stored [key][query],
+      K stored [key][d]); generated for N in NS_TT only.
 Run: python3 scripts/gen_wgmma.py > src/cuda/common/wgmma_ops.inc"""
 
 NS = (64, 128, 192, 256)
+NS_TT = (64,)
 TYPES = (("bf16", "__nv_bfloat16"), ("f16", "__half"))
 
 
@@ -16,9 +19,10 @@ def acc_list(n_regs, first=0):
 def gen(n, kind, ptx_t, c_t):
     regs = n // 2
     outs = ", ".join(f'"+f"(d[{i}])' for i in range(regs))
-    if kind == "ss":
+    if kind in ("ss", "tt"):
+        trans = "0, 0" if kind == "ss" else "1, 1"
         body = (f'"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_t}.{ptx_t} "\n'
-                f'      "{{{acc_list(regs)}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n"')
+                f'      "{{{acc_list(regs)}}}, %{regs}, %{regs + 1}, p, 1, 1, {trans};\\n"')
         ins = '"l"(desc_a), "l"(desc_b), "r"(scale_d)'
         sig = f"std::uint64_t desc_a, std::uint64_t desc_b, int scale_d"
         setp = regs + 2
@@ -45,3 +49,6 @@ for n in NS:
     for ptx_t, c_t in TYPES:
         for kind in ("ss", "rs"):
             print(gen(n, kind, ptx_t, c_t))
+for n in NS_TT:
+    for ptx_t, c_t in TYPES:
+        print(gen(n, "tt", ptx_t, c_t))

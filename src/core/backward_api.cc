@@ -56,7 +56,7 @@ Backend resolve(const AttnBackwardParams& p, Backend b) {
 Status layout_for(const AttnBackwardParams& p, const RunOptions& opt, const KernelChoice& choice,
                   BackwardWorkspaceLayout* out) {
   *out = BackwardWorkspaceLayout{};
-  const bool cuda = choice.id == KernelId::kCudaSm80;
+  const bool cuda = choice.id == KernelId::kCudaSm80 || choice.id == KernelId::kCudaSm90;
   if (choice.id != KernelId::kCpuTiled && !cuda) return Status::Ok();
   // The packed query rows the padding covers: mask.total_q, else cu_seqlens_q[batch] (host arrays:
   // validated; device arrays are not read: batch * seqlen_q bounds them), else batch * seqlen_q.
@@ -121,7 +121,8 @@ Status attention_backward(const AttnBackwardParams& p, const RunOptions& opt) {
     case KernelId::kCpuReference: return cpu::reference_backward(p, opt);
     case KernelId::kCpuTiled: return cpu::tiled_backward(p, opt, layout);
 #if FLASHCPP_HAS_SM80
-    case KernelId::kCudaSm80: return cuda::backward_sm80(p, choice.tile, layout, opt.stream);
+    case KernelId::kCudaSm80:
+    case KernelId::kCudaSm90: return cuda::backward_cuda(p, choice.tile, layout, opt.stream);
 #endif
     default: break;
   }

@@ -471,14 +471,20 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
 }
 
 // ---- backward ----------------------------------------------------------------------------------------
-/// The CUDA backward: the mma.sync kernel of src/cuda/backward (sm80 and newer; on Hopper too, until
-/// a wgmma backward exists), one config per head-dim class.
-static Status cuda_backward(const AttnBackwardParams& p, KernelChoice* out) {
+/// The CUDA backward (src/cuda/backward): on Hopper the wgmma kernel for the head-dim classes 64 and
+/// 128, elsewhere (and for the 256 class, or block-sparse blocks its tiles do not divide) the mma.sync
+/// kernel. opt.cuda_config: "" = that choice, "sm80" / "sm90" = that kernel.
+static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, KernelChoice* out) {
 #if !FLASHCPP_HAS_SM80
   (void)p;
+  (void)opt;
   (void)out;
   return build::refuse(build::Family::kSm80, "the CUDA attention backward is built with it");
 #else
+  const std::string& want = opt.cuda_config;
+  if (!want.empty() && want != "sm80" && want != "sm90")
+    return Status::Invalid("the backward takes cuda_config \"\" (automatic), \"sm80\" (mma.sync) or \"sm90\" "
+                           "(wgmma), not '" + want + "'");
   cuda::DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
   if (dev.sm_major < 8)
@@ -491,30 +497,49 @@ static Status cuda_backward(const AttnBackwardParams& p, KernelChoice* out) {
     return Status::Unsupported(
         "a negative softmax_scale runs on the CPU backends only (the CUDA backward folds a positive scale into exp2)");
   const AttnParams f = p.forward();
+  const BlockSparseMask* bs = p.mask.block_sparse;
+  auto fits = [&](const cuda::BwdEntry& e) -> std::string {  // "" or why the entry cannot run
+    if (bs && !tiles_fit_block_sparse(*bs, e.tile.block_m, e.tile.block_n))
+      return "the CUDA backward's " + std::to_string(e.tile.block_m) + "x" + std::to_string(e.tile.block_n) +
+             " tiles do not divide the " + std::to_string(bs->block_m) + "x" + std::to_string(bs->block_n) +
+             " block-sparse blocks; build the mask with multiples of them (e.g. 128x128), or run the backward on the CPU";
+    if (static_cast<std::size_t>(e.smem_bytes) > dev.smem_optin)
+      return "the CUDA backward for head_dim class " + std::to_string(e.head_dim) + " needs " +
+             std::to_string(e.smem_bytes) + " bytes of shared memory; " + dev.name + " allows " +
+             std::to_string(dev.smem_optin);
+    return {};
+  };
   const cuda::BwdEntry* e = cuda::bwd_entry(f.head_dim_class());
   if (e == nullptr)
     return Status::Unsupported("no CUDA backward for head_dim " + std::to_string(p.head_dim) + " / head_dim_v " +
                                std::to_string(p.effective_head_dim_v()));
-  if (const BlockSparseMask* bs = p.mask.block_sparse; bs && !tiles_fit_block_sparse(*bs, e->tile.block_m, e->tile.block_n))
-    return Status::Unsupported("the CUDA backward's " + std::to_string(e->tile.block_m) + "x" +
-                               std::to_string(e->tile.block_n) + " tiles do not divide the " + std::to_string(bs->block_m) +
-                               "x" + std::to_string(bs->block_n) + " block-sparse blocks; build the mask with multiples "
-                               "of them (e.g. 128x128), or run the backward on the CPU");
-  if (static_cast<std::size_t>(e->smem_bytes) > dev.smem_optin)
-    return Status::Unsupported("the CUDA backward for head_dim class " + std::to_string(e->head_dim) + " needs " +
-                               std::to_string(e->smem_bytes) + " bytes of shared memory; " + dev.name + " allows " +
-                               std::to_string(dev.smem_optin));
-  out->id = KernelId::kCudaSm80;
+  const cuda::BwdEntry* e90 = cuda::bwd_entry_sm90(f.head_dim_class());
+  std::string why90;  // why the wgmma kernel does not run this problem
+  if (e90 == nullptr)
+    why90 = FLASHCPP_HAS_SM90 ? "the wgmma backward has the head-dim classes 64 and 128"
+                              : "this build has no sm90 kernels (FLASHCPP_WITH_SM90)";
+  else if (dev.sm_major != 9)
+    why90 = "the wgmma backward needs an sm_90 device; '" + dev.name + "' is " + std::to_string(dev.sm_major) + "." +
+            std::to_string(dev.sm_minor);
+  else
+    why90 = fits(*e90);
+  if (want == "sm90" && !why90.empty()) return Status::Unsupported("cuda_config 'sm90': " + why90);
+  const bool sm90 = why90.empty() && want != "sm80";
+  if (sm90) e = e90;
+  if (std::string why = fits(*e); !why.empty()) return Status::Unsupported(why);
+  out->id = sm90 ? KernelId::kCudaSm90 : KernelId::kCudaSm80;
   out->tile = e->tile;
-  out->config = "bwd_" + sm80_config_name(e->tile);
-  out->reason = "mma.sync backward (src/cuda/backward) on " + dev.name + fused_masks(f) + head_dim_class_note(f) +
-                (p.deterministic ? "; deterministic dQ (key tiles add in ascending order)" : "");
+  out->config = (sm90 ? "bwd_sm90_" : "bwd_") + sm80_config_name(e->tile);
+  out->reason = (sm90 ? "wgmma backward (src/cuda/backward/bwd_sm90.cuh) on " : "mma.sync backward (src/cuda/backward) on ") +
+                dev.name + fused_masks(f) + head_dim_class_note(f) +
+                (p.deterministic ? "; deterministic dQ (key tiles add in ascending order)" : "") +
+                (!sm90 && dev.sm_major == 9 ? "; not the wgmma kernel: " + (want == "sm80" ? "cuda_config 'sm80'" : why90)
+                                            : std::string());
   return Status::Ok();
 #endif
 }
 
 Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
-  (void)opt;
   *out = KernelChoice{};
   switch (b) {
     case Backend::kCpuReference:
@@ -527,7 +552,7 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
       return Status::Ok();
     case Backend::kCuda:
 #if FLASHCPP_WITH_CUDA
-      return cuda_backward(p, out);
+      return cuda_backward(p, opt, out);
 #else
       return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
 #endif

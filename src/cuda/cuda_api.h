@@ -24,10 +24,11 @@ bool is_device_pointer(const void* ptr);
 Status prefill_sm80(const AttnParams& p, const TileConfig& tile, Stream stream);
 Status prefill_sm90(const AttnParams& p, const TileConfig& tile, Stream stream);
 
-/// The attention backward (src/cuda/backward: preprocess, mma.sync main kernel, postprocess) with the
-/// selector's tile and the workspace layout made for it. Defined only when the build holds the sm80
-/// family (FLASHCPP_HAS_SM80); asynchronous on `stream`, allocates nothing.
-Status backward_sm80(const AttnBackwardParams& p, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
+/// The attention backward (src/cuda/backward: preprocess, main kernel, postprocess) with the
+/// selector's tile, which names the main kernel (mma.sync, or wgmma on sm_90), and the workspace
+/// layout made for it. Defined only when the build holds the sm80 family (FLASHCPP_HAS_SM80);
+/// asynchronous on `stream`, allocates nothing.
+Status backward_cuda(const AttnBackwardParams& p, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
                      Stream stream);
 
 /// Varlen batch 0 (or seqlen_q 0) with mask.total_q > 0: O = 0 and LSE = -inf in all total_q

@@ -232,6 +232,7 @@ TEST(CliInfo, TheBackwardChoiceIsPrintedForEveryBackend) {
   EXPECT_NE(tail.find("cpu_tiled_online_softmax"), std::string::npos) << tail;
   EXPECT_NE(tail.find("cpu_reference_fp64"), std::string::npos) << tail;
   EXPECT_TRUE(tail.find("cuda_sm80_fa2 config bwd_") != std::string::npos ||
+              tail.find("cuda_sm90_wgmma config bwd_sm90_") != std::string::npos ||
               tail.find("no usable CUDA device") != std::string::npos ||
               tail.find("no CUDA kernels") != std::string::npos || tail.find("this build leaves out") != std::string::npos)
       << tail;

@@ -31,6 +31,7 @@ struct BwdCase {
   bool deterministic = false;
   bool dlse = false;
   std::vector<std::array<int, 3>> nan_q;  ///< (packed row, head, dim) of q set to NaN
+  std::string config;  ///< RunOptions::cuda_config of the backward ("" = the selector's kernel)
 };
 
 int dim_v(const BwdCase& c) { return c.dv ? c.dv : c.d; }
@@ -115,6 +116,7 @@ void run_case(const BwdCase& c, std::mt19937_64& gen, Result* r) {
   ASSERT_TRUE(attention_forward(f, RunOptions{}).ok());
   RunOptions ro;
   ro.backend = Backend::kCuda;
+  ro.cuda_config = c.config;
   std::size_t ws_bytes = 0;
   const Status sz = attention_backward_workspace_size(p, ro, &ws_bytes);
   ASSERT_TRUE(sz.ok()) << sz.to_string();
@@ -204,6 +206,7 @@ std::string describe(const BwdCase& c) {
   if (c.alibi) s += " alibi";
   if (c.deterministic) s += " deterministic";
   if (c.dlse) s += " dlse";
+  if (!c.config.empty()) s += " cuda_config " + c.config;
   return s;
 }
 
@@ -246,21 +249,78 @@ TEST(BackwardGpu, EveryHeadDimRunsPaddedToItsClass) {
 }
 
 TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
-  const BwdCase c{.batch = 1, .sq = 1024, .sk = 1024, .hq = 4, .hkv = 1, .d = 128, .causal = true, .deterministic = true};
-  check_case(c);
-  Result first;
-  for (int rep = 0; rep < 3; ++rep) {
-    std::mt19937_64 gen(1234);  // the same inputs each time
-    Result r;
-    run_case(c, gen, &r);
-    if (::testing::Test::HasFatalFailure()) return;
-    if (rep == 0) {
-      first = std::move(r);
-      continue;
+  for (const std::string cfg : {"", "sm80"}) {
+    const BwdCase c{.batch = 1, .sq = 1024, .sk = 1024, .hq = 4, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
+                    .config = cfg};
+    check_case(c);
+    Result first;
+    for (int rep = 0; rep < 3; ++rep) {
+      std::mt19937_64 gen(1234);  // the same inputs each time
+      Result r;
+      run_case(c, gen, &r);
+      if (::testing::Test::HasFatalFailure()) return;
+      if (rep == 0) {
+        first = std::move(r);
+        continue;
+      }
+      EXPECT_TRUE(r.dq == first.dq) << "dq differs between deterministic runs";
+      EXPECT_TRUE(r.dk == first.dk && r.dv == first.dv) << "dk or dv differs between deterministic runs";
     }
-    EXPECT_TRUE(r.dq == first.dq) << "dq differs between deterministic runs";
-    EXPECT_TRUE(r.dk == first.dk && r.dv == first.dv) << "dk or dv differs between deterministic runs";
   }
+}
+
+/// True when the device runs the wgmma backward (sm_90 and a build with the sm90 family).
+bool wgmma_backward_device() {
+  cuda::DeviceInfo dev;
+  return FLASHCPP_HAS_SM90 && cuda::current_device(&dev).ok() && dev.sm_major == 9;
+}
+
+TEST(BackwardGpu, HopperRunsTheWgmmaKernelForClasses64And128) {
+  if (!wgmma_backward_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
+  for (int d : {64, 96, 128, 256}) {
+    AttnBackwardParams p;
+    p.batch = 1;
+    p.seqlen_q = p.seqlen_k = 256;
+    p.heads_q = p.heads_kv = 2;
+    p.head_dim = d;
+    alignas(256) static std::uint16_t dummy[8];  // selection reads no data; views need non-null pointers
+    const TensorView t = bshd_view(dummy, DType::kBF16, 256, 2, d);
+    p.q = p.k = p.v = p.o = p.dout = p.dq = p.dk = p.dv = t;
+    static float lse[1];
+    p.lse = lse;
+    RunOptions ro;
+    ro.backend = Backend::kCuda;
+    KernelChoice k;
+    ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
+    EXPECT_EQ(k.id, d <= 128 ? KernelId::kCudaSm90 : KernelId::kCudaSm80) << d << ": " << k.reason;
+    ro.cuda_config = "sm80";
+    ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
+    EXPECT_EQ(k.id, KernelId::kCudaSm80) << k.reason;
+    ro.cuda_config = "sm90";
+    EXPECT_EQ(select_backward_kernel(p, ro, &k).ok(), d <= 128) << d;
+  }
+}
+
+TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
+  // Several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (int d : {64, 128}) {
+      check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true});
+      check_case({.batch = 1, .sq = 333, .sk = 1031, .hq = 3, .hkv = 3, .d = d, .dt = dt});
+    }
+  check_case({.batch = 1, .sq = 700, .sk = 700, .hq = 2, .hkv = 1, .d = 64, .causal = true, .deterministic = true});
+  check_case({.batch = 1, .sq = 520, .sk = 600, .hq = 2, .hkv = 2, .d = 128, .wl = 200, .wr = 30, .softcap = 20.f});
+}
+
+TEST(BackwardGpu, TheMmaSyncKernelStillRunsOnHopper) {
+  // On sm_90 the automatic choice is the wgmma kernel; cuda_config "sm80" keeps the mma.sync one tested.
+  for (int d : {64, 128}) {
+    check_case({.batch = 2, .sq = 127, .sk = 200, .hq = 4, .hkv = 2, .d = d, .config = "sm80"});
+    check_case({.batch = 1, .sq = 300, .sk = 300, .hq = 4, .hkv = 1, .d = d, .dt = DType::kF16, .causal = true,
+                .config = "sm80"});
+  }
+  check_case({.hq = 4, .hkv = 2, .d = 128, .lq = {1, 130, 0, 64, 257}, .lk = {5, 130, 3, 0, 300}, .extra_rows = 9,
+              .causal = true, .config = "sm80"});
 }
 
 TEST(BackwardGpu, NanInQueryReachesItsRowAndTheKvHead) {

@@ -24,6 +24,19 @@ const BwdEntry* bwd_entry(int head_dim_class) {
   }
 }
 
+const BwdEntry* bwd_entry_sm90(int head_dim_class) {
+#if FLASHCPP_HAS_SM90
+  switch (head_dim_class) {
+    case 64: return &bwd_entry_sm90_hd64();
+    case 128: return &bwd_entry_sm90_hd128();
+    default: return nullptr;
+  }
+#else
+  (void)head_dim_class;
+  return nullptr;
+#endif
+}
+
 namespace {
 
 Status cuda_status(cudaError_t e, const char* what) {
@@ -134,16 +147,18 @@ Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardW
 
 }  // namespace
 
-Status backward_sm80(const AttnBackwardParams& a, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
+Status backward_cuda(const AttnBackwardParams& a, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
                      Stream stream) {
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
-  const BwdEntry* e = bwd_entry(cuda_head_dim_class(a.head_dim, a.effective_head_dim_v()));
+  const int cls = cuda_head_dim_class(a.head_dim, a.effective_head_dim_v());
+  const BwdEntry* e = bwd_entry(cls);
+  if (const BwdEntry* e90 = bwd_entry_sm90(cls); e90 != nullptr && e90->tile == tile) e = e90;
   if (e == nullptr || !(e->tile == tile))
     return Status::Invalid("no backward config with tiles " + std::to_string(tile.block_m) + "x" +
                            std::to_string(tile.block_n) + " for head_dim " + std::to_string(a.head_dim));
   if (layout.row_pad != e->tile.block_m)
-    return Status::Internal("backward_sm80: the workspace layout was made for another tile height");
+    return Status::Internal("backward_cuda: the workspace layout was made for another tile height");
   if (a.heads_kv > 65535 || a.batch > 65535 || a.heads_q > 65535)
     return Status::Unsupported("batch " + std::to_string(a.batch) + " or heads " + std::to_string(a.heads_q) +
                                " exceeds the 65535 limit of a grid dimension");

@@ -50,6 +50,7 @@ struct BwdConfig {
   static constexpr int kWarps = Warps;
   static constexpr int kDSplit = DSplit;    ///< warps sharing a 16-key slice, each with D / kDSplit columns
   static constexpr int kMinBlocks = MinBlocks;
+  static constexpr bool kSm90 = false;  ///< the mma.sync kernel (bwd_sm90.cuh has the wgmma one)
   static constexpr int kBlockN = 16 * Warps / DSplit;  ///< keys per CTA
   static constexpr int kThreads = 32 * Warps;
   static constexpr int kChunks = HeadDim / 8;     ///< 16-byte chunks per row (load_tile)
@@ -184,6 +185,36 @@ struct BwdCta {
   const BlockSparseMask* bs;
 };
 
+/// The CTA's key tile (blockIdx.x), KV head and sequence with tiles of BM x BN; false when the
+/// sequence has no key tile blockIdx.x (varlen), so the whole CTA returns.
+template <int BM, int BN>
+__device__ __forceinline__ bool bwd_make_cta(const BwdParams& p, BwdCta* c) {
+  c->n = blockIdx.x;
+  c->hk = blockIdx.y;
+  c->b = blockIdx.z;
+  c->s = bwd_seq(p, c->b);
+  c->bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
+  c->tiles = walk::Tiles::make(c->s.len_q, c->s.len_k, BM, BN, c->bs);
+  if (c->n >= c->tiles.num_k_tiles()) return false;
+  c->j0 = c->n * BN;  // tiles divide the block-sparse blocks: tile n starts at n * BN
+  walk::query_tiles(c->s.rules, c->tiles, c->n, &c->m_lo, &c->m_hi);
+  return true;
+}
+
+/// The first rows of the CTA's KV head in k and v (bwd_row at row 0).
+template <typename T>
+struct BwdKvRows {
+  const T* k;
+  const T* v;
+  __device__ __forceinline__ BwdKvRows(const BwdParams& p, const BwdCta& c) {
+    const bool varlen = p.mask.flags & PrefillMask::kVarlen;
+    k = bwd_row(static_cast<const T*>(p.k), varlen, c.s.first_k, p.k_batch_stride, p.k_seq_stride, p.k_head_stride,
+                c.b, 0, c.hk);
+    v = bwd_row(static_cast<const T*>(p.v), varlen, c.s.first_k, p.v_batch_stride, p.v_seq_stride, p.v_head_stride,
+                c.b, 0, c.hk);
+  }
+};
+
 /// The first visited pair at or after (gi, m) in (head, tile) order; false when none is left.
 __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& c, int gi, int m, BwdPair* out) {
   for (; gi < p.group; ++gi, m = c.m_lo) {
@@ -204,28 +235,44 @@ __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& 
   return false;
 }
 
+/// The first rows of a pair's query head in q and dO (bwd_row at row 0).
+template <typename T>
+struct BwdPairRows {
+  const T* q;
+  const T* dout;
+  __device__ __forceinline__ BwdPairRows(const BwdParams& p, const BwdCta& c, int h) {
+    const bool varlen = p.mask.flags & PrefillMask::kVarlen;
+    q = bwd_row(static_cast<const T*>(p.q), varlen, c.s.first_q, p.q_batch_stride, p.q_seq_stride, p.q_head_stride, c.b,
+                0, h);
+    dout = bwd_row(static_cast<const T*>(p.dout), varlen, c.s.first_q, p.do_batch_stride, p.do_seq_stride,
+                   p.do_head_stride, c.b, 0, h);
+  }
+};
+
+/// cp.async copy of a pair's LSE log2 e and D (whole padded workspace tiles of BM rows) into
+/// `rows` ([LSE log2 e][BM], then [D][BM]); threads [0, BM / 2) each copy 16 bytes.
+template <int BM>
+__device__ __forceinline__ void bwd_load_rows(const BwdParams& p, float* rows, const BwdCta& c, int h, int m, int tid) {
+  constexpr int kVec = BM / 4;  // 16-byte chunks of one row vector
+  if (tid < 2 * kVec) {
+    const std::int64_t row = static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + m * BM + (tid % kVec) * 4;
+    const float* src = (tid < kVec ? p.lse2 : p.delta) + row;
+    ptx::cp_async_16(ptx::smem_u32(rows + (tid / kVec) * BM + (tid % kVec) * 4), src, 16);
+  }
+}
+
 /// cp.async copies of one pair's Q, dO (rows [i0, i0 + BM), zero past the sequence and past the
-/// tensors' head dims) and its LSE log2 e and D (whole padded workspace tiles) into stage `st`.
+/// tensors' head dims) and its LSE log2 e and D into stage `st`.
 template <class Cfg, typename T>
 __device__ __forceinline__ void bwd_load_pair(const BwdParams& p, const BwdSmem<Cfg, T>& sm, const BwdCta& c,
                                               const BwdPair& pr, int st, int tid) {
   constexpr int BM = Cfg::kBlockM, D = Cfg::kHeadDim;
-  const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   const int h = c.hk * p.group + pr.gi;
   const int i0 = pr.m * BM;  // tiles divide the block-sparse blocks: tile m starts at m * BM
-  const T* gq = bwd_row(static_cast<const T*>(p.q), varlen, c.s.first_q, p.q_batch_stride, p.q_seq_stride,
-                        p.q_head_stride, c.b, 0, h);
-  const T* gdo = bwd_row(static_cast<const T*>(p.dout), varlen, c.s.first_q, p.do_batch_stride, p.do_seq_stride,
-                         p.do_head_stride, c.b, 0, h);
-  load_tile<Cfg, BM>(sm.q + st * BM * D, gq, p.q_seq_stride, i0, c.s.len_q, p.head_dim, tid);
-  load_tile<Cfg, BM>(sm.dout + st * BM * D, gdo, p.do_seq_stride, i0, c.s.len_q, p.head_dim_v, tid);
-  constexpr int kVec = BM / 4;  // 16-byte chunks of one row vector
-  if (tid < 2 * kVec) {
-    const std::int64_t row = static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + i0 + (tid % kVec) * 4;
-    const float* src = (tid < kVec ? p.lse2 : p.delta) + row;
-    float* dst = sm.rows + st * 2 * BM + (tid / kVec) * BM + (tid % kVec) * 4;
-    ptx::cp_async_16(ptx::smem_u32(dst), src, 16);
-  }
+  const BwdPairRows<T> g(p, c, h);
+  load_tile<Cfg, BM>(sm.q + st * BM * D, g.q, p.q_seq_stride, i0, c.s.len_q, p.head_dim, tid);
+  load_tile<Cfg, BM>(sm.dout + st * BM * D, g.dout, p.do_seq_stride, i0, c.s.len_q, p.head_dim_v, tid);
+  bwd_load_rows<BM>(p, sm.rows + st * 2 * BM, c, h, pr.m, tid);
 }
 
 /// acc[NQ][4] = A B^T over the head dim: A = 16 rows of a [rows][D] tile (the warp's keys), B = the
@@ -418,6 +465,30 @@ __device__ __forceinline__ void st_release(std::int32_t* p, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/// Deterministic mode's turn at a query tile's dQ accumulator: the constructor waits until the key
+/// tiles before this one have added theirs (whole CTA), done() hands the tile to the next. Without
+/// semaphores (the default) both are no-ops.
+template <class Cfg>
+struct BwdDqTurn {
+  std::int32_t* sem = nullptr;
+  int rank = 0;
+  __device__ __forceinline__ BwdDqTurn(const BwdParams& p, const BwdCta& c, const BwdPair& pr, int tid) {
+    if (p.sem == nullptr) return;
+    constexpr int BM = Cfg::kBlockM;
+    const int h = c.hk * p.group + pr.gi;
+    rank = bwd_rank<Cfg>(c, h, pr.m, tid);
+    sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pr.m * BM) / BM;
+    if (tid == 0)
+      while (ld_acquire(sem) != rank) __nanosleep(64);
+  }
+  __device__ __forceinline__ void done(int tid) const {
+    if (sem == nullptr) return;
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) st_release(sem, rank + 1);
+  }
+};
+
 /// dK = scale dK and dV of the warp's keys and columns, straight from the accumulators.
 template <class Cfg, typename T>
 __device__ __forceinline__ void bwd_store_kv(const BwdParams& p, const BwdCta& c, const float (&dk)[Cfg::kDT][4],
@@ -451,23 +522,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) bwd_main_kerne
   const BwdSmem<Cfg, T> sm(smem_raw);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, r7 = lane & 7;
   BwdCta c;
-  c.n = blockIdx.x;
-  c.hk = blockIdx.y;
-  c.b = blockIdx.z;
-  c.s = bwd_seq(p, c.b);
-  c.bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
-  c.tiles = walk::Tiles::make(c.s.len_q, c.s.len_k, BM, BN, c.bs);
-  if (c.n >= c.tiles.num_k_tiles()) return;  // varlen: this sequence has fewer key tiles (whole CTA)
-  c.j0 = c.n * BN;                           // tiles divide the block-sparse blocks: tile n starts at n * BN
-  walk::query_tiles(c.s.rules, c.tiles, c.n, &c.m_lo, &c.m_hi);
-  const bool varlen = p.mask.flags & PrefillMask::kVarlen;
+  if (!bwd_make_cta<BM, BN>(p, &c)) return;  // varlen: this sequence has fewer key tiles (whole CTA)
   {  // K and V of the tile (the first cp.async group, with the first pair)
-    const T* gk = bwd_row(static_cast<const T*>(p.k), varlen, c.s.first_k, p.k_batch_stride, p.k_seq_stride,
-                          p.k_head_stride, c.b, 0, c.hk);
-    const T* gv = bwd_row(static_cast<const T*>(p.v), varlen, c.s.first_k, p.v_batch_stride, p.v_seq_stride,
-                          p.v_head_stride, c.b, 0, c.hk);
-    load_tile<Cfg, BN>(sm.k, gk, p.k_seq_stride, c.j0, c.s.len_k, p.head_dim, tid);
-    load_tile<Cfg, BN>(sm.v, gv, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, tid);
+    const BwdKvRows<T> g(p, c);
+    load_tile<Cfg, BN>(sm.k, g.k, p.k_seq_stride, c.j0, c.s.len_k, p.head_dim, tid);
+    load_tile<Cfg, BN>(sm.v, g.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, tid);
   }
   BwdPair cur;
   bool have = bwd_find_pair(p, c, 0, c.m_lo, &cur);
@@ -511,21 +570,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) bwd_main_kerne
           *reinterpret_cast<std::uint32_t*>(sm.ds + (key_local0 + g + 8 * r) * Cfg::kDsStride + 8 * nt + 2 * t) =
               ptx::pack2<T>(dp[nt][2 * r], dp[nt][2 * r + 1]);
     }
-    const int h = c.hk * p.group + cur.gi;
-    int rank = 0;
-    if (p.sem != nullptr) rank = bwd_rank<Cfg>(c, h, cur.m, tid);  // (its barriers also publish dS^T)
-    std::int32_t* sem = p.sem != nullptr
-                            ? p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + cur.m * BM) / BM
-                            : nullptr;
-    if (sem != nullptr && tid == 0)
-      while (ld_acquire(sem) != rank) __nanosleep(64);
+    const BwdDqTurn<Cfg> turn(p, c, cur, tid);  // (deterministic: its barriers also publish dS^T)
     __syncthreads();
     bwd_dq<Cfg, T>(p, sm, c, cur, st, warp, lane);  // dQ_accum[m] += dS K
-    if (sem != nullptr) {
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) st_release(sem, rank + 1);
-    }
+    turn.done(tid);
     __syncthreads();  // stage st and dS^T are free for the next pair
     cur = nxt;
     have = have_next;

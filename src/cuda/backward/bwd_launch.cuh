@@ -1,4 +1,5 @@
-// Launch of one instantiation of the backward main kernel. Included only by bwd_hd<D>.cu.
+// Launch of one instantiation of the backward main kernel (mma.sync, or wgmma when Cfg::kSm90).
+// Included only by bwd_hd<D>.cu and bwd_sm90_hd<D>.cu.
 #pragma once
 
 #include <atomic>
@@ -6,6 +7,7 @@
 #include "common/attention_walk.h"
 #include "cuda/backward/bwd_kernel.cuh"
 #include "cuda/backward/bwd_registry.h"
+#include "cuda/backward/bwd_sm90.cuh"
 #include "cuda/common/smem_opt_in.h"
 
 namespace flashcpp::cuda {
@@ -15,7 +17,10 @@ namespace flashcpp::cuda {
 template <class Cfg, typename T>
 Status bwd_run(const BwdParams& p, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
-  auto* kernel = &bwd_main_kernel<Cfg, T>;
+  auto* kernel = [] {
+    if constexpr (Cfg::kSm90) return &bwd_sm90_kernel<Cfg, T>;
+    else return &bwd_main_kernel<Cfg, T>;
+  }();
   FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, Cfg::kSmemBytes, device, opted_in, "backward: "));
   const BlockSparseMask* bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
   const int n_tiles = walk::Tiles::make(p.seqlen_q, p.seqlen_k, Cfg::kBlockM, Cfg::kBlockN, bs).num_k_tiles();
@@ -37,6 +42,7 @@ BwdEntry bwd_entry_of() {
   e.tile.stages = 2;
   e.tile.min_blocks = Cfg::kMinBlocks;
   e.smem_bytes = Cfg::kSmemBytes;
+  e.sm90 = Cfg::kSm90;
   e.run_bf16 = &bwd_run<Cfg, __nv_bfloat16>;
   e.run_fp16 = &bwd_run<Cfg, __half>;
   return e;

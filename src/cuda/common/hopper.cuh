@@ -56,6 +56,10 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], std::uint64_t desc_a
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const std::uint32_t (&a)[4], std::uint64_t desc_b,
                                          int scale_d);
+/// D(64 x N, fp32) (+)= A(64x16, smem, MN-major) * B(16 x N, smem, MN-major): both operands stored
+/// with K as the row (the backward's dQ = dS K from dS^T [key][query] and K [key][d]).
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_tt(float (&d)[N / 2], std::uint64_t desc_a, std::uint64_t desc_b, int scale_d);
 #include "cuda/common/wgmma_ops.inc"
 
 // ---- registers and barriers ---------------------------------------------------------------
