@@ -321,9 +321,9 @@ __device__ __forceinline__ void bwd_accumulate(float (&acc)[Cfg::kDT][4], const 
   }
 }
 
-/// Score transform, element mask, P and dS in place: s (S^T) becomes P, dp (dP^T) becomes dS.
+/// bwd_p_ds for pairs with an element mask, softcap or ALiBi.
 template <class Cfg>
-__device__ __forceinline__ void bwd_p_ds(float (&s)[Cfg::kNQ][4], float (&dp)[Cfg::kNQ][4], const BwdParams& p,
+__device__ __forceinline__ void bwd_p_ds_general(float (&s)[Cfg::kNQ][4], float (&dp)[Cfg::kNQ][4], const BwdParams& p,
                                          const BwdCta& c, const BwdPair& pr, const float* lse2, const float* delta,
                                          bool need_mask, int key0, int g, int t) {
   const MaskRules& rules = c.s.rules;
@@ -362,6 +362,36 @@ __device__ __forceinline__ void bwd_p_ds(float (&s)[Cfg::kNQ][4], float (&dp)[Cf
         dp[nt][2 * r + e] = ds;
       }
     }
+}
+
+/// Score transform, element mask, P and dS in place: s (S^T) becomes P, dp (dP^T) becomes dS.
+/// Pairs without an element mask, softcap or ALiBi (most pairs) take a short path: three
+/// instructions and one exp2 per score. The general path, unrolled over every score with its mask
+/// rules, block-sparse bit and softcap, is ~15k instructions at 64 scores per thread: run for every
+/// pair (it was, as one inline body), it streamed the hot loop through more code than the
+/// instruction caches hold.
+template <class Cfg>
+__device__ __forceinline__ void bwd_p_ds(float (&s)[Cfg::kNQ][4], float (&dp)[Cfg::kNQ][4], const BwdParams& p,
+                                         const BwdCta& c, const BwdPair& pr, const float* lse2, const float* delta,
+                                         bool need_mask, int key0, int g, int t) {
+  if (!need_mask && !(p.mask.flags & (PrefillMask::kSoftcap | PrefillMask::kAlibi))) {
+    const float sc = p.score.c;
+#pragma unroll
+    for (int nt = 0; nt < Cfg::kNQ; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qc = 8 * nt + 2 * t + e;
+        const float l2 = lse2[qc], d = delta[qc];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float pij = algebra::backward_p(s[nt][2 * r + e], sc, l2);
+          dp[nt][2 * r + e] = algebra::backward_ds(pij, dp[nt][2 * r + e], d);
+          s[nt][2 * r + e] = pij;
+        }
+      }
+    return;
+  }
+  bwd_p_ds_general<Cfg>(s, dp, p, c, pr, lse2, delta, need_mask, key0, g, t);
 }
 
 /// 16 fp32 added to global memory at once where the device has the vector reduction (sm_90), else
