@@ -283,15 +283,17 @@ TEST(BackwardGpu, HopperRunsTheWgmmaKernelForClasses64And128) {
     p.seqlen_q = p.seqlen_k = 256;
     p.heads_q = p.heads_kv = 2;
     p.head_dim = d;
-    alignas(256) static std::uint16_t dummy[8];  // selection reads no data; views need non-null pointers
-    const TensorView t = bshd_view(dummy, DType::kBF16, 256, 2, d);
-    p.q = p.k = p.v = p.o = p.dout = p.dq = p.dk = p.dv = t;
-    static float lse[1];
-    p.lse = lse;
+    // Selection reads no data: eight disjoint (never dereferenced) address ranges for the views,
+    // outputs must not overlap inputs.
+    TensorView* views[] = {&p.q, &p.k, &p.v, &p.o, &p.dout, &p.dq, &p.dk, &p.dv};
+    for (int i = 0; i < 8; ++i)
+      *views[i] = bshd_view(reinterpret_cast<void*>((std::uintptr_t{1} << 32) * (i + 1)), DType::kBF16, 256, 2, d);
+    p.lse = reinterpret_cast<const float*>((std::uintptr_t{1} << 32) * 9);
     RunOptions ro;
     ro.backend = Backend::kCuda;
     KernelChoice k;
-    ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
+    const Status st = select_backward_kernel(p, ro, &k);
+    ASSERT_TRUE(st.ok()) << st.to_string();
     EXPECT_EQ(k.id, d <= 128 ? KernelId::kCudaSm90 : KernelId::kCudaSm80) << d << ": " << k.reason;
     ro.cuda_config = "sm80";
     ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());

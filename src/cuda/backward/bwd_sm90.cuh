@@ -102,6 +102,53 @@ __device__ __forceinline__ std::uint64_t bwd90_adv(std::uint64_t d, int bytes) {
   return d + static_cast<std::uint64_t>(bytes >> 4);
 }
 
+/// P in place (s = S^T becomes P), in the wgmma accumulator layout: s[4j + 2r + e] is key
+/// key0 + g + 8r, query column 8j + 2t + e. The wgmma kernel runs problems without softcap, ALiBi
+/// and block-sparse masks (the selector sends those to the mma.sync kernel), so a pair's element
+/// mask is MaskRules' window alone: two compares per score, where bwd_p_ds's general path
+/// (softcap's tanh and chain rule, the block-sparse bit) raised the kernel's register demand past
+/// what keeps its wgmmas pipelined (ptxas serialized them).
+template <class Cfg>
+__device__ __forceinline__ void bwd90_p(float (&s)[Cfg::kBlockM / 2], const BwdParams& p, const BwdCta& c,
+                                        const BwdPair& pr, const float* lse2, bool need_mask, int key0, int g, int t) {
+  const float sc = p.score.c;
+  const int i0 = pr.m * Cfg::kBlockM;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int qc = 8 * j + 2 * t + e;
+      const float l2 = lse2[qc];
+      int hi = 1 << 30, lo = 0, gl = 0;
+      if (need_mask) {
+        const MaskRules& rules = c.s.rules;
+        hi = rules.key_hi(i0 + qc);
+        lo = rules.key_lo(i0 + qc);
+        gl = rules.global_tokens;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int k = key0 + g + 8 * r;
+        const bool vis = k < hi && (k >= lo || k < gl);
+        s[4 * j + 2 * r + e] = vis ? algebra::backward_p(s[4 * j + 2 * r + e], sc, l2) : 0.f;
+      }
+    }
+}
+
+/// dS = P (dP - D) in place (dp = dP^T becomes dS^T).
+template <class Cfg>
+__device__ __forceinline__ void bwd90_ds(const float (&s)[Cfg::kBlockM / 2], float (&dp)[Cfg::kBlockM / 2],
+                                         const float* delta, int t) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float d = delta[8 * j + 2 * t + e];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) dp[4 * j + 2 * r + e] = algebra::backward_ds(s[4 * j + 2 * r + e], dp[4 * j + 2 * r + e], d);
+    }
+}
+
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in the sm_90a pass
@@ -150,14 +197,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
 
   for (int it = 0; have; ++it) {
     const int st = it & 1;
+    // This pair's tiles (issued one pair ago) have landed, and every thread is done with the last
+    // pair: its stage (st ^ 1), dS^T and the dQ staging may be overwritten. One barrier per pair
+    // besides the one that publishes dS^T.
+    ptx::cp_async_wait<0>();
+    sm90::fence_proxy_async_smem();  // the cp.async writes (generic proxy) before wgmma's reads
+    __syncthreads();
     BwdPair nxt;
     const bool have_next = bwd_find_pair(p, c, cur.m + 1 < c.m_hi ? cur.gi : cur.gi + 1,
                                          cur.m + 1 < c.m_hi ? cur.m + 1 : c.m_lo, &nxt);
     if (have_next) bwd90_load_pair<Cfg, T>(p, sm, c, nxt, st ^ 1, tid);
     ptx::cp_async_commit();
-    ptx::cp_async_wait<1>();
-    sm90::fence_proxy_async_smem();  // the cp.async writes (generic proxy) before wgmma's reads
-    __syncthreads();
 
     const int qoff = st * Cfg::kSmemQ;
     float s[BM / 2], dp[BM / 2];
@@ -168,6 +218,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
       sm90::wgmma_ss<BM, T>(s, bwd90_adv(k_a, (kk / 4) * BN * 128 + off),
                             bwd90_adv(q_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
     }
+    sm90::wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_w dO^T
       const int off = (kk % 4) * 32;
@@ -175,10 +226,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
                             bwd90_adv(do_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
     }
     sm90::wgmma_commit();
-    sm90::wgmma_wait<0>();
     const float* rows = sm.rows(st);
-    bwd_p_ds<Cfg>(reinterpret_cast<float(&)[Cfg::kNQ][4]>(s), reinterpret_cast<float(&)[Cfg::kNQ][4]>(dp), p, c, cur,
-                  rows, rows + BM, cur.v.need_mask || key_tail, key0, g, t);
+    sm90::wgmma_wait<1>();  // S^T: P while dP^T is still on the tensor cores
+    bwd90_p<Cfg>(s, p, c, cur, rows, cur.v.need_mask || key_tail, key0, g, t);
+    sm90::wgmma_wait<0>();
+    bwd90_ds<Cfg>(s, dp, rows + BM, t);
 
     // P and dS as A fragments: k16 step kk covers the accumulator's chunks 2kk and 2kk + 1.
     std::uint32_t pa[BM / 16][4], da[BM / 16][4];
@@ -196,14 +248,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
     for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dk, da[kk], bwd90_adv(q_mn, qoff + kk * 16 * 128), 1);
     sm90::wgmma_commit();
 
-    // dS^T to shared memory for dQ (while dV and dK run): row = key, 16-bit pairs of query columns.
+    // dS^T to shared memory for dQ (while dV and dK run), from the packed fragments (the fp32 dS is
+    // dead by now: fewer live registers): da[kk][e] holds keys g + 8 (e % 2) of the warp's 16 and
+    // query columns 16 kk + 8 (e / 2) + 2t, 2t + 1.
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+    for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int key = wg * 64 + wi * 16 + g + 8 * r;
-        *reinterpret_cast<std::uint32_t*>(sm.ds() + algebra::panel_offset<BN>(key, j) + 4 * t) =
-            ptx::pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
+      for (int e = 0; e < 4; ++e) {
+        const int key = wg * 64 + wi * 16 + g + 8 * (e % 2);
+        *reinterpret_cast<std::uint32_t*>(sm.ds() + algebra::panel_offset<BN>(key, 2 * kk + e / 2) + 4 * t) = da[kk][e];
       }
     sm90::fence_proxy_async_smem();
     const BwdDqTurn<Cfg> turn(p, c, cur, tid);  // (deterministic: its barriers also publish dS^T)
@@ -242,7 +295,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
       }
     }
     turn.done(tid);
-    __syncthreads();  // stage st, dS^T and the staging are free for the next pair
     cur = nxt;
     have = have_next;
   }
