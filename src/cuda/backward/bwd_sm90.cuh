@@ -11,7 +11,7 @@
 //     dV  += P^T dO,   dK  += dS^T Q               wgmma, A = P / dS from registers, B MN-major
 // writes dS^T to shared memory, and after both warpgroups have, adds its 64 x 64 piece of
 //     dQ = dS K                                    wgmma, A and B MN-major in shared memory
-// to the fp32 accumulator (staged, 16-byte reductions as in bwd_dq). Head dim 128 takes query tiles
+// to the fp32 accumulator (staged in shared memory, one bulk reduction per row). Head dim 128 takes query tiles
 // of 64 rows and splits dQ's columns between the warpgroups; head dim 64 takes tiles of 128 rows and
 // splits dQ's rows. Tiles are stored as 64-column panels with the 128-byte swizzle
 // (algebra::panel_offset), the layout wgmma's descriptors read, filled by cp.async from all 256
@@ -42,7 +42,8 @@ struct BwdSm90Config {
   static constexpr int kSmemKV = kBlockN * HeadDim * 2;  ///< K or V tile
   static constexpr int kSmemQ = BlockM * HeadDim * 2;    ///< one stage of Q or dO
   static constexpr int kSmemDs = kBlockN * BlockM * 2;   ///< dS^T [key][query]
-  static constexpr int kSmemDq = 2 * 64 * 64 * 4;        ///< fp32 staging of dQ: 64 x 64 per warpgroup
+  static constexpr int kDqPitch = 68;                    ///< fp32 per staged dQ row (64 + 4: banks)
+  static constexpr int kSmemDq = 2 * 64 * kDqPitch * 4;  ///< fp32 staging of dQ: 64 x 64 per warpgroup
   static constexpr int kSmemRows = 2 * BlockM * 4;       ///< one stage of LSE log2 e and D
   static constexpr int kSmemBytes = 2 * kSmemKV + 4 * kSmemQ + kSmemDs + kSmemDq + 2 * kSmemRows;
   static_assert((HeadDim == 128 && BlockM == 64) || (HeadDim == 64 && BlockM == 128),
@@ -61,7 +62,9 @@ struct BwdSm90Smem {
   __device__ __forceinline__ std::uint32_t q(int st) const { return ptx::smem_u32(base + kQ + st * Cfg::kSmemQ); }
   __device__ __forceinline__ std::uint32_t dout(int st) const { return ptx::smem_u32(base + kDo + st * Cfg::kSmemQ); }
   __device__ __forceinline__ unsigned char* ds() const { return base + kDs; }
-  __device__ __forceinline__ float* dq_stage(int wg) const { return reinterpret_cast<float*>(base + kDq) + wg * 64 * 64; }
+  __device__ __forceinline__ float* dq_stage(int wg) const {
+    return reinterpret_cast<float*>(base + kDq) + wg * 64 * Cfg::kDqPitch;
+  }
   __device__ __forceinline__ float* rows(int st) const {
     return reinterpret_cast<float*>(base + kRows) + st * 2 * Cfg::kBlockM;
   }
@@ -259,6 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
         *reinterpret_cast<std::uint32_t*>(sm.ds() + algebra::panel_offset<BN>(key, 2 * kk + e / 2) + 4 * t) = da[kk][e];
       }
     sm90::fence_proxy_async_smem();
+    if (ct < 64) sm90::bulk_wait_read<0>();  // the last pair's bulk reductions have read the staging
     const BwdDqTurn<Cfg> turn(p, c, cur, tid);  // (deterministic: its barriers also publish dS^T)
     __syncthreads();
 
@@ -270,35 +274,37 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();  // dV, dK and dQ
 
-    // Stage the piece (16-byte chunks swizzled by row), then 16-byte reductions: a warp adds two
-    // whole 256-byte row segments per instruction.
+    // Stage the piece as rows of 64 fp32 (padded to kDqPitch: conflict-free fragment writes), then
+    // one bulk reduction per row (cp.reduce.async.bulk .add.f32, issued by the warpgroup's first 64
+    // threads). The bulk copies run in the async proxy: unlike red.global from these threads, they
+    // leave nothing for the next proxy fence (a MEMBAR.ALL.CTA) to wait on.
     float* stage = sm.dq_stage(wg);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = wi * 16 + g + 8 * r, c4 = 2 * j + (t >> 1);
-        *reinterpret_cast<float2*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2) + ((2 * t) & 3)) =
+        const int row = wi * 16 + g + 8 * r;
+        *reinterpret_cast<float2*>(stage + row * Cfg::kDqPitch + 8 * j + 2 * t) =
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
       }
+    sm90::fence_proxy_async_smem();  // the staging (generic writes) before the bulk copies read it
     sm90::named_barrier_sync(1 + wg, 128);
-    {
+    if (ct < 64) {
       const int h = c.hk * p.group + cur.gi;
-      const int row0 = cur.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
-      float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int idx = i * 128 + ct, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
-        if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
-          red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
-                     *reinterpret_cast<const float4*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2)));
-      }
+      const int row = cur.m * BM + (BM == 128 ? wg * 64 : 0) + ct, col0 = BM == 64 ? wg * 64 : 0;
+      const int cols = min(64, p.head_dim - col0);  // the class's padding columns are not accumulated
+      if (cols > 0)
+        sm90::bulk_reduce_add_f32(p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row) * p.head_dim + col0,
+                                  stage + ct * Cfg::kDqPitch, cols * 4);
+      sm90::bulk_commit();
+      if (p.sem != nullptr) sm90::bulk_wait<0>();  // deterministic: the additions land before the turn passes
     }
     turn.done(tid);
     cur = nxt;
     have = have_next;
   }
   ptx::cp_async_wait<0>();
+  if (ct < 64) sm90::bulk_wait_read<0>();  // shared memory stays until the bulk reductions have read it
   bwd_store_kv<Cfg, T>(p, c, reinterpret_cast<const float(&)[Cfg::kDT][4]>(dk),
                        reinterpret_cast<const float(&)[Cfg::kDT][4]>(dv), c.j0 + wg * 64 + wi * 16, 0, g, t);
 #endif
