@@ -472,8 +472,8 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
 
 // ---- backward ----------------------------------------------------------------------------------------
 /// The CUDA backward (src/cuda/backward): on Hopper the wgmma kernel for the head-dim classes 64 and
-/// 128 without softcap, ALiBi or block-sparse masks, elsewhere the mma.sync kernel.
-/// opt.cuda_config: "" = that choice, "sm80" / "sm90" = that kernel.
+/// 128, elsewhere (and for the 256 class, or block-sparse blocks its tiles do not divide) the mma.sync
+/// kernel. opt.cuda_config: "" = that choice, "sm80" / "sm90" = that kernel.
 static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, KernelChoice* out) {
 #if !FLASHCPP_HAS_SM80
   (void)p;
@@ -521,8 +521,6 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   else if (dev.sm_major != 9)
     why90 = "the wgmma backward needs an sm_90 device; '" + dev.name + "' is " + std::to_string(dev.sm_major) + "." +
             std::to_string(dev.sm_minor);
-  else if (p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr || bs != nullptr)
-    why90 = "the wgmma backward does not take softcap, ALiBi or block-sparse masks yet";
   else
     why90 = fits(*e90);
   if (want == "sm90" && !why90.empty()) return Status::Unsupported("cuda_config 'sm90': " + why90);

@@ -11,7 +11,7 @@
 //     dV  += P^T dO,   dK  += dS^T Q               wgmma, A = P / dS from registers, B MN-major
 // writes dS^T to shared memory, and after both warpgroups have, adds its 64 x 64 piece of
 //     dQ = dS K                                    wgmma, A and B MN-major in shared memory
-// to the fp32 accumulator (staged in shared memory, one bulk reduction per row). Head dim 128 takes query tiles
+// to the fp32 accumulator (staged, 16-byte reductions as in bwd_dq). Head dim 128 takes query tiles
 // of 64 rows and splits dQ's columns between the warpgroups; head dim 64 takes tiles of 128 rows and
 // splits dQ's rows. Tiles are stored as 64-column panels with the 128-byte swizzle
 // (algebra::panel_offset), the layout wgmma's descriptors read, filled by cp.async from all 256
@@ -42,8 +42,7 @@ struct BwdSm90Config {
   static constexpr int kSmemKV = kBlockN * HeadDim * 2;  ///< K or V tile
   static constexpr int kSmemQ = BlockM * HeadDim * 2;    ///< one stage of Q or dO
   static constexpr int kSmemDs = kBlockN * BlockM * 2;   ///< dS^T [key][query]
-  static constexpr int kDqPitch = 68;                    ///< fp32 per staged dQ row (64 + 4: banks)
-  static constexpr int kSmemDq = 2 * 64 * kDqPitch * 4;  ///< fp32 staging of dQ: 64 x 64 per warpgroup
+  static constexpr int kSmemDq = 2 * 64 * 64 * 4;        ///< fp32 staging of dQ: 64 x 64 per warpgroup
   static constexpr int kSmemRows = 2 * BlockM * 4;       ///< one stage of LSE log2 e and D
   static constexpr int kSmemBytes = 2 * kSmemKV + 4 * kSmemQ + kSmemDs + kSmemDq + 2 * kSmemRows;
   static_assert((HeadDim == 128 && BlockM == 64) || (HeadDim == 64 && BlockM == 128),
@@ -62,9 +61,7 @@ struct BwdSm90Smem {
   __device__ __forceinline__ std::uint32_t q(int st) const { return ptx::smem_u32(base + kQ + st * Cfg::kSmemQ); }
   __device__ __forceinline__ std::uint32_t dout(int st) const { return ptx::smem_u32(base + kDo + st * Cfg::kSmemQ); }
   __device__ __forceinline__ unsigned char* ds() const { return base + kDs; }
-  __device__ __forceinline__ float* dq_stage(int wg) const {
-    return reinterpret_cast<float*>(base + kDq) + wg * 64 * Cfg::kDqPitch;
-  }
+  __device__ __forceinline__ float* dq_stage(int wg) const { return reinterpret_cast<float*>(base + kDq) + wg * 64 * 64; }
   __device__ __forceinline__ float* rows(int st) const {
     return reinterpret_cast<float*>(base + kRows) + st * 2 * Cfg::kBlockM;
   }
@@ -103,53 +100,6 @@ __device__ __forceinline__ void bwd90_load_pair(const BwdParams& p, const BwdSm9
 /// below 2^18 bytes of shared memory).
 __device__ __forceinline__ std::uint64_t bwd90_adv(std::uint64_t d, int bytes) {
   return d + static_cast<std::uint64_t>(bytes >> 4);
-}
-
-/// P in place (s = S^T becomes P), in the wgmma accumulator layout: s[4j + 2r + e] is key
-/// key0 + g + 8r, query column 8j + 2t + e. The wgmma kernel runs problems without softcap, ALiBi
-/// and block-sparse masks (the selector sends those to the mma.sync kernel), so a pair's element
-/// mask is MaskRules' window alone: two compares per score, where bwd_p_ds's general path
-/// (softcap's tanh and chain rule, the block-sparse bit) raised the kernel's register demand past
-/// what keeps its wgmmas pipelined (ptxas serialized them).
-template <class Cfg>
-__device__ __forceinline__ void bwd90_p(float (&s)[Cfg::kBlockM / 2], const BwdParams& p, const BwdCta& c,
-                                        const BwdPair& pr, const float* lse2, bool need_mask, int key0, int g, int t) {
-  const float sc = p.score.c;
-  const int i0 = pr.m * Cfg::kBlockM;
-#pragma unroll
-  for (int j = 0; j < Cfg::kBlockM / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int qc = 8 * j + 2 * t + e;
-      const float l2 = lse2[qc];
-      int hi = 1 << 30, lo = 0, gl = 0;
-      if (need_mask) {
-        const MaskRules& rules = c.s.rules;
-        hi = rules.key_hi(i0 + qc);
-        lo = rules.key_lo(i0 + qc);
-        gl = rules.global_tokens;
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int k = key0 + g + 8 * r;
-        const bool vis = k < hi && (k >= lo || k < gl);
-        s[4 * j + 2 * r + e] = vis ? algebra::backward_p(s[4 * j + 2 * r + e], sc, l2) : 0.f;
-      }
-    }
-}
-
-/// dS = P (dP - D) in place (dp = dP^T becomes dS^T).
-template <class Cfg>
-__device__ __forceinline__ void bwd90_ds(const float (&s)[Cfg::kBlockM / 2], float (&dp)[Cfg::kBlockM / 2],
-                                         const float* delta, int t) {
-#pragma unroll
-  for (int j = 0; j < Cfg::kBlockM / 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float d = delta[8 * j + 2 * t + e];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) dp[4 * j + 2 * r + e] = algebra::backward_ds(s[4 * j + 2 * r + e], dp[4 * j + 2 * r + e], d);
-    }
 }
 
 template <class Cfg, typename T>
@@ -200,17 +150,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
 
   for (int it = 0; have; ++it) {
     const int st = it & 1;
-    // This pair's tiles (issued one pair ago) have landed, and every thread is done with the last
-    // pair: its stage (st ^ 1), dS^T and the dQ staging may be overwritten. One barrier per pair
-    // besides the one that publishes dS^T.
-    ptx::cp_async_wait<0>();
-    sm90::fence_proxy_async_smem();  // the cp.async writes (generic proxy) before wgmma's reads
-    __syncthreads();
     BwdPair nxt;
     const bool have_next = bwd_find_pair(p, c, cur.m + 1 < c.m_hi ? cur.gi : cur.gi + 1,
                                          cur.m + 1 < c.m_hi ? cur.m + 1 : c.m_lo, &nxt);
     if (have_next) bwd90_load_pair<Cfg, T>(p, sm, c, nxt, st ^ 1, tid);
     ptx::cp_async_commit();
+    ptx::cp_async_wait<1>();
+    sm90::fence_proxy_async_smem();  // the cp.async writes (generic proxy) before wgmma's reads
+    __syncthreads();
 
     const int qoff = st * Cfg::kSmemQ;
     float s[BM / 2], dp[BM / 2];
@@ -221,7 +168,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
       sm90::wgmma_ss<BM, T>(s, bwd90_adv(k_a, (kk / 4) * BN * 128 + off),
                             bwd90_adv(q_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
     }
-    sm90::wgmma_commit();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_w dO^T
       const int off = (kk % 4) * 32;
@@ -229,11 +175,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
                             bwd90_adv(do_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
     }
     sm90::wgmma_commit();
-    const float* rows = sm.rows(st);
-    sm90::wgmma_wait<1>();  // S^T: P while dP^T is still on the tensor cores
-    bwd90_p<Cfg>(s, p, c, cur, rows, cur.v.need_mask || key_tail, key0, g, t);
     sm90::wgmma_wait<0>();
-    bwd90_ds<Cfg>(s, dp, rows + BM, t);
+    const float* rows = sm.rows(st);
+    bwd_p_ds<Cfg>(reinterpret_cast<float(&)[Cfg::kNQ][4]>(s), reinterpret_cast<float(&)[Cfg::kNQ][4]>(dp), p, c, cur,
+                  rows, rows + BM, cur.v.need_mask || key_tail, key0, g, t);
 
     // P and dS as A fragments: k16 step kk covers the accumulator's chunks 2kk and 2kk + 1.
     std::uint32_t pa[BM / 16][4], da[BM / 16][4];
@@ -251,18 +196,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
     for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dk, da[kk], bwd90_adv(q_mn, qoff + kk * 16 * 128), 1);
     sm90::wgmma_commit();
 
-    // dS^T to shared memory for dQ (while dV and dK run), from the packed fragments (the fp32 dS is
-    // dead by now: fewer live registers): da[kk][e] holds keys g + 8 (e % 2) of the warp's 16 and
-    // query columns 16 kk + 8 (e / 2) + 2t, 2t + 1.
+    // dS^T to shared memory for dQ (while dV and dK run): row = key, 16-bit pairs of query columns.
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
+    for (int j = 0; j < BM / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = wg * 64 + wi * 16 + g + 8 * (e % 2);
-        *reinterpret_cast<std::uint32_t*>(sm.ds() + algebra::panel_offset<BN>(key, 2 * kk + e / 2) + 4 * t) = da[kk][e];
+      for (int r = 0; r < 2; ++r) {
+        const int key = wg * 64 + wi * 16 + g + 8 * r;
+        *reinterpret_cast<std::uint32_t*>(sm.ds() + algebra::panel_offset<BN>(key, j) + 4 * t) =
+            ptx::pack2<T>(dp[4 * j + 2 * r], dp[4 * j + 2 * r + 1]);
       }
     sm90::fence_proxy_async_smem();
-    if (ct < 64) sm90::bulk_wait_read<0>();  // the last pair's bulk reductions have read the staging
     const BwdDqTurn<Cfg> turn(p, c, cur, tid);  // (deterministic: its barriers also publish dS^T)
     __syncthreads();
 
@@ -274,37 +217,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();  // dV, dK and dQ
 
-    // Stage the piece as rows of 64 fp32 (padded to kDqPitch: conflict-free fragment writes), then
-    // one bulk reduction per row (cp.reduce.async.bulk .add.f32, issued by the warpgroup's first 64
-    // threads). The bulk copies run in the async proxy: unlike red.global from these threads, they
-    // leave nothing for the next proxy fence (a MEMBAR.ALL.CTA) to wait on.
+    // Stage the piece (16-byte chunks swizzled by row), then 16-byte reductions: a warp adds two
+    // whole 256-byte row segments per instruction.
     float* stage = sm.dq_stage(wg);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = wi * 16 + g + 8 * r;
-        *reinterpret_cast<float2*>(stage + row * Cfg::kDqPitch + 8 * j + 2 * t) =
+        const int row = wi * 16 + g + 8 * r, c4 = 2 * j + (t >> 1);
+        *reinterpret_cast<float2*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2) + ((2 * t) & 3)) =
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
       }
-    sm90::fence_proxy_async_smem();  // the staging (generic writes) before the bulk copies read it
     sm90::named_barrier_sync(1 + wg, 128);
-    if (ct < 64) {
+    {
       const int h = c.hk * p.group + cur.gi;
-      const int row = cur.m * BM + (BM == 128 ? wg * 64 : 0) + ct, col0 = BM == 64 ? wg * 64 : 0;
-      const int cols = min(64, p.head_dim - col0);  // the class's padding columns are not accumulated
-      if (cols > 0)
-        sm90::bulk_reduce_add_f32(p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row) * p.head_dim + col0,
-                                  stage + ct * Cfg::kDqPitch, cols * 4);
-      sm90::bulk_commit();
-      if (p.sem != nullptr) sm90::bulk_wait<0>();  // deterministic: the additions land before the turn passes
+      const int row0 = cur.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
+      float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int idx = i * 128 + ct, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
+        if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
+          red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
+                     *reinterpret_cast<const float4*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2)));
+      }
     }
     turn.done(tid);
+    __syncthreads();  // stage st, dS^T and the staging are free for the next pair
     cur = nxt;
     have = have_next;
   }
   ptx::cp_async_wait<0>();
-  if (ct < 64) sm90::bulk_wait_read<0>();  // shared memory stays until the bulk reductions have read it
   bwd_store_kv<Cfg, T>(p, c, reinterpret_cast<const float(&)[Cfg::kDT][4]>(dk),
                        reinterpret_cast<const float(&)[Cfg::kDT][4]>(dv), c.j0 + wg * 64 + wi * 16, 0, g, t);
 #endif

@@ -116,19 +116,7 @@ __device__ __forceinline__ void tma_store_4d(const void* tmap, int c0, int c1, i
   const std::int32_t coords[4] = {c0, c1, c2, c3};
   ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, tmap, coords, smem_src);
 }
-/// dst[i] += src[i] for `bytes` / 4 floats (global += shared::cta, one bulk copy in the async proxy;
-/// dst and src 16-byte aligned, bytes a multiple of 16). Completes in a bulk group.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const float* src, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(static_cast<std::uint32_t>(__cvta_generic_to_shared(src))), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void bulk_commit() { ptx::cp_async_bulk_commit_group(); }
-/// Waits until at most N bulk groups are still in flight (writes done).
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  ptx::cp_async_bulk_wait_group(ptx::n32_t<N>{});
-}
 /// Waits until at most N bulk groups still read their shared-memory source.
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
