@@ -15,7 +15,7 @@
 SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
-FUZZ_SECONDS ?= 60
+FUZZ_SECONDS ?= 40
 CUDA ?= $(shell command -v nvcc >/dev/null 2>&1 && echo ON || echo OFF)
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes || echo no)
 PYTHON ?= python3

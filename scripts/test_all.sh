@@ -16,7 +16,7 @@
 # fails on a non-zero exit status, and also when its counts are missing from its output or it
 # ran no test at all. Exit status: 0 when every stage passed, 1 otherwise.
 #   scripts/test_all.sh [BUILD]        (default build)
-#   env: JOBS (ctest -j; default nproc), FUZZ_SECONDS (default 60), PYTHON (python/ci_test.sh's),
+#   env: JOBS (ctest -j; default nproc), FUZZ_SECONDS (default 60; make test passes 40), PYTHON (python/ci_test.sh's),
 #        TEST_STAGES (a subset of the stages, in the order given; default all)
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

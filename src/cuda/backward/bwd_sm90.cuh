@@ -17,9 +17,10 @@
 // (algebra::panel_offset), the layout wgmma's descriptors read, filled by cp.async from all 256
 // threads with the next pair's tiles in flight while the current one computes.
 //
-// Where speed falls off: the two warpgroups run the same phases at the same time (the barrier before
-// dQ joins them every pair), so the tensor cores idle while both compute P and dS; there is no
-// producer warp, no TMA and no overlap of one pair's elementwise work with the next pair's products.
+// Where speed falls off: at 255 registers ptxas serializes the wgmmas (each waits for the one
+// before); freeing registers to pipeline them measured slower (reports/backward), since the two
+// warpgroups then issue, wait and compute P and dS in step and the tensor cores idle in between.
+// There is no producer warp, no TMA, and dQ leaves by red.global from every thread.
 #pragma once
 
 #include "cuda/backward/bwd_kernel.cuh"
