@@ -39,6 +39,13 @@ inline bool left_out_of_build(const Status& st) {
   return st.code() == StatusCode::kUnsupported && st.message().rfind("this build leaves out", 0) == 0;
 }
 
+/// True when this build holds the sm90 kernels and the current device is an sm_90 one (no usable
+/// device: false).
+inline bool sm90_device() {
+  cuda::DeviceInfo dev;
+  return FLASHCPP_HAS_SM90 && cuda::current_device(&dev).ok() && dev.sm_major == 9;
+}
+
 /// What a test file of a family this build leaves out compiles to: one test, skipped with the reason.
 #define FLASHCPP_GPU_TESTS_LEFT_OUT(Suite, ...) \
   TEST(Suite, LeftOutOfThisBuild) { GTEST_SKIP() << ::flashcpp::testing::left_out_families({__VA_ARGS__}); }

@@ -269,14 +269,8 @@ TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
   }
 }
 
-/// True when the device runs the wgmma backward (sm_90 and a build with the sm90 family).
-bool wgmma_backward_device() {
-  cuda::DeviceInfo dev;
-  return FLASHCPP_HAS_SM90 && cuda::current_device(&dev).ok() && dev.sm_major == 9;
-}
-
 TEST(BackwardGpu, HopperRunsTheWgmmaKernelForClasses64And128) {
-  if (!wgmma_backward_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
+  if (!sm90_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
   for (int d : {64, 96, 128, 256}) {
     AttnBackwardParams p;
     p.batch = 1;

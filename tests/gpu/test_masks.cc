@@ -91,8 +91,7 @@ std::vector<std::string> families() {
   f.push_back("sm80");
 #endif
 #if FLASHCPP_HAS_SM90
-  cuda::DeviceInfo dev;
-  if (cuda::current_device(&dev).ok() && dev.sm_major == 9) f.push_back("sm90");
+  if (sm90_device()) f.push_back("sm90");
 #endif
   return f;
 }

@@ -201,8 +201,7 @@ TEST(Prefill, SlidingWindows) {
 std::vector<std::string> all_configs(int d, int dv = 0) {
   auto v = cuda::prefill_sm80_configs(d);
 #if FLASHCPP_HAS_SM90
-  cuda::DeviceInfo dev;
-  if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
+  if (sm90_device())
     for (const auto& c : cuda::prefill_sm90_configs(d, dv)) v.push_back(c);
 #endif
   return v;

@@ -69,8 +69,7 @@ std::vector<std::string> configs(int d) {
   for (const auto& e : cuda::fa2_entries(d)) out.push_back(select::sm80_config_name(e.tile));
 #endif
 #if FLASHCPP_HAS_SM90
-  cuda::DeviceInfo dev;
-  if (cuda::current_device(&dev).ok() && dev.sm_major == 9)
+  if (sm90_device())
     for (const auto& e : cuda::fa3_entries(d, d))
       out.push_back(select::sm90_config_name(e.tile));
 #endif

@@ -235,6 +235,12 @@ __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& 
   return false;
 }
 
+/// The pair after `cur` in (head, tile) order, into *next; false when none is left.
+__device__ __forceinline__ bool bwd_next_pair(const BwdParams& p, const BwdCta& c, const BwdPair& cur, BwdPair* next) {
+  const bool same_head = cur.m + 1 < c.m_hi;
+  return bwd_find_pair(p, c, same_head ? cur.gi : cur.gi + 1, same_head ? cur.m + 1 : c.m_lo, next);
+}
+
 /// The first rows of a pair's query head in q and dO (bwd_row at row 0).
 template <typename T>
 struct BwdPairRows {
@@ -394,6 +400,10 @@ __device__ __forceinline__ void bwd_p_ds(float (&s)[Cfg::kNQ][4], float (&dp)[Cf
   bwd_p_ds_general<Cfg>(s, dp, p, c, pr, lse2, delta, need_mask, key0, g, t);
 }
 
+/// Float offset of 16-byte chunk c4 of row `row` in a dQ staging tile of 64 fp32 per row, the chunk
+/// swizzled by the row (fragment writes of 8 rows land in distinct banks).
+__device__ __forceinline__ int bwd_stage_offset(int row, int c4) { return row * 64 + ((c4 ^ (row & 7)) << 2); }
+
 /// 16 fp32 added to global memory at once where the device has the vector reduction (sm_90), else
 /// four scalar reductions. dst is 16-byte aligned.
 __device__ __forceinline__ void red_add_v4(float* dst, float4 v) {
@@ -459,7 +469,7 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p, const BwdSmem<Cfg, T>
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = g + 8 * r, c4 = 2 * nt + (t >> 1);
-        *reinterpret_cast<float2*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2) + ((2 * t) & 3)) =
+        *reinterpret_cast<float2*>(stage + bwd_stage_offset(row, c4) + ((2 * t) & 3)) =
             make_float2(acc[nt][2 * r], acc[nt][2 * r + 1]);
       }
     __syncwarp();
@@ -468,7 +478,7 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p, const BwdSmem<Cfg, T>
       const int row = 2 * i + (lane >> 4), c4 = lane & 15, col = cc * 64 + 4 * c4;
       if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
         red_add_v4(acc_rows + static_cast<std::int64_t>(qg * 16 + row) * p.head_dim + col,
-                   *reinterpret_cast<const float4*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2)));
+                   *reinterpret_cast<const float4*>(stage + bwd_stage_offset(row, c4)));
     }
   }
 }
@@ -577,8 +587,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) bwd_main_kerne
   for (int it = 0; have; ++it) {
     const int st = it & 1;
     BwdPair nxt;
-    const bool have_next = bwd_find_pair(p, c, cur.m + 1 < c.m_hi ? cur.gi : cur.gi + 1,
-                                         cur.m + 1 < c.m_hi ? cur.m + 1 : c.m_lo, &nxt);
+    const bool have_next = bwd_next_pair(p, c, cur, &nxt);
     if (have_next) bwd_load_pair<Cfg, T>(p, sm, c, nxt, st ^ 1, tid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();

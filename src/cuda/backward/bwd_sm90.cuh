@@ -152,8 +152,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
   for (int it = 0; have; ++it) {
     const int st = it & 1;
     BwdPair nxt;
-    const bool have_next = bwd_find_pair(p, c, cur.m + 1 < c.m_hi ? cur.gi : cur.gi + 1,
-                                         cur.m + 1 < c.m_hi ? cur.m + 1 : c.m_lo, &nxt);
+    const bool have_next = bwd_next_pair(p, c, cur, &nxt);
     if (have_next) bwd90_load_pair<Cfg, T>(p, sm, c, nxt, st ^ 1, tid);
     ptx::cp_async_commit();
     ptx::cp_async_wait<1>();
@@ -226,7 +225,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = wi * 16 + g + 8 * r, c4 = 2 * j + (t >> 1);
-        *reinterpret_cast<float2*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2) + ((2 * t) & 3)) =
+        *reinterpret_cast<float2*>(stage + bwd_stage_offset(row, c4) + ((2 * t) & 3)) =
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
       }
     sm90::named_barrier_sync(1 + wg, 128);
@@ -239,7 +238,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
         const int idx = i * 128 + ct, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
         if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
           red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
-                     *reinterpret_cast<const float4*>(stage + row * 64 + ((c4 ^ (row & 7)) << 2)));
+                     *reinterpret_cast<const float4*>(stage + bwd_stage_offset(row, c4)));
       }
     }
     turn.done(tid);
