@@ -31,6 +31,10 @@ case $phase in
       --gtest_filter="${MC:-BackwardGpu.VarlenZeroesUncoveredRows:BackwardGpu.NanIn*}" > "$OUT/memcheck_bwd.txt" 2>&1
     echo "memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_bwd.txt" | tail -1)"
     wait; tail -1 /tmp/pip.txt
+    if [ "${AB:-0}" = 1 ]; then  # WIP: the backward's kernels A/B (FLASHCPP_BWD_CONFIG), cuDNN beside
+      (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/bwd_ab_wip.py" "${AB_CONFIGS:-sm90,sm90ws}") > "$OUT/ab.txt" 2>&1
+      echo "ab rc $?"; cat "$OUT/ab.txt"
+    fi
     if [ "${BENCH:-1}" = 1 ]; then
       (cd /tmp && timeout 150 python3 -m flashcpp.bench backward --quick --out "$OUT/bwd_quick") > "$OUT/bench_quick.log" 2>&1
       echo "bench quick rc $?"; grep -E "^b[0-9]| ours " "$OUT/bench_quick.log" | tail -6

@@ -482,9 +482,9 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   return build::refuse(build::Family::kSm80, "the CUDA attention backward is built with it");
 #else
   const std::string& want = opt.cuda_config;
-  if (!want.empty() && want != "sm80" && want != "sm90")
-    return Status::Invalid("the backward takes cuda_config \"\" (automatic), \"sm80\" (mma.sync) or \"sm90\" "
-                           "(wgmma), not '" + want + "'");
+  if (!want.empty() && want != "sm80" && want != "sm90" && want != "sm90ws")
+    return Status::Invalid("the backward takes cuda_config \"\" (automatic), \"sm80\" (mma.sync), \"sm90\" "
+                           "(wgmma) or \"sm90ws\" (warp-specialized wgmma), not '" + want + "'");
   cuda::DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
   if (dev.sm_major < 8)
@@ -523,6 +523,21 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
             std::to_string(dev.sm_minor);
   else
     why90 = fits(*e90);
+  if (want == "sm90ws") {  // opt-in while it is measured: no softcap, ALiBi or block-sparse masks
+    const cuda::BwdEntry* ews = cuda::bwd_entry_sm90ws(f.head_dim_class());
+    std::string why = !why90.empty() ? why90
+                      : ews == nullptr ? std::string("no warp-specialized backward for this head-dim class")
+                      : (p.mask.softcap > 0.f || p.mask.alibi_slopes != nullptr || bs != nullptr)
+                          ? std::string("the warp-specialized backward takes no softcap, ALiBi or block-sparse mask")
+                          : fits(*ews);
+    if (!why.empty()) return Status::Unsupported("cuda_config 'sm90ws': " + why);
+    out->id = KernelId::kCudaSm90;
+    out->tile = ews->tile;
+    out->config = "bwd_sm90ws_" + sm80_config_name(ews->tile);
+    out->reason = "warp-specialized wgmma backward (src/cuda/backward/bwd_sm90_ws.cuh) on " + dev.name +
+                  head_dim_class_note(f) + (p.deterministic ? "; deterministic dQ (key tiles add in ascending order)" : "");
+    return Status::Ok();
+  }
   if (want == "sm90" && !why90.empty()) return Status::Unsupported("cuda_config 'sm90': " + why90);
   const bool sm90 = why90.empty() && want != "sm80";
   if (sm90) e = e90;

@@ -221,6 +221,12 @@ void check_case(const BwdCase& c) {
   expect_close("dv", r.dv, r.ref_dv, c.dt, what);
 }
 
+/// True when the device runs the wgmma backward (sm_90 and a build with the sm90 family).
+bool wgmma_backward_device() {
+  cuda::DeviceInfo dev;
+  return FLASHCPP_HAS_SM90 && cuda::current_device(&dev).ok() && dev.sm_major == 9;
+}
+
 TEST(BackwardGpu, DenseMasksAndGqa) {
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128, 256}) {
@@ -249,7 +255,9 @@ TEST(BackwardGpu, EveryHeadDimRunsPaddedToItsClass) {
 }
 
 TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
-  for (const std::string cfg : {"", "sm80"}) {
+  std::vector<std::string> cfgs = {"", "sm80"};
+  if (wgmma_backward_device()) cfgs.push_back("sm90ws");
+  for (const std::string& cfg : cfgs) {
     const BwdCase c{.batch = 1, .sq = 1024, .sk = 1024, .hq = 4, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
                     .config = cfg};
     check_case(c);
@@ -306,6 +314,31 @@ TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
     }
   check_case({.batch = 1, .sq = 700, .sk = 700, .hq = 2, .hkv = 1, .d = 64, .causal = true, .deterministic = true});
   check_case({.batch = 1, .sq = 520, .sk = 600, .hq = 2, .hkv = 2, .d = 128, .wl = 200, .wr = 30, .softcap = 20.f});
+}
+
+TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
+  // cuda_config "sm90ws": producer and dQ-writer warps beside two consumer warpgroups
+  // (bwd_sm90_ws.cuh); no softcap, ALiBi or block-sparse masks.
+  if (!wgmma_backward_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
+  for (DType dt : {DType::kBF16, DType::kF16})
+    for (int d : {64, 128}) {
+      check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true, .config = "sm90ws"});
+      check_case({.batch = 1, .sq = 333, .sk = 1031, .hq = 3, .hkv = 3, .d = d, .dt = dt, .config = "sm90ws"});
+      check_case({.batch = 2, .sq = 127, .sk = 200, .hq = 4, .hkv = 2, .d = d, .dt = dt, .config = "sm90ws"});
+    }
+  check_case({.batch = 1, .sq = 1, .sk = 1, .hq = 1, .hkv = 1, .d = 64, .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 7, .sk = 1000, .hq = 2, .hkv = 1, .d = 128, .causal = true, .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 1000, .sk = 7, .hq = 2, .hkv = 2, .d = 128, .causal = true, .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 500, .sk = 520, .hq = 2, .hkv = 2, .d = 128, .wl = 100, .wr = 10, .config = "sm90ws"});
+  check_case({.batch = 2, .sq = 190, .sk = 190, .hq = 2, .hkv = 2, .d = 64, .dlse = true, .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 70, .sk = 90, .hq = 2, .hkv = 1, .d = 96, .dv = 80, .causal = true, .config = "sm90ws"});
+  check_case({.hq = 4, .hkv = 2, .d = 128, .lq = {1, 130, 0, 64, 257}, .lk = {5, 130, 3, 0, 300}, .extra_rows = 9,
+              .causal = true, .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 700, .sk = 700, .hq = 2, .hkv = 1, .d = 64, .causal = true, .deterministic = true,
+              .config = "sm90ws"});
+  BwdCase nan{.batch = 1, .sq = 96, .sk = 80, .hq = 4, .hkv = 2, .d = 64, .config = "sm90ws"};
+  nan.nan_q = {{5, 1, 3}};
+  check_case(nan);
 }
 
 TEST(BackwardGpu, TheMmaSyncKernelStillRunsOnHopper) {

@@ -37,6 +37,19 @@ const BwdEntry* bwd_entry_sm90(int head_dim_class) {
 #endif
 }
 
+const BwdEntry* bwd_entry_sm90ws(int head_dim_class) {
+#if FLASHCPP_HAS_SM90
+  switch (head_dim_class) {
+    case 64: return &bwd_entry_sm90ws_hd64();
+    case 128: return &bwd_entry_sm90ws_hd128();
+    default: return nullptr;
+  }
+#else
+  (void)head_dim_class;
+  return nullptr;
+#endif
+}
+
 namespace {
 
 Status cuda_status(cudaError_t e, const char* what) {
@@ -154,6 +167,7 @@ Status backward_cuda(const AttnBackwardParams& a, const TileConfig& tile, const 
   const int cls = cuda_head_dim_class(a.head_dim, a.effective_head_dim_v());
   const BwdEntry* e = bwd_entry(cls);
   if (const BwdEntry* e90 = bwd_entry_sm90(cls); e90 != nullptr && e90->tile == tile) e = e90;
+  if (const BwdEntry* ews = bwd_entry_sm90ws(cls); ews != nullptr && ews->tile == tile) e = ews;
   if (e == nullptr || !(e->tile == tile))
     return Status::Invalid("no backward config with tiles " + std::to_string(tile.block_m) + "x" +
                            std::to_string(tile.block_n) + " for head_dim " + std::to_string(a.head_dim));

@@ -51,6 +51,7 @@ struct BwdConfig {
   static constexpr int kDSplit = DSplit;    ///< warps sharing a 16-key slice, each with D / kDSplit columns
   static constexpr int kMinBlocks = MinBlocks;
   static constexpr bool kSm90 = false;  ///< the mma.sync kernel (bwd_sm90.cuh has the wgmma one)
+  static constexpr bool kWs = false;
   static constexpr int kBlockN = 16 * Warps / DSplit;  ///< keys per CTA
   static constexpr int kThreads = 32 * Warps;
   static constexpr int kChunks = HeadDim / 8;     ///< 16-byte chunks per row (load_tile)

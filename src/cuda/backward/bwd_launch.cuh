@@ -8,6 +8,7 @@
 #include "cuda/backward/bwd_kernel.cuh"
 #include "cuda/backward/bwd_registry.h"
 #include "cuda/backward/bwd_sm90.cuh"
+#include "cuda/backward/bwd_sm90_ws.cuh"
 #include "cuda/common/smem_opt_in.h"
 
 namespace flashcpp::cuda {
@@ -18,7 +19,8 @@ template <class Cfg, typename T>
 Status bwd_run(const BwdParams& p, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
   auto* kernel = [] {
-    if constexpr (Cfg::kSm90) return &bwd_sm90_kernel<Cfg, T>;
+    if constexpr (Cfg::kWs) return &bwd_sm90_ws_kernel<Cfg, T>;
+    else if constexpr (Cfg::kSm90) return &bwd_sm90_kernel<Cfg, T>;
     else return &bwd_main_kernel<Cfg, T>;
   }();
   FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, Cfg::kSmemBytes, device, opted_in, "backward: "));

@@ -27,6 +27,10 @@ const BwdEntry& bwd_entry_hd128();
 const BwdEntry& bwd_entry_hd256();
 const BwdEntry& bwd_entry_sm90_hd64();
 const BwdEntry& bwd_entry_sm90_hd128();
+const BwdEntry& bwd_entry_sm90ws_hd64();
+const BwdEntry& bwd_entry_sm90ws_hd128();
+/// The warp-specialized wgmma entry (cuda_config "sm90ws"; not chosen automatically yet), or nullptr.
+const BwdEntry* bwd_entry_sm90ws(int head_dim_class);
 /// The mma.sync entry of a head-dim class (64, 128, 256), or nullptr.
 const BwdEntry* bwd_entry(int head_dim_class);
 /// The wgmma entry of a head-dim class (64, 128), or nullptr (other classes, or a build without

@@ -38,6 +38,7 @@ struct BwdSm90Config {
   static constexpr int kThreads = 256;
   static constexpr int kMinBlocks = 1;
   static constexpr bool kSm90 = true;
+  static constexpr bool kWs = false;  ///< bwd_sm90_ws.cuh has the warp-specialized twin
   static constexpr int kNQ = BlockM / 8;   ///< n8 chunks of query columns in S^T (bwd_p_ds)
   static constexpr int kDT = HeadDim / 8;  ///< n8 chunks of dK / dV columns (bwd_store_kv)
   static constexpr int kSmemKV = kBlockN * HeadDim * 2;  ///< K or V tile

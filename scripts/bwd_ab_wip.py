@@ -1,0 +1,43 @@
+"""WIP (branch wip-bwd-ws): the CUDA backward under several cuda_config values (FLASHCPP_BWD_CONFIG), interleaved in
+one process, plus cuDNN through SDPA; gradients checked against cuDNN's. Usage: bwd_ab_wip.py [configs, e.g. sm90,sm90ws]"""
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashcpp
+from flashcpp.bench.common import bench_us
+
+configs = (sys.argv[1] if len(sys.argv) > 1 else "sm90,sm90ws").split(",")
+shapes = [(2, 16, 4096, 64, False), (4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 16, 16384, 128, True),
+          (2, 16, 16384, 64, True), (16, 32, 512, 128, True)]
+for (b, h, n, d, causal) in shapes:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q0, k0, v0, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+    leaves = lambda: tuple(x.clone().requires_grad_() for x in (q0, k0, v0))
+    fns = {}
+    for cfg in configs:
+        q, k, v = leaves()
+        o = flashcpp.flash_attn_func(q, k, v, causal=causal)
+        fns[cfg] = (lambda o=o, q=q, k=k, v=v, cfg=cfg: (os.environ.__setitem__("FLASHCPP_BWD_CONFIG", cfg),
+                                                         torch.autograd.grad(o, (q, k, v), do, retain_graph=True))[1])
+    q, k, v = leaves()
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        oc = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    fns["cudnn"] = lambda: torch.autograd.grad(oc, (q, k, v), do.transpose(1, 2), retain_graph=True)
+    ref = [x.float() for x in fns["cudnn"]()]
+    for cfg in configs:
+        got = [x.float() for x in fns[cfg]()]
+        diff = max(((a - r).abs().max() / r.abs().max()).item() for a, r in zip(got, ref))
+        print(f"  {cfg}: max rel diff vs cudnn {diff:.2e}", flush=True)
+    times = {k_: [] for k_ in fns}
+    for _ in range(3):
+        for k_, f in fns.items():
+            f()
+            times[k_].append(bench_us(f, rep_ms=150))
+    fl = 4 * b * h * n * n * d * 2.5 / (2 if causal else 1)
+    print(f"({b},{h},{n},{d}){' causal' if causal else ''}: " + "  ".join(
+        f"{k_} {fl / statistics.median(v_) / 1e6:6.1f}" for k_, v_ in times.items()) + " TF/s", flush=True)

@@ -1,0 +1,392 @@
+// The warp-specialized wgmma backward (sm_90a): bwd_sm90.cuh's products in roles, as FA3's hopper/
+// backward splits them. Three warpgroups:
+//   warpgroup 0, warp 0   producer: walks the CTA's (query head, query tile) pairs and copies each
+//                         pair's Q, dO, LSE and D into a two-stage ring (cp.async, completion on the
+//                         stage's mbarrier), with a small record (tile, head, mask flag) per stage;
+//   warpgroup 0, warp 1   dQ writer: adds each consumer's staged 64 x 64 dQ piece to the fp32
+//                         accumulator (red.global.add.v4), and in deterministic mode takes the query
+//                         tile's turn for the CTA;
+//   warpgroups 1 and 2    consumers (setmaxnreg 240): 64 keys each, dK and dV in registers; per pair
+//                         S^T, dP^T (SS wgmma), P while dP^T runs, dS, dV += P^T dO (RS), dS^T to
+//                         shared memory (two buffers), dQ = dS K (SS, both MN-major) after the two
+//                         consumers' barrier, dK += dS^T Q (RS) while dQ's piece is staged.
+// With the loads, the walk and the reductions off the consumers, their registers hold the
+// accumulators and little else, so the wgmmas stay pipelined (bwd_sm90.cuh's single-role kernel
+// needs 255 registers and ptxas serializes them).
+//
+// Problems with softcap, ALiBi or block-sparse masks run the mma.sync kernel (the selector's rule):
+// the element mask here is MaskRules' window.
+#pragma once
+
+#include "cuda/backward/bwd_sm90.cuh"
+
+namespace flashcpp::cuda {
+
+template <int HeadDim, int BlockM>
+struct BwdWsConfig {
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = 128;
+  static constexpr int kWarps = 12;
+  static constexpr int kThreads = 384;
+  static constexpr int kMinBlocks = 1;
+  static constexpr bool kSm90 = true;
+  static constexpr bool kWs = true;
+  static constexpr int kNQ = BlockM / 8;
+  static constexpr int kDT = HeadDim / 8;
+  static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
+  static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
+  static constexpr int kSmemKV = kBlockN * HeadDim * 2;
+  static constexpr int kSmemQ = BlockM * HeadDim * 2;
+  static constexpr int kSmemDs = kBlockN * BlockM * 2;   ///< one dS^T buffer [key][query]
+  static constexpr int kDqPitch = 68;                    ///< fp32 per staged dQ row (64 + 4: banks)
+  static constexpr int kSmemDq = 2 * 64 * kDqPitch * 4;  ///< dQ staging, 64 x 64 per consumer
+  static constexpr int kSmemRows = 2 * BlockM * 4;       ///< one stage of LSE log2 e and D
+  static constexpr int kSmemBytes =
+      2 * kSmemKV + 4 * kSmemQ + 2 * kSmemDs + kSmemDq + 2 * kSmemRows + 1024;  // + records, barriers
+  static_assert((HeadDim == 128 && BlockM == 64) || (HeadDim == 64 && BlockM == 128));
+};
+
+/// What the producer tells the consumers about a stage. m < 0: no more pairs.
+struct BwdWsRecord {
+  int m, gi, need_mask, pad;
+};
+/// What a consumer tells the dQ writer about its staged piece. m < 0: that consumer is done.
+struct BwdWsPiece {
+  int m, gi, pad0, pad1;
+};
+
+template <class Cfg>
+struct BwdWsSmem {
+  unsigned char* base;
+  static constexpr int kV = Cfg::kSmemKV, kQ = 2 * Cfg::kSmemKV, kDo = kQ + 2 * Cfg::kSmemQ,
+                       kDs = kDo + 2 * Cfg::kSmemQ, kDq = kDs + 2 * Cfg::kSmemDs, kRows = kDq + Cfg::kSmemDq,
+                       kMisc = kRows + 2 * Cfg::kSmemRows;
+  __device__ __forceinline__ std::uint32_t k() const { return ptx::smem_u32(base); }
+  __device__ __forceinline__ std::uint32_t v() const { return ptx::smem_u32(base + kV); }
+  __device__ __forceinline__ std::uint32_t q(int st) const { return ptx::smem_u32(base + kQ + st * Cfg::kSmemQ); }
+  __device__ __forceinline__ std::uint32_t dout(int st) const { return ptx::smem_u32(base + kDo + st * Cfg::kSmemQ); }
+  __device__ __forceinline__ unsigned char* ds(int b) const { return base + kDs + b * Cfg::kSmemDs; }
+  __device__ __forceinline__ float* dq_stage(int wg) const {
+    return reinterpret_cast<float*>(base + kDq) + wg * 64 * Cfg::kDqPitch;
+  }
+  __device__ __forceinline__ float* rows(int st) const {
+    return reinterpret_cast<float*>(base + kRows) + st * 2 * Cfg::kBlockM;
+  }
+  __device__ __forceinline__ BwdWsRecord* record(int st) const {
+    return reinterpret_cast<BwdWsRecord*>(base + kMisc) + st;
+  }
+  __device__ __forceinline__ BwdWsPiece* piece(int wg) const {
+    return reinterpret_cast<BwdWsPiece*>(base + kMisc + 64) + wg;
+  }
+  __device__ __forceinline__ std::uint64_t* full(int st) const {
+    return reinterpret_cast<std::uint64_t*>(base + kMisc + 128) + st;
+  }
+  __device__ __forceinline__ std::uint64_t* empty(int st) const {
+    return reinterpret_cast<std::uint64_t*>(base + kMisc + 128) + 2 + st;
+  }
+  __device__ __forceinline__ std::uint64_t* kv_full() const {
+    return reinterpret_cast<std::uint64_t*>(base + kMisc + 128) + 4;
+  }
+};
+
+// Named barriers (0 is __syncthreads): the consumers' dS^T barrier, and per consumer the dQ
+// staging's full and empty hand-overs with the writer warp (128 + 32 threads).
+inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4;
+
+/// This lane's cp.async copies done -> one arrival on `bar` (initialized with the lanes counted).
+__device__ __forceinline__ void cp_async_arrive(std::uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ptx::smem_u32(bar)) : "memory");
+}
+
+/// P in place (s = S^T becomes P), in the wgmma accumulator layout: s[4j + 2r + e] is key
+/// key0 + g + 8r, query column 8j + 2t + e. The wgmma kernel runs problems without softcap, ALiBi
+/// and block-sparse masks (the selector sends those to the mma.sync kernel), so a pair's element
+/// mask is MaskRules' window alone: two compares per score, where bwd_p_ds's general path
+/// (softcap's tanh and chain rule, the block-sparse bit) raised the kernel's register demand past
+/// what keeps its wgmmas pipelined (ptxas serialized them).
+template <class Cfg>
+__device__ __forceinline__ void bwd90_p(float (&s)[Cfg::kBlockM / 2], const BwdParams& p, const BwdCta& c,
+                                        const BwdPair& pr, const float* lse2, bool need_mask, int key0, int g, int t) {
+  const float sc = p.score.c;
+  const int i0 = pr.m * Cfg::kBlockM;
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int qc = 8 * j + 2 * t + e;
+      const float l2 = lse2[qc];
+      int hi = 1 << 30, lo = 0, gl = 0;
+      if (need_mask) {
+        const MaskRules& rules = c.s.rules;
+        hi = rules.key_hi(i0 + qc);
+        lo = rules.key_lo(i0 + qc);
+        gl = rules.global_tokens;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int k = key0 + g + 8 * r;
+        const bool vis = k < hi && (k >= lo || k < gl);
+        s[4 * j + 2 * r + e] = vis ? algebra::backward_p(s[4 * j + 2 * r + e], sc, l2) : 0.f;
+      }
+    }
+}
+
+/// dS = P (dP - D) in place (dp = dP^T becomes dS^T).
+template <class Cfg>
+__device__ __forceinline__ void bwd90_ds(const float (&s)[Cfg::kBlockM / 2], float (&dp)[Cfg::kBlockM / 2],
+                                         const float* delta, int t) {
+#pragma unroll
+  for (int j = 0; j < Cfg::kBlockM / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float d = delta[8 * j + 2 * t + e];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) dp[4 * j + 2 * r + e] = algebra::backward_ds(s[4 * j + 2 * r + e], dp[4 * j + 2 * r + e], d);
+    }
+}
+
+/// The producer warp: K and V once, then every pair's stage.
+template <class Cfg, typename T>
+__device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
+                                                int lane) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim;
+  {
+    const BwdKvRows<T> kv(p, c);
+    bwd90_load_tile<BN, D, 32>(sm.k(), kv.k, p.k_seq_stride, c.j0, c.s.len_k, p.head_dim, lane);
+    bwd90_load_tile<BN, D, 32>(sm.v(), kv.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, lane);
+    cp_async_arrive(sm.kv_full());
+  }
+  const bool key_tail = c.j0 + BN > c.s.len_k;
+  BwdPair cur;
+  bool have = bwd_find_pair(p, c, 0, c.m_lo, &cur);
+  for (int it = 0;; ++it) {
+    const int st = it & 1;
+    sm90::mbar_wait_sleep(sm.empty(st), ((it >> 1) & 1) ^ 1);
+    if (lane == 0)
+      *sm.record(st) = BwdWsRecord{have ? cur.m : -1, cur.gi, (cur.v.need_mask || key_tail) ? 1 : 0, 0};
+    __syncwarp();
+    if (!have) {  // the end: 33 plain arrivals complete the stage with the record alone
+      sm90::mbar_arrive(sm.full(st));
+      if (lane == 0) sm90::mbar_arrive(sm.full(st));
+      asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+      break;
+    }
+    const int h = c.hk * p.group + cur.gi;
+    const BwdPairRows<T> g(p, c, h);
+    bwd90_load_tile<BM, D, 32>(sm.q(st), g.q, p.q_seq_stride, cur.m * BM, c.s.len_q, p.head_dim, lane);
+    bwd90_load_tile<BM, D, 32>(sm.dout(st), g.dout, p.do_seq_stride, cur.m * BM, c.s.len_q, p.head_dim_v, lane);
+    for (int i = lane; i < BM / 2; i += 32) bwd_load_rows<BM>(p, sm.rows(st), c, h, cur.m, i);
+    cp_async_arrive(sm.full(st));                  // 32 arrivals as this lane's copies land
+    if (lane == 0) sm90::mbar_arrive(sm.full(st));  // and one that publishes the record
+    BwdPair nxt;
+    have = bwd_find_pair(p, c, cur.m + 1 < c.m_hi ? cur.gi : cur.gi + 1, cur.m + 1 < c.m_hi ? cur.m + 1 : c.m_lo, &nxt);
+    cur = nxt;
+  }
+}
+
+/// Deterministic mode's turn, taken by the writer warp for the whole CTA: the number of key tiles
+/// before c.n that add to query tile m (walk::key_tile_rank counted by 32 lanes).
+__device__ __forceinline__ int bwd_ws_rank(const BwdCta& c, int h, int m, int lane) {
+  int rank = 0;
+  for (int n0 = 0; n0 < c.n; n0 += 32) {
+    const int n = n0 + lane;
+    const bool before = n < c.n && walk::backward_visit(c.s.rules, c.tiles, c.bs, c.b, h, m, n).visit;
+    rank += __popc(__ballot_sync(0xffffffffu, before));
+  }
+  return rank;
+}
+
+/// The dQ writer warp: each consumer's staged piece, in pair order (consumer 0, then 1).
+template <class Cfg>
+__device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
+                                              int lane) {
+  constexpr int BM = Cfg::kBlockM;
+  sm90::named_barrier_arrive(kBwdBarDqEmpty + 0, 160);  // both stagings start empty
+  sm90::named_barrier_arrive(kBwdBarDqEmpty + 1, 160);
+  std::int32_t* sem = nullptr;
+  int rank = 0;
+  for (;;) {
+    bool done = false;  // both consumers walk the same pairs, so both end at the same turn
+    for (int wg = 0; wg < 2; ++wg) {
+      sm90::named_barrier_sync(kBwdBarDqFull + wg, 160);
+      const BwdWsPiece pc = *sm.piece(wg);
+      if (pc.m < 0) {
+        done = true;
+        continue;
+      }
+      const int h = c.hk * p.group + pc.gi;
+      if (wg == 0 && p.sem != nullptr) {  // deterministic: wait for the key tiles before this one
+        rank = bwd_ws_rank(c, h, pc.m, lane);
+        sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pc.m * BM) / BM;
+        if (lane == 0)
+          while (ld_acquire(sem) != rank) __nanosleep(64);
+        __syncwarp();
+      }
+      const float* stage = sm.dq_stage(wg);
+      const int row0 = pc.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
+      float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim;
+#pragma unroll 4
+      for (int i = 0; i < 32; ++i) {
+        const int idx = i * 32 + lane, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
+        if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
+          red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
+                     *reinterpret_cast<const float4*>(stage + row * Cfg::kDqPitch + 4 * c4));
+      }
+      __syncwarp();
+      sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);
+      if (wg == 1 && sem != nullptr) {  // both pieces added: the next key tile's turn
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) st_release(sem, rank + 1);
+      }
+    }
+    if (done) break;
+  }
+}
+
+/// One consumer warpgroup (wg 0 or 1 of the two; 128 threads, ct its thread).
+template <class Cfg, typename T>
+__device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
+                                                int wg, int ct) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim;
+  const int lane = ct % 32, wi = ct / 32, g = lane / 4, t = lane % 4;
+  const std::uint64_t k_a = sm90::make_desc(sm.k() + wg * 64 * 128, 16, 1024);
+  const std::uint64_t v_a = sm90::make_desc(sm.v() + wg * 64 * 128, 16, 1024);
+  const std::uint64_t q_b = sm90::make_desc(sm.q(0), 16, 1024), do_b = sm90::make_desc(sm.dout(0), 16, 1024);
+  const std::uint64_t q_mn = sm90::make_desc(sm.q(0), BM * 128, 1024), do_mn = sm90::make_desc(sm.dout(0), BM * 128, 1024);
+  const int ds_panel = BM == 128 ? wg : 0, k_panel = BM == 64 ? wg : 0;
+  const std::uint64_t ds_a = sm90::make_desc(ptx::smem_u32(sm.ds(0)) + ds_panel * BN * 128, BN * 128, 1024);
+  const std::uint64_t k_b = sm90::make_desc(sm.k() + k_panel * BN * 128, BN * 128, 1024);
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const int key0 = c.j0 + wg * 64 + wi * 16;
+  sm90::mbar_wait(sm.kv_full(), 0);
+  for (int it = 0;; ++it) {
+    const int st = it & 1;
+    sm90::mbar_wait(sm.full(st), (it >> 1) & 1);
+    sm90::fence_proxy_async_smem();  // the producer's cp.async writes before wgmma's reads
+    const BwdWsRecord rec = *sm.record(st);
+    if (rec.m < 0) break;
+    const int qoff = st * Cfg::kSmemQ;
+    float s[BM / 2], dp[BM / 2];
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {  // S^T = K_w Q^T
+      const int off = (kk % 4) * 32;
+      sm90::wgmma_ss<BM, T>(s, bwd90_adv(k_a, (kk / 4) * BN * 128 + off),
+                            bwd90_adv(q_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
+    }
+    sm90::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_w dO^T
+      const int off = (kk % 4) * 32;
+      sm90::wgmma_ss<BM, T>(dp, bwd90_adv(v_a, (kk / 4) * BN * 128 + off),
+                            bwd90_adv(do_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
+    }
+    sm90::wgmma_commit();
+    const float* rows = sm.rows(st);
+    BwdPair pr;
+    pr.m = rec.m;
+    pr.gi = rec.gi;
+    sm90::wgmma_wait<1>();  // S^T: P while dP^T is still on the tensor cores
+    bwd90_p<Cfg>(s, p, c, pr, rows, rec.need_mask != 0, key0, g, t);
+    sm90::wgmma_wait<0>();
+    bwd90_ds<Cfg>(s, dp, rows + BM, t);
+    std::uint32_t pa[BM / 16][4], da[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+        da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+      }
+    // dS^T into buffer st (the other consumer may still read buffer st ^ 1 for the last pair).
+    unsigned char* dsb = sm.ds(st);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = wg * 64 + wi * 16 + g + 8 * (e % 2);
+        *reinterpret_cast<std::uint32_t*>(dsb + algebra::panel_offset<BN>(key, 2 * kk + e / 2) + 4 * t) = da[kk][e];
+      }
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dv, pa[kk], bwd90_adv(do_mn, qoff + kk * 16 * 128), 1);
+    sm90::wgmma_commit();
+    sm90::fence_proxy_async_smem();
+    sm90::named_barrier_sync(kBwdBarDs, 256);  // both consumers' dS^T are in buffer st
+    float dq[32];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      sm90::wgmma_tt<64, T>(dq, bwd90_adv(ds_a, st * Cfg::kSmemDs + kk * 16 * 128), bwd90_adv(k_b, kk * 16 * 128), kk > 0);
+    sm90::wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dk, da[kk], bwd90_adv(q_mn, qoff + kk * 16 * 128), 1);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<1>();  // dV and dQ done; dK runs while the piece is staged
+    sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);  // the writer has read the last piece
+    float* stage = sm.dq_stage(wg);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = wi * 16 + g + 8 * r;
+        *reinterpret_cast<float2*>(stage + row * Cfg::kDqPitch + 8 * j + 2 * t) =
+            make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
+      }
+    if (ct == 0) *sm.piece(wg) = BwdWsPiece{rec.m, rec.gi, 0, 0};
+    sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);
+    sm90::wgmma_wait<0>();
+    __syncwarp();
+    if (lane == 0) sm90::mbar_arrive(sm.empty(st));  // this warp is done with stage st
+  }
+  // No more pairs: tell the writer (after it has read the last piece), then store dK and dV.
+  sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);
+  if (ct == 0) *sm.piece(wg) = BwdWsPiece{-1, 0, 0, 0};
+  sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);
+  bwd_store_kv<Cfg, T>(p, c, reinterpret_cast<const float(&)[Cfg::kDT][4]>(dk),
+                       reinterpret_cast<const float(&)[Cfg::kDT][4]>(dv), key0, 0, g, t);
+}
+
+template <class Cfg, typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_ws_kernel(const __grid_constant__ BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const BwdWsSmem<Cfg> sm{smem_raw};
+  const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  __shared__ alignas(16) unsigned char cta_raw[sizeof(BwdCta)];
+  BwdCta& c = *reinterpret_cast<BwdCta*>(cta_raw);
+  {
+    BwdCta mine;
+    if (!bwd_make_cta<BM, BN>(p, &mine)) return;  // uniform: every thread computes it
+    if (tid == 0) {
+      c = mine;
+      for (int s = 0; s < 2; ++s) {
+        sm90::mbar_init(sm.full(s), 32 + 1);  // the producer lanes' cp.async, and lane 0's record
+        sm90::mbar_init(sm.empty(s), 8);      // one arrival per consumer warp
+      }
+      sm90::mbar_init(sm.kv_full(), 32);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+  }
+  if (wg == 0) {
+    sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
+    const int warp = tid / 32, lane = tid % 32;
+    if (warp == 0) {
+      bwd_ws_producer<Cfg, T>(p, sm, c, lane);
+    } else if (warp == 1) {
+      bwd_ws_writer<Cfg>(p, sm, c, lane);
+    }
+    return;
+  }
+  sm90::setmaxnreg_inc<Cfg::kConsumerRegs>();
+  bwd_ws_consumer<Cfg, T>(p, sm, c, wg - 1, tid - 128 * wg);
+#endif
+}
+
+}  // namespace flashcpp::cuda
