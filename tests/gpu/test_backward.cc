@@ -341,6 +341,15 @@ TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
   check_case(nan);
 }
 
+TEST(BackwardGpu, WarpSpecializedSmall) {
+  // A few small cases of cuda_config "sm90ws", short enough for compute-sanitizer (backward_round.sh's memcheck).
+  if (!wgmma_backward_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
+  check_case({.batch = 2, .sq = 130, .sk = 200, .hq = 2, .hkv = 1, .d = 128, .causal = true, .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 200, .sk = 130, .hq = 2, .hkv = 2, .d = 64, .config = "sm90ws"});
+  check_case({.hq = 2, .hkv = 1, .d = 64, .lq = {1, 130, 0, 64}, .lk = {5, 130, 3, 0}, .extra_rows = 5, .causal = true,
+              .deterministic = true, .config = "sm90ws"});
+}
+
 TEST(BackwardGpu, TheMmaSyncKernelStillRunsOnHopper) {
   // On sm_90 the automatic choice is the wgmma kernel; cuda_config "sm80" keeps the mma.sync one tested.
   for (int d : {64, 128}) {
