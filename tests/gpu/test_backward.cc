@@ -221,12 +221,6 @@ void check_case(const BwdCase& c) {
   expect_close("dv", r.dv, r.ref_dv, c.dt, what);
 }
 
-/// True when the device runs the wgmma backward (sm_90 and a build with the sm90 family).
-bool wgmma_backward_device() {
-  cuda::DeviceInfo dev;
-  return FLASHCPP_HAS_SM90 && cuda::current_device(&dev).ok() && dev.sm_major == 9;
-}
-
 TEST(BackwardGpu, DenseMasksAndGqa) {
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128, 256}) {
@@ -256,7 +250,7 @@ TEST(BackwardGpu, EveryHeadDimRunsPaddedToItsClass) {
 
 TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
   std::vector<std::string> cfgs = {"", "sm80"};
-  if (wgmma_backward_device()) cfgs.push_back("sm90ws");
+  if (sm90_device()) cfgs.push_back("sm90ws");
   for (const std::string& cfg : cfgs) {
     const BwdCase c{.batch = 1, .sq = 1024, .sk = 1024, .hq = 4, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
                     .config = cfg};
@@ -319,7 +313,7 @@ TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
 TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
   // cuda_config "sm90ws": producer and dQ-writer warps beside two consumer warpgroups
   // (bwd_sm90_ws.cuh); no softcap, ALiBi or block-sparse masks.
-  if (!wgmma_backward_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
+  if (!sm90_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128}) {
       check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true, .config = "sm90ws"});
@@ -343,7 +337,7 @@ TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
 
 TEST(BackwardGpu, WarpSpecializedSmall) {
   // A few small cases of cuda_config "sm90ws", short enough for compute-sanitizer (backward_round.sh's memcheck).
-  if (!wgmma_backward_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
+  if (!sm90_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
   check_case({.batch = 2, .sq = 130, .sk = 200, .hq = 2, .hkv = 1, .d = 128, .causal = true, .config = "sm90ws"});
   check_case({.batch = 1, .sq = 200, .sk = 130, .hq = 2, .hkv = 2, .d = 64, .config = "sm90ws"});
   check_case({.hq = 2, .hkv = 1, .d = 64, .lq = {1, 130, 0, 64}, .lk = {5, 130, 3, 0}, .extra_rows = 5, .causal = true,

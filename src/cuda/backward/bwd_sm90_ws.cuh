@@ -180,7 +180,7 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsS
     cp_async_arrive(sm.full(st));                  // 32 arrivals as this lane's copies land
     if (lane == 0) sm90::mbar_arrive(sm.full(st));  // and one that publishes the record
     BwdPair nxt;
-    have = bwd_find_pair(p, c, cur.m + 1 < c.m_hi ? cur.gi : cur.gi + 1, cur.m + 1 < c.m_hi ? cur.m + 1 : c.m_lo, &nxt);
+    have = bwd_next_pair(p, c, cur, &nxt);
     cur = nxt;
   }
 }
