@@ -22,6 +22,10 @@ case $phase in
     grep -A2 "bwd_sm90_kernel" build/ptxas_report.txt 2>/dev/null | grep -E "registers|spill" | sort | uniq -c
     (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1
      echo "pip rc $?" >> /tmp/pip.txt) &
+    if [ -n "${PRE:-}" ]; then  # WIP: a short first test (a hang or a failure stops the round here)
+      timeout 40 ./build/flashcpp_gpu_tests --gtest_filter="$PRE" > "$OUT/pre.txt" 2>&1
+      rc=$?; echo "pre $PRE rc $rc"; [ $rc = 0 ] || { tail -40 "$OUT/pre.txt"; exit 4; }
+    fi
     timeout 240 ./build/flashcpp_gpu_tests --gtest_filter="${GT:-BackwardGpu.*}" > "$OUT/gpu_bwd.txt" 2>&1
     echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_bwd.txt" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]|Failure|max err|differs' "$OUT/gpu_bwd.txt" | head -20
