@@ -34,8 +34,10 @@ struct BwdWsConfig {
   static constexpr bool kWs = true;
   static constexpr int kNQ = BlockM / 8;
   static constexpr int kDT = HeadDim / 8;
-  static constexpr int kProducerRegs = 32, kConsumerRegs = 240;
-  static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 65536, "register file");
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg moves registers within the launch allocation (384 threads x 168): the total must not
+  // exceed it, or the consumers' setmaxnreg.inc waits forever (32 + 2 x 240 hung on the H200).
+  static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 168 * 384, "register file");
   static constexpr int kSmemKV = kBlockN * HeadDim * 2;
   static constexpr int kSmemQ = BlockM * HeadDim * 2;
   static constexpr int kSmemDs = kBlockN * BlockM * 2;   ///< one dS^T buffer [key][query]
