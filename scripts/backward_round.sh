@@ -26,6 +26,11 @@ case $phase in
       timeout 40 ./build/flashcpp_gpu_tests --gtest_filter="$PRE" > "$OUT/pre.txt" 2>&1
       rc=$?; echo "pre $PRE rc $rc"; [ $rc = 0 ] || { tail -40 "$OUT/pre.txt"; exit 4; }
     fi
+    if [ -n "${PRE_PROBE:-}" ]; then  # WIP: the warp-specialized tests again under a probe's variant bits
+      FLASHCPP_BWD_WS_PROBE=$PRE_PROBE timeout 60 ./build/flashcpp_gpu_tests \
+        --gtest_filter="BackwardGpu.WarpSpecialized*:BackwardGpu.DeterministicIsBitwiseRepeatable" > "$OUT/pre_probe.txt" 2>&1
+      echo "pre probe $PRE_PROBE rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/pre_probe.txt" | tr '\n' ' ')"
+    fi
     timeout 240 ./build/flashcpp_gpu_tests --gtest_filter="${GT:-BackwardGpu.*}" > "$OUT/gpu_bwd.txt" 2>&1
     echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_bwd.txt" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]|Failure|max err|differs' "$OUT/gpu_bwd.txt" | head -20
@@ -36,7 +41,7 @@ case $phase in
     echo "memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_bwd.txt" | tail -1)"
     wait; tail -1 /tmp/pip.txt
     if [ "${AB:-0}" = 1 ]; then  # WIP: the backward's kernels A/B (FLASHCPP_BWD_CONFIG), cuDNN beside
-      (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/bwd_ab_wip.py" "${AB_CONFIGS:-sm90,sm90ws}") > "$OUT/ab.txt" 2>&1
+      (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/bwd_ab_wip.py" "${AB_CONFIGS:-sm90,sm90ws}" ${AB_SHAPES:-}) > "$OUT/ab.txt" 2>&1
       echo "ab rc $?"; cat "$OUT/ab.txt"
     fi
     if [ "${BENCH:-1}" = 1 ]; then

@@ -14,6 +14,8 @@ from flashcpp.bench.common import bench_us
 configs = (sys.argv[1] if len(sys.argv) > 1 else "sm90,sm90ws").split(",")
 shapes = [(2, 16, 4096, 64, False), (4, 32, 4096, 128, True), (4, 32, 4096, 128, False), (1, 16, 16384, 128, True),
           (2, 16, 16384, 64, True), (16, 32, 512, 128, True)]
+if len(sys.argv) > 2:  # a subset by index, e.g. 0,1,2
+    shapes = [shapes[int(i)] for i in sys.argv[2].split(",")]
 for (b, h, n, d, causal) in shapes:
     g = torch.Generator(device="cuda").manual_seed(1)
     q0, k0, v0, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
@@ -22,8 +24,13 @@ for (b, h, n, d, causal) in shapes:
     for cfg in configs:
         q, k, v = leaves()
         o = flashcpp.flash_attn_func(q, k, v, causal=causal)
-        fns[cfg] = (lambda o=o, q=q, k=k, v=v, cfg=cfg: (os.environ.__setitem__("FLASHCPP_BWD_CONFIG", cfg),
-                                                         torch.autograd.grad(o, (q, k, v), do, retain_graph=True))[1])
+        name, _, probe = cfg.partition(":")  # "sm90ws:5": FLASHCPP_BWD_WS_PROBE=5 (bwd_sm90_ws.cuh's variant bits)
+
+        def run(o=o, q=q, k=k, v=v, name=name, probe=probe):
+            os.environ["FLASHCPP_BWD_CONFIG"] = name
+            os.environ["FLASHCPP_BWD_WS_PROBE"] = probe or "0"
+            return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+        fns[cfg] = run
     q, k, v = leaves()
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         oc = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)

@@ -2,6 +2,7 @@
 // initial values (cudaMemsetAsync), the preprocess, the main kernel of the selector's config, the
 // postprocess, and the zeroing of varlen rows no sequence covers. Allocates nothing and never
 // synchronizes (capturable in a CUDA graph). Which config runs is the selector's choice.
+#include <cstdlib>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -105,6 +106,7 @@ BwdParams make_params(const AttnBackwardParams& a, const BackwardWorkspaceLayout
   p.row_pad = l.row_pad;
   p.total_q = a.mask.is_varlen() ? a.mask.total_q : 0;
   p.total_k = a.mask.is_varlen() ? a.total_k : 0;
+  if (const char* e = std::getenv("FLASHCPP_BWD_WS_PROBE")) p.ws_probe = std::atoi(e);  // WIP
   return p;
 }
 

@@ -46,6 +46,7 @@ struct BwdParams {
   /// Varlen: the packed rows of q (mask.total_q) and of k (total_k); 0 = unknown. Rows past
   /// cu_seqlens[batch] get zero gradients when known. Also the LSE's row count when total_q > 0.
   std::int64_t total_q, total_k;
+  int ws_probe;  ///< WIP: bwd_sm90_ws.cuh variant bits (FLASHCPP_BWD_WS_PROBE)
 };
 
 }  // namespace flashcpp::cuda

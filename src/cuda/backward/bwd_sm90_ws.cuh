@@ -94,7 +94,7 @@ struct BwdWsSmem {
 
 // Named barriers (0 is __syncthreads): the consumers' dS^T barrier, and per consumer the dQ
 // staging's full and empty hand-overs with the writer warp (128 + 32 threads).
-inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4;
+inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4, kBwdBarTurn = 6, kBwdBarTurnDone = 7;
 
 /// This lane's cp.async copies done -> one arrival on `bar` (initialized with the lanes counted).
 __device__ __forceinline__ void cp_async_arrive(std::uint64_t* bar) {
@@ -148,15 +148,17 @@ __device__ __forceinline__ void bwd90_ds(const float (&s)[Cfg::kBlockM / 2], flo
     }
 }
 
-/// The producer warp: K and V once, then every pair's stage.
-template <class Cfg, typename T>
+/// The producer warps (NP of them; pt is the thread among 32 NP): K and V once, then every pair's
+/// stage. Each thread's cp.async copies arrive on the stage's mbarrier (32 NP arrivals), and thread 0
+/// publishes the record with one more.
+template <class Cfg, typename T, int NP>
 __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
-                                                int lane) {
-  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim;
+                                                int pt) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, PT = 32 * NP;
   {
     const BwdKvRows<T> kv(p, c);
-    bwd90_load_tile<BN, D, 32>(sm.k(), kv.k, p.k_seq_stride, c.j0, c.s.len_k, p.head_dim, lane);
-    bwd90_load_tile<BN, D, 32>(sm.v(), kv.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, lane);
+    bwd90_load_tile<BN, D, PT>(sm.k(), kv.k, p.k_seq_stride, c.j0, c.s.len_k, p.head_dim, pt);
+    bwd90_load_tile<BN, D, PT>(sm.v(), kv.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, pt);
     cp_async_arrive(sm.kv_full());
   }
   const bool key_tail = c.j0 + BN > c.s.len_k;
@@ -165,22 +167,23 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsS
   for (int it = 0;; ++it) {
     const int st = it & 1;
     sm90::mbar_wait_sleep(sm.empty(st), ((it >> 1) & 1) ^ 1);
-    if (lane == 0)
+    if (pt == 0)
       *sm.record(st) = BwdWsRecord{have ? cur.m : -1, cur.gi, (cur.v.need_mask || key_tail) ? 1 : 0, 0};
-    __syncwarp();
-    if (!have) {  // the end: 33 plain arrivals complete the stage with the record alone
+    if (!have) {  // the end: plain arrivals complete the stage with the record alone
       sm90::mbar_arrive(sm.full(st));
-      if (lane == 0) sm90::mbar_arrive(sm.full(st));
+      if (pt == 0) sm90::mbar_arrive(sm.full(st));
       asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
       break;
     }
-    const int h = c.hk * p.group + cur.gi;
-    const BwdPairRows<T> g(p, c, h);
-    bwd90_load_tile<BM, D, 32>(sm.q(st), g.q, p.q_seq_stride, cur.m * BM, c.s.len_q, p.head_dim, lane);
-    bwd90_load_tile<BM, D, 32>(sm.dout(st), g.dout, p.do_seq_stride, cur.m * BM, c.s.len_q, p.head_dim_v, lane);
-    for (int i = lane; i < BM / 2; i += 32) bwd_load_rows<BM>(p, sm.rows(st), c, h, cur.m, i);
-    cp_async_arrive(sm.full(st));                  // 32 arrivals as this lane's copies land
-    if (lane == 0) sm90::mbar_arrive(sm.full(st));  // and one that publishes the record
+    if (!((p.ws_probe & 1) && it >= 2)) {  // PROBE bit 0: stale Q/dO after the first two pairs (timing only)
+      const int h = c.hk * p.group + cur.gi;
+      const BwdPairRows<T> g(p, c, h);
+      bwd90_load_tile<BM, D, PT>(sm.q(st), g.q, p.q_seq_stride, cur.m * BM, c.s.len_q, p.head_dim, pt);
+      bwd90_load_tile<BM, D, PT>(sm.dout(st), g.dout, p.do_seq_stride, cur.m * BM, c.s.len_q, p.head_dim_v, pt);
+      for (int i = pt; i < BM / 2; i += PT) bwd_load_rows<BM>(p, sm.rows(st), c, h, cur.m, i);
+    }
+    cp_async_arrive(sm.full(st));                // one arrival per thread as its copies land
+    if (pt == 0) sm90::mbar_arrive(sm.full(st));  // and one that publishes the record
     BwdPair nxt;
     have = bwd_next_pair(p, c, cur, &nxt);
     cur = nxt;
@@ -199,18 +202,20 @@ __device__ __forceinline__ int bwd_ws_rank(const BwdCta& c, int h, int m, int la
   return rank;
 }
 
-/// The dQ writer warp: each consumer's staged piece, in pair order (consumer 0, then 1).
+/// The dQ writer warps: with one (nw 1), each consumer's staged piece in pair order (consumer 0,
+/// then 1); with two, writer w takes consumer w's pieces, and in deterministic mode writer 0 takes
+/// the turn for both (named barriers kBwdBarTurn / kBwdBarTurnDone between the two warps).
 template <class Cfg>
 __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
-                                              int lane) {
+                                              int lane, int w, int nw) {
   constexpr int BM = Cfg::kBlockM;
-  sm90::named_barrier_arrive(kBwdBarDqEmpty + 0, 160);  // both stagings start empty
-  sm90::named_barrier_arrive(kBwdBarDqEmpty + 1, 160);
+  const int wg_lo = nw == 2 ? w : 0, wg_hi = nw == 2 ? w + 1 : 2;
+  for (int wg = wg_lo; wg < wg_hi; ++wg) sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);  // empty at start
   std::int32_t* sem = nullptr;
   int rank = 0;
   for (;;) {
     bool done = false;  // both consumers walk the same pairs, so both end at the same turn
-    for (int wg = 0; wg < 2; ++wg) {
+    for (int wg = wg_lo; wg < wg_hi; ++wg) {
       sm90::named_barrier_sync(kBwdBarDqFull + wg, 160);
       const BwdWsPiece pc = *sm.piece(wg);
       if (pc.m < 0) {
@@ -218,29 +223,37 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
         continue;
       }
       const int h = c.hk * p.group + pc.gi;
-      if (wg == 0 && p.sem != nullptr) {  // deterministic: wait for the key tiles before this one
-        rank = bwd_ws_rank(c, h, pc.m, lane);
-        sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pc.m * BM) / BM;
-        if (lane == 0)
-          while (ld_acquire(sem) != rank) __nanosleep(64);
-        __syncwarp();
+      if (wg == wg_lo && p.sem != nullptr) {  // deterministic: wait for the key tiles before this one
+        if (w == 0) {
+          rank = bwd_ws_rank(c, h, pc.m, lane);
+          sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pc.m * BM) / BM;
+          if (lane == 0)
+            while (ld_acquire(sem) != rank) __nanosleep(64);
+          __syncwarp();
+        }
+        if (nw == 2) sm90::named_barrier_sync(kBwdBarTurn, 64);
       }
       const float* stage = sm.dq_stage(wg);
       const int row0 = pc.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
       float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim;
+      if (!(p.ws_probe & 2)) {  // PROBE bit 1: no dQ adds (timing only)
 #pragma unroll 4
-      for (int i = 0; i < 32; ++i) {
-        const int idx = i * 32 + lane, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
-        if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
-          red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
-                     *reinterpret_cast<const float4*>(stage + row * Cfg::kDqPitch + 4 * c4));
+        for (int i = 0; i < 32; ++i) {
+          const int idx = i * 32 + lane, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
+          if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
+            red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
+                       *reinterpret_cast<const float4*>(stage + row * Cfg::kDqPitch + 4 * c4));
+        }
       }
       __syncwarp();
       sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);
-      if (wg == 1 && sem != nullptr) {  // both pieces added: the next key tile's turn
+      if (wg == wg_hi - 1 && p.sem != nullptr) {  // both pieces added: the next key tile's turn
         __threadfence();
-        __syncwarp();
-        if (lane == 0) st_release(sem, rank + 1);
+        if (nw == 2) sm90::named_barrier_sync(kBwdBarTurnDone, 64);
+        if (w == 0) {
+          __syncwarp();
+          if (lane == 0) st_release(sem, rank + 1);
+        }
       }
     }
     if (done) break;
@@ -367,11 +380,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_ws_kernel(const __g
     if (!bwd_make_cta<BM, BN>(p, &mine)) return;  // uniform: every thread computes it
     if (tid == 0) {
       c = mine;
+      const int np = (p.ws_probe & 4) ? 2 : 1;
       for (int s = 0; s < 2; ++s) {
-        sm90::mbar_init(sm.full(s), 32 + 1);  // the producer lanes' cp.async, and lane 0's record
-        sm90::mbar_init(sm.empty(s), 8);      // one arrival per consumer warp
+        sm90::mbar_init(sm.full(s), 32 * np + 1);  // the producer threads' cp.async, and thread 0's record
+        sm90::mbar_init(sm.empty(s), 8);           // one arrival per consumer warp
       }
-      sm90::mbar_init(sm.kv_full(), 32);
+      sm90::mbar_init(sm.kv_full(), 32 * np);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -379,10 +393,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_ws_kernel(const __g
   if (wg == 0) {
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
     const int warp = tid / 32, lane = tid % 32;
-    if (warp == 0) {
-      bwd_ws_producer<Cfg, T>(p, sm, c, lane);
-    } else if (warp == 1) {
-      bwd_ws_writer<Cfg>(p, sm, c, lane);
+    const int np = (p.ws_probe & 4) ? 2 : 1, nw = (p.ws_probe & 8) ? 2 : 1;  // PROBE bits 2, 3
+    if (warp == 0 && np == 1) {
+      bwd_ws_producer<Cfg, T, 1>(p, sm, c, lane);
+    } else if (warp == 0 || (warp == 2 && np == 2)) {
+      bwd_ws_producer<Cfg, T, 2>(p, sm, c, (warp / 2) * 32 + lane);
+    } else if (warp == 1 || (warp == 3 && nw == 2)) {
+      bwd_ws_writer<Cfg>(p, sm, c, lane, warp / 2, nw);
     }
     return;
   }
