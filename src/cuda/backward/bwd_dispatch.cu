@@ -2,15 +2,16 @@
 // initial values (cudaMemsetAsync), the preprocess, the main kernel of the selector's config, the
 // postprocess, and the zeroing of varlen rows no sequence covers. Allocates nothing and never
 // synchronizes (capturable in a CUDA graph). Which config runs is the selector's choice.
-#include <cstdlib>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "common/attention_walk.h"
 #include "cuda/backward/bwd_kernel.cuh"
 #include "cuda/backward/bwd_registry.h"
+#include "cuda/common/tma_map.h"
 #include "cuda/cuda_api.h"
 #include "cuda/prefill/prefill_common.h"
 
@@ -124,8 +125,16 @@ Status zero_uncovered(const TensorView& x, int heads, int dim, const std::int32_
 template <typename T>
 Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardWorkspaceLayout& l, cudaStream_t stream,
                  int device) {
-  const BwdParams p = make_params(a, l);
+  BwdParams p = make_params(a, l);
   const bool rows = a.batch > 0 && a.seqlen_q > 0, keys = a.batch > 0 && a.seqlen_k > 0;
+  if (e.ws && rows && keys) {  // the warp-specialized kernel loads Q, dO, K and V by TMA
+    const bool varlen = a.mask.is_varlen();
+    const int dv = a.effective_head_dim_v(), bm = e.tile.block_m, bn = e.tile.block_n;
+    FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, bm, varlen));
+    FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_do, a.dout, a.seqlen_q, a.heads_q, a.batch, dv, bm, varlen));
+    FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, bn, varlen));
+    FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, dv, bn, varlen));
+  }
   const dim3 rows_grid(static_cast<unsigned>((a.seqlen_q + 31) / 32), static_cast<unsigned>(a.heads_q),
                        static_cast<unsigned>(a.batch));
   // The dQ accumulator starts at 0 wherever query rows exist (without keys dQ stays 0).

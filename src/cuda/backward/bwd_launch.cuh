@@ -45,6 +45,7 @@ BwdEntry bwd_entry_of() {
   e.tile.min_blocks = Cfg::kMinBlocks;
   e.smem_bytes = Cfg::kSmemBytes;
   e.sm90 = Cfg::kSm90;
+  e.ws = Cfg::kWs;
   e.run_bf16 = &bwd_run<Cfg, __nv_bfloat16>;
   e.run_fp16 = &bwd_run<Cfg, __half>;
   return e;

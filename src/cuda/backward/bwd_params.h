@@ -2,6 +2,8 @@
 // __grid_constant__ to its four kernels (preprocess, main, postprocess, uncovered rows).
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 #include "common/attention_algebra.h"
@@ -47,6 +49,9 @@ struct BwdParams {
   /// cu_seqlens[batch] get zero gradients when known. Also the LSE's row count when total_q > 0.
   std::int64_t total_q, total_k;
   int ws_probe;  ///< WIP: bwd_sm90_ws.cuh variant bits (FLASHCPP_BWD_WS_PROBE)
+  /// The warp-specialized wgmma kernel's TMA maps (tma_map.h; box rows block_m for Q and dO,
+  /// block_n for K and V); unset for the other kernels.
+  CUtensorMap tmap_q, tmap_do, tmap_k, tmap_v;
 };
 
 }  // namespace flashcpp::cuda

@@ -18,6 +18,7 @@ struct BwdEntry {
   TileConfig tile;   ///< block_m (query tile = row_pad), block_n (keys per CTA), warps, min_blocks
   int smem_bytes = 0;
   bool sm90 = false;  ///< the wgmma kernel (sm_90a only)
+  bool ws = false;    ///< its warp-specialized twin (TMA maps in BwdParams)
   BwdRunFn run_bf16 = nullptr;
   BwdRunFn run_fp16 = nullptr;
 };

@@ -1,10 +1,11 @@
 // The warp-specialized wgmma backward (sm_90a): bwd_sm90.cuh's products in roles, as FA3's hopper/
 // backward splits them. Three warpgroups:
-//   warpgroup 0, warp 0   producer: walks the CTA's (query head, query tile) pairs and copies each
-//                         pair's Q, dO, LSE and D into a two-stage ring (cp.async, completion on the
-//                         stage's mbarrier), with a small record (tile, head, mask flag) per stage;
+//   warpgroup 0, warp 0   producer (one thread): walks the CTA's (query head, query tile) pairs and
+//                         loads each pair's Q and dO (TMA) and its LSE and D rows (bulk copies)
+//                         into a two-stage ring, with a small record (tile, head, mask flag) per
+//                         stage; completion on the stage's mbarrier;
 //   warpgroup 0, warp 1   dQ writer: adds each consumer's staged 64 x 64 dQ piece to the fp32
-//                         accumulator (red.global.add.v4), and in deterministic mode takes the query
+//                         accumulator (bulk reduce-adds), and in deterministic mode takes the query
 //                         tile's turn for the CTA;
 //   warpgroups 1 and 2    consumers (setmaxnreg 240): 64 keys each, dK and dV in registers; per pair
 //                         S^T, dP^T (SS wgmma), P while dP^T runs, dS, dV += P^T dO (RS), dS^T to
@@ -64,6 +65,10 @@ struct BwdWsSmem {
   static constexpr int kV = Cfg::kSmemKV, kQ = 2 * Cfg::kSmemKV, kDo = kQ + 2 * Cfg::kSmemQ,
                        kDs = kDo + 2 * Cfg::kSmemQ, kDq = kDs + 2 * Cfg::kSmemDs, kRows = kDq + Cfg::kSmemDq,
                        kMisc = kRows + 2 * Cfg::kSmemRows;
+  __device__ __forceinline__ unsigned char* k_ptr() const { return base; }
+  __device__ __forceinline__ unsigned char* v_ptr() const { return base + kV; }
+  __device__ __forceinline__ unsigned char* q_ptr(int st) const { return base + kQ + st * Cfg::kSmemQ; }
+  __device__ __forceinline__ unsigned char* dout_ptr(int st) const { return base + kDo + st * Cfg::kSmemQ; }
   __device__ __forceinline__ std::uint32_t k() const { return ptx::smem_u32(base); }
   __device__ __forceinline__ std::uint32_t v() const { return ptx::smem_u32(base + kV); }
   __device__ __forceinline__ std::uint32_t q(int st) const { return ptx::smem_u32(base + kQ + st * Cfg::kSmemQ); }
@@ -94,11 +99,21 @@ struct BwdWsSmem {
 
 // Named barriers (0 is __syncthreads): the consumers' dS^T barrier, and per consumer the dQ
 // staging's full and empty hand-overs with the writer warp (128 + 32 threads).
-inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4, kBwdBarTurn = 6, kBwdBarTurnDone = 7;
+inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4;
 
-/// This lane's cp.async copies done -> one arrival on `bar` (initialized with the lanes counted).
-__device__ __forceinline__ void cp_async_arrive(std::uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(ptx::smem_u32(bar)) : "memory");
+/// A 1D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
+/// shared memory, completing as transaction bytes on `bar`.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, int bytes, std::uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   ptx::smem_u32(smem_dst)),
+               "l"(gmem_src), "r"(bytes), "r"(ptx::smem_u32(bar))
+               : "memory");
+}
+/// A 1D bulk reduce-add of `bytes` of fp32 from shared to global memory (bulk group of this thread).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem_dst),
+               "r"(ptx::smem_u32(smem_src)), "r"(bytes)
+               : "memory");
 }
 
 /// P in place (s = S^T becomes P), in the wgmma accumulator layout: s[4j + 2r + e] is key
@@ -148,18 +163,24 @@ __device__ __forceinline__ void bwd90_ds(const float (&s)[Cfg::kBlockM / 2], flo
     }
 }
 
-/// The producer warps (NP of them; pt is the thread among 32 NP): K and V once, then every pair's
-/// stage. Each thread's cp.async copies arrive on the stage's mbarrier (32 NP arrivals), and thread 0
-/// publishes the record with one more.
-template <class Cfg, typename T, int NP>
-__device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
-                                                int pt) {
-  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, PT = 32 * NP;
-  {
-    const BwdKvRows<T> kv(p, c);
-    bwd90_load_tile<BN, D, PT>(sm.k(), kv.k, p.k_seq_stride, c.j0, c.s.len_k, p.head_dim, pt);
-    bwd90_load_tile<BN, D, PT>(sm.v(), kv.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, pt);
-    cp_async_arrive(sm.kv_full());
+/// The producer (one thread): K and V once, then every pair's Q, dO (TMA, zero past the sequence and
+/// past the tensors' head dims) and its LSE log2 e and D rows (bulk copies) into the stage, with the
+/// record; the stage's full barrier completes when the bytes land.
+template <class Cfg, typename T>
+__device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim, kPanels = D / 64;
+  // Tensor-map coordinates (row, outer) of the sequence's first row: (0, b), or with varlen
+  // (max_len - len, first_row + len) of the shifted maps (tma_map.h).
+  const bool varlen = p.mask.flags & PrefillMask::kVarlen;
+  const int q_x0 = varlen ? p.seqlen_q - c.s.len_q : 0;
+  const int q_c3 = varlen ? static_cast<int>(c.s.first_q) + c.s.len_q : c.b;
+  const int k_x0 = varlen ? p.seqlen_k - c.s.len_k : 0;
+  const int k_c3 = varlen ? static_cast<int>(c.s.first_k) + c.s.len_k : c.b;
+  sm90::mbar_expect_tx(sm.kv_full(), 2 * Cfg::kSmemKV);
+#pragma unroll
+  for (int pn = 0; pn < kPanels; ++pn) {
+    sm90::tma_load_4d(sm.k_ptr() + pn * BN * 128, &p.tmap_k, pn * 64, k_x0 + c.j0, c.hk, k_c3, sm.kv_full());
+    sm90::tma_load_4d(sm.v_ptr() + pn * BN * 128, &p.tmap_v, pn * 64, k_x0 + c.j0, c.hk, k_c3, sm.kv_full());
   }
   const bool key_tail = c.j0 + BN > c.s.len_k;
   BwdPair cur;
@@ -167,23 +188,25 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsS
   for (int it = 0;; ++it) {
     const int st = it & 1;
     sm90::mbar_wait_sleep(sm.empty(st), ((it >> 1) & 1) ^ 1);
-    if (pt == 0)
-      *sm.record(st) = BwdWsRecord{have ? cur.m : -1, cur.gi, (cur.v.need_mask || key_tail) ? 1 : 0, 0};
-    if (!have) {  // the end: plain arrivals complete the stage with the record alone
+    *sm.record(st) = BwdWsRecord{have ? cur.m : -1, cur.gi, (cur.v.need_mask || key_tail) ? 1 : 0, 0};
+    if (!have) {  // the end: the record alone completes the stage
       sm90::mbar_arrive(sm.full(st));
-      if (pt == 0) sm90::mbar_arrive(sm.full(st));
-      asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
       break;
     }
-    if (!((p.ws_probe & 1) && it >= 2)) {  // PROBE bit 0: stale Q/dO after the first two pairs (timing only)
-      const int h = c.hk * p.group + cur.gi;
-      const BwdPairRows<T> g(p, c, h);
-      bwd90_load_tile<BM, D, PT>(sm.q(st), g.q, p.q_seq_stride, cur.m * BM, c.s.len_q, p.head_dim, pt);
-      bwd90_load_tile<BM, D, PT>(sm.dout(st), g.dout, p.do_seq_stride, cur.m * BM, c.s.len_q, p.head_dim_v, pt);
-      for (int i = pt; i < BM / 2; i += PT) bwd_load_rows<BM>(p, sm.rows(st), c, h, cur.m, i);
+    const int h = c.hk * p.group + cur.gi;
+    if ((p.ws_probe & 1) && it >= 2) {  // PROBE bit 0: stale Q/dO after the first two pairs (timing only)
+      sm90::mbar_arrive(sm.full(st));
+    } else {
+      sm90::mbar_expect_tx(sm.full(st), 2 * Cfg::kSmemQ + Cfg::kSmemRows);  // publishes the record too
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        sm90::tma_load_4d(sm.q_ptr(st) + pn * BM * 128, &p.tmap_q, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
+        sm90::tma_load_4d(sm.dout_ptr(st) + pn * BM * 128, &p.tmap_do, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
+      }
+      const std::int64_t row = static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + cur.m * BM;
+      bulk_load(sm.rows(st), p.lse2 + row, BM * 4, sm.full(st));
+      bulk_load(sm.rows(st) + BM, p.delta + row, BM * 4, sm.full(st));
     }
-    cp_async_arrive(sm.full(st));                // one arrival per thread as its copies land
-    if (pt == 0) sm90::mbar_arrive(sm.full(st));  // and one that publishes the record
     BwdPair nxt;
     have = bwd_next_pair(p, c, cur, &nxt);
     cur = nxt;
@@ -202,20 +225,21 @@ __device__ __forceinline__ int bwd_ws_rank(const BwdCta& c, int h, int m, int la
   return rank;
 }
 
-/// The dQ writer warps: with one (nw 1), each consumer's staged piece in pair order (consumer 0,
-/// then 1); with two, writer w takes consumer w's pieces, and in deterministic mode writer 0 takes
-/// the turn for both (named barriers kBwdBarTurn / kBwdBarTurnDone between the two warps).
+/// The dQ writer warp: each consumer's staged piece in pair order (consumer 0, then 1), added to the
+/// fp32 accumulator by bulk reduce-adds (a row of up to 64 columns each, two rows a lane); the
+/// staging is handed back once the copies have read it. In deterministic mode it takes the query
+/// tile's turn for the CTA and passes it on once its adds have landed.
 template <class Cfg>
 __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
-                                              int lane, int w, int nw) {
+                                              int lane) {
   constexpr int BM = Cfg::kBlockM;
-  const int wg_lo = nw == 2 ? w : 0, wg_hi = nw == 2 ? w + 1 : 2;
-  for (int wg = wg_lo; wg < wg_hi; ++wg) sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);  // empty at start
+  sm90::named_barrier_arrive(kBwdBarDqEmpty + 0, 160);  // both stagings start empty
+  sm90::named_barrier_arrive(kBwdBarDqEmpty + 1, 160);
   std::int32_t* sem = nullptr;
   int rank = 0;
   for (;;) {
     bool done = false;  // both consumers walk the same pairs, so both end at the same turn
-    for (int wg = wg_lo; wg < wg_hi; ++wg) {
+    for (int wg = 0; wg < 2; ++wg) {
       sm90::named_barrier_sync(kBwdBarDqFull + wg, 160);
       const BwdWsPiece pc = *sm.piece(wg);
       if (pc.m < 0) {
@@ -223,37 +247,32 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
         continue;
       }
       const int h = c.hk * p.group + pc.gi;
-      if (wg == wg_lo && p.sem != nullptr) {  // deterministic: wait for the key tiles before this one
-        if (w == 0) {
-          rank = bwd_ws_rank(c, h, pc.m, lane);
-          sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pc.m * BM) / BM;
-          if (lane == 0)
-            while (ld_acquire(sem) != rank) __nanosleep(64);
-          __syncwarp();
-        }
-        if (nw == 2) sm90::named_barrier_sync(kBwdBarTurn, 64);
+      if (wg == 0 && p.sem != nullptr) {  // deterministic: wait for the key tiles before this one
+        rank = bwd_ws_rank(c, h, pc.m, lane);
+        sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pc.m * BM) / BM;
+        if (lane == 0)
+          while (ld_acquire(sem) != rank) __nanosleep(64);
+        __syncwarp();
       }
       const float* stage = sm.dq_stage(wg);
       const int row0 = pc.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
-      float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim;
-      if (!(p.ws_probe & 2)) {  // PROBE bit 1: no dQ adds (timing only)
-#pragma unroll 4
-        for (int i = 0; i < 32; ++i) {
-          const int idx = i * 32 + lane, row = idx / 16, c4 = idx % 16, col = col0 + 4 * c4;
-          if (col < p.head_dim)  // the class's padding columns (zero) are not accumulated
-            red_add_v4(acc + static_cast<std::int64_t>(row) * p.head_dim + col,
-                       *reinterpret_cast<const float4*>(stage + row * Cfg::kDqPitch + 4 * c4));
-        }
+      const int bytes = 4 * min(64, p.head_dim - col0);  // the class's padding columns are not added
+      float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim + col0;
+      if (bytes > 0 && !(p.ws_probe & 2)) {  // PROBE bit 1: no dQ adds (timing only)
+#pragma unroll
+        for (int r = lane; r < 64; r += 32)
+          bulk_reduce_add_f32(acc + static_cast<std::int64_t>(r) * p.head_dim, stage + r * Cfg::kDqPitch, bytes);
       }
+      sm90::bulk_commit();
+      sm90::bulk_wait_read<0>();
       __syncwarp();
       sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);
-      if (wg == wg_hi - 1 && p.sem != nullptr) {  // both pieces added: the next key tile's turn
+      if (wg == 1 && sem != nullptr) {  // both pieces added: the next key tile's turn
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");
         __threadfence();
-        if (nw == 2) sm90::named_barrier_sync(kBwdBarTurnDone, 64);
-        if (w == 0) {
-          __syncwarp();
-          if (lane == 0) st_release(sem, rank + 1);
-        }
+        __syncwarp();
+        if (lane == 0) st_release(sem, rank + 1);
       }
     }
     if (done) break;
@@ -282,7 +301,6 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
   for (int it = 0;; ++it) {
     const int st = it & 1;
     sm90::mbar_wait(sm.full(st), (it >> 1) & 1);
-    sm90::fence_proxy_async_smem();  // the producer's cp.async writes before wgmma's reads
     const BwdWsRecord rec = *sm.record(st);
     if (rec.m < 0) break;
     const int qoff = st * Cfg::kSmemQ;
@@ -353,6 +371,7 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
       }
     if (ct == 0) *sm.piece(wg) = BwdWsPiece{rec.m, rec.gi, 0, 0};
+    sm90::fence_proxy_async_smem();  // the staged piece before the writer's bulk copies read it
     sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);
     sm90::wgmma_wait<0>();
     __syncwarp();
@@ -380,12 +399,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_ws_kernel(const __g
     if (!bwd_make_cta<BM, BN>(p, &mine)) return;  // uniform: every thread computes it
     if (tid == 0) {
       c = mine;
-      const int np = (p.ws_probe & 4) ? 2 : 1;
       for (int s = 0; s < 2; ++s) {
-        sm90::mbar_init(sm.full(s), 32 * np + 1);  // the producer threads' cp.async, and thread 0's record
-        sm90::mbar_init(sm.empty(s), 8);           // one arrival per consumer warp
+        sm90::mbar_init(sm.full(s), 1);   // the producer's arrival (with the stage's TMA bytes)
+        sm90::mbar_init(sm.empty(s), 8);  // one arrival per consumer warp
       }
-      sm90::mbar_init(sm.kv_full(), 32 * np);
+      sm90::mbar_init(sm.kv_full(), 1);
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     __syncthreads();
@@ -393,13 +411,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_ws_kernel(const __g
   if (wg == 0) {
     sm90::setmaxnreg_dec<Cfg::kProducerRegs>();
     const int warp = tid / 32, lane = tid % 32;
-    const int np = (p.ws_probe & 4) ? 2 : 1, nw = (p.ws_probe & 8) ? 2 : 1;  // PROBE bits 2, 3
-    if (warp == 0 && np == 1) {
-      bwd_ws_producer<Cfg, T, 1>(p, sm, c, lane);
-    } else if (warp == 0 || (warp == 2 && np == 2)) {
-      bwd_ws_producer<Cfg, T, 2>(p, sm, c, (warp / 2) * 32 + lane);
-    } else if (warp == 1 || (warp == 3 && nw == 2)) {
-      bwd_ws_writer<Cfg>(p, sm, c, lane, warp / 2, nw);
+    if (warp == 0) {
+      if (lane == 0) bwd_ws_producer<Cfg, T>(p, sm, c);
+    } else if (warp == 1) {
+      bwd_ws_writer<Cfg>(p, sm, c, lane);
     }
     return;
   }
