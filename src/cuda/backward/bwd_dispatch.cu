@@ -134,6 +134,7 @@ Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardW
     FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_do, a.dout, a.seqlen_q, a.heads_q, a.batch, dv, bm, varlen));
     FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_k, a.k, a.seqlen_k, a.heads_kv, a.batch, a.head_dim, bn, varlen));
     FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_v, a.v, a.seqlen_k, a.heads_kv, a.batch, dv, bn, varlen));
+    FLASHCPP_RETURN_IF_ERROR(encode_f32_rows_map(&p.tmap_dq, p.dq_accum, a.head_dim, l.rows, a.heads_q, 32, 64));
   }
   const dim3 rows_grid(static_cast<unsigned>((a.seqlen_q + 31) / 32), static_cast<unsigned>(a.heads_q),
                        static_cast<unsigned>(a.batch));

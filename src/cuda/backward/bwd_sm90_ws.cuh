@@ -5,7 +5,7 @@
 //                         into a two-stage ring, with a small record (tile, head, mask flag) per
 //                         stage; completion on the stage's mbarrier;
 //   warpgroup 0, warp 1   dQ writer: adds each consumer's staged 64 x 64 dQ piece to the fp32
-//                         accumulator (bulk reduce-adds), and in deterministic mode takes the query
+//                         accumulator (TMA reduce-adds), and in deterministic mode takes the query
 //                         tile's turn for the CTA;
 //   warpgroups 1 and 2    consumers (setmaxnreg 240): 64 keys each, dK and dV in registers; per pair
 //                         S^T, dP^T (SS wgmma), P while dP^T runs, dS, dV += P^T dO (RS), dS^T to
@@ -42,8 +42,8 @@ struct BwdWsConfig {
   static constexpr int kSmemKV = kBlockN * HeadDim * 2;
   static constexpr int kSmemQ = BlockM * HeadDim * 2;
   static constexpr int kSmemDs = kBlockN * BlockM * 2;   ///< one dS^T buffer [key][query]
-  static constexpr int kDqPitch = 68;                    ///< fp32 per staged dQ row (64 + 4: banks)
-  static constexpr int kSmemDq = 2 * 64 * kDqPitch * 4;  ///< dQ staging, 64 x 64 per consumer
+  static constexpr int kSmemDqPiece = 64 * 64 * 4;     ///< one consumer's staged 64 x 64 fp32 dQ piece
+  static constexpr int kSmemDq = 2 * kSmemDqPiece;      ///< (two 32-column boxes, 128-byte swizzle)
   static constexpr int kSmemRows = 2 * BlockM * 4;       ///< one stage of LSE log2 e and D
   static constexpr int kSmemBytes =
       2 * kSmemKV + 4 * kSmemQ + 2 * kSmemDs + kSmemDq + 2 * kSmemRows + 1024;  // + records, barriers
@@ -74,9 +74,7 @@ struct BwdWsSmem {
   __device__ __forceinline__ std::uint32_t q(int st) const { return ptx::smem_u32(base + kQ + st * Cfg::kSmemQ); }
   __device__ __forceinline__ std::uint32_t dout(int st) const { return ptx::smem_u32(base + kDo + st * Cfg::kSmemQ); }
   __device__ __forceinline__ unsigned char* ds(int b) const { return base + kDs + b * Cfg::kSmemDs; }
-  __device__ __forceinline__ float* dq_stage(int wg) const {
-    return reinterpret_cast<float*>(base + kDq) + wg * 64 * Cfg::kDqPitch;
-  }
+  __device__ __forceinline__ unsigned char* dq_stage(int wg) const { return base + kDq + wg * Cfg::kSmemDqPiece; }
   __device__ __forceinline__ float* rows(int st) const {
     return reinterpret_cast<float*>(base + kRows) + st * 2 * Cfg::kBlockM;
   }
@@ -109,11 +107,18 @@ __device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, 
                "l"(gmem_src), "r"(bytes), "r"(ptx::smem_u32(bar))
                : "memory");
 }
-/// A 1D bulk reduce-add of `bytes` of fp32 from shared to global memory (bulk group of this thread).
-__device__ __forceinline__ void bulk_reduce_add_f32(float* gmem_dst, const float* smem_src, int bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem_dst),
-               "r"(ptx::smem_u32(smem_src)), "r"(bytes)
-               : "memory");
+/// TMA reduce-add of one box of a rank-3 fp32 map from shared memory (bulk group of this thread).
+__device__ __forceinline__ void tma_reduce_add_3d(const void* tmap, int c0, int c1, int c2, const void* smem_src) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(tmap),
+      "r"(c0), "r"(c1), "r"(c2), "r"(ptx::smem_u32(smem_src))
+      : "memory");
+}
+
+/// Byte offset of fp32 (row, col) of a staged 64 x 64 dQ piece: two boxes of 32 columns, each 64
+/// rows of 128 bytes in the TMA 128-byte swizzle (16-byte chunk index XOR row % 8).
+__device__ __forceinline__ int bwd_ws_dq_offset(int row, int col) {
+  return (col >> 5) * 8192 + row * 128 + ((((col & 31) >> 2) ^ (row & 7)) << 4) + (col & 3) * 4;
 }
 
 /// P in place (s = S^T becomes P), in the wgmma accumulator layout: s[4j + 2r + e] is key
@@ -226,8 +231,8 @@ __device__ __forceinline__ int bwd_ws_rank(const BwdCta& c, int h, int m, int la
 }
 
 /// The dQ writer warp: each consumer's staged piece in pair order (consumer 0, then 1), added to the
-/// fp32 accumulator by bulk reduce-adds (a row of up to 64 columns each, two rows a lane); the
-/// staging is handed back once the copies have read it. In deterministic mode it takes the query
+/// fp32 accumulator by two TMA reduce-adds (32 columns each) from lane 0; the staging is handed back
+/// once they have read it. In deterministic mode it takes the query
 /// tile's turn for the CTA and passes it on once its adds have landed.
 template <class Cfg>
 __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
@@ -254,25 +259,24 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
           while (ld_acquire(sem) != rank) __nanosleep(64);
         __syncwarp();
       }
-      const float* stage = sm.dq_stage(wg);
       const int row0 = pc.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
-      const int bytes = 4 * min(64, p.head_dim - col0);  // the class's padding columns are not added
-      float* acc = p.dq_accum + (static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + row0) * p.head_dim + col0;
-      if (bytes > 0 && !(p.ws_probe & 2)) {  // PROBE bit 1: no dQ adds (timing only)
+      if (lane == 0) {
+        if (!(p.ws_probe & 2))  // PROBE bit 1: no dQ adds (timing only)
 #pragma unroll
-        for (int r = lane; r < 64; r += 32)
-          bulk_reduce_add_f32(acc + static_cast<std::int64_t>(r) * p.head_dim, stage + r * Cfg::kDqPitch, bytes);
+          for (int bx = 0; bx < 2; ++bx)  // boxes past the tensor's head dim add nothing (TMA bounds)
+            if (col0 + 32 * bx < p.head_dim)
+              tma_reduce_add_3d(&p.tmap_dq, col0 + 32 * bx, static_cast<int>(c.s.ws_row0) + row0, h,
+                                sm.dq_stage(wg) + bx * 8192);
+        sm90::bulk_commit();
+        sm90::bulk_wait_read<0>();
       }
-      sm90::bulk_commit();
-      sm90::bulk_wait_read<0>();
       __syncwarp();
       sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);
-      if (wg == 1 && sem != nullptr) {  // both pieces added: the next key tile's turn
+      if (wg == 1 && sem != nullptr && lane == 0) {  // both pieces added: the next key tile's turn
         asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
         asm volatile("fence.proxy.async.global;\n" ::: "memory");
         __threadfence();
-        __syncwarp();
-        if (lane == 0) st_release(sem, rank + 1);
+        st_release(sem, rank + 1);
       }
     }
     if (done) break;
@@ -361,15 +365,13 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // dV and dQ done; dK runs while the piece is staged
     sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);  // the writer has read the last piece
-    float* stage = sm.dq_stage(wg);
+    unsigned char* stage = sm.dq_stage(wg);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = wi * 16 + g + 8 * r;
-        *reinterpret_cast<float2*>(stage + row * Cfg::kDqPitch + 8 * j + 2 * t) =
+      for (int r = 0; r < 2; ++r)
+        *reinterpret_cast<float2*>(stage + bwd_ws_dq_offset(wi * 16 + g + 8 * r, 8 * j + 2 * t)) =
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-      }
     if (ct == 0) *sm.piece(wg) = BwdWsPiece{rec.m, rec.gi, 0, 0};
     sm90::fence_proxy_async_smem();  // the staged piece before the writer's bulk copies read it
     sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);

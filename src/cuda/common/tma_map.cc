@@ -67,4 +67,20 @@ Status encode_tma_map(CUtensorMap* map, const TensorView& t, int seqlen, int hea
 }
 
 
+Status encode_f32_rows_map(CUtensorMap* map, float* data, int cols, std::int64_t rows, int heads, int box_cols,
+                           int box_rows) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode;
+  FLASHCPP_RETURN_IF_ERROR(get_encode_fn(&encode));
+  if (rows > INT32_MAX) return Status::Unsupported("a TMA map addresses at most 2^31-1 rows per head");
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(heads)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(cols) * 4, static_cast<cuuint64_t>(cols) * 4 * rows};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, data, dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return Status::Cuda("cuTensorMapEncodeTiled (fp32 rows) failed with CUresult " + std::to_string(r));
+  return Status::Ok();
+}
+
 }  // namespace flashcpp::cuda

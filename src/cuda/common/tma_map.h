@@ -4,6 +4,8 @@
 
 #include <cuda.h>
 
+#include <cstdint>
+
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -24,5 +26,11 @@ namespace flashcpp::cuda {
 /// only an address the hardware adds offsets to; every row it reads lies inside the tensor.
 Status encode_tma_map(CUtensorMap* map, const TensorView& t, int seqlen, int heads, int batch, int head_dim,
                       int box_rows, bool varlen);
+
+/// Rank-3 map over an fp32 array [heads][rows][cols] (the backward's dQ accumulator), box
+/// (box_cols, box_rows, 1) with 128-byte swizzle (box_cols * 4 <= 128); a reduce-add through it
+/// skips the columns past `cols`.
+Status encode_f32_rows_map(CUtensorMap* map, float* data, int cols, std::int64_t rows, int heads, int box_cols,
+                           int box_rows);
 
 }  // namespace flashcpp::cuda
