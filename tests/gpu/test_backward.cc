@@ -249,8 +249,8 @@ TEST(BackwardGpu, EveryHeadDimRunsPaddedToItsClass) {
 }
 
 TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
-  std::vector<std::string> cfgs = {"", "sm80"};
-  if (sm90_device()) cfgs.push_back("sm90ws");
+  std::vector<std::string> cfgs = {"", "sm80"};  // "": the warp-specialized kernel on Hopper (d128)
+  if (sm90_device()) cfgs.push_back("sm90");
   for (const std::string& cfg : cfgs) {
     const BwdCase c{.batch = 1, .sq = 1024, .sk = 1024, .hq = 4, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
                     .config = cfg};
@@ -271,7 +271,7 @@ TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
   }
 }
 
-TEST(BackwardGpu, HopperRunsTheWgmmaKernelForClasses64And128) {
+TEST(BackwardGpu, HopperChoosesTheWgmmaKernelsForClasses64And128) {
   if (!sm90_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
   for (int d : {64, 96, 128, 256}) {
     AttnBackwardParams p;
@@ -291,28 +291,47 @@ TEST(BackwardGpu, HopperRunsTheWgmmaKernelForClasses64And128) {
     const Status st = select_backward_kernel(p, ro, &k);
     ASSERT_TRUE(st.ok()) << st.to_string();
     EXPECT_EQ(k.id, d <= 128 ? KernelId::kCudaSm90 : KernelId::kCudaSm80) << d << ": " << k.reason;
+    // The class 128 (96 pads into it) runs the warp-specialized kernel, the class 64 the single-role one.
+    const std::string auto_prefix = d == 64 ? "bwd_sm90_m" : d <= 128 ? "bwd_sm90ws_m" : "bwd_m";
+    EXPECT_EQ(k.config.rfind(auto_prefix, 0), 0u) << d << ": " << k.config;
     ro.cuda_config = "sm80";
     ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
     EXPECT_EQ(k.id, KernelId::kCudaSm80) << k.reason;
-    ro.cuda_config = "sm90";
-    EXPECT_EQ(select_backward_kernel(p, ro, &k).ok(), d <= 128) << d;
+    for (const char* cfg : {"sm90", "sm90ws"}) {
+      ro.cuda_config = cfg;
+      const Status s = select_backward_kernel(p, ro, &k);
+      EXPECT_EQ(s.ok(), d <= 128) << d << " " << cfg << ": " << s.to_string();
+      if (s.ok()) EXPECT_EQ(k.config.rfind(std::string("bwd_") + cfg + "_m", 0), 0u) << k.config;
+    }
+    if (d == 128) {  // softcap: the single-role kernel, which says why not the warp-specialized one
+      p.mask.softcap = 30.f;
+      ro.cuda_config = "";
+      ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
+      EXPECT_EQ(k.config.rfind("bwd_sm90_m", 0), 0u) << k.config;
+      EXPECT_NE(k.reason.find("not the warp-specialized kernel"), std::string::npos) << k.reason;
+      ro.cuda_config = "sm90ws";
+      EXPECT_EQ(select_backward_kernel(p, ro, &k).code(), StatusCode::kUnsupported);
+    }
   }
 }
 
 TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
-  // Several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
+  // The single-role wgmma kernel (cuda_config "sm90"; the class 128's default is the warp-specialized
+  // one): several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128}) {
-      check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true});
-      check_case({.batch = 1, .sq = 333, .sk = 1031, .hq = 3, .hkv = 3, .d = d, .dt = dt});
+      check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true, .config = "sm90"});
+      check_case({.batch = 1, .sq = 333, .sk = 1031, .hq = 3, .hkv = 3, .d = d, .dt = dt, .config = "sm90"});
     }
-  check_case({.batch = 1, .sq = 700, .sk = 700, .hq = 2, .hkv = 1, .d = 64, .causal = true, .deterministic = true});
-  check_case({.batch = 1, .sq = 520, .sk = 600, .hq = 2, .hkv = 2, .d = 128, .wl = 200, .wr = 30, .softcap = 20.f});
+  check_case({.batch = 1, .sq = 700, .sk = 700, .hq = 2, .hkv = 1, .d = 64, .causal = true, .deterministic = true,
+              .config = "sm90"});
+  check_case({.batch = 1, .sq = 520, .sk = 600, .hq = 2, .hkv = 2, .d = 128, .wl = 200, .wr = 30, .softcap = 20.f,
+              .config = "sm90"});
 }
 
 TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
-  // cuda_config "sm90ws": producer and dQ-writer warps beside two consumer warpgroups
-  // (bwd_sm90_ws.cuh); no softcap, ALiBi or block-sparse masks.
+  // cuda_config "sm90ws" (the class 128's default, opt-in for the class 64): TMA producer and dQ
+  // writer warps beside two consumer warpgroups (bwd_sm90_ws.cuh); no softcap, ALiBi or block-sparse.
   if (!sm90_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128}) {

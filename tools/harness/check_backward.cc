@@ -380,9 +380,10 @@ void run_backward_case(const BwdCase& bc, const RunConfig& cfg, CaseResult* r) {
   RunOptions ro;
   ro.backend = cfg.backend;
   ro.cpu_threads = cfg.cpu_threads;
-  // The backward takes a kernel family ("sm80", "sm90"); a prefill config name (--cuda-config with
-  // --area all) names no backward kernel, so the backward's own choice runs (its name is reported).
-  if (cfg.cuda_config == "sm80" || cfg.cuda_config == "sm90") ro.cuda_config = cfg.cuda_config;
+  // The backward takes a kernel family ("sm80", "sm90", "sm90ws"); a prefill config name (--cuda-config
+  // with --area all) names no backward kernel, so the backward's own choice runs (its name is reported).
+  const std::string& fam = cfg.cuda_config;
+  if (fam == "sm80" || fam == "sm90" || fam == "sm90ws") ro.cuda_config = fam;
 
   // What the library chooses, and the workspace it needs (on CUDA today: Unsupported, reported).
   KernelChoice choice;

@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "common/attention_walk.h"
@@ -107,7 +106,6 @@ BwdParams make_params(const AttnBackwardParams& a, const BackwardWorkspaceLayout
   p.row_pad = l.row_pad;
   p.total_q = a.mask.is_varlen() ? a.mask.total_q : 0;
   p.total_k = a.mask.is_varlen() ? a.total_k : 0;
-  if (const char* e = std::getenv("FLASHCPP_BWD_WS_PROBE")) p.ws_probe = std::atoi(e);  // WIP
   return p;
 }
 

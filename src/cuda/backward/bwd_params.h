@@ -48,7 +48,6 @@ struct BwdParams {
   /// Varlen: the packed rows of q (mask.total_q) and of k (total_k); 0 = unknown. Rows past
   /// cu_seqlens[batch] get zero gradients when known. Also the LSE's row count when total_q > 0.
   std::int64_t total_q, total_k;
-  int ws_probe;  ///< WIP: bwd_sm90_ws.cuh variant bits (FLASHCPP_BWD_WS_PROBE)
   /// The warp-specialized wgmma kernel's TMA maps (tma_map.h; box rows block_m for Q and dO,
   /// block_n for K and V; dq_accum's box 32 columns x 64 rows); unset for the other kernels.
   CUtensorMap tmap_q, tmap_do, tmap_k, tmap_v, tmap_dq;

@@ -199,19 +199,15 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsS
       break;
     }
     const int h = c.hk * p.group + cur.gi;
-    if ((p.ws_probe & 1) && it >= 2) {  // PROBE bit 0: stale Q/dO after the first two pairs (timing only)
-      sm90::mbar_arrive(sm.full(st));
-    } else {
-      sm90::mbar_expect_tx(sm.full(st), 2 * Cfg::kSmemQ + Cfg::kSmemRows);  // publishes the record too
+    sm90::mbar_expect_tx(sm.full(st), 2 * Cfg::kSmemQ + Cfg::kSmemRows);  // publishes the record too
 #pragma unroll
-      for (int pn = 0; pn < kPanels; ++pn) {
-        sm90::tma_load_4d(sm.q_ptr(st) + pn * BM * 128, &p.tmap_q, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
-        sm90::tma_load_4d(sm.dout_ptr(st) + pn * BM * 128, &p.tmap_do, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
-      }
-      const std::int64_t row = static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + cur.m * BM;
-      bulk_load(sm.rows(st), p.lse2 + row, BM * 4, sm.full(st));
-      bulk_load(sm.rows(st) + BM, p.delta + row, BM * 4, sm.full(st));
+    for (int pn = 0; pn < kPanels; ++pn) {
+      sm90::tma_load_4d(sm.q_ptr(st) + pn * BM * 128, &p.tmap_q, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
+      sm90::tma_load_4d(sm.dout_ptr(st) + pn * BM * 128, &p.tmap_do, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
     }
+    const std::int64_t row = static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + cur.m * BM;
+    bulk_load(sm.rows(st), p.lse2 + row, BM * 4, sm.full(st));
+    bulk_load(sm.rows(st) + BM, p.delta + row, BM * 4, sm.full(st));
     BwdPair nxt;
     have = bwd_next_pair(p, c, cur, &nxt);
     cur = nxt;
@@ -261,12 +257,11 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
       }
       const int row0 = pc.m * BM + (BM == 128 ? wg * 64 : 0), col0 = BM == 64 ? wg * 64 : 0;
       if (lane == 0) {
-        if (!(p.ws_probe & 2))  // PROBE bit 1: no dQ adds (timing only)
 #pragma unroll
-          for (int bx = 0; bx < 2; ++bx)  // boxes past the tensor's head dim add nothing (TMA bounds)
-            if (col0 + 32 * bx < p.head_dim)
-              tma_reduce_add_3d(&p.tmap_dq, col0 + 32 * bx, static_cast<int>(c.s.ws_row0) + row0, h,
-                                sm.dq_stage(wg) + bx * 8192);
+        for (int bx = 0; bx < 2; ++bx)  // boxes past the tensor's head dim add nothing (TMA bounds)
+          if (col0 + 32 * bx < p.head_dim)
+            tma_reduce_add_3d(&p.tmap_dq, col0 + 32 * bx, static_cast<int>(c.s.ws_row0) + row0, h,
+                              sm.dq_stage(wg) + bx * 8192);
         sm90::bulk_commit();
         sm90::bulk_wait_read<0>();
       }
