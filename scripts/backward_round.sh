@@ -2,7 +2,7 @@
 # A round for the CUDA attention backward on the lent H200, three device calls back to back (FA4
 # travels in three parts: ../shared/tools/fa4-carry.sh; the machine stays warm ~30 s between calls).
 #   call 1, carry [".fa4a"]: bash scripts/backward_round.sh 1 C   build; the backward's GPU tests; check
-#                                                               --area backward; memcheck of two backward
+#                                                               --area backward; memcheck of three backward
 #                                                               tests; bench backward --quick without FA4
 #   call 2, carry [".fa4b"]: bash scripts/backward_round.sh 2 C   (copies FA4's second part)
 #   call 3, carry [".fa4c"]: bash scripts/backward_round.sh 3 C   bench backward (every shape, FA4 and
@@ -15,21 +15,17 @@ OUT=${OUT:?run through the device tool: OUT is its output folder}
 mkdir -p "$OUT"
 case $phase in
   1)
-    # Overrides: GT (gtest filter), MC (memcheck filter), BENCH=0 (no quick bench).
+    # Overrides: GT (gtest filter), MC (memcheck filter), PRE (a short test run first), CHECK=0 (no
+    # check --area backward), BENCH=0 (no quick bench), AB=1 (scripts/bwd_ab.py: AB_CONFIGS, AB_SHAPES).
     mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2>/dev/null
     make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
     tail -2 "$OUT/build.txt" | head -1
-    grep -A2 "bwd_sm90_kernel" build/ptxas_report.txt 2>/dev/null | grep -E "registers|spill" | sort | uniq -c
+    grep -A2 -E "bwd_sm90_(ws_)?kernel" build/ptxas_report.txt 2>/dev/null | grep -E "registers|spill" | sort | uniq -c
     (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > /tmp/pip.txt 2>&1
      echo "pip rc $?" >> /tmp/pip.txt) &
-    if [ -n "${PRE:-}" ]; then  # WIP: a short first test (a hang or a failure stops the round here)
+    if [ -n "${PRE:-}" ]; then  # a short first test: a hang or a failure stops the round here
       timeout 40 ./build/flashcpp_gpu_tests --gtest_filter="$PRE" > "$OUT/pre.txt" 2>&1
       rc=$?; echo "pre $PRE rc $rc"; [ $rc = 0 ] || { tail -40 "$OUT/pre.txt"; exit 4; }
-    fi
-    if [ -n "${PRE_PROBE:-}" ]; then  # WIP: the warp-specialized tests again under a probe's variant bits
-      FLASHCPP_BWD_WS_PROBE=$PRE_PROBE timeout 60 ./build/flashcpp_gpu_tests \
-        --gtest_filter="BackwardGpu.WarpSpecialized*:BackwardGpu.DeterministicIsBitwiseRepeatable" > "$OUT/pre_probe.txt" 2>&1
-      echo "pre probe $PRE_PROBE rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/pre_probe.txt" | tr '\n' ' ')"
     fi
     timeout 240 ./build/flashcpp_gpu_tests --gtest_filter="${GT:-BackwardGpu.*}" > "$OUT/gpu_bwd.txt" 2>&1
     echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_bwd.txt" | tr '\n' ' ')"
@@ -40,8 +36,8 @@ case $phase in
       --gtest_filter="${MC:-BackwardGpu.VarlenZeroesUncoveredRows:BackwardGpu.NanIn*:BackwardGpu.WarpSpecializedSmall}" > "$OUT/memcheck_bwd.txt" 2>&1
     echo "memcheck rc $?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_bwd.txt" | tail -1)"
     wait; tail -1 /tmp/pip.txt
-    if [ "${AB:-0}" = 1 ]; then  # WIP: the backward's kernels A/B (FLASHCPP_BWD_CONFIG), cuDNN beside
-      (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/bwd_ab_wip.py" "${AB_CONFIGS:-sm90,sm90ws}" ${AB_SHAPES:-}) > "$OUT/ab.txt" 2>&1
+    if [ "${AB:-0}" = 1 ]; then  # the backward's kernels A/B (scripts/bwd_ab.py), cuDNN beside
+      (cd /tmp && timeout 200 python3 "$OLDPWD/scripts/bwd_ab.py" "${AB_CONFIGS:-sm90,sm90ws}" ${AB_SHAPES:-}) > "$OUT/ab.txt" 2>&1
       echo "ab rc $?"; cat "$OUT/ab.txt"
     fi
     if [ "${BENCH:-1}" = 1 ]; then

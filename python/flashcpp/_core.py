@@ -14,9 +14,8 @@ what the C++ validator rejects -> ValueError (invalid) or NotImplementedError (u
 """
 from __future__ import annotations
 
-import os
-
 import math
+import os
 import numbers
 from typing import Any, NamedTuple, Optional, Tuple
 
@@ -605,7 +604,8 @@ def launch_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse:
     if varlen:
         p.total_k = int(mk.shape[0])  # the packed key rows: rows past cu_seqlens_k[-1] get dk = dv = 0
     stream = torch.cuda.current_stream(q.device).cuda_stream if mq.is_cuda else 0
-    # WIP (branch wip-bwd-ws): FLASHCPP_BWD_CONFIG picks the CUDA backward's kernel for A/B runs.
+    # FLASHCPP_BWD_CONFIG: the CUDA backward's RunOptions::cuda_config ("sm80", "sm90", "sm90ws"; unset =
+    # the selector's choice), for kernel A/B measurements (scripts/bwd_ab.py, docs/backward.md).
     opt = _C.RunOptions(backend, int(stream), check_cpu_threads(cpu_threads), os.environ.get("FLASHCPP_BWD_CONFIG", ""))
 
     def call() -> None:

@@ -1,5 +1,6 @@
-"""WIP (branch wip-bwd-ws): the CUDA backward under several cuda_config values (FLASHCPP_BWD_CONFIG), interleaved in
-one process, plus cuDNN through SDPA; gradients checked against cuDNN's. Usage: bwd_ab_wip.py [configs, e.g. sm90,sm90ws]"""
+"""The CUDA backward under several kernel choices (FLASHCPP_BWD_CONFIG = RunOptions::cuda_config), interleaved in one
+process, with cuDNN through SDPA beside; each choice's gradients are checked against cuDNN's first.
+Usage (on a GPU, flashcpp installed): python3 scripts/bwd_ab.py [configs, default sm90,sm90ws] [shape indices, e.g. 0,2]"""
 import os
 import statistics
 import sys
@@ -24,11 +25,9 @@ for (b, h, n, d, causal) in shapes:
     for cfg in configs:
         q, k, v = leaves()
         o = flashcpp.flash_attn_func(q, k, v, causal=causal)
-        name, _, probe = cfg.partition(":")  # "sm90ws:5": FLASHCPP_BWD_WS_PROBE=5 (bwd_sm90_ws.cuh's variant bits)
 
-        def run(o=o, q=q, k=k, v=v, name=name, probe=probe):
-            os.environ["FLASHCPP_BWD_CONFIG"] = name
-            os.environ["FLASHCPP_BWD_WS_PROBE"] = probe or "0"
+        def run(o=o, q=q, k=k, v=v, cfg=cfg):
+            os.environ["FLASHCPP_BWD_CONFIG"] = cfg
             return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
         fns[cfg] = run
     q, k, v = leaves()
