@@ -8,6 +8,7 @@
 #   tests/fuzz/run_fuzz.sh [BUILD_DIR]        (default build/fuzz)
 #   FUZZ_SECONDS=600 tests/fuzz/run_fuzz.sh   (total fuzzing time, split evenly; default 60 s)
 #   FUZZ_JOBS=2 ...                           (parallel fuzzing processes per target; default 1)
+#   FUZZ_RUN_JOBS=1 ...                       (targets run at once; default 2)
 #
 # Each target's corpus lives in BUILD_DIR/corpus (validate), BUILD_DIR/corpus_decode,
 # BUILD_DIR/corpus_fused or BUILD_DIR/corpus_engine and grows across runs; crash inputs land in
@@ -159,10 +160,21 @@ run_one() {
   return $(( rc != 0 ))
 }
 
+# Two targets at a time by default (FUZZ_RUN_JOBS=1: one after another): each still gets its own
+# seconds, and the stage's wall time halves on a machine with two cores.
 status=0
-run_one fuzz_validate "$seconds_validate" "$build/corpus" "$build/artifacts" "" || status=1
-run_one fuzz_decode_validate "$seconds_decode" "$build/corpus_decode" "$build/artifacts_decode" "" || status=1
-run_one fuzz_fused_validate "$seconds_fused" "$build/corpus_fused" "$build/artifacts_fused" "" || status=1
-run_one fuzz_engine_parsers "$seconds_engine" "$build/corpus_engine" "$build/artifacts_engine" "$seed" \
-  -dict="$build/engine.dict" || status=1
+run_jobs="${FUZZ_RUN_JOBS:-2}"
+running=()
+finish() { for pid in "${running[@]}"; do wait "$pid" || status=1; done; running=(); }
+start() {  # start NAME ARGS...: run_one in the background, after the running ones when run_jobs are busy
+  (( ${#running[@]} >= run_jobs )) && finish
+  run_one "$@" &
+  running+=($!)
+}
+start fuzz_validate "$seconds_validate" "$build/corpus" "$build/artifacts" ""
+start fuzz_decode_validate "$seconds_decode" "$build/corpus_decode" "$build/artifacts_decode" ""
+start fuzz_fused_validate "$seconds_fused" "$build/corpus_fused" "$build/artifacts_fused" ""
+start fuzz_engine_parsers "$seconds_engine" "$build/corpus_engine" "$build/artifacts_engine" "$seed" \
+  -dict="$build/engine.dict"
+finish
 exit "$status"
