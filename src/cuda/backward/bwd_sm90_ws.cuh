@@ -23,31 +23,21 @@
 
 namespace flashcpp::cuda {
 
+/// The single-role config's tiles and buffers (BwdSm90Config), in three warpgroups, with a second
+/// dS^T buffer and room for the stage records and barriers.
 template <int HeadDim, int BlockM>
-struct BwdWsConfig {
-  static constexpr int kHeadDim = HeadDim;
-  static constexpr int kBlockM = BlockM;
-  static constexpr int kBlockN = 128;
+struct BwdWsConfig : BwdSm90Config<HeadDim, BlockM> {
+  using Base = BwdSm90Config<HeadDim, BlockM>;
   static constexpr int kWarps = 12;
   static constexpr int kThreads = 384;
-  static constexpr int kMinBlocks = 1;
-  static constexpr bool kSm90 = true;
   static constexpr bool kWs = true;
-  static constexpr int kNQ = BlockM / 8;
-  static constexpr int kDT = HeadDim / 8;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
   // setmaxnreg moves registers within the launch allocation (384 threads x 168): the total must not
   // exceed it, or the consumers' setmaxnreg.inc waits forever (32 + 2 x 240 hung on the H200).
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 168 * 384, "register file");
-  static constexpr int kSmemKV = kBlockN * HeadDim * 2;
-  static constexpr int kSmemQ = BlockM * HeadDim * 2;
-  static constexpr int kSmemDs = kBlockN * BlockM * 2;   ///< one dS^T buffer [key][query]
-  static constexpr int kSmemDqPiece = 64 * 64 * 4;     ///< one consumer's staged 64 x 64 fp32 dQ piece
-  static constexpr int kSmemDq = 2 * kSmemDqPiece;      ///< (two 32-column boxes, 128-byte swizzle)
-  static constexpr int kSmemRows = 2 * BlockM * 4;       ///< one stage of LSE log2 e and D
-  static constexpr int kSmemBytes =
-      2 * kSmemKV + 4 * kSmemQ + 2 * kSmemDs + kSmemDq + 2 * kSmemRows + 1024;  // + records, barriers
-  static_assert((HeadDim == 128 && BlockM == 64) || (HeadDim == 64 && BlockM == 128));
+  static constexpr int kSmemDqPiece = Base::kSmemDq / 2;  ///< one consumer's staged 64 x 64 fp32 dQ piece
+  static constexpr int kSmemBytes = 2 * Base::kSmemKV + 4 * Base::kSmemQ + 2 * Base::kSmemDs + Base::kSmemDq +
+                                    2 * Base::kSmemRows + 1024;  // + records, barriers
 };
 
 /// What the producer tells the consumers about a stage. m < 0: no more pairs.
