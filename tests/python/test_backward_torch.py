@@ -281,6 +281,25 @@ def _sdpa_grads(q, k, v, dout, causal):
 @pytest.mark.parametrize("shape", [(2, 127, 200, 4, 2, 64), (1, 300, 300, 2, 1, 128), (1, 70, 90, 2, 2, 256),
                                    (1, 50, 60, 2, 2, 96)])
 def test_cuda_backward_matches_fp64(dtype, causal, shape):
+    _check_cuda_grads(dtype, causal, shape)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device and a FLASHCPP_CUDA=ON build")
+@pytest.mark.parametrize("config", ["sm80", "sm90", "sm90ws"])
+def test_each_cuda_backward_kernel_through_the_env_knob(config, monkeypatch):
+    # FLASHCPP_BWD_CONFIG sets the backward's cuda_config (docs/backward.md): each kernel matches fp64.
+    if config != "sm80" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the wgmma kernels run on sm_90 devices")
+    monkeypatch.setenv("FLASHCPP_BWD_CONFIG", config)
+    _check_cuda_grads(torch.bfloat16, True, (1, 300, 300, 2, 1, 128))
+    monkeypatch.setenv("FLASHCPP_BWD_CONFIG", "m64n64")  # a prefill config names no backward kernel
+    q = torch.randn(1, 8, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="cuda_config"):
+        flashcpp.flash_attn_func(q, q.detach(), q.detach()).sum().backward()
+
+
+def _check_cuda_grads(dtype, causal, shape):
+    """flash_attn_func's gradients on CUDA against SDPA's in float64, within the documented tolerance."""
     b, n_q, n_k, h_q, h_kv, d = shape
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(b, n_q, h_q, d, device="cuda", dtype=dtype, generator=g, requires_grad=True)
