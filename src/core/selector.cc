@@ -528,7 +528,7 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   // or block-sparse masks. Chosen by default for the class 128, where it measured 1.15-1.29x the
   // single-role wgmma kernel (reports/backward); at the class 64 it measured 0.92-1.05x, so that
   // class keeps the single-role kernel unless cuda_config asks for "sm90ws".
-  const cuda::BwdEntry* ews = cuda::bwd_entry_sm90ws(f.head_dim_class());
+  const cuda::BwdEntry* ews = cuda::bwd_entry_sm90(f.head_dim_class(), true);
   const std::string why_ws =
       !why90.empty()   ? why90
       : ews == nullptr ? std::string("the warp-specialized backward has the head-dim classes 64 and 128")

@@ -25,28 +25,16 @@ const BwdEntry* bwd_entry(int head_dim_class) {
   }
 }
 
-const BwdEntry* bwd_entry_sm90(int head_dim_class) {
+const BwdEntry* bwd_entry_sm90(int head_dim_class, bool warp_specialized) {
 #if FLASHCPP_HAS_SM90
   switch (head_dim_class) {
-    case 64: return &bwd_entry_sm90_hd64();
-    case 128: return &bwd_entry_sm90_hd128();
+    case 64: return warp_specialized ? &bwd_entry_sm90ws_hd64() : &bwd_entry_sm90_hd64();
+    case 128: return warp_specialized ? &bwd_entry_sm90ws_hd128() : &bwd_entry_sm90_hd128();
     default: return nullptr;
   }
 #else
   (void)head_dim_class;
-  return nullptr;
-#endif
-}
-
-const BwdEntry* bwd_entry_sm90ws(int head_dim_class) {
-#if FLASHCPP_HAS_SM90
-  switch (head_dim_class) {
-    case 64: return &bwd_entry_sm90ws_hd64();
-    case 128: return &bwd_entry_sm90ws_hd128();
-    default: return nullptr;
-  }
-#else
-  (void)head_dim_class;
+  (void)warp_specialized;
   return nullptr;
 #endif
 }
@@ -176,8 +164,8 @@ Status backward_cuda(const AttnBackwardParams& a, const TileConfig& tile, const 
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   const int cls = cuda_head_dim_class(a.head_dim, a.effective_head_dim_v());
   const BwdEntry* e = bwd_entry(cls);
-  if (const BwdEntry* e90 = bwd_entry_sm90(cls); e90 != nullptr && e90->tile == tile) e = e90;
-  if (const BwdEntry* ews = bwd_entry_sm90ws(cls); ews != nullptr && ews->tile == tile) e = ews;
+  for (bool ws : {false, true})
+    if (const BwdEntry* e90 = bwd_entry_sm90(cls, ws); e90 != nullptr && e90->tile == tile) e = e90;
   if (e == nullptr || !(e->tile == tile))
     return Status::Invalid("no backward config with tiles " + std::to_string(tile.block_m) + "x" +
                            std::to_string(tile.block_n) + " for head_dim " + std::to_string(a.head_dim));

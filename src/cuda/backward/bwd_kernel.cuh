@@ -484,15 +484,17 @@ __device__ __forceinline__ void bwd_dq(const BwdParams& p, const BwdSmem<Cfg, T>
   }
 }
 
-/// Deterministic mode: the number of key tiles before n that add to query tile m (walk::key_tile_rank,
-/// counted by the whole CTA, kThreads tiles per step). Every thread gets the count.
-template <class Cfg>
+/// Deterministic mode: the number of key tiles before n that add to query tile m (walk::key_tile_rank),
+/// counted by Threads threads, a tile each per step: the whole CTA (__syncthreads_count) or one warp
+/// (Threads 32, the warp-specialized kernel's writer: ballot). Every counting thread gets the count.
+template <int Threads>
 __device__ __forceinline__ int bwd_rank(const BwdCta& c, int h, int m, int tid) {
   int rank = 0;
-  for (int n0 = 0; n0 < c.n; n0 += Cfg::kThreads) {
+  for (int n0 = 0; n0 < c.n; n0 += Threads) {
     const int n = n0 + tid;
     const bool before = n < c.n && walk::backward_visit(c.s.rules, c.tiles, c.bs, c.b, h, m, n).visit;
-    rank += __syncthreads_count(before);
+    if constexpr (Threads == 32) rank += __popc(__ballot_sync(0xffffffffu, before));
+    else rank += __syncthreads_count(before);
   }
   return rank;
 }
@@ -517,7 +519,7 @@ struct BwdDqTurn {
     if (p.sem == nullptr) return;
     constexpr int BM = Cfg::kBlockM;
     const int h = c.hk * p.group + pr.gi;
-    rank = bwd_rank<Cfg>(c, h, pr.m, tid);
+    rank = bwd_rank<Cfg::kThreads>(c, h, pr.m, tid);
     sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pr.m * BM) / BM;
     if (tid == 0)
       while (ld_acquire(sem) != rank) __nanosleep(64);

@@ -1,6 +1,6 @@
 // The compiled configs of the CUDA attention backward: the mma.sync kernel's, one per head-dim class
-// (bwd_hd<D>.cu), and the wgmma kernel's for the classes 64 and 128 (bwd_sm90_hd<D>.cu, sm_90a),
-// each with its bf16 and fp16 instantiation. The selector (core/selector.cc) reads the tile from here;
+// (bwd_hd<D>.cu), and the wgmma kernels' for the classes 64 and 128 (bwd_sm90_hd<D>.cu and the
+// warp-specialized bwd_sm90ws_hd<D>.cu, sm_90a), each with its bf16 and fp16 instantiation. The selector (core/selector.cc) reads the tile from here;
 // the tile's block_m is the workspace's row_pad.
 #pragma once
 
@@ -30,12 +30,10 @@ const BwdEntry& bwd_entry_sm90_hd64();
 const BwdEntry& bwd_entry_sm90_hd128();
 const BwdEntry& bwd_entry_sm90ws_hd64();
 const BwdEntry& bwd_entry_sm90ws_hd128();
-/// The warp-specialized wgmma entry (cuda_config "sm90ws"; not chosen automatically yet), or nullptr.
-const BwdEntry* bwd_entry_sm90ws(int head_dim_class);
 /// The mma.sync entry of a head-dim class (64, 128, 256), or nullptr.
 const BwdEntry* bwd_entry(int head_dim_class);
-/// The wgmma entry of a head-dim class (64, 128), or nullptr (other classes, or a build without
-/// the sm90 family).
-const BwdEntry* bwd_entry_sm90(int head_dim_class);
+/// The wgmma entry of a head-dim class (64, 128): the single-role kernel, or its warp-specialized
+/// twin (bwd_sm90_ws.cuh); nullptr for other classes, or a build without the sm90 family.
+const BwdEntry* bwd_entry_sm90(int head_dim_class, bool warp_specialized = false);
 
 }  // namespace flashcpp::cuda

@@ -104,6 +104,59 @@ __device__ __forceinline__ std::uint64_t bwd90_adv(std::uint64_t d, int bytes) {
   return d + static_cast<std::uint64_t>(bytes >> 4);
 }
 
+/// A warpgroup's wgmma descriptors (stage 0, first k-step). K-major operands: lbo unused, sbo = 8
+/// rows x 128 B. MN-major ones: lbo = the distance between 64-column panels (Rows x 128 B), sbo = 8
+/// K-rows x 128 B. `ds` is the (first) dS^T buffer.
+template <class Cfg>
+struct Bwd90Descs {
+  std::uint64_t k_a, v_a;   ///< this warpgroup's 64 keys of K and V (A of S^T and dP^T)
+  std::uint64_t q_b, do_b;  ///< Q and dO, K-major (B of S^T and dP^T)
+  std::uint64_t q_mn, do_mn;  ///< Q and dO, MN-major (B of dK and dV)
+  std::uint64_t ds_a, k_b;  ///< dS^T and K, both MN-major, for this warpgroup's 64 x 64 piece of dQ
+  template <class Smem>
+  __device__ __forceinline__ Bwd90Descs(const Smem& sm, std::uint32_t ds, int wg) {
+    constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+    k_a = sm90::make_desc(sm.k() + wg * 64 * 128, 16, 1024);
+    v_a = sm90::make_desc(sm.v() + wg * 64 * 128, 16, 1024);
+    q_b = sm90::make_desc(sm.q(0), 16, 1024);
+    do_b = sm90::make_desc(sm.dout(0), 16, 1024);
+    q_mn = sm90::make_desc(sm.q(0), BM * 128, 1024);
+    do_mn = sm90::make_desc(sm.dout(0), BM * 128, 1024);
+    // dQ's 64 x 64 piece: BM = 128 splits the rows (dS^T's query panel wg), BM = 64 the columns (K's panel wg).
+    const int ds_panel = BM == 128 ? wg : 0, k_panel = BM == 64 ? wg : 0;
+    ds_a = sm90::make_desc(ds + ds_panel * BN * 128, BN * 128, 1024);
+    k_b = sm90::make_desc(sm.k() + k_panel * BN * 128, BN * 128, 1024);
+  }
+};
+
+/// acc = A_w B^T over the head dim (S^T = K_w Q^T, dP^T = V_w dO^T), both K-major; B's stage starts
+/// `qoff` bytes after the descriptor's.
+template <class Cfg, typename T>
+__device__ __forceinline__ void bwd90_product_t(float (&acc)[Cfg::kBlockM / 2], std::uint64_t a, std::uint64_t b,
+                                                int qoff) {
+  constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN;
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kHeadDim / 16; ++kk) {
+    const int off = (kk % 4) * 32;  // 64-column panel kk / 4, then 32 bytes per k16 step
+    sm90::wgmma_ss<BM, T>(acc, bwd90_adv(a, (kk / 4) * BN * 128 + off), bwd90_adv(b, qoff + (kk / 4) * BM * 128 + off),
+                          kk > 0);
+  }
+}
+
+/// P and dS as A fragments of the RS wgmmas: k16 step kk covers the accumulator's chunks 2kk and 2kk + 1.
+template <class Cfg, typename T>
+__device__ __forceinline__ void bwd90_fragments(const float (&s)[Cfg::kBlockM / 2], const float (&dp)[Cfg::kBlockM / 2],
+                                                std::uint32_t (&pa)[Cfg::kBlockM / 16][4],
+                                                std::uint32_t (&da)[Cfg::kBlockM / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+      da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+    }
+}
+
 template <class Cfg, typename T>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid_constant__ BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma exists only in the sm_90a pass
@@ -133,16 +186,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
   if (have) bwd90_load_pair<Cfg, T>(p, sm, c, cur, 0, tid);
   ptx::cp_async_commit();
 
-  // Descriptors (stage 0, first k-step). K-major operands: lbo unused, sbo = 8 rows x 128 B. MN-major
-  // ones: lbo = the distance between 64-column panels (Rows x 128 B), sbo = 8 K-rows x 128 B.
-  const std::uint64_t k_a = sm90::make_desc(sm.k() + wg * 64 * 128, 16, 1024);  // this warpgroup's 64 keys
-  const std::uint64_t v_a = sm90::make_desc(sm.v() + wg * 64 * 128, 16, 1024);
-  const std::uint64_t q_b = sm90::make_desc(sm.q(0), 16, 1024), do_b = sm90::make_desc(sm.dout(0), 16, 1024);
-  const std::uint64_t q_mn = sm90::make_desc(sm.q(0), BM * 128, 1024), do_mn = sm90::make_desc(sm.dout(0), BM * 128, 1024);
-  // dQ's 64 x 64 piece: BM = 128 splits the rows (dS^T's query panel wg), BM = 64 the columns (K's panel wg).
-  const int ds_panel = BM == 128 ? wg : 0, k_panel = BM == 64 ? wg : 0;
-  const std::uint64_t ds_a = sm90::make_desc(ptx::smem_u32(sm.ds()) + ds_panel * BN * 128, BN * 128, 1024);
-  const std::uint64_t k_b = sm90::make_desc(sm.k() + k_panel * BN * 128, BN * 128, 1024);
+  const auto [k_a, v_a, q_b, do_b, q_mn, do_mn, ds_a, k_b] = Bwd90Descs<Cfg>(sm, ptx::smem_u32(sm.ds()), wg);
 
   float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -163,33 +207,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
     const int qoff = st * Cfg::kSmemQ;
     float s[BM / 2], dp[BM / 2];
     sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {  // S^T = K_w Q^T
-      const int off = (kk % 4) * 32;  // 64-column panel kk / 4, then 32 bytes per k16 step
-      sm90::wgmma_ss<BM, T>(s, bwd90_adv(k_a, (kk / 4) * BN * 128 + off),
-                            bwd90_adv(q_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_w dO^T
-      const int off = (kk % 4) * 32;
-      sm90::wgmma_ss<BM, T>(dp, bwd90_adv(v_a, (kk / 4) * BN * 128 + off),
-                            bwd90_adv(do_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
-    }
+    bwd90_product_t<Cfg, T>(s, k_a, q_b, qoff);  // S^T = K_w Q^T
+    bwd90_product_t<Cfg, T>(dp, v_a, do_b, qoff);  // dP^T = V_w dO^T
     sm90::wgmma_commit();
     sm90::wgmma_wait<0>();
     const float* rows = sm.rows(st);
     bwd_p_ds<Cfg>(reinterpret_cast<float(&)[Cfg::kNQ][4]>(s), reinterpret_cast<float(&)[Cfg::kNQ][4]>(dp), p, c, cur,
                   rows, rows + BM, cur.v.need_mask || key_tail, key0, g, t);
 
-    // P and dS as A fragments: k16 step kk covers the accumulator's chunks 2kk and 2kk + 1.
     std::uint32_t pa[BM / 16][4], da[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-        da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
-      }
+    bwd90_fragments<Cfg, T>(s, dp, pa, da);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dv, pa[kk], bwd90_adv(do_mn, qoff + kk * 16 * 128), 1);

@@ -89,22 +89,6 @@ struct BwdWsSmem {
 // staging's full and empty hand-overs with the writer warp (128 + 32 threads).
 inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4;
 
-/// A 1D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
-/// shared memory, completing as transaction bytes on `bar`.
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, int bytes, std::uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   ptx::smem_u32(smem_dst)),
-               "l"(gmem_src), "r"(bytes), "r"(ptx::smem_u32(bar))
-               : "memory");
-}
-/// TMA reduce-add of one box of a rank-3 fp32 map from shared memory (bulk group of this thread).
-__device__ __forceinline__ void tma_reduce_add_3d(const void* tmap, int c0, int c1, int c2, const void* smem_src) {
-  asm volatile(
-      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(tmap),
-      "r"(c0), "r"(c1), "r"(c2), "r"(ptx::smem_u32(smem_src))
-      : "memory");
-}
-
 /// Byte offset of fp32 (row, col) of a staged 64 x 64 dQ piece: two boxes of 32 columns, each 64
 /// rows of 128 bytes in the TMA 128-byte swizzle (16-byte chunk index XOR row % 8).
 __device__ __forceinline__ int bwd_ws_dq_offset(int row, int col) {
@@ -196,24 +180,12 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsS
       sm90::tma_load_4d(sm.dout_ptr(st) + pn * BM * 128, &p.tmap_do, pn * 64, q_x0 + cur.m * BM, h, q_c3, sm.full(st));
     }
     const std::int64_t row = static_cast<std::int64_t>(h) * p.ws_rows + c.s.ws_row0 + cur.m * BM;
-    bulk_load(sm.rows(st), p.lse2 + row, BM * 4, sm.full(st));
-    bulk_load(sm.rows(st) + BM, p.delta + row, BM * 4, sm.full(st));
+    sm90::bulk_load(sm.rows(st), p.lse2 + row, BM * 4, sm.full(st));
+    sm90::bulk_load(sm.rows(st) + BM, p.delta + row, BM * 4, sm.full(st));
     BwdPair nxt;
     have = bwd_next_pair(p, c, cur, &nxt);
     cur = nxt;
   }
-}
-
-/// Deterministic mode's turn, taken by the writer warp for the whole CTA: the number of key tiles
-/// before c.n that add to query tile m (walk::key_tile_rank counted by 32 lanes).
-__device__ __forceinline__ int bwd_ws_rank(const BwdCta& c, int h, int m, int lane) {
-  int rank = 0;
-  for (int n0 = 0; n0 < c.n; n0 += 32) {
-    const int n = n0 + lane;
-    const bool before = n < c.n && walk::backward_visit(c.s.rules, c.tiles, c.bs, c.b, h, m, n).visit;
-    rank += __popc(__ballot_sync(0xffffffffu, before));
-  }
-  return rank;
 }
 
 /// The dQ writer warp: each consumer's staged piece in pair order (consumer 0, then 1), added to the
@@ -239,7 +211,7 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
       }
       const int h = c.hk * p.group + pc.gi;
       if (wg == 0 && p.sem != nullptr) {  // deterministic: wait for the key tiles before this one
-        rank = bwd_ws_rank(c, h, pc.m, lane);
+        rank = bwd_rank<32>(c, h, pc.m, lane);  // the turn, taken for the whole CTA
         sem = p.sem + static_cast<std::int64_t>(h) * (p.ws_rows / BM) + (c.s.ws_row0 + pc.m * BM) / BM;
         if (lane == 0)
           while (ld_acquire(sem) != rank) __nanosleep(64);
@@ -250,7 +222,7 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
 #pragma unroll
         for (int bx = 0; bx < 2; ++bx)  // boxes past the tensor's head dim add nothing (TMA bounds)
           if (col0 + 32 * bx < p.head_dim)
-            tma_reduce_add_3d(&p.tmap_dq, col0 + 32 * bx, static_cast<int>(c.s.ws_row0) + row0, h,
+            sm90::tma_reduce_add_3d(&p.tmap_dq, col0 + 32 * bx, static_cast<int>(c.s.ws_row0) + row0, h,
                               sm.dq_stage(wg) + bx * 8192);
         sm90::bulk_commit();
         sm90::bulk_wait_read<0>();
@@ -258,8 +230,7 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
       __syncwarp();
       sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);
       if (wg == 1 && sem != nullptr && lane == 0) {  // both pieces added: the next key tile's turn
-        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");  // the adds are done, not just read
-        asm volatile("fence.proxy.async.global;\n" ::: "memory");
+        sm90::bulk_wait_done<0>();  // the adds are done, not just read
         __threadfence();
         st_release(sem, rank + 1);
       }
@@ -274,13 +245,7 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
                                                 int wg, int ct) {
   constexpr int BM = Cfg::kBlockM, BN = Cfg::kBlockN, D = Cfg::kHeadDim;
   const int lane = ct % 32, wi = ct / 32, g = lane / 4, t = lane % 4;
-  const std::uint64_t k_a = sm90::make_desc(sm.k() + wg * 64 * 128, 16, 1024);
-  const std::uint64_t v_a = sm90::make_desc(sm.v() + wg * 64 * 128, 16, 1024);
-  const std::uint64_t q_b = sm90::make_desc(sm.q(0), 16, 1024), do_b = sm90::make_desc(sm.dout(0), 16, 1024);
-  const std::uint64_t q_mn = sm90::make_desc(sm.q(0), BM * 128, 1024), do_mn = sm90::make_desc(sm.dout(0), BM * 128, 1024);
-  const int ds_panel = BM == 128 ? wg : 0, k_panel = BM == 64 ? wg : 0;
-  const std::uint64_t ds_a = sm90::make_desc(ptx::smem_u32(sm.ds(0)) + ds_panel * BN * 128, BN * 128, 1024);
-  const std::uint64_t k_b = sm90::make_desc(sm.k() + k_panel * BN * 128, BN * 128, 1024);
+  const auto [k_a, v_a, q_b, do_b, q_mn, do_mn, ds_a, k_b] = Bwd90Descs<Cfg>(sm, ptx::smem_u32(sm.ds(0)), wg);
 
   float dk[D / 2], dv[D / 2];
 #pragma unroll
@@ -295,19 +260,9 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     const int qoff = st * Cfg::kSmemQ;
     float s[BM / 2], dp[BM / 2];
     sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {  // S^T = K_w Q^T
-      const int off = (kk % 4) * 32;
-      sm90::wgmma_ss<BM, T>(s, bwd90_adv(k_a, (kk / 4) * BN * 128 + off),
-                            bwd90_adv(q_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
-    }
+    bwd90_product_t<Cfg, T>(s, k_a, q_b, qoff);  // S^T = K_w Q^T
     sm90::wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {  // dP^T = V_w dO^T
-      const int off = (kk % 4) * 32;
-      sm90::wgmma_ss<BM, T>(dp, bwd90_adv(v_a, (kk / 4) * BN * 128 + off),
-                            bwd90_adv(do_b, qoff + (kk / 4) * BM * 128 + off), kk > 0);
-    }
+    bwd90_product_t<Cfg, T>(dp, v_a, do_b, qoff);  // dP^T = V_w dO^T
     sm90::wgmma_commit();
     const float* rows = sm.rows(st);
     BwdPair pr;
@@ -318,13 +273,7 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     sm90::wgmma_wait<0>();
     bwd90_ds<Cfg>(s, dp, rows + BM, t);
     std::uint32_t pa[BM / 16][4], da[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-        da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
-      }
+    bwd90_fragments<Cfg, T>(s, dp, pa, da);
     // dS^T into buffer st (the other consumer may still read buffer st ^ 1 for the last pair).
     unsigned char* dsb = sm.ds(st);
 #pragma unroll

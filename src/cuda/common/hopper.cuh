@@ -116,7 +116,25 @@ __device__ __forceinline__ void tma_store_4d(const void* tmap, int c0, int c1, i
   const std::int32_t coords[4] = {c0, c1, c2, c3};
   ptx::cp_async_bulk_tensor(ptx::space_global, ptx::space_shared, tmap, coords, smem_src);
 }
+/// TMA reduce-add of one box from shared memory (the map's swizzle) into a rank-3 tensor map of the
+/// map's element type; elements outside the map's bounds are skipped. Completes in a bulk group.
+__device__ __forceinline__ void tma_reduce_add_3d(const void* tmap, int c0, int c1, int c2, const void* smem_src) {
+  const std::int32_t coords[3] = {c0, c1, c2};
+  ptx::cp_reduce_async_bulk_tensor(ptx::space_global, ptx::space_shared, ptx::op_add, tmap, coords, smem_src);
+}
+/// A 1D bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
+/// shared memory, completing as transaction bytes on `bar`.
+__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, std::uint32_t bytes, std::uint64_t* bar) {
+  ptx::cp_async_bulk(ptx::space_cluster, ptx::space_global, smem_dst, gmem_src, bytes, bar);
+}
 __device__ __forceinline__ void bulk_commit() { ptx::cp_async_bulk_commit_group(); }
+/// Waits until at most N bulk groups are still in flight (their writes done, not just their reads),
+/// then orders those async-proxy writes to global memory before this thread's later generic accesses.
+template <int N>
+__device__ __forceinline__ void bulk_wait_done() {
+  ptx::cp_async_bulk_wait_group(ptx::n32_t<N>{});
+  ptx::fence_proxy_async(ptx::space_global);
+}
 /// Waits until at most N bulk groups still read their shared-memory source.
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
