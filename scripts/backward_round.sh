@@ -16,7 +16,10 @@ mkdir -p "$OUT"
 case $phase in
   1)
     # Overrides: GT (gtest filter), MC (memcheck filter), PRE (a short test run first), CHECK=0 (no
-    # check --area backward), BENCH=0 (no quick bench), AB=1 (scripts/bwd_ab.py: AB_CONFIGS, AB_SHAPES).
+    # check --area backward), BENCH=0 (no quick bench), AB=1 (scripts/bwd_ab.py: AB_CONFIGS, AB_SHAPES),
+    # NCU="B H N D [causal] [det] [config]; ..." (an ncu profile of each: details and per-SASS-line
+    # source counters), PYT=1 (tests/python/test_backward_torch.py on CUDA), TRAIN=1 (the training check).
+    # Logs other than the last bench's are packed into $OUT/phase1.tgz (8 files come back at most).
     mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2>/dev/null
     make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
     tail -2 "$OUT/build.txt" | head -1
@@ -42,8 +45,30 @@ case $phase in
     fi
     if [ "${BENCH:-1}" = 1 ]; then
       (cd /tmp && timeout 150 python3 -m flashcpp.bench backward --quick --out "$OUT/bwd_quick") > "$OUT/bench_quick.log" 2>&1
-      echo "bench quick rc $?"; grep -E "^b[0-9]| ours " "$OUT/bench_quick.log" | tail -6
+      echo "bench quick rc $?"; grep -E "^b[0-9]| ours |det " "$OUT/bench_quick.log" | tail -8
     fi
+    if [ "${PYT:-0}" = 1 ]; then
+      (cd /tmp && timeout 200 python3 -m pytest -q -x "$OLDPWD/tests/python/test_backward_torch.py") > "$OUT/pytest_bwd.txt" 2>&1
+      echo "pytest backward rc $?: $(tail -1 "$OUT/pytest_bwd.txt")"
+    fi
+    if [ -n "${NCU:-}" ]; then  # ncu of each listed backward (scripts/bwd_one.py), the main kernel only
+      i=0
+      IFS=';' read -ra runs <<< "$NCU"
+      for r in "${runs[@]}"; do
+        i=$((i + 1))
+        timeout 150 ncu -k regex:bwd_sm90\|bwd_main --launch-skip 1 --launch-count 1 --set full \
+          -f -o "/tmp/ncu$i" python3 scripts/bwd_one.py $r > "$OUT/ncu$i.log" 2>&1
+        echo "ncu $i ($r) rc $?"
+        ncu --import "/tmp/ncu$i.ncu-rep" --page details > "$OUT/ncu${i}_details.txt" 2>&1
+        ncu --import "/tmp/ncu$i.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/ncu${i}_sass.csv.gz"
+        grep -E "Duration|Compute \(SM\) Throughput|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|Shared Memory Bank|Executed Ipc A" "$OUT/ncu${i}_details.txt" | head -12
+      done
+    fi
+    if [ "${TRAIN:-0}" = 1 ]; then
+      (cd /tmp && timeout 240 python3 -m flashcpp.bench.train_check --out "$OUT/train_check") > "$OUT/train_check.log" 2>&1
+      echo "train check rc $?"; tail -4 "$OUT/train_check.log"
+    fi
+    (cd "$OUT" && tar czf /tmp/phase1.tgz --exclude phase1.tgz . && rm -rf ./* && mv /tmp/phase1.tgz .)
     ;;
   2) cp .fa4b/* /tmp/fa4/ && echo "fa4 part 2 copied" ;;
   3)
