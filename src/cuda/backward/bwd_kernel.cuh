@@ -216,11 +216,22 @@ struct BwdKvRows {
   }
 };
 
-/// The first visited pair at or after (gi, m) in (head, tile) order; false when none is left.
+/// The order a CTA walks its query tiles in, per query head. Deterministic mode walks them downwards:
+/// key tile n adds to query tile m after the key tiles before it, and with causal masks or windows the
+/// tiles a key tile visits end at the same or a later query tile than its predecessors', so walking
+/// down, every key tile reaches each query tile after the ones before it did and waits about one
+/// hand-over per key tile. Walking up, key tile n starts at its first query tile, which key tile n - 1
+/// reaches only after its own earlier tiles: the waits add up along the key tiles and the SMs idle.
+/// The default mode walks up (no waits; the same pairs).
+__device__ __forceinline__ bool bwd_walks_down(const BwdParams& p) { return p.sem != nullptr; }
+
+/// The first visited pair at or after (gi, m) in the walk's (head, tile) order; false when none is left.
 __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& c, int gi, int m, BwdPair* out) {
-  for (; gi < p.group; ++gi, m = c.m_lo) {
+  const bool down = bwd_walks_down(p);
+  const int step = down ? -1 : 1, start = down ? c.m_hi - 1 : c.m_lo;
+  for (; gi < p.group; ++gi, m = start) {
     const int h = c.hk * p.group + gi;
-    for (; m < c.m_hi; ++m) {
+    for (; down ? m >= c.m_lo : m < c.m_hi; m += step) {
       walk::TileVisit v = walk::visit(c.s.rules, c.tiles, c.bs, c.b, h, m, c.n);
       if (v.visit) {
         // A device CSR is not validated on the host: an element-mask index past the masks reads the
@@ -236,10 +247,17 @@ __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& 
   return false;
 }
 
-/// The pair after `cur` in (head, tile) order, into *next; false when none is left.
+/// The CTA's first pair, into *out; false when it visits none.
+__device__ __forceinline__ bool bwd_first_pair(const BwdParams& p, const BwdCta& c, BwdPair* out) {
+  return bwd_find_pair(p, c, 0, bwd_walks_down(p) ? c.m_hi - 1 : c.m_lo, out);
+}
+
+/// The pair after `cur` in the walk's order, into *next; false when none is left.
 __device__ __forceinline__ bool bwd_next_pair(const BwdParams& p, const BwdCta& c, const BwdPair& cur, BwdPair* next) {
-  const bool same_head = cur.m + 1 < c.m_hi;
-  return bwd_find_pair(p, c, same_head ? cur.gi : cur.gi + 1, same_head ? cur.m + 1 : c.m_lo, next);
+  const bool down = bwd_walks_down(p);
+  const int m = down ? cur.m - 1 : cur.m + 1;
+  const bool same_head = down ? m >= c.m_lo : m < c.m_hi;
+  return bwd_find_pair(p, c, same_head ? cur.gi : cur.gi + 1, same_head ? m : (down ? c.m_hi - 1 : c.m_lo), next);
 }
 
 /// The first rows of a pair's query head in q and dO (bwd_row at row 0).
@@ -572,7 +590,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) bwd_main_kerne
     load_tile<Cfg, BN>(sm.v, g.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, tid);
   }
   BwdPair cur;
-  bool have = bwd_find_pair(p, c, 0, c.m_lo, &cur);
+  bool have = bwd_first_pair(p, c, &cur);
   if (have) bwd_load_pair<Cfg, T>(p, sm, c, cur, 0, tid);
   ptx::cp_async_commit();
 

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) bwd_sm90_kernel(const __grid
     bwd90_load_tile<BN, D, Cfg::kThreads>(sm.v(), kv.v, p.v_seq_stride, c.j0, c.s.len_k, p.head_dim_v, tid);
   }
   BwdPair cur;
-  bool have = bwd_find_pair(p, c, 0, c.m_lo, &cur);
+  bool have = bwd_first_pair(p, c, &cur);
   if (have) bwd90_load_pair<Cfg, T>(p, sm, c, cur, 0, tid);
   ptx::cp_async_commit();
 

@@ -163,7 +163,7 @@ __device__ __forceinline__ void bwd_ws_producer(const BwdParams& p, const BwdWsS
   }
   const bool key_tail = c.j0 + BN > c.s.len_k;
   BwdPair cur;
-  bool have = bwd_find_pair(p, c, 0, c.m_lo, &cur);
+  bool have = bwd_first_pair(p, c, &cur);
   for (int it = 0;; ++it) {
     const int st = it & 1;
     sm90::mbar_wait_sleep(sm.empty(st), ((it >> 1) & 1) ^ 1);
