@@ -32,6 +32,11 @@ struct BwdWsConfig : BwdSm90Config<HeadDim, BlockM> {
   static constexpr int kThreads = 384;
   static constexpr bool kWs = true;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // A pair's dK runs on into the next pair's S^T and dP^T (its stage is released after they are
+  // queued). At the class 64 the S^T and dP^T accumulators are twice as large (64 keys x 128
+  // queries) and ptxas serializes the wgmmas for want of registers, so there each pair ends with
+  // its dK done.
+  static constexpr bool kOverlapPairs = HeadDim == 128;
   // setmaxnreg moves registers within the launch allocation (384 threads x 168): the total must not
   // exceed it, or the consumers' setmaxnreg.inc waits forever (32 + 2 x 240 hung on the H200).
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 168 * 384, "register file");
@@ -100,25 +105,35 @@ __device__ __forceinline__ int bwd_ws_dq_offset(int row, int col) {
 /// and block-sparse masks (the selector sends those to the mma.sync kernel), so a pair's element
 /// mask is MaskRules' window alone: two compares per score, where bwd_p_ds's general path
 /// (softcap's tanh and chain rule, the block-sparse bit) raised the kernel's register demand past
-/// what keeps its wgmmas pipelined (ptxas serialized them).
+/// what keeps its wgmmas pipelined (ptxas serialized them). A pair without a mask takes a loop of
+/// one FFMA and one MUFU.EX2 per score: with the compares inlined per element (hi = 2^30 and lo = 0
+/// when no mask applies), ptxas kept per-element branches and P cost about 11 instructions a score,
+/// more than dP's wgmma takes to run beside it.
 template <class Cfg>
 __device__ __forceinline__ void bwd90_p(float (&s)[Cfg::kBlockM / 2], const BwdParams& p, const BwdCta& c,
                                         const BwdPair& pr, const float* lse2, bool need_mask, int key0, int g, int t) {
   const float sc = p.score.c;
+  if (!need_mask) {
+#pragma unroll
+    for (int j = 0; j < Cfg::kBlockM / 8; ++j) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s[4 * j + 2 * r] = algebra::backward_p(s[4 * j + 2 * r], sc, l2.x);
+        s[4 * j + 2 * r + 1] = algebra::backward_p(s[4 * j + 2 * r + 1], sc, l2.y);
+      }
+    }
+    return;
+  }
   const int i0 = pr.m * Cfg::kBlockM;
+  const MaskRules& rules = c.s.rules;
 #pragma unroll
   for (int j = 0; j < Cfg::kBlockM / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int qc = 8 * j + 2 * t + e;
       const float l2 = lse2[qc];
-      int hi = 1 << 30, lo = 0, gl = 0;
-      if (need_mask) {
-        const MaskRules& rules = c.s.rules;
-        hi = rules.key_hi(i0 + qc);
-        lo = rules.key_lo(i0 + qc);
-        gl = rules.global_tokens;
-      }
+      const int hi = rules.key_hi(i0 + qc), lo = rules.key_lo(i0 + qc), gl = rules.global_tokens;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int k = key0 + g + 8 * r;
@@ -264,16 +279,37 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     sm90::wgmma_commit();
     bwd90_product_t<Cfg, T>(dp, v_a, do_b, qoff);  // dP^T = V_w dO^T
     sm90::wgmma_commit();
+    // The last pair's dK (its B operand is that pair's Q) ran on into these products: release its
+    // stage once dK is done, after S^T and dP^T are queued behind it, so that the tensor cores go
+    // from one pair's dK to the next pair's S^T without waiting for an issue.
+    if (Cfg::kOverlapPairs && it > 0) {
+      sm90::wgmma_wait<2>();
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(sm.empty(st ^ 1));  // this warp is done with the last stage
+    }
     const float* rows = sm.rows(st);
     BwdPair pr;
     pr.m = rec.m;
     pr.gi = rec.gi;
     sm90::wgmma_wait<1>();  // S^T: P while dP^T is still on the tensor cores
     bwd90_p<Cfg>(s, p, c, pr, rows, rec.need_mask != 0, key0, g, t);
-    sm90::wgmma_wait<0>();
-    bwd90_ds<Cfg>(s, dp, rows + BM, t);
+    // dV += P^T dO goes to the tensor cores before dS is formed, so that it runs while dS is
+    // computed and stored (dV needs P alone; the other products need dS).
     std::uint32_t pa[BM / 16][4], da[BM / 16][4];
-    bwd90_fragments<Cfg, T>(s, dp, pa, da);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    sm90::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dv, pa[kk], bwd90_adv(do_mn, qoff + kk * 16 * 128), 1);
+    sm90::wgmma_commit();
+    sm90::wgmma_wait<1>();  // dP^T (dV may still run)
+    bwd90_ds<Cfg>(s, dp, rows + BM, t);
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
     // dS^T into buffer st (the other consumer may still read buffer st ^ 1 for the last pair).
     unsigned char* dsb = sm.ds(st);
 #pragma unroll
@@ -283,13 +319,10 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
         const int key = wg * 64 + wi * 16 + g + 8 * (e % 2);
         *reinterpret_cast<std::uint32_t*>(dsb + algebra::panel_offset<BN>(key, 2 * kk + e / 2) + 4 * t) = da[kk][e];
       }
-    sm90::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dv, pa[kk], bwd90_adv(do_mn, qoff + kk * 16 * 128), 1);
-    sm90::wgmma_commit();
     sm90::fence_proxy_async_smem();
     sm90::named_barrier_sync(kBwdBarDs, 256);  // both consumers' dS^T are in buffer st
     float dq[32];
+    sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       sm90::wgmma_tt<64, T>(dq, bwd90_adv(ds_a, st * Cfg::kSmemDs + kk * 16 * 128), bwd90_adv(k_b, kk * 16 * 128), kk > 0);
@@ -299,20 +332,28 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // dV and dQ done; dK runs while the piece is staged
     sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);  // the writer has read the last piece
+    // The staged piece's rows wi * 16 + g + 8r and columns 8j + 2t: bwd_ws_dq_offset with the row's
+    // 8-row step, the 32-column box and the 16-byte chunk's XOR folded into four per-thread bases.
     unsigned char* stage = sm.dq_stage(wg);
+    int dq_base[4];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) dq_base[jj] = bwd_ws_dq_offset(wi * 16 + g, 8 * jj + 2 * t);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int r = 0; r < 2; ++r)
-        *reinterpret_cast<float2*>(stage + bwd_ws_dq_offset(wi * 16 + g + 8 * r, 8 * j + 2 * t)) =
+        *reinterpret_cast<float2*>(stage + dq_base[j % 4] + (j / 4) * 8192 + r * 1024) =
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
     if (ct == 0) *sm.piece(wg) = BwdWsPiece{rec.m, rec.gi, 0, 0};
     sm90::fence_proxy_async_smem();  // the staged piece before the writer's bulk copies read it
     sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);
-    sm90::wgmma_wait<0>();
-    __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(sm.empty(st));  // this warp is done with stage st
+    if (!Cfg::kOverlapPairs) {
+      sm90::wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) sm90::mbar_arrive(sm.empty(st));  // this warp is done with stage st
+    }
   }
+  sm90::wgmma_wait<0>();  // the last pair's dK
   // No more pairs: tell the writer (after it has read the last piece), then store dK and dV.
   sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);
   if (ct == 0) *sm.piece(wg) = BwdWsPiece{-1, 0, 0, 0};
