@@ -291,8 +291,8 @@ TEST(BackwardGpu, HopperChoosesTheWgmmaKernelsForClasses64And128) {
     const Status st = select_backward_kernel(p, ro, &k);
     ASSERT_TRUE(st.ok()) << st.to_string();
     EXPECT_EQ(k.id, d <= 128 ? KernelId::kCudaSm90 : KernelId::kCudaSm80) << d << ": " << k.reason;
-    // The class 128 (96 pads into it) runs the warp-specialized kernel, the class 64 the single-role one.
-    const std::string auto_prefix = d == 64 ? "bwd_sm90_m" : d <= 128 ? "bwd_sm90ws_m" : "bwd_m";
+    // The classes 64 and 128 (96 pads into it) run the warp-specialized kernel.
+    const std::string auto_prefix = d <= 128 ? "bwd_sm90ws_m" : "bwd_m";
     EXPECT_EQ(k.config.rfind(auto_prefix, 0), 0u) << d << ": " << k.config;
     ro.cuda_config = "sm80";
     ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
@@ -303,7 +303,7 @@ TEST(BackwardGpu, HopperChoosesTheWgmmaKernelsForClasses64And128) {
       EXPECT_EQ(s.ok(), d <= 128) << d << " " << cfg << ": " << s.to_string();
       if (s.ok()) EXPECT_EQ(k.config.rfind(std::string("bwd_") + cfg + "_m", 0), 0u) << k.config;
     }
-    if (d == 128) {  // softcap: the single-role kernel, which says why not the warp-specialized one
+    if (d <= 128) {  // softcap: the single-role kernel, which says why not the warp-specialized one
       p.mask.softcap = 30.f;
       ro.cuda_config = "";
       ASSERT_TRUE(select_backward_kernel(p, ro, &k).ok());
@@ -316,8 +316,7 @@ TEST(BackwardGpu, HopperChoosesTheWgmmaKernelsForClasses64And128) {
 }
 
 TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
-  // The single-role wgmma kernel (cuda_config "sm90"; the class 128's default is the warp-specialized
-  // one): several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
+  // The single-role wgmma kernel (cuda_config "sm90"; the default is the warp-specialized one): several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128}) {
       check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true, .config = "sm90"});
@@ -330,8 +329,8 @@ TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
 }
 
 TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
-  // cuda_config "sm90ws" (the class 128's default, opt-in for the class 64): TMA producer and dQ
-  // writer warps beside two consumer warpgroups (bwd_sm90_ws.cuh); no softcap, ALiBi or block-sparse.
+  // cuda_config "sm90ws" (the default at the classes 64 and 128): TMA producer and dQ writer warps
+  // beside two consumer warpgroups (bwd_sm90_ws.cuh); no softcap, ALiBi or block-sparse.
   if (!sm90_device()) GTEST_SKIP() << "not an sm_90 device, or no sm90 kernels in this build";
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128}) {
@@ -345,6 +344,10 @@ TEST(BackwardGpu, WarpSpecializedWgmmaKernel) {
   check_case({.batch = 1, .sq = 500, .sk = 520, .hq = 2, .hkv = 2, .d = 128, .wl = 100, .wr = 10, .config = "sm90ws"});
   check_case({.batch = 2, .sq = 190, .sk = 190, .hq = 2, .hkv = 2, .d = 64, .dlse = true, .config = "sm90ws"});
   check_case({.batch = 1, .sq = 70, .sk = 90, .hq = 2, .hkv = 1, .d = 96, .dv = 80, .causal = true, .config = "sm90ws"});
+  // Head dims short of their class: dQ's padding columns are not added (72 leaves 8 of the second
+  // warpgroup's 64 columns at the class 128; 40 leaves 40 of 64 at the class 64).
+  check_case({.batch = 1, .sq = 200, .sk = 150, .hq = 2, .hkv = 1, .d = 72, .causal = true, .config = "sm90ws"});
+  check_case({.batch = 2, .sq = 130, .sk = 260, .hq = 2, .hkv = 2, .d = 40, .config = "sm90ws"});
   check_case({.hq = 4, .hkv = 2, .d = 128, .lq = {1, 130, 0, 64, 257}, .lk = {5, 130, 3, 0, 300}, .extra_rows = 9,
               .causal = true, .config = "sm90ws"});
   check_case({.batch = 1, .sq = 700, .sk = 700, .hq = 2, .hkv = 1, .d = 64, .causal = true, .deterministic = true,
@@ -361,6 +364,10 @@ TEST(BackwardGpu, WarpSpecializedSmall) {
   check_case({.batch = 1, .sq = 200, .sk = 130, .hq = 2, .hkv = 2, .d = 64, .config = "sm90ws"});
   check_case({.hq = 2, .hkv = 1, .d = 64, .lq = {1, 130, 0, 64}, .lk = {5, 130, 3, 0}, .extra_rows = 5, .causal = true,
               .deterministic = true, .config = "sm90ws"});
+  // The class 128 stages dQ pieces in two buffers per consumer: several pairs per CTA, in both modes.
+  check_case({.batch = 1, .sq = 300, .sk = 260, .hq = 2, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
+              .config = "sm90ws"});
+  check_case({.batch = 1, .sq = 333, .sk = 140, .hq = 2, .hkv = 2, .d = 72, .config = "sm90ws"});
 }
 
 TEST(BackwardGpu, TheMmaSyncKernelStillRunsOnHopper) {
