@@ -364,7 +364,8 @@ TEST(BackwardGpu, WarpSpecializedSmall) {
   check_case({.batch = 1, .sq = 200, .sk = 130, .hq = 2, .hkv = 2, .d = 64, .config = "sm90ws"});
   check_case({.hq = 2, .hkv = 1, .d = 64, .lq = {1, 130, 0, 64}, .lk = {5, 130, 3, 0}, .extra_rows = 5, .causal = true,
               .deterministic = true, .config = "sm90ws"});
-  // The class 128 stages dQ pieces in two buffers per consumer: several pairs per CTA, in both modes.
+  // Several pairs per CTA at the class 128 in deterministic mode (the writer takes each query tile's
+  // turn while the consumers stage the next piece), and a head dim short of its class.
   check_case({.batch = 1, .sq = 300, .sk = 260, .hq = 2, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
               .config = "sm90ws"});
   check_case({.batch = 1, .sq = 333, .sk = 140, .hq = 2, .hkv = 2, .d = 72, .config = "sm90ws"});

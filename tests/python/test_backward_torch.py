@@ -245,10 +245,11 @@ def test_cuda_backward_is_chosen_or_refused_with_a_sentence():
     p.lse = lse.ctypes.data
     if HAS_CUDA:
         assert _C.attention_backward_workspace_size(p, _C.RunOptions("cuda")) > 0
-        # Hopper runs the wgmma kernel, other devices (and cuda_config "sm80") the mma.sync one.
+        # Hopper runs the warp-specialized wgmma kernel, other devices (and cuda_config "sm80") the
+        # mma.sync one.
         kernel, config = _C.select_backward_kernel(p, _C.RunOptions("cuda"))[:2]
         assert (kernel == "cuda_sm80_fa2" and config.startswith("bwd_m")) or \
-            (kernel == "cuda_sm90_wgmma" and config.startswith("bwd_sm90_m")), (kernel, config)
+            (kernel == "cuda_sm90_wgmma" and config.startswith("bwd_sm90ws_m")), (kernel, config)
         assert _C.select_backward_kernel(p, _C.RunOptions("cuda", 0, 0, "sm80"))[0] == "cuda_sm80_fa2"
         with pytest.raises(ValueError, match="cuda_config"):
             _C.select_backward_kernel(p, _C.RunOptions("cuda", 0, 0, "m64n64"))

@@ -40,17 +40,13 @@ struct BwdWsConfig : BwdSm90Config<HeadDim, BlockM> {
   // setmaxnreg moves registers within the launch allocation (384 threads x 168): the total must not
   // exceed it, or the consumers' setmaxnreg.inc waits forever (32 + 2 x 240 hung on the H200).
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 168 * 384, "register file");
+  // One staged 64 x 64 fp32 dQ piece per consumer, added by the writer's TMA. Adding it from the
+  // consumers' registers (eight-byte reductions) ran slower, and so did a second staging per
+  // consumer: at 225 KB of shared memory the L1 left for the producer's spills shrinks
+  // (reports/backward/README.md has the figures).
   static constexpr int kSmemDqPiece = Base::kSmemDq / 2;  ///< one consumer's staged 64 x 64 fp32 dQ piece
-  // dQ stagings per consumer. With one, a consumer staging pair k's piece waits until the writer's
-  // TMA has read pair k - 1's; two take that wait off the consumers (a run without the wait measured
-  // +3.7% at (4,32,4096,128)). The class 64's larger row vectors leave no room for the second.
-  static constexpr int kDqBuffers = HeadDim == 128 ? 2 : 1;
-  static constexpr int kSmemMisc = 256;  ///< stage records, staged-piece records, mbarriers
-  static constexpr int kSmemBytes = 2 * Base::kSmemKV + 4 * Base::kSmemQ + 2 * Base::kSmemDs +
-                                    kDqBuffers * Base::kSmemDq + 2 * Base::kSmemRows + kSmemMisc;
-  // The opt-in limit (227 KB) holds the dynamic bytes and the 1 KB of static shared memory (the
-  // CTA record, padded to the dynamic region's 1024-byte alignment).
-  static_assert(kSmemBytes + 1024 <= 227 * 1024, "shared memory");
+  static constexpr int kSmemBytes = 2 * Base::kSmemKV + 4 * Base::kSmemQ + 2 * Base::kSmemDs + Base::kSmemDq +
+                                    2 * Base::kSmemRows + 1024;  // + records, barriers
 };
 
 /// What the producer tells the consumers about a stage. m < 0: no more pairs.
@@ -66,8 +62,7 @@ template <class Cfg>
 struct BwdWsSmem {
   unsigned char* base;
   static constexpr int kV = Cfg::kSmemKV, kQ = 2 * Cfg::kSmemKV, kDo = kQ + 2 * Cfg::kSmemQ,
-                       kDs = kDo + 2 * Cfg::kSmemQ, kDq = kDs + 2 * Cfg::kSmemDs,
-                       kRows = kDq + Cfg::kDqBuffers * Cfg::kSmemDq,
+                       kDs = kDo + 2 * Cfg::kSmemQ, kDq = kDs + 2 * Cfg::kSmemDs, kRows = kDq + Cfg::kSmemDq,
                        kMisc = kRows + 2 * Cfg::kSmemRows;
   __device__ __forceinline__ unsigned char* k_ptr() const { return base; }
   __device__ __forceinline__ unsigned char* v_ptr() const { return base + kV; }
@@ -78,33 +73,30 @@ struct BwdWsSmem {
   __device__ __forceinline__ std::uint32_t q(int st) const { return ptx::smem_u32(base + kQ + st * Cfg::kSmemQ); }
   __device__ __forceinline__ std::uint32_t dout(int st) const { return ptx::smem_u32(base + kDo + st * Cfg::kSmemQ); }
   __device__ __forceinline__ unsigned char* ds(int b) const { return base + kDs + b * Cfg::kSmemDs; }
-  /// Consumer wg's staging b (b < Cfg::kDqBuffers).
-  __device__ __forceinline__ unsigned char* dq_stage(int wg, int b) const {
-    return base + kDq + (2 * b + wg) * Cfg::kSmemDqPiece;
-  }
+  __device__ __forceinline__ unsigned char* dq_stage(int wg) const { return base + kDq + wg * Cfg::kSmemDqPiece; }
   __device__ __forceinline__ float* rows(int st) const {
     return reinterpret_cast<float*>(base + kRows) + st * 2 * Cfg::kBlockM;
   }
   __device__ __forceinline__ BwdWsRecord* record(int st) const {
     return reinterpret_cast<BwdWsRecord*>(base + kMisc) + st;
   }
-  __device__ __forceinline__ BwdWsPiece* piece(int wg, int b) const {
-    return reinterpret_cast<BwdWsPiece*>(base + kMisc + 32) + 2 * b + wg;
+  __device__ __forceinline__ BwdWsPiece* piece(int wg) const {
+    return reinterpret_cast<BwdWsPiece*>(base + kMisc + 64) + wg;
   }
   __device__ __forceinline__ std::uint64_t* full(int st) const {
-    return reinterpret_cast<std::uint64_t*>(base + kMisc + 96) + st;
+    return reinterpret_cast<std::uint64_t*>(base + kMisc + 128) + st;
   }
   __device__ __forceinline__ std::uint64_t* empty(int st) const {
-    return reinterpret_cast<std::uint64_t*>(base + kMisc + 96) + 2 + st;
+    return reinterpret_cast<std::uint64_t*>(base + kMisc + 128) + 2 + st;
   }
   __device__ __forceinline__ std::uint64_t* kv_full() const {
-    return reinterpret_cast<std::uint64_t*>(base + kMisc + 96) + 4;
+    return reinterpret_cast<std::uint64_t*>(base + kMisc + 128) + 4;
   }
 };
 
-// Named barriers (0 is __syncthreads): the consumers' dS^T barrier, and per consumer and staging
-// (id + 2b + wg) the dQ staging's full and empty hand-overs with the writer warp (128 + 32 threads).
-inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 6;
+// Named barriers (0 is __syncthreads): the consumers' dS^T barrier, and per consumer the dQ
+// staging's full and empty hand-overs with the writer warp (128 + 32 threads).
+inline constexpr int kBwdBarDs = 1, kBwdBarDqFull = 2, kBwdBarDqEmpty = 4;
 
 /// Byte offset of fp32 (row, col) of a staged 64 x 64 dQ piece: two boxes of 32 columns, each 64
 /// rows of 128 bytes in the TMA 128-byte swizzle (16-byte chunk index XOR row % 8).
@@ -223,16 +215,15 @@ template <class Cfg>
 __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSmem<Cfg>& sm, const BwdCta& c,
                                               int lane) {
   constexpr int BM = Cfg::kBlockM;
-#pragma unroll
-  for (int i = 0; i < 2 * Cfg::kDqBuffers; ++i) sm90::named_barrier_arrive(kBwdBarDqEmpty + i, 160);  // all start empty
+  sm90::named_barrier_arrive(kBwdBarDqEmpty + 0, 160);  // both stagings start empty
+  sm90::named_barrier_arrive(kBwdBarDqEmpty + 1, 160);
   std::int32_t* sem = nullptr;
   int rank = 0;
-  for (int k = 0;; ++k) {
-    const int b = k % Cfg::kDqBuffers;  // the consumers stage pair k in staging b
+  for (;;) {
     bool done = false;  // both consumers walk the same pairs, so both end at the same turn
     for (int wg = 0; wg < 2; ++wg) {
-      sm90::named_barrier_sync(kBwdBarDqFull + 2 * b + wg, 160);
-      const BwdWsPiece pc = *sm.piece(wg, b);
+      sm90::named_barrier_sync(kBwdBarDqFull + wg, 160);
+      const BwdWsPiece pc = *sm.piece(wg);
       if (pc.m < 0) {
         done = true;
         continue;
@@ -251,12 +242,12 @@ __device__ __forceinline__ void bwd_ws_writer(const BwdParams& p, const BwdWsSme
         for (int bx = 0; bx < 2; ++bx)  // boxes past the tensor's head dim add nothing (TMA bounds)
           if (col0 + 32 * bx < p.head_dim)
             sm90::tma_reduce_add_3d(&p.tmap_dq, col0 + 32 * bx, static_cast<int>(c.s.ws_row0) + row0, h,
-                              sm.dq_stage(wg, b) + bx * 8192);
+                              sm.dq_stage(wg) + bx * 8192);
         sm90::bulk_commit();
         sm90::bulk_wait_read<0>();
       }
       __syncwarp();
-      sm90::named_barrier_arrive(kBwdBarDqEmpty + 2 * b + wg, 160);
+      sm90::named_barrier_arrive(kBwdBarDqEmpty + wg, 160);
       if (wg == 1 && sem != nullptr && lane == 0) {  // both pieces added: the next key tile's turn
         sm90::bulk_wait_done<0>();  // the adds are done, not just read
         __threadfence();
@@ -280,8 +271,7 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
   const int key0 = c.j0 + wg * 64 + wi * 16;
   sm90::mbar_wait(sm.kv_full(), 0);
-  int it = 0;
-  for (;; ++it) {
+  for (int it = 0;; ++it) {
     const int st = it & 1;
     sm90::mbar_wait(sm.full(st), (it >> 1) & 1);
     const BwdWsRecord rec = *sm.record(st);
@@ -345,11 +335,10 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dk, da[kk], bwd90_adv(q_mn, qoff + kk * 16 * 128), 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // dV and dQ done; dK runs while the piece is staged
-    const int b = it % Cfg::kDqBuffers;
-    sm90::named_barrier_sync(kBwdBarDqEmpty + 2 * b + wg, 160);  // the writer has read this staging's last piece
+    sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);  // the writer has read the last piece
     // The staged piece's rows wi * 16 + g + 8r and columns 8j + 2t: bwd_ws_dq_offset with the row's
     // 8-row step, the 32-column box and the 16-byte chunk's XOR folded into four per-thread bases.
-    unsigned char* stage = sm.dq_stage(wg, b);
+    unsigned char* stage = sm.dq_stage(wg);
     int dq_base[4];
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) dq_base[jj] = bwd_ws_dq_offset(wi * 16 + g, 8 * jj + 2 * t);
@@ -359,9 +348,9 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
       for (int r = 0; r < 2; ++r)
         *reinterpret_cast<float2*>(stage + dq_base[j % 4] + (j / 4) * 8192 + r * 1024) =
             make_float2(dq[4 * j + 2 * r], dq[4 * j + 2 * r + 1]);
-    if (ct == 0) *sm.piece(wg, b) = BwdWsPiece{rec.m, rec.gi, 0, 0};
+    if (ct == 0) *sm.piece(wg) = BwdWsPiece{rec.m, rec.gi, 0, 0};
     sm90::fence_proxy_async_smem();  // the staged piece before the writer's bulk copies read it
-    sm90::named_barrier_arrive(kBwdBarDqFull + 2 * b + wg, 160);
+    sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);
     if (!Cfg::kOverlapPairs) {
       sm90::wgmma_wait<0>();
       __syncwarp();
@@ -369,15 +358,10 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     }
   }
   sm90::wgmma_wait<0>();  // the last pair's dK
-  // No more pairs: tell the writer through the next staging's record, then wait until it has read
-  // every staging (each named barrier's arrivals and syncs balance), then store dK and dV.
-  const int b_end = it % Cfg::kDqBuffers;
-  sm90::named_barrier_sync(kBwdBarDqEmpty + 2 * b_end + wg, 160);
-  if (ct == 0) *sm.piece(wg, b_end) = BwdWsPiece{-1, 0, 0, 0};
-  sm90::named_barrier_arrive(kBwdBarDqFull + 2 * b_end + wg, 160);
-#pragma unroll
-  for (int b = 1; b < Cfg::kDqBuffers; ++b)
-    sm90::named_barrier_sync(kBwdBarDqEmpty + 2 * ((b_end + b) % Cfg::kDqBuffers) + wg, 160);
+  // No more pairs: tell the writer (after it has read the last piece), then store dK and dV.
+  sm90::named_barrier_sync(kBwdBarDqEmpty + wg, 160);
+  if (ct == 0) *sm.piece(wg) = BwdWsPiece{-1, 0, 0, 0};
+  sm90::named_barrier_arrive(kBwdBarDqFull + wg, 160);
   bwd_store_kv<Cfg, T>(p, c, reinterpret_cast<const float(&)[Cfg::kDT][4]>(dk),
                        reinterpret_cast<const float(&)[Cfg::kDT][4]>(dv), key0, 0, g, t);
 }
