@@ -42,8 +42,8 @@ struct BwdWsConfig : BwdSm90Config<HeadDim, BlockM> {
   static_assert(kProducerRegs * 128 + 2 * kConsumerRegs * 128 <= 168 * 384, "register file");
   // One staged 64 x 64 fp32 dQ piece per consumer, added by the writer's TMA. Adding it from the
   // consumers' registers (eight-byte reductions) ran slower, and so did a second staging per
-  // consumer: at 225 KB of shared memory the L1 left for the producer's spills shrinks
-  // (reports/backward/README.md has the figures).
+  // consumer (225 KB of shared memory; likely cause, not yet profiled: less L1 left for the
+  // producer's spills). reports/backward/README.md has the figures.
   static constexpr int kSmemDqPiece = Base::kSmemDq / 2;  ///< one consumer's staged 64 x 64 fp32 dQ piece
   static constexpr int kSmemBytes = 2 * Base::kSmemKV + 4 * Base::kSmemQ + 2 * Base::kSmemDs + Base::kSmemDq +
                                     2 * Base::kSmemRows + 1024;  // + records, barriers
