@@ -525,7 +525,7 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   else
     why90 = fits(*e90);
   // The warp-specialized twin (TMA producer, dQ writer, two consumer warpgroups): no softcap, ALiBi
-  // or block-sparse masks. Chosen by default wherever it runs: it measured 1.4-1.6x the single-role
+  // or block-sparse masks. Chosen by default wherever it runs: it measured 1.2-1.6x the single-role
   // wgmma kernel at both classes (reports/backward).
   const cuda::BwdEntry* ews = cuda::bwd_entry_sm90(f.head_dim_class(), true);
   const std::string why_ws =
