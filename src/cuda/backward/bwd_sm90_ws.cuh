@@ -8,15 +8,16 @@
 //                         accumulator (TMA reduce-adds), and in deterministic mode takes the query
 //                         tile's turn for the CTA;
 //   warpgroups 1 and 2    consumers (setmaxnreg 240): 64 keys each, dK and dV in registers; per pair
-//                         S^T, dP^T (SS wgmma), P while dP^T runs, dS, dV += P^T dO (RS), dS^T to
-//                         shared memory (two buffers), dQ = dS K (SS, both MN-major) after the two
-//                         consumers' barrier, dK += dS^T Q (RS) while dQ's piece is staged.
+//                         S^T, dP^T (SS wgmma), P while dP^T runs, dV += P^T dO (RS) while dS is
+//                         formed, dS^T to shared memory (two buffers), dQ = dS K (SS, both
+//                         MN-major) after the two consumers' barrier, dK += dS^T Q (RS) while dQ's
+//                         piece is staged; at the class 128 dK runs on into the next pair's S^T.
 // With the loads, the walk and the reductions off the consumers, their registers hold the
 // accumulators and little else, so the wgmmas stay pipelined (bwd_sm90.cuh's single-role kernel
 // needs 255 registers and ptxas serializes them).
 //
-// Problems with softcap, ALiBi or block-sparse masks run the mma.sync kernel (the selector's rule):
-// the element mask here is MaskRules' window.
+// Problems with softcap, ALiBi or block-sparse masks run the single-role kernel (the selector's
+// rule): the element mask here is MaskRules' window.
 #pragma once
 
 #include "cuda/backward/bwd_sm90.cuh"
