@@ -225,10 +225,13 @@ struct BwdKvRows {
 /// The default mode walks up (no waits; the same pairs).
 __device__ __forceinline__ bool bwd_walks_down(const BwdParams& p) { return p.sem != nullptr; }
 
+/// The query tile each query head's walk starts at (down: bwd_walks_down).
+__device__ __forceinline__ int bwd_walk_start(bool down, const BwdCta& c) { return down ? c.m_hi - 1 : c.m_lo; }
+
 /// The first visited pair at or after (gi, m) in the walk's (head, tile) order; false when none is left.
 __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& c, int gi, int m, BwdPair* out) {
   const bool down = bwd_walks_down(p);
-  const int step = down ? -1 : 1, start = down ? c.m_hi - 1 : c.m_lo;
+  const int step = down ? -1 : 1, start = bwd_walk_start(down, c);
   for (; gi < p.group; ++gi, m = start) {
     const int h = c.hk * p.group + gi;
     for (; down ? m >= c.m_lo : m < c.m_hi; m += step) {
@@ -249,7 +252,7 @@ __device__ __forceinline__ bool bwd_find_pair(const BwdParams& p, const BwdCta& 
 
 /// The CTA's first pair, into *out; false when it visits none.
 __device__ __forceinline__ bool bwd_first_pair(const BwdParams& p, const BwdCta& c, BwdPair* out) {
-  return bwd_find_pair(p, c, 0, bwd_walks_down(p) ? c.m_hi - 1 : c.m_lo, out);
+  return bwd_find_pair(p, c, 0, bwd_walk_start(bwd_walks_down(p), c), out);
 }
 
 /// The pair after `cur` in the walk's order, into *next; false when none is left.
@@ -257,7 +260,7 @@ __device__ __forceinline__ bool bwd_next_pair(const BwdParams& p, const BwdCta& 
   const bool down = bwd_walks_down(p);
   const int m = down ? cur.m - 1 : cur.m + 1;
   const bool same_head = down ? m >= c.m_lo : m < c.m_hi;
-  return bwd_find_pair(p, c, same_head ? cur.gi : cur.gi + 1, same_head ? m : (down ? c.m_hi - 1 : c.m_lo), next);
+  return bwd_find_pair(p, c, same_head ? cur.gi : cur.gi + 1, same_head ? m : bwd_walk_start(down, c), next);
 }
 
 /// The first rows of a pair's query head in q and dO (bwd_row at row 0).

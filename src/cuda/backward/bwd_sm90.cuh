@@ -143,7 +143,24 @@ __device__ __forceinline__ void bwd90_product_t(float (&acc)[Cfg::kBlockM / 2], 
   }
 }
 
-/// P and dS as A fragments of the RS wgmmas: k16 step kk covers the accumulator's chunks 2kk and 2kk + 1.
+/// Word e of k16 step kk of P or dS as an A fragment of an RS wgmma: step kk covers the
+/// accumulator's chunks 2kk and 2kk + 1.
+template <typename T, int N>
+__device__ __forceinline__ std::uint32_t bwd90_frag_word(const float (&acc)[N], int kk, int e) {
+  return ptx::pack2<T>(acc[8 * kk + 2 * e], acc[8 * kk + 2 * e + 1]);
+}
+
+/// One accumulator (P or dS) as A fragments.
+template <class Cfg, typename T>
+__device__ __forceinline__ void bwd90_fragment(const float (&acc)[Cfg::kBlockM / 2],
+                                               std::uint32_t (&frag)[Cfg::kBlockM / 16][4]) {
+#pragma unroll
+  for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) frag[kk][e] = bwd90_frag_word<T>(acc, kk, e);
+}
+
+/// P and dS together, word by word (the single-role kernel's order, which ptxas schedules as measured).
 template <class Cfg, typename T>
 __device__ __forceinline__ void bwd90_fragments(const float (&s)[Cfg::kBlockM / 2], const float (&dp)[Cfg::kBlockM / 2],
                                                 std::uint32_t (&pa)[Cfg::kBlockM / 16][4],
@@ -152,8 +169,8 @@ __device__ __forceinline__ void bwd90_fragments(const float (&s)[Cfg::kBlockM / 
   for (int kk = 0; kk < Cfg::kBlockM / 16; ++kk)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
-      da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+      pa[kk][e] = bwd90_frag_word<T>(s, kk, e);
+      da[kk][e] = bwd90_frag_word<T>(dp, kk, e);
     }
 }
 

@@ -301,20 +301,14 @@ __device__ __forceinline__ void bwd_ws_consumer(const BwdParams& p, const BwdWsS
     // dV += P^T dO goes to the tensor cores before dS is formed, so that it runs while dS is
     // computed and stored (dV needs P alone; the other products need dS).
     std::uint32_t pa[BM / 16][4], da[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pa[kk][e] = ptx::pack2<T>(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
+    bwd90_fragment<Cfg, T>(s, pa);
     sm90::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) sm90::wgmma_rs<D, T>(dv, pa[kk], bwd90_adv(do_mn, qoff + kk * 16 * 128), 1);
     sm90::wgmma_commit();
     sm90::wgmma_wait<1>();  // dP^T (dV may still run)
     bwd90_ds<Cfg>(s, dp, rows + BM, t);
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) da[kk][e] = ptx::pack2<T>(dp[8 * kk + 2 * e], dp[8 * kk + 2 * e + 1]);
+    bwd90_fragment<Cfg, T>(dp, da);
     // dS^T into buffer st (the other consumer may still read buffer st ^ 1 for the last pair).
     unsigned char* dsb = sm.ds(st);
 #pragma unroll
