@@ -49,25 +49,36 @@ flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
 mkdir -p "$build/corpus" "$build/artifacts" "$build/corpus_engine" "$build/artifacts_engine" "$build/seed_engine" \
   "$build/corpus_decode" "$build/artifacts_decode" "$build/corpus_fused" "$build/artifacts_fused"
 echo "run_fuzz: building fuzz_validate, fuzz_decode_validate, fuzz_fused_validate and fuzz_engine_parsers with $cxx into $build"
-# The four builds, two at a time (FUZZ_BUILD_JOBS; each is one clang process per source).
+# Each source is compiled once, to an object, FUZZ_BUILD_JOBS (2) at a time, the two longest (the
+# engine's JSON parsers, about 35 s each here) first; then the four links. One clang process per
+# target compiled its sources one after another, and the engine target's two long ones set the
+# stage's length.
 build_jobs="${FUZZ_BUILD_JOBS:-2}"
-pids=()
-compile() {  # compile OUTPUT SOURCES/FLAGS...: in the background, at most build_jobs at once
-  local out="$1"
-  shift
+objs="$build/obj"
+mkdir -p "$objs"
+sources=(src/engine/safetensors.cc src/engine/config.cc tests/fuzz/fuzz_validate.cc src/core/fused_validate.cc
+         src/core/decode_validate.cc src/core/validate.cc tests/fuzz/fuzz_engine_parsers.cc
+         tests/fuzz/fuzz_fused_validate.cc tests/fuzz/fuzz_decode_validate.cc src/core/names.cc)
+obj_of() { local o="${1//\//_}"; echo "$objs/${o%.cc}.o"; }
+rm -f "$objs"/*.o  # a failed compile leaves no object, so the check below sees it
+for src in "${sources[@]}"; do
   while (( $(jobs -rp | wc -l) >= build_jobs )); do wait -n || true; done
-  (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" "$@" -o "$build/$out") &
-  pids+=($!)
+  (cd "$root" && "$cxx" "${flags[@]}" -DFMT_HEADER_ONLY "${incs[@]}" -c "$src" -o "$(obj_of "$src")") &
+done
+wait
+for src in "${sources[@]}"; do
+  [[ -f "$(obj_of "$src")" ]] || { echo "run_fuzz: compiling $src failed (see above)" >&2; exit 2; }
+done
+link() {  # link TARGET SOURCES...
+  local out="$1" o=()
+  shift
+  for src in "$@"; do o+=("$(obj_of "$src")"); done
+  "$cxx" "${flags[@]}" "${o[@]}" -o "$build/$out"
 }
-# The engine parsers first: the longest build (fmt and JSON headers), beside the three others.
-compile fuzz_engine_parsers -DFMT_HEADER_ONLY src/engine/safetensors.cc src/engine/config.cc src/core/names.cc \
-  tests/fuzz/fuzz_engine_parsers.cc
-compile fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc
-compile fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc
-compile fuzz_fused_validate src/core/fused_validate.cc src/core/decode_validate.cc src/core/names.cc \
-  tests/fuzz/fuzz_fused_validate.cc
-built=0
-for pid in "${pids[@]}"; do wait "$pid" && built=$(( built + 1 )); done
+link fuzz_engine_parsers src/engine/safetensors.cc src/engine/config.cc src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc
+link fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc
+link fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc
+link fuzz_fused_validate src/core/fused_validate.cc src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_fused_validate.cc
 for t in fuzz_validate fuzz_decode_validate fuzz_fused_validate fuzz_engine_parsers; do
   [[ -x "$build/$t" ]] || { echo "run_fuzz: building $t failed (see above)" >&2; exit 2; }
 done
