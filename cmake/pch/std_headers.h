@@ -1,4 +1,4 @@
-// The standard headers that the precompiled headers (tests.h, tools.h) carry.
+// The standard headers that the precompiled headers (tests.h, harness.h) carry.
 #pragma once
 #include <algorithm>
 #include <cmath>

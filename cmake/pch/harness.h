@@ -1,4 +1,4 @@
-// Precompiled for the tools (the harness library, the CLI) and the engine's host sources
+// Precompiled for the correctness harness (tools/harness)
 // (CMakeLists.txt, flashcpp_precompile): third-party and standard headers only.
 #pragma once
 #include <fmt/format.h>
