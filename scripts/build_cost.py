@@ -6,7 +6,7 @@
 Reads BUILD/.ninja_log (for each output, its most recent build step) and prints the CPU seconds of
 each part: the kernel families (sm80 prefill, sm90 prefill, backward, decode, fused), the
 library's host code, the engine, the tools (harness, CLI) and the tests, then the total and the
-wall time it would take on 1, 2 and 16 cores with no waiting. A part is named by the source path
+least wall time it allows on 2 and on 16 cores. A part is named by the source path
 of the object; links and custom steps count under "other". Run it after a clean build: an
 incremental build's log keeps the steps of earlier builds too.
 """

@@ -49,17 +49,24 @@ flags=(-std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recov
 mkdir -p "$build/corpus" "$build/artifacts" "$build/corpus_engine" "$build/artifacts_engine" "$build/seed_engine" \
   "$build/corpus_decode" "$build/artifacts_decode" "$build/corpus_fused" "$build/artifacts_fused"
 echo "run_fuzz: building fuzz_validate, fuzz_decode_validate, fuzz_fused_validate and fuzz_engine_parsers with $cxx into $build"
-# Each source is compiled once, to an object, FUZZ_BUILD_JOBS (2) at a time, the two longest (the
-# engine's JSON parsers, about 35 s each here) first; then the four links. One clang process per
-# target compiled its sources one after another, and the engine target's two long ones set the
-# stage's length.
+# The four targets, each a list of sources. Every source is compiled once, to an object,
+# FUZZ_BUILD_JOBS (2) at a time, in the order first named here (so the engine's two JSON parsers,
+# about 35 s each, start first); then the four links. One clang process per target compiled its
+# sources one after another, and the engine target's two long ones set the stage's length.
+targets=(
+  "fuzz_engine_parsers src/engine/safetensors.cc src/engine/config.cc src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc"
+  "fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc"
+  "fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc"
+  "fuzz_fused_validate src/core/fused_validate.cc src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_fused_validate.cc"
+)
 build_jobs="${FUZZ_BUILD_JOBS:-2}"
 objs="$build/obj"
 mkdir -p "$objs"
-sources=(src/engine/safetensors.cc src/engine/config.cc tests/fuzz/fuzz_validate.cc src/core/fused_validate.cc
-         src/core/decode_validate.cc src/core/validate.cc tests/fuzz/fuzz_engine_parsers.cc
-         tests/fuzz/fuzz_fused_validate.cc tests/fuzz/fuzz_decode_validate.cc src/core/names.cc)
 obj_of() { local o="${1//\//_}"; echo "$objs/${o%.cc}.o"; }
+sources=()
+for t in "${targets[@]}"; do
+  for src in ${t#* }; do [[ " ${sources[*]} " == *" $src "* ]] || sources+=("$src"); done
+done
 rm -f "$objs"/*.o  # a failed compile leaves no object, so the check below sees it
 for src in "${sources[@]}"; do
   while (( $(jobs -rp | wc -l) >= build_jobs )); do wait -n || true; done
@@ -69,18 +76,10 @@ wait
 for src in "${sources[@]}"; do
   [[ -f "$(obj_of "$src")" ]] || { echo "run_fuzz: compiling $src failed (see above)" >&2; exit 2; }
 done
-link() {  # link TARGET SOURCES...
-  local out="$1" o=()
-  shift
-  for src in "$@"; do o+=("$(obj_of "$src")"); done
-  "$cxx" "${flags[@]}" "${o[@]}" -o "$build/$out"
-}
-link fuzz_engine_parsers src/engine/safetensors.cc src/engine/config.cc src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc
-link fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc
-link fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc
-link fuzz_fused_validate src/core/fused_validate.cc src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_fused_validate.cc
-for t in fuzz_validate fuzz_decode_validate fuzz_fused_validate fuzz_engine_parsers; do
-  [[ -x "$build/$t" ]] || { echo "run_fuzz: building $t failed (see above)" >&2; exit 2; }
+for t in "${targets[@]}"; do
+  o=()
+  for src in ${t#* }; do o+=("$(obj_of "$src")"); done
+  "$cxx" "${flags[@]}" "${o[@]}" -o "$build/${t%% *}" || { echo "run_fuzz: linking ${t%% *} failed (see above)" >&2; exit 2; }
 done
 
 # Seeds and a dictionary for the engine parsers (first byte: 3 = JSON header, 0 = raw file,

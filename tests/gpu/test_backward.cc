@@ -316,7 +316,8 @@ TEST(BackwardGpu, HopperChoosesTheWgmmaKernelsForClasses64And128) {
 }
 
 TEST(BackwardGpu, WgmmaKernelOnLongerSequences) {
-  // The single-role wgmma kernel (cuda_config "sm90"; the default is the warp-specialized one): several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
+  // The single-role wgmma kernel (cuda_config "sm90"; the default is the warp-specialized one):
+  // several key tiles of 128 and query tiles of 64 (d128) or 128 (d64), partial last tiles, GQA.
   for (DType dt : {DType::kBF16, DType::kF16})
     for (int d : {64, 128}) {
       check_case({.batch = 2, .sq = 1000, .sk = 777, .hq = 4, .hkv = 1, .d = d, .dt = dt, .causal = true, .config = "sm90"});
