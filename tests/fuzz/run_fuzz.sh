@@ -54,7 +54,7 @@ echo "run_fuzz: building fuzz_validate, fuzz_decode_validate, fuzz_fused_validat
 # about 35 s each, start first); then the four links. One clang process per target compiled its
 # sources one after another, and the engine target's two long ones set the stage's length.
 targets=(
-  "fuzz_engine_parsers src/engine/safetensors.cc src/engine/config.cc src/core/names.cc tests/fuzz/fuzz_engine_parsers.cc"
+  "fuzz_engine_parsers src/engine/safetensors.cc src/engine/config.cc src/core/names.cc cmake/fmt_compiled.cc tests/fuzz/fuzz_engine_parsers.cc"
   "fuzz_validate src/core/validate.cc src/core/names.cc tests/fuzz/fuzz_validate.cc"
   "fuzz_decode_validate src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_decode_validate.cc"
   "fuzz_fused_validate src/core/fused_validate.cc src/core/decode_validate.cc src/core/names.cc tests/fuzz/fuzz_fused_validate.cc"
@@ -70,7 +70,7 @@ done
 rm -f "$objs"/*.o  # a failed compile leaves no object, so the check below sees it
 for src in "${sources[@]}"; do
   while (( $(jobs -rp | wc -l) >= build_jobs )); do wait -n || true; done
-  (cd "$root" && "$cxx" "${flags[@]}" -DFMT_HEADER_ONLY "${incs[@]}" -c "$src" -o "$(obj_of "$src")") &
+  (cd "$root" && "$cxx" "${flags[@]}" "${incs[@]}" -c "$src" -o "$(obj_of "$src")") &
 done
 wait
 for src in "${sources[@]}"; do
