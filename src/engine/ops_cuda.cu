@@ -5,7 +5,6 @@
 // default (batch-1 and -2 decode; up to 8 when forced), cuBLASLt for everything else (prefill,
 // M > 8).
 #include <cuda_runtime.h>
-#include <cublasLt.h>
 
 #include <cstdint>
 #include <map>
@@ -13,6 +12,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda/common/cublas_dl.h"
 #include "cuda/common/device.h"
 #include "cuda/cuda_api.h"
 #include "cuda/engine/engine_common.cuh"
@@ -50,15 +50,15 @@ class CudaOps final : public Ops {
  public:
   ~CudaOps() override {
     for (auto& [k, g] : graphs_) cudaGraphExecDestroy(g);
-    for (auto& [k, e] : lt_cache_) {
-      cublasLtMatmulDescDestroy(e.desc);
-      cublasLtMatrixLayoutDestroy(e.a);
-      cublasLtMatrixLayoutDestroy(e.b);
-      cublasLtMatrixLayoutDestroy(e.c);
+    for (auto& [k, e] : lt_cache_) {  // entries exist only once lt_api_ is set
+      lt_api_->cublasLtMatmulDescDestroy(e.desc);
+      lt_api_->cublasLtMatrixLayoutDestroy(e.a);
+      lt_api_->cublasLtMatrixLayoutDestroy(e.b);
+      lt_api_->cublasLtMatrixLayoutDestroy(e.c);
     }
     for (cudaEvent_t e : events_) if (e) cudaEventDestroy(e);
     if (workspace_) cudaFree(workspace_);
-    if (lt_) cublasLtDestroy(lt_);
+    if (lt_) lt_api_->cublasLtDestroy(lt_);
     if (stream_) cudaStreamDestroy(stream_);
   }
   Status init() {
@@ -69,7 +69,8 @@ class CudaOps final : public Ops {
     pdl_ = sm_major_ >= 9;  // programmatic dependent launch: Hopper and newer
     name_ = dev.name + " (" + std::to_string(dev.num_sms) + " SMs, bf16)";
     ENGINE_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    ENGINE_LT(cublasLtCreate(&lt_));
+    FLASHCPP_RETURN_IF_ERROR(cuda::dl::cublaslt(&lt_api_));  // opened here, at the engine's start
+    ENGINE_LT(lt_api_->cublasLtCreate(&lt_));
     ENGINE_CUDA(cudaMalloc(&workspace_, kWorkspace));
     events_.assign(kMaxEvents, nullptr);
     return Status::Ok();
@@ -231,23 +232,23 @@ class CudaOps final : public Ops {
     if (it == lt_cache_.end()) {
       LtEntry e;
       const cudaDataType_t ct = y_dtype == DType::kF32 ? CUDA_R_32F : CUDA_R_16BF;
-      ENGINE_LT(cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+      ENGINE_LT(lt_api_->cublasLtMatmulDescCreate(&e.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
       const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
-      ENGINE_LT(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-      ENGINE_LT(cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+      ENGINE_LT(lt_api_->cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+      ENGINE_LT(lt_api_->cublasLtMatmulDescSetAttribute(e.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
       // Column-major view: W (N, K) row-major is (K, N) col-major, used transposed; x is (K, M);
       // y (M, N) row-major is (N, M) col-major.
-      ENGINE_LT(cublasLtMatrixLayoutCreate(&e.a, CUDA_R_16BF, K, N, K));
-      ENGINE_LT(cublasLtMatrixLayoutCreate(&e.b, CUDA_R_16BF, K, M, ldx));
-      ENGINE_LT(cublasLtMatrixLayoutCreate(&e.c, ct, N, M, ldy));
+      ENGINE_LT(lt_api_->cublasLtMatrixLayoutCreate(&e.a, CUDA_R_16BF, K, N, K));
+      ENGINE_LT(lt_api_->cublasLtMatrixLayoutCreate(&e.b, CUDA_R_16BF, K, M, ldx));
+      ENGINE_LT(lt_api_->cublasLtMatrixLayoutCreate(&e.c, ct, N, M, ldy));
       cublasLtMatmulPreference_t pref = nullptr;
-      ENGINE_LT(cublasLtMatmulPreferenceCreate(&pref));
+      ENGINE_LT(lt_api_->cublasLtMatmulPreferenceCreate(&pref));
       const std::size_t ws = kWorkspace;
-      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+      lt_api_->cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
       cublasLtMatmulHeuristicResult_t res{};
       int found = 0;
-      const cublasStatus_t hs = cublasLtMatmulAlgoGetHeuristic(lt_, e.desc, e.a, e.b, e.c, e.c, pref, 1, &res, &found);
-      cublasLtMatmulPreferenceDestroy(pref);
+      const cublasStatus_t hs = lt_api_->cublasLtMatmulAlgoGetHeuristic(lt_, e.desc, e.a, e.b, e.c, e.c, pref, 1, &res, &found);
+      lt_api_->cublasLtMatmulPreferenceDestroy(pref);
       if (hs != CUBLAS_STATUS_SUCCESS || found == 0)
         return Status::Cuda("cuBLASLt found no algorithm for a " + std::to_string(M) + "x" + std::to_string(N) + "x" +
                             std::to_string(K) + " GEMM");
@@ -256,13 +257,14 @@ class CudaOps final : public Ops {
     }
     const float alpha = 1.f, beta = 0.f;
     const LtEntry& e = it->second;
-    return lt_status(cublasLtMatmul(lt_, e.desc, &alpha, w, e.a, x, e.b, &beta, y, e.c, y, e.c, &e.algo, workspace_,
+    return lt_status(lt_api_->cublasLtMatmul(lt_, e.desc, &alpha, w, e.a, x, e.b, &beta, y, e.c, y, e.c, &e.algo, workspace_,
                                     kWorkspace, stream_),
                      "cublasLtMatmul");
   }
 
   static constexpr std::size_t kWorkspace = 32u << 20;
   cudaStream_t stream_ = nullptr;
+  const cuda::dl::CublasLt* lt_api_ = nullptr;  ///< cuBLASLt's functions (cuda/common/cublas_dl.h)
   cublasLtHandle_t lt_ = nullptr;
   void* workspace_ = nullptr;
   std::string name_;

@@ -4,7 +4,6 @@
 // from the spec, not through MaskRules, so the kernels are checked against an independent
 // reading), then O = P V by DGEMM. Allocates and synchronizes: a test utility, not a kernel.
 // Block-sparse masks are not evaluated here (the CPU reference covers them).
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/common/cublas_dl.h"
 #include "cuda/cuda_api.h"
 
 namespace flashcpp::cuda {
@@ -127,10 +127,12 @@ struct Scratch {
     if (_s != CUBLAS_STATUS_SUCCESS) return Status::Cuda(std::string(#call " failed: status ") + std::to_string(_s)); \
   } while (0)
 
+// cuBLAS opened at the first call (cuda/common/cublas_dl.h), and a handle on it.
 struct Handle {
+  const dl::Cublas* api = nullptr;
   cublasHandle_t h = nullptr;
   ~Handle() {
-    if (h) cublasDestroy(h);
+    if (h) api->cublasDestroy_v2(h);
   }
 };
 
@@ -165,8 +167,9 @@ Status reference_attention_f64(const AttnParams& a, double* o_f64, double* lse_f
   FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&vd, static_cast<std::size_t>(max_sk) * Dv));
   FLASHCPP_RETURN_IF_ERROR(scratch.alloc(&s, static_cast<std::size_t>(max_sq) * std::max(max_sk, 1)));
   Handle handle;
-  FC_CUBLAS(cublasCreate(&handle.h));
-  FC_CUBLAS(cublasSetStream(handle.h, stream));
+  FLASHCPP_RETURN_IF_ERROR(dl::cublas(&handle.api));
+  FC_CUBLAS(handle.api->cublasCreate_v2(&handle.h));
+  FC_CUBLAS(handle.api->cublasSetStream_v2(handle.h, stream));
   const double one = 1.0, zero = 0.0;
   for (int b = 0; b < a.batch; ++b) {
     const int sq = cu_q[b + 1] - cu_q[b], sk = cu_k[b + 1] - cu_k[b];
@@ -193,13 +196,13 @@ Status reference_attention_f64(const AttnParams& a, double* o_f64, double* lse_f
         continue;
       }
       // S^T (sk x sq, column-major) = K (row-major sk x D) * Q^T  ==  S row-major (sq x sk).
-      FC_CUBLAS(cublasDgemm(handle.h, CUBLAS_OP_T, CUBLAS_OP_N, sk, sq, D, &one, kd, D, qd, D, &zero, s, sk));
+      FC_CUBLAS(handle.api->cublasDgemm_v2(handle.h, CUBLAS_OP_T, CUBLAS_OP_N, sk, sq, D, &one, kd, D, qd, D, &zero, s, sk));
       SoftmaxArgs sa{sq, sk, static_cast<double>(a.effective_scale()), static_cast<double>(a.mask.softcap),
                      slopes.empty() ? 0.0 : static_cast<double>(slopes[(a.mask.alibi_batch_stride ? b * a.heads_q : 0) + h]),
                      a.mask.causal, a.mask.global_queries, a.mask.window_left, a.mask.window_right, a.mask.global_tokens};
       softmax_kernel<<<sq, kThreads, 0, stream>>>(s, sa, lse_f64 + h * total_q + cu_q[b], 1);
       // O^T (Dv x sq, column-major, ld heads_q*Dv) = V^T (Dv x sk) * P^T (sk x sq).
-      FC_CUBLAS(cublasDgemm(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, Dv, sq, sk, &one, vd, Dv, s, sk, &zero, o_rows,
+      FC_CUBLAS(handle.api->cublasDgemm_v2(handle.h, CUBLAS_OP_N, CUBLAS_OP_N, Dv, sq, sk, &one, vd, Dv, s, sk, &zero, o_rows,
                             a.heads_q * Dv));
       FC_CUDA(cudaGetLastError());
     }
