@@ -21,7 +21,7 @@ tokenizers = pytest.importorskip("tokenizers", reason="text generation needs the
 try:
     from flashcpp import engine as fe
     from flashcpp import generate as fg
-except ImportError as e:  # FLASHCPP_WITH_ENGINE=OFF, or the CUDA wheel (FLASHCPP_PYTHON_ENGINE=OFF)
+except ImportError as e:  # FLASHCPP_WITH_ENGINE=OFF or FLASHCPP_PYTHON_ENGINE=OFF
     pytest.skip(f"the engine is not in this build: {e}", allow_module_level=True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
