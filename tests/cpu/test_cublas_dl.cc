@@ -27,7 +27,7 @@ const std::string kCublasLt = "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJO
 // ctest runs each case in a process of its own, so this is the state at a process's start: linking
 // flashcpp (and the engine, and the harness) no longer loads either library.
 // (It comes first in this file, so a whole-binary run also meets it before the cases below.)
-TEST(CublasDl, NeitherLibraryIsLoadedAtAProcesssStart) {
+TEST(CublasDl, NeitherLibraryIsLoadedWhenAProcessStarts) {
   EXPECT_FALSE(loaded(kCublas));
   EXPECT_FALSE(loaded(kCublasLt));
 }
