@@ -11,8 +11,9 @@
 #                  --system-site-packages would not show); then, when torch sees a GPU,
 #                  flash_attn_func / attention on CUDA tensors, each prefill kernel family the GPU
 #                  runs (sm80 everywhere, sm90 on Hopper) at every CUDA head dim, decode
-#                  (flash_attn_with_kvcache) and rms_norm, against fp32 torch references;
-#                  otherwise the numpy check.
+#                  (flash_attn_with_kvcache) and rms_norm, against fp32 torch references, and that
+#                  the engine starts on CUDA (Engine.cuda(), which opens cuBLASLt); otherwise the
+#                  numpy check. In both venvs flashcpp.engine must import.
 # Ends with one line: "wheel-gpu-check: PASS | ..." or "wheel-gpu-check: FAIL | ...".
 #
 # Here, with network, once: scripts/wheel_gpu_check.sh --fetch
@@ -176,6 +177,12 @@ def numpy_check():
         errors.append(f"numpy bf16 error {err:.3g}")
 
 numpy_check()
+try:  # both wheels carry the engine (the CUDA engine opens cuBLASLt when it starts, it does not link it)
+    from flashcpp import engine as fe
+    res["engine"] = "imports"
+except ImportError as e:
+    fe = None
+    errors.append(f"flashcpp.engine does not import: {e}")
 try:
     import torch
 except Exception as e:  # no torch: the numpy check is the check
@@ -246,6 +253,16 @@ if torch is not None and torch.cuda.is_available():
         ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
         return flashcpp.rms_norm(x, w), ref
     case("rms_norm 256x4096 bf16", norm, 5e-2)
+
+    if fe is not None:  # the engine's start opens cuBLASLt (here PyTorch's copy, loaded with torch)
+        try:
+            ok, err = fe.Engine.cuda().is_cuda, None
+        except Exception as e:
+            ok, err = False, f"{type(e).__name__}: {e}"[:300]
+        cases.append({"case": "flashcpp.engine: Engine.cuda() starts", "max_err": err, "tol": None, "ok": ok})
+        print(f"  {'ok  ' if ok else 'FAIL'} flashcpp.engine: Engine.cuda() starts {err or ''}", flush=True)
+        if not ok:
+            errors.append("flashcpp.engine on CUDA")
 res["errors"] = errors
 print(json.dumps(res))
 sys.exit(1 if errors else 0)
