@@ -18,7 +18,8 @@ case $phase in
     # Overrides: GT (gtest filter), MC (memcheck filter), PRE (a short test run first), CHECK=0 (no
     # check --area backward), BENCH=0 (no quick bench), AB=1 (scripts/bwd_ab.py: AB_CONFIGS, AB_SHAPES),
     # NCU="B H N D [causal] [det] [config]; ..." (an ncu profile of each: details and per-SASS-line
-    # source counters), PYT=1 (tests/python/test_backward_torch.py on CUDA), TRAIN=1 (the training check).
+    # source counters), PYT=1 (tests/python/test_backward_torch.py on CUDA; PYT_TESTS="a.py b.py" names
+    # other files of tests/python), GT_TIMEOUT (seconds for the gtest run, default 240), TRAIN=1 (the training check).
     # Logs other than the last bench's are packed into $OUT/phase1.tgz (8 files come back at most).
     mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2>/dev/null
     make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
@@ -30,7 +31,7 @@ case $phase in
       timeout 40 ./build/flashcpp_gpu_tests --gtest_filter="$PRE" > "$OUT/pre.txt" 2>&1
       rc=$?; echo "pre $PRE rc $rc"; [ $rc = 0 ] || { tail -40 "$OUT/pre.txt"; exit 4; }
     fi
-    timeout 240 ./build/flashcpp_gpu_tests --gtest_filter="${GT:-BackwardGpu.*}" > "$OUT/gpu_bwd.txt" 2>&1
+    timeout "${GT_TIMEOUT:-240}" ./build/flashcpp_gpu_tests --gtest_filter="${GT:-BackwardGpu.*}" > "$OUT/gpu_bwd.txt" 2>&1
     echo "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_bwd.txt" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]|Failure|max err|differs' "$OUT/gpu_bwd.txt" | head -20
     [ "${CHECK:-1}" = 1 ] && timeout 120 ./build/flashcpp check --backend cuda --area backward > "$OUT/check_bwd.txt" 2>&1
@@ -48,7 +49,7 @@ case $phase in
       echo "bench quick rc $?"; grep -E "^b[0-9]| ours |det " "$OUT/bench_quick.log" | tail -8
     fi
     if [ "${PYT:-0}" = 1 ]; then
-      (cd /tmp && timeout 200 python3 -m pytest -q -x "$OLDPWD/tests/python/test_backward_torch.py") > "$OUT/pytest_bwd.txt" 2>&1
+      (cd /tmp && timeout 200 python3 -m pytest -q -x $(for t in ${PYT_TESTS:-test_backward_torch.py}; do echo "$OLDPWD/tests/python/$t"; done)) > "$OUT/pytest_bwd.txt" 2>&1
       echo "pytest backward rc $?: $(tail -1 "$OUT/pytest_bwd.txt")"
     fi
     if [ -n "${NCU:-}" ]; then  # ncu of each listed backward (scripts/bwd_one.py), the main kernel only
