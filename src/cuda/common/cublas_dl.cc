@@ -4,32 +4,26 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 namespace flashcpp::cuda::dl {
 namespace {
 
-std::string folder_of(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  return slash == std::string::npos ? std::string() : path.substr(0, slash);
-}
-
 // Where open_library looks after the loader's own search, in order, without repeats.
 std::vector<std::string> fallback_folders() {
   std::vector<std::string> out;
   auto add = [&out](const std::string& folder) {
-    if (folder.empty()) return;
-    for (const std::string& f : out)
-      if (f == folder) return;
-    out.push_back(folder);
+    if (!folder.empty() && std::find(out.begin(), out.end(), folder) == out.end()) out.push_back(folder);
   };
   // The CUDA runtime in use (a shared libcudart sits beside the toolkit's cuBLAS; with the static
   // runtime this is the module that holds it, which costs one more look).
   Dl_info info{};
   if (dladdr(reinterpret_cast<const void*>(&cudaRuntimeGetVersion), &info) != 0 && info.dli_fname != nullptr)
-    add(folder_of(info.dli_fname));
+    add(std::filesystem::path(info.dli_fname).parent_path().string());
   if (const char* home = std::getenv("CUDA_HOME"); home != nullptr && *home != '\0') {
     add(std::string(home) + "/lib64");
     add(std::string(home) + "/lib");
@@ -93,16 +87,17 @@ Status open_library(const std::string& soname, const char* what, void** handle) 
                       "folder on LD_LIBRARY_PATH or set CUDA_HOME");
 }
 
-Status cublas(const Cublas** out) {
-  static const Loaded<Cublas> loaded = load<Cublas>("libcublas", "cuBLAS");
+namespace {
+// The table, loaded at the first call for each Table (a function-local static: once, thread-safe).
+template <class Table>
+Status opened(const char* stem, const char* what, const Table** out) {
+  static const Loaded<Table> loaded = load<Table>(stem, what);
   *out = loaded.status.ok() ? &loaded.table : nullptr;
   return loaded.status;
 }
+}  // namespace
 
-Status cublaslt(const CublasLt** out) {
-  static const Loaded<CublasLt> loaded = load<CublasLt>("libcublasLt", "cuBLASLt");
-  *out = loaded.status.ok() ? &loaded.table : nullptr;
-  return loaded.status;
-}
+Status cublas(const Cublas** out) { return opened("libcublas", "cuBLAS", out); }
+Status cublaslt(const CublasLt** out) { return opened("libcublasLt", "cuBLASLt", out); }
 
 }  // namespace flashcpp::cuda::dl
