@@ -79,15 +79,22 @@ struct MergeRow {
   __device__ __forceinline__ void quarter(const DecodeKernelParams& p, int q, int lane, float4 acc[2]) const {
     const int per = (n + kMergeWarps - 1) / kMergeWarps, lo = min(n, q * per), hi = min(n, lo + per);
     acc[0] = acc[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
+    // The rounds are a loop, not unrolled: unrolled, each of the three inlined copies held the
+    // batch's loads and FMAs once per round, 8 times over (two thirds of the decode kernels' PTX and
+    // of their compile time). The round's weight register is picked by a select chain instead of an
+    // index, so w stays in registers.
+#pragma unroll 1
     for (int k = 0; k < kRounds; ++k) {
       if (32 * k >= hi) break;
       if (32 * k + 32 <= lo) continue;
+      float wk = w[0];
+#pragma unroll
+      for (int kk = 1; kk < kRounds; ++kk) wk = k == kk ? w[kk] : wk;
       for (int j0 = max(lo, 32 * k); j0 < min(hi, 32 * k + 32); j0 += kBatch) {
         float wb[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          const float x = __shfl_sync(0xffffffffu, w[k], (j0 + u) & 31);
+          const float x = __shfl_sync(0xffffffffu, wk, (j0 + u) & 31);
           wb[u] = j0 + u < min(hi, 32 * k + 32) ? x : 0.f;
         }
 #pragma unroll
