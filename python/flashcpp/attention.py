@@ -129,61 +129,20 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 
 # The eager fast path of flash_attn_func: a plain call (no gradient, alibi, block-sparse mask or
 # rotary, not traced) on torch tensors of one dtype on the host or the current CUDA device, each
-# with a contiguous last dim and no size-1 dim of arbitrary stride, fills AttnParams directly from
-# shapes, strides and pointers. The C++ validator checks those params as it checks every call; a
-# shape the fast path cannot read plainly (empty, mismatched, float64, other devices) runs the
-# general path with its Python checks and sentences. tests/python/test_attention_fast_path.py.
+# with a contiguous last dim and no size-1 dim of arbitrary stride, is read, checked and launched
+# by one C++ call (_C.attention_fast, python/src/eager_fast.cc), which fills AttnParams directly
+# from shapes, strides and pointers. The C++ validator checks those params as it checks every
+# call; a call the fast path does not take (numpy, empty, mismatched, float64, other devices,
+# FakeTensors) runs the general path with its Python checks and sentences.
+# tests/python/test_attention_fast_path.py.
 _FAST_TYPES = _core.FAST_TYPES
 
 
-def _plain_view(t: Any, code: int) -> Any:
-    """The TensorView of a 4-D tensor the fast path takes (None when it does not): _core.fast_view,
-    but a tensor with a size-1 dim must be contiguous (the general path's sentences about strides)."""
-    if type(t) not in _FAST_TYPES or (1 in t.shape and not t.is_contiguous()):
-        return None
-    return _core.fast_view(t, code)
-
-
 def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse) -> Any:
-    """flash_attn_func on the fast path: (out, lse-or-None), or None when it does not apply."""
-    if type(k) not in _FAST_TYPES or type(v) not in _FAST_TYPES:
-        return None
-    dt = q.dtype
-    code = _core.FAST_CODES.get(dt)
-    if code is None or k.dtype != dt or v.dtype != dt or q.requires_grad or k.requires_grad or v.requires_grad:
-        return None
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return None
-    B, Sq, Hq, D = q.shape
-    _, Sk, Hkv, _ = k.shape
-    if (k.shape[0] != B or k.shape[3] != D or v.shape[0] != B or v.shape[1] != Sk or v.shape[2] != Hkv
-            or B == 0 or Sq == 0 or Sk == 0 or Hq == 0 or Hkv == 0 or Hq % Hkv):
-        return None
-    dev = q.device
-    if k.device != dev or v.device != dev:
-        return None
-    where = _core.fast_device(dev, dt)
-    if where is None:
-        return None
-    vq, vk, vv = _plain_view(q, code), _plain_view(k, code), _plain_view(v, code)
-    if vq is None or vk is None or vv is None:
-        return None
-    scale = _core.default_scale(softmax_scale, D)
-    wl, wr = (-1, -1) if window_size == (-1, -1) else _core.check_window(window_size)
-    Dv = v.shape[3]
-    out = torch.empty((B, Sq, Hq, Dv), dtype=dt, device=dev)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev) if return_lse else None
-    p = _C.AttnParams()
-    p.batch, p.seqlen_q, p.seqlen_k = B, Sq, Sk
-    p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = Hq, Hkv, D, Dv
-    p.q, p.k, p.v = vq, vk, vv
-    p.o = _core.fast_view(out, code)
-    p.lse = 0 if lse is None else lse.data_ptr()
-    p.softmax_scale = float(scale)
-    m = p.mask
-    m.causal, m.window_left, m.window_right, m.softcap = bool(causal), wl, wr, float(softcap)
-    _C.attention_forward(p, _C.RunOptions(where[0], where[1], 0, ""))
-    return out, lse
+    """flash_attn_func on the fast path: out, or (out, lse) with return_lse; None when it does not apply."""
+    wl, wr = ((-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1)
+              else _core.check_window(window_size))
+    return _C.attention_fast(q, k, v, softmax_scale, causal, wl, wr, softcap, return_lse)
 
 
 def _check_flash_attn_extras(dropout_p: Any, deterministic: Any) -> None:
@@ -248,12 +207,13 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
     Returns:
         out (batch, seqlen_q, heads_q, head_dim_v) in q's dtype, or (out, lse).
     """
-    _check_flash_attn_extras(dropout_p, deterministic)
+    if dropout_p.__class__ is not float or dropout_p != 0.0 or deterministic.__class__ is not bool:
+        _check_flash_attn_extras(dropout_p, deterministic)  # the defaults need no check
     if (alibi_slopes is None and block_sparse is None and rotary is None and type(q) in _FAST_TYPES
             and not torch.compiler.is_compiling()):
         fast = _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse)
         if fast is not None:
-            return fast if return_lse else fast[0]
+            return fast
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])

@@ -127,11 +127,13 @@ def _matrix(x: Any, dtype_code: int, row_stride: int) -> Any:
 # A plain call on torch tensors (contiguous, one of float16/bfloat16/float32, one device, the
 # current CUDA device or the host; backend "auto", no cuda_config, no stream, outputs allocated
 # here or in place as documented) goes straight into the params: pointers, sizes and row strides,
-# and the stream read with torch's raw-stream accessor. The C++ validator checks these params as it
-# checks every call, so a bad value still gets its sentence; anything the fast path does not take
-# (numpy, strides, out=, another backend, a device that is not the current one, an empty tensor)
-# runs the general path below with its Python checks. That path costs ~14 us of Python per call,
-# this one ~2 (CPU tensors, 2026-12-03; tests/python/test_fused_fast_path.py).
+# and the stream read with torch's raw-stream accessor. rms_norm, fused_add_rms_norm and
+# silu_and_mul do this in one C++ call (_C.norm_fast, _C.silu_and_mul_fast:
+# python/src/eager_fast.cc); apply_rotary in Python (_fast_options, _fast_rotary). The C++
+# validator checks these params as it checks every call, so a bad value still gets its sentence;
+# anything the fast path does not take (numpy, strides, out=, another backend, a device that is not
+# the current one, an empty tensor) runs the general path below with its Python checks.
+# tests/python/test_fused_fast_path.py.
 _FAST_CODES = _core.FAST_CODES
 _FAST_TYPES = _core.FAST_TYPES
 
@@ -152,22 +154,6 @@ def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
             return None
     where = _core.fast_device(dev, dt, fp32_on_cuda=True)  # the fused CUDA kernels' answer on fp32 is theirs
     return None if where is None else _C.RunOptions(where[0], where[1], cpu_threads, "")
-
-
-def _fast_norm(x, residual, weight, eps, cpu_threads) -> Any:
-    """(params with rows, hidden, eps and weight, dtype code, options) of rms_norm (residual None)
-    or in-place fused_add_rms_norm on the fast path, or None when it does not apply."""
-    ts = (x, weight) if residual is None else (x, weight, residual)
-    opt = _fast_options(x, ts, () if residual is None else (x, residual), cpu_threads)
-    if opt is None or weight.dim() != 1:
-        return None
-    hidden = x.shape[-1]
-    if weight.shape[0] != hidden or (residual is not None and residual.shape != x.shape):
-        return None
-    p = _C.RmsNormParams()
-    p.rows, p.hidden, p.eps = x.numel() // hidden, hidden, float(eps)
-    p.weight = weight.data_ptr()
-    return p, _FAST_CODES[x.dtype], opt
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------
@@ -215,14 +201,9 @@ def rms_norm(x: Any, weight: Any, eps: float = 1e-6, *, out: Any = None, backend
     "scalar"/"two_pass" to force a kernel path (tests, tuning). Returns out.
     """
     if out is None and backend == "auto" and not cuda_config and stream is None:
-        fast = _fast_norm(x, None, weight, eps, cpu_threads)
+        fast = _C.norm_fast(x, None, weight, eps, cpu_threads)
         if fast is not None:
-            p, code, opt = fast
-            out = torch.empty_like(x)
-            hidden = p.hidden
-            p.x, p.y = _C.MatrixView(x.data_ptr(), code, hidden), _C.MatrixView(out.data_ptr(), code, hidden)
-            _C.rms_norm(p, opt)
-            return out
+            return fast
     if out is None:
         out = _empty(x, tuple(_core.meta(x, "x").shape))
     _norm(x, None, weight, eps, out, None, backend, cpu_threads, cuda_config, stream)
@@ -239,13 +220,8 @@ def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
     output. Pass ``out`` / ``residual_out`` to keep the inputs. Returns ``(out, residual_out)``.
     """
     if out is None and residual_out is None and backend == "auto" and not cuda_config and stream is None:
-        fast = _fast_norm(x, residual, weight, eps, cpu_threads)
-        if fast is not None:  # in place: x receives the normalized output, residual x + residual
-            p, code, opt = fast
-            xv = _C.MatrixView(x.data_ptr(), code, p.hidden)
-            rv = _C.MatrixView(residual.data_ptr(), code, p.hidden)
-            p.x, p.y, p.residual, p.residual_out = xv, xv, rv, rv
-            _C.fused_add_rms_norm(p, opt)
+        # in place: x receives the normalized output, residual x + residual
+        if _C.norm_fast(x, residual, weight, eps, cpu_threads) is not None:
             return x, residual
     if out is None:
         _core.check_writable(x, "x")  # in place: x receives the normalized output
@@ -268,19 +244,9 @@ def silu_and_mul(x: Any, up: Any = None, *, out: Any = None, backend: str = "aut
     the gate (or up) array itself, e.g. ``x[..., :d]`` for an in-place fused call.
     """
     if up is None and out is None and backend == "auto" and not cuda_config and stream is None:
-        opt = _fast_options(x, (x,), (), cpu_threads)
-        cols = x.shape[-1] if opt is not None else 1
-        if opt is not None and cols % 2 == 0:
-            d, code = cols // 2, _FAST_CODES[x.dtype]
-            out = torch.empty(x.shape[:-1] + (d,), dtype=x.dtype, device=x.device)
-            p = _C.SiluMulParams()
-            p.rows, p.d = x.numel() // cols, d
-            ptr = x.data_ptr()
-            p.gate = _C.MatrixView(ptr, code, cols)
-            p.up = _C.MatrixView(ptr + d * x.element_size(), code, cols)
-            p.out = _C.MatrixView(out.data_ptr(), code, d)
-            _C.silu_and_mul(p, opt)
-            return out
+        fast = _C.silu_and_mul_fast(x, cpu_threads)
+        if fast is not None:
+            return fast
     mg = _core.meta(x, "x" if up is None else "gate")
     _check_dtype(mg, "silu_and_mul")
     rows, g_rs, cols = _rows(mg)

@@ -36,6 +36,7 @@
 #include "flashcpp/fused.h"
 #include "flashcpp/masks.h"
 #include "flashcpp/reference.h"
+#include "eager_fast.h"
 #include "engine_module.h"
 #include "py_status.h"
 
@@ -929,4 +930,5 @@ NB_MODULE(_flashcpp, m) {
   fused_binding::bind(m);
   decode_binding::bind(m);
   flashcpp_python::bind_engine(m);
+  flashcpp_python::bind_eager(m);
 }

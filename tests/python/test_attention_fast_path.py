@@ -1,5 +1,6 @@
-"""The eager fast path of flash_attn_func (flashcpp/attention.py, _fast_flash_attn): a plain call on
-torch tensors fills the C++ params straight from shapes, strides and pointers.
+"""The eager fast path of flash_attn_func (flashcpp/attention.py, _fast_flash_attn, which calls
+_C.attention_fast in python/src/eager_fast.cc): a plain call on torch tensors fills the C++ params
+straight from shapes, strides and pointers.
 
 It must give exactly what the general path gives (flashcpp.attention, the low-level entry point,
 runs the general path: compared bit for bit), refuse what it refuses, and step aside for what it
@@ -54,12 +55,13 @@ def test_strided_layouts_through_the_fast_path():
     q = _rand((2, 4, 9, 64), torch.float32, 4).transpose(1, 2)
     k = _rand((2, 2, 11, 64), torch.float32, 5).transpose(1, 2)
     v = _rand((2, 2, 11, 64), torch.float32, 6).transpose(1, 2)
-    assert attn_mod._plain_view(q, 2) is not None
+    plain = (None, True, (-1, -1), 0.0, False)
+    assert attn_mod._fast_flash_attn(q, k, v, *plain) is not None
     out = flashcpp.flash_attn_func(q, k, v, causal=True)
     assert torch.equal(out, flashcpp.flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
     # a size-1 dim with an arbitrary stride is left to the general path (which normalizes it)
     q1 = _rand((1, 4, 9, 64), torch.float32, 7).transpose(1, 2)
-    assert not q1.is_contiguous() and attn_mod._plain_view(q1, 2) is None
+    assert not q1.is_contiguous() and attn_mod._fast_flash_attn(q1, k[:1], v[:1], *plain) is None
     assert torch.equal(flashcpp.flash_attn_func(q1, k[:1], v[:1]), flashcpp.attention(q1, k[:1], v[:1])[0])
 
 
@@ -107,3 +109,55 @@ def test_what_the_fast_path_steps_aside_for():
     g = q.clone().requires_grad_()
     flashcpp.flash_attn_func(g, k, v).sum().backward()
     assert g.grad is not None and torch.isfinite(g.grad).all()
+
+
+def test_fast_path_takes_plain_arguments_only():
+    """Arguments of other Python types (an int causal, a numpy softcap or scale) and tensors it does
+    not read plainly (Parameters are taken; meta tensors are not) go to the general path, which
+    gives the same answer or its own sentence."""
+    q, k, v = _rand((1, 5, 2, 32), torch.float32, 17), _rand((1, 7, 2, 32), torch.float32, 18), _rand((1, 7, 2, 32), torch.float32, 19)
+    f = attn_mod._fast_flash_attn
+    want = flashcpp.attention(q, k, v, causal=True, softcap=5.0, softmax_scale=0.2)[0]
+    assert torch.equal(f(q, k, v, 0.2, True, (-1, -1), 5.0, False), want)
+    assert f(q, k, v, 0.2, 1, (-1, -1), 5.0, False) is None
+    assert f(q, k, v, np.float32(0.2), True, (-1, -1), 5.0, False) is None
+    assert f(q, k, v, 0.2, True, (-1, -1), np.float64(5.0), False) is None
+    assert torch.equal(flashcpp.flash_attn_func(q, k, v, np.float64(0.0), np.float32(0.2), 1, softcap=np.float64(5.0)), want)
+    pq = torch.nn.Parameter(q, requires_grad=False)
+    assert torch.equal(f(pq, k, v, 0.2, True, (-1, -1), 5.0, False), want)
+    out, lse = f(q, k, v, None, False, [-1, -1], 0, True)  # a list window, an int softcap
+    go, gl = flashcpp.attention(q, k, v, return_lse=True)
+    assert torch.equal(out, go) and torch.equal(lse, gl) and lse.dtype == torch.float32
+    assert f(q.to("meta"), k.to("meta"), v.to("meta"), None, False, (-1, -1), 0.0, False) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the fast path's CUDA half)")
+def test_cuda_fast_path_equals_general_and_launches_on_the_current_stream():
+    """On CUDA tensors the fast path runs the kernel the general path runs (bit for bit), on
+    torch's current stream: a CUDA graph captures it (a launch on another stream would break the
+    capture) and its replays reproduce the eager result for new inputs."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(20)
+    q, k, v = (torch.randn((2, 300, 8, 128), generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    kv_h = (2, 300, 2, 128)
+    k2, v2 = (torch.randn(kv_h, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    for kk, vv, kw in ((k, v, dict(causal=True)), (k2, v2, dict(window_size=(64, 0), softcap=20.0))):
+        fast = attn_mod._fast_flash_attn(q, kk, vv, None, kw.get("causal", False), kw.get("window_size", (-1, -1)),
+                                         kw.get("softcap", 0.0), True)
+        assert fast is not None
+        go, gl = flashcpp.attention(q, kk, vv, return_lse=True, backend="cuda", **kw)
+        assert torch.equal(fast[0], go) and torch.equal(fast[1], gl)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        eager = flashcpp.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    assert torch.equal(eager, flashcpp.attention(q, k, v, causal=True, backend="cuda")[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = flashcpp.flash_attn_func(q, k, v, causal=True)
+    q.copy_(torch.randn(q.shape, generator=g, device=dev, dtype=q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, flashcpp.attention(q, k, v, causal=True, backend="cuda")[0])
+    assert torch.isfinite(captured.float()).all()

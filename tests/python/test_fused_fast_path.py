@@ -28,7 +28,7 @@ def _rand(shape, dtype, seed):
 def test_rms_norm_fast_equals_general(dtype, shape):
     x = _rand(shape, dtype, 1)
     w = torch.nn.Parameter(_rand(shape[-1:], dtype, 2), requires_grad=False)
-    assert fused._fast_options(x, (x, w), (), 0) is not None  # the fast path applies
+    assert fused._C.norm_fast(x, None, w, 1e-5, 0) is not None  # the fast path applies
     fast = flashcpp.rms_norm(x, w, 1e-5)
     general = flashcpp.rms_norm(x, w, 1e-5, backend="cpu")
     assert fast.shape == x.shape and fast.dtype == dtype
@@ -96,15 +96,22 @@ def test_fast_path_refuses_as_the_general_path_does():
 
 def test_what_the_fast_path_steps_aside_for():
     x, w = torch.randn(4, 32), torch.randn(32)
-    assert fused._fast_options(x, (x, w), (), 0) is not None
+    fast = fused._C.norm_fast
+    assert fast(x, None, w, 1e-6, 0) is not None
     xs = torch.randn(4, 64)[:, :32]  # rows 64 apart: not contiguous, which the general path takes
-    assert fused._fast_options(xs, (xs, w), (), 0) is None
-    assert fused._fast_options(x, (x, w.double()), (), 0) is None  # mixed dtypes
-    assert fused._fast_options(x.double(), (x.double(),), (), 0) is None  # float64 is not a fused dtype
-    assert fused._fast_options(x[:0], (x[:0], w), (), 0) is None  # empty
-    assert fused._fast_options(x, (x, w), (), -1) is None  # cpu_threads: the general path says why
+    assert fast(xs, None, w, 1e-6, 0) is None
+    assert fast(x, None, w.double(), 1e-6, 0) is None  # mixed dtypes
+    assert fast(x.double(), None, w.double(), 1e-6, 0) is None  # float64 is not a fused dtype
+    assert fast(x[:0], None, w, 1e-6, 0) is None  # empty
+    assert fast(x, None, w, 1e-6, -1) is None  # cpu_threads: the general path says why
+    assert fast(x, None, w, 1e-6, True) is None  # a bool is not a thread count
+    assert fast(x, None, w, np.float32(1e-6), 0) is None  # eps of another type
+    assert fast(x, None, w.numpy(), 1e-6, 0) is None  # a numpy weight: the general path's TypeError
+    assert fast(x.to("meta"), None, w.to("meta"), 1e-6, 0) is None
     xg = x.clone().requires_grad_()
-    assert fused._fast_options(xg, (xg, w), (xg,), 0) is None  # written and requiring grad
+    assert fast(xg, torch.randn(4, 32), w, 1e-6, 0) is None  # written and requiring grad
+    assert fused._C.silu_and_mul_fast(torch.randn(2, 33), 0) is None  # odd: the general path's sentence
+    assert fused._C.silu_and_mul_fast(torch.randn(2, 64)[:, :32], 0) is None  # not contiguous
     # and those calls still work or refuse through the general path
     assert torch.equal(flashcpp.rms_norm(xs, w), flashcpp.rms_norm(xs.contiguous(), w))
     with pytest.raises(ValueError, match="last dimension must be contiguous"):
@@ -120,3 +127,31 @@ def test_what_the_fast_path_steps_aside_for():
     assert flashcpp.rms_norm(x[:0], w).shape == (0, 32)
     y = np.asarray(flashcpp.rms_norm(x.numpy(), w.numpy()))  # numpy: the general path
     assert np.array_equal(y, flashcpp.rms_norm(x, w).numpy())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the fast path's CUDA half)")
+def test_cuda_fast_paths_equal_general_and_capture_in_a_graph():
+    """On CUDA tensors rms_norm, fused_add_rms_norm and silu_and_mul take the fast path, equal the
+    general path bit for bit, and launch on torch's current stream (a CUDA graph captures them)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(21)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn((5, 3, 2048), generator=g, device=dev, dtype=dtype)
+        r = torch.randn((5, 3, 2048), generator=g, device=dev, dtype=dtype)
+        w = torch.randn((2048,), generator=g, device=dev, dtype=dtype)
+        assert fused._C.norm_fast(x, None, w, 1e-6, 0) is not None
+        assert torch.equal(flashcpp.rms_norm(x, w), flashcpp.rms_norm(x, w, backend="cuda"))
+        assert torch.equal(flashcpp.silu_and_mul(x), flashcpp.silu_and_mul(x, backend="cuda"))
+        xf, rf, xg, rg = x.clone(), r.clone(), x.clone(), r.clone()
+        flashcpp.fused_add_rms_norm(xf, rf, w)
+        flashcpp.fused_add_rms_norm(xg, rg, w, out=xg, residual_out=rg, backend="cuda")
+        assert torch.equal(xf, xg) and torch.equal(rf, rg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = flashcpp.rms_norm(x, w)
+            z = flashcpp.silu_and_mul(x)
+        x.copy_(torch.randn(x.shape, generator=g, device=dev, dtype=dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, flashcpp.rms_norm(x, w, backend="cuda"))
+        assert torch.equal(z, flashcpp.silu_and_mul(x, backend="cuda"))

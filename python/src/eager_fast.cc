@@ -1,0 +1,476 @@
+// The eager fast paths, marshalled in C++: a plain flash_attn_func, rms_norm, fused_add_rms_norm
+// or silu_and_mul call on torch tensors is read and launched here in one call from Python.
+//
+// Why: Python code that reads each tensor's shape, strides and pointer and then sets each params
+// field as an attribute cost about 29 of flash_attn_func's 46 us of host time per call on the H200
+// host (reports/integrations/README.md, scripts/host_probe.py); the same reads in C++ cost a few.
+//
+// The tensors are read through their Python attributes (dtype, shape, stride(), data_ptr(), ...):
+// no torch header or library, so the wheel still links no libtorch. flashcpp._core hands over the
+// few torch objects needed at import (_eager_bind); before that, or without torch, every entry
+// returns None.
+//
+// Each entry returns None for a call it does not take: numpy arrays, tensor subclasses (FakeTensor
+// under torch.compile), dtypes other than fp16/bf16/fp32, a device other than the host or the
+// current CUDA device, inputs that require grad where the call writes or differentiates, strides it
+// cannot read plainly, empty tensors, arguments of other Python types. The Python caller then runs
+// its general path, whose checks and sentences are unchanged. A call it takes reaches the same C++
+// entry point with the params the Python fast path filled before, and the C++ validator checks them
+// as it checks every call (tests/python/test_attention_fast_path.py and test_fused_fast_path.py
+// compare it with the general path bit for bit).
+#include "eager_fast.h"
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "flashcpp/attention.h"
+#include "flashcpp/fused.h"
+#include "py_status.h"
+
+namespace nb = nanobind;
+
+namespace flashcpp_python {
+namespace {
+
+using flashcpp::AttnParams;
+using flashcpp::Backend;
+using flashcpp::DType;
+using flashcpp::MatrixView;
+using flashcpp::RunOptions;
+using flashcpp::Status;
+using flashcpp::TensorView;
+
+/// What the fast paths need of torch, handed over by _eager_bind. Never destroyed: nothing here
+/// may touch Python objects after the interpreter has finalized.
+struct Torch {
+  PyObject* tensor = nullptr;          // torch.Tensor and torch.nn.Parameter: the exact types taken
+  PyObject* parameter = nullptr;
+  PyObject* f16 = nullptr;             // torch.float16, torch.bfloat16, torch.float32
+  PyObject* bf16 = nullptr;
+  PyObject* f32 = nullptr;
+  PyObject* current_device = nullptr;  // () -> int: torch's current CUDA device (null: no CUDA in torch)
+  PyObject* raw_stream = nullptr;      // (int) -> int: the current stream of that device
+  long max_cpu_threads = 0;
+  // Interned attribute names, and ("dtype",) for new_empty's keyword.
+  PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device,
+      *s_new_empty, *kw_dtype;
+};
+Torch* g_torch = nullptr;
+
+constexpr int kMaxDims = 8;
+
+/// A torch tensor's metadata, read through its Python attributes.
+struct Tensor {
+  PyObject* obj = nullptr;  // borrowed
+  std::uintptr_t data = 0;
+  int ndim = 0;
+  std::int64_t shape[kMaxDims] = {};
+  std::int64_t stride[kMaxDims] = {};
+  DType dtype = DType::kBF16;
+  int device = -1;  // -1: the host, else the CUDA device index
+  bool requires_grad = false;
+
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+  }
+  /// torch's is_contiguous(): row-major strides, size-1 dims excepted.
+  bool contiguous() const {
+    if (numel() == 0) return true;
+    std::int64_t expected = 1;
+    for (int i = ndim - 1; i >= 0; --i) {
+      if (shape[i] == 1) continue;
+      if (stride[i] != expected) return false;
+      expected *= shape[i];
+    }
+    return true;
+  }
+  bool has_size_one() const {
+    for (int i = 0; i < ndim; ++i)
+      if (shape[i] == 1) return true;
+    return false;
+  }
+  bool same_place(const Tensor& o) const { return o.dtype == dtype && o.device == device; }
+};
+
+/// A new reference, or null with no Python error left pending.
+nb::object cleared(PyObject* r) {
+  if (r == nullptr) PyErr_Clear();
+  return nb::steal(r);
+}
+
+bool read_ints(PyObject* tuple, Py_ssize_t n, std::int64_t* out) {
+  if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != n) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(tuple, i));
+    if (v == -1 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    out[i] = v;
+  }
+  return true;
+}
+
+/// Reads a plain tensor (exactly torch.Tensor or torch.nn.Parameter) of fp16, bf16 or fp32 on the
+/// host or a CUDA device; false for anything else.
+bool read(nb::handle h, Tensor* t) {
+  const Torch& T = *g_torch;
+  PyObject* o = h.ptr();
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+  if (type != T.tensor && type != T.parameter) return false;
+  t->obj = o;
+  nb::object dt = cleared(PyObject_GetAttr(o, T.s_dtype));
+  if (!dt.is_valid()) return false;
+  if (dt.ptr() == T.bf16) t->dtype = DType::kBF16;
+  else if (dt.ptr() == T.f16) t->dtype = DType::kF16;
+  else if (dt.ptr() == T.f32) t->dtype = DType::kF32;
+  else return false;
+  nb::object shape = cleared(PyObject_GetAttr(o, T.s_shape));
+  if (!shape.is_valid() || !PyTuple_Check(shape.ptr())) return false;
+  const Py_ssize_t nd = PyTuple_GET_SIZE(shape.ptr());
+  if (nd < 1 || nd > kMaxDims) return false;
+  t->ndim = static_cast<int>(nd);
+  nb::object stride = cleared(PyObject_CallMethodNoArgs(o, T.s_stride));  // raises for sparse layouts
+  if (!stride.is_valid() || !read_ints(shape.ptr(), nd, t->shape) || !read_ints(stride.ptr(), nd, t->stride))
+    return false;
+  nb::object grad = cleared(PyObject_GetAttr(o, T.s_requires_grad));
+  if (!grad.is_valid()) return false;
+  t->requires_grad = grad.ptr() == Py_True;
+  nb::object cuda = cleared(PyObject_GetAttr(o, T.s_is_cuda));
+  if (!cuda.is_valid()) return false;
+  if (cuda.ptr() == Py_True) {
+    nb::object dev = cleared(PyObject_CallMethodNoArgs(o, T.s_get_device));
+    if (!dev.is_valid()) return false;
+    const long d = PyLong_AsLong(dev.ptr());
+    if (d < 0 || d > 1 << 20) {
+      PyErr_Clear();
+      return false;
+    }
+    t->device = static_cast<int>(d);
+  } else {
+    nb::object cpu = cleared(PyObject_GetAttr(o, T.s_is_cpu));  // not meta, mps, xpu, ...
+    if (!cpu.is_valid() || cpu.ptr() != Py_True) return false;
+    t->device = -1;
+  }
+  nb::object ptr = cleared(PyObject_CallMethodNoArgs(o, T.s_data_ptr));
+  if (!ptr.is_valid()) return false;
+  const unsigned long long p = PyLong_AsUnsignedLongLong(ptr.ptr());
+  if (p == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  t->data = static_cast<std::uintptr_t>(p);
+  return true;
+}
+
+/// The backend and stream of a call on t's device: the host, or the current CUDA device with
+/// torch's current stream on it (fp32 on CUDA only where the kernels take it).
+bool place(const Tensor& t, bool fp32_on_cuda, RunOptions* opt) {
+  if (t.device < 0) {
+    opt->backend = Backend::kCpu;
+    opt->stream = nullptr;
+    return true;
+  }
+  const Torch& T = *g_torch;
+  if ((t.dtype == DType::kF32 && !fp32_on_cuda) || T.current_device == nullptr || T.raw_stream == nullptr) return false;
+  nb::object cur = cleared(PyObject_CallNoArgs(T.current_device));
+  if (!cur.is_valid()) return false;
+  const long c = PyLong_AsLong(cur.ptr());
+  if (c != t.device) {
+    PyErr_Clear();
+    return false;
+  }
+  nb::object s = cleared(PyObject_CallOneArg(T.raw_stream, cur.ptr()));
+  if (!s.is_valid()) return false;
+  const unsigned long long v = PyLong_AsUnsignedLongLong(s.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  opt->backend = Backend::kCuda;
+  opt->stream = reinterpret_cast<flashcpp::Stream>(static_cast<std::uintptr_t>(v));
+  return true;
+}
+
+/// A plain Python float or int (not bool) as a double.
+bool number(nb::handle h, double* out) {
+  PyObject* o = h.ptr();
+  if (PyFloat_CheckExact(o)) {
+    *out = PyFloat_AS_DOUBLE(o);
+    return true;
+  }
+  if (PyLong_CheckExact(o)) {
+    const double v = PyLong_AsDouble(o);
+    if (v == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return false;
+    }
+    *out = v;
+    return true;
+  }
+  return false;
+}
+
+bool cpu_threads_of(nb::handle h, int* out) {
+  if (!PyLong_CheckExact(h.ptr())) return false;
+  const long v = PyLong_AsLong(h.ptr());
+  if (v < 0 || v > g_torch->max_cpu_threads) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = static_cast<int>(v);
+  return true;
+}
+
+/// like.new_empty(shape) (like's dtype, or `dtype`), contiguous on like's device; raises on failure.
+nb::object new_empty(const Tensor& like, nb::handle shape, PyObject* dtype = nullptr) {
+  const Torch& T = *g_torch;
+  PyObject* r = nullptr;
+  if (dtype == nullptr) {
+    r = PyObject_CallMethodOneArg(like.obj, T.s_new_empty, shape.ptr());
+  } else {
+    PyObject* args[] = {like.obj, shape.ptr(), dtype};
+    r = PyObject_VectorcallMethod(T.s_new_empty, args, 2, T.kw_dtype);
+  }
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
+std::uintptr_t data_ptr(nb::handle t) {
+  nb::object p = nb::steal(PyObject_CallMethodNoArgs(t.ptr(), g_torch->s_data_ptr));
+  if (!p.is_valid()) throw nb::python_error();
+  return static_cast<std::uintptr_t>(PyLong_AsUnsignedLongLong(p.ptr()));
+}
+
+/// The TensorView of a 4-D tensor with a contiguous last dim (a size-1 dim gets the extent as its
+/// stride, as _core.tensor_view makes it); false for anything else, and for a tensor with a size-1
+/// dim that is not contiguous (the general path's sentences about strides).
+bool view4(const Tensor& t, TensorView* v) {
+  if (t.ndim != 4 || t.stride[3] != 1 || (t.has_size_one() && !t.contiguous())) return false;
+  std::int64_t extent = 1;
+  for (int i = 0; i < 4; ++i)
+    if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];
+  auto s = [&](int i) { return t.shape[i] > 1 ? t.stride[i] : extent; };
+  *v = TensorView{reinterpret_cast<void*>(t.data), t.dtype, s(0), s(1), s(2)};
+  return true;
+}
+
+/// The view of a new contiguous (b, s, h, d) output at `data`.
+TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::int64_t s, std::int64_t h,
+                            std::int64_t d) {
+  Tensor t;
+  t.data = data;
+  t.dtype = dt;
+  t.ndim = 4;
+  const std::int64_t shape[4] = {b, s, h, d}, stride[4] = {s * h * d, h * d, d, 1};
+  for (int i = 0; i < 4; ++i) {
+    t.shape[i] = shape[i];
+    t.stride[i] = stride[i];
+  }
+  TensorView v;
+  view4(t, &v);
+  return v;
+}
+
+template <class F>
+void run_released(F&& f) {
+  Status st;
+  {
+    nb::gil_scoped_release release;
+    st = f();
+  }
+  if (!st.ok()) raise_status(st);
+}
+
+// ---- entries ---------------------------------------------------------------------------------------
+
+/// flash_attn_func's plain call (no gradient, ALiBi, block-sparse mask or rotary: the caller checks
+/// those): out, or (out, lse) with return_lse; None when the call is not one this path takes.
+nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, nb::handle causal_h,
+                          int window_left, int window_right, nb::handle softcap_h, bool return_lse) {
+  if (g_torch == nullptr) return nb::none();
+  if (causal_h.ptr() != Py_True && causal_h.ptr() != Py_False) return nb::none();
+  double softcap = 0;
+  if (!number(softcap_h, &softcap)) return nb::none();
+  Tensor q, k, v;
+  if (!read(qh, &q) || !read(kh, &k) || !read(vh, &v)) return nb::none();
+  if (!q.same_place(k) || !q.same_place(v) || q.requires_grad || k.requires_grad || v.requires_grad) return nb::none();
+  if (q.ndim != 4 || k.ndim != 4 || v.ndim != 4) return nb::none();
+  const std::int64_t B = q.shape[0], Sq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
+  const std::int64_t Sk = k.shape[1], Hkv = k.shape[2], Dv = v.shape[3];
+  if (k.shape[0] != B || k.shape[3] != D || v.shape[0] != B || v.shape[1] != Sk || v.shape[2] != Hkv || B == 0 ||
+      Sq == 0 || Sk == 0 || Hq == 0 || Hkv == 0 || Hq % Hkv != 0)
+    return nb::none();
+  double scale = 0;
+  if (scale_h.is_none()) {
+    if (D <= 0) return nb::none();
+    scale = 1.0 / std::sqrt(static_cast<double>(D));
+  } else {
+    if (!number(scale_h, &scale) || !std::isfinite(scale) || std::fabs(scale) > FLT_MAX) return nb::none();
+    if (scale == 0.0) scale = std::ldexp(1.0, -100);  // _core.ZERO_SCALE: 0 would mean the default in C++
+  }
+  RunOptions opt;
+  TensorView vq, vk, vv;
+  if (!place(q, false, &opt) || !view4(q, &vq) || !view4(k, &vk) || !view4(v, &vv)) return nb::none();
+
+  nb::object out = new_empty(q, nb::make_tuple(B, Sq, Hq, Dv));
+  nb::object lse = return_lse ? new_empty(q, nb::make_tuple(B, Hq, Sq), g_torch->f32) : nb::none();
+  AttnParams p;
+  p.batch = static_cast<int>(B);
+  p.seqlen_q = static_cast<int>(Sq);
+  p.seqlen_k = static_cast<int>(Sk);
+  p.heads_q = static_cast<int>(Hq);
+  p.heads_kv = static_cast<int>(Hkv);
+  p.head_dim = static_cast<int>(D);
+  p.head_dim_v = static_cast<int>(Dv);
+  p.q = vq;
+  p.k = vk;
+  p.v = vv;
+  p.o = contiguous_view4(data_ptr(out), q.dtype, B, Sq, Hq, Dv);
+  p.lse = return_lse ? reinterpret_cast<float*>(data_ptr(lse)) : nullptr;
+  p.softmax_scale = static_cast<float>(scale);
+  p.mask.causal = causal_h.ptr() == Py_True;
+  p.mask.window_left = window_left;
+  p.mask.window_right = window_right;
+  p.mask.softcap = static_cast<float>(softcap);
+  run_released([&] { return flashcpp::attention_forward(p, opt); });
+  if (!return_lse) return out;
+  return nb::make_tuple(out, lse);
+}
+
+/// The checks of the fused ops' fast path on x and the other inputs (`same`: same dtype and
+/// device as x, contiguous) and the run options; false when the call is not one it takes.
+bool fused_inputs(nb::handle xh, nb::handle threads_h, Tensor* x, RunOptions* opt) {
+  int threads = 0;
+  if (g_torch == nullptr || !cpu_threads_of(threads_h, &threads) || !read(xh, x) || x->numel() == 0 ||
+      !x->contiguous())
+    return false;
+  opt->cpu_threads = threads;
+  return place(*x, /*fp32_on_cuda=*/true, opt);  // the fused CUDA kernels take fp32
+}
+
+bool fused_same(const Tensor& x, nb::handle h, Tensor* t) {
+  return read(h, t) && x.same_place(*t) && t->contiguous();
+}
+
+/// rms_norm(x, weight, eps) with a new output (residual None), or fused_add_rms_norm(x, residual,
+/// weight, eps) in place (x receives the normalized rows, residual x + residual): the output /
+/// True, or None.
+nb::object norm_fast(nb::handle xh, nb::handle residual_h, nb::handle weight_h, nb::handle eps_h,
+                     nb::handle threads_h) {
+  Tensor x, w, r;
+  RunOptions opt;
+  double eps = 0;
+  const bool fused = !residual_h.is_none();
+  if (!number(eps_h, &eps) || !fused_inputs(xh, threads_h, &x, &opt) || !fused_same(x, weight_h, &w)) return nb::none();
+  if (fused && (!fused_same(x, residual_h, &r) || x.requires_grad || r.requires_grad)) return nb::none();
+  const std::int64_t hidden = x.shape[x.ndim - 1];
+  if (w.ndim != 1 || w.shape[0] != hidden) return nb::none();
+  if (fused) {
+    if (r.ndim != x.ndim) return nb::none();
+    for (int i = 0; i < x.ndim; ++i)
+      if (r.shape[i] != x.shape[i]) return nb::none();
+  }
+  flashcpp::RmsNormParams p;
+  p.rows = x.numel() / hidden;
+  p.hidden = hidden;
+  p.eps = static_cast<float>(eps);
+  p.weight = reinterpret_cast<const void*>(w.data);
+  const MatrixView xv{reinterpret_cast<void*>(x.data), x.dtype, hidden};
+  if (fused) {
+    const MatrixView rv{reinterpret_cast<void*>(r.data), x.dtype, hidden};
+    p.x = p.y = xv;
+    p.residual = p.residual_out = rv;
+    run_released([&] { return flashcpp::fused_add_rms_norm(p, opt); });
+    return nb::bool_(true);
+  }
+  nb::object shape = nb::steal(PyObject_GetAttr(x.obj, g_torch->s_shape));
+  if (!shape.is_valid()) throw nb::python_error();
+  nb::object out = new_empty(x, shape);
+  p.x = xv;
+  p.y = MatrixView{reinterpret_cast<void*>(data_ptr(out)), x.dtype, hidden};
+  run_released([&] { return flashcpp::rms_norm(p, opt); });
+  return out;
+}
+
+/// silu_and_mul(x) on the fused projection [gate | up]: the new (..., d) output, or None.
+nb::object silu_and_mul_fast(nb::handle xh, nb::handle threads_h) {
+  Tensor x;
+  RunOptions opt;
+  if (!fused_inputs(xh, threads_h, &x, &opt)) return nb::none();
+  const std::int64_t cols = x.shape[x.ndim - 1];
+  if (cols % 2 != 0) return nb::none();
+  const std::int64_t d = cols / 2;
+  nb::list shape;
+  for (int i = 0; i + 1 < x.ndim; ++i) shape.append(x.shape[i]);
+  shape.append(d);
+  nb::object out = new_empty(x, nb::tuple(shape));
+  flashcpp::SiluMulParams p;
+  p.rows = x.numel() / cols;
+  p.d = d;
+  const auto elem = static_cast<std::int64_t>(flashcpp::dtype_size(x.dtype));
+  p.gate = MatrixView{reinterpret_cast<void*>(x.data), x.dtype, cols};
+  p.up = MatrixView{reinterpret_cast<void*>(x.data + static_cast<std::uintptr_t>(d * elem)), x.dtype, cols};
+  p.out = MatrixView{reinterpret_cast<void*>(data_ptr(out)), x.dtype, d};
+  run_released([&] { return flashcpp::silu_and_mul(p, opt); });
+  return out;
+}
+
+PyObject* intern(const char* s) {
+  PyObject* r = PyUnicode_InternFromString(s);
+  if (r == nullptr) throw nb::python_error();
+  return r;
+}
+
+PyObject* owned(nb::handle h) { return h.is_none() ? nullptr : h.inc_ref().ptr(); }
+
+/// Hands the fast paths what they need of torch (flashcpp._core at import). Once per process: a
+/// second call is ignored.
+void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::handle bf16, nb::handle f32,
+                nb::handle current_device, nb::handle raw_stream, long max_cpu_threads) {
+  if (g_torch != nullptr) return;
+  auto* t = new Torch();
+  t->tensor = owned(tensor);
+  t->parameter = owned(parameter);
+  t->f16 = owned(f16);
+  t->bf16 = owned(bf16);
+  t->f32 = owned(f32);
+  t->current_device = owned(current_device);
+  t->raw_stream = owned(raw_stream);
+  t->max_cpu_threads = max_cpu_threads;
+  t->s_dtype = intern("dtype");
+  t->s_shape = intern("shape");
+  t->s_stride = intern("stride");
+  t->s_data_ptr = intern("data_ptr");
+  t->s_requires_grad = intern("requires_grad");
+  t->s_is_cuda = intern("is_cuda");
+  t->s_is_cpu = intern("is_cpu");
+  t->s_get_device = intern("get_device");
+  t->s_new_empty = intern("new_empty");
+  t->kw_dtype = PyTuple_Pack(1, t->s_dtype);
+  if (t->kw_dtype == nullptr) throw nb::python_error();
+  g_torch = t;
+}
+
+}  // namespace
+
+void bind_eager(nb::module_& m) {
+  using namespace nb::literals;
+  m.def("_eager_bind", &eager_bind, "tensor"_a, "parameter"_a, "float16"_a, "bfloat16"_a, "float32"_a,
+        "current_device"_a.none(), "raw_stream"_a.none(), "max_cpu_threads"_a,
+        "Hands the eager fast paths torch's tensor types, dtypes, current-device and raw-stream "
+        "accessors (flashcpp._core, at import).");
+  m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a,
+        "window_left"_a, "window_right"_a, "softcap"_a, "return_lse"_a,
+        "flash_attn_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
+  m.def("norm_fast", &norm_fast, "x"_a, "residual"_a.none(), "weight"_a, "eps"_a, "cpu_threads"_a,
+        "rms_norm (residual None: the new output) or in-place fused_add_rms_norm (True) on the eager fast "
+        "path, or None.");
+  m.def("silu_and_mul_fast", &silu_and_mul_fast, "x"_a, "cpu_threads"_a,
+        "silu_and_mul(x) on the eager fast path: the new output, or None.");
+}
+
+}  // namespace flashcpp_python

@@ -1,0 +1,12 @@
+// The eager fast paths of the Python API, marshalled in C++ (eager_fast.cc).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+namespace flashcpp_python {
+
+/// Adds _eager_bind, attention_fast, rms_norm_fast, fused_add_rms_norm_fast and silu_and_mul_fast
+/// to the module.
+void bind_eager(nanobind::module_& m);
+
+}  // namespace flashcpp_python
