@@ -352,9 +352,10 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
   const std::string& want = opt.cuda_config;
   std::string sm90_note;  // why an automatic choice on Hopper fell back to the sm80 kernel
 #if FLASHCPP_HAS_SM90
-  const cuda::Fa3Entry* named90 = nullptr;
-  for (const auto& e : sm90_entries(p))
-    if (sm90_config_name(e.tile) == want) named90 = &e;
+  const cuda::Fa3Entry* named90 = nullptr;  // an exact sm90 config name (names are built only then)
+  if (want.rfind("sm90_", 0) == 0)
+    for (const auto& e : sm90_entries(p))
+      if (sm90_config_name(e.tile) == want) named90 = &e;
   if ((want == "sm90" || named90 != nullptr) && dev.sm_major != 9)
     return Status::Unsupported("the sm90 kernel family needs a Hopper (sm_90) device; '" + dev.name + "' is not one");
   if (dev.sm_major == 9 && !sm90_entries(p).empty() && (want.empty() || want == "sm90" || named90)) {

@@ -45,12 +45,13 @@ Status prefill_sm90(const AttnParams& a, const TileConfig& tile, Stream stream) 
   const Fa3Entry* entry = nullptr;
   for (const auto& e : fa3_entries(a.head_dim, a.effective_head_dim_v()))
     if (e.tile == tile) entry = &e;
-  const std::string name = select::sm90_config_name(tile);
   if (entry == nullptr)
-    return Status::Invalid("no sm90 prefill config '" + name + "' for head_dim " + std::to_string(a.head_dim));
+    return Status::Invalid("no sm90 prefill config '" + select::sm90_config_name(tile) + "' for head_dim " +
+                           std::to_string(a.head_dim));
   if (a.mask.block_sparse != nullptr &&
       (tile.ping_pong || !select::tiles_fit_block_sparse(*a.mask.block_sparse, tile.block_m, tile.block_n)))
-    return Status::Unsupported("sm90 config " + name + " cannot walk these block-sparse blocks (select_kernel says why)");
+    return Status::Unsupported("sm90 config " + select::sm90_config_name(tile) +
+                               " cannot walk these block-sparse blocks (select_kernel says why)");
   const bool varlen = a.mask.is_varlen();
   Fa3Params p{};
   FLASHCPP_RETURN_IF_ERROR(encode_tma_map(&p.tmap_q, a.q, a.seqlen_q, a.heads_q, a.batch, a.head_dim, tile.block_m, varlen));
