@@ -837,7 +837,7 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     where = _core.fast_device(dev, dt)
     if where is None:
         return None
-    views = [_core.fast_view(t, code) for t in (q, k_cache, v_cache) + news]
+    views = [_C.fast_view(t, code) for t in (q, k_cache, v_cache) + news]
     if any(x is None for x in views):
         return None
     window = (-1, -1) if window_size == (-1, -1) else _core.check_window(window_size)
@@ -868,7 +868,7 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim = B, Sq, Hq, Hkv, D
     p.head_dim_v = Dv
     p.q = views[0]
-    p.o = _core.fast_view(out, code)
+    p.o = _C.fast_view(out, code)
     p.lse = 0 if lse is None else lse.data_ptr()
     cache = p.cache
     cache.k, cache.v = views[1], views[2]

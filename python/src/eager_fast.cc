@@ -419,6 +419,42 @@ nb::object silu_and_mul_fast(nb::handle xh, nb::handle threads_h) {
   return out;
 }
 
+/// _core.fast_view in C++: the TensorView of a plain 4-D tensor with a contiguous last dim (a size-1
+/// dim gets the extent as its stride), with dtype `code` (the caller checked the tensor's dtype), or
+/// None. Reads only the shape, strides and pointer.
+nb::object fast_view(nb::handle h, int code) {
+  if (g_torch == nullptr) return nb::none();
+  const Torch& T = *g_torch;
+  PyObject* o = h.ptr();
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+  if (type != T.tensor && type != T.parameter) return nb::none();
+  DType dt;
+  switch (code) {
+    case static_cast<int>(DType::kF16): dt = DType::kF16; break;
+    case static_cast<int>(DType::kBF16): dt = DType::kBF16; break;
+    case static_cast<int>(DType::kF32): dt = DType::kF32; break;
+    default: return nb::none();
+  }
+  Tensor t;
+  nb::object shape = cleared(PyObject_GetAttr(o, T.s_shape));
+  nb::object stride = cleared(PyObject_CallMethodNoArgs(o, T.s_stride));
+  if (!shape.is_valid() || !stride.is_valid() || !read_ints(shape.ptr(), 4, t.shape) ||
+      !read_ints(stride.ptr(), 4, t.stride) || t.stride[3] != 1)
+    return nb::none();
+  nb::object ptr = cleared(PyObject_CallMethodNoArgs(o, T.s_data_ptr));
+  if (!ptr.is_valid()) return nb::none();
+  const unsigned long long p = PyLong_AsUnsignedLongLong(ptr.ptr());
+  if (p == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return nb::none();
+  }
+  std::int64_t extent = 1;
+  for (int i = 0; i < 4; ++i)
+    if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];
+  auto st = [&](int i) { return t.shape[i] > 1 ? t.stride[i] : extent; };
+  return nb::cast(TensorView{reinterpret_cast<void*>(static_cast<std::uintptr_t>(p)), dt, st(0), st(1), st(2)});
+}
+
 PyObject* intern(const char* s) {
   PyObject* r = PyUnicode_InternFromString(s);
   if (r == nullptr) throw nb::python_error();
@@ -466,6 +502,9 @@ void bind_eager(nb::module_& m) {
   m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a,
         "window_left"_a, "window_right"_a, "softcap"_a, "return_lse"_a,
         "flash_attn_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
+  m.def("fast_view", &fast_view, "t"_a, "dtype"_a,
+        "The TensorView of a plain 4-D torch tensor with a contiguous last dim (a size-1 dim gets the "
+        "extent as its stride), or None.");
   m.def("norm_fast", &norm_fast, "x"_a, "residual"_a.none(), "weight"_a, "eps"_a, "cpu_threads"_a,
         "rms_norm (residual None: the new output) or in-place fused_add_rms_norm (True) on the eager fast "
         "path, or None.");
