@@ -135,7 +135,14 @@ def test_cuda_fast_paths_equal_general_and_capture_in_a_graph():
     general path bit for bit, and launch on torch's current stream (a CUDA graph captures them)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     g = torch.Generator(device=dev).manual_seed(21)
-    for dtype in (torch.bfloat16, torch.float32):
+    x32, w32 = torch.randn((2, 64), device=dev), torch.randn((64,), device=dev)
+    for fn in (lambda **kw: flashcpp.rms_norm(x32, w32, **kw), lambda **kw: flashcpp.silu_and_mul(x32, **kw)):
+        with pytest.raises(NotImplementedError) as fast:  # fp32 on CUDA: the kernels' own sentence, both paths
+            fn()
+        with pytest.raises(NotImplementedError) as general:
+            fn(backend="cuda")
+        assert str(fast.value) == str(general.value) and "fp32" in str(fast.value)
+    for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn((5, 3, 2048), generator=g, device=dev, dtype=dtype)
         r = torch.randn((5, 3, 2048), generator=g, device=dev, dtype=dtype)
         w = torch.randn((2048,), generator=g, device=dev, dtype=dtype)
