@@ -300,7 +300,7 @@ if mkvenv "$v"; then
   if "${venv_env[@]}" "${pipcmd[@]}" install --quiet --no-index --no-deps --ignore-installed "$wheel" \
      && "${venv_env[@]}" "${pipcmd[@]}" install --no-index "$wheel" | grep -E 'numpy|ml.dtypes' \
      && (cd "$work" && "${venv_env[@]}" "$v/bin/python" "$work/check.py" "$trap_dir" "$compilers" "$v" "$torch_gpu" | tee "$work/torch.json"); then
-    tv="ok ($(tail -1 "$work/torch.json" | "$py" -c 'import json, sys; r = json.load(sys.stdin); c = r.get("cases", []); e = [x["max_err"] for x in c if not isinstance(x["max_err"], str)]; print("%d CUDA cases on %s, worst err %.2g" % (len(c), r.get("gpu"), max(e, default=0)) if c else "numpy only (torch: %s, gpu: %s)" % (r["torch"], r.get("gpu")))'))"
+    tv="ok ($(tail -1 "$work/torch.json" | "$py" -c 'import json, sys; r = json.load(sys.stdin); c = r.get("cases", []); e = [x["max_err"] for x in c if isinstance(x["max_err"], (int, float))]; print("%d CUDA cases on %s, worst err %.2g" % (len(c), r.get("gpu"), max(e, default=0)) if c else "numpy only (torch: %s, gpu: %s)" % (r["torch"], r.get("gpu")))'))"
   else
     tv="FAIL"; fail "torch venv"
   fi
