@@ -38,7 +38,6 @@ using flashcpp::Backend;
 using flashcpp::DType;
 using flashcpp::MatrixView;
 using flashcpp::RunOptions;
-using flashcpp::Status;
 using flashcpp::TensorView;
 
 /// What the fast paths need of torch, handed over by _eager_bind. Never destroyed: nothing here
@@ -275,16 +274,6 @@ TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::
   return v;
 }
 
-template <class F>
-void run_released(F&& f) {
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = f();
-  }
-  if (!st.ok()) raise_status(st);
-}
-
 // ---- entries ---------------------------------------------------------------------------------------
 
 /// flash_attn_func's plain call (no gradient, ALiBi, block-sparse mask or rotary: the caller checks
@@ -336,7 +325,7 @@ nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handl
   p.mask.window_left = window_left;
   p.mask.window_right = window_right;
   p.mask.softcap = static_cast<float>(softcap);
-  run_released([&] { return flashcpp::attention_forward(p, opt); });
+  call_released([&] { return flashcpp::attention_forward(p, opt); });
   if (!return_lse) return out;
   return nb::make_tuple(out, lse);
 }
@@ -384,7 +373,7 @@ nb::object norm_fast(nb::handle xh, nb::handle residual_h, nb::handle weight_h, 
     const MatrixView rv{reinterpret_cast<void*>(r.data), x.dtype, hidden};
     p.x = p.y = xv;
     p.residual = p.residual_out = rv;
-    run_released([&] { return flashcpp::fused_add_rms_norm(p, opt); });
+    call_released([&] { return flashcpp::fused_add_rms_norm(p, opt); });
     return nb::bool_(true);
   }
   nb::object shape = nb::steal(PyObject_GetAttr(x.obj, g_torch->s_shape));
@@ -392,7 +381,7 @@ nb::object norm_fast(nb::handle xh, nb::handle residual_h, nb::handle weight_h, 
   nb::object out = new_empty(x, shape);
   p.x = xv;
   p.y = MatrixView{reinterpret_cast<void*>(data_ptr(out)), x.dtype, hidden};
-  run_released([&] { return flashcpp::rms_norm(p, opt); });
+  call_released([&] { return flashcpp::rms_norm(p, opt); });
   return out;
 }
 
@@ -415,7 +404,7 @@ nb::object silu_and_mul_fast(nb::handle xh, nb::handle threads_h) {
   p.gate = MatrixView{reinterpret_cast<void*>(x.data), x.dtype, cols};
   p.up = MatrixView{reinterpret_cast<void*>(x.data + static_cast<std::uintptr_t>(d * elem)), x.dtype, cols};
   p.out = MatrixView{reinterpret_cast<void*>(data_ptr(out)), x.dtype, d};
-  run_released([&] { return flashcpp::silu_and_mul(p, opt); });
+  call_released([&] { return flashcpp::silu_and_mul(p, opt); });
   return out;
 }
 

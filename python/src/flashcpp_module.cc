@@ -53,24 +53,14 @@ using flashcpp::Status;
 using flashcpp::StatusCode;
 using flashcpp::TensorView;
 
-using flashcpp_python::raise_status;  // py_status.h
+using flashcpp_python::call_released;  // py_status.h
+using flashcpp_python::raise_status;
 
 [[noreturn]] void raise_value_error(const std::string& msg) {
   PyErr_SetString(PyExc_ValueError, msg.c_str());
   throw nb::python_error();
 }
 
-/// Runs a C++ entry point without the GIL (the CPU backends compute for a while, a CUDA launch
-/// may wait on the driver; neither touches Python objects) and raises its Status.
-template <class F>
-void call_released(F&& f) {
-  Status st;
-  {
-    nb::gil_scoped_release release;
-    st = f();
-  }
-  if (!st.ok()) raise_status(st);
-}
 
 DType to_dtype(int code) {
   switch (code) {

@@ -25,4 +25,16 @@ namespace flashcpp_python {
   throw nanobind::python_error();
 }
 
+/// Runs a C++ entry point without the GIL (the CPU backends compute for a while, a CUDA launch
+/// may wait on the driver; neither touches Python objects) and raises its Status.
+template <class F>
+void call_released(F&& f) {
+  flashcpp::Status st;
+  {
+    nanobind::gil_scoped_release release;
+    st = f();
+  }
+  if (!st.ok()) raise_status(st);
+}
+
 }  // namespace flashcpp_python
