@@ -129,7 +129,8 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 
 # The eager fast path of flash_attn_func: a plain call (no gradient, alibi, block-sparse mask or
 # rotary, not traced) on torch tensors of one dtype on the host or the current CUDA device, each
-# with a contiguous last dim and no size-1 dim of arbitrary stride, is read, checked and launched
+# with a contiguous last dim (a size-1 dim's arbitrary stride normalized as _core._view does it:
+# batch-1 K/V views of (B, H, S, D) caches take this path too), is read, checked and launched
 # by one C++ call (_C.attention_fast, python/src/eager_fast.cc), which fills AttnParams directly
 # from shapes, strides and pointers. The C++ validator checks those params as it checks every
 # call; a call the fast path does not take (numpy, empty, mismatched, float64, other devices,

@@ -86,11 +86,6 @@ struct Tensor {
     }
     return true;
   }
-  bool has_size_one() const {
-    for (int i = 0; i < ndim; ++i)
-      if (shape[i] == 1) return true;
-    return false;
-  }
   bool same_place(const Tensor& o) const { return o.dtype == dtype && o.device == device; }
 };
 
@@ -244,11 +239,11 @@ std::uintptr_t data_ptr(nb::handle t) {
   return static_cast<std::uintptr_t>(PyLong_AsUnsignedLongLong(p.ptr()));
 }
 
-/// The TensorView of a 4-D tensor with a contiguous last dim (a size-1 dim gets the extent as its
-/// stride, as _core.tensor_view makes it); false for anything else, and for a tensor with a size-1
-/// dim that is not contiguous (the general path's sentences about strides).
+/// The TensorView of a 4-D tensor with a contiguous last dim; a size-1 dim gets the tensor's extent
+/// as its stride (torch leaves that stride arbitrary), exactly as the general path's
+/// _core.tensor_view makes it. False for anything else.
 bool view4(const Tensor& t, TensorView* v) {
-  if (t.ndim != 4 || t.stride[3] != 1 || (t.has_size_one() && !t.contiguous())) return false;
+  if (t.ndim != 4 || t.stride[3] != 1) return false;
   std::int64_t extent = 1;
   for (int i = 0; i < 4; ++i)
     if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];

@@ -59,10 +59,18 @@ def test_strided_layouts_through_the_fast_path():
     assert attn_mod._fast_flash_attn(q, k, v, *plain) is not None
     out = flashcpp.flash_attn_func(q, k, v, causal=True)
     assert torch.equal(out, flashcpp.flash_attn_func(q.contiguous(), k.contiguous(), v.contiguous(), causal=True))
-    # a size-1 dim with an arbitrary stride is left to the general path (which normalizes it)
+    # batch 1 of a (B, H, N, D) layout: a size-1 dim, not contiguous. Its stride is normalized
+    # as the general path normalizes it (also when torch gives the size-1 dim a stride of 0 or a
+    # huge one), so both give the same result bit for bit.
     q1 = _rand((1, 4, 9, 64), torch.float32, 7).transpose(1, 2)
-    assert not q1.is_contiguous() and attn_mod._fast_flash_attn(q1, k[:1], v[:1], *plain) is None
-    assert torch.equal(flashcpp.flash_attn_func(q1, k[:1], v[:1]), flashcpp.attention(q1, k[:1], v[:1])[0])
+    k1, v1 = k[:1], v[:1]
+    assert not q1.is_contiguous() and not k1.is_contiguous()
+    want = flashcpp.attention(q1, k1, v1, causal=True)[0]
+    assert torch.equal(attn_mod._fast_flash_attn(q1, k1, v1, *plain), want)
+    for s0 in (0, 1, 10**9):
+        q0 = torch.as_strided(q1, q1.shape, (s0,) + q1.stride()[1:])
+        assert torch.equal(attn_mod._fast_flash_attn(q0, k1, v1, *plain), want)
+        assert torch.equal(flashcpp.attention(q0, k1, v1, causal=True)[0], want)
 
 
 def test_nan_propagates():
