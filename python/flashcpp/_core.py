@@ -218,7 +218,7 @@ MAX_CPU_THREADS = 1024  # the CLI's --threads limit (tools/cli_checks.h kMaxThre
 
 if torch is not None:  # what the C++ fast paths read tensors with (python/src/eager_fast.cc)
     _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32,
-                   getattr(torch._C, "_cuda_getDevice", None), _raw_stream, MAX_CPU_THREADS)
+                   getattr(torch._C, "_cuda_getDevice", None), _raw_stream, torch.empty_like, MAX_CPU_THREADS)
 
 
 def check_int(value: Any, name: str, lo: int, hi: int = _INT32_MAX, what: str = "") -> int:

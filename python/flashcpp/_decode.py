@@ -840,30 +840,38 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     views = [_C.fast_view(t, code) for t in (q, k_cache, v_cache) + news]
     if any(x is None for x in views):
         return None
-    window = (-1, -1) if window_size == (-1, -1) else _core.check_window(window_size)
-    cfg = dict(seqlen_q=Sq, kv_capacity=slots, page_size=ps, append=bool(news), causal=bool(causal),
-               window_size=window, softcap=float(softcap), sm_scale=softmax_scale, rotary=None, rope_theta=10000.0,
-               dtype=_core._TORCH_DTYPE_NAMES[dt], device=dev if dev.type == "cuda" else "cpu", num_splits=num_splits,
-               head_dim_v=Dv, kv_dtype=None)
+    window = (-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1) else _core.check_window(window_size)
     shape = (B, Hq, Hkv, D)
+
+    def config() -> dict:  # the plan's arguments: built only when a plan is made
+        return dict(seqlen_q=Sq, kv_capacity=slots, page_size=ps, append=bool(news), causal=bool(causal),
+                    window_size=window, softcap=float(softcap), sm_scale=softmax_scale, rotary=None,
+                    rope_theta=10000.0, dtype=_core._TORCH_DTYPE_NAMES[dt],
+                    device=dev if dev.type == "cuda" else "cpu", num_splits=num_splits, head_dim_v=Dv,
+                    kv_dtype=None)
+
     if dev.type == "cuda":
         key = ("fast", dev.index, shape, Sq, Dv, slots, ps, bool(news), bool(causal), window, float(softcap),
                softmax_scale, dt, num_splits)
-        if key not in _PLAN_CACHE and _capturing(dev):
-            return None  # the general path says why a first call cannot be captured
+        w = _PLAN_CACHE.get(key)
+        if w is not None:
+            _PLAN_CACHE.move_to_end(key)
+        else:
+            if _capturing(dev):
+                return None  # the general path says why a first call cannot be captured
 
-        def make() -> BatchDecodeWithKVCache:
-            w = BatchDecodeWithKVCache()
-            w.plan(*shape, **cfg)  # waits for the work-list upload: later calls may use any stream
-            return w
+            def make() -> BatchDecodeWithKVCache:
+                w = BatchDecodeWithKVCache()
+                w.plan(*shape, **config())  # waits for the work-list upload: later calls may use any stream
+                return w
 
-        w = _cached_plan(key, make)
+            w = _cached_plan(key, make)
     else:
         w = BatchDecodeWithKVCache()
-        w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **cfg)
+        w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **config())
     c = w._cfg
-    out = torch.empty((B, Sq, Hq, Dv), dtype=dt, device=dev)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=dev) if return_lse else None
+    out = q.new_empty((B, Sq, Hq, Dv))
+    lse = q.new_empty((B, Hq, Sq), dtype=torch.float32) if return_lse else None
     p = _C.DecodeParams()
     p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim = B, Sq, Hq, Hkv, D
     p.head_dim_v = Dv
