@@ -304,3 +304,27 @@ def test_refusals(name):
     custom = torch.ones(2, 1, 12, 12, dtype=torch.bool).tril()
     with pytest.raises(NotImplementedError, match="2-D"):
         model(input_ids=ids, attention_mask=custom)
+
+
+def test_packed_positions_are_computed_once_per_tensor():
+    """Every layer of a forward pass gets the same position_ids tensor: the packed-sequence answer
+    (a few launches and a device-to-host sync) is computed for the first layer and reused, but a
+    new tensor, an in-place change, another batch and inference tensors are computed afresh."""
+    f = fcpp_hf._packed_from_positions
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
+    first = f(pos, 1, 9)
+    cu, longest = first
+    assert cu.tolist() == [0, 3, 5, 9] and longest == 4
+    assert f(pos, 1, 9) is first  # the memo
+    assert f(pos.clone(), 1, 9) is not first and f(pos.clone(), 1, 9)[0].tolist() == [0, 3, 5, 9]
+    two = f(pos, 2, 9)  # expanded over a batch of 2: another answer
+    assert two[0].tolist() == [0, 3, 5, 9, 12, 14, 18] and two[1] == 4
+    pos[0, 3] = 3  # in place: the version counter moves
+    assert f(pos, 1, 9)[0].tolist() == [0, 4, 5, 9]  # positions 0 1 2 3 1 0 1 2 3
+    pos[0] = torch.arange(9)
+    assert f(pos, 1, 9) is None
+    with torch.inference_mode():
+        pi = torch.tensor([[0, 1, 0, 1]])
+        assert f(pi, 1, 4)[0].tolist() == [0, 2, 4]
+        pi[0, 2:] = torch.tensor([2, 3])  # no version counter on inference tensors: never memoized
+        assert f(pi, 1, 4) is None

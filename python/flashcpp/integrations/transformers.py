@@ -56,6 +56,7 @@ are cast to the autocast dtype under ``torch.autocast``; without it the CUDA ker
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any, Optional, Tuple
 
 import torch
@@ -163,12 +164,33 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return cu
 
 
+# The answer of _packed_from_positions for the last position_ids it saw: a forward pass hands the
+# same tensor to every layer, and the answer costs a few launches and a device-to-host sync (the
+# host waits for the GPU), so only the first layer pays for it. Keyed by the tensor itself (a weak
+# reference: a new tensor at a reused address does not match), its in-place version counter and
+# the batch; not used while torch.compile traces, nor for inference tensors (they keep no version
+# counter).
+_PACKED_MEMO: list = [None]
+
+
 def _packed_from_positions(position_ids: Optional[torch.Tensor], batch: int, length: int):
     """cu_seqlens and the longest run when position_ids restart inside a row (sequences packed
     without a mask), else None. A token starts a sequence when its position is not the previous
     one plus 1 (transformers' find_packed_sequence_indices), and every row starts one."""
     if position_ids is None or length <= 1 or position_ids.dim() != 2 or position_ids.shape[-1] != length:
         return None
+    if torch.compiler.is_compiling() or position_ids.is_inference():
+        return _packed_runs(position_ids, batch, length)
+    memo = _PACKED_MEMO[0]
+    version = position_ids._version
+    if memo is not None and memo[0]() is position_ids and memo[1] == version and memo[2] == batch:
+        return memo[3]
+    result = _packed_runs(position_ids, batch, length)
+    _PACKED_MEMO[0] = (weakref.ref(position_ids), version, batch, result)
+    return result
+
+
+def _packed_runs(position_ids: torch.Tensor, batch: int, length: int):
     pos = position_ids.expand(batch, -1) if position_ids.shape[0] == 1 else position_ids
     if pos.shape[0] != batch:
         return None
