@@ -59,8 +59,8 @@ def main() -> int:
         p = _C.AttnParams()
         p.batch, p.seqlen_q, p.seqlen_k = 1, 128, 128
         p.heads_q, p.heads_kv, p.head_dim, p.head_dim_v = 8, 8, 128, 128
-        p.q, p.k, p.v = _core.fast_view(q, code), _core.fast_view(k, code), _core.fast_view(v, code)
-        p.o = _core.fast_view(out, code)
+        p.q, p.k, p.v = _C.fast_view(q, code), _C.fast_view(k, code), _C.fast_view(v, code)
+        p.o = _C.fast_view(out, code)
         p.lse = 0
         p.softmax_scale = 128 ** -0.5
         m = p.mask
@@ -82,7 +82,7 @@ def main() -> int:
         ("torch: torch.compiler.is_compiling()", lambda: torch.compiler.is_compiling()),
         ("torch: torch.cuda.current_device()", lambda: torch.cuda.current_device()),
         ("torch: torch._C._cuda_getCurrentRawStream(0)", lambda: torch._C._cuda_getCurrentRawStream(0)),
-        ("flashcpp: _core.fast_view(q)", lambda: _core.fast_view(q, code)),
+        ("flashcpp: _C.fast_view(q)", lambda: _C.fast_view(q, code)),
         ("flashcpp: AttnParams filled in Python", params),
         ("flashcpp: _C.select_kernel(p)", lambda: _C.select_kernel(p, opt)),
         ("flashcpp: _C.attention_forward(p)", lambda: _C.attention_forward(p, opt)),

@@ -62,13 +62,6 @@ def fast_device(device: Any, dtype: Any, fp32_on_cuda: bool = False) -> Optional
     return "cuda", _raw_stream(device.index)
 
 
-def fast_view(t: Any, code: int) -> Any:
-    """The TensorView of a 4-D tensor with a contiguous last dim, as tensor_view makes it (a size-1
-    dim gets the extent as its stride: _view), without a Meta; None for anything else (read in C++:
-    _C.fast_view, python/src/eager_fast.cc)."""
-    return _C.fast_view(t, code)
-
-
 def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
@@ -255,7 +248,7 @@ def check_window(window_size: Any) -> Tuple[int, int]:
 # scale like any other (every score 0: uniform weights over the visible keys). It goes to C++ as
 # 2**-100: scores below 1e-26 for any |q.k| < 1e4, so exp() rounds each to 1 exactly (fp32 and
 # fp64), and 1/scale stays finite for the CUDA kernels' softcap and ALiBi (kept in q.k units).
-ZERO_SCALE = 2.0 ** -100
+ZERO_SCALE = _C.ZERO_SCALE  # 2**-100, one value with the eager fast path's (python/src/eager_fast.cc)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 

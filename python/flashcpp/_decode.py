@@ -853,19 +853,15 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     if dev.type == "cuda":
         key = ("fast", dev.index, shape, Sq, Dv, slots, ps, bool(news), bool(causal), window, float(softcap),
                softmax_scale, dt, num_splits)
-        w = _PLAN_CACHE.get(key)
-        if w is not None:
-            _PLAN_CACHE.move_to_end(key)
-        else:
-            if _capturing(dev):
-                return None  # the general path says why a first call cannot be captured
+        if key not in _PLAN_CACHE and _capturing(dev):
+            return None  # the general path says why a first call cannot be captured
 
-            def make() -> BatchDecodeWithKVCache:
-                w = BatchDecodeWithKVCache()
-                w.plan(*shape, **config())  # waits for the work-list upload: later calls may use any stream
-                return w
+        def make() -> BatchDecodeWithKVCache:
+            w = BatchDecodeWithKVCache()
+            w.plan(*shape, **config())  # waits for the work-list upload: later calls may use any stream
+            return w
 
-            w = _cached_plan(key, make)
+        w = _cached_plan(key, make)
     else:
         w = BatchDecodeWithKVCache()
         w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **config())

@@ -59,6 +59,8 @@ struct Torch {
 Torch* g_torch = nullptr;
 
 constexpr int kMaxDims = 8;
+/// What a softmax_scale of 0 runs with (_core.ZERO_SCALE, which is this value: its comment says why).
+constexpr double kZeroScale = 0x1p-100;
 
 /// A torch tensor's metadata, read through its Python attributes.
 struct Tensor {
@@ -109,13 +111,43 @@ bool read_ints(PyObject* tuple, Py_ssize_t n, std::int64_t* out) {
   return true;
 }
 
-/// Reads a plain tensor (exactly torch.Tensor or torch.nn.Parameter) of fp16, bf16 or fp32 on the
-/// host or a CUDA device; false for anything else.
+/// The address a call returned (a Python int; null: the call failed), with no Python error left
+/// pending; false when there is none.
+bool address_of(const nb::object& r, std::uintptr_t* out) {
+  if (!r.is_valid()) return false;
+  const unsigned long long v = PyLong_AsUnsignedLongLong(r.ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = static_cast<std::uintptr_t>(v);
+  return true;
+}
+
+/// Exactly torch.Tensor or torch.nn.Parameter (not a subclass such as FakeTensor).
+bool plain_tensor(PyObject* o) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+  return type == g_torch->tensor || type == g_torch->parameter;
+}
+
+/// A tensor's shape, strides (1 to kMaxDims dims) and data pointer.
+bool read_layout(PyObject* o, Tensor* t) {
+  const Torch& T = *g_torch;
+  nb::object shape = cleared(PyObject_GetAttr(o, T.s_shape));
+  if (!shape.is_valid() || !PyTuple_Check(shape.ptr())) return false;
+  const Py_ssize_t nd = PyTuple_GET_SIZE(shape.ptr());
+  if (nd < 1 || nd > kMaxDims) return false;
+  t->ndim = static_cast<int>(nd);
+  nb::object stride = cleared(PyObject_CallMethodNoArgs(o, T.s_stride));  // raises for sparse layouts
+  return stride.is_valid() && read_ints(shape.ptr(), nd, t->shape) && read_ints(stride.ptr(), nd, t->stride) &&
+         address_of(cleared(PyObject_CallMethodNoArgs(o, T.s_data_ptr)), &t->data);
+}
+
+/// Reads a plain tensor of fp16, bf16 or fp32 on the host or a CUDA device; false for anything else.
 bool read(nb::handle h, Tensor* t) {
   const Torch& T = *g_torch;
   PyObject* o = h.ptr();
-  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
-  if (type != T.tensor && type != T.parameter) return false;
+  if (!plain_tensor(o)) return false;
   t->obj = o;
   nb::object dt = cleared(PyObject_GetAttr(o, T.s_dtype));
   if (!dt.is_valid()) return false;
@@ -123,17 +155,6 @@ bool read(nb::handle h, Tensor* t) {
   else if (dt.ptr() == T.f16) t->dtype = DType::kF16;
   else if (dt.ptr() == T.f32) t->dtype = DType::kF32;
   else return false;
-  nb::object shape = cleared(PyObject_GetAttr(o, T.s_shape));
-  if (!shape.is_valid() || !PyTuple_Check(shape.ptr())) return false;
-  const Py_ssize_t nd = PyTuple_GET_SIZE(shape.ptr());
-  if (nd < 1 || nd > kMaxDims) return false;
-  t->ndim = static_cast<int>(nd);
-  nb::object stride = cleared(PyObject_CallMethodNoArgs(o, T.s_stride));  // raises for sparse layouts
-  if (!stride.is_valid() || !read_ints(shape.ptr(), nd, t->shape) || !read_ints(stride.ptr(), nd, t->stride))
-    return false;
-  nb::object grad = cleared(PyObject_GetAttr(o, T.s_requires_grad));
-  if (!grad.is_valid()) return false;
-  t->requires_grad = grad.ptr() == Py_True;
   nb::object cuda = cleared(PyObject_GetAttr(o, T.s_is_cuda));
   if (!cuda.is_valid()) return false;
   if (cuda.ptr() == Py_True) {
@@ -150,15 +171,10 @@ bool read(nb::handle h, Tensor* t) {
     if (!cpu.is_valid() || cpu.ptr() != Py_True) return false;
     t->device = -1;
   }
-  nb::object ptr = cleared(PyObject_CallMethodNoArgs(o, T.s_data_ptr));
-  if (!ptr.is_valid()) return false;
-  const unsigned long long p = PyLong_AsUnsignedLongLong(ptr.ptr());
-  if (p == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
-  t->data = static_cast<std::uintptr_t>(p);
-  return true;
+  nb::object grad = cleared(PyObject_GetAttr(o, T.s_requires_grad));
+  if (!grad.is_valid()) return false;
+  t->requires_grad = grad.ptr() == Py_True;
+  return read_layout(o, t);
 }
 
 /// The backend and stream of a call on t's device: the host, or the current CUDA device with
@@ -178,15 +194,10 @@ bool place(const Tensor& t, bool fp32_on_cuda, RunOptions* opt) {
     PyErr_Clear();
     return false;
   }
-  nb::object s = cleared(PyObject_CallOneArg(T.raw_stream, cur.ptr()));
-  if (!s.is_valid()) return false;
-  const unsigned long long v = PyLong_AsUnsignedLongLong(s.ptr());
-  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    return false;
-  }
+  std::uintptr_t stream = 0;
+  if (!address_of(cleared(PyObject_CallOneArg(T.raw_stream, cur.ptr())), &stream)) return false;
   opt->backend = Backend::kCuda;
-  opt->stream = reinterpret_cast<flashcpp::Stream>(static_cast<std::uintptr_t>(v));
+  opt->stream = reinterpret_cast<flashcpp::Stream>(stream);
   return true;
 }
 
@@ -243,10 +254,13 @@ nb::object new_empty(const Tensor& like, nb::handle shape, PyObject* dtype = nul
   return nb::steal(r);
 }
 
+/// The data pointer of an output this file allocated; raises on failure.
 std::uintptr_t data_ptr(nb::handle t) {
   nb::object p = nb::steal(PyObject_CallMethodNoArgs(t.ptr(), g_torch->s_data_ptr));
   if (!p.is_valid()) throw nb::python_error();
-  return static_cast<std::uintptr_t>(PyLong_AsUnsignedLongLong(p.ptr()));
+  std::uintptr_t a = 0;
+  if (!address_of(p, &a)) throw nb::type_error("data_ptr() did not return an address");
+  return a;
 }
 
 /// The TensorView of a 4-D tensor with a contiguous last dim; a size-1 dim gets the tensor's extent
@@ -304,7 +318,7 @@ nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handl
     scale = 1.0 / std::sqrt(static_cast<double>(D));
   } else {
     if (!number(scale_h, &scale) || !std::isfinite(scale) || std::fabs(scale) > FLT_MAX) return nb::none();
-    if (scale == 0.0) scale = std::ldexp(1.0, -100);  // _core.ZERO_SCALE: 0 would mean the default in C++
+    if (scale == 0.0) scale = kZeroScale;  // 0 would mean the default in C++
   }
   RunOptions opt;
   TensorView vq, vk, vv;
@@ -415,36 +429,17 @@ nb::object silu_and_mul_fast(nb::handle xh, nb::handle threads_h) {
 /// dim gets the extent as its stride), with dtype `code` (the caller checked the tensor's dtype), or
 /// None. Reads only the shape, strides and pointer.
 nb::object fast_view(nb::handle h, int code) {
-  if (g_torch == nullptr) return nb::none();
-  const Torch& T = *g_torch;
-  PyObject* o = h.ptr();
-  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
-  if (type != T.tensor && type != T.parameter) return nb::none();
-  DType dt;
+  if (g_torch == nullptr || !plain_tensor(h.ptr())) return nb::none();
+  Tensor t;
   switch (code) {
-    case static_cast<int>(DType::kF16): dt = DType::kF16; break;
-    case static_cast<int>(DType::kBF16): dt = DType::kBF16; break;
-    case static_cast<int>(DType::kF32): dt = DType::kF32; break;
+    case static_cast<int>(DType::kF16): t.dtype = DType::kF16; break;
+    case static_cast<int>(DType::kBF16): t.dtype = DType::kBF16; break;
+    case static_cast<int>(DType::kF32): t.dtype = DType::kF32; break;
     default: return nb::none();
   }
-  Tensor t;
-  nb::object shape = cleared(PyObject_GetAttr(o, T.s_shape));
-  nb::object stride = cleared(PyObject_CallMethodNoArgs(o, T.s_stride));
-  if (!shape.is_valid() || !stride.is_valid() || !read_ints(shape.ptr(), 4, t.shape) ||
-      !read_ints(stride.ptr(), 4, t.stride) || t.stride[3] != 1)
-    return nb::none();
-  nb::object ptr = cleared(PyObject_CallMethodNoArgs(o, T.s_data_ptr));
-  if (!ptr.is_valid()) return nb::none();
-  const unsigned long long p = PyLong_AsUnsignedLongLong(ptr.ptr());
-  if (p == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    return nb::none();
-  }
-  std::int64_t extent = 1;
-  for (int i = 0; i < 4; ++i)
-    if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];
-  auto st = [&](int i) { return t.shape[i] > 1 ? t.stride[i] : extent; };
-  return nb::cast(TensorView{reinterpret_cast<void*>(static_cast<std::uintptr_t>(p)), dt, st(0), st(1), st(2)});
+  TensorView v;
+  if (!read_layout(h.ptr(), &t) || !view4(t, &v)) return nb::none();
+  return nb::cast(v);
 }
 
 PyObject* intern(const char* s) {
@@ -488,6 +483,7 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
 
 void bind_eager(nb::module_& m) {
   using namespace nb::literals;
+  m.attr("ZERO_SCALE") = kZeroScale;
   m.def("_eager_bind", &eager_bind, "tensor"_a, "parameter"_a, "float16"_a, "bfloat16"_a, "float32"_a,
         "current_device"_a.none(), "raw_stream"_a.none(), "empty_like"_a, "max_cpu_threads"_a,
         "Hands the eager fast paths torch's tensor types, dtypes, current-device and raw-stream "
