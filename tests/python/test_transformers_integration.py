@@ -328,3 +328,34 @@ def test_packed_positions_are_computed_once_per_tensor():
         assert f(pi, 1, 4)[0].tolist() == [0, 2, 4]
         pi[0, 2:] = torch.tensor([2, 3])  # no version counter on inference tensors: never memoized
         assert f(pi, 1, 4) is None
+
+
+def test_padding_layout_is_computed_once_per_mask():
+    """Every layer gets the same padding mask: where its real tokens are (gather indices and
+    cu_seqlens, found without a sync) is computed for the first layer and reused, but a new mask,
+    an in-place change and another query count are computed afresh, and a non-bool mask means
+    what its bool conversion means. Fillers repeat the last slot; their outputs go to a spare row."""
+    f = fcpp_hf._padding
+    mask = torch.tensor([[True, True, True, True], [False, False, True, True]])
+    first = f(mask, 1)
+    assert first.q_rows.tolist() == [0, 1] and first.q_pos.tolist() == [0, 0] and first.q_dest.tolist() == [0, 1]
+    assert first.k_rows.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert first.k_pos.tolist() == [0, 1, 2, 3, 2, 3, 3, 3]  # two fillers: the last slot
+    assert first.cu_q.tolist() == [0, 1, 2] and first.cu_k.tolist() == [0, 4, 6]
+    assert (first.max_q, first.max_k) == (1, 4)  # the padded lengths bound every sequence
+    assert f(mask, 1) is first  # the memo
+    assert f(mask.clone(), 1) is not first
+    two = f(mask, 2)  # the last two positions are the queries
+    assert two.q_pos.tolist() == [0, 1, 0, 1] and two.cu_q.tolist() == [0, 2, 4] and two.max_q == 2
+    mask[0, 0] = False  # in place: the version counter moves
+    again = f(mask, 1)
+    assert again.cu_k.tolist() == [0, 3, 5] and again.k_pos.tolist()[:5] == [1, 2, 3, 2, 3]
+    longs = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    got = f(longs, 3)
+    assert got.cu_q.tolist() == [0, 2, 5] and got.q_dest.tolist() == [1, 2, 3, 4, 5, 6]  # 6: the spare row
+    assert got.q_rows.tolist() == [0, 0, 1, 1, 1, 1] and got.q_pos.tolist() == [1, 2, 0, 1, 2, 2]
+    with torch.inference_mode():
+        mi = torch.tensor([[True, False, True]])
+        assert f(mi, 1).cu_k.tolist() == [0, 2]
+        mi[0, 1] = True  # no version counter on inference tensors: never memoized
+        assert f(mi, 1).cu_k.tolist() == [0, 3]

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -164,13 +164,30 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return cu
 
 
-# The answer of _packed_from_positions for the last position_ids it saw: a forward pass hands the
-# same tensor to every layer, and the answer costs a few launches and a device-to-host sync (the
-# host waits for the GPU), so only the first layer pays for it. Keyed by the tensor itself (a weak
-# reference: a new tensor at a reused address does not match), its in-place version counter and
-# the batch; not used while torch.compile traces, nor for inference tensors (they keep no version
-# counter).
-_PACKED_MEMO: list = [None]
+class _TensorMemo:
+    """The last answer computed from one tensor. A forward pass hands the same position_ids and
+    the same padding mask to every layer, and each answer costs a few launches and a device-to-host
+    sync (the host waits for the GPU), so only the first layer pays for it. Keyed by the tensor
+    itself (a weak reference: a new tensor at a reused address does not match), its in-place
+    version counter and the caller's key; not used while torch.compile traces, nor for inference
+    tensors (they keep no version counter)."""
+
+    def __init__(self) -> None:
+        self._entry: Any = None
+
+    def get(self, t: torch.Tensor, key: Any, compute: Any) -> Any:
+        if torch.compiler.is_compiling() or t.is_inference():
+            return compute()
+        entry, version = self._entry, t._version
+        if entry is not None and entry[0]() is t and entry[1] == version and entry[2] == key:
+            return entry[3]
+        result = compute()
+        self._entry = (weakref.ref(t), version, key, result)
+        return result
+
+
+_PACKED_MEMO = _TensorMemo()
+_PADDING_MEMO = _TensorMemo()
 
 
 def _packed_from_positions(position_ids: Optional[torch.Tensor], batch: int, length: int):
@@ -179,15 +196,52 @@ def _packed_from_positions(position_ids: Optional[torch.Tensor], batch: int, len
     one plus 1 (transformers' find_packed_sequence_indices), and every row starts one."""
     if position_ids is None or length <= 1 or position_ids.dim() != 2 or position_ids.shape[-1] != length:
         return None
-    if torch.compiler.is_compiling() or position_ids.is_inference():
-        return _packed_runs(position_ids, batch, length)
-    memo = _PACKED_MEMO[0]
-    version = position_ids._version
-    if memo is not None and memo[0]() is position_ids and memo[1] == version and memo[2] == batch:
-        return memo[3]
-    result = _packed_runs(position_ids, batch, length)
-    _PACKED_MEMO[0] = (weakref.ref(position_ids), version, batch, result)
-    return result
+    return _PACKED_MEMO.get(position_ids, batch, lambda: _packed_runs(position_ids, batch, length))
+
+
+class _Padding(NamedTuple):
+    """Where the real tokens of a padded batch are, found without a device-to-host sync.
+
+    ``q_rows``/``q_pos`` and ``k_rows``/``k_pos`` index the (batch, position) of every query and
+    key slot in row-major order, real tokens first (so gathering by them packs the sequences back
+    to back), then one filler per padding slot that repeats the last slot (varlen reads no row past
+    cu_seqlens[-1]). ``q_dest`` is where each packed output row goes in the flattened
+    (batch * len_q) output, the fillers to one extra row that is dropped. The maxima are the padded
+    lengths, which bound every sequence: finding the true ones would wait for the device."""
+    q_rows: torch.Tensor
+    q_pos: torch.Tensor
+    q_dest: torch.Tensor
+    k_rows: torch.Tensor
+    k_pos: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def _real_slots(mask: torch.Tensor) -> torch.Tensor:
+    """The flat indices of the True entries of a 2-D bool mask, ascending, then mask.numel() for
+    every False one: a static size, so no sync (torch.nonzero would wait for the device to learn
+    its length)."""
+    n = mask.numel()
+    return torch.nonzero_static(mask.reshape(-1), size=n, fill_value=n).reshape(-1)
+
+
+def _padding(attention_mask: torch.Tensor, len_q: int) -> _Padding:
+    """The packing of a (batch, len_k) key mask (True or nonzero for real tokens) whose last len_q
+    positions are the queries; computed once per mask tensor (every layer gets the same one)."""
+    def compute() -> _Padding:
+        mask_k = attention_mask.to(torch.bool)
+        len_k = mask_k.shape[-1]
+        mask_q = mask_k[:, len_k - len_q:]
+        dest_q, slots_k = _real_slots(mask_q), _real_slots(mask_k)
+        src_q = dest_q.clamp(max=mask_q.numel() - 1)
+        slots_k = slots_k.clamp(max=mask_k.numel() - 1)
+        per_q, per_k = max(len_q, 1), max(len_k, 1)
+        return _Padding(src_q // per_q, src_q % per_q, dest_q, slots_k // per_k, slots_k % per_k,
+                        _cu_seqlens(mask_q.sum(-1, dtype=torch.int32)), _cu_seqlens(mask_k.sum(-1, dtype=torch.int32)),
+                        len_q, len_k)
+    return _PADDING_MEMO.get(attention_mask, len_q, compute)
 
 
 def _packed_runs(position_ids: torch.Tensor, batch: int, length: int):
@@ -259,20 +313,20 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                 f"flashcpp's attention takes a 2-D padding mask (batch, seqlen_k) or None; got {shape}. "
                 f"Build the model with the name register() returned so that transformers asks flashcpp's "
                 f"mask entry for its masks, or use attn_implementation='sdpa' for custom masks")
-        mask_k = attention_mask.to(torch.bool)
-        len_k = mask_k.shape[-1]
-        if k.shape[1] < len_k or mask_k.shape[-1] < len_q:
+        len_k = attention_mask.shape[-1]
+        if k.shape[1] < len_k or len_k < len_q:
             raise ValueError(f"attention_mask covers {len_k} keys but the layer has {k.shape[1]} keys and "
                              f"{len_q} queries")
-        k, v = k[:, :len_k], v[:, :len_k]
-        mask_q = mask_k[:, len_k - len_q:]  # queries are the last len_q positions (left padding)
-        lens_k = mask_k.sum(-1, dtype=torch.int32)
-        lens_q = mask_q.sum(-1, dtype=torch.int32)
+        # Queries are the last len_q positions (left padding). The real tokens are gathered by
+        # index, not by the bool mask: a bool index finds its True entries on every call, a sync.
+        # Packed rows past the real ones (the fillers) go to a dropped row of the output.
+        pad = _padding(attention_mask, len_q)
         out_packed = flash_attn_varlen_func(
-            q[mask_q], k[mask_k], v[mask_k], _cu_seqlens(lens_q), _cu_seqlens(lens_k),
-            int(lens_q.max().item()), int(lens_k.max().item()), **opts)
-        out = out_packed.new_zeros((batch, len_q) + tuple(out_packed.shape[1:]))
-        return out.index_put((mask_q,), out_packed), None
+            q[pad.q_rows, pad.q_pos], k[pad.k_rows, pad.k_pos], v[pad.k_rows, pad.k_pos], pad.cu_q, pad.cu_k,
+            pad.max_q, pad.max_k, **opts)
+        rows = batch * len_q
+        out = out_packed.new_zeros((rows + 1,) + tuple(out_packed.shape[1:])).index_put((pad.q_dest,), out_packed)
+        return out[:rows].view(batch, len_q, *out_packed.shape[1:]), None
 
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
         # padding-free batches: the caller packed the sequences back to back
