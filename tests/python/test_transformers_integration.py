@@ -359,3 +359,16 @@ def test_padding_layout_is_computed_once_per_mask():
         assert f(mi, 1).cu_k.tolist() == [0, 2]
         mi[0, 1] = True  # no version counter on inference tensors: never memoized
         assert f(mi, 1).cu_k.tolist() == [0, 3]
+
+
+def test_padding_slots_without_nonzero_static(monkeypatch):
+    """A torch whose nonzero_static does not run on the mask's device gets the same slots
+    (through nonzero, with its sync)."""
+    mask = torch.tensor([[False, True, True], [True, False, True]])
+    want = fcpp_hf._real_slots(mask).tolist()
+    assert want == [1, 2, 3, 5, 6, 6]
+
+    def missing(*args, **kwargs):
+        raise NotImplementedError("nonzero_static: not on this device")
+    monkeypatch.setattr(torch, "nonzero_static", missing)
+    assert fcpp_hf._real_slots(mask).tolist() == want

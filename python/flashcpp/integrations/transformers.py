@@ -223,8 +223,12 @@ def _real_slots(mask: torch.Tensor) -> torch.Tensor:
     """The flat indices of the True entries of a 2-D bool mask, ascending, then mask.numel() for
     every False one: a static size, so no sync (torch.nonzero would wait for the device to learn
     its length)."""
-    n = mask.numel()
-    return torch.nonzero_static(mask.reshape(-1), size=n, fill_value=n).reshape(-1)
+    n, flat = mask.numel(), mask.reshape(-1)
+    try:
+        return torch.nonzero_static(flat, size=n, fill_value=n).reshape(-1)
+    except (AttributeError, NotImplementedError):  # a torch without it (on this device): the same, with a sync
+        real = torch.nonzero(flat).reshape(-1)
+        return torch.cat([real, real.new_full((n - real.numel(),), n)])
 
 
 def _padding(attention_mask: torch.Tensor, len_q: int) -> _Padding:
