@@ -259,7 +259,9 @@ struct KernelChoice {
 struct RunOptions {
   Backend backend = Backend::kAuto;
   Stream stream = nullptr;  ///< CUDA stream (ignored by CPU backends)
-  int cpu_threads = 0;      ///< CPU backends: 0 = hardware concurrency
+  /// CPU backends: > 0 = that many threads (at most one per work item); 0 = choose: up to every
+  /// core, fewer for small calls, one for the smallest (src/cpu/parallel.h).
+  int cpu_threads = 0;
   /// CPU tiled backend tile sizes (mirror the GPU kernel's BlockM x BlockN); 0 = default 64x64.
   int cpu_block_m = 0, cpu_block_n = 0;
   /// CUDA: "" = automatic (sm90 kernel on Hopper, else sm80 with the tuned table); "sm80" or

@@ -223,7 +223,7 @@ def check_int(value: Any, name: str, lo: int, hi: int = _INT32_MAX, what: str = 
 
 
 def check_cpu_threads(cpu_threads: Any) -> int:
-    return check_int(cpu_threads, "cpu_threads", 0, MAX_CPU_THREADS, " (0 = all cores)")
+    return check_int(cpu_threads, "cpu_threads", 0, MAX_CPU_THREADS, " (0 = choose: up to every core, fewer for small calls)")
 
 
 def check_window(window_size: Any) -> Tuple[int, int]:

@@ -13,12 +13,10 @@
 // on CI, without a GPU. (The kernel additionally splits each tile over warps and merges those
 // in-CTA; that changes the fp32 rounding only.)
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "flashcpp/half.h"
@@ -27,26 +25,13 @@
 #include "common/attention_algebra.h"
 #include "common/decode_common.h"
 #include "common/fused_math.h"
+#include "cpu/parallel.h"
 #include "cpu/rotary.h"
 
 namespace flashcpp::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-template <class F>
-void parallel_for(int n, int threads, F&& f) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = std::max(1, std::min(threads, n));
-  std::atomic<int> next{0};
-  auto worker = [&] {
-    for (int i = next.fetch_add(1); i < n; i = next.fetch_add(1)) f(i);
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
 
 float round_to(DType dt, float x) {
   std::uint64_t buf = 0;  // room for one element of any dtype (fp64 is 8 bytes)
@@ -282,12 +267,21 @@ Status decode_run(const DecodeParams& p, const DecodePlan& plan, const RunOption
     st.part_o = static_cast<float*>(plan.float_workspace);
     st.part_lse = st.part_o + decode::partial_lse_offset(plan.num_items, p.heads_kv, plan.rows_per_kv, plan.head_dim_v);
   }
-  parallel_for(plan.num_items * p.heads_kv, opt.cpu_threads,
-               [&](int task) { split_partial(st, rot, task / p.heads_kv, task % p.heads_kv); });
-  if (plan.needs_merge)
-    parallel_for(p.batch, opt.cpu_threads, [&](int b) {
-      if (st.wl.num_splits[b] > 1) merge_sequence(st, b);
+  // The work, for the thread count: every query row against its sequence's keys.
+  double keys = 0;
+  for (int b = 0; b < p.batch; ++b) keys += decode::total_len(p.cache_seqlens[b], st.slots, p.seqlen_q, p.has_append());
+  const double work = keys * p.heads_q * p.seqlen_q * (p.head_dim + p.effective_head_dim_v());
+  const std::int64_t tasks = static_cast<std::int64_t>(plan.num_items) * p.heads_kv;
+  parallel_for(tasks, threads_for(opt.cpu_threads, tasks, work / static_cast<double>(std::max<std::int64_t>(tasks, 1))),
+               [&](std::int64_t task) {
+                 split_partial(st, rot, static_cast<int>(task / p.heads_kv), static_cast<int>(task % p.heads_kv));
+               });
+  if (plan.needs_merge) {
+    const double merge_work = static_cast<double>(plan.num_items) * p.heads_q * p.seqlen_q * p.effective_head_dim_v();
+    parallel_for(p.batch, threads_for(opt.cpu_threads, p.batch, merge_work / std::max(p.batch, 1)), [&](std::int64_t b) {
+      if (st.wl.num_splits[b] > 1) merge_sequence(st, static_cast<int>(b));
     });
+  }
   return Status::Ok();
 }
 

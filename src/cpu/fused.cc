@@ -9,15 +9,14 @@
 // once from (h * rstd) * w. Rotary angles and the rotation are common/fused_math.h's
 // (cos_sin_angle: fp64 product and reduction, then fp32 cos/sin; rotate_pair), as on the GPU.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
 #include "flashcpp/half.h"
 #include "common/fused_math.h"
 #include "common/kv_append.h"
+#include "cpu/parallel.h"
 #include "cpu/rotary.h"
 #include "flashcpp/fused.h"
 
@@ -60,35 +59,6 @@ Status with_dtype(DType dt, F&& f) {
     case DType::kF8E4M3: break;  // validation refuses fp64 and fp8 for the fused ops
   }
   return Status::Internal("unknown dtype reached the fused CPU backend");
-}
-
-/// Runs body(begin, end) over [0, n) in contiguous chunks on up to `threads` threads (0 = all
-/// cores), using fewer when there is little work: about 64k elements per thread at least.
-template <class F>
-void parallel_chunks(std::int64_t n, std::int64_t elems_per_item, int threads, F&& body) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  constexpr std::int64_t kMinElemsPerThread = 1 << 16;
-  const std::int64_t by_work = std::max<std::int64_t>(1, n * std::max<std::int64_t>(elems_per_item, 1) / kMinElemsPerThread);
-  const int t = static_cast<int>(std::min<std::int64_t>({threads, n, by_work}));
-  if (t <= 1) {
-    body(std::int64_t{0}, n);
-    return;
-  }
-  // Small chunks pulled from a shared counter balance uneven thread speeds.
-  const std::int64_t chunk = std::max<std::int64_t>(1, n / (8 * t));
-  std::atomic<std::int64_t> next{0};
-  auto worker = [&] {
-    for (;;) {
-      const std::int64_t b = next.fetch_add(chunk);
-      if (b >= n) return;
-      body(b, std::min(n, b + chunk));
-    }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(t - 1);
-  for (int i = 1; i < t; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
 }
 
 // ---- RMSNorm -----------------------------------------------------------------------------
@@ -165,7 +135,7 @@ Status fused_rms_norm(const RmsNormParams& p, bool with_residual, int threads) {
     using E = decltype(e);
     using S = typename E::S;
     const float inv_hidden = static_cast<float>(1.0 / static_cast<double>(p.hidden));
-    parallel_chunks(p.rows, p.hidden, threads, [&](std::int64_t r0, std::int64_t r1) {
+    parallel_chunks(p.rows, threads_for(threads, p.rows, p.hidden), [&](std::int64_t r0, std::int64_t r1) {
       for (std::int64_t r = r0; r < r1; ++r) {
         const S* x = static_cast<const S*>(p.x.data) + r * p.x.row_stride;
         const S* res = with_residual ? static_cast<const S*>(p.residual.data) + r * p.residual.row_stride : nullptr;
@@ -182,7 +152,7 @@ Status fused_silu_and_mul(const SiluMulParams& p, int threads) {
   return with_dtype(p.gate.dtype, [&](auto e) {
     using E = decltype(e);
     using S = typename E::S;
-    parallel_chunks(p.rows, p.d, threads, [&](std::int64_t r0, std::int64_t r1) {
+    parallel_chunks(p.rows, threads_for(threads, p.rows, p.d), [&](std::int64_t r0, std::int64_t r1) {
       for (std::int64_t r = r0; r < r1; ++r) {
         const S* g = static_cast<const S*>(p.gate.data) + r * p.gate.row_stride;
         const S* u = static_cast<const S*>(p.up.data) + r * p.up.row_stride;
@@ -203,7 +173,7 @@ Status fused_apply_rotary(const RopeParams& p, int threads) {
   return with_dtype(p.q.dtype, [&](auto e) {
     using E = decltype(e);
     using S = typename E::S;
-    parallel_chunks(tokens, static_cast<std::int64_t>(heads) * p.head_dim, threads,
+    parallel_chunks(tokens, threads_for(threads, tokens, static_cast<double>(heads) * p.head_dim),
                     [&](std::int64_t t0, std::int64_t t1) {
       std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
       for (std::int64_t t = t0; t < t1; ++t) {
@@ -237,7 +207,7 @@ Status fused_qk_norm_rope(const QkNormRopeParams& p, int threads) {
   return with_dtype(p.q.dtype, [&](auto e) {
     using E = decltype(e);
     using S = typename E::S;
-    parallel_chunks(tokens, static_cast<std::int64_t>(heads) * p.head_dim, threads, [&](std::int64_t t0, std::int64_t t1) {
+    parallel_chunks(tokens, threads_for(threads, tokens, static_cast<double>(heads) * p.head_dim), [&](std::int64_t t0, std::int64_t t1) {
       std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
       std::vector<S> normed(static_cast<std::size_t>(p.head_dim));
       const RotarySpec spec = rotate ? p.rotary : RotarySpec::of_style(RopeStyle::kNeox);
@@ -282,7 +252,7 @@ Status fused_rope_append_kv(const RopeAppendParams& p, int threads) {
     using E = decltype(e);
     using S = typename E::S;
     const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_kv) * p.head_dim + p.heads_kv * dv;
-    parallel_chunks(tokens, per_token, threads, [&](std::int64_t t0, std::int64_t t1) {
+    parallel_chunks(tokens, threads_for(threads, tokens, per_token), [&](std::int64_t t0, std::int64_t t1) {
       std::vector<float> cs(static_cast<std::size_t>(half)), sn(static_cast<std::size_t>(half));
       std::vector<float> row(static_cast<std::size_t>(fp8 ? std::max(p.head_dim, dv) : 0));
       const RotarySpec spec = rotate ? p.rotary : RotarySpec::of_style(RopeStyle::kNeox);

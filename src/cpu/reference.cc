@@ -10,16 +10,15 @@
 // Cost: O(batch * heads_q * seqlen_q * seqlen_k * head_dim) double FMAs, ~2 GFMA for one head
 // of 4097 x 4097 x 64; fine for tests, far too slow for anything long (use the GPU reference).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "flashcpp/half.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/parallel.h"
 #include "cpu/reference_rules.h"
 
 namespace flashcpp::cpu {
@@ -114,26 +113,6 @@ void reference_head(const AttnParams& p, int b, int h, RefOutput* out) {
   }
 }
 
-/// Runs f(item) for item in [0, n) on `threads` threads pulling from a shared counter.
-template <class F>
-void parallel_for(int n, int threads, F&& f) {
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = std::min(threads, n);
-  std::atomic<int> next{0};
-  auto worker = [&] {
-    for (int item = next.fetch_add(1); item < n; item = next.fetch_add(1)) f(item);
-  };
-  if (threads <= 1) {
-    worker();
-    return;
-  }
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
-}
-
 Status check_reference_params(const AttnParams& p) {
   if (p.batch < 0 || p.seqlen_q < 0 || p.seqlen_k < 0)
     return Status::Invalid("batch and sequence lengths must be >= 0");
@@ -172,8 +151,11 @@ Status reference_attention(const AttnParams& p, RefOutput* out, int threads) {
   out->total_q = total_q_rows(p);
   out->o.assign(static_cast<std::size_t>(out->total_q * p.heads_q * p.effective_head_dim_v()), 0.0);
   out->lse.assign(static_cast<std::size_t>(out->total_q * p.heads_q), kNegInfD);
-  parallel_for(p.batch * p.heads_q, threads,
-               [&](int item) { reference_head(p, item / p.heads_q, item % p.heads_q, out); });
+  const std::int64_t heads = static_cast<std::int64_t>(p.batch) * p.heads_q;
+  const double per_head = static_cast<double>(p.seqlen_q) * p.seqlen_k * (p.head_dim + p.effective_head_dim_v());
+  parallel_for(heads, threads_for(threads, heads, per_head), [&](std::int64_t item) {
+    reference_head(p, static_cast<int>(item / p.heads_q), static_cast<int>(item % p.heads_q), out);
+  });
   return Status::Ok();
 }
 

@@ -29,6 +29,7 @@
 #include "flashcpp/half.h"
 #include "cpu/backward_backend.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/parallel.h"
 #include "cpu/reference_rules.h"
 
 namespace flashcpp::cpu {
@@ -172,8 +173,11 @@ Status reference_attention_backward(const AttnBackwardParams& bp, RefGrads* out,
   out->dk.assign(static_cast<std::size_t>(out->total_k * p.heads_kv * p.head_dim), 0.0);
   out->dv.assign(static_cast<std::size_t>(out->total_k * p.heads_kv * p.effective_head_dim_v()), 0.0);
   if (p.seqlen_q == 0 || p.seqlen_k == 0) return Status::Ok();
-  parallel_items(p.batch * p.heads_kv, threads, [] { return 0; },
-                 [&](int item, int&) { reference_group(bp, p, item / p.heads_kv, item % p.heads_kv, out); });
+  const std::int64_t groups = static_cast<std::int64_t>(p.batch) * p.heads_kv;
+  const double per_group = 3.0 * (p.heads_q / p.heads_kv) * p.seqlen_q * p.seqlen_k * (p.head_dim + p.effective_head_dim_v());
+  parallel_for(groups, threads_for(threads, groups, per_group), [&](std::int64_t item) {
+    reference_group(bp, p, static_cast<int>(item / p.heads_kv), static_cast<int>(item % p.heads_kv), out);
+  });
   return Status::Ok();
 }
 

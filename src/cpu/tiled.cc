@@ -40,18 +40,17 @@
 // a tile costs 2*Br*Bc*D multiply-adds. Not tuned: it is here to be read against the GPU kernel
 // and to be checked against the reference.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "flashcpp/half.h"
 #include "common/attention_algebra.h"
 #include "common/mask_rules.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/parallel.h"
 
 namespace flashcpp::cpu {
 namespace {
@@ -397,22 +396,13 @@ Status tiled_forward(const AttnParams& p, const RunOptions& opt) {
   const int items = static_cast<int>(items64);
   const int per_batch = p.heads_q * t.tiles_per_head;
 
-  int threads = opt.cpu_threads > 0 ? opt.cpu_threads
-                                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  threads = std::max(1, std::min(threads, items));
-  std::atomic<int> next{0};
-  auto worker = [&] {
-    Scratch w(t.br, t.bc, p.head_dim, p.effective_head_dim_v());
-    for (int item = next.fetch_add(1); item < items; item = next.fetch_add(1)) {
-      const int b = item / per_batch, rest = item % per_batch;
-      run_tile(p, t, b, rest / t.tiles_per_head, rest % t.tiles_per_head, w);
-    }
-  };
-  std::vector<std::thread> pool;
-  pool.reserve(threads - 1);
-  for (int i = 1; i < threads; ++i) pool.emplace_back(worker);
-  worker();
-  for (auto& th : pool) th.join();
+  const double per_item = static_cast<double>(t.br) * p.seqlen_k * (p.head_dim + p.effective_head_dim_v());
+  parallel_for_scratch(items, threads_for(opt.cpu_threads, items, per_item),
+                       [&] { return Scratch(t.br, t.bc, p.head_dim, p.effective_head_dim_v()); },
+                       [&](std::int64_t item, Scratch& w) {
+                         const int b = static_cast<int>(item / per_batch), rest = static_cast<int>(item % per_batch);
+                         run_tile(p, t, b, rest / t.tiles_per_head, rest % t.tiles_per_head, w);
+                       });
   fill_uncovered_rows(p);  // varlen rows past cu_seqlens_q[batch], when total_q says how many
   return Status::Ok();
 }

@@ -50,6 +50,7 @@
 #include "common/mask_rules.h"
 #include "cpu/backward_backend.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/parallel.h"
 
 namespace flashcpp::cpu {
 namespace {
@@ -407,31 +408,39 @@ Status tiled_backward(const AttnBackwardParams& p, const RunOptions& opt, const 
   pr.scale = p.effective_scale();
   pr.lse_rows = pr.varlen ? varlen_lse_rows(p.forward()) : 0;
   const Workspace ws(layout, p.workspace);
-  const int threads = opt.cpu_threads;
+  const int dims = pr.dim + pr.dim_v;
 
   // 1. preprocess; the accumulator and the semaphores start at 0.
   std::memset(ws.dq, 0, static_cast<std::size_t>(p.heads_q) * layout.rows * p.head_dim * sizeof(float));
   if (ws.sem) std::memset(ws.sem, 0, static_cast<std::size_t>(p.heads_q) * (layout.rows / layout.row_pad) * sizeof(std::int32_t));
   const int heads_items = p.batch * p.heads_q;
+  const int head_threads = threads_for(opt.cpu_threads, heads_items, static_cast<double>(p.seqlen_q) * dims);
   if (p.seqlen_q > 0 && p.seqlen_k > 0)
-    parallel_items(heads_items, threads, [] { return std::vector<float>(); },
-                   [&](int item, std::vector<float>& buf) { preprocess_head(pr, ws, item / p.heads_q, item % p.heads_q, buf); });
+    parallel_for_scratch(heads_items, head_threads, [] { return std::vector<float>(); },
+                         [&](std::int64_t item, std::vector<float>& buf) {
+                           preprocess_head(pr, ws, static_cast<int>(item / p.heads_q), static_cast<int>(item % p.heads_q), buf);
+                         });
 
-  // 2. key tiles, (b, hk, n) ascending (the deterministic order needs it: backward_backend.h).
+  // 2. key tiles, (b, hk, n) ascending (the deterministic order needs it: parallel_for_scratch
+  // starts an item only after every smaller one has started, and an item waits only for smaller ones).
   const walk::Tiles grid = walk::Tiles::make(p.seqlen_q, p.seqlen_k, pr.bm, pr.bn, p.mask.block_sparse);
   const int n_tiles = grid.num_k_tiles();
   const std::int64_t items = static_cast<std::int64_t>(p.batch) * p.heads_kv * n_tiles;
   if (items > std::numeric_limits<int>::max())
     return Status::Unsupported("tiled_backward: too many work items (" + std::to_string(items) + ")");
-  parallel_items(static_cast<int>(items), threads, [&] { return Scratch(pr.bm, pr.bn, pr.dim, pr.dim_v); },
-                 [&](int item, Scratch& w) {
-                   const int b = item / (p.heads_kv * n_tiles), rest = item % (p.heads_kv * n_tiles);
-                   run_item(pr, ws, b, rest / n_tiles, rest % n_tiles, w);
-                 });
+  const double per_tile = 3.0 * pr.group * static_cast<double>(p.seqlen_q) * pr.bn * dims;
+  parallel_for_scratch(items, threads_for(opt.cpu_threads, items, per_tile),
+                       [&] { return Scratch(pr.bm, pr.bn, pr.dim, pr.dim_v); },
+                       [&](std::int64_t item, Scratch& w) {
+                         const int b = static_cast<int>(item / (p.heads_kv * n_tiles));
+                         const int rest = static_cast<int>(item % (p.heads_kv * n_tiles));
+                         run_item(pr, ws, b, rest / n_tiles, rest % n_tiles, w);
+                       });
 
   // 3. postprocess.
-  parallel_items(heads_items, threads, [] { return 0; },
-                 [&](int item, int&) { postprocess_head(pr, ws, item / p.heads_q, item % p.heads_q); });
+  parallel_for(heads_items, head_threads, [&](std::int64_t item) {
+    postprocess_head(pr, ws, static_cast<int>(item / p.heads_q), static_cast<int>(item % p.heads_q));
+  });
   zero_uncovered_grads(p);
   return Status::Ok();
 }

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/parallel.h"
 #include "engine/ops.h"
 #include "flashcpp/half.h"
 #include "engine/sampling.h"
@@ -123,16 +124,11 @@ class CpuOps final : public Ops {
   }
 
  private:
+  /// fn(begin, end) over [0, n) on the engine's threads (the CPU backends' pool), in chunks of at
+  /// least 16 items.
   void parallel(int n, const std::function<void(int, int)>& fn) const {
     const int t = std::min(threads_, std::max(1, n / 16));
-    if (t <= 1) return fn(0, n);
-    std::vector<std::thread> pool;
-    const int chunk = (n + t - 1) / t;
-    for (int i = 0; i < t; ++i) {
-      const int a = i * chunk, b = std::min(n, a + chunk);
-      if (a < b) pool.emplace_back(fn, a, b);
-    }
-    for (auto& th : pool) th.join();
+    cpu::parallel_chunks(n, t, [&](std::int64_t a, std::int64_t b) { fn(static_cast<int>(a), static_cast<int>(b)); });
   }
   int threads_;
 };
