@@ -372,3 +372,68 @@ def test_padding_slots_without_nonzero_static(monkeypatch):
         raise NotImplementedError("nonzero_static: not on this device")
     monkeypatch.setattr(torch, "nonzero_static", missing)
     assert fcpp_hf._real_slots(mask).tolist() == want
+
+
+def _packed_reference(query, key, value, mask, opts):
+    """The packed (varlen) form of a padded step, which the decode form must equal."""
+    batch, _, len_q, _ = query.shape
+    pad = fcpp_hf._padding(mask, len_q)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    packed = fcpp_hf.flash_attn_varlen_func(q[pad.q_rows, pad.q_pos], k[pad.k_rows, pad.k_pos], v[pad.k_rows, pad.k_pos],
+                                            pad.cu_q, pad.cu_k, pad.max_q, pad.max_k, **opts)
+    rows = batch * len_q
+    out = packed.new_zeros((rows + 1,) + tuple(packed.shape[1:])).index_put((pad.q_dest,), packed)
+    return out[:rows].view(batch, len_q, *packed.shape[1:])
+
+
+@pytest.mark.parametrize("heads_q,heads_kv,dim,dim_v", [(4, 2, 64, 64), (6, 1, 32, 48), (3, 3, 40, 40)])
+@pytest.mark.parametrize("opts", [dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0),
+                                  dict(softmax_scale=0.3, causal=True, window_size=(3, 0), softcap=5.0),
+                                  dict(softmax_scale=None, causal=False, window_size=(2, 2), softcap=0.0)])
+def test_padded_decode_reads_the_cache_in_place(heads_q, heads_kv, dim, dim_v, opts):
+    """A decode step of a padded batch runs flash_attn_with_kvcache over a paged view of the cache
+    (one page per key slot, one sequence per row and KV head) and equals the packed varlen form:
+    left padding, holes, a row whose query is padding (zeros), a row with one real key, a cache
+    with spare slots past the mask (a static cache) and a query that is a transposed view."""
+    g = torch.Generator().manual_seed(heads_q * 100 + dim)
+    batch, len_k, spare = 5, 11, 4
+    key = torch.randn(batch, heads_kv, len_k + spare, dim, generator=g)
+    value = torch.randn(batch, heads_kv, len_k + spare, dim_v, generator=g)
+    query = torch.randn(batch, 1, heads_q, dim, generator=g).transpose(1, 2)  # (batch, heads_q, 1, dim), not contiguous
+    mask = torch.ones(batch, len_k, dtype=torch.bool)
+    mask[1, :4] = False           # left padding
+    mask[2, 3:6] = False          # holes
+    mask[3, -1] = False           # the query is padding: zeros
+    mask[4, :-1] = False          # one real key
+    got = fcpp_hf._padded_decode(query, key, value, mask, opts)
+    assert got is not None and got.shape == (batch, 1, heads_q, dim_v)
+    want = _packed_reference(query, key[:, :, :len_k], value[:, :, :len_k], mask, opts)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    # Poison the padding slots and the spare slots: the step never reads them.
+    key2, value2 = key.clone(), value.clone()
+    key2[:, :, len_k:] = float("nan")
+    value2[:, :, len_k:] = float("nan")
+    for b in range(batch):
+        key2[b, :, :len_k][:, ~mask[b]] = float("nan")
+        value2[b, :, :len_k][:, ~mask[b]] = float("nan")
+    torch.testing.assert_close(fcpp_hf._padded_decode(query, key2, value2, mask, opts), got, atol=0, rtol=0)
+
+
+def test_padded_decode_steps_aside_for_layouts_it_cannot_page():
+    """Key and value that number their slots differently, a position stride that does not divide
+    the others: None, and the caller packs instead. Slots of any width do page."""
+    opts = dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    query = torch.randn(2, 2, 1, 16)
+    key = torch.randn(2, 2, 6, 16)
+    swapped = torch.randn(2, 6, 2, 16).transpose(1, 2)  # (batch, position, head) storage
+    assert fcpp_hf._padded_decode(query, key, swapped, mask, opts) is None
+    wide = torch.randn(2, 2, 6, 24)[..., :16]  # slots of 24 elements: pages fine
+    got = fcpp_hf._padded_decode(query, wide, wide, mask, opts)
+    torch.testing.assert_close(got, fcpp_hf._padded_decode(query, wide.contiguous(), wide.contiguous(), mask, opts),
+                               atol=0, rtol=0)
+    skew = torch.randn(2 * 2 * 6 * 16 + 8)[:2 * 2 * 6 * 16].as_strided((2, 2, 6, 16), (200, 96, 16, 1))
+    assert fcpp_hf._padded_decode(query, skew, skew, mask, opts) is None  # 200 % 16 != 0

@@ -36,7 +36,10 @@ What a call does (``attention_forward``):
 * a 2-D padding mask: the real tokens are packed (varlen, ``cu_seqlens`` from the mask), run
   through ``flash_attn_varlen_func`` and scattered back; padded query rows get zeros (their logits
   are not defined by any implementation). Queries are the last seqlen_q columns of the mask (left
-  padding, as generate builds it);
+  padding, as generate builds it). A decode step (one query per row, no gradient) reads the
+  cache where it lies instead: ``flash_attn_with_kvcache`` over a paged view of it, one page per
+  key and one sequence per (row, KV head), whose block table lists each row's real keys (see
+  ``_padded_decode``). Neither form waits for the device;
 * ``cu_seq_lens_q/k`` and ``max_length_q/k`` (padding-free training, e.g.
   ``DataCollatorWithFlattening``): varlen over the flattened tokens;
 * ``position_ids`` that restart inside a row (sequences packed without a mask; only when
@@ -62,6 +65,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import torch
 
 from ..attention import flash_attn_func, flash_attn_varlen_func
+from ..decode import flash_attn_with_kvcache
 
 __all__ = ["NAME", "register", "attention_forward", "attention_mask"]
 
@@ -262,6 +266,83 @@ def _packed_runs(position_ids: torch.Tensor, batch: int, length: int):
     return cu, int((cu[1:] - cu[:-1]).max().item())
 
 
+class _DecodePages(NamedTuple):
+    """The paged view of a padded decode step (``_padded_decode``): per (row, KV head) sequence,
+    its cache length and the pages (key slots) of its real keys, in order."""
+    lens: torch.Tensor
+    table: torch.Tensor
+
+
+_DECODE_MEMO = _TensorMemo()
+# The block table's width, a multiple of this: the decode plan is cached by it, so a growing cache
+# makes a new plan once per this many steps, not at every step.
+_TABLE_QUANTUM = 256
+
+
+def _decode_pages(attention_mask: torch.Tensor, heads_kv: int, strides: Tuple[int, int]) -> _DecodePages:
+    """The block table and lengths of a padded decode step over a (batch, heads_kv, len_k, dim)
+    cache whose batch and head strides are ``strides`` = (p_b, p_h) position strides (a page is one
+    key slot): sequence b * heads_kv + h lists, for j < its length, the page of the j-th real key of
+    row b, b * p_b + h * p_h + position. A row whose query (the last position) is padding gets
+    length 0: no key, O = 0, as the packed path gives it. Computed once per mask (no sync)."""
+    def compute() -> _DecodePages:
+        mask = attention_mask.to(torch.bool)
+        batch, len_k = mask.shape
+        p_b, p_h = strides
+        # The positions of each row's real keys first, in order: a stable sort of "is padding".
+        order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+        width = -(-len_k // _TABLE_QUANTUM) * _TABLE_QUANTUM
+        cols = torch.arange(width, device=mask.device).clamp(max=len_k - 1)
+        positions = order[:, cols]  # (batch, width): past the real keys, valid slots never read
+        base = (torch.arange(batch, device=mask.device)[:, None] * p_b
+                + torch.arange(heads_kv, device=mask.device)[None, :] * p_h)  # (batch, heads_kv)
+        table = (base[:, :, None] + positions[:, None, :]).reshape(batch * heads_kv, width).to(torch.int32)
+        lens = torch.where(mask[:, -1], mask.sum(-1, dtype=torch.int32), 0)
+        return _DecodePages(lens.repeat_interleave(heads_kv), table)
+    return _DECODE_MEMO.get(attention_mask, (heads_kv, strides), compute)
+
+
+def _padded_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                   opts: dict) -> Optional[torch.Tensor]:
+    """One decode step of a padded batch (query (batch, heads_q, 1, dim); key/value (batch, heads_kv,
+    >= len_k, dim), len_k the mask's width) as flash_attn_with_kvcache over the cache in place:
+    no gather, no copy. Sequence b * heads_kv + h is KV head h of row b, with its group of query heads
+    as heads_q / heads_kv query heads over one KV head; each key slot is a page of page_size 1,
+    which the block table picks from the real positions. None when the layout does not allow it
+    (the caller packs instead): the head dims contiguous, and in key and in value the position
+    stride dividing the batch and head strides with the same quotients (so one table serves both)."""
+    batch, heads_q, _, dim = query.shape
+    heads_kv = key.shape[1]
+    len_k = attention_mask.shape[-1]
+    def pages_of(t: torch.Tensor) -> Optional[Tuple[int, int, int]]:  # (batch, head, position) strides in pages
+        s_b, s_h, s_p, s_d = t.stride()
+        if s_d != 1 or s_p <= 0 or s_b % s_p or s_h % s_p:
+            return None
+        return s_b // s_p, s_h // s_p, s_p
+
+    kp, vp = pages_of(key), pages_of(value)
+    # One block table serves both: key and value must number their slots alike.
+    if kp is None or vp is None or kp[:2] != vp[:2] or len_k == 0 or heads_q % heads_kv:
+        return None
+    group = heads_q // heads_kv
+    pages = _decode_pages(attention_mask, heads_kv, kp[:2])
+    num_pages = (batch - 1) * kp[0] + (heads_kv - 1) * kp[1] + len_k
+    k_pages = key.as_strided((num_pages, 1, 1, dim), (kp[2], kp[2], kp[2], 1))
+    v_pages = value.as_strided((num_pages, 1, 1, value.shape[-1]), (vp[2], vp[2], vp[2], 1))
+    # (batch, heads_kv * group, 1, dim) -> (batch * heads_kv, 1, group, dim): a view when query is
+    # contiguous (the heads of a group are adjacent)
+    q = query.reshape(batch, heads_kv, group, dim).reshape(batch * heads_kv, 1, group, dim)
+    out = flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=pages.lens, block_table=pages.table,
+                                  softmax_scale=opts["softmax_scale"], causal=opts["causal"],
+                                  window_size=opts["window_size"], softcap=opts["softcap"])
+    return out.view(batch, 1, heads_q, out.shape[-1])
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """A CUDA graph is being captured on t's device (a decode plan cannot be made then)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _target_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
     if q.dtype == torch.float32 and q.device.type != "cpu" and torch.is_autocast_enabled(q.device.type):
         return torch.get_autocast_dtype(q.device.type)
@@ -321,6 +402,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if k.shape[1] < len_k or len_k < len_q:
             raise ValueError(f"attention_mask covers {len_k} keys but the layer has {k.shape[1]} keys and "
                              f"{len_q} queries")
+        if (len_q == 1 and len_k > 1 and not torch.compiler.is_compiling() and not _capturing(query)
+                and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
+            out = _padded_decode(query, key, value, attention_mask, opts)
+            if out is not None:
+                return out, None
         # Queries are the last len_q positions (left padding). The real tokens are gathered by
         # index, not by the bool mask: a bool index finds its True entries on every call, a sync.
         # Packed rows past the real ones (the fillers) go to a dropped row of the output.
