@@ -25,7 +25,10 @@ def test_quick_cpu_run_matches_the_reference(tmp_path):
         assert r["error"] == "" and r["tokens_equal"] == "True", r
         assert float(r["max_abs_dlogit"]) < 1e-3 * max(1.0, float(r["max_abs_logit"])), r
         assert r["reference"] == ("eager" if r["arch"] == "gemma2" else "sdpa")
-        assert float(r["fcpp_s"]) > 0 and float(r["ref_s"]) > 0
+        for col in ("fcpp_s", "ref_s", "prefill_fcpp_ms", "prefill_ref_ms", "nopad_fcpp_s", "nopad_ref_s"):
+            assert float(r[col]) > 0, (col, r)
+        for col in ("speedup", "prefill_speedup", "nopad_speedup"):
+            assert float(r[col]) > 0, (col, r)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and flashcpp.WITH_CUDA, reason="this machine has a GPU and CUDA build")

@@ -13,11 +13,15 @@ Gemma-2, whose softcap sdpa does not take):
   - NEW greedy tokens (prefill through varlen, then decode steps through the KV cache): equal, or the
     first difference with the reference's top-2 margin there; a difference is a near-tie when that
     margin is at most twice the logit difference between the two implementations at that step;
-  - generate time, median of 3 after a warm-up, each implementation on the same model.
+  - time, each implementation on the same model, interleaved, median of REPS after a warm-up: the
+    padded generate (fcpp_s, ref_s, speedup = ref_s / fcpp_s), its prefill alone (one forward
+    over the padded prompt: prefill_fcpp_ms, prefill_ref_ms, prefill_speedup) and generate on an
+    unpadded batch of the same size (nopad_fcpp_s, nopad_ref_s, nopad_speedup), whose layers take
+    the plain paths (no mask) where the padded ones pack the prompt and page the cache.
 
 Writes hf_generate.csv (one row per architecture: arch, device, dtype, reference, tokens_equal,
-first_diff, near_tie, max_abs_dlogit, max_abs_logit, fcpp_s, ref_s, speedup = ref_s / fcpp_s, error)
-and prints one line per architecture. Exit status 1 when a greedy sequence differs at a step that is
+first_diff, near_tie, max_abs_dlogit, max_abs_logit, the times and speedups above, error) and
+prints one line per architecture. Exit status 1 when a greedy sequence differs at a step that is
 not a near-tie, 2 for bad arguments or a missing device.
 """
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from typing import Any, Dict, List
 
 NEW = 24
+REPS = 5
 
 
 def _archs(transformers, quick: bool) -> Dict[str, Any]:
@@ -50,34 +55,49 @@ def _archs(transformers, quick: bool) -> Dict[str, Any]:
     return {k: archs[k] for k in (("llama", "gemma2") if quick else archs)}
 
 
-def _run_arch(torch, name: str, cls, cfg, impl: str, ref: str, dev: str, dt, ids, mask) -> Dict[str, Any]:
+def _run_arch(torch, name: str, cls, cfg, impl: str, ref: str, dev: str, dt, ids, mask, ids_nopad) -> Dict[str, Any]:
     torch.manual_seed(0)
     model = cls._from_config(cfg, attn_implementation=ref, dtype=dt).to(dev).eval()
     out: Dict[str, Any] = {}
-    times: Dict[str, float] = {}
     n = ids.shape[1]
-    for which in (ref, impl):
+    ones = torch.ones_like(mask)
+
+    def generate(i, m):
+        return model.generate(input_ids=i, attention_mask=m, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+    runs = {"generate": lambda: generate(ids, mask), "prefill": lambda: model(input_ids=ids, attention_mask=mask),
+            "nopad": lambda: generate(ids_nopad, ones)}
+    for which in (ref, impl):  # the checks, which also warm every path up
         model.set_attn_implementation(which)
         with torch.no_grad():
             lg = model(input_ids=ids, attention_mask=mask).logits[mask.bool()].float()
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
                                  output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-            reps = []
-            for _ in range(3):
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
-                if dev == "cuda":
-                    torch.cuda.synchronize()
-                reps.append(time.perf_counter() - t0)
-        times[which] = statistics.median(reps)
+            runs["nopad"]()
         out[which] = (lg, gen.sequences[:, n:], torch.stack(gen.scores, 1).float())
+    times: Dict[Any, List[float]] = {(w, r): [] for w in (ref, impl) for r in runs}
+    for _ in range(REPS):  # interleaved: each repeat times both implementations
+        for which in (ref, impl):
+            model.set_attn_implementation(which)
+            with torch.no_grad():
+                for what, run in runs.items():
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    run()
+                    if dev == "cuda":
+                        torch.cuda.synchronize()
+                    times[which, what].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
     (lr, tr, sr), (lo, to, so) = out[ref], out[impl]
     row = {"arch": name, "reference": ref, "max_abs_dlogit": (lo - lr).abs().max().item(),
            "max_abs_logit": lr.abs().max().item(), "tokens_equal": bool(torch.equal(tr, to)), "first_diff": "",
-           "near_tie": "", "fcpp_s": round(times[impl], 4), "ref_s": round(times[ref], 4),
-           "speedup": round(times[ref] / times[impl], 3), "error": ""}
+           "near_tie": "", "fcpp_s": round(med[impl, "generate"], 4), "ref_s": round(med[ref, "generate"], 4),
+           "speedup": round(med[ref, "generate"] / med[impl, "generate"], 3),
+           "prefill_fcpp_ms": round(med[impl, "prefill"] * 1e3, 3), "prefill_ref_ms": round(med[ref, "prefill"] * 1e3, 3),
+           "prefill_speedup": round(med[ref, "prefill"] / med[impl, "prefill"], 3),
+           "nopad_fcpp_s": round(med[impl, "nopad"], 4), "nopad_ref_s": round(med[ref, "nopad"], 4),
+           "nopad_speedup": round(med[ref, "nopad"] / med[impl, "nopad"], 3), "error": ""}
     if not row["tokens_equal"]:
         b, step = [int(x) for x in (tr != to).nonzero()[0]]
         top2 = sr[b, step].topk(2).values
@@ -115,13 +135,14 @@ def main(argv=None) -> int:
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, :5] = 0
     ids[1, :5] = 0
-    ids, mask = ids.to(dev), mask.to(dev)
+    ids_nopad = torch.randint(3, 128, (2, 16), generator=g)
+    ids, mask, ids_nopad = ids.to(dev), mask.to(dev), ids_nopad.to(dev)
     rows: List[Dict[str, Any]] = []
     bad = 0
     for name, (cls, make_cfg) in _archs(transformers, args.quick).items():
         ref = "eager" if name == "gemma2" else "sdpa"
         try:
-            row = _run_arch(torch, name, cls, make_cfg(), impl, ref, dev, dt, ids, mask)
+            row = _run_arch(torch, name, cls, make_cfg(), impl, ref, dev, dt, ids, mask, ids_nopad)
         except Exception as e:  # a refusal (e.g. a head dim the CUDA decode kernels do not take) is reported
             row = {"arch": name, "reference": ref, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
         row.update(device=dev, dtype="bf16" if dt == torch.bfloat16 else "fp32")
@@ -133,8 +154,10 @@ def main(argv=None) -> int:
         print(f"{name:8s} {dev} {row['dtype']}: max|dlogit| {row['max_abs_dlogit']:.3e} (max|logit| "
               f"{row['max_abs_logit']:.2f}); greedy {NEW} tokens x 2 rows equal to {ref}: {row['tokens_equal']}"
               f"{' (' + row['first_diff'] + (', near-tie' if row['near_tie'] else ', NOT a tie') + ')' if row['first_diff'] else ''}"
-              f"; generate {row['fcpp_s'] * 1e3:.1f} ms vs {ref} {row['ref_s'] * 1e3:.1f} ms ({row['speedup']:.2f}x)",
-              flush=True)
+              f"; generate {row['fcpp_s'] * 1e3:.1f} ms vs {ref} {row['ref_s'] * 1e3:.1f} ms ({row['speedup']:.2f}x)"
+              f", its prefill {row['prefill_fcpp_ms']:.2f} vs {row['prefill_ref_ms']:.2f} ms ({row['prefill_speedup']:.2f}x)"
+              f", unpadded {row['nopad_fcpp_s'] * 1e3:.1f} vs {row['nopad_ref_s'] * 1e3:.1f} ms "
+              f"({row['nopad_speedup']:.2f}x)", flush=True)
     os.makedirs(args.out, exist_ok=True)
     write_csv(os.path.join(args.out, "hf_generate.csv"), rows)
     return 1 if bad else 0
