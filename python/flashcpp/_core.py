@@ -80,6 +80,9 @@ class Meta(NamedTuple):
 
 def meta(x: Any, name: str) -> Meta:
     if is_torch(x):
+        if not torch.compiler.is_compiling() and x.is_neg():  # (dynamo cannot trace is_neg's bool)
+            raise ValueError(f"{name} is a negative view (torch._neg_view: its memory holds the values' negatives); "
+                             f"pass {name}.resolve_neg()")
         dt = _TORCH_DTYPE_NAMES.get(x.dtype)
         if dt is None:
             dt = str(x.dtype).replace("torch.", "")
@@ -152,6 +155,9 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
     mq, mk, mv = meta(q, "q"), meta(k, "k"), meta(v, "v")
     if not (mq.lib == mk.lib == mv.lib):
         _same_library("q, k and v", mq, mk, mv)
+    if mq.lib == "torch" and torch.device(mq.device).type not in ("cpu", "cuda"):
+        raise ValueError(f"q is on the {mq.device} device: flashcpp runs on CPU and CUDA tensors (a meta tensor "
+                         f"has no data to read)")
     for m in (mq, mk, mv):
         if m.dtype not in _ATTN_DTYPE_CODES:
             raise TypeError(f"{m.name} has dtype {m.dtype}; flashcpp attention takes float16, "
@@ -252,10 +258,26 @@ ZERO_SCALE = _C.ZERO_SCALE  # 2**-100, one value with the eager fast path's (pyt
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
+def check_real(x: Any, name: str) -> float:
+    """A real-number argument as a float: a Python or numpy number (or anything with __float__, a
+    one-element tensor included), never a bool or a string ("0.3" is not parsed)."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)) or not hasattr(type(x), "__float__"):
+        raise TypeError(f"{name} must be a number; got {x!r}")
+    return float(x)
+
+
+def check_flag(x: Any, name: str) -> bool:
+    """A yes/no argument: True or False (a numpy bool, or the ints 0 and 1, too), not any truthy
+    value ("False" is truthy)."""
+    if not (isinstance(x, (bool, np.bool_)) or (isinstance(x, (int, np.integer)) and x in (0, 1))):
+        raise TypeError(f"{name} must be True or False; got {x!r}")
+    return bool(x)
+
+
 def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
     """The scale to run with: softmax_scale itself (only None means the default 1/sqrt(head_dim))."""
     if softmax_scale is not None:
-        scale = float(softmax_scale)
+        scale = check_real(softmax_scale, "softmax_scale")
         # The C++ message would say "0 selects 1/sqrt(head_dim)", which is not Python's rule.
         if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
             raise ValueError(f"softmax_scale {softmax_scale!r} is not a finite float32 (None selects "
@@ -267,10 +289,67 @@ def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
 
 
 def check_writable(x: Any, name: str) -> None:
-    """Refuses a read-only numpy array as something flashcpp writes (torch tensors are writable)."""
+    """Refuses a read-only numpy array as something flashcpp writes. A torch tensor that flashcpp
+    writes in place while autograd records (grad mode on) must not require grad, as torch's own
+    in-place ops refuse a leaf that does (flashcpp's in-place writes have no backward), and its
+    version counter moves, as an in-place torch op moves it: a backward that saved the tensor
+    before the write then says so instead of using the new values (under grad mode only: a
+    tensor saved in a grad-mode forward and written later under torch.no_grad() is not caught)."""
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{name} is a read-only numpy array (its WRITEABLE flag is off) and flashcpp would "
                          f"write into it; pass a writable array (np.array({name}) makes a copy)")
+    if torch is not None and isinstance(x, torch.Tensor) and torch.is_grad_enabled():
+        if x.requires_grad:
+            raise RuntimeError(f"flashcpp would write {name} in place, and {name} requires grad: flashcpp's in-place "
+                               f"writes have no backward (run under torch.no_grad(), or pass a tensor that does not "
+                               f"require grad)")
+        torch._C._increment_version([x])  # a list: the one-tensor form costs ~9 us, this ~0.6
+
+
+def bump_versions(*tensors: Any) -> None:
+    """Moves the version counters of torch tensors a fast path wrote in place, under grad mode (as
+    check_writable does on the general path), so that a backward that saved one of them before the
+    write says so. Outside grad mode nothing is recorded that could save them, and nothing is done."""
+    if torch is not None and torch.is_grad_enabled():
+        torch._C._increment_version([t for t in tensors if isinstance(t, torch.Tensor)])
+
+
+def grad_needed(*tensors: Any) -> bool:
+    """Autograd records (grad mode on) and one of these torch tensors requires grad."""
+    return (torch is not None and torch.is_grad_enabled()
+            and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors))
+
+
+if torch is not None:
+    class _NoBackward(torch.autograd.Function):
+        """Runs an op that has no backward so that its outputs still depend on its inputs: a
+        backward through them raises, where it would otherwise leave the inputs' gradients
+        silently without this op's share."""
+
+        @staticmethod
+        def forward(ctx: Any, op: str, run: Any, *inputs: Any) -> Any:
+            ctx.op = op
+            return run()
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> Any:
+            raise NotImplementedError(f"{ctx.op} has no backward in flashcpp: its outputs carry no gradient to its "
+                                      f"inputs. Call it under torch.no_grad() (inference), or use a differentiable "
+                                      f"op where gradients are needed")
+
+
+def no_backward(op: str, run: Any, inputs: Any) -> Any:
+    """run() (a call of op whose outputs are new tensors) for inputs of which some require grad
+    under grad mode: the outputs get a grad_fn whose backward raises NotImplementedError."""
+    return _NoBackward.apply(op, run, *[t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad])
+
+
+def refuse_grad_in_place(op: str, what: str, inputs: Any) -> None:
+    """An op that writes its results in place (``what``) has no backward: refused when autograd would
+    need one (grad mode on and an input requires grad)."""
+    if grad_needed(*inputs):
+        raise NotImplementedError(f"{op} {what} and has no backward, and an input requires grad: call it under "
+                                  f"torch.no_grad() (inference), or use a differentiable op where gradients are needed")
 
 
 def check_alibi(alibi: Any, dims: Dims, mq: Meta) -> int:
@@ -508,9 +587,9 @@ def _fill_mask(mask: Any, mq: Meta, *, varlen: bool, causal: bool, window: Tuple
                cu_seqlens_k: Any, block_sparse: Optional[BlockSparseSpec]) -> Any:
     """Fills a _flashcpp.MaskParams (of AttnParams or AttnBackwardParams); returns the BlockSparseMask
     it points at (or None), which the caller holds until the call returns."""
-    mask.causal = bool(causal)
+    mask.causal = check_flag(causal, "causal")
     mask.window_left, mask.window_right = int(window[0]), int(window[1])
-    mask.softcap = float(softcap)
+    mask.softcap = check_real(softcap, "softcap")
     mask.alibi_slopes, mask.alibi_batch_stride = data_ptr(alibi), int(alibi_batch_stride)
     mask.global_tokens = check_int(global_tokens, "global_tokens", 0)
     mask.global_queries = bool(global_queries)
@@ -697,6 +776,34 @@ CACHE_CODES = dict(_DTYPE_CODES, **{FP8_E4M3: _C.DTYPE_F8E4M3})
 def capturing(device: Any) -> bool:
     return (torch is not None and isinstance(device, torch.device) and device.type == "cuda"
             and torch.cuda.is_current_stream_capturing())
+
+
+def int32_tensor(x: Any, name: str, device: Any) -> Any:
+    """An index argument (lengths, cu_seqlens, positions, block tables) for torch inputs: a
+    contiguous int32 tensor on ``device`` (a list or a numpy array becomes one). Only integer
+    dtypes: a float or bool tensor is refused, not truncated. Host values must fit int32 (a wider
+    value would wrap into a plausible index); device values are not read (that would synchronize):
+    they are the caller's to keep in range, as every device array's values are."""
+    if not isinstance(x, torch.Tensor):
+        a = np.asarray(x)
+        if a.dtype.kind not in "iu":
+            raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
+        x = torch.as_tensor(a)
+        if x.device != device and device.type != "cpu":
+            x = _checked_int32_host(x, name).to(device)
+    if x.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}); got {x.device}")
+    if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+        raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
+    if x.dtype != torch.int32:
+        x = _checked_int32_host(x, name) if x.device.type == "cpu" else x.to(torch.int32)
+    return x.contiguous()
+
+
+def _checked_int32_host(x: Any, name: str) -> Any:
+    if x.numel() and (int(x.min()) < -2**31 or int(x.max()) > 2**31 - 1):
+        raise ValueError(f"{name} values must fit int32; got {int(x.min())} .. {int(x.max())}")
+    return x.to(torch.int32)
 
 
 def small_array(x: Any, name: str, kind: str, like: Any, is_cuda: bool, device: Any) -> Any:

@@ -47,7 +47,10 @@ def _ints(x: Any, name: str) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
-    return a.astype(np.int64)
+    a = a.astype(np.int64)
+    if a.size and (a.min() < -2**31 or a.max() > 2**31 - 1):  # an int32 quantity: a wider value would wrap
+        raise ValueError(f"{name} values must fit int32; got {int(a.min())} .. {int(a.max())}")
+    return a
 
 
 def _is_pow2(n: int) -> bool:
@@ -348,7 +351,8 @@ class BatchDecodeWithKVCache:
                    head_dim=int(head_dim), head_dim_v=head_dim_v, dtype=dt, kv_dtype=kv_dt, device=device,
                    is_cuda=is_cuda,
                    page_size=int(page_size),
-                   append=bool(append), causal=bool(causal), window=window, softcap=float(softcap), scale=scale,
+                   append=_core.check_flag(append, "append"), causal=_core.check_flag(causal, "causal"), window=window,
+                   softcap=_core.check_real(softcap, "softcap"), scale=scale,
                    rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
         # decode_plan reads the scalars only: the tensors are absent (null views of the planned dtype).
         code = _core._DTYPE_CODES[dt]
@@ -719,7 +723,7 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
     if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic); got {num_splits!r}")
     window = _core.check_window(window_size)
-    if softcap < 0 or not np.isfinite(softcap):
+    if _core.check_real(softcap, "softcap") < 0 or not np.isfinite(softcap):
         raise ValueError(f"softcap must be finite and >= 0; got {softcap}")
     if rotary_cos is not None and rope_theta is not None:
         raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")
@@ -746,8 +750,8 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         rotary = "interleaved" if rotary_interleaved else "neox"
     device = st.device if st.is_cuda else "cpu"
     cfg = dict(seqlen_q=st.seqlen_q, kv_capacity=st.slots, page_size=st.page_size, append=st.append,
-               causal=bool(causal), window_size=window, softcap=float(softcap), sm_scale=softmax_scale,
-               rotary=rotary, rope_theta=float(rope_theta) if rope_theta is not None else 10000.0,
+               causal=_core.check_flag(causal, "causal"), window_size=window, softcap=float(softcap),
+               sm_scale=softmax_scale, rotary=rotary, rope_theta=float(rope_theta) if rope_theta is not None else 10000.0,
                dtype=st.dtype, device=device, num_splits=int(num_splits), head_dim_v=st.head_dim_v,
                kv_dtype=st.kv_dtype)
     shape = (st.batch, st.heads_q, st.heads_kv, st.head_dim)
@@ -798,6 +802,8 @@ def _int32_on(x: Any, device: Any) -> bool:
 def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
                   softcap, num_splits, return_lse) -> Any:
     """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply."""
+    if causal.__class__ is not bool or softcap.__class__ not in (float, int):  # the general path says why
+        return None
     dt = q.dtype
     code = _core.FAST_CODES.get(dt)
     if code is None or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
@@ -888,6 +894,8 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     m = p.mask
     m.causal, m.window_left, m.window_right, m.softcap = c["causal"], c["window"][0], c["window"][1], c["softcap"]
     _C.decode_run(p, w._plan, _C.RunOptions(where[0], where[1], 0))
+    if news:
+        _core.bump_versions(k_cache, v_cache)  # written in place (the append)
     return out, lse
 
 
@@ -966,6 +974,9 @@ class BatchDecodeWithPagedKVCache:
         pages = np.diff(indptr)
         if pages.size and pages.min() < 0:
             raise ValueError("indptr must be non-decreasing")
+        if indptr.size and (indptr[0] < 0 or indptr[-1] > indices.size):
+            raise ValueError(f"indptr must index into indices: it runs from {int(indptr[0])} to {int(indptr[-1])}, "
+                             f"and indices has {indices.size} entries")
         width = max(int(pages.max()) if pages.size else 1, 1)
         table = np.zeros((batch, width), dtype=np.int32)
         lens = np.zeros(batch, dtype=np.int32)

@@ -111,13 +111,7 @@ def _torch_alibi(alibi_slopes: Any, q: Any) -> Any:
 
 
 def _torch_cu(cu: Any, q: Any, name: str) -> Any:
-    if not isinstance(cu, torch.Tensor):
-        return torch.tensor(cu, dtype=torch.int32, device=q.device)
-    if cu.device != q.device:
-        raise ValueError(f"{name} must be on q's device ({q.device}); got {cu.device}")
-    if cu.dtype.is_floating_point or cu.dtype.is_complex:
-        raise TypeError(f"{name} must hold integers (int32); got {cu.dtype}")
-    return cu.to(torch.int32).contiguous()
+    return _core.int32_tensor(cu, name, q.device)
 
 
 def _all_torch(q: Any, k: Any, v: Any) -> bool:
@@ -222,7 +216,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
         rot_args, k_out = _rotary_op_args(rotary, q)
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         # The backward reads the forward's LSE: computed whenever a gradient may be asked for.
-        args = (q, k, v, scale, bool(causal), wl, wr, float(softcap), _torch_alibi(alibi_slopes, q),
+        args = (q, k, v, scale, _core.check_flag(causal, "causal"), wl, wr, _core.check_real(softcap, "softcap"), _torch_alibi(alibi_slopes, q),
                 bool(return_lse or need_grad), *_core.sparse_to_args(sparse), *rot_args)
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
@@ -270,7 +264,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
         out, lse = _torch_ops.flash_attn_varlen_fwd(
             q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
             _core.check_int(max_seqlen_q, "max_seqlen_q", 0), _core.check_int(max_seqlen_k, "max_seqlen_k", 0),
-            scale, bool(causal), wl, wr, float(softcap),
+            scale, _core.check_flag(causal, "causal"), wl, wr, _core.check_real(softcap, "softcap"),
             _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad), deterministic=bool(deterministic))
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+from . import _core
 from ._core import is_torch, torch
 from ._decode import (_FAST_TYPES, MAX_PAGE_SIZE, MAX_SEQLEN_Q, MAX_SPLITS, BatchDecodeWithKVCache,
                       BatchDecodeWithPagedKVCache, _fast_kvcache, _with_kvcache)
@@ -88,6 +89,14 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         raise NotImplementedError("cache_batch_idx is not built in flashcpp decode (index the cache instead)")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not built in flashcpp decode")
+    if _core.grad_needed(q, k_cache, v_cache, k, v, alibi_slopes) and not torch.compiler.is_compiling():
+        if k is not None or v is not None:
+            _core.refuse_grad_in_place("flash_attn_with_kvcache", "appends k and v into the cache in place",
+                                       (q, k_cache, v_cache, k, v))
+        return _core.no_backward("flash_attn_with_kvcache", lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, None, None, block_table,
+            softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+            return_softmax_lse, rope_theta, k_scale, v_scale), (q, k_cache, v_cache, alibi_slopes))
     if (type(q) in _FAST_TYPES and rotary_cos is None and rotary_sin is None and rope_theta is None
             and alibi_slopes is None and k_scale is None and v_scale is None and not torch.compiler.is_compiling()):
         fast = _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,

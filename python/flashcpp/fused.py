@@ -140,7 +140,7 @@ _FAST_TYPES = _core.FAST_TYPES
 
 def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
     """RunOptions for the fast path when x and every tensor in `tensors` qualify (`written`: those
-    the call writes, which must not require grad), else None."""
+    the call writes in place, which must not require grad; the caller moves their version counters), else None."""
     if type(x) not in _FAST_TYPES or x.dtype not in _FAST_CODES or x.dim() == 0 or x.numel() == 0:
         return None
     if type(cpu_threads) is not int or not 0 <= cpu_threads <= _core.MAX_CPU_THREADS:
@@ -179,7 +179,7 @@ def _norm(x, residual, weight, eps, out, residual_out, backend, cpu_threads, cud
     _, y_rs, _ = _rows(mo)
     code = _core._DTYPE_CODES[mx.dtype]
     p = _C.RmsNormParams()
-    p.rows, p.hidden, p.eps = rows, hidden, float(eps)
+    p.rows, p.hidden, p.eps = rows, hidden, _core.check_real(eps, "eps")
     p.x, p.y, p.weight = _matrix(x, code, x_rs), _matrix(out, code, y_rs), _core.data_ptr(weight)
     if residual is not None:
         _, r_rs, _ = _rows(mr)
@@ -200,6 +200,11 @@ def rms_norm(x: Any, weight: Any, eps: float = 1e-6, *, out: Any = None, backend
     itself (in place). ``backend``: "auto", "cpu" or "cuda"; ``cuda_config``: "" or
     "scalar"/"two_pass" to force a kernel path (tests, tuning). Returns out.
     """
+    if _core.grad_needed(x, weight):
+        if out is not None:
+            _core.refuse_grad_in_place("rms_norm", "with out= writes out", (x, weight))
+        return _core.no_backward("rms_norm", lambda: rms_norm(x, weight, eps, backend=backend, cpu_threads=cpu_threads,
+                                                             cuda_config=cuda_config, stream=stream), (x, weight))
     if out is None and backend == "auto" and not cuda_config and stream is None:
         fast = _C.norm_fast(x, None, weight, eps, cpu_threads)
         if fast is not None:
@@ -219,9 +224,12 @@ def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
     In place by default, as vLLM/FlashInfer: ``residual`` receives h and ``x`` the normalized
     output. Pass ``out`` / ``residual_out`` to keep the inputs. Returns ``(out, residual_out)``.
     """
+    _core.refuse_grad_in_place("fused_add_rms_norm", "writes its results in place (or into out= / residual_out=)",
+                               (x, residual, weight))
     if out is None and residual_out is None and backend == "auto" and not cuda_config and stream is None:
         # in place: x receives the normalized output, residual x + residual
         if _C.norm_fast(x, residual, weight, eps, cpu_threads) is not None:
+            _core.bump_versions(x, residual)
             return x, residual
     if out is None:
         _core.check_writable(x, "x")  # in place: x receives the normalized output
@@ -243,6 +251,11 @@ def silu_and_mul(x: Any, up: Any = None, *, out: Any = None, backend: str = "aut
     (..., d). Two arguments: ``silu_and_mul(gate, up)`` with equal shapes (..., d). ``out`` may be
     the gate (or up) array itself, e.g. ``x[..., :d]`` for an in-place fused call.
     """
+    if _core.grad_needed(x, up):
+        if out is not None:
+            _core.refuse_grad_in_place("silu_and_mul", "with out= writes out", (x, up))
+        return _core.no_backward("silu_and_mul", lambda: silu_and_mul(x, up, backend=backend, cpu_threads=cpu_threads,
+                                                                      cuda_config=cuda_config, stream=stream), (x, up))
     if up is None and out is None and backend == "auto" and not cuda_config and stream is None:
         fast = _C.silu_and_mul_fast(x, cpu_threads)
         if fast is not None:
@@ -306,12 +319,7 @@ def _positions_arg(pos: Any, q: Any, name: str, shapes) -> Any:
     if pos is None:
         return None
     if _core.is_torch(q):
-        if not isinstance(pos, torch.Tensor):
-            pos = torch.as_tensor(pos, device=q.device)
-        if pos.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}); got {pos.device}")
-        if pos.dtype != torch.int32 or not pos.is_contiguous():
-            pos = pos.to(torch.int32).contiguous()
+        pos = _core.int32_tensor(pos, name, q.device)
     else:
         pos = np.asarray(pos)
         if pos.dtype.kind not in "iu":
@@ -338,6 +346,9 @@ def _cache_arg(cache: Any, q: Any, rot: int) -> Tuple[Any, int]:
         cache = np.ascontiguousarray(cache, dtype=np.float32)
     if len(cache.shape) != 2 or cache.shape[1] != rot:
         raise ValueError(f"cos_sin_cache must have shape (max_position, rotary_dim={rot}); got {tuple(cache.shape)}")
+    if cache.shape[0] == 0:  # an empty array has no address, which would read as "no tables"
+        raise ValueError(f"cos_sin_cache has no rows (shape {tuple(cache.shape)}): every position is outside it; "
+                         f"pass None to rotate by rope_theta instead")
     return cache, int(cache.shape[0])
 
 
@@ -479,6 +490,8 @@ def _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cache, inpla
     if cache is not None:
         r.set_cos_sin_cache(cache.data_ptr(), cache.shape[0], rot)
     _C.apply_rotary(p, opt)
+    if inplace:
+        _core.bump_versions(*written)
     return q_out, k_out
 
 
@@ -500,6 +513,13 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     Returns (q_out, k_out): new arrays, or q and k themselves with ``inplace=True``
     (k_out is None without k).
     """
+    if _core.grad_needed(q, k):
+        if inplace or q_out is not None or k_out is not None:
+            _core.refuse_grad_in_place("apply_rotary", "with inplace=True or q_out= / k_out= writes in place", (q, k))
+        return _core.no_backward("apply_rotary", lambda: apply_rotary(
+            q, k, positions, style=style, rotary_dim=rotary_dim, theta=theta, llama3=llama3,
+            cos_sin_cache=cos_sin_cache, backend=backend, cpu_threads=cpu_threads, cuda_config=cuda_config,
+            stream=stream), (q, k))
     if (q_out is None and k_out is None and backend == "auto" and not cuda_config and stream is None
             and type(q) in _FAST_TYPES):
         fast = _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cos_sin_cache, inplace, cpu_threads)
@@ -613,6 +633,14 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
     None); ``style=None`` norms without rotating. Returns (q_out, k_out): new arrays, or q and k
     with ``inplace=True``.
     """
+    if _core.grad_needed(q, k, q_weight, k_weight):
+        if inplace or q_out is not None or k_out is not None:
+            _core.refuse_grad_in_place("qk_norm_rope", "with inplace=True or q_out= / k_out= writes in place",
+                                       (q, k, q_weight, k_weight))
+        return _core.no_backward("qk_norm_rope", lambda: qk_norm_rope(
+            q, k, q_weight, k_weight, positions, eps=eps, weight_offset=weight_offset, style=style,
+            rotary_dim=rotary_dim, theta=theta, llama3=llama3, cos_sin_cache=cos_sin_cache, backend=backend,
+            cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream), (q, k, q_weight, k_weight))
     mq = _core.meta(q, "q")
     _check_dtype(mq, "qk_norm_rope")
     batch, seqlen, qv = _bshd(mq)
@@ -654,7 +682,7 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
     code = _core._DTYPE_CODES[mq.dtype]
     p = _C.QkNormRopeParams()
     p.batch, p.seqlen, p.heads_q, p.heads_k, p.head_dim = int(batch), int(seqlen), int(heads_q), int(heads_k), int(head_dim)
-    p.eps, p.weight_offset = float(eps), float(weight_offset)
+    p.eps, p.weight_offset = _core.check_real(eps, "eps"), _core.check_real(weight_offset, "weight_offset")
     p.q = _C.TensorView(_core.data_ptr(q), code, *qv)
     if k is not None:
         p.k = _C.TensorView(_core.data_ptr(k), code, *kv)
@@ -699,6 +727,7 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     rounded to nearest even and saturated at +-448, the bytes decode's append writes. q_out stays
     in q's dtype.
     """
+    _core.refuse_grad_in_place("rope_append_kv", "writes the cache in place", (k, v, q))
     mk, mv = _core.meta(k, "k"), _core.meta(v, "v")
     mkc, mvc = _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
     for m in (mk, mv):

@@ -53,7 +53,7 @@ struct Torch {
   PyObject* empty_like = nullptr;      // torch.empty_like: about 1.2 us cheaper than new_empty on the H200 host (host_probe)
   long max_cpu_threads = 0;
   // Interned attribute names, and ("dtype",) for new_empty's keyword.
-  PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device,
+  PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device, *s_is_neg,
       *s_new_empty, *kw_dtype;
 };
 Torch* g_torch = nullptr;
@@ -174,6 +174,9 @@ bool read(nb::handle h, Tensor* t) {
   nb::object grad = cleared(PyObject_GetAttr(o, T.s_requires_grad));
   if (!grad.is_valid()) return false;
   t->requires_grad = grad.ptr() == Py_True;
+  // A negative view (torch._neg_view) holds -x as x's bits plus a flag: its memory is not its values.
+  nb::object neg = cleared(PyObject_CallMethodNoArgs(o, T.s_is_neg));
+  if (!neg.is_valid() || neg.ptr() != Py_False) return false;
   return read_layout(o, t);
 }
 
@@ -298,9 +301,13 @@ TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::
 /// flash_attn_func's plain call (no gradient, ALiBi, block-sparse mask or rotary: the caller checks
 /// those): out, or (out, lse) with return_lse; None when the call is not one this path takes.
 nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, nb::handle causal_h,
-                          int window_left, int window_right, nb::handle softcap_h, bool return_lse) {
+                          int window_left, int window_right, nb::handle softcap_h, nb::handle return_lse_h) {
   if (g_torch == nullptr) return nb::none();
+  // Flags must be True or False and numbers numbers: anything else (None, "False") is the general
+  // path's to refuse with its sentence.
   if (causal_h.ptr() != Py_True && causal_h.ptr() != Py_False) return nb::none();
+  if (return_lse_h.ptr() != Py_True && return_lse_h.ptr() != Py_False) return nb::none();
+  const bool return_lse = return_lse_h.ptr() == Py_True;
   double softcap = 0;
   if (!number(softcap_h, &softcap)) return nb::none();
   Tensor q, k, v;
@@ -473,6 +480,7 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->s_is_cuda = intern("is_cuda");
   t->s_is_cpu = intern("is_cpu");
   t->s_get_device = intern("get_device");
+  t->s_is_neg = intern("is_neg");
   t->s_new_empty = intern("new_empty");
   t->kw_dtype = PyTuple_Pack(1, t->s_dtype);
   if (t->kw_dtype == nullptr) throw nb::python_error();
@@ -488,16 +496,16 @@ void bind_eager(nb::module_& m) {
         "current_device"_a.none(), "raw_stream"_a.none(), "empty_like"_a, "max_cpu_threads"_a,
         "Hands the eager fast paths torch's tensor types, dtypes, current-device and raw-stream "
         "accessors (flashcpp._core, at import).");
-  m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a,
-        "window_left"_a, "window_right"_a, "softcap"_a, "return_lse"_a,
+  m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a.none(),
+        "window_left"_a, "window_right"_a, "softcap"_a.none(), "return_lse"_a.none(),
         "flash_attn_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
   m.def("fast_view", &fast_view, "t"_a, "dtype"_a,
         "The TensorView of a plain 4-D torch tensor with a contiguous last dim (a size-1 dim gets the "
         "extent as its stride), or None.");
-  m.def("norm_fast", &norm_fast, "x"_a, "residual"_a.none(), "weight"_a, "eps"_a, "cpu_threads"_a,
+  m.def("norm_fast", &norm_fast, "x"_a, "residual"_a.none(), "weight"_a, "eps"_a.none(), "cpu_threads"_a.none(),
         "rms_norm (residual None: the new output) or in-place fused_add_rms_norm (True) on the eager fast "
         "path, or None.");
-  m.def("silu_and_mul_fast", &silu_and_mul_fast, "x"_a, "cpu_threads"_a,
+  m.def("silu_and_mul_fast", &silu_and_mul_fast, "x"_a, "cpu_threads"_a.none(),
         "silu_and_mul(x) on the eager fast path: the new output, or None.");
 }
 
