@@ -437,3 +437,34 @@ def test_padded_decode_steps_aside_for_layouts_it_cannot_page():
                                atol=0, rtol=0)
     skew = torch.randn(2 * 2 * 6 * 16 + 8)[:2 * 2 * 6 * 16].as_strided((2, 2, 6, 16), (200, 96, 16, 1))
     assert fcpp_hf._padded_decode(query, skew, skew, mask, opts) is None  # 200 % 16 != 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads_q,heads_kv,dim", [(8, 2, 128), (4, 4, 64), (6, 1, 96)])
+def test_padded_decode_on_cuda_equals_the_packed_form(heads_q, heads_kv, dim):
+    """The paged decode step on the GPU (bf16): the decode kernels with page_size 1 over the cache in
+    place, against the packed varlen form of the same step, and NaN in every slot it must not read."""
+    import flashcpp
+    if not flashcpp.WITH_CUDA:
+        pytest.skip("a CPU-only build of flashcpp")
+    g = torch.Generator(device="cuda").manual_seed(heads_q * 10 + dim)
+    batch, len_k = 4, 300  # more than one 256-wide table quantum
+    key = torch.randn(batch, heads_kv, len_k + 5, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    value = torch.randn(batch, heads_kv, len_k + 5, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(batch, heads_q, 1, dim, generator=g, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(batch, len_k, dtype=torch.bool, device="cuda")
+    mask[1, :40] = False
+    mask[2, 100:290] = False
+    mask[3, -1] = False
+    opts = dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+    got = fcpp_hf._padded_decode(query, key, value, mask, opts)
+    want = _packed_reference(query, key[:, :, :len_k], value[:, :, :len_k], mask, opts)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+    key2, value2 = key.clone(), value.clone()
+    key2[:, :, len_k:] = float("nan")
+    value2[:, :, len_k:] = float("nan")
+    pad = ~mask
+    key2[:, :, :len_k][pad[:, None, :].expand(-1, heads_kv, -1)] = float("nan")
+    value2[:, :, :len_k][pad[:, None, :].expand(-1, heads_kv, -1)] = float("nan")
+    assert torch.equal(fcpp_hf._padded_decode(query, key2, value2, mask, opts), got)
