@@ -20,6 +20,7 @@ import flashcpp  # noqa: E402
 from flashcpp import BatchDecodeWithPagedKVCache  # noqa: E402
 
 BIG = 2**32 + 12  # wraps to 12 in int32
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and flashcpp.WITH_CUDA else [])
 
 
 def _varlen(cu_q, cu_k=None):
@@ -79,19 +80,21 @@ def test_an_empty_cos_sin_cache_is_not_no_tables():
         flashcpp.qk_norm_rope(x, None, torch.ones(64), cos_sin_cache=torch.randn(0, 64))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("op", ["rms_norm", "silu_and_mul", "apply_rotary", "qk_norm_rope", "kvcache"])
-def test_ops_without_a_backward_raise_in_backward_not_silently(op):
+def test_ops_without_a_backward_raise_in_backward_not_silently(op, device):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 2, 64, generator=g).requires_grad_()
-    w = torch.nn.Parameter(torch.ones(64))
-    kc, vc = torch.randn(2, 8, 2, 64, generator=g), torch.randn(2, 8, 2, 64, generator=g)
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+    x = torch.randn(4, 2, 64, generator=g).to(device, dt).requires_grad_()
+    w = torch.nn.Parameter(torch.ones(64, device=device, dtype=dt))
+    kc, vc = (torch.randn(2, 8, 2, 64, generator=g).to(device, dt) for _ in range(2))
     run = {
         "rms_norm": lambda: flashcpp.rms_norm(x, w),
         "silu_and_mul": lambda: flashcpp.silu_and_mul(x),
         "apply_rotary": lambda: flashcpp.apply_rotary(x, None)[0],
         "qk_norm_rope": lambda: flashcpp.qk_norm_rope(x, None, w)[0],
         "kvcache": lambda: flashcpp.flash_attn_with_kvcache(
-            x.view(2, 1, 4, 64), kc, vc, cache_seqlens=torch.tensor([3, 8], dtype=torch.int32)),
+            x.view(2, 1, 4, 64), kc, vc, cache_seqlens=torch.tensor([3, 8], dtype=torch.int32, device=device)),
     }[op]
     out = run()
     assert out.requires_grad and out.grad_fn is not None
@@ -125,21 +128,25 @@ def test_in_place_forms_refuse_under_grad_mode():
         assert out is y
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("write", ["fused_add_rms_norm", "apply_rotary", "kvcache_append"])
-def test_in_place_writes_move_the_version_counter(write):
-    """A tensor saved by autograd and then written in place by flashcpp: the backward says it was
-    modified (it used to compute with the new values, silently)."""
-    a = torch.randn(2, 8, 2, 64, requires_grad=True)
-    target = torch.randn(2, 8, 2, 64)
+def test_in_place_writes_move_the_version_counter(write, device):
+    """A tensor saved by autograd and then written in place by flashcpp (its eager fast paths
+    included): the backward says it was modified (it used to compute with the new values, silently)."""
+    dt = torch.float32 if device == "cpu" else torch.bfloat16
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, dtype=dt)
+    a = rnd(2, 8, 2, 64).requires_grad_()
+    target = rnd(2, 8, 2, 64)
     saved = (a * target).sum()  # saves target
     if write == "fused_add_rms_norm":
-        flashcpp.fused_add_rms_norm(target.view(-1, 64), torch.randn(32, 64), torch.ones(64))
+        flashcpp.fused_add_rms_norm(target.view(-1, 64), rnd(32, 64), torch.ones(64, device=device, dtype=dt))
     elif write == "apply_rotary":
         flashcpp.apply_rotary(target.view(16, 2, 64), None, inplace=True)
     else:
-        flashcpp.flash_attn_with_kvcache(torch.randn(2, 1, 4, 64), target, torch.randn(2, 8, 2, 64),
-                                         torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64),
-                                         cache_seqlens=torch.tensor([1, 2], dtype=torch.int32))
+        flashcpp.flash_attn_with_kvcache(rnd(2, 1, 4, 64), target, rnd(2, 8, 2, 64), rnd(2, 1, 2, 64), rnd(2, 1, 2, 64),
+                                         cache_seqlens=torch.tensor([1, 2], dtype=torch.int32, device=device))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
 
