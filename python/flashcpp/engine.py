@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import numpy as np
 
 from . import _flashcpp as _C
 
@@ -49,20 +52,54 @@ def load_tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
+_INT32_MAX = 2**31 - 1
+
+
 def eos_token_ids(model_dir: str) -> List[int]:
     """The end-of-sequence ids of a checkpoint: eos_token_id of config.json and of
-    generation_config.json (an int or a list in either), in that order, without repeats."""
+    generation_config.json (an int or a list in either), in that order, without repeats. A file
+    that is not a JSON object, or an id outside [0, vocab_size) of config.json, is a ValueError
+    naming the file (a UTF-8 byte-order mark is allowed, as the C++ loader allows it)."""
     ids: List[int] = []
+    vocab_size: Optional[int] = None
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(os.fspath(model_dir), name)
         if not os.path.isfile(path):
             continue
-        with open(path) as f:
-            v = json.load(f).get("eos_token_id")
+        try:
+            with open(path, encoding="utf-8-sig") as f:
+                cfg = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: must be a JSON object, not {type(cfg).__name__}")
+        if name == "config.json" and isinstance(cfg.get("vocab_size"), int) and not isinstance(cfg["vocab_size"], bool):
+            vocab_size = cfg["vocab_size"]
+        v = cfg.get("eos_token_id")
         for i in (v if isinstance(v, list) else [v]):
             if isinstance(i, int) and not isinstance(i, bool) and i not in ids:
+                if vocab_size is not None and not 0 <= i < vocab_size:
+                    raise ValueError(f"{path}: eos_token_id {i} is outside the vocabulary [0, {vocab_size})")
                 ids.append(i)
     return ids
+
+
+def _int_arg(x: Any, name: str, lo: int, hi: int) -> int:
+    """An int argument in [lo, hi]: a float is not truncated, a bool or a string is not a number."""
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {x!r} (a {type(x).__name__} is not truncated or parsed)")
+    if not lo <= int(x) <= hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}]; got {x!r}")
+    return int(x)
+
+
+def _id_list(ids: Any, what: str) -> List[int]:
+    """A list of token ids (ints in [0, 2**31)), from a list, a tuple or a 1-D numpy array."""
+    if isinstance(ids, np.ndarray):
+        ids = ids.tolist() if ids.ndim == 1 else ids
+    if not isinstance(ids, (list, tuple)):
+        raise TypeError(f"{what} must be a list of token ids; got {type(ids).__name__}")
+    return [_int_arg(i, f"{what} id", 0, _INT32_MAX) for i in ids]
 
 
 @dataclass
@@ -84,6 +121,7 @@ class Engine:
 
     def __init__(self, handle):
         self._h = handle
+        self._inside = threading.local()  # .generate: this thread is in generate() (its callback may not reenter)
         self.model_dir: Optional[str] = None
         #: EOS ids of the loaded checkpoint (config.json, generation_config.json); see eos_token_ids.
         self.eos_ids: List[int] = []
@@ -91,7 +129,7 @@ class Engine:
     @classmethod
     def cpu(cls, threads: int = 0) -> "Engine":
         """The CPU backend (fp32) with `threads` threads (0: all)."""
-        return cls(_E.Engine.cpu(int(threads)))
+        return cls(_E.Engine.cpu(_int_arg(threads, "threads", 0, 1024)))
 
     @classmethod
     def cuda(cls) -> "Engine":
@@ -109,11 +147,22 @@ class Engine:
     def load(self, model_dir) -> "Engine":
         """Reads config.json and the safetensors of `model_dir` (ValueError with a sentence for a
         bad checkpoint). Returns self."""
+        self._not_busy("load")
         model_dir = os.fspath(model_dir)
+        if not model_dir or "\0" in model_dir:
+            raise ValueError(f"model_dir must name a checkpoint folder; got {model_dir!r}")
+        eos = eos_token_ids(model_dir)  # its files' checks first: a refusal leaves the engine as it was
         self._h.load(model_dir)
         self.model_dir = model_dir
-        self.eos_ids = eos_token_ids(model_dir)
+        self.eos_ids = eos
         return self
+
+    def _not_busy(self, what: str) -> None:
+        # Another thread waits for the engine (generate runs one call at a time); the thread inside
+        # generate can only be here from its own callback, which would wait for itself.
+        if getattr(self._inside, "generate", False):
+            raise RuntimeError(f"{what}: this engine is running generate(); its on_token callback cannot use the "
+                               f"engine (return False from it to end the run, then call {what})")
 
     def model(self) -> dict:
         """The loaded model's shape (config.json's names) and weight bytes."""
@@ -137,17 +186,25 @@ class Engine:
         kv_dtype: "auto" (the backend's dtype) or "fp8": an e4m3 KV cache holding codes of
         x / kv_scale (both backends; docs/decode.md).
         """
+        self._not_busy("generate")
         if self.model_dir is None:
             raise ValueError("generate: no model is loaded (Engine.load first)")
         prompts = self._prompts(prompt, tokenizer)
         if eager is None:
             eager = not self.is_cuda
-        r = self._h.generate(prompts, max_new_tokens=int(max_new_tokens), temperature=float(temperature),
-                             top_p=float(top_p), seed=int(seed), stop_ids=[int(i) for i in (stop_ids or [])],
-                             on_tokens=on_token, eager=bool(eager),
-                             # a CUDA graph is captured after one eager step (lazy cuBLASLt set-up)
-                             warmup_steps=0 if eager else 1, profile=False, kv_dtype=str(kv_dtype),
-                             kv_scale=float(kv_scale))
+        stops = [] if stop_ids is None else [_int_arg(stop_ids, "stop_ids", 0, _INT32_MAX)] if isinstance(
+            stop_ids, (int, np.integer)) and not isinstance(stop_ids, bool) else _id_list(stop_ids, "stop_ids")
+        self._inside.generate = True
+        try:
+            r = self._h.generate(prompts, max_new_tokens=_int_arg(max_new_tokens, "max_new_tokens", -_INT32_MAX, _INT32_MAX),
+                                 temperature=float(temperature), top_p=float(top_p),
+                                 seed=_int_arg(seed, "seed", 0, 2**64 - 1), stop_ids=stops,
+                                 on_tokens=on_token, eager=bool(eager),
+                                 # a CUDA graph is captured after one eager step (lazy cuBLASLt set-up)
+                                 warmup_steps=0 if eager else 1, profile=False, kv_dtype=str(kv_dtype),
+                                 kv_scale=float(kv_scale))
+        finally:
+            self._inside.generate = False
         text = None
         if tokenizer is not None:
             text = [tokenizer.decode(t, skip_special_tokens=True) for t in r["tokens"]]
@@ -162,10 +219,10 @@ class Engine:
                 raise ValueError("a text prompt needs a tokenizer (tokenizer=load_tokenizer(model_dir))")
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             out = [tokenizer.encode(t).ids for t in texts]
-        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (list, tuple)) for p in prompt):
-            out = [[int(i) for i in p] for p in prompt]
-        elif isinstance(prompt, (list, tuple)):
-            out = [[int(i) for i in prompt]]
+        elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
+            out = [_id_list(p, f"prompt {i}") for i, p in enumerate(prompt)]
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            out = [_id_list(prompt, "prompt")]
         else:
             raise TypeError(f"prompt must be ids, a list of id lists, or text; got {type(prompt).__name__}")
         for i, p in enumerate(out):

@@ -353,3 +353,59 @@ def test_fp8_kv_cache_through_python(ckpt):
         eng.generate(ids, max_new_tokens=2, kv_dtype="int8")
     with pytest.raises(ValueError, match="scale"):
         eng.generate(ids, max_new_tokens=2, kv_dtype="fp8", kv_scale=0.0)
+
+
+def test_the_callback_cannot_reenter_the_engine(ckpt):
+    """generate() or load() from inside generate()'s own on_token callback deadlocked; now a sentence."""
+    eng = ckpt["eng"]
+    for inner, what in ((lambda: eng.generate([1], max_new_tokens=1), "generate"), (lambda: eng.load(ckpt["dir"]), "load")):
+        with pytest.raises(RuntimeError, match=f"{what}: this engine is running generate"):
+            eng.generate([1, 2, 3], max_new_tokens=4, on_token=lambda step, ids: inner())
+    assert len(eng.generate([1, 2, 3], max_new_tokens=3).tokens[0]) == 3  # and it is usable after
+
+
+def test_generate_arguments_are_not_coerced(ckpt):
+    """Floats, bools and strings used to be truncated or parsed (prompt [1.9, 2.7] ran as [1, 2],
+    stop_ids "76" stopped at 7 and 6, stop_ids=0 meant none); ints too wide for the binding came back
+    as a nanobind signature dump."""
+    eng = ckpt["eng"]
+    for kw, err in ((dict(prompt=[1.9, 2.7]), TypeError), (dict(prompt=[True, 2]), TypeError),
+                    (dict(prompt=[1, 2**31]), ValueError), (dict(max_new_tokens=2.9), TypeError),
+                    (dict(max_new_tokens="3"), TypeError), (dict(max_new_tokens=2**31), ValueError),
+                    (dict(seed=-1), ValueError), (dict(seed=1.5), TypeError), (dict(stop_ids="76"), TypeError),
+                    (dict(stop_ids=[76.9]), TypeError)):
+        args = dict(prompt=[1, 2, 3], max_new_tokens=4)
+        args.update(kw)
+        with pytest.raises(err):
+            eng.generate(args.pop("prompt"), **args)
+    free = eng.generate([1, 2, 3], max_new_tokens=6).tokens[0]
+    first = free[0]
+    assert eng.generate([1, 2, 3], max_new_tokens=6, stop_ids=first).tokens[0] == [first]  # one id
+    assert eng.generate([1, 2, 3], max_new_tokens=6, stop_ids=np.array([first])).tokens[0] == [first]
+    assert eng.generate(np.array([1, 2, 3]), max_new_tokens=6).tokens[0] == free
+    with pytest.raises(TypeError, match="threads"):
+        fe.Engine.cpu(1.5)
+
+
+def test_a_bad_generation_config_is_refused_before_loading(ckpt, tmp_path):
+    """A generation_config.json that is not a JSON object (or not JSON) left the engine half-loaded
+    (model_dir set, eos_ids stale) with an AttributeError or a bare JSONDecodeError; now a ValueError
+    naming the file, before the load, so the engine stays empty and can load the fixed folder. A
+    byte-order mark is fine (the C++ loader takes it); an EOS id outside the vocabulary is refused."""
+    import shutil
+    d = tmp_path / "ckpt"
+    shutil.copytree(ckpt["dir"], d)
+    for text in ("[1, 2]", "{bad"):
+        eng = fe.Engine.cpu(1)
+        (d / "generation_config.json").write_text(text)
+        with pytest.raises(ValueError, match="generation_config.json"):
+            eng.load(d)
+        assert eng.model_dir is None
+        (d / "generation_config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"eos_token_id": 1}).encode())
+        assert 1 in eng.load(d).eos_ids
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": 10**6}))
+    eng = fe.Engine.cpu(1)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.load(d)
+    assert eng.model_dir is None
+    assert eng.load(ckpt["dir"]).model_dir == ckpt["dir"]  # refused before the C++ load: the engine is free
