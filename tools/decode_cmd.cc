@@ -266,6 +266,7 @@ int decode_main(const DecodeCliOptions& o) {
   if (!o.dump_logits.empty()) {
     std::ofstream f(o.dump_logits, std::ios::binary);
     f.write(reinterpret_cast<const char*>(r.logits.data()), static_cast<std::streamsize>(r.logits.size() * 4));
+    f.flush();  // a full disk shows at the flush (or the close), not at the buffered write
     if (!f) { std::cerr << "flashcpp decode: cannot write " << o.dump_logits << "\n"; return 1; }
   }
   if (!o.json.empty()) {
@@ -312,6 +313,7 @@ int decode_main(const DecodeCliOptions& o) {
     }
     std::ofstream f(o.json);
     f << j.dump(1) << "\n";
+    f.flush();  // as above: the check must see the bytes reach the file
     if (!f) { std::cerr << "flashcpp decode: cannot write " << o.json << "\n"; return 1; }
   }
   return 0;

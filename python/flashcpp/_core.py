@@ -760,9 +760,12 @@ def merge_host(v_a: np.ndarray, s_a: np.ndarray, v_b: np.ndarray, s_b: np.ndarra
     rows = int(np.prod(v_a.shape[:-1], dtype=np.int64))
     o = np.empty((rows, dim), dtype=np.float32)
     lse = np.empty((rows,), dtype=np.float32)
+    c = lambda x, shape: np.ascontiguousarray(x, dtype=np.float32).reshape(shape)  # noqa: E731
     if rows and dim:
-        c = lambda x, shape: np.ascontiguousarray(x, dtype=np.float32).reshape(shape)  # noqa: E731
         _C.merge_by_lse(c(v_a, (rows, dim)), c(s_a, (rows,)), c(v_b, (rows, dim)), c(s_b, (rows,)), o, lse)
+    elif rows:  # no output columns, but the merged LSE is still defined: merge one zero column for it
+        zero = np.zeros((rows, 1), dtype=np.float32)
+        _C.merge_by_lse(zero, c(s_a, (rows,)), zero.copy(), c(s_b, (rows,)), np.empty_like(zero), lse)
     return o.reshape(v_a.shape), lse.reshape(s_a.shape)
 
 

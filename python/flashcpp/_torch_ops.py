@@ -390,6 +390,10 @@ def merge_cuda(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, out: Optional
         if x.shape != shape or x.dtype != dt or x.device != v_a.device or not x.is_contiguous():
             raise ValueError(f"{n} must be a contiguous {dt} tensor of shape {tuple(shape)} on {v_a.device}; got "
                              f"{x.dtype} {tuple(x.shape)} on {x.device}")
+    if dim == 0 and s_a.numel():  # no output columns, but the merged LSE is still defined: merge one zero column
+        zero = torch.zeros((s_a.numel(), 1), dtype=v_a.dtype, device=v_a.device)
+        merge_cuda(zero, s_a.reshape(-1), zero, s_b.reshape(-1), out_lse=out_lse.view(-1))
+        return out, out_lse
     if rows == 0 or dim == 0:
         return out, out_lse
     if rows > 2**31 - 1:

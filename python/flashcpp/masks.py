@@ -151,6 +151,24 @@ def _check_blocks(block_m: int, block_n: int) -> Tuple[int, int]:
     return _core.check_int(block_m, "block_m", 1), _core.check_int(block_n, "block_n", 1)
 
 
+_MAX_ENTRIES = 2**31 - 1  # the CSR's int32 indices, and a dense mask's elements
+_MAX_BLOCK_ELEMENTS = 2**26  # a partial block keeps a bit per element
+
+
+def _check_grid(seqlen_q: int, seqlen_k: int, block_m: int, block_n: int, num_batch: int, num_heads: int) -> None:
+    """Refuses, up front and with a sentence, a block grid too large to build: more blocks than
+    int32 indexes (building it would run out of memory or time), or blocks whose element masks
+    could not be held."""
+    if block_m * block_n > _MAX_BLOCK_ELEMENTS:
+        raise ValueError(f"block_m x block_n = {block_m} x {block_n} is too large for a block's element mask "
+                         f"(at most {_MAX_BLOCK_ELEMENTS} elements; the kernels take 128 x 128)")
+    q_blocks, k_blocks = -(-max(seqlen_q, 0) // block_m), -(-max(seqlen_k, 0) // block_n)
+    blocks = max(num_batch, 1) * max(num_heads, 1) * q_blocks * k_blocks
+    if blocks > _MAX_ENTRIES:
+        raise ValueError(f"the block grid has {blocks} blocks ({q_blocks} x {k_blocks} per head, {num_batch} x "
+                         f"{num_heads} heads): more than 2**31-1; use larger blocks")
+
+
 def _counts(**named: Any) -> Tuple[int, ...]:
     """Sizes and counts for the C++ builders: ints (a float is not truncated) that fit in int32
     (the binding's own refusal is nanobind's 'incompatible function arguments'). Their sign is
@@ -189,6 +207,17 @@ def _arity(fn: Callable) -> int:
     return len(params)
 
 
+def _is_flag(v: Any) -> bool:
+    """A per-element mask value: a bool or an integer (a Python, numpy or 0-d torch one)."""
+    if isinstance(v, (bool, np.bool_, int, np.integer)):
+        return True
+    if isinstance(v, np.ndarray):
+        return v.ndim == 0 and v.dtype.kind in "bui"
+    if torch is not None and isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not v.dtype.is_floating_point and not v.dtype.is_complex
+    return False
+
+
 def _evaluate(fn: Callable, shape: Tuple[int, int, int, int], vectorized: bool) -> np.ndarray:
     """The mask function on every (b, h, q, k) of `shape`, as a C-contiguous uint8 array."""
     nb_, nh, nq, nk = shape
@@ -202,7 +231,11 @@ def _evaluate(fn: Callable, shape: Tuple[int, int, int, int], vectorized: bool) 
     if not vectorized:
         out = np.empty(shape, dtype=np.uint8)
         for idx in np.ndindex(*shape):
-            out[idx] = bool(fn(*idx[2:]) if arity == 2 else fn(*idx))
+            v = fn(*idx[2:]) if arity == 2 else fn(*idx)
+            if not _is_flag(v):
+                raise TypeError(f"mask_fn must return a boolean (True where the key is visible); at {idx} it "
+                                f"returned {v!r}")
+            out[idx] = bool(v)
         return out
 
     def index_arrays(arange):
@@ -226,6 +259,9 @@ def _evaluate(fn: Callable, shape: Tuple[int, int, int, int], vectorized: bool) 
                             f"it raised {type(torch_error).__name__}: {torch_error}. Pass vectorized=False "
                             "to call it once per element") from torch_error
     res = _to_numpy(res)
+    if res.dtype.kind not in "bui":  # None (a forgotten return), floats, objects: not a visibility
+        raise TypeError(f"mask_fn must return booleans (True where the key is visible); it returned "
+                        f"{'None' if res.dtype == object and res.ndim == 0 and res.item() is None else res.dtype}")
     try:
         res = np.broadcast_to(res, (nq, nk) if arity == 2 else shape)
     except ValueError:
@@ -267,6 +303,11 @@ def block_sparse_from_mask(mask: Union[Callable, Any], block_m: int, block_n: in
             raise ValueError(f"seqlen_q/seqlen_k must be >= 0 and num_batch/num_heads >= 1; got "
                              f"seqlen_q={seqlen_q}, seqlen_k={seqlen_k}, num_batch={num_batch}, "
                              f"num_heads={num_heads}")
+        _check_grid(shape[2], shape[3], bm, bn, shape[0], shape[1])
+        if shape[0] * shape[1] * shape[2] * shape[3] > _MAX_ENTRIES:
+            raise ValueError(f"a mask function is evaluated on every element: {shape[0]} x {shape[1]} x {shape[2]} x "
+                             f"{shape[3]} elements are more than 2**31-1; express the mask as rules "
+                             f"(block_sparse_from_rules) or documents (document_block_sparse)")
         dense = _evaluate(mask, shape, vectorized)
     else:
         arr = _to_numpy(mask)
@@ -303,6 +344,7 @@ def block_sparse_from_rules(seqlen_q: int, seqlen_k: int, block_m: int, block_n:
     left, right = _core.check_window(window_size)
     sq, sk, gt, nb, nh = _counts(seqlen_q=seqlen_q, seqlen_k=seqlen_k, global_tokens=global_tokens,
                                  num_batch=num_batch, num_heads=num_heads)
+    _check_grid(sq, sk, bm, bn, nb, nh)
     shape = _shape(seqlen_q=sq, seqlen_k=sk, block_m=bm, block_n=bn, num_batch=nb, num_heads=nh)
     return _from_dict(_C.block_mask_from_rules(shape, _rules(causal, left, right, gt, global_queries),
                                                _options(share_identical_partials)))
@@ -334,6 +376,7 @@ def document_block_sparse(cu_seqlens_q: Any, cu_seqlens_k: Any, block_m: int, bl
         cu.append(np.ascontiguousarray(a, dtype=np.int32))
     cu_q, cu_k = cu
     gt, nb, nh = _counts(global_tokens=global_tokens, num_batch=num_batch, num_heads=num_heads)
+    _check_grid(int(cu_q[-1]) if cu_q.size else 0, int(cu_k[-1]) if cu_k.size else 0, bm, bn, nb, nh)
     shape = _shape(block_m=bm, block_n=bn, num_batch=nb, num_heads=nh)
     return _from_dict(_C.document_block_mask(shape, cu_q, cu_k, _rules(causal, left, right, gt, global_queries),
                                              _options(share_identical_partials)))

@@ -237,6 +237,9 @@ Status parse_llama_config(std::string_view json_text, LlamaConfig* out) {
   }
 
   FLASHCPP_RETURN_IF_ERROR(f.number("rms_norm_eps", &c.rms_norm_eps));
+  if (c.rms_norm_eps > std::numeric_limits<float>::max())  // the norms run in fp32: it would be inf there
+    return Status::Invalid(fmt::format("config.json: \"rms_norm_eps\" is {}; it must fit in fp32 (at most {:g})",
+                                       c.rms_norm_eps, std::numeric_limits<float>::max()));
   FLASHCPP_RETURN_IF_ERROR(f.integer("max_position_embeddings", &c.max_position_embeddings, false));
   FLASHCPP_RETURN_IF_ERROR(f.boolean("tie_word_embeddings", &c.tie_word_embeddings));
   FLASHCPP_RETURN_IF_ERROR(f.boolean("attention_bias", &c.attention_bias));

@@ -672,6 +672,7 @@ TEST(EngineConfig, BadFieldsRefused) {
   expect_config_refused(edited(R"("rope_theta": 500000.0)", R"("rope_theta": "500000")"), {"\"rope_theta\" must be a number"});
   expect_config_refused(edited(R"("rope_theta": 500000.0)", R"("rope_theta": -1)"), {"\"rope_theta\" is -1"});
   expect_config_refused(edited(R"("rms_norm_eps": 1e-05)", R"("rms_norm_eps": 0)"), {"\"rms_norm_eps\" is 0"});
+  expect_config_refused(edited(R"("rms_norm_eps": 1e-05)", R"("rms_norm_eps": 1e300)"), {"\"rms_norm_eps\" is 1e+300; it must fit in fp32"});
   expect_config_refused(edited(R"("eos_token_id": 128001)", R"("eos_token_id": "eos")"), {"\"eos_token_id\" must be an integer"});
   expect_config_refused(edited(R"("eos_token_id": 128001)", R"("eos_token_id": [1, "x"])"), {"\"eos_token_id\" must hold"});
   expect_config_refused(edited(R"(["LlamaForCausalLM"])", R"("LlamaForCausalLM")"), {"\"architectures\" must be a list"});

@@ -193,3 +193,35 @@ def test_meta_tensors_get_a_sentence():
     q = torch.empty(1, 5, 2, 32, device="meta")
     with pytest.raises(ValueError, match="meta device"):
         flashcpp.flash_attn_func(q, q, q)
+
+
+def test_merging_states_without_columns_still_merges_the_lse():
+    """head_dim 0: the merged LSE came back as uninitialized memory."""
+    want = [np.log(2.0), -np.inf, np.nan]
+    a, b = np.array([0.0, -np.inf, np.nan], np.float32), np.array([0.0, -np.inf, 1.0], np.float32)
+    _, lse = flashcpp.merge_attention_states(np.zeros((3, 0), np.float32), a, np.zeros((3, 0), np.float32), b)
+    np.testing.assert_allclose(lse, want, rtol=1e-6)
+    _, lse_t = flashcpp.merge_attention_states(torch.zeros(3, 0), torch.from_numpy(a), torch.zeros(3, 0), torch.from_numpy(b))
+    np.testing.assert_allclose(lse_t.numpy(), want, rtol=1e-6)
+
+
+def test_mask_functions_must_return_booleans_and_grids_must_fit():
+    from flashcpp import masks
+    for vectorized in (True, False):  # a mask_fn that forgets to return was dense (vectorized) or empty
+        with pytest.raises(TypeError, match="must return"):
+            masks.block_sparse_from_mask(lambda q, k: None, 4, 4, seqlen_q=8, seqlen_k=8, vectorized=vectorized)
+        with pytest.raises(TypeError, match="must return"):
+            masks.block_sparse_from_mask(lambda q, k: 0.5 * (k <= q), 4, 4, seqlen_q=8, seqlen_k=8, vectorized=vectorized)
+    a = masks.block_sparse_from_mask(lambda q, k: k <= q, 4, 4, seqlen_q=8, seqlen_k=8)
+    b = masks.block_sparse_from_mask(lambda q, k: k <= q, 4, 4, seqlen_q=8, seqlen_k=8, vectorized=False)
+    assert np.array_equal(np.asarray(a.col_idx), np.asarray(b.col_idx))
+    # sizes that used to hang, run out of memory or fail inside C++: a sentence up front
+    for build in (lambda: masks.causal_block_sparse(2**31 - 1, 2**31 - 1, 64, 64),
+                  lambda: masks.causal_block_sparse(2**31 - 1, 2**31 - 1, 1, 1),
+                  lambda: masks.document_block_sparse([0, 2**31 - 1], [0, 2**31 - 1], 1, 1)):
+        with pytest.raises(ValueError, match="block grid has"):
+            build()
+    with pytest.raises(ValueError, match="too large for a block's element mask"):
+        masks.causal_block_sparse(128, 128, 2**31 - 1, 2**31 - 1)
+    with pytest.raises(ValueError, match="evaluated on every element"):
+        masks.block_sparse_from_mask(lambda q, k: k <= q, 1024, 1024, seqlen_q=2**20, seqlen_k=2**20)

@@ -969,7 +969,7 @@ int dump_inputs(const AuditOptions& opt, const std::vector<Problem>& problems, s
       const harness::HostTensor t = to_dtype(p.dtype, *data);
       const std::string file = stem + "." + tn + ".bin";
       std::ofstream f(fs::path(opt.dump_dir) / file, std::ios::binary);
-      if (!f.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.bytes.size()))) {
+      if (!f.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.bytes.size())).flush()) {
         err << "flashcpp audit: cannot write " << (fs::path(opt.dump_dir) / file).string() << "\n";
         return 2;
       }
@@ -978,7 +978,7 @@ int dump_inputs(const AuditOptions& opt, const std::vector<Problem>& problems, s
     manifest["problems"].push_back(j);
   }
   std::ofstream f(fs::path(opt.dump_dir) / "manifest.json");
-  if (!(f << manifest.dump(1) << "\n")) {
+  if (!(f << manifest.dump(1) << "\n" << std::flush)) {
     err << "flashcpp audit: cannot write the manifest in " << opt.dump_dir << "\n";
     return 2;
   }
@@ -1246,7 +1246,7 @@ int run_audit(const AuditOptions& opt, std::ostream& out, std::ostream& err) {
     const std::filesystem::path path(opt.json_path);
     if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
     std::ofstream f(path);
-    if (f << report_json(env, opt, problems, results).dump(1) << "\n") {
+    if (f << report_json(env, opt, problems, results).dump(1) << "\n" << std::flush) {  // a full disk shows at the flush
       out << "report: " << opt.json_path << "\n";
     } else {
       err << "flashcpp audit: cannot write " << opt.json_path << "\n";

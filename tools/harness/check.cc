@@ -145,7 +145,7 @@ int run_check(const CheckOptions& opt, std::ostream& out, std::ostream& err) {
     const std::filesystem::path path(opt.json_path);
     if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
     std::ofstream f(path);
-    if (f << report_json(env, results).dump(2) << "\n") {
+    if (f << report_json(env, results).dump(2) << "\n" << std::flush) {  // a full disk shows at the flush
       out << "report: " << opt.json_path << "\n";
     } else {
       err << "flashcpp check: cannot write " << opt.json_path << "\n";

@@ -110,6 +110,7 @@ Status write_trace_csv(const std::vector<KernelRecord>& records, const std::stri
     f << i << ',' << name << buf << r.grid[0] << 'x' << r.grid[1] << 'x' << r.grid[2] << ',' << r.block[0] << 'x'
       << r.block[1] << 'x' << r.block[2] << ',' << r.registers << ',' << r.graph_id << '\n';
   }
+  f.flush();  // a full disk shows at the flush, not at the buffered writes
   return f ? Status::Ok() : Status::Invalid("writing the trace to " + path + " failed");
 }
 
