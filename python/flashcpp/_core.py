@@ -798,20 +798,22 @@ def int32_tensor(x: Any, name: str, device: Any) -> Any:
             raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
         x = torch.as_tensor(a)
         if x.device != device and device.type != "cpu":
-            x = _checked_int32_host(x, name).to(device)
+            x = check_int32_values(x, name).to(device=device, dtype=torch.int32)
     if x.device != device:
         raise ValueError(f"{name} must be on q's device ({device}); got {x.device}")
     if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
         raise TypeError(f"{name} must hold integers (int32); got {x.dtype}")
     if x.dtype != torch.int32:
-        x = _checked_int32_host(x, name) if x.device.type == "cpu" else x.to(torch.int32)
+        x = (check_int32_values(x, name) if x.device.type == "cpu" else x).to(torch.int32)
     return x.contiguous()
 
 
-def _checked_int32_host(x: Any, name: str) -> Any:
-    if x.numel() and (int(x.min()) < -2**31 or int(x.max()) > 2**31 - 1):
-        raise ValueError(f"{name} values must fit int32; got {int(x.min())} .. {int(x.max())}")
-    return x.to(torch.int32)
+def check_int32_values(a: Any, name: str) -> Any:
+    """Refuses host integers (a numpy array or a CPU tensor) outside int32, which a conversion
+    would wrap into plausible indices; returns a."""
+    if (a.size if isinstance(a, np.ndarray) else a.numel()) and (int(a.min()) < -2**31 or int(a.max()) > _INT32_MAX):
+        raise ValueError(f"{name} values must fit int32; got {int(a.min())} .. {int(a.max())}")
+    return a
 
 
 def small_array(x: Any, name: str, kind: str, like: Any, is_cuda: bool, device: Any) -> Any:
@@ -851,8 +853,7 @@ def small_array(x: Any, name: str, kind: str, like: Any, is_cuda: bool, device: 
     if kind == "int32":
         if a.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
-        if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
-            raise ValueError(f"{name} values must fit int32")
+        check_int32_values(a, name)
     return np.ascontiguousarray(a, dtype=want_np)
 
 

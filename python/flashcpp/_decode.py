@@ -47,10 +47,7 @@ def _ints(x: Any, name: str) -> np.ndarray:
     a = np.asarray(x)
     if a.dtype.kind not in "iu":
         raise TypeError(f"{name} must hold integers (int32); got {a.dtype}")
-    a = a.astype(np.int64)
-    if a.size and (a.min() < -2**31 or a.max() > 2**31 - 1):  # an int32 quantity: a wider value would wrap
-        raise ValueError(f"{name} values must fit int32; got {int(a.min())} .. {int(a.max())}")
-    return a
+    return _core.check_int32_values(a.astype(np.int64), name)  # an int32 quantity: a wider value would wrap
 
 
 def _is_pow2(n: int) -> bool:

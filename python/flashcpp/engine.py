@@ -24,6 +24,7 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
+from . import _core
 from . import _flashcpp as _C
 
 _E = getattr(_C, "engine", None)
@@ -52,7 +53,7 @@ def load_tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = _core._INT32_MAX
 
 
 def eos_token_ids(model_dir: str) -> List[int]:
@@ -85,12 +86,11 @@ def eos_token_ids(model_dir: str) -> List[int]:
 
 
 def _int_arg(x: Any, name: str, lo: int, hi: int) -> int:
-    """An int argument in [lo, hi]: a float is not truncated, a bool or a string is not a number."""
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+    """_core.check_int, with a TypeError for what is not an int at all (a float is not truncated,
+    a bool or a string is not a number)."""
+    if not _core._is_int(x):
         raise TypeError(f"{name} must be an int; got {x!r} (a {type(x).__name__} is not truncated or parsed)")
-    if not lo <= int(x) <= hi:
-        raise ValueError(f"{name} must be an int in [{lo}, {hi}]; got {x!r}")
-    return int(x)
+    return _core.check_int(x, name, lo, hi)
 
 
 def _id_list(ids: Any, what: str) -> List[int]:

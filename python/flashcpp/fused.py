@@ -324,9 +324,7 @@ def _positions_arg(pos: Any, q: Any, name: str, shapes) -> Any:
         pos = np.asarray(pos)
         if pos.dtype.kind not in "iu":
             raise TypeError(f"{name} must hold integers; got {pos.dtype}")
-        if pos.size and (pos.min() < -2**31 or pos.max() > 2**31 - 1):
-            raise ValueError(f"{name} must fit int32")
-        pos = np.ascontiguousarray(pos, dtype=np.int32)
+        pos = np.ascontiguousarray(_core.check_int32_values(pos, name), dtype=np.int32)
     if tuple(pos.shape) not in tuple(tuple(sh) for sh in shapes):
         raise ValueError(f"{name} must have shape {' or '.join(str(tuple(sh)) for sh in shapes)}; got {tuple(pos.shape)}")
     return pos

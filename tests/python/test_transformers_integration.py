@@ -376,14 +376,7 @@ def test_padding_slots_without_nonzero_static(monkeypatch):
 
 def _packed_reference(query, key, value, mask, opts):
     """The packed (varlen) form of a padded step, which the decode form must equal."""
-    batch, _, len_q, _ = query.shape
-    pad = fcpp_hf._padding(mask, len_q)
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    packed = fcpp_hf.flash_attn_varlen_func(q[pad.q_rows, pad.q_pos], k[pad.k_rows, pad.k_pos], v[pad.k_rows, pad.k_pos],
-                                            pad.cu_q, pad.cu_k, pad.max_q, pad.max_k, **opts)
-    rows = batch * len_q
-    out = packed.new_zeros((rows + 1,) + tuple(packed.shape[1:])).index_put((pad.q_dest,), packed)
-    return out[:rows].view(batch, len_q, *packed.shape[1:])
+    return fcpp_hf._packed_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, opts)
 
 
 @pytest.mark.parametrize("heads_q,heads_kv,dim,dim_v", [(4, 2, 64, 64), (6, 1, 32, 48), (3, 3, 40, 40)])

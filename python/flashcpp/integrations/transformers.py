@@ -64,6 +64,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
+from .. import _core
 from ..attention import flash_attn_func, flash_attn_varlen_func
 from ..decode import flash_attn_with_kvcache
 
@@ -338,9 +339,21 @@ def _padded_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     return out.view(batch, 1, heads_q, out.shape[-1])
 
 
-def _capturing(t: torch.Tensor) -> bool:
-    """A CUDA graph is being captured on t's device (a decode plan cannot be made then)."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor,
+                      opts: dict) -> torch.Tensor:
+    """A padded step in packed form: q (batch, len_q, heads_q, dim), k/v (batch, >= len_k, heads_kv,
+    dim[_v]) views; queries are the last len_q positions of the (batch, len_k) mask (left padding).
+    The real tokens are gathered by index, not by the bool mask (a bool index finds its True entries
+    on every call, a sync), run through flash_attn_varlen_func and scattered back; the fillers'
+    rows go to a spare output row that is dropped, and padded query rows stay zero."""
+    batch, len_q = q.shape[:2]
+    pad = _padding(attention_mask, len_q)
+    out_packed = flash_attn_varlen_func(
+        q[pad.q_rows, pad.q_pos], k[pad.k_rows, pad.k_pos], v[pad.k_rows, pad.k_pos], pad.cu_q, pad.cu_k,
+        pad.max_q, pad.max_k, **opts)
+    rows = batch * len_q
+    out = out_packed.new_zeros((rows + 1,) + tuple(out_packed.shape[1:])).index_put((pad.q_dest,), out_packed)
+    return out[:rows].view(batch, len_q, *out_packed.shape[1:])
 
 
 def _target_dtype(q: torch.Tensor) -> Optional[torch.dtype]:
@@ -402,21 +415,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if k.shape[1] < len_k or len_k < len_q:
             raise ValueError(f"attention_mask covers {len_k} keys but the layer has {k.shape[1]} keys and "
                              f"{len_q} queries")
-        if (len_q == 1 and len_k > 1 and not torch.compiler.is_compiling() and not _capturing(query)
-                and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
+        # A decode step reads the cache in place (a plan cannot be made while a CUDA graph is
+        # captured, and the decode has no backward); anything else packs the real tokens.
+        if (len_q == 1 and len_k > 1 and not torch.compiler.is_compiling() and not _core.capturing(query.device)
+                and not _core.grad_needed(query, key, value)):
             out = _padded_decode(query, key, value, attention_mask, opts)
             if out is not None:
                 return out, None
-        # Queries are the last len_q positions (left padding). The real tokens are gathered by
-        # index, not by the bool mask: a bool index finds its True entries on every call, a sync.
-        # Packed rows past the real ones (the fillers) go to a dropped row of the output.
-        pad = _padding(attention_mask, len_q)
-        out_packed = flash_attn_varlen_func(
-            q[pad.q_rows, pad.q_pos], k[pad.k_rows, pad.k_pos], v[pad.k_rows, pad.k_pos], pad.cu_q, pad.cu_k,
-            pad.max_q, pad.max_k, **opts)
-        rows = batch * len_q
-        out = out_packed.new_zeros((rows + 1,) + tuple(out_packed.shape[1:])).index_put((pad.q_dest,), out_packed)
-        return out[:rows].view(batch, len_q, *out_packed.shape[1:]), None
+        return _packed_attention(q, k, v, attention_mask, opts), None
 
     if cu_seq_lens_q is not None and cu_seq_lens_k is not None:
         # padding-free batches: the caller packed the sequences back to back
