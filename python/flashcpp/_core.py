@@ -216,7 +216,7 @@ def _is_int(x: Any) -> bool:
 MAX_CPU_THREADS = 1024  # the CLI's --threads limit (tools/cli_checks.h kMaxThreads)
 
 if torch is not None:  # what the C++ fast paths read tensors with (python/src/eager_fast.cc)
-    _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32,
+    _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32, torch.int32,
                    getattr(torch._C, "_cuda_getDevice", None), _raw_stream, torch.empty_like, MAX_CPU_THREADS)
 
 

@@ -782,81 +782,49 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 # ---- the eager fast path of flash_attn_with_kvcache ------------------------------------------------
 # A plain step (torch tensors of one dtype on the host or the current CUDA device: q, the caches
 # and the new k/v; int32 cache_seqlens and block_table tensors there; no rotary, ALiBi, fp8 scales,
-# cache_batch_idx or cache_leftpad) fills DecodeParams straight from shapes, strides and pointers
-# and runs the plan: on CUDA the plan of the shape, made as the general path makes it (for full
-# caches) and kept in the same plan table under a key of plain values; on the host a plan for this call's
-# lengths (host lengths: the C++ validator checks them). Anything else, a first call under CUDA
-# graph capture included, runs the general path with its Python checks and sentences.
-# tests/python/test_kvcache_fast_path.py.
+# cache_batch_idx or cache_leftpad) is read, checked and run by one C++ call (_C.kvcache_fast,
+# python/src/eager_fast.cc), which fills DecodeParams straight from shapes, strides and pointers. It
+# asks plan_for (below) for the plan: on CUDA the plan of the shape, made as the general path makes
+# it (for full caches) and kept in the same plan table under a key of plain values; on the host a
+# plan for this call's lengths (host lengths: the C++ validator checks them). Anything else, a first
+# call under CUDA graph capture included, runs the general path with its Python checks and
+# sentences. tests/python/test_kvcache_fast_path.py.
 torch = _core.torch
 _FAST_TYPES = _core.FAST_TYPES
 
 
-def _int32_on(x: Any, device: Any) -> bool:
-    return type(x) in _FAST_TYPES and x.dtype == torch.int32 and x.device == device and x.is_contiguous()
+_DTYPE_OF_CODE = {} if torch is None else {code: dt for dt, code in _core.FAST_CODES.items()}
 
 
 def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
                   softcap, num_splits, return_lse) -> Any:
-    """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply."""
+    """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply.
+    The tensors are read, checked and run by _C.kvcache_fast (python/src/eager_fast.cc); it asks
+    plan_for below for the plan of the shape it read."""
     if causal.__class__ is not bool or softcap.__class__ not in (float, int):  # the general path says why
-        return None
-    dt = q.dtype
-    code = _core.FAST_CODES.get(dt)
-    if code is None or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
-        return None
-    dev = q.device
-    news = () if k is None and v is None else (k, v)
-    if len(news) and (k is None or v is None):
-        return None
-    for t in (k_cache, v_cache) + news:
-        if type(t) not in _FAST_TYPES or t.dtype != dt or t.device != dev:
-            return None
-    if news and (k_cache.requires_grad or v_cache.requires_grad):
-        return None
-    if not _int32_on(cache_seqlens, dev) or (block_table is not None and not _int32_on(block_table, dev)):
         return None
     if type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
         return None
-    B, Sq, Hq, D = q.shape
-    Hkv, Dv = k_cache.shape[2], v_cache.shape[3]
-    paged = block_table is not None
-    if (B == 0 or not 1 <= Sq <= MAX_SEQLEN_Q or Hkv == 0 or Hq % Hkv or k_cache.shape[3] != D
-            or tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]) or cache_seqlens.shape != (B,)):
-        return None
-    if paged:
-        if block_table.dim() != 2 or block_table.shape[0] != B or block_table.shape[1] < 1:
-            return None
-        ps = k_cache.shape[1]
-        if ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
-            return None
-        slots = block_table.shape[1] * ps
-    else:
-        if k_cache.shape[0] != B:
-            return None
-        ps, slots = 0, k_cache.shape[1]
-    if news and (tuple(k.shape) != (B, Sq, Hkv, D) or tuple(v.shape) != (B, Sq, Hkv, Dv) or slots < Sq):
-        return None
-    where = _core.fast_device(dev, dt)
-    if where is None:
-        return None
-    views = [_C.fast_view(t, code) for t in (q, k_cache, v_cache) + news]
-    if any(x is None for x in views):
-        return None
     window = (-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1) else _core.check_window(window_size)
-    shape = (B, Hq, Hkv, D)
 
-    def config() -> dict:  # the plan's arguments: built only when a plan is made
-        return dict(seqlen_q=Sq, kv_capacity=slots, page_size=ps, append=bool(news), causal=bool(causal),
-                    window_size=window, softcap=float(softcap), sm_scale=softmax_scale, rotary=None,
-                    rope_theta=10000.0, dtype=_core._TORCH_DTYPE_NAMES[dt],
-                    device=dev if dev.type == "cuda" else "cpu", num_splits=num_splits, head_dim_v=Dv,
-                    kv_dtype=None)
+    def plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, device, code) -> Any:
+        dt = _DTYPE_OF_CODE[code]
+        shape = (B, Hq, Hkv, D)
 
-    if dev.type == "cuda":
-        key = ("fast", dev.index, shape, Sq, Dv, slots, ps, bool(news), bool(causal), window, float(softcap),
+        def config() -> dict:  # the plan's arguments: built only when a plan is made
+            return dict(seqlen_q=Sq, kv_capacity=slots, page_size=ps, append=append, causal=bool(causal),
+                        window_size=window, softcap=float(softcap), sm_scale=softmax_scale, rotary=None,
+                        rope_theta=10000.0, dtype=_core._TORCH_DTYPE_NAMES[dt],
+                        device=q.device if device >= 0 else "cpu", num_splits=num_splits, head_dim_v=Dv,
+                        kv_dtype=None)
+
+        if device < 0:  # the host: a plan for this call's lengths (the C++ validator checks them)
+            w = BatchDecodeWithKVCache()
+            w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **config())
+            return w
+        key = ("fast", device, shape, Sq, Dv, slots, ps, append, bool(causal), window, float(softcap),
                softmax_scale, dt, num_splits)
-        if key not in _PLAN_CACHE and _capturing(dev):
+        if key not in _PLAN_CACHE and _capturing(q.device):
             return None  # the general path says why a first call cannot be captured
 
         def make() -> BatchDecodeWithKVCache:
@@ -864,36 +832,12 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             w.plan(*shape, **config())  # waits for the work-list upload: later calls may use any stream
             return w
 
-        w = _cached_plan(key, make)
-    else:
-        w = BatchDecodeWithKVCache()
-        w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **config())
-    c = w._cfg
-    out = q.new_empty((B, Sq, Hq, Dv))
-    lse = q.new_empty((B, Hq, Sq), dtype=torch.float32) if return_lse else None
-    p = _C.DecodeParams()
-    p.batch, p.seqlen_q, p.heads_q, p.heads_kv, p.head_dim = B, Sq, Hq, Hkv, D
-    p.head_dim_v = Dv
-    p.q = views[0]
-    p.o = _C.fast_view(out, code)
-    p.lse = 0 if lse is None else lse.data_ptr()
-    cache = p.cache
-    cache.k, cache.v = views[1], views[2]
-    cache.capacity = 0 if paged else slots
-    cache.page_size, cache.num_pages = ps, k_cache.shape[0] if paged else 0
-    if paged:
-        cache.block_table = block_table.data_ptr()
-        cache.block_table_stride = cache.pages_per_seq = block_table.shape[1]
-    p.cache_seqlens = cache_seqlens.data_ptr()
-    if news:
-        p.k_new, p.v_new = views[3], views[4]
-    p.softmax_scale = c["scale"]
-    m = p.mask
-    m.causal, m.window_left, m.window_right, m.softcap = c["causal"], c["window"][0], c["window"][1], c["softcap"]
-    _C.decode_run(p, w._plan, _C.RunOptions(where[0], where[1], 0))
-    if news:
+        return _cached_plan(key, make)
+
+    res = _C.kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, plan_for, return_lse)
+    if res is not None and k is not None:
         _core.bump_versions(k_cache, v_cache)  # written in place (the append)
-    return out, lse
+    return res
 
 
 # ---- FlashInfer's paged wrapper ---------------------------------------------------------------------

@@ -1,5 +1,6 @@
-// The eager fast paths, marshalled in C++: a plain flash_attn_func, rms_norm, fused_add_rms_norm
-// or silu_and_mul call on torch tensors is read and launched here in one call from Python.
+// The eager fast paths, marshalled in C++: a plain flash_attn_func, flash_attn_with_kvcache,
+// rms_norm, fused_add_rms_norm or silu_and_mul call on torch tensors is read and launched here in
+// one call from Python (the kvcache step calls back once for its plan, which Python caches).
 //
 // Why: Python code that reads each tensor's shape, strides and pointer and then sets each params
 // field as an attribute cost about 29 of flash_attn_func's 46 us of host time per call on the H200
@@ -20,11 +21,14 @@
 // compare it with the general path bit for bit).
 #include "eager_fast.h"
 
+#include <nanobind/stl/pair.h>
+
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "py_status.h"
 
@@ -48,6 +52,7 @@ struct Torch {
   PyObject* f16 = nullptr;             // torch.float16, torch.bfloat16, torch.float32
   PyObject* bf16 = nullptr;
   PyObject* f32 = nullptr;
+  PyObject* i32 = nullptr;             // torch.int32: cache_seqlens and block_table
   PyObject* current_device = nullptr;  // () -> int: torch's current CUDA device (null: no CUDA in torch)
   PyObject* raw_stream = nullptr;      // (int) -> int: the current stream of that device
   PyObject* empty_like = nullptr;      // torch.empty_like: about 1.2 us cheaper than new_empty on the H200 host (host_probe)
@@ -143,6 +148,27 @@ bool read_layout(PyObject* o, Tensor* t) {
          address_of(cleared(PyObject_CallMethodNoArgs(o, T.s_data_ptr)), &t->data);
 }
 
+/// A tensor's device: -1 for the host, else its CUDA index; false for any other device (meta, ...).
+bool read_device(PyObject* o, int* device) {
+  const Torch& T = *g_torch;
+  nb::object cuda = cleared(PyObject_GetAttr(o, T.s_is_cuda));
+  if (!cuda.is_valid()) return false;
+  if (cuda.ptr() != Py_True) {
+    nb::object cpu = cleared(PyObject_GetAttr(o, T.s_is_cpu));  // not meta, mps, xpu, ...
+    *device = -1;
+    return cpu.is_valid() && cpu.ptr() == Py_True;
+  }
+  nb::object dev = cleared(PyObject_CallMethodNoArgs(o, T.s_get_device));
+  if (!dev.is_valid()) return false;
+  const long d = PyLong_AsLong(dev.ptr());
+  if (d < 0 || d > 1 << 20) {
+    PyErr_Clear();
+    return false;
+  }
+  *device = static_cast<int>(d);
+  return true;
+}
+
 /// Reads a plain tensor of fp16, bf16 or fp32 on the host or a CUDA device; false for anything else.
 bool read(nb::handle h, Tensor* t) {
   const Torch& T = *g_torch;
@@ -155,22 +181,7 @@ bool read(nb::handle h, Tensor* t) {
   else if (dt.ptr() == T.f16) t->dtype = DType::kF16;
   else if (dt.ptr() == T.f32) t->dtype = DType::kF32;
   else return false;
-  nb::object cuda = cleared(PyObject_GetAttr(o, T.s_is_cuda));
-  if (!cuda.is_valid()) return false;
-  if (cuda.ptr() == Py_True) {
-    nb::object dev = cleared(PyObject_CallMethodNoArgs(o, T.s_get_device));
-    if (!dev.is_valid()) return false;
-    const long d = PyLong_AsLong(dev.ptr());
-    if (d < 0 || d > 1 << 20) {
-      PyErr_Clear();
-      return false;
-    }
-    t->device = static_cast<int>(d);
-  } else {
-    nb::object cpu = cleared(PyObject_GetAttr(o, T.s_is_cpu));  // not meta, mps, xpu, ...
-    if (!cpu.is_valid() || cpu.ptr() != Py_True) return false;
-    t->device = -1;
-  }
+  if (!read_device(o, &t->device)) return false;
   nb::object grad = cleared(PyObject_GetAttr(o, T.s_requires_grad));
   if (!grad.is_valid()) return false;
   t->requires_grad = grad.ptr() == Py_True;
@@ -449,6 +460,128 @@ nb::object fast_view(nb::handle h, int code) {
   return nb::cast(v);
 }
 
+/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its element count and pointer.
+bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
+  PyObject* o = h.ptr();
+  if (!plain_tensor(o)) return false;
+  nb::object dt = cleared(PyObject_GetAttr(o, g_torch->s_dtype));
+  Tensor t;
+  int dev = 0;
+  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, &t) ||
+      t.ndim != ndim || !t.contiguous())
+    return false;
+  for (int i = 0; i < ndim; ++i) shape[i] = t.shape[i];
+  *data = t.data;
+  return true;
+}
+
+/// A number or bool entry of the plan's _cfg dict, as a double.
+bool cfg_number(PyObject* cfg, const char* key, double* out) {
+  PyObject* v = PyDict_GetItemString(cfg, key);  // borrowed
+  if (v == nullptr) return false;
+  if (PyBool_Check(v)) {
+    *out = v == Py_True ? 1.0 : 0.0;
+    return true;
+  }
+  return number(v, out);
+}
+
+/// flash_attn_with_kvcache's plain step (no rotary, ALiBi, fp8 scales, cache_batch_idx or
+/// cache_leftpad: the caller checks those): reads q, the caches, the new k/v, cache_seqlens and
+/// block_table, checks what the Python fast path checked, asks `plan_for(batch, seqlen_q, heads_q,
+/// heads_kv, head_dim, head_dim_v, slots, page_size, append, device, dtype_code)` for the decode
+/// plan (a BatchDecodeWithKVCache, or None: the general path runs), fills DecodeParams and runs the
+/// step. (out, lse or None), or None.
+nb::object kvcache_fast(nb::handle qh, nb::handle kch, nb::handle vch, nb::handle kh, nb::handle vh, nb::handle lens_h,
+                        nb::handle table_h, nb::handle plan_for, bool return_lse) {
+  if (g_torch == nullptr) return nb::none();
+  Tensor q, kc, vc, k, v;
+  if (!read(qh, &q) || !read(kch, &kc) || !read(vch, &vc)) return nb::none();
+  if (q.ndim != 4 || kc.ndim != 4 || vc.ndim != 4 || !q.same_place(kc) || !q.same_place(vc)) return nb::none();
+  const bool append = !kh.is_none() || !vh.is_none();
+  if (append) {
+    if (kh.is_none() || vh.is_none() || !read(kh, &k) || !read(vh, &v) || !q.same_place(k) || !q.same_place(v))
+      return nb::none();
+    if (kc.requires_grad || vc.requires_grad) return nb::none();
+  }
+  std::int64_t lens_shape[1] = {0}, table_shape[2] = {0, 0};
+  std::uintptr_t lens = 0, table = 0;
+  const bool paged = !table_h.is_none();
+  if (!read_int32(lens_h, q.device, 1, lens_shape, &lens) ||
+      (paged && !read_int32(table_h, q.device, 2, table_shape, &table)))
+    return nb::none();
+  const std::int64_t B = q.shape[0], Sq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
+  const std::int64_t Hkv = kc.shape[2], Dv = vc.shape[3];
+  if (B == 0 || Sq < 1 || Sq > flashcpp::kDecodeMaxSeqlenQ || Hkv == 0 || Hq % Hkv != 0 || kc.shape[3] != D ||
+      vc.shape[0] != kc.shape[0] || vc.shape[1] != kc.shape[1] || vc.shape[2] != kc.shape[2] || lens_shape[0] != B)
+    return nb::none();
+  std::int64_t ps = 0, slots = 0;
+  if (paged) {
+    if (table_shape[0] != B || table_shape[1] < 1) return nb::none();
+    ps = kc.shape[1];
+    if (ps < 1 || ps > flashcpp::kDecodeMaxPageSize || (ps & (ps - 1)) != 0) return nb::none();
+    slots = table_shape[1] * ps;
+  } else {
+    if (kc.shape[0] != B) return nb::none();
+    slots = kc.shape[1];
+  }
+  if (append) {
+    const std::int64_t ks[4] = {B, Sq, Hkv, D}, vs[4] = {B, Sq, Hkv, Dv};
+    if (k.ndim != 4 || v.ndim != 4 || slots < Sq) return nb::none();
+    for (int i = 0; i < 4; ++i)
+      if (k.shape[i] != ks[i] || v.shape[i] != vs[i]) return nb::none();
+  }
+  RunOptions opt;
+  TensorView vq, vkc, vvc, vk, vv;
+  if (!place(q, false, &opt) || !view4(q, &vq) || !view4(kc, &vkc) || !view4(vc, &vvc) ||
+      (append && (!view4(k, &vk) || !view4(v, &vv))))
+    return nb::none();
+  nb::object w = plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, q.device, static_cast<int>(q.dtype));
+  if (w.is_none()) return nb::none();
+  const flashcpp::DecodePlan& plan = nb::cast<const flashcpp::DecodePlan&>(w.attr("_plan"));
+  nb::object cfg = w.attr("_cfg");
+  double scale = 0, causal = 0, softcap = 0;
+  if (!PyDict_Check(cfg.ptr()) || !cfg_number(cfg.ptr(), "scale", &scale) || !cfg_number(cfg.ptr(), "causal", &causal) ||
+      !cfg_number(cfg.ptr(), "softcap", &softcap))
+    throw nb::type_error("kvcache_fast: the plan's _cfg lacks scale, causal or softcap");
+  const auto window = nb::cast<std::pair<int, int>>(nb::handle(PyDict_GetItemString(cfg.ptr(), "window")));
+
+  nb::object out = new_empty(q, nb::make_tuple(B, Sq, Hq, Dv));
+  nb::object lse = return_lse ? new_empty(q, nb::make_tuple(B, Hq, Sq), g_torch->f32) : nb::none();
+  flashcpp::DecodeParams p;
+  p.batch = static_cast<int>(B);
+  p.seqlen_q = static_cast<int>(Sq);
+  p.heads_q = static_cast<int>(Hq);
+  p.heads_kv = static_cast<int>(Hkv);
+  p.head_dim = static_cast<int>(D);
+  p.head_dim_v = static_cast<int>(Dv);
+  p.q = vq;
+  p.o = contiguous_view4(data_ptr(out), q.dtype, B, Sq, Hq, Dv);
+  p.lse = return_lse ? reinterpret_cast<float*>(data_ptr(lse)) : nullptr;
+  p.cache.k = vkc;
+  p.cache.v = vvc;
+  p.cache.capacity = paged ? 0 : static_cast<int>(slots);
+  p.cache.page_size = static_cast<int>(ps);
+  p.cache.num_pages = paged ? static_cast<int>(kc.shape[0]) : 0;
+  if (paged) {
+    p.cache.block_table = reinterpret_cast<const std::int32_t*>(table);
+    p.cache.block_table_stride = table_shape[1];
+    p.cache.pages_per_seq = static_cast<int>(table_shape[1]);
+  }
+  p.cache_seqlens = reinterpret_cast<const std::int32_t*>(lens);
+  if (append) {
+    p.k_new = vk;
+    p.v_new = vv;
+  }
+  p.softmax_scale = static_cast<float>(scale);
+  p.mask.causal = causal != 0;
+  p.mask.window_left = window.first;
+  p.mask.window_right = window.second;
+  p.mask.softcap = static_cast<float>(softcap);
+  call_released([&] { return flashcpp::decode_run(p, plan, opt); });
+  return nb::make_tuple(out, lse);
+}
+
 PyObject* intern(const char* s) {
   PyObject* r = PyUnicode_InternFromString(s);
   if (r == nullptr) throw nb::python_error();
@@ -460,7 +593,7 @@ PyObject* owned(nb::handle h) { return h.is_none() ? nullptr : h.inc_ref().ptr()
 /// Hands the fast paths what they need of torch (flashcpp._core at import). Once per process: a
 /// second call is ignored.
 void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::handle bf16, nb::handle f32,
-                nb::handle current_device, nb::handle raw_stream, nb::handle empty_like, long max_cpu_threads) {
+                nb::handle i32, nb::handle current_device, nb::handle raw_stream, nb::handle empty_like, long max_cpu_threads) {
   if (g_torch != nullptr) return;
   auto* t = new Torch();
   t->tensor = owned(tensor);
@@ -468,6 +601,7 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->f16 = owned(f16);
   t->bf16 = owned(bf16);
   t->f32 = owned(f32);
+  t->i32 = owned(i32);
   t->current_device = owned(current_device);
   t->raw_stream = owned(raw_stream);
   t->empty_like = owned(empty_like);
@@ -492,7 +626,7 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
 void bind_eager(nb::module_& m) {
   using namespace nb::literals;
   m.attr("ZERO_SCALE") = kZeroScale;
-  m.def("_eager_bind", &eager_bind, "tensor"_a, "parameter"_a, "float16"_a, "bfloat16"_a, "float32"_a,
+  m.def("_eager_bind", &eager_bind, "tensor"_a, "parameter"_a, "float16"_a, "bfloat16"_a, "float32"_a, "int32"_a,
         "current_device"_a.none(), "raw_stream"_a.none(), "empty_like"_a, "max_cpu_threads"_a,
         "Hands the eager fast paths torch's tensor types, dtypes, current-device and raw-stream "
         "accessors (flashcpp._core, at import).");
@@ -502,6 +636,10 @@ void bind_eager(nb::module_& m) {
   m.def("fast_view", &fast_view, "t"_a, "dtype"_a,
         "The TensorView of a plain 4-D torch tensor with a contiguous last dim (a size-1 dim gets the "
         "extent as its stride), or None.");
+  m.def("kvcache_fast", &kvcache_fast, "q"_a, "k_cache"_a, "v_cache"_a, "k"_a.none(), "v"_a.none(),
+        "cache_seqlens"_a.none(), "block_table"_a.none(), "plan_for"_a, "return_lse"_a,
+        "flash_attn_with_kvcache's eager fast path: (out, lse or None), or None when the step is not one "
+        "it takes.");
   m.def("norm_fast", &norm_fast, "x"_a, "residual"_a.none(), "weight"_a, "eps"_a.none(), "cpu_threads"_a.none(),
         "rms_norm (residual None: the new output) or in-place fused_add_rms_norm (True) on the eager fast "
         "path, or None.");

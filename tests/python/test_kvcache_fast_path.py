@@ -105,6 +105,13 @@ def test_what_the_fast_path_steps_aside_for():
     assert f(q.double(), kc.double(), vc.double(), None, None, lens, None, *args) is None
     assert f(q[:0], kc[:0], vc[:0], None, None, lens[:0], None, *args) is None  # empty batch
     assert f(q, kc, vc, q[:, :, :2], None, lens, None, *args) is None  # k without v
+    assert f(q, kc, vc, None, None, torch.tensor([5, 0, 6, 0], dtype=torch.int32)[::2], None, *args) is None  # strided
+    pkc, pvc = kc.reshape(8, 4, 2, 32), vc.reshape(8, 4, 2, 32)  # 8 pages of 4 slots
+    table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+    assert f(q, pkc, pvc, None, None, lens, table, *args) is not None
+    assert f(q, pkc, pvc, None, None, lens, table.long(), *args) is None  # int64 block table
+    assert f(q, pkc, pvc, None, None, lens, table.t().contiguous().t(), *args) is None  # not contiguous
+    assert f(q, kc, vc, None, None, lens, None, None, False, (-1, -1), 0.0, -1, False) is None  # num_splits < 0
     big = _rand((2, 17, 4, 32), torch.float32, 15)
     assert f(big, kc, vc, None, None, lens, None, *args) is None  # seqlen_q past the decode range
     # those calls still run (or refuse) through the general path
