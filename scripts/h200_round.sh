@@ -65,8 +65,17 @@ case $phase in
     say "$(tail -2 "$OUT/build.txt" | head -1)"
     (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > "$OUT/pip.txt" 2>&1
      echo "pip rc $?" >> "$OUT/pip.txt") &
-    timeout 280 ./build/flashcpp_gpu_tests > "$OUT/gpu_tests.txt" 2>&1
-    say "gpu tests rc $?: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gpu_tests.txt" | tr '\n' ' ')"
+    # Two shards side by side on the one GPU: the whole suite ran past 280 s in one process on an
+    # H100 host (e5f49c3), and tests check values, not timings.
+    shards=()
+    for shard in 0 1; do
+      GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard timeout 280 ./build/flashcpp_gpu_tests > "$OUT/gpu_tests_$shard.txt" 2>&1 &
+      shards+=($!)
+    done
+    wait "${shards[@]}"
+    for shard in 0 1; do
+      say "gpu tests shard $shard: $(grep -E '^\[  (PASSED|FAILED) |tests ran' "$OUT/gpu_tests_$shard.txt" | tr '\n' ' ')"
+    done
     for area in attention backward decode fused; do
       timeout 120 ./build/flashcpp check --backend cuda --area $area --json "$OUT/check_$area.json" > "$OUT/check_$area.txt" 2>&1
       say "check $area rc $?: $(tail -1 "$OUT/check_$area.txt")"
