@@ -36,3 +36,22 @@ def test_no_cuda_device_exits_2_in_one_sentence(tmp_path, capsys):
     assert hf_generate.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs a CUDA device" in err
+
+
+def test_token_comparison_takes_runs_that_stop_apart():
+    """Once tokens differ, one run may reach EOS steps before the other (Phi-3 on an H100, e5f49c3:
+    23 against 22 steps raised a shape error and the architecture went unreported)."""
+    g = torch.Generator().manual_seed(3)
+    sr = torch.randn(2, 5, 11, generator=g)
+    sr[1, 2, 7], sr[1, 2, 4] = 9.0, 8.99  # a near tie at row 1, step 2
+    so = sr[:, :4].clone()
+    tr = sr.argmax(-1)
+    to = tr[:, :4].clone()
+    to[1, 2] = 4
+    eq, where, tie = hf_generate._compare_tokens(torch, tr, sr, to, so, 0.02)
+    assert eq is False and where.startswith("row 1 step 2:") and "then 5 vs 4 steps" in where and tie
+    eq, where, tie = hf_generate._compare_tokens(torch, tr, sr, to, so, 0.001)
+    assert eq is False and tie is False  # a margin of 0.01 is no tie under a 0.001 logit difference
+    assert hf_generate._compare_tokens(torch, tr, sr, tr.clone(), sr, 0.0) == (True, "", "")
+    eq, where, tie = hf_generate._compare_tokens(torch, tr, sr, tr[:, :3], sr[:, :3], 0.0)
+    assert eq is False and tie is False and "the same first 3 steps, then 5 vs 3 steps" in where
