@@ -14,7 +14,8 @@ Gemma-2, whose softcap sdpa does not take):
     first difference with the reference's top-2 margin there; a difference is a near-tie when that
     margin is at most twice the logit difference between the two implementations at that step;
   - time, each implementation on the same model, interleaved, median of REPS after a warm-up: the
-    padded generate (fcpp_s, ref_s, speedup = ref_s / fcpp_s), its prefill alone (one forward
+    padded generate of exactly NEW tokens (EOS suppressed, so a near-tie cannot shorten one side's run;
+    fcpp_s, ref_s, speedup = ref_s / fcpp_s), its prefill alone (one forward
     over the padded prompt: prefill_fcpp_ms, prefill_ref_ms, prefill_speedup) and generate on an
     unpadded batch of the same size (nopad_fcpp_s, nopad_ref_s, nopad_speedup), whose layers take
     the plain paths (no mask) where the padded ones pack the prompt and page the cache.
@@ -62,8 +63,9 @@ def _run_arch(torch, name: str, cls, cfg, impl: str, ref: str, dev: str, dt, ids
     n = ids.shape[1]
     ones = torch.ones_like(mask)
 
-    def generate(i, m):
-        return model.generate(input_ids=i, attention_mask=m, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    def generate(i, m):  # timed: exactly NEW steps for both (EOS would end a run whose tokens diverged sooner)
+        return model.generate(input_ids=i, attention_mask=m, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                              pad_token_id=0)
 
     runs = {"generate": lambda: generate(ids, mask), "prefill": lambda: model(input_ids=ids, attention_mask=mask),
             "nopad": lambda: generate(ids_nopad, ones)}
