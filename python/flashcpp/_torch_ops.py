@@ -200,6 +200,22 @@ def _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return (total_q, dims.heads_q, dims.head_dim_v), (dims.heads_q, total_q)
 
 
+def flash_attn_varlen_fwd_eager(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                                cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                                softmax_scale: float, causal: bool, window_left: int, window_right: int,
+                                softcap: float, alibi_slopes: Optional[Tensor],
+                                return_lse: bool) -> Tuple[Tensor, Tensor]:
+    """The body of flashcpp::flash_attn_varlen_fwd, which eager calls without a gradient use
+    directly, as flash_attn_fwd_eager: the dispatcher and the custom op's wrappers cost more host
+    time than the kernels of a short packed batch (a transformers layer's padded prefill)."""
+    p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q,
+                 cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
+    _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
+    return out, lse
+
+
 @torch.library.custom_op("flashcpp::flash_attn_varlen_fwd", mutates_args=())
 def flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
@@ -207,12 +223,9 @@ def flash_attn_varlen_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           softcap: float, alibi_slopes: Optional[Tensor],
                           return_lse: bool, deterministic: bool = False) -> Tuple[Tensor, Tensor]:
     # deterministic changes nothing here: it travels to the backward (register_autograd below).
-    p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q,
-                 cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    out = torch.empty(p.shape_o, dtype=q.dtype, device=q.device)
-    lse = torch.empty(p.shape_lse if return_lse else _NO_LSE, dtype=torch.float32, device=q.device)
-    _execute(p, out, lse if return_lse else None, causal=causal, softcap=softcap)
-    return out, lse
+    return flash_attn_varlen_fwd_eager(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                       softmax_scale, causal, window_left, window_right, softcap, alibi_slopes,
+                                       return_lse)
 
 
 @flash_attn_varlen_fwd.register_fake

@@ -256,16 +256,29 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     There is no block_sparse argument: varlen and block-sparse do not combine; a document_block_sparse mask over the packed tensors (batch 1) is the block-sparse
     form of a varlen batch.
     """
-    _check_flash_attn_extras(dropout_p, deterministic)
+    if dropout_p.__class__ is not float or dropout_p != 0.0 or deterministic.__class__ is not bool:
+        _check_flash_attn_extras(dropout_p, deterministic)  # the defaults need no check
+    if alibi_slopes is None and type(q) in _FAST_TYPES and not torch.compiler.is_compiling():
+        wl, wr = ((-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1)
+                  else _core.check_window(window_size))
+        fast = _C.varlen_fast(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                              causal, wl, wr, softcap, return_lse)
+        if fast is not None:
+            return fast
     if _all_torch(q, k, v):
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        out, lse = _torch_ops.flash_attn_varlen_fwd(
-            q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
-            _core.check_int(max_seqlen_q, "max_seqlen_q", 0), _core.check_int(max_seqlen_k, "max_seqlen_k", 0),
-            scale, _core.check_flag(causal, "causal"), wl, wr, _core.check_real(softcap, "softcap"),
-            _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad), deterministic=bool(deterministic))
+        args = (q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
+                _core.check_int(max_seqlen_q, "max_seqlen_q", 0), _core.check_int(max_seqlen_k, "max_seqlen_k", 0),
+                scale, _core.check_flag(causal, "causal"), wl, wr, _core.check_real(softcap, "softcap"),
+                _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad))
+        # As flash_attn_func: traced or autograd-visible calls take the registered op, plain eager
+        # calls its body.
+        if torch.compiler.is_compiling() or need_grad:
+            out, lse = _torch_ops.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
+        else:
+            out, lse = _torch_ops.flash_attn_varlen_fwd_eager(*args)
         return (out, lse) if return_lse else out
     out, lse = attention(q, k, v, return_lse=return_lse, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,

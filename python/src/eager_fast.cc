@@ -1,6 +1,7 @@
-// The eager fast paths, marshalled in C++: a plain flash_attn_func, flash_attn_with_kvcache,
-// rms_norm, fused_add_rms_norm or silu_and_mul call on torch tensors is read and launched here in
-// one call from Python (the kvcache step calls back once for its plan, which Python caches).
+// The eager fast paths, marshalled in C++: a plain flash_attn_func, flash_attn_varlen_func,
+// flash_attn_with_kvcache, rms_norm, fused_add_rms_norm or silu_and_mul call on torch tensors is
+// read and launched here in one call from Python (the kvcache step calls back once for its plan,
+// which Python caches).
 //
 // Why: Python code that reads each tensor's shape, strides and pointer and then sets each params
 // field as an attribute cost about 29 of flash_attn_func's 46 us of host time per call on the H200
@@ -309,61 +310,183 @@ TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::
 
 // ---- entries ---------------------------------------------------------------------------------------
 
+/// What flash_attn_func and flash_attn_varlen_func share on the fast path: the flags, softcap and
+/// scale, and q, k and v read (`dims` of them: 4, or 3 when packed), in one place, without grad.
+struct AttnCall {
+  bool causal = false, return_lse = false;
+  double softcap = 0, scale = 0;
+  Tensor q, k, v;
+  RunOptions opt;
+};
+
+bool attn_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, nb::handle causal_h,
+               nb::handle softcap_h, nb::handle return_lse_h, int dims, AttnCall* c) {
+  if (g_torch == nullptr) return false;
+  // Flags must be True or False and numbers numbers: anything else (None, "False") is the general
+  // path's to refuse with its sentence.
+  if (causal_h.ptr() != Py_True && causal_h.ptr() != Py_False) return false;
+  if (return_lse_h.ptr() != Py_True && return_lse_h.ptr() != Py_False) return false;
+  c->causal = causal_h.ptr() == Py_True;
+  c->return_lse = return_lse_h.ptr() == Py_True;
+  if (!number(softcap_h, &c->softcap)) return false;
+  Tensor &q = c->q, &k = c->k, &v = c->v;
+  if (!read(qh, &q) || !read(kh, &k) || !read(vh, &v)) return false;
+  if (!q.same_place(k) || !q.same_place(v) || q.requires_grad || k.requires_grad || v.requires_grad) return false;
+  if (q.ndim != dims || k.ndim != dims || v.ndim != dims) return false;
+  const std::int64_t D = q.shape[dims - 1], Hq = q.shape[dims - 2], Hkv = k.shape[dims - 2];
+  if (k.shape[dims - 1] != D || v.shape[dims - 2] != Hkv || Hq == 0 || Hkv == 0 || Hq % Hkv != 0) return false;
+  if (scale_h.is_none()) {
+    if (D <= 0) return false;
+    c->scale = 1.0 / std::sqrt(static_cast<double>(D));
+  } else {
+    if (!number(scale_h, &c->scale) || !std::isfinite(c->scale) || std::fabs(c->scale) > FLT_MAX) return false;
+    if (c->scale == 0.0) c->scale = kZeroScale;  // 0 would mean the default in C++
+  }
+  return place(q, false, &c->opt);
+}
+
+/// The params' head counts, dims, scale and masks from a read call.
+void fill_attn(const AttnCall& c, int window_left, int window_right, AttnParams* p) {
+  const int dims = c.q.ndim;
+  p->heads_q = static_cast<int>(c.q.shape[dims - 2]);
+  p->heads_kv = static_cast<int>(c.k.shape[dims - 2]);
+  p->head_dim = static_cast<int>(c.q.shape[dims - 1]);
+  p->head_dim_v = static_cast<int>(c.v.shape[dims - 1]);
+  p->softmax_scale = static_cast<float>(c.scale);
+  p->mask.causal = c.causal;
+  p->mask.window_left = window_left;
+  p->mask.window_right = window_right;
+  p->mask.softcap = static_cast<float>(c.softcap);
+}
+
 /// flash_attn_func's plain call (no gradient, ALiBi, block-sparse mask or rotary: the caller checks
 /// those): out, or (out, lse) with return_lse; None when the call is not one this path takes.
 nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, nb::handle causal_h,
                           int window_left, int window_right, nb::handle softcap_h, nb::handle return_lse_h) {
-  if (g_torch == nullptr) return nb::none();
-  // Flags must be True or False and numbers numbers: anything else (None, "False") is the general
-  // path's to refuse with its sentence.
-  if (causal_h.ptr() != Py_True && causal_h.ptr() != Py_False) return nb::none();
-  if (return_lse_h.ptr() != Py_True && return_lse_h.ptr() != Py_False) return nb::none();
-  const bool return_lse = return_lse_h.ptr() == Py_True;
-  double softcap = 0;
-  if (!number(softcap_h, &softcap)) return nb::none();
-  Tensor q, k, v;
-  if (!read(qh, &q) || !read(kh, &k) || !read(vh, &v)) return nb::none();
-  if (!q.same_place(k) || !q.same_place(v) || q.requires_grad || k.requires_grad || v.requires_grad) return nb::none();
-  if (q.ndim != 4 || k.ndim != 4 || v.ndim != 4) return nb::none();
+  AttnCall c;
+  if (!attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, return_lse_h, 4, &c)) return nb::none();
+  const Tensor &q = c.q, &k = c.k, &v = c.v;
   const std::int64_t B = q.shape[0], Sq = q.shape[1], Hq = q.shape[2], D = q.shape[3];
-  const std::int64_t Sk = k.shape[1], Hkv = k.shape[2], Dv = v.shape[3];
-  if (k.shape[0] != B || k.shape[3] != D || v.shape[0] != B || v.shape[1] != Sk || v.shape[2] != Hkv || B == 0 ||
-      Sq == 0 || Sk == 0 || Hq == 0 || Hkv == 0 || Hq % Hkv != 0)
-    return nb::none();
-  double scale = 0;
-  if (scale_h.is_none()) {
-    if (D <= 0) return nb::none();
-    scale = 1.0 / std::sqrt(static_cast<double>(D));
-  } else {
-    if (!number(scale_h, &scale) || !std::isfinite(scale) || std::fabs(scale) > FLT_MAX) return nb::none();
-    if (scale == 0.0) scale = kZeroScale;  // 0 would mean the default in C++
-  }
-  RunOptions opt;
+  const std::int64_t Sk = k.shape[1], Dv = v.shape[3];
+  if (k.shape[0] != B || v.shape[0] != B || v.shape[1] != Sk || B == 0 || Sq == 0 || Sk == 0) return nb::none();
   TensorView vq, vk, vv;
-  if (!place(q, false, &opt) || !view4(q, &vq) || !view4(k, &vk) || !view4(v, &vv)) return nb::none();
+  if (!view4(q, &vq) || !view4(k, &vk) || !view4(v, &vv)) return nb::none();
 
   nb::object out = Dv == D && q.contiguous() ? empty_like(q) : new_empty(q, nb::make_tuple(B, Sq, Hq, Dv));
-  nb::object lse = return_lse ? new_empty(q, nb::make_tuple(B, Hq, Sq), g_torch->f32) : nb::none();
+  nb::object lse = c.return_lse ? new_empty(q, nb::make_tuple(B, Hq, Sq), g_torch->f32) : nb::none();
   AttnParams p;
+  fill_attn(c, window_left, window_right, &p);
   p.batch = static_cast<int>(B);
   p.seqlen_q = static_cast<int>(Sq);
   p.seqlen_k = static_cast<int>(Sk);
-  p.heads_q = static_cast<int>(Hq);
-  p.heads_kv = static_cast<int>(Hkv);
-  p.head_dim = static_cast<int>(D);
-  p.head_dim_v = static_cast<int>(Dv);
   p.q = vq;
   p.k = vk;
   p.v = vv;
   p.o = contiguous_view4(data_ptr(out), q.dtype, B, Sq, Hq, Dv);
-  p.lse = return_lse ? reinterpret_cast<float*>(data_ptr(lse)) : nullptr;
-  p.softmax_scale = static_cast<float>(scale);
-  p.mask.causal = causal_h.ptr() == Py_True;
-  p.mask.window_left = window_left;
-  p.mask.window_right = window_right;
-  p.mask.softcap = static_cast<float>(softcap);
-  call_released([&] { return flashcpp::attention_forward(p, opt); });
-  if (!return_lse) return out;
+  p.lse = c.return_lse ? reinterpret_cast<float*>(data_ptr(lse)) : nullptr;
+  call_released([&] { return flashcpp::attention_forward(p, c.opt); });
+  if (!c.return_lse) return out;
+  return nb::make_tuple(out, lse);
+}
+
+/// The TensorView of a packed (total, heads, dim) tensor with a contiguous last dim, as the general
+/// path's _core.tensor_view makes it with varlen: no batch stride, the token and head strides, and a
+/// size-1 dim's stride the tensor's extent. False for anything else.
+bool view3(const Tensor& t, TensorView* v) {
+  if (t.ndim != 3 || t.stride[2] != 1) return false;
+  std::int64_t extent = 1;
+  for (int i = 0; i < 3; ++i)
+    if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];
+  auto s = [&](int i) { return t.shape[i] > 1 ? t.stride[i] : extent; };
+  *v = TensorView{reinterpret_cast<void*>(t.data), t.dtype, 0, s(0), s(1)};
+  return true;
+}
+
+/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its element count and pointer.
+bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
+  PyObject* o = h.ptr();
+  if (!plain_tensor(o)) return false;
+  nb::object dt = cleared(PyObject_GetAttr(o, g_torch->s_dtype));
+  Tensor t;
+  int dev = 0;
+  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, &t) ||
+      t.ndim != ndim || !t.contiguous())
+    return false;
+  for (int i = 0; i < ndim; ++i) shape[i] = t.shape[i];
+  *data = t.data;
+  return true;
+}
+
+/// Whether host int32 prefix sums `cu` (n entries) start at 0, never decrease, end within `rows`
+/// packed rows, and step by at most `max_len`.
+bool host_prefix_sums_fit(std::uintptr_t data, std::int64_t n, std::int64_t rows, int max_len) {
+  const auto* cu = reinterpret_cast<const std::int32_t*>(data);
+  if (cu[0] != 0 || cu[n - 1] > rows) return false;
+  for (std::int64_t i = 1; i < n; ++i) {
+    const std::int64_t len = static_cast<std::int64_t>(cu[i]) - cu[i - 1];
+    if (len < 0 || len > max_len) return false;
+  }
+  return true;
+}
+
+/// An int in [1, 2^31 - 1] (not a bool), or false.
+bool positive_int32(nb::handle h, int* out) {
+  if (!PyLong_CheckExact(h.ptr())) return false;
+  const long long x = PyLong_AsLongLong(h.ptr());
+  if (x < 1 || x > 0x7fffffffLL) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = static_cast<int>(x);
+  return true;
+}
+
+/// flash_attn_varlen_func's plain call (the same exclusions as attention_fast): packed q (total_q,
+/// heads_q, dim), k and v (total_k, heads_kv, dim[_v]), int32 cu_seqlens_q/k (batch + 1) on q's
+/// device, and the two maxima. Host arrays' values are checked by the C++ validator; device ones
+/// are not read (a sync), as on the general path. Out (total_q, heads_q, dim_v), or (out, lse) with
+/// lse (heads_q, total_q); None when the call is not one this path takes (batch 0, an empty packed
+/// tensor, a zero maximum: the general path fills those).
+nb::object varlen_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle cu_q_h, nb::handle cu_k_h,
+                       nb::handle max_q_h, nb::handle max_k_h, nb::handle scale_h, nb::handle causal_h,
+                       int window_left, int window_right, nb::handle softcap_h, nb::handle return_lse_h) {
+  AttnCall c;
+  if (!attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, return_lse_h, 3, &c)) return nb::none();
+  const Tensor &q = c.q, &k = c.k, &v = c.v;
+  const std::int64_t Tq = q.shape[0], Hq = q.shape[1], D = q.shape[2], Tk = k.shape[0], Dv = v.shape[2];
+  if (v.shape[0] != Tk || Tq == 0 || Tk == 0 || Tq > 0x7fffffffLL || Tk > 0x7fffffffLL) return nb::none();
+  int max_q = 0, max_k = 0;
+  if (!positive_int32(max_q_h, &max_q) || !positive_int32(max_k_h, &max_k)) return nb::none();
+  std::int64_t nq = 0, nk = 0;
+  std::uintptr_t cu_q = 0, cu_k = 0;
+  if (!read_int32(cu_q_h, q.device, 1, &nq, &cu_q) || !read_int32(cu_k_h, q.device, 1, &nk, &cu_k) || nq != nk ||
+      nq < 2 || nq - 1 > 0x7fffffffLL)
+    return nb::none();
+  // Host arrays: values the general path refuses with its sentences (a first entry other than 0, a
+  // decrease, a sequence longer than its maximum, more rows than the packed tensor holds: the C++
+  // views do not know the packed length of k) are left to it. Device arrays are not read.
+  if (q.device < 0 && !(host_prefix_sums_fit(cu_q, nq, Tq, max_q) && host_prefix_sums_fit(cu_k, nk, Tk, max_k)))
+    return nb::none();
+  TensorView vq, vk, vv;
+  if (!view3(q, &vq) || !view3(k, &vk) || !view3(v, &vv)) return nb::none();
+
+  nb::object out = Dv == D && q.contiguous() ? empty_like(q) : new_empty(q, nb::make_tuple(Tq, Hq, Dv));
+  nb::object lse = c.return_lse ? new_empty(q, nb::make_tuple(Hq, Tq), g_torch->f32) : nb::none();
+  AttnParams p;
+  fill_attn(c, window_left, window_right, &p);
+  p.batch = static_cast<int>(nq - 1);
+  p.seqlen_q = max_q;
+  p.seqlen_k = max_k;
+  p.q = vq;
+  p.k = vk;
+  p.v = vv;
+  p.o = TensorView{reinterpret_cast<void*>(data_ptr(out)), q.dtype, 0, Hq * Dv, Dv};
+  p.lse = c.return_lse ? reinterpret_cast<float*>(data_ptr(lse)) : nullptr;
+  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_q);
+  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_k);
+  p.mask.total_q = Tq;
+  call_released([&] { return flashcpp::attention_forward(p, c.opt); });
+  if (!c.return_lse) return out;
   return nb::make_tuple(out, lse);
 }
 
@@ -458,21 +581,6 @@ nb::object fast_view(nb::handle h, int code) {
   TensorView v;
   if (!read_layout(h.ptr(), &t) || !view4(t, &v)) return nb::none();
   return nb::cast(v);
-}
-
-/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its element count and pointer.
-bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
-  PyObject* o = h.ptr();
-  if (!plain_tensor(o)) return false;
-  nb::object dt = cleared(PyObject_GetAttr(o, g_torch->s_dtype));
-  Tensor t;
-  int dev = 0;
-  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, &t) ||
-      t.ndim != ndim || !t.contiguous())
-    return false;
-  for (int i = 0; i < ndim; ++i) shape[i] = t.shape[i];
-  *data = t.data;
-  return true;
 }
 
 /// A number or bool entry of the plan's _cfg dict, as a double.
@@ -633,6 +741,10 @@ void bind_eager(nb::module_& m) {
   m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a.none(),
         "window_left"_a, "window_right"_a, "softcap"_a.none(), "return_lse"_a.none(),
         "flash_attn_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
+  m.def("varlen_fast", &varlen_fast, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(),
+        "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "softmax_scale"_a.none(), "causal"_a.none(),
+        "window_left"_a, "window_right"_a, "softcap"_a.none(), "return_lse"_a.none(),
+        "flash_attn_varlen_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
   m.def("fast_view", &fast_view, "t"_a, "dtype"_a,
         "The TensorView of a plain 4-D torch tensor with a contiguous last dim (a size-1 dim gets the "
         "extent as its stride), or None.");
