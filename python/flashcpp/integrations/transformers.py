@@ -242,14 +242,19 @@ def _padding(attention_mask: torch.Tensor, len_q: int) -> _Padding:
     def compute() -> _Padding:
         mask_k = attention_mask.to(torch.bool)
         len_k = mask_k.shape[-1]
+        dest_k = _real_slots(mask_k)
+        slots_k = dest_k.clamp(max=mask_k.numel() - 1)
+        per_k = max(len_k, 1)
+        k_rows, k_pos = slots_k // per_k, slots_k % per_k
+        cu_k = _cu_seqlens(mask_k.sum(-1, dtype=torch.int32))
+        if len_q == len_k:  # a prefill: the queries are the keys (half the launches)
+            return _Padding(k_rows, k_pos, dest_k, k_rows, k_pos, cu_k, cu_k, len_q, len_k)
         mask_q = mask_k[:, len_k - len_q:]
-        dest_q, slots_k = _real_slots(mask_q), _real_slots(mask_k)
+        dest_q = _real_slots(mask_q)
         src_q = dest_q.clamp(max=mask_q.numel() - 1)
-        slots_k = slots_k.clamp(max=mask_k.numel() - 1)
-        per_q, per_k = max(len_q, 1), max(len_k, 1)
-        return _Padding(src_q // per_q, src_q % per_q, dest_q, slots_k // per_k, slots_k % per_k,
-                        _cu_seqlens(mask_q.sum(-1, dtype=torch.int32)), _cu_seqlens(mask_k.sum(-1, dtype=torch.int32)),
-                        len_q, len_k)
+        per_q = max(len_q, 1)
+        return _Padding(src_q // per_q, src_q % per_q, dest_q, k_rows, k_pos,
+                        _cu_seqlens(mask_q.sum(-1, dtype=torch.int32)), cu_k, len_q, len_k)
     return _PADDING_MEMO.get(attention_mask, len_q, compute)
 
 
@@ -352,7 +357,8 @@ def _packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attenti
         q[pad.q_rows, pad.q_pos], k[pad.k_rows, pad.k_pos], v[pad.k_rows, pad.k_pos], pad.cu_q, pad.cu_k,
         pad.max_q, pad.max_k, **opts)
     rows = batch * len_q
-    out = out_packed.new_zeros((rows + 1,) + tuple(out_packed.shape[1:])).index_put((pad.q_dest,), out_packed)
+    out = out_packed.new_zeros((rows + 1,) + tuple(out_packed.shape[1:]))
+    out.index_put_((pad.q_dest,), out_packed)  # in place: no copy of the zeros (autograd records it alike)
     return out[:rows].view(batch, len_q, *out_packed.shape[1:])
 
 
