@@ -361,6 +361,29 @@ def test_padding_layout_is_computed_once_per_mask():
         assert f(mi, 1).cu_k.tolist() == [0, 3]
 
 
+def test_memo_keeps_one_answer_per_live_mask():
+    """Gemma-2 alternates sliding and full layers, each with its own mask tensor: both packings stay
+    memoized through the forward (a one-entry memo recomputed every layer), up to _TensorMemo.SIZE
+    masks, the oldest dropped first."""
+    memo, calls = fcpp_hf._TensorMemo(), []
+
+    def get(t):
+        return memo.get(t, "k", lambda: calls.append(t) or len(calls))
+    masks = [torch.ones(2, 3 + i, dtype=torch.bool) for i in range(fcpp_hf._TensorMemo.SIZE + 1)]
+    sliding, full = masks[0], masks[1]
+    assert [get(m) for m in (sliding, full, sliding, full, sliding)] == [1, 2, 1, 2, 1]
+    assert len(calls) == 2
+    for m in masks[2:]:
+        get(m)
+    assert len(calls) == 2 + len(masks) - 2
+    get(sliding)  # used most recently before the new ones, so still kept; full was the oldest
+    assert len(calls) == len(masks)
+    get(full)
+    assert len(calls) == len(masks) + 1
+    sliding[0, 0] = False  # in place: computed afresh
+    assert get(sliding) == len(masks) + 2
+
+
 def test_padding_slots_without_nonzero_static(monkeypatch):
     """A torch whose nonzero_static does not run on the mask's device gets the same slots
     (through nonzero, with its sync)."""

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -170,24 +170,30 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
 
 
 class _TensorMemo:
-    """The last answer computed from one tensor. A forward pass hands the same position_ids and
-    the same padding mask to every layer, and each answer costs a few launches and a device-to-host
-    sync (the host waits for the GPU), so only the first layer pays for it. Keyed by the tensor
-    itself (a weak reference: a new tensor at a reused address does not match), its in-place
-    version counter and the caller's key; not used while torch.compile traces, nor for inference
-    tensors (they keep no version counter)."""
+    """The last answers computed from a few tensors. A forward pass hands the same position_ids and
+    the same padding mask to every layer (one mask per layer type: Gemma-2 alternates sliding and
+    full layers, so two are live at once), and each answer costs a few launches and a device-to-host
+    sync (the host waits for the GPU) or a dozen launches, so only the first layer of each type pays
+    for it. Keyed by the tensor itself (a weak reference: a new tensor at a reused address does not
+    match), its in-place version counter and the caller's key; not used while torch.compile traces,
+    nor for inference tensors (they keep no version counter)."""
+
+    SIZE = 4  # entries kept, most recent first
 
     def __init__(self) -> None:
-        self._entry: Any = None
+        self._entries: List[Any] = []
 
     def get(self, t: torch.Tensor, key: Any, compute: Any) -> Any:
         if torch.compiler.is_compiling() or t.is_inference():
             return compute()
-        entry, version = self._entry, t._version
-        if entry is not None and entry[0]() is t and entry[1] == version and entry[2] == key:
-            return entry[3]
+        version = t._version
+        for i, entry in enumerate(self._entries):
+            if entry[0]() is t and entry[1] == version and entry[2] == key:
+                if i:
+                    self._entries.insert(0, self._entries.pop(i))
+                return entry[3]
         result = compute()
-        self._entry = (weakref.ref(t), version, key, result)
+        self._entries = [(weakref.ref(t), version, key, result)] + self._entries[:self.SIZE - 1]
         return result
 
 
