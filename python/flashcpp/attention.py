@@ -129,7 +129,8 @@ def _all_torch(q: Any, k: Any, v: Any) -> bool:
 # from shapes, strides and pointers. The C++ validator checks those params as it checks every
 # call; a call the fast path does not take (numpy, empty, mismatched, float64, other devices,
 # FakeTensors) runs the general path with its Python checks and sentences.
-# tests/python/test_attention_fast_path.py.
+# tests/python/test_attention_fast_path.py. flash_attn_varlen_func's is _C.varlen_fast, the same
+# reads plus cu_seqlens (tests/python/test_varlen_fast_path.py).
 _FAST_TYPES = _core.FAST_TYPES
 
 
