@@ -278,18 +278,23 @@ std::uintptr_t data_ptr(nb::handle t) {
   return a;
 }
 
-/// The TensorView of a 4-D tensor with a contiguous last dim; a size-1 dim gets the tensor's extent
-/// as its stride (torch leaves that stride arbitrary), exactly as the general path's
-/// _core.tensor_view makes it. False for anything else.
-bool view4(const Tensor& t, TensorView* v) {
-  if (t.ndim != 4 || t.stride[3] != 1) return false;
+/// The TensorView of a 4-D (batch, seq, heads, dim) tensor, or with `packed` of a 3-D varlen
+/// (total, heads, dim) one (no batch stride), with a contiguous last dim; a size-1 dim gets the
+/// tensor's extent as its stride (torch leaves that stride arbitrary), exactly as the general
+/// path's _core.tensor_view makes it. False for anything else.
+bool view_of(const Tensor& t, bool packed, TensorView* v) {
+  const int nd = packed ? 3 : 4;
+  if (t.ndim != nd || t.stride[nd - 1] != 1) return false;
   std::int64_t extent = 1;
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < nd; ++i)
     if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];
   auto s = [&](int i) { return t.shape[i] > 1 ? t.stride[i] : extent; };
-  *v = TensorView{reinterpret_cast<void*>(t.data), t.dtype, s(0), s(1), s(2)};
+  *v = packed ? TensorView{reinterpret_cast<void*>(t.data), t.dtype, 0, s(0), s(1)}
+              : TensorView{reinterpret_cast<void*>(t.data), t.dtype, s(0), s(1), s(2)};
   return true;
 }
+
+bool view4(const Tensor& t, TensorView* v) { return view_of(t, false, v); }
 
 /// The view of a new contiguous (b, s, h, d) output at `data`.
 TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::int64_t s, std::int64_t h,
@@ -389,19 +394,6 @@ nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handl
   return nb::make_tuple(out, lse);
 }
 
-/// The TensorView of a packed (total, heads, dim) tensor with a contiguous last dim, as the general
-/// path's _core.tensor_view makes it with varlen: no batch stride, the token and head strides, and a
-/// size-1 dim's stride the tensor's extent. False for anything else.
-bool view3(const Tensor& t, TensorView* v) {
-  if (t.ndim != 3 || t.stride[2] != 1) return false;
-  std::int64_t extent = 1;
-  for (int i = 0; i < 3; ++i)
-    if (t.shape[i] > 0) extent += (t.shape[i] - 1) * t.stride[i];
-  auto s = [&](int i) { return t.shape[i] > 1 ? t.stride[i] : extent; };
-  *v = TensorView{reinterpret_cast<void*>(t.data), t.dtype, 0, s(0), s(1)};
-  return true;
-}
-
 /// Reads a plain contiguous int32 tensor on `device` (-1: the host): its element count and pointer.
 bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
   PyObject* o = h.ptr();
@@ -468,7 +460,7 @@ nb::object varlen_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle c
   if (q.device < 0 && !(host_prefix_sums_fit(cu_q, nq, Tq, max_q) && host_prefix_sums_fit(cu_k, nk, Tk, max_k)))
     return nb::none();
   TensorView vq, vk, vv;
-  if (!view3(q, &vq) || !view3(k, &vk) || !view3(v, &vv)) return nb::none();
+  if (!view_of(q, true, &vq) || !view_of(k, true, &vk) || !view_of(v, true, &vv)) return nb::none();
 
   nb::object out = Dv == D && q.contiguous() ? empty_like(q) : new_empty(q, nb::make_tuple(Tq, Hq, Dv));
   nb::object lse = c.return_lse ? new_empty(q, nb::make_tuple(Hq, Tq), g_torch->f32) : nb::none();
