@@ -256,6 +256,7 @@ def check_window(window_size: Any) -> Tuple[int, int]:
 # fp64), and 1/scale stays finite for the CUDA kernels' softcap and ALiBi (kept in q.k units).
 ZERO_SCALE = _C.ZERO_SCALE  # 2**-100, one value with the eager fast path's (python/src/eager_fast.cc)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TRUE_MIN = float(np.finfo(np.float32).smallest_subnormal)
 
 
 def check_real(x: Any, name: str) -> float:
@@ -264,6 +265,16 @@ def check_real(x: Any, name: str) -> float:
     if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)) or not hasattr(type(x), "__float__"):
         raise TypeError(f"{name} must be a number; got {x!r}")
     return float(x)
+
+
+def check_softcap(x: Any, name: str = "softcap") -> float:
+    """A softcap as a float. The kernels take float32, where 0 means off: a nonzero value that
+    rounds to 0 there would turn the softcap off without a word, so it is refused."""
+    c = check_real(x, name)
+    if c != 0.0 and np.float32(c) == 0.0:
+        raise ValueError(f"{name} {x!r} rounds to 0 in float32, which turns the softcap off; pass 0 for no "
+                         f"softcap, or a value of at least {_FLOAT32_TRUE_MIN:.1e}")
+    return c
 
 
 def check_flag(x: Any, name: str) -> bool:
@@ -282,7 +293,8 @@ def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
         if not math.isfinite(scale) or abs(scale) > _FLOAT32_MAX:
             raise ValueError(f"softmax_scale {softmax_scale!r} is not a finite float32 (None selects "
                              f"1/sqrt(head_dim); 0.0 gives uniform weights)")
-        return ZERO_SCALE if scale == 0.0 else scale
+        # 0 (or a scale float32 rounds to 0, which C++ would read as the default) gives uniform weights
+        return ZERO_SCALE if scale == 0.0 or np.float32(scale) == 0.0 else scale
     if head_dim <= 0:
         raise ValueError(head_dim_error("head_dim", head_dim))
     return 1.0 / math.sqrt(head_dim)
@@ -594,7 +606,7 @@ def _fill_mask(mask: Any, mq: Meta, *, varlen: bool, causal: bool, window: Tuple
     it points at (or None), which the caller holds until the call returns."""
     mask.causal = check_flag(causal, "causal")
     mask.window_left, mask.window_right = int(window[0]), int(window[1])
-    mask.softcap = check_real(softcap, "softcap")
+    mask.softcap = check_softcap(softcap)
     mask.alibi_slopes, mask.alibi_batch_stride = data_ptr(alibi), int(alibi_batch_stride)
     mask.global_tokens = check_int(global_tokens, "global_tokens", 0)
     mask.global_queries = bool(global_queries)
@@ -808,11 +820,15 @@ def int32_tensor(x: Any, name: str, device: Any) -> Any:
     return x.contiguous()
 
 
+_UNSIGNED_WIDE = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64") if torch is not None and hasattr(torch, n))
+
+
 def check_int32_values(a: Any, name: str) -> Any:
     """Refuses host integers (a numpy array or a CPU tensor) outside int32, which a conversion
     would wrap into plausible indices; returns a."""
-    if (a.size if isinstance(a, np.ndarray) else a.numel()) and (int(a.min()) < -2**31 or int(a.max()) > _INT32_MAX):
-        raise ValueError(f"{name} values must fit int32; got {int(a.min())} .. {int(a.max())}")
+    v = a.numpy() if isinstance(a, torch.Tensor) and a.dtype in _UNSIGNED_WIDE else a  # torch has no min/max there
+    if (v.size if isinstance(v, np.ndarray) else v.numel()) and (int(v.min()) < -2**31 or int(v.max()) > _INT32_MAX):
+        raise ValueError(f"{name} values must fit int32; got {int(v.min())} .. {int(v.max())}")
     return a
 
 

@@ -349,7 +349,7 @@ class BatchDecodeWithKVCache:
                    is_cuda=is_cuda,
                    page_size=int(page_size),
                    append=_core.check_flag(append, "append"), causal=_core.check_flag(causal, "causal"), window=window,
-                   softcap=_core.check_real(softcap, "softcap"), scale=scale,
+                   softcap=_core.check_softcap(softcap), scale=scale,
                    rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
         # decode_plan reads the scalars only: the tensors are absent (null views of the planned dtype).
         code = _core._DTYPE_CODES[dt]
@@ -720,7 +720,7 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
     if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic); got {num_splits!r}")
     window = _core.check_window(window_size)
-    if _core.check_real(softcap, "softcap") < 0 or not np.isfinite(softcap):
+    if _core.check_softcap(softcap) < 0 or not np.isfinite(softcap):
         raise ValueError(f"softcap must be finite and >= 0; got {softcap}")
     if rotary_cos is not None and rope_theta is not None:
         raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")

@@ -333,19 +333,23 @@ bool attn_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, 
   if (return_lse_h.ptr() != Py_True && return_lse_h.ptr() != Py_False) return false;
   c->causal = causal_h.ptr() == Py_True;
   c->return_lse = return_lse_h.ptr() == Py_True;
-  if (!number(softcap_h, &c->softcap)) return false;
+  // A nonzero softcap that float32 rounds to 0 would turn it off: the general path refuses it.
+  if (!number(softcap_h, &c->softcap) || (c->softcap != 0.0 && static_cast<float>(c->softcap) == 0.0f)) return false;
   Tensor &q = c->q, &k = c->k, &v = c->v;
   if (!read(qh, &q) || !read(kh, &k) || !read(vh, &v)) return false;
   if (!q.same_place(k) || !q.same_place(v) || q.requires_grad || k.requires_grad || v.requires_grad) return false;
   if (q.ndim != dims || k.ndim != dims || v.ndim != dims) return false;
   const std::int64_t D = q.shape[dims - 1], Hq = q.shape[dims - 2], Hkv = k.shape[dims - 2];
-  if (k.shape[dims - 1] != D || v.shape[dims - 2] != Hkv || Hq == 0 || Hkv == 0 || Hq % Hkv != 0) return false;
+  if (k.shape[dims - 1] != D || v.shape[dims - 2] != Hkv || Hq == 0 || Hkv == 0 || Hq % Hkv != 0 || D <= 0 ||
+      v.shape[dims - 1] <= 0)  // a head dim of 0: the general path's sentence
+    return false;
   if (scale_h.is_none()) {
     if (D <= 0) return false;
     c->scale = 1.0 / std::sqrt(static_cast<double>(D));
   } else {
     if (!number(scale_h, &c->scale) || !std::isfinite(c->scale) || std::fabs(c->scale) > FLT_MAX) return false;
-    if (c->scale == 0.0) c->scale = kZeroScale;  // 0 would mean the default in C++
+    // 0 would mean the default in C++, and so would a scale float32 rounds to 0: uniform weights
+    if (static_cast<float>(c->scale) == 0.0f) c->scale = kZeroScale;
   }
   return place(q, false, &c->opt);
 }
@@ -404,6 +408,8 @@ bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::ui
   if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, &t) ||
       t.ndim != ndim || !t.contiguous())
     return false;
+  nb::object neg = cleared(PyObject_CallMethodNoArgs(o, g_torch->s_is_neg));  // memory holding -x: not its values
+  if (!neg.is_valid() || neg.ptr() != Py_False) return false;
   for (int i = 0; i < ndim; ++i) shape[i] = t.shape[i];
   *data = t.data;
   return true;

@@ -384,6 +384,16 @@ def test_memo_keeps_one_answer_per_live_mask():
     assert get(sliding) == len(masks) + 2
 
 
+def test_more_queries_than_mask_keys_is_refused():
+    """The queries are the mask's last positions: more queries than the mask has keys gave rows at
+    the wrong positions, and zeros, without a word."""
+    mask = torch.ones(3, 6, dtype=torch.bool)
+    q, k = torch.randn(3, 8, 2, 32), torch.randn(3, 8, 2, 32)
+    opts = dict(softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0)
+    with pytest.raises(ValueError, match="8 queries are more than the mask's 6 keys"):
+        fcpp_hf._packed_attention(q, k, k, mask, opts)
+
+
 def test_padding_slots_without_nonzero_static(monkeypatch):
     """A torch whose nonzero_static does not run on the mask's device gets the same slots
     (through nonzero, with its sync)."""

@@ -148,3 +148,46 @@ def test_gradients_still_flow_through_the_registered_op():
     assert out.requires_grad
     out.sum().backward()
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_what_the_probe_found():
+    """A negative view of cu_seqlens (its memory holds the negatives) and a head dim of 0 go to the
+    general path's sentences; a scale or softcap that float32 rounds to 0 (where C++ reads 0 as
+    the default scale, or no softcap) gives uniform weights, or is refused."""
+    q, k, v = _qkv(14)
+    cq, ck = _cu([4, 5]), _cu([6, 5])
+    for neg_q, neg_k in ((torch._neg_view(cq), ck), (cq, torch._neg_view(ck))):
+        assert _C.varlen_fast(q, k, v, neg_q, neg_k, 5, 6, None, False, -1, -1, 0.0, False) is None
+        with pytest.raises(ValueError, match="negative view"):
+            flashcpp.flash_attn_varlen_func(q, k, v, neg_q, neg_k, 5, 6)
+    with pytest.raises(ValueError, match="head_dim_v 0 is not supported"):
+        flashcpp.flash_attn_varlen_func(q, k, v[..., :0], cq, ck, 5, 6)
+    with pytest.raises(ValueError, match="head_dim_v 0 is not supported"):
+        flashcpp.flash_attn_func(q[None], k[None], v[None, ..., :0])
+    uniform = flashcpp.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, softmax_scale=0.0)
+    default = flashcpp.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6)
+    for tiny in (1e-50, -1e-50):
+        assert torch.equal(flashcpp.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, softmax_scale=tiny), uniform)
+        got = flashcpp.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=5, max_seqlen_k=6,
+                                 softmax_scale=tiny)[0]
+        assert torch.equal(got, uniform) and not torch.equal(got, default)
+        assert torch.equal(flashcpp.flash_attn_func(q[None], k[None], v[None], softmax_scale=tiny),
+                           flashcpp.flash_attn_func(q[None], k[None], v[None], softmax_scale=0.0))
+    for call in (lambda: flashcpp.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, softcap=1e-300),
+                 lambda: flashcpp.flash_attn_func(q[None], k[None], v[None], softcap=1e-300),
+                 lambda: flashcpp.attention(q[None], k[None], v[None], softcap=1e-300)):
+        with pytest.raises(ValueError, match="rounds to 0 in float32"):
+            call()
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint32"), reason="this torch has no uint32")
+def test_unsigned_prefix_sums_are_read_or_refused_in_a_sentence():
+    """uint16/32/64 cu_seqlens run as their int32 values (torch had no host min/max for them, so
+    the range check raised its own NotImplementedError); a value past int32 is named."""
+    q, k, v = _qkv(17)
+    want = flashcpp.flash_attn_varlen_func(q, k, v, _cu([4, 5]), _cu([6, 5]), 5, 6)
+    for dt in (torch.uint16, torch.uint32, torch.uint64):
+        got = flashcpp.flash_attn_varlen_func(q, k, v, _cu([4, 5]).to(dt), _cu([6, 5]).to(dt), 5, 6)
+        assert torch.equal(got, want), dt
+    with pytest.raises(ValueError, match="cu_seqlens_q values must fit int32"):
+        flashcpp.flash_attn_varlen_func(q, k, v, torch.tensor([0, 4, 2 ** 32 + 9]).to(torch.uint64), _cu([6, 5]), 5, 6)

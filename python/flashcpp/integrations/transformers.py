@@ -245,6 +245,10 @@ def _real_slots(mask: torch.Tensor) -> torch.Tensor:
 def _padding(attention_mask: torch.Tensor, len_q: int) -> _Padding:
     """The packing of a (batch, len_k) key mask (True or nonzero for real tokens) whose last len_q
     positions are the queries; computed once per mask tensor (every layer gets the same one)."""
+    if len_q > attention_mask.shape[-1]:
+        raise ValueError(f"{len_q} queries are more than the mask's {attention_mask.shape[-1]} keys: the queries "
+                         f"are the mask's last positions")
+
     def compute() -> _Padding:
         mask_k = attention_mask.to(torch.bool)
         len_k = mask_k.shape[-1]
