@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -114,6 +115,13 @@ CLI::Validator non_negative_integer() {
       "UINT");
 }
 
+/// The value must not be empty (a path: '' would be reported as a file named '').
+inline CLI::Validator non_empty(const std::string& what) {
+  return CLI::Validator(
+      [what](std::string& text) -> std::string { return text.empty() ? "is empty: give " + what : std::string(); },
+      "PATH");
+}
+
 /// The value must be one of `allowed` (integers: head dims).
 inline CLI::Validator one_of(std::vector<int> allowed) {
   std::string list;
@@ -181,6 +189,20 @@ inline std::string unwritable(const std::string& flag, const std::string& path, 
 /// --help or --version, 2 after any parse or validation error (CLI11 prints the message; its own
 /// exit codes are 100 and up, which scripts would read as a crash-like failure).
 inline int parse_args(CLI::App& app, int argc, char** argv) {
+  // A first word that is no subcommand: CLI11 would say only "A subcommand is required".
+  if (argc >= 2 && argv[1][0] != '-' && !app.get_subcommands({}).empty()) {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      known = known || sub->check_name(argv[1]);
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::cerr << "flashcpp: unknown subcommand '" << argv[1] << "'; the subcommands are " << names
+                << " (run with --help for more information)\n";
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

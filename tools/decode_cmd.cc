@@ -22,7 +22,9 @@ namespace flashcpp::tools {
 
 void add_decode_options(CLI::App* sub, DecodeCliOptions* o) {
   using engine::kMaxBatch;
-  sub->add_option("--model", o->model, "checkpoint directory (config.json + model.safetensors[.index.json])")->required();
+  sub->add_option("--model", o->model, "checkpoint directory (config.json + model.safetensors[.index.json])")
+      ->required()
+      ->check(non_empty("a checkpoint directory"));
   sub->add_option("--prompt-ids", o->prompt_ids, "one prompt as token ids (\"1,2,3\"), used for every sequence");
   sub->add_option("--prompt-file", o->prompt_file, "one prompt per line (ids separated by spaces or commas)");
   sub->add_option("--prompt-len", o->prompt_len, "random prompt ids of this length (seeded) when no ids are given")

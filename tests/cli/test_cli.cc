@@ -300,7 +300,9 @@ TEST(CliFlags, EveryNumericFlagIsRangeChecked) {
 TEST(CliFlags, ParseErrorsExitTwoAndHelpExitsZero) {
   expect_usage_error({"info", "--no-such-flag"}, "--no-such-flag");
   expect_usage_error({}, "subcommand");
+  expect_usage_error({"chek", "--quick"}, "unknown subcommand 'chek'; the subcommands are info, check");
   expect_usage_error({"decode", "--prompt-len", "4"}, "--model");
+  expect_usage_error({"decode", "--model", "", "--prompt-len", "4"}, "is empty: give a checkpoint directory");
   expect_usage_error({"check", "--backend", "gpu"}, "--backend");
   expect_usage_error({"check", "--quick", "--full"}, "excludes");
   const Outcome h = run({"info", "--help"});
