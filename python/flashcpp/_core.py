@@ -257,6 +257,7 @@ def check_window(window_size: Any) -> Tuple[int, int]:
 ZERO_SCALE = _C.ZERO_SCALE  # 2**-100, one value with the eager fast path's (python/src/eager_fast.cc)
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TRUE_MIN = float(np.finfo(np.float32).smallest_subnormal)
+_FLOAT32_HALF_TRUE_MIN = 2.0 ** -150  # at most this rounds to 0 in float32 (pure Python: torch.compile traces it)
 
 
 def check_real(x: Any, name: str) -> float:
@@ -271,7 +272,7 @@ def check_softcap(x: Any, name: str = "softcap") -> float:
     """A softcap as a float. The kernels take float32, where 0 means off: a nonzero value that
     rounds to 0 there would turn the softcap off without a word, so it is refused."""
     c = check_real(x, name)
-    if c != 0.0 and np.float32(c) == 0.0:
+    if c != 0.0 and abs(c) <= _FLOAT32_HALF_TRUE_MIN:
         raise ValueError(f"{name} {x!r} rounds to 0 in float32, which turns the softcap off; pass 0 for no "
                          f"softcap, or a value of at least {_FLOAT32_TRUE_MIN:.1e}")
     return c
@@ -294,7 +295,7 @@ def default_scale(softmax_scale: Optional[float], head_dim: int) -> float:
             raise ValueError(f"softmax_scale {softmax_scale!r} is not a finite float32 (None selects "
                              f"1/sqrt(head_dim); 0.0 gives uniform weights)")
         # 0 (or a scale float32 rounds to 0, which C++ would read as the default) gives uniform weights
-        return ZERO_SCALE if scale == 0.0 or np.float32(scale) == 0.0 else scale
+        return ZERO_SCALE if abs(scale) <= _FLOAT32_HALF_TRUE_MIN else scale
     if head_dim <= 0:
         raise ValueError(head_dim_error("head_dim", head_dim))
     return 1.0 / math.sqrt(head_dim)
