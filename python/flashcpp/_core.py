@@ -827,7 +827,8 @@ _UNSIGNED_WIDE = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64")
 def check_int32_values(a: Any, name: str) -> Any:
     """Refuses host integers (a numpy array or a CPU tensor) outside int32, which a conversion
     would wrap into plausible indices; returns a."""
-    v = a.numpy() if isinstance(a, torch.Tensor) and a.dtype in _UNSIGNED_WIDE else a  # torch has no min/max there
+    # torch has no host min/max for the wide unsigned dtypes
+    v = a.numpy() if torch is not None and isinstance(a, torch.Tensor) and a.dtype in _UNSIGNED_WIDE else a
     if (v.size if isinstance(v, np.ndarray) else v.numel()) and (int(v.min()) < -2**31 or int(v.max()) > _INT32_MAX):
         raise ValueError(f"{name} values must fit int32; got {int(v.min())} .. {int(v.max())}")
     return a
