@@ -190,10 +190,11 @@ inline std::string unwritable(const std::string& flag, const std::string& path, 
 /// exit codes are 100 and up, which scripts would read as a crash-like failure).
 inline int parse_args(CLI::App& app, int argc, char** argv) {
   // A first word that is no subcommand: CLI11 would say only "A subcommand is required".
-  if (argc >= 2 && argv[1][0] != '-' && !app.get_subcommands({}).empty()) {
+  const std::vector<CLI::App*> subs = app.get_subcommands({});
+  if (argc >= 2 && argv[1][0] != '-' && !subs.empty()) {
     std::string names;
     bool known = false;
-    for (const CLI::App* sub : app.get_subcommands({})) {
+    for (const CLI::App* sub : subs) {
       known = known || sub->check_name(argv[1]);
       names += (names.empty() ? "" : ", ") + sub->get_name();
     }

@@ -233,6 +233,9 @@ def check_cpu_threads(cpu_threads: Any) -> int:
 
 
 def check_window(window_size: Any) -> Tuple[int, int]:
+    if (window_size.__class__ is tuple and window_size == (-1, -1) and window_size[0].__class__ is int
+            and window_size[1].__class__ is int):
+        return -1, -1  # the default, first: the eager fast paths call this on every call
     try:
         left, right = window_size
     except (TypeError, ValueError):

@@ -805,7 +805,7 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
         return None
     if type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
         return None
-    window = (-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1) else _core.check_window(window_size)
+    window = _core.check_window(window_size)
 
     def plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, device, code) -> Any:
         dt = _DTYPE_OF_CODE[code]

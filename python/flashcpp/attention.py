@@ -136,8 +136,7 @@ _FAST_TYPES = _core.FAST_TYPES
 
 def _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse) -> Any:
     """flash_attn_func on the fast path: out, or (out, lse) with return_lse; None when it does not apply."""
-    wl, wr = ((-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1)
-              else _core.check_window(window_size))
+    wl, wr = _core.check_window(window_size)
     return _C.attention_fast(q, k, v, softmax_scale, causal, wl, wr, softcap, return_lse)
 
 
@@ -260,8 +259,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     if dropout_p.__class__ is not float or dropout_p != 0.0 or deterministic.__class__ is not bool:
         _check_flash_attn_extras(dropout_p, deterministic)  # the defaults need no check
     if alibi_slopes is None and type(q) in _FAST_TYPES and not torch.compiler.is_compiling():
-        wl, wr = ((-1, -1) if window_size.__class__ is tuple and window_size == (-1, -1)
-                  else _core.check_window(window_size))
+        wl, wr = _core.check_window(window_size)
         fast = _C.varlen_fast(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                               causal, wl, wr, softcap, return_lse)
         if fast is not None:

@@ -344,7 +344,6 @@ bool attn_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, 
       v.shape[dims - 1] <= 0)  // a head dim of 0: the general path's sentence
     return false;
   if (scale_h.is_none()) {
-    if (D <= 0) return false;
     c->scale = 1.0 / std::sqrt(static_cast<double>(D));
   } else {
     if (!number(scale_h, &c->scale) || !std::isfinite(c->scale) || std::fabs(c->scale) > FLT_MAX) return false;
