@@ -228,6 +228,49 @@ def check_int(value: Any, name: str, lo: int, hi: int = _INT32_MAX, what: str = 
     return int(value)
 
 
+if torch is not None:
+    from torch.autograd import forward_ad as _forward_ad
+    _functorch_active = torch._C._are_functorch_transforms_active
+
+
+def transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) or a forward-mode AD level is active.
+    The eager fast paths read raw data pointers, which transformed tensors do not have: under one,
+    calls take the registered op (check_transforms first). About 0.2 us on the eager path."""
+    return torch is not None and (_functorch_active() or _forward_ad._current_level >= 0)
+
+
+def check_transforms(what: str, *tensors: Any, vmap: bool = True) -> None:
+    """Refuses the transforms flashcpp's ops cannot serve, with a sentence, where torch itself would
+    drop the tangent (forward mode: torch.func.jvp, jacfwd and torch.autograd.forward_ad give a
+    custom op's outputs a zero or no tangent, silently) or raise about an autograd.Function the
+    caller never wrote (torch.func.grad, vjp, jacrev: torch 2.11's custom ops have no functorch
+    gradient). torch.func.vmap is served by torch's fallback for custom ops: one call per batch
+    entry, where the op has a registered form (vmap=True; entry points without one refuse it too).
+    Called only when transforms_active()."""
+    if _functorch_active():
+        from torch._C._functorch import TransformType
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+        kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
+        if not vmap and TransformType.Vmap in kinds:
+            raise NotImplementedError(f"{what} does not run under torch.func.vmap; loop over the batch, or use "
+                                      "flash_attn_func / flash_attn_varlen_func, which vmap serves")
+        if TransformType.Jvp in kinds:
+            raise NotImplementedError(f"{what}: forward-mode AD (torch.func.jvp, jacfwd) is not implemented; torch "
+                                      "would return a zero tangent. Use reverse mode (loss.backward() or "
+                                      "torch.autograd.grad)")
+        if TransformType.Grad in kinds:
+            raise NotImplementedError(f"{what}: torch.func.grad, vjp and jacrev do not reach flashcpp's backward "
+                                      "(torch's custom ops have no functorch gradient); use loss.backward() or "
+                                      "torch.autograd.grad")
+    if _forward_ad._current_level >= 0:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+                raise NotImplementedError(f"{what}: forward-mode AD (torch.autograd.forward_ad) is not implemented; "
+                                          "the output would carry no tangent. Use reverse mode (loss.backward() "
+                                          "or torch.autograd.grad)")
+
+
 def check_cpu_threads(cpu_threads: Any) -> int:
     return check_int(cpu_threads, "cpu_threads", 0, MAX_CPU_THREADS, " (0 = choose: up to every core, fewer for small calls)")
 

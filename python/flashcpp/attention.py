@@ -74,6 +74,8 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
     and k first; its k_out, if given, receives the rotated keys).
     Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
     """
+    if _core.transforms_active():
+        _core.check_transforms("attention", q, k, v, vmap=False)
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k, block_sparse, rotary)
     if out is None:
@@ -204,12 +206,15 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
     """
     if dropout_p.__class__ is not float or dropout_p != 0.0 or deterministic.__class__ is not bool:
         _check_flash_attn_extras(dropout_p, deterministic)  # the defaults need no check
+    transformed = _core.transforms_active()  # torch.func / forward AD: the registered op, or a refusal
     if (alibi_slopes is None and block_sparse is None and rotary is None and type(q) in _FAST_TYPES
-            and not torch.compiler.is_compiling()):
+            and not transformed and not torch.compiler.is_compiling()):
         fast = _fast_flash_attn(q, k, v, softmax_scale, causal, window_size, softcap, return_lse)
         if fast is not None:
             return fast
     if _all_torch(q, k, v):
+        if transformed:
+            _core.check_transforms("flash_attn_func", q, k, v)
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
@@ -220,7 +225,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
                 bool(return_lse or need_grad), *_core.sparse_to_args(sparse), *rot_args)
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
-        if torch.compiler.is_compiling() or need_grad:
+        if torch.compiler.is_compiling() or need_grad or transformed:
             out, lse = _torch_ops.call_flash_attn_fwd(*args, rotary_k_out=k_out, deterministic=bool(deterministic))
         else:
             out, lse = _torch_ops.flash_attn_fwd_eager(*args, rotary_k_rotated=k_out)
@@ -258,13 +263,16 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
     """
     if dropout_p.__class__ is not float or dropout_p != 0.0 or deterministic.__class__ is not bool:
         _check_flash_attn_extras(dropout_p, deterministic)  # the defaults need no check
-    if alibi_slopes is None and type(q) in _FAST_TYPES and not torch.compiler.is_compiling():
+    transformed = _core.transforms_active()  # as flash_attn_func
+    if alibi_slopes is None and type(q) in _FAST_TYPES and not transformed and not torch.compiler.is_compiling():
         wl, wr = _core.check_window(window_size)
         fast = _C.varlen_fast(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                               causal, wl, wr, softcap, return_lse)
         if fast is not None:
             return fast
     if _all_torch(q, k, v):
+        if transformed:
+            _core.check_transforms("flash_attn_varlen_func", q, k, v)
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
@@ -274,7 +282,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                 _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad))
         # As flash_attn_func: traced or autograd-visible calls take the registered op, plain eager
         # calls its body.
-        if torch.compiler.is_compiling() or need_grad:
+        if torch.compiler.is_compiling() or need_grad or transformed:
             out, lse = _torch_ops.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
         else:
             out, lse = _torch_ops.flash_attn_varlen_fwd_eager(*args)

@@ -1,0 +1,102 @@
+"""torch.func transforms and forward-mode AD on flashcpp's entry points (CPU tensors).
+
+torch.func.vmap over flash_attn_func / flash_attn_varlen_func is served by torch's fallback for
+custom ops (one call per batch entry) and equals a loop. Forward mode (torch.func.jvp, jacfwd,
+torch.autograd.forward_ad) would get a zero or no tangent from any custom op, silently; and
+torch.func.grad / vjp raise about an autograd.Function the caller never wrote. Both are refused
+with a sentence that names reverse mode. Entry points without a registered op (attention,
+flash_attn_with_kvcache) refuse vmap too.
+"""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.autograd.forward_ad as fwAD  # noqa: E402
+
+import flashcpp  # noqa: E402
+from flashcpp.decode import flash_attn_with_kvcache  # noqa: E402
+
+
+def _qkv(seed, b=1, s=37, h=2, d=64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(b, s, h, d, generator=g) for _ in range(3)]
+
+
+def test_vmap_equals_a_loop():
+    q, k, v = _qkv(1)
+    qs = torch.stack([q, 2 * q, -q])
+    got = torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v, causal=True))(qs)
+    want = torch.stack([flashcpp.flash_attn_func(x, k, v, causal=True) for x in qs])
+    assert torch.equal(got, want)
+    # over k and v too, with the LSE
+    ks, vs = torch.stack([k, k.flip(1)]), torch.stack([v, v * 0.5])
+    out, lse = torch.func.vmap(lambda a, b: flashcpp.flash_attn_func(q, a, b, return_lse=True))(ks, vs)
+    for i in range(2):
+        o_i, l_i = flashcpp.flash_attn_func(q, ks[i], vs[i], return_lse=True)
+        assert torch.equal(out[i], o_i) and torch.equal(lse[i], l_i)
+
+
+def test_vmap_of_varlen_equals_a_loop():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(30, 2, 64, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 11, 30], dtype=torch.int32)
+    qs = torch.stack([q, q * 3])
+    got = torch.func.vmap(lambda x: flashcpp.flash_attn_varlen_func(x, k, v, cu, cu, 19, 19, causal=True))(qs)
+    want = torch.stack([flashcpp.flash_attn_varlen_func(x, k, v, cu, cu, 19, 19, causal=True) for x in qs])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
+def test_forward_mode_is_refused(transform):
+    q, k, v = _qkv(3, s=5, d=8)
+    f = lambda x: flashcpp.flash_attn_func(x, k, v)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        if transform == "jvp":
+            torch.func.jvp(f, (q,), (torch.ones_like(q),))
+        else:
+            torch.func.jacfwd(f)(q)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: flashcpp.flash_attn_varlen_func(x[0], k[0], v[0], *[torch.tensor([0, 5], dtype=torch.int32)] * 2, 5, 5),
+                       (q,), (q,))
+
+
+def test_forward_ad_dual_is_refused_and_plain_calls_still_run():
+    q, k, v = _qkv(4)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flashcpp.flash_attn_func(fwAD.make_dual(q, torch.ones_like(q)), k, v)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flashcpp.flash_attn_func(q, k, fwAD.make_dual(v, torch.ones_like(v)))
+        out = flashcpp.flash_attn_func(q, k, v)  # no tangent anywhere: the call runs
+    assert torch.equal(out, flashcpp.flash_attn_func(q, k, v))
+
+
+@pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev"])
+def test_functorch_reverse_mode_is_refused_with_the_way_that_works(transform):
+    q, k, v = _qkv(5, s=6, d=8)
+    f = lambda x: flashcpp.flash_attn_func(x, k, v)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="loss.backward"):
+        if transform == "grad":
+            torch.func.grad(lambda x: f(x).sum())(q)
+        elif transform == "vjp":
+            torch.func.vjp(f, q)
+        else:
+            torch.func.jacrev(f)(q)
+    # the way that works: torch.autograd
+    x = q.clone().requires_grad_()
+    f(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_entry_points_without_an_op_refuse_vmap():
+    q, k, v = _qkv(6, s=8)
+    with pytest.raises(NotImplementedError, match="does not run under torch.func.vmap"):
+        torch.func.vmap(lambda x: flashcpp.attention(x, k, v)[0])(torch.stack([q, q]))
+    kc, vc = torch.zeros(1, 16, 2, 64), torch.zeros(1, 16, 2, 64)
+    lens = torch.tensor([8], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="does not run under torch.func.vmap"):
+        torch.func.vmap(lambda x: flash_attn_with_kvcache(x, kc, vc, cache_seqlens=lens))(torch.stack([q[:, :1]] * 2))
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flash_attn_with_kvcache(fwAD.make_dual(q[:, :1], torch.ones_like(q[:, :1])), kc, vc, cache_seqlens=lens)
+    assert np.isfinite(flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens).numpy()).all()
