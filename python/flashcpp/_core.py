@@ -253,8 +253,8 @@ def check_transforms(what: str, *tensors: Any, vmap: bool = True) -> None:
         from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
         kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
         if not vmap and TransformType.Vmap in kinds:
-            raise NotImplementedError(f"{what} does not run under torch.func.vmap; loop over the batch, or use "
-                                      "flash_attn_func / flash_attn_varlen_func, which vmap serves")
+            raise NotImplementedError(f"{what} does not run under torch.func.vmap: loop over the batch (of "
+                                      "flashcpp's calls, flash_attn_func and flash_attn_varlen_func take vmap)")
         if TransformType.Jvp in kinds:
             raise NotImplementedError(f"{what}: forward-mode AD (torch.func.jvp, jacfwd) is not implemented; torch "
                                       "would return a zero tangent. Use reverse mode (loss.backward() or "

@@ -100,3 +100,26 @@ def test_entry_points_without_an_op_refuse_vmap():
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             flash_attn_with_kvcache(fwAD.make_dual(q[:, :1], torch.ones_like(q[:, :1])), kc, vc, cache_seqlens=lens)
     assert np.isfinite(flash_attn_with_kvcache(q[:, :1], kc, vc, cache_seqlens=lens).numpy()).all()
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "fused_add_rms_norm", "silu_and_mul", "apply_rotary", "qk_norm_rope"])
+def test_fused_ops_refuse_vmap_and_forward_mode(op):
+    g = torch.Generator().manual_seed(7)
+    x, r = torch.randn(2, 4, 64, generator=g), torch.randn(2, 4, 64, generator=g)
+    w = torch.randn(64, generator=g)
+    pos = torch.arange(4, dtype=torch.int32)
+    calls = {
+        "rms_norm": lambda a: flashcpp.rms_norm(a, w),
+        "fused_add_rms_norm": lambda a: flashcpp.fused_add_rms_norm(a, r[0].clone(), w, out=torch.empty_like(a),
+                                                                      residual_out=torch.empty_like(a))[0],
+        "silu_and_mul": lambda a: flashcpp.silu_and_mul(a),
+        "apply_rotary": lambda a: flashcpp.apply_rotary(a[:, None], None, pos)[0],
+        "qk_norm_rope": lambda a: flashcpp.qk_norm_rope(a[:, None], a[:, None].clone(), w, w, pos)[0],
+    }
+    f = calls[op]
+    with pytest.raises(NotImplementedError, match="does not run under torch.func.vmap"):
+        torch.func.vmap(f)(x)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            f(fwAD.make_dual(x[0], torch.ones_like(x[0])))
+    assert torch.isfinite(f(x[0])).all()  # and the plain call runs
