@@ -249,3 +249,37 @@ def test_cuda_fp8_cache_matches_the_host_backend(rng):
     dk = np.abs((kg & 0x7F).astype(int) - (kc & 0x7F).astype(int))
     assert (((kg == kc) | (nan(kg) & nan(kc))) | (((kg & 0x80) == (kc & 0x80)) & (dk == 1))).all()
     assert (kg != kq.view(np.uint8)).any(), "the append wrote nothing"
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 16])
+def test_cuda_fp8_contiguous_forced_splits_match_the_host_backend(num_splits):
+    # Seen on an H100 (reports/raw_decode_cluster_ebcfbe9_2026-12-05, the cluster-merge A/B): a
+    # contiguous fp8 cache quantized on the device from N(0, 1) keys with per-head scales 0.005-0.015
+    # (many codes at +-448), bf16 q, forced splits over lengths 2000 / 10 / 777, gave NaN rows with
+    # the merge kernel as well as with the cluster merge; the host backend gives none for the same
+    # codes. Finite, and within bf16's tolerance of the host backend.
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not flashcpp.WITH_CUDA:
+        pytest.skip("needs a CUDA device and a CUDA build of flashcpp")
+    from flashcpp.decode import BatchDecodeWithKVCache
+    g = torch.Generator().manual_seed(11)
+    B, S, Hq, Hkv, D = 3, 2112, 16, 4, 128
+    lens = [2000, 10, 777]
+    kc = torch.randn(B, S, Hkv, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(B, S, Hkv, D, generator=g).to(torch.bfloat16)
+    ks = torch.rand(Hkv, generator=g) * 0.01 + 0.005
+    vs = torch.rand(Hkv, generator=g) * 0.01 + 0.005
+    k8 = (kc.float() / ks[:, None]).to(torch.float8_e4m3fn)
+    v8 = (vc.float() / vs[:, None]).to(torch.float8_e4m3fn)
+    q = torch.randn(B, 1, Hq, D, generator=g).to(torch.bfloat16)
+    res = {}
+    for dev in ("cpu", "cuda"):
+        w = BatchDecodeWithKVCache()
+        w.plan(B, Hq, Hkv, D, kv_capacity=S, cache_seqlens=lens, causal=True, dtype=torch.bfloat16, device=dev,
+               num_splits=num_splits, kv_dtype=torch.float8_e4m3fn)
+        out, lse = w.run(q.to(dev), k8.to(dev), v8.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+                         k_scale=ks.to(dev), v_scale=vs.to(dev), return_lse=True)
+        res[dev] = (out.float().cpu(), lse.cpu())
+    assert torch.isfinite(res["cuda"][0]).all() and torch.isfinite(res["cuda"][1]).all()
+    assert (res["cuda"][0] - res["cpu"][0]).abs().max().item() <= 2 * tolerance("bfloat16")
+    assert (res["cuda"][1] - res["cpu"][1]).abs().max().item() <= 1e-3 * max(1.0, res["cpu"][1].abs().max().item())
