@@ -166,8 +166,11 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
 
     Differentiable (torch tensors): q, k and v get gradients through torch.autograd with every mask
     below (the LSE output too, when returned), on CPU tensors by the CPU backward (float64 by the
-    fp64 reference, so torch.autograd.gradcheck works); CUDA tensors raise NotImplementedError in
-    backward() until the backward kernels land; rotary has no backward (NotImplementedError).
+    fp64 reference, so torch.autograd.gradcheck works), on CUDA tensors (fp16/bf16) by the CUDA
+    backward kernels (docs/backward.md); rotary has no backward (NotImplementedError).
+    torch.func.vmap runs it (torch's fallback for custom ops: one call per batch entry); forward
+    mode (torch.func.jvp, jacfwd, torch.autograd.forward_ad) and torch.func.grad / vjp / jacrev
+    raise NotImplementedError (torch would drop the tangent, or cannot reach the backward).
 
     Args:
         dropout_p: must be 0 (no dropout is run); kept so that positional calls ported from
@@ -244,8 +247,8 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                            return_lse: bool = False):
     """flash-attn's ``flash_attn_varlen_func`` (no dropout), with its positional order up to
     ``deterministic`` (dropout_p must be 0, as in :func:`flash_attn_func`); return_lse is
-    keyword-only. Differentiable as :func:`flash_attn_func` (CPU tensors; ``deterministic`` for
-    the backward).
+    keyword-only. Differentiable as :func:`flash_attn_func` (CPU and CUDA tensors;
+    ``deterministic`` for the backward).
 
     q: (total_q, heads_q, head_dim), k: (total_k, heads_kv, head_dim), v: (total_k, heads_kv,
     head_dim_v) (head dims as in :func:`flash_attn_func`), sequences packed back to back;
