@@ -233,42 +233,91 @@ if torch is not None:
     _functorch_active = torch._C._are_functorch_transforms_active
 
 
+import contextlib
+import threading
+
+_plain = threading.local()  # depth of plain_call() on this thread
+
+
 def transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp, ...) or a forward-mode AD level is active.
-    The eager fast paths read raw data pointers, which transformed tensors do not have: under one,
-    calls take the registered op (check_transforms first). About 0.2 us on the eager path."""
-    return torch is not None and (_functorch_active() or _forward_ad._current_level >= 0)
+    """Whether a torch.func transform (vmap, grad, jvp, ...) or a forward-mode AD level is active
+    (and this thread is not inside plain_call). The eager fast paths read raw data pointers, which
+    transformed tensors do not have: under one, calls take the registered op or plain_call
+    (check_transforms first). About 0.2 us on the eager path."""
+    return (torch is not None and (_functorch_active() or _forward_ad._current_level >= 0)
+            and not getattr(_plain, "depth", 0))
 
 
-def check_transforms(what: str, *tensors: Any, vmap: bool = True) -> None:
-    """Refuses the transforms flashcpp's ops cannot serve, with a sentence, where torch itself would
-    drop the tangent (forward mode: torch.func.jvp, jacfwd and torch.autograd.forward_ad give a
-    custom op's outputs a zero or no tangent, silently) or raise about an autograd.Function the
-    caller never wrote (torch.func.grad, vjp, jacrev: torch 2.11's custom ops have no functorch
-    gradient). torch.func.vmap is served by torch's fallback for custom ops: one call per batch
-    entry, where the op has a registered form (vmap=True; entry points without one refuse it too).
-    Called only when transforms_active()."""
+def functorch_active() -> bool:
+    """A torch.func transform is active (not only a forward-AD level)."""
+    return torch is not None and _functorch_active()
+
+
+@contextlib.contextmanager
+def plain_call():
+    """Runs an entry point without a registered op whose arguments no torch.func transform wrapped
+    (check_transforms found none) as if no transform were active: under one, every tensor an op
+    makes is wrapped (and has no data pointer), so its outputs are made outside the transform and
+    enter it as constants, which they are."""
+    _plain.depth = getattr(_plain, "depth", 0) + 1
+    try:
+        with torch._C._DisableFuncTorch():
+            yield
+    finally:
+        _plain.depth -= 1
+
+
+def check_transforms(what: str, *tensors: Any, vmap: bool = True) -> bool:
+    """Whether a call runs transformed, refusing the transforms flashcpp's ops cannot serve with a
+    sentence, where torch itself would drop the tangent (forward mode: torch.func.jvp, jacfwd and
+    torch.autograd.forward_ad give a custom op's outputs a zero or no tangent, silently) or raise
+    about an autograd.Function the caller never wrote (torch.func.grad, vjp, jacrev: torch 2.11's
+    custom ops have no functorch gradient). torch.func.vmap is served by torch's fallback for
+    custom ops (one call per batch entry) where the entry point has a registered op (vmap=True);
+    the others refuse it too. Only arguments the transform wrapped count (constants captured by
+    the transformed function are plain tensors, and their calls run as usual); `tensors` are all
+    of the call's tensor arguments (None and non-tensors are skipped). Returns True when some
+    argument is transformed (the caller then takes its registered op). Called only when
+    transforms_active(); inside torch.compile the check is the tracer's (it returns False)."""
+    if torch.compiler.is_compiling():
+        return False
     if _functorch_active():
-        from torch._C._functorch import TransformType
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-        kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
-        if not vmap and TransformType.Vmap in kinds:
-            raise NotImplementedError(f"{what} does not run under torch.func.vmap: loop over the batch (of "
-                                      "flashcpp's calls, flash_attn_func and flash_attn_varlen_func take vmap)")
-        if TransformType.Jvp in kinds:
-            raise NotImplementedError(f"{what}: forward-mode AD (torch.func.jvp, jacfwd) is not implemented; torch "
-                                      "would return a zero tangent. Use reverse mode (loss.backward() or "
-                                      "torch.autograd.grad)")
-        if TransformType.Grad in kinds:
-            raise NotImplementedError(f"{what}: torch.func.grad, vjp and jacrev do not reach flashcpp's backward "
-                                      "(torch's custom ops have no functorch gradient); use loss.backward() or "
-                                      "torch.autograd.grad")
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if any(isinstance(t, torch.Tensor) and wrapped(t) for t in tensors):
+            from torch._C._functorch import TransformType
+            from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+            kinds = {i.key() for i in retrieve_all_functorch_interpreters()}
+            if TransformType.Jvp in kinds:
+                raise NotImplementedError(f"{what}: forward-mode AD (torch.func.jvp, jacfwd) is not implemented; "
+                                          "torch would return a zero tangent. Use reverse mode (loss.backward() or "
+                                          "torch.autograd.grad)")
+            if TransformType.Grad in kinds:
+                raise NotImplementedError(f"{what}: torch.func.grad, vjp and jacrev do not reach flashcpp's backward "
+                                          "(torch's custom ops have no functorch gradient); use loss.backward() or "
+                                          "torch.autograd.grad")
+            if not vmap:
+                raise NotImplementedError(f"{what} does not run under torch.func.vmap: loop over the batch (of "
+                                          "flashcpp's calls, flash_attn_func and flash_attn_varlen_func take vmap)")
+        return True  # under a transform every op's result is wrapped: the registered op, not raw pointers
     if _forward_ad._current_level >= 0:
         for t in tensors:
             if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
                 raise NotImplementedError(f"{what}: forward-mode AD (torch.autograd.forward_ad) is not implemented; "
                                           "the output would carry no tangent. Use reverse mode (loss.backward() "
                                           "or torch.autograd.grad)")
+    return False
+
+
+def guard(fn: Any, what: str, params: dict, tensor_names: Tuple[str, ...]) -> Optional[Tuple[Any]]:
+    """First statement of an entry point without a registered op when transforms_active(), with
+    params = its locals() (its arguments): refuses what check_transforms refuses (vmap included);
+    under a torch.func transform none of whose arguments is transformed, runs fn(**params) in
+    plain_call and returns (its result,); else None (the call proceeds as usual)."""
+    check_transforms(what, *(params.get(n) for n in tensor_names), vmap=False)
+    if _functorch_active() and not torch.compiler.is_compiling():
+        with plain_call():
+            return (fn(**params),)
+    return None
 
 
 def check_cpu_threads(cpu_threads: Any) -> int:

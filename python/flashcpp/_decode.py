@@ -383,6 +383,13 @@ class BatchDecodeWithKVCache:
         self._cfg = cfg
         return self._plan
 
+    def _run_no_grad(self, q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, lse,
+                     return_lse, cpu_threads, k_scale, v_scale):
+        with _core.torch.no_grad():
+            return self.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, rotary_cos=rotary_cos,
+                            rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, lse=lse, return_lse=return_lse,
+                            cpu_threads=cpu_threads, k_scale=k_scale, v_scale=v_scale)
+
     def run(self, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, block_table: Any = None,
             k: Any = None, v: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
             alibi_slopes: Any = None, out: Any = None, lse: Any = None, return_lse: bool = False,
@@ -409,6 +416,21 @@ class BatchDecodeWithKVCache:
         Returns:
             out, or (out, lse) when return_lse or lse is given.
         """
+        if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+            r = _core.guard(self.run, "BatchDecodeWithKVCache.run", {n: x for n, x in locals().items() if n != "self"},
+                            ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "alibi_slopes", "out",
+                             "lse", "k_scale", "v_scale"))
+            if r is not None:
+                return r[0]
+        if _core.grad_needed(q, k_cache, v_cache, k, v, alibi_slopes):
+            # no backward: the outputs get a grad_fn that refuses (flash_attn_with_kvcache's rule), and
+            # a step that writes in place is refused at once
+            if k is not None or v is not None or out is not None:
+                _core.refuse_grad_in_place("BatchDecodeWithKVCache.run", "writes in place (the appended k and v, "
+                                           "or out=)", (q, k_cache, v_cache, k, v, alibi_slopes))
+            return _core.no_backward("BatchDecodeWithKVCache.run", lambda: self._run_no_grad(
+                q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, lse, return_lse,
+                cpu_threads, k_scale, v_scale), (q, k_cache, v_cache, alibi_slopes))
         c = self._cfg
         if c is None:
             raise RuntimeError("call plan() before run()")

@@ -74,8 +74,12 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
     and k first; its k_out, if given, receives the rotated keys).
     Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
     """
-    if _core.transforms_active():
-        _core.check_transforms("attention", q, k, v, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        if rotary is not None:
+            _core.check_transforms("attention", rotary.cos_sin_cache, rotary.k_out, vmap=False)
+        r = _core.guard(attention, "attention", locals(), ("q", "k", "v", "out", "lse", "alibi_slopes"))
+        if r is not None:
+            return r[0]
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k, block_sparse, rotary)
     if out is None:
@@ -170,7 +174,8 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
     backward kernels (docs/backward.md); rotary has no backward (NotImplementedError).
     torch.func.vmap runs it (torch's fallback for custom ops: one call per batch entry); forward
     mode (torch.func.jvp, jacfwd, torch.autograd.forward_ad) and torch.func.grad / vjp / jacrev
-    raise NotImplementedError (torch would drop the tangent, or cannot reach the backward).
+    over its arguments raise NotImplementedError (torch would drop the tangent, or cannot reach
+    the backward); a call on constants inside such a transform runs.
 
     Args:
         dropout_p: must be 0 (no dropout is run); kept so that positional calls ported from
@@ -217,7 +222,8 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
             return fast
     if _all_torch(q, k, v):
         if transformed:
-            _core.check_transforms("flash_attn_func", q, k, v)
+            transformed = _core.check_transforms("flash_attn_func", q, k, v, alibi_slopes,
+                                                 *((rotary.cos_sin_cache, rotary.k_out) if rotary is not None else ()))
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
@@ -275,7 +281,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
             return fast
     if _all_torch(q, k, v):
         if transformed:
-            _core.check_transforms("flash_attn_varlen_func", q, k, v)
+            transformed = _core.check_transforms("flash_attn_varlen_func", q, k, v, alibi_slopes)
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)

@@ -89,8 +89,12 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
         raise NotImplementedError("cache_batch_idx is not built in flashcpp decode (index the cache instead)")
     if cache_leftpad is not None:
         raise NotImplementedError("cache_leftpad is not built in flashcpp decode")
-    if _core.transforms_active():
-        _core.check_transforms("flash_attn_with_kvcache", q, k_cache, v_cache, k, v, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(flash_attn_with_kvcache, "flash_attn_with_kvcache", locals(),
+                        ("q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "alibi_slopes", "k_scale",
+                         "v_scale"))
+        if r is not None:
+            return r[0]
     if _core.grad_needed(q, k_cache, v_cache, k, v, alibi_slopes) and not torch.compiler.is_compiling():
         if k is not None or v is not None:
             _core.refuse_grad_in_place("flash_attn_with_kvcache", "appends k and v into the cache in place",

@@ -200,8 +200,10 @@ def rms_norm(x: Any, weight: Any, eps: float = 1e-6, *, out: Any = None, backend
     itself (in place). ``backend``: "auto", "cpu" or "cuda"; ``cuda_config``: "" or
     "scalar"/"two_pass" to force a kernel path (tests, tuning). Returns out.
     """
-    if _core.transforms_active():
-        _core.check_transforms("rms_norm", x, weight, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(rms_norm, "rms_norm", locals(), ("x", "weight", "out"))
+        if r is not None:
+            return r[0]
     if _core.grad_needed(x, weight):
         if out is not None:
             _core.refuse_grad_in_place("rms_norm", "with out= writes out", (x, weight))
@@ -226,8 +228,10 @@ def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
     In place by default, as vLLM/FlashInfer: ``residual`` receives h and ``x`` the normalized
     output. Pass ``out`` / ``residual_out`` to keep the inputs. Returns ``(out, residual_out)``.
     """
-    if _core.transforms_active():
-        _core.check_transforms("fused_add_rms_norm", x, residual, weight, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(fused_add_rms_norm, "fused_add_rms_norm", locals(), ("x", "residual", "weight", "out", "residual_out"))
+        if r is not None:
+            return r[0]
     _core.refuse_grad_in_place("fused_add_rms_norm", "writes its results in place (or into out= / residual_out=)",
                                (x, residual, weight))
     if out is None and residual_out is None and backend == "auto" and not cuda_config and stream is None:
@@ -255,8 +259,10 @@ def silu_and_mul(x: Any, up: Any = None, *, out: Any = None, backend: str = "aut
     (..., d). Two arguments: ``silu_and_mul(gate, up)`` with equal shapes (..., d). ``out`` may be
     the gate (or up) array itself, e.g. ``x[..., :d]`` for an in-place fused call.
     """
-    if _core.transforms_active():
-        _core.check_transforms("silu_and_mul", x, up, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(silu_and_mul, "silu_and_mul", locals(), ("x", "up", "out"))
+        if r is not None:
+            return r[0]
     if _core.grad_needed(x, up):
         if out is not None:
             _core.refuse_grad_in_place("silu_and_mul", "with out= writes out", (x, up))
@@ -517,8 +523,10 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     Returns (q_out, k_out): new arrays, or q and k themselves with ``inplace=True``
     (k_out is None without k).
     """
-    if _core.transforms_active():
-        _core.check_transforms("apply_rotary", q, k, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(apply_rotary, "apply_rotary", locals(), ("q", "k", "cos_sin_cache", "q_out", "k_out"))
+        if r is not None:
+            return r[0]
     if _core.grad_needed(q, k):
         if inplace or q_out is not None or k_out is not None:
             _core.refuse_grad_in_place("apply_rotary", "with inplace=True or q_out= / k_out= writes in place", (q, k))
@@ -639,8 +647,10 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
     None); ``style=None`` norms without rotating. Returns (q_out, k_out): new arrays, or q and k
     with ``inplace=True``.
     """
-    if _core.transforms_active():
-        _core.check_transforms("qk_norm_rope", q, k, q_weight, k_weight, vmap=False)
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(qk_norm_rope, "qk_norm_rope", locals(), ("q", "k", "q_weight", "k_weight", "cos_sin_cache", "q_out", "k_out"))
+        if r is not None:
+            return r[0]
     if _core.grad_needed(q, k, q_weight, k_weight):
         if inplace or q_out is not None or k_out is not None:
             _core.refuse_grad_in_place("qk_norm_rope", "with inplace=True or q_out= / k_out= writes in place",
@@ -735,6 +745,11 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
     rounded to nearest even and saturated at +-448, the bytes decode's append writes. q_out stays
     in q's dtype.
     """
+    if _core.transforms_active():  # torch.func / forward AD (_core.guard)
+        r = _core.guard(rope_append_kv, "rope_append_kv", locals(),
+                        ("k", "v", "k_cache", "v_cache", "q", "cos_sin_cache", "q_out", "k_scale", "v_scale"))
+        if r is not None:
+            return r[0]
     _core.refuse_grad_in_place("rope_append_kv", "writes the cache in place", (k, v, q))
     mk, mv = _core.meta(k, "k"), _core.meta(v, "v")
     mkc, mvc = _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")

@@ -37,6 +37,8 @@ def merge_attention_states(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> Tuple[Any,
     numpy arrays and CPU torch tensors run on the host (cpu::merge_by_lse); CUDA tensors run the
     CUDA merge kernel on the current stream (no synchronization: capturable in a CUDA graph).
     """
+    if _core.transforms_active():  # vmap runs (the registered op); forward mode is refused
+        _core.check_transforms("merge_attention_states", v_a, s_a, v_b, s_b)
     check_merge(v_a, s_a, v_b, s_b)
     if _core.is_torch(v_a):
         return _torch_ops.merge_attention_states(v_a, s_a, v_b, s_b)

@@ -119,7 +119,72 @@ def test_fused_ops_refuse_vmap_and_forward_mode(op):
     f = calls[op]
     with pytest.raises(NotImplementedError, match="does not run under torch.func.vmap"):
         torch.func.vmap(f)(x)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):  # jacfwd is forward mode, whatever vmaps it
+        torch.func.jacfwd(f)(x[0])
     with fwAD.dual_level():
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             f(fwAD.make_dual(x[0], torch.ones_like(x[0])))
     assert torch.isfinite(f(x[0])).all()  # and the plain call runs
+
+
+def test_constants_inside_a_transform_run():
+    # Calls whose arguments the transform did not wrap (captured constants) run inside it, also on
+    # the entry points that refuse a transformed argument; only the transformed ones are refused.
+    q, k, v = _qkv(8, s=6, d=16)
+    q1, lens, w16 = q[:, :1].contiguous(), torch.tensor([6], dtype=torch.int32), torch.ones(16)
+    x = torch.ones(3)
+    for name, c in [("flash_attn_func", lambda: flashcpp.flash_attn_func(q, k, v).sum()),
+                    ("attention", lambda: flashcpp.attention(q, k, v)[0].sum()),
+                    ("rms_norm", lambda: flashcpp.rms_norm(q, w16).sum()),
+                    ("kvcache", lambda: flash_attn_with_kvcache(q1, k, v, cache_seqlens=lens).sum())]:
+        want = c()
+        assert torch.equal(torch.func.grad(lambda a: (a * c()).sum())(x), want.expand(3)), name
+        assert torch.equal(torch.func.jvp(lambda a: a * c(), (x,), (x,))[1], want.expand(3)), name
+        assert torch.equal(torch.func.vmap(lambda a: a * c())(x), want.expand(3)), name
+
+
+def test_every_tensor_argument_counts_for_forward_mode():
+    q, k, v = _qkv(9, s=6, d=16)
+    al = torch.rand(2)
+    with fwAD.dual_level():
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flashcpp.flash_attn_func(q, k, v, alibi_slopes=fwAD.make_dual(al, torch.ones_like(al)), causal=True)
+        cache = torch.randn(8, 16)
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            flashcpp.apply_rotary(q[0], None, torch.arange(6, dtype=torch.int32),
+                                  cos_sin_cache=fwAD.make_dual(cache, torch.ones_like(cache)))
+
+
+def test_vmap_inside_torch_compile_fullgraph():
+    q, k, v = _qkv(10, s=6, d=16)
+    qs = torch.stack([q, 2 * q])
+    f = torch.compile(lambda a: torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v, causal=True))(a),
+                      fullgraph=True, backend="eager")
+    assert torch.equal(f(qs), torch.stack([flashcpp.flash_attn_func(x, k, v, causal=True) for x in qs]))
+
+
+def test_plan_run_has_no_backward_and_no_vmap():
+    from flashcpp.decode import BatchDecodeWithKVCache
+    q, k, v = _qkv(11, s=6, d=16)
+    q1, lens = q[:, :1].contiguous(), torch.tensor([6], dtype=torch.int32)
+    w = BatchDecodeWithKVCache()
+    w.plan(1, 2, 2, 16, kv_capacity=6, dtype="float32", device="cpu")
+    qq = q1.clone().requires_grad_()
+    out = w.run(qq, k, v, lens)
+    assert out.requires_grad  # it stays in the graph (it used to detach: a silently missing gradient)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        out.sum().backward()
+    with torch.no_grad():
+        assert torch.equal(w.run(qq, k, v, lens), out.detach())
+    with pytest.raises(NotImplementedError, match="does not run under torch.func.vmap"):
+        torch.func.vmap(lambda x: w.run(x, k, v, lens))(torch.stack([q1, q1]))
+
+
+def test_merge_attention_states_vmaps_and_refuses_forward_mode():
+    g = torch.Generator().manual_seed(12)
+    va, vb = torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
+    sa, sb = torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)
+    got = torch.func.vmap(lambda x: flashcpp.merge_attention_states(x, sa, vb, sb)[0])(torch.stack([va, 2 * va]))
+    assert torch.equal(got[1], flashcpp.merge_attention_states(2 * va, sa, vb, sb)[0])
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: flashcpp.merge_attention_states(x, sa, vb, sb)[0], (va,), (torch.ones_like(va),))
