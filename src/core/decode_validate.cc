@@ -214,7 +214,7 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
   if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
   if (p.seqlen_q < 1 || p.seqlen_q > kDecodeMaxSeqlenQ)
     return Status::Invalid(cat("seqlen_q ", p.seqlen_q, " is outside the decode range 1..", kDecodeMaxSeqlenQ,
-                               " (longer query blocks go through attention_forward)"));
+                               " (longer query blocks are prefill: attention_forward in C++, flash_attn_func in Python)"));
   if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
   if (p.heads_kv < 1) return Status::Invalid(cat("heads_kv ", p.heads_kv, " must be >= 1"));
   if (p.heads_q % p.heads_kv != 0)
