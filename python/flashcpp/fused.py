@@ -560,6 +560,7 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     if style not in _STYLES:
         raise ValueError(f"style must be one of {', '.join(_STYLES)}; got {style!r}")
     rot = head_dim if rotary_dim is None else _core.check_int(rotary_dim, "rotary_dim", 0, head_dim, " (0 = head_dim)")
+    rot = rot or head_dim  # 0 = head_dim (the cos_sin_cache's width too)
     tokens = batch * seqlen
     if inplace and (q_out is not None or k_out is not None):
         raise ValueError("inplace=True writes into q and k: do not pass q_out / k_out too")
@@ -583,6 +584,11 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
     cache, max_position = _cache_arg(cos_sin_cache, q, rot)
     l3 = _llama3(llama3)
 
+    if tokens > 0 and heads_q == 0 and k is not None and heads_k > 0:
+        # q has no heads: k alone (the launch below needs q's heads), as apply_rotary(k) rotates it
+        apply_rotary(k, None, positions, style=style, rotary_dim=rotary_dim, theta=theta, llama3=llama3,
+                     cos_sin_cache=cos_sin_cache, inplace=inplace, q_out=None if inplace else k_out, backend=backend,
+                     cpu_threads=cpu_threads, cuda_config=cuda_config, stream=stream)
     if tokens > 0 and heads_q > 0:
         code = _core._DTYPE_CODES[mq.dtype]
         p = _C.RopeParams()
@@ -712,6 +718,12 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
     p.positions = _core.data_ptr(pos)
     p.rotary = spec
     opt = _options(backend, cpu_threads, cuda_config, q, mq, stream)
+    if batch * seqlen > 0 and heads_q == 0 and k is not None and heads_k > 0:
+        # q has no heads: k alone (the launch needs q's heads), normed with k_weight
+        qk_norm_rope(k, None, k_weight, None, positions, eps=eps, weight_offset=weight_offset, style=style,
+                     rotary_dim=rotary_dim, theta=theta, llama3=llama3, cos_sin_cache=cos_sin_cache, inplace=inplace,
+                     q_out=None if inplace else k_out, backend=backend, cpu_threads=cpu_threads,
+                     cuda_config=cuda_config, stream=stream)
     if batch * seqlen > 0 and heads_q > 0:
         _call(q, mq, _C.qk_norm_rope, p, opt)
     del cache  # kept alive through the call

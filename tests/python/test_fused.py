@@ -467,3 +467,36 @@ def test_new_fusions_cuda(rng):
             j = int(lens[b]) + s
             page = int(table[b, j // 16])
             assert torch.equal(kc[page, j % 16], ek[b, s]) and torch.equal(vc[page, j % 16], k[b, s])
+
+
+@pytest.mark.parametrize("op", ["apply_rotary", "qk_norm_rope"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_q_without_heads_still_rotates_k(op, inplace):
+    # q with 0 heads and k with some: k is rotated (normed) as if alone. Both used to skip the
+    # launch whenever q had no heads, leaving k_out uninitialized (or k unchanged in place).
+    rng = np.random.default_rng(5)
+    k = rng.standard_normal((1, 3, 2, 16)).astype(np.float32)
+    q = np.zeros((1, 3, 0, 16), np.float32)
+    kw = rng.standard_normal(16).astype(np.float32)
+    if op == "apply_rotary":
+        want = flashcpp.apply_rotary(k.copy(), None)[0]
+        run = lambda q_, k_, **kw_: flashcpp.apply_rotary(q_, k_, **kw_)  # noqa: E731
+    else:
+        want = flashcpp.qk_norm_rope(k.copy(), None, kw)[0]
+        run = lambda q_, k_, **kw_: flashcpp.qk_norm_rope(q_, k_, np.ones(16, np.float32), kw, **kw_)  # noqa: E731
+    kk = k.copy()
+    q_out, k_out = run(q, kk, inplace=inplace)
+    assert q_out.shape == q.shape
+    np.testing.assert_array_equal(kk if inplace else k_out, want)
+    if not inplace:
+        np.testing.assert_array_equal(kk, k)  # the input is left alone
+
+
+def test_apply_rotary_rotary_dim_0_is_head_dim_with_a_cache():
+    # rotary_dim=0 means head_dim, with a cos_sin_cache too (it said the cache must be (max_position, 0))
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((1, 4, 2, 16)).astype(np.float32)
+    cache = rng.standard_normal((50, 16)).astype(np.float32)
+    a = flashcpp.apply_rotary(q, None, rotary_dim=0, cos_sin_cache=cache)[0]
+    b = flashcpp.apply_rotary(q, None, rotary_dim=16, cos_sin_cache=cache)[0]
+    np.testing.assert_array_equal(a, b)
