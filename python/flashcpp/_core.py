@@ -14,9 +14,11 @@ what the C++ validator rejects -> ValueError (invalid) or NotImplementedError (u
 """
 from __future__ import annotations
 
+import contextlib
 import math
-import os
 import numbers
+import os
+import threading
 from typing import Any, NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -233,9 +235,6 @@ if torch is not None:
     _functorch_active = torch._C._are_functorch_transforms_active
 
 
-import contextlib
-import threading
-
 _plain = threading.local()  # depth of plain_call() on this thread
 
 
@@ -246,11 +245,6 @@ def transforms_active() -> bool:
     (check_transforms first). About 0.2 us on the eager path."""
     return (torch is not None and (_functorch_active() or _forward_ad._current_level >= 0)
             and not getattr(_plain, "depth", 0))
-
-
-def functorch_active() -> bool:
-    """A torch.func transform is active (not only a forward-AD level)."""
-    return torch is not None and _functorch_active()
 
 
 @contextlib.contextmanager
@@ -308,12 +302,14 @@ def check_transforms(what: str, *tensors: Any, vmap: bool = True) -> bool:
     return False
 
 
-def guard(fn: Any, what: str, params: dict, tensor_names: Tuple[str, ...]) -> Optional[Tuple[Any]]:
+def guard(fn: Any, what: str, params: dict, tensor_names: Tuple[str, ...], extra: Tuple[Any, ...] = ()
+          ) -> Optional[Tuple[Any]]:
     """First statement of an entry point without a registered op when transforms_active(), with
-    params = its locals() (its arguments): refuses what check_transforms refuses (vmap included);
+    params = its locals() (its arguments): refuses what check_transforms refuses (vmap included)
+    for the arguments named in tensor_names and the tensors in `extra` (held inside an argument);
     under a torch.func transform none of whose arguments is transformed, runs fn(**params) in
     plain_call and returns (its result,); else None (the call proceeds as usual)."""
-    check_transforms(what, *(params.get(n) for n in tensor_names), vmap=False)
+    check_transforms(what, *(params.get(n) for n in tensor_names), *extra, vmap=False)
     if _functorch_active() and not torch.compiler.is_compiling():
         with plain_call():
             return (fn(**params),)

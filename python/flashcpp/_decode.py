@@ -383,13 +383,6 @@ class BatchDecodeWithKVCache:
         self._cfg = cfg
         return self._plan
 
-    def _run_no_grad(self, q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, lse,
-                     return_lse, cpu_threads, k_scale, v_scale):
-        with _core.torch.no_grad():
-            return self.run(q, k_cache, v_cache, cache_seqlens, block_table=block_table, rotary_cos=rotary_cos,
-                            rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, lse=lse, return_lse=return_lse,
-                            cpu_threads=cpu_threads, k_scale=k_scale, v_scale=v_scale)
-
     def run(self, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, *, block_table: Any = None,
             k: Any = None, v: Any = None, rotary_cos: Any = None, rotary_sin: Any = None,
             alibi_slopes: Any = None, out: Any = None, lse: Any = None, return_lse: bool = False,
@@ -428,9 +421,10 @@ class BatchDecodeWithKVCache:
             if k is not None or v is not None or out is not None:
                 _core.refuse_grad_in_place("BatchDecodeWithKVCache.run", "writes in place (the appended k and v, "
                                            "or out=)", (q, k_cache, v_cache, k, v, alibi_slopes))
-            return _core.no_backward("BatchDecodeWithKVCache.run", lambda: self._run_no_grad(
-                q, k_cache, v_cache, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes, lse, return_lse,
-                cpu_threads, k_scale, v_scale), (q, k_cache, v_cache, alibi_slopes))
+            return _core.no_backward("BatchDecodeWithKVCache.run", lambda: self.run(  # (grad off in there)
+                q, k_cache, v_cache, cache_seqlens, block_table=block_table, rotary_cos=rotary_cos,
+                rotary_sin=rotary_sin, alibi_slopes=alibi_slopes, lse=lse, return_lse=return_lse,
+                cpu_threads=cpu_threads, k_scale=k_scale, v_scale=v_scale), (q, k_cache, v_cache, alibi_slopes))
         c = self._cfg
         if c is None:
             raise RuntimeError("call plan() before run()")

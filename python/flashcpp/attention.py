@@ -75,9 +75,8 @@ def attention(q: Any, k: Any, v: Any, *, out: Any = None, lse: Any = None, retur
     Returns ``(out, lse)``; lse is None unless given or ``return_lse``.
     """
     if _core.transforms_active():  # torch.func / forward AD (_core.guard)
-        if rotary is not None:
-            _core.check_transforms("attention", rotary.cos_sin_cache, rotary.k_out, vmap=False)
-        r = _core.guard(attention, "attention", locals(), ("q", "k", "v", "out", "lse", "alibi_slopes"))
+        r = _core.guard(attention, "attention", locals(), ("q", "k", "v", "out", "lse", "alibi_slopes"),
+                        _rotary_tensors(rotary))
         if r is not None:
             return r[0]
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
@@ -104,6 +103,11 @@ def select_kernel(q: Any, k: Any, v: Any, *, softmax_scale: Optional[float] = No
     p = _prepare(q, k, v, softmax_scale, window_size, alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k, block_sparse, rotary)
     return KernelChoice(*_select(p, causal=causal, softcap=softcap, backend=backend, cuda_config=cuda_config))
+
+
+def _rotary_tensors(rotary: Optional[Rotary]) -> Tuple[Any, ...]:
+    """The tensors a Rotary holds (for the torch.func checks)."""
+    return () if rotary is None else (rotary.cos_sin_cache, rotary.k_out)
 
 
 def _torch_alibi(alibi_slopes: Any, q: Any) -> Any:
@@ -222,8 +226,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
             return fast
     if _all_torch(q, k, v):
         if transformed:
-            transformed = _core.check_transforms("flash_attn_func", q, k, v, alibi_slopes,
-                                                 *((rotary.cos_sin_cache, rotary.k_out) if rotary is not None else ()))
+            transformed = _core.check_transforms("flash_attn_func", q, k, v, alibi_slopes, *_rotary_tensors(rotary))
         wl, wr = _core.check_window(window_size)
         scale = _core.default_scale(softmax_scale, q.shape[-1])
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
