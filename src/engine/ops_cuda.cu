@@ -83,7 +83,11 @@ class CudaOps final : public Ops {
 
   Status alloc(std::size_t bytes, void** out) override {
     ENGINE_CUDA(cudaMalloc(out, bytes));
-    return cuda_status(cudaMemset(*out, 0, bytes), "cudaMemset");
+    // On stream_, and awaited: a cudaMemset goes to the legacy default stream, which the
+    // non-blocking stream_ does not wait for, so it could land after an upload or a kernel that
+    // followed on stream_ (EngineGpu.GemvMatchesTheHostForEveryGrouping read zeros for its x).
+    ENGINE_CUDA(cudaMemsetAsync(*out, 0, bytes, stream_));
+    return sync();
   }
   void release(void* p) noexcept override { cudaFree(p); }
   Status upload(void* dst, const void* src, std::size_t bytes) override {

@@ -612,7 +612,7 @@ TEST(FusedGpu, CapturedInCudaGraph) {
   CUDA_OK(cudaStreamSynchronize(s));
   ASSERT_TRUE(o.download());
   const std::vector<std::uint16_t> o_direct = o.host;
-  CUDA_OK(cudaMemset(o.buf.ptr, 0xFF, o.buf.bytes));
+  CUDA_OK(cudaMemsetAsync(o.buf.ptr, 0xFF, o.buf.bytes, s));  // on s: it does not wait for the legacy stream
   cudaGraph_t graph;
   CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   const Status a = fused_add_rms_norm(np, cuda_opt("", s));

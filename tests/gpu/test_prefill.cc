@@ -486,8 +486,9 @@ TEST(Prefill, VarlenBatchZeroFillsEveryPackedRow) {
     CUDA_OK(cudaStreamEndCapture(stream, &graph));
     ASSERT_TRUE(st.ok()) << st.to_string();
     CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_OK(cudaMemset(o.ptr, 0xFF, o.bytes));
-    CUDA_OK(cudaMemset(lse.ptr, 0xFF, lse.bytes));
+    // re-poisoned on the graph's stream: a non-blocking stream does not wait for cudaMemset's
+    CUDA_OK(cudaMemsetAsync(o.ptr, 0xFF, o.bytes, stream));
+    CUDA_OK(cudaMemsetAsync(lse.ptr, 0xFF, lse.bytes, stream));
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     check(true);
