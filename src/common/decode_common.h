@@ -44,23 +44,33 @@ struct Config {
   static constexpr int kMergeBytes = kWarps * kRowsPerWarp * (D + 4 + 2) * 4;
   /// An fp8 e4m3 cache (one byte per element): a ring of kStages8 fp8 stages, which the warps read
   /// directly (ldmatrix on the codes, converted in registers), and the query rows' fp16 scales. A
-  /// stage is half the bytes and nothing else is staged, so the ring is twice as deep for the same
-  /// shared memory and CTAs per SM.
-  static constexpr int kStages8 = D == 64 ? 8 : 6;
+  /// stage is half the bytes and nothing else is staged, so at D = 64 and 128 the ring is twice as
+  /// deep for the same shared memory and CTAs per SM. At D = 256 the 16-bit config runs one CTA
+  /// (4 warps) per SM, and the fp8 step, which is issue-bound rather than memory-bound, is slow
+  /// there (1.08x the bf16 step at 8ad80be, against 1.2-1.5x at D = 128); its ring keeps 2 stages
+  /// so that two CTAs share an SM (2 x 2 x 32 KB of codes in flight per SM, 4x what Little's law
+  /// asks for). The epilogue scratch is larger than those two stages: the size takes the larger.
+  static constexpr int kStages8 = D == 64 ? 8 : D == 128 ? 6 : 2;
+  static constexpr int kCtasPerSm8 = D == 256 ? 2 : kCtasPerSm;
   static constexpr int kStage8Bytes = 2 * kBlockN * D;
   static constexpr int kQScaleBytes = kMaxRows * 4;
-  static constexpr int kSmemBytes8 = kQBytes + kStages8 * kStage8Bytes + kQScaleBytes;
+  static constexpr int kRing8Bytes = kStages8 * kStage8Bytes + kQScaleBytes;
+  static constexpr int kSmemBytes8 = kQBytes + (kRing8Bytes > kMergeBytes ? kRing8Bytes : kMergeBytes);
   static_assert(kBlockN % (kChunkN * 1) == 0 && kChunks == kWarps, "a tile is one chunk per warp");
   static_assert(kMergeBytes <= kStages * kStageBytes, "epilogue scratch fits in the K/V stages");
-  static_assert(kMergeBytes <= kStages8 * kStage8Bytes, "epilogue scratch fits in the fp8 stages");
-  static_assert((kSmemBytes8 + 1024) * kCtasPerSm <= 228 * 1024, "the fp8 ring keeps the CTAs per SM of the 16-bit one");
+  static_assert(kMergeBytes <= kSmemBytes8 - kQBytes, "epilogue scratch fits behind the fp8 Q tile");
+  static_assert((kSmemBytes8 + 1024) * kCtasPerSm8 <= 228 * 1024, "the fp8 config's CTAs fit on a 228 KB SM");
+  static_assert(kCtasPerSm8 >= kCtasPerSm, "the fp8 ring never runs fewer CTAs per SM than the 16-bit one");
   static_assert(D % 16 == 0, "head_dim is a multiple of the mma k");
 };
 
-/// CTAs per SM the planner assumes for a head dim (Config<D>::kCtasPerSm at run time); a head
-/// dim between the compiled ones (the CPU backend's plan) counts as the next larger one.
-inline int ctas_per_sm(int head_dim) {
-  return head_dim <= 64 ? Config<64>::kCtasPerSm : head_dim <= 128 ? Config<128>::kCtasPerSm : Config<256>::kCtasPerSm;
+/// CTAs per SM the planner assumes for a head dim and cache kind (Config<D>::kCtasPerSm, or
+/// kCtasPerSm8 over an fp8 cache, at run time); a head dim between the compiled ones (the CPU
+/// backend's plan) counts as the next larger one.
+inline int ctas_per_sm(int head_dim, bool fp8 = false) {
+  if (head_dim <= 64) return fp8 ? Config<64>::kCtasPerSm8 : Config<64>::kCtasPerSm;
+  if (head_dim <= 128) return fp8 ? Config<128>::kCtasPerSm8 : Config<128>::kCtasPerSm;
+  return fp8 ? Config<256>::kCtasPerSm8 : Config<256>::kCtasPerSm;
 }
 
 /// Rows of the query that share one KV head, and how a CTA covers them: warp_rows warps along the

@@ -587,7 +587,7 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
 // ---- decode: the split rule ------------------------------------------------------------------------
 // The split heuristic (docs/decode.md has the reasoning and examples):
 //   units    = heads_kv * row_blocks          CTAs one split of one sequence occupies
-//   target   = num_sms * ctas_per_sm(D)       one full wave (ctas_per_sm from the tile config)
+//   target   = num_sms * ctas_per_sm(D, fp8)  one full wave (ctas_per_sm from the tile config)
 //   tiles_b  = 64-key tiles of the keys some query row of sequence b can see (window-aware)
 //   if batch * units >= target: no split (the batch alone fills the GPU; merging would only add
 //     traffic)
@@ -677,7 +677,7 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
   if (forced > 0) {
     std::fill(out->splits.begin(), out->splits.end(), forced);
   } else {
-    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(std::max(p.head_dim, p.effective_head_dim_v()));
+    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(std::max(p.head_dim, p.effective_head_dim_v()), p.cache.fp8());
     if (static_cast<std::int64_t>(p.batch) * units < target) {
       // >= 16 keys per row it serves, and >= kMinSplitKeys keys unless the problem is small (below)
       const std::int64_t row_tiles = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;

@@ -1135,6 +1135,31 @@ TEST(DecodeCpu, SplitHeuristic) {
     EXPECT_EQ(sv.max_splits, splits(4, 32, 8, 128, 8192).max_splits);
     EXPECT_NE(sv.max_splits, splits(4, 32, 8, 64, 8192).max_splits);
   }
+  // An fp8 cache runs two CTAs per SM at D = 256 (Config<256>::kCtasPerSm8; one for 16-bit
+  // caches), so its wave is 264 CTAs: B=8, MQA 8/1, 16384 keys (2048 tiles) splits 32 ways where a
+  // bf16 cache splits 16 ways; at D = 128 both run two CTAs per SM and plan alike.
+  {
+    auto fp8_splits = [](int batch, int hq, int hkv, int d, int len, bool fp8) {
+      DecodeParams p;
+      p.batch = batch;
+      p.heads_q = hq;
+      p.heads_kv = hkv;
+      p.head_dim = d;
+      p.seqlen_q = 1;
+      p.cache.capacity = len;
+      if (fp8) p.cache.k.dtype = p.cache.v.dtype = DType::kF8E4M3;
+      select::SplitDecision s;
+      std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
+      EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, 132, &s).ok());
+      return s.max_splits;
+    };
+    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, false), 16);
+    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, true), 32);
+    EXPECT_EQ(fp8_splits(4, 32, 8, 128, 8192, true), fp8_splits(4, 32, 8, 128, 8192, false));
+    EXPECT_EQ(decode::ctas_per_sm(256, true), 2);
+    EXPECT_EQ(decode::ctas_per_sm(256, false), 1);
+    EXPECT_EQ(decode::ctas_per_sm(200, true), 2);  // padded into the 256 class
+  }
   // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
   // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.
   DecodeParams p;

@@ -62,7 +62,7 @@
 namespace flashcpp::cuda::decode_dev {
 
 template <int D, typename T, typename C>
-__global__ void __launch_bounds__(Config<D>::kThreads, Config<D>::kCtasPerSm)
+__global__ void __launch_bounds__(Config<D>::kThreads, kFp8Cache<C> ? Config<D>::kCtasPerSm8 : Config<D>::kCtasPerSm)
     decode_split_kernel(const __grid_constant__ DecodeKernelParams p) {
   // The kernel before it on the stream (RunOptions::programmatic_launch): waited for here, or,
   // after this step's own append kernel, once everything but the appended keys is in flight.
