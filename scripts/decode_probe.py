@@ -89,7 +89,7 @@ def main():
             us = statistics.median(times[k])
             kvb = B * N * Hkv * D * 2 * (1 if k[0] == "fp8" else 2)
             row = {"shape": sh, "kind": k[0], "fused_merge": k[1], "forced_splits": k[2], "us": round(us, 2),
-                   "tbps": round(kvb / us / 1e6, 3), "ctas": info.ctas, "splits": info.max_splits,
+                   "tbps": round(kvb / us / 1e6, 3), "ctas": info.ctas, "per_sm": getattr(info, "ctas_per_sm", 0), "splits": info.max_splits,
                    "merge": int(info.needs_merge), "fm": int(info.fused_merge)}
             rows.append(row)
             print(" ".join(f"{a_}={b_}" for a_, b_ in row.items()), flush=True)

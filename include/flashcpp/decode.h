@@ -182,6 +182,9 @@ struct DecodePlan {
   bool fused_merge = false;  ///< CUDA, needs_merge: the split-KV kernel merges them (no merge launch)
   bool fused_append = false; ///< CUDA, append: the split-KV kernel writes the new K/V (no append launch)
   int ctas = 0;          ///< CTAs of the split-KV launch: num_items * heads_kv * row_blocks
+  /// CTAs per SM the split-KV launch allows (CUDA): the kernel's own, or fewer for an fp8 cache
+  /// whose CTAs fall into fewer waves that way (the launch pads its shared memory; select::decode_splits)
+  int ctas_per_sm = 0;
   void* int_workspace = nullptr;
   std::size_t int_bytes = 0;
   void* float_workspace = nullptr;

@@ -828,6 +828,7 @@ void bind(nb::module_& m) {
       .def_ro("warp_rows", &DecodePlan::warp_rows)
       .def_ro("num_items", &DecodePlan::num_items)
       .def_ro("max_splits", &DecodePlan::max_splits)
+      .def_ro("ctas_per_sm", &DecodePlan::ctas_per_sm)
       .def_ro("num_sms", &DecodePlan::num_sms)
       .def_ro("needs_merge", &DecodePlan::needs_merge)
       .def_ro("fused_merge", &DecodePlan::fused_merge)

@@ -44,14 +44,15 @@ struct Config {
   static constexpr int kMergeBytes = kWarps * kRowsPerWarp * (D + 4 + 2) * 4;
   /// An fp8 e4m3 cache (one byte per element): a ring of kStages8 fp8 stages, which the warps read
   /// directly (ldmatrix on the codes, converted in registers), and the query rows' fp16 scales. A
-  /// stage is half the bytes and nothing else is staged, so at D = 64 and 128 the ring is twice as
-  /// deep for the same shared memory and CTAs per SM. At D = 256 the 16-bit config runs one CTA
-  /// (4 warps) per SM, and the fp8 step, which is issue-bound rather than memory-bound, is slow
-  /// there (1.08x the bf16 step at 8ad80be, against 1.2-1.5x at D = 128); its ring keeps 2 stages
-  /// so that two CTAs share an SM (2 x 2 x 32 KB of codes in flight per SM, 4x what Little's law
-  /// asks for). The epilogue scratch is larger than those two stages: the size takes the larger.
-  static constexpr int kStages8 = D == 64 ? 8 : D == 128 ? 6 : 2;
-  static constexpr int kCtasPerSm8 = D == 256 ? 2 : kCtasPerSm;
+  /// stage is half the bytes of a 16-bit one. The fp8 step is issue-bound rather than memory-bound
+  /// (1.08x the bf16 step at D = 256 and 1.2-1.5x at D = 128 at 8ad80be, with one and two CTAs of
+  /// 4 warps per SM), so the ring is kept short and the shared memory buys CTAs instead: 4 / 3 / 2
+  /// per SM at D = 64 / 128 / 256 (4 / 3 / 2 stages: 128-144 KB of codes in flight per SM, 4x
+  /// what Little's law asks for). A batch whose whole sequences fill several waves may run at the
+  /// 16-bit count instead (DecodePlan::ctas_per_sm: the launch pads its shared memory). The
+  /// epilogue scratch can be larger than the ring: the size takes the larger.
+  static constexpr int kStages8 = D == 64 ? 4 : D == 128 ? 3 : 2;
+  static constexpr int kCtasPerSm8 = D == 64 ? 4 : D == 128 ? 3 : 2;
   static constexpr int kStage8Bytes = 2 * kBlockN * D;
   static constexpr int kQScaleBytes = kMaxRows * 4;
   static constexpr int kRing8Bytes = kStages8 * kStage8Bytes + kQScaleBytes;

@@ -178,6 +178,7 @@ Status decode_plan(const DecodeParams& p, const DecodePlanOptions& opt, void* in
   plan->fused_merge = s.fused_merge;
   plan->fused_append = s.fused_append;
   plan->ctas = items * p.heads_kv * s.rows.row_blocks;
+  plan->ctas_per_sm = s.split.ctas_per_sm;
   plan->int_workspace = int_workspace;
   plan->int_bytes = s.int_bytes;
   plan->float_workspace = float_workspace;

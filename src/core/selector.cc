@@ -706,6 +706,17 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
                                " CTAs each, more than a grid holds (2^31 - 1); lower num_splits or the batch");
   out->num_items = static_cast<int>(items);
   out->needs_merge = out->max_splits > 1;
+  // Occupancy. An fp8 cache's config fits more CTAs per SM than a 16-bit cache's (Config<D>::
+  // kCtasPerSm8), which helps a one-wave plan (the fp8 step is issue-bound) but not a batch that
+  // fills several waves with whole sequences: 512 CTAs at D = 128 are 2 full waves of 2 per SM, or
+  // a wave of 3 per SM and a 29% tail (measured 0.81x on an H100). A CTA's time grows with the
+  // CTAs beside it on a memory-bound SM, so the cost of c per SM is waves(c) x (CTAs per SM in a
+  // full wave, at most c); the larger c wins ties (a grid under one CTA per SM costs 1 either way).
+  const int dim = std::max(p.head_dim, p.effective_head_dim_v());
+  const int hi = ctas_per_sm(dim, p.cache.fp8()), lo = ctas_per_sm(dim, false);
+  const std::int64_t ctas = items * units, sms = std::max(num_sms, 1), per_sm = (ctas + sms - 1) / sms;
+  auto cost = [&](int c) { return (ctas + sms * c - 1) / (sms * c) * std::min<std::int64_t>(c, per_sm); };
+  out->ctas_per_sm = cost(lo) < cost(hi) ? lo : hi;
   return Status::Ok();
 }
 

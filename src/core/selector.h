@@ -96,6 +96,9 @@ struct SplitDecision {
   int num_items = 0;
   int max_splits = 0;
   bool needs_merge = false;
+  /// CTAs per SM to launch with: ctas_per_sm(D, fp8), or ctas_per_sm(D) when an fp8 cache's
+  /// CTAs (more per SM than a 16-bit cache's) fall into fewer waves that way.
+  int ctas_per_sm = 0;
 };
 
 /// The SM count the CPU backend plans for when none is given: an H200's, so the CPU walks the

@@ -1151,14 +1151,29 @@ TEST(DecodeCpu, SplitHeuristic) {
       select::SplitDecision s;
       std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
       EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, 132, &s).ok());
-      return s.max_splits;
+      return s;
     };
-    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, false), 16);
-    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, true), 32);
-    EXPECT_EQ(fp8_splits(4, 32, 8, 128, 8192, true), fp8_splits(4, 32, 8, 128, 8192, false));
+    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, false).max_splits, 16);
+    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, true).max_splits, 32);
+    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, true).ctas_per_sm, 2);
+    EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, false).ctas_per_sm, 1);
+    // D = 128: three fp8 CTAs per SM, so a one-wave plan fills 396 CTAs: B=1 GQA 32/8 at 32768 keys
+    // splits 47 ways (376 CTAs) where bf16 splits 32 ways (256).
+    EXPECT_EQ(fp8_splits(1, 32, 8, 128, 32768, false).max_splits, 32);
+    EXPECT_EQ(fp8_splits(1, 32, 8, 128, 32768, true).max_splits, 47);
+    EXPECT_EQ(fp8_splits(1, 32, 8, 128, 32768, true).ctas_per_sm, 3);
+    // ... but a batch of whole sequences that fills the GPU keeps two per SM where that takes fewer
+    // waves: 64 x 8 KV heads = 512 CTAs are 2 waves x 2 per SM (cost 4) against 2 x 3 (cost 6);
+    // 400 CTAs: 2 x 2 against 2 x 3 too; 396 fill one wave of 3 (3 against 2 x 2).
+    EXPECT_EQ(fp8_splits(64, 32, 8, 128, 2048, true).max_splits, 1);
+    EXPECT_EQ(fp8_splits(64, 32, 8, 128, 2048, true).ctas_per_sm, 2);
+    EXPECT_EQ(fp8_splits(50, 32, 8, 128, 2048, true).ctas_per_sm, 2);
+    EXPECT_EQ(fp8_splits(1, 396, 396, 128, 64, true).ctas_per_sm, 3);
     EXPECT_EQ(decode::ctas_per_sm(256, true), 2);
     EXPECT_EQ(decode::ctas_per_sm(256, false), 1);
     EXPECT_EQ(decode::ctas_per_sm(200, true), 2);  // padded into the 256 class
+    EXPECT_EQ(decode::ctas_per_sm(128, true), 3);
+    EXPECT_EQ(decode::ctas_per_sm(64, true), 4);
   }
   // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
   // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.

@@ -298,3 +298,35 @@ def test_cuda_fp8_contiguous_forced_splits_match_the_host_backend(num_splits, na
     assert (og - oc).nan_to_num(0.0).abs().max().item() <= 2 * tolerance("bfloat16")
     scale = max(1.0, lc.nan_to_num(0.0).abs().max().item())
     assert (lg - lc).nan_to_num(0.0).abs().max().item() <= 1e-3 * scale
+
+
+@pytest.mark.parametrize("D, B, per_sm", [(128, 64, 2), (128, 1, 3), (64, 75, 3), (256, 3, 2)])
+def test_cuda_fp8_launch_occupancy_matches_the_host_backend(D, B, per_sm):
+    # An fp8 cache runs more CTAs per SM than a 16-bit one (4 / 3 / 2 at D = 64 / 128 / 256); a
+    # batch of whole sequences that fills several waves may launch at the 16-bit count instead,
+    # its shared memory padded (DecodePlan.ctas_per_sm: 64 x 8 KV heads at D = 128, 75 x 8 at D = 64
+    # on 132 SMs). Every launch form gives the host backend's rows within bf16's tolerance.
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available() or not flashcpp.WITH_CUDA:
+        pytest.skip("needs a CUDA device and a CUDA build of flashcpp")
+    from flashcpp.decode import BatchDecodeWithKVCache
+    g = torch.Generator().manual_seed(D + B)
+    Hq, Hkv, S = 32, 8, 200
+    lens = torch.randint(1, S + 1, (B,), generator=g, dtype=torch.int32)
+    q = torch.randn(B, 1, Hq, D, generator=g).to(torch.bfloat16)
+    k8 = (torch.randn(B, S, Hkv, D, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(B, S, Hkv, D, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ks = torch.rand(Hkv, generator=g) * 0.01 + 0.005
+    vs = torch.rand(Hkv, generator=g) * 0.01 + 0.005
+    res = {}
+    for dev in ("cpu", "cuda"):
+        w = BatchDecodeWithKVCache()
+        w.plan(B, Hq, Hkv, D, kv_capacity=S, cache_seqlens=lens, causal=True, dtype=torch.bfloat16, device=dev,
+               kv_dtype=torch.float8_e4m3fn, num_sms=132)
+        if dev == "cuda":
+            assert w.plan_info.ctas_per_sm == per_sm
+        out = torch.full((B, 1, Hq, D), float("nan"), dtype=torch.bfloat16, device=dev)
+        w.run(q.to(dev), k8.to(dev), v8.to(dev), lens.to(dev), k_scale=ks.to(dev), v_scale=vs.to(dev), out=out)
+        res[dev] = out.float().cpu()
+    assert torch.isfinite(res["cuda"]).all()
+    assert (res["cuda"] - res["cpu"]).abs().max().item() <= 2 * tolerance("bfloat16")

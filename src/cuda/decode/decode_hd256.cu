@@ -2,7 +2,7 @@
 #include "cuda/decode/decode_launch.cuh"
 
 namespace flashcpp::cuda {
-Status decode_split_launch_hd256(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device) {
-  return decode_split_dispatch<256>(p, dt, ctas, stream, device);
+Status decode_split_launch_hd256(const DecodeKernelParams& p, DType dt, int ctas, int smem_pad, Stream stream, int device) {
+  return decode_split_dispatch<256>(p, dt, ctas, smem_pad, stream, device);
 }
 }  // namespace flashcpp::cuda

@@ -17,9 +17,9 @@
 namespace flashcpp::cuda {
 
 /// The split-KV kernel of one head-dim class (every head_dim, head_dim_v it holds); `ctas` = plan.ctas (1-D grid).
-Status decode_split_launch_hd64(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device);
-Status decode_split_launch_hd128(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device);
-Status decode_split_launch_hd256(const DecodeKernelParams& p, DType dt, int ctas, Stream stream, int device);
+Status decode_split_launch_hd64(const DecodeKernelParams& p, DType dt, int ctas, int smem_pad, Stream stream, int device);
+Status decode_split_launch_hd128(const DecodeKernelParams& p, DType dt, int ctas, int smem_pad, Stream stream, int device);
+Status decode_split_launch_hd256(const DecodeKernelParams& p, DType dt, int ctas, int smem_pad, Stream stream, int device);
 /// New K (rotated) and V into the cache: one warp per (sequence, token, KV head).
 Status decode_append_launch(const DecodeKernelParams& p, DType dt, Stream stream);
 /// Combines the partials of split sequences: one warp per (sequence, token, query head).
