@@ -185,6 +185,62 @@ def call_flash_attn_fwd(*args: Any, rotary_k_out: Optional[Tensor] = None,
     return torch.ops.flashcpp.flash_attn_fwd_rotary_k_out(*args[:3], rotary_k_out, *args[3:])
 
 
+
+# ---- torch.func.vmap: batching rules ----------------------------------------------------------------
+# Without a rule torch's fallback calls the op once per vmapped entry and warns of the cost. Dense
+# attention folds the vmapped dimension into the batch instead: entries are independent sequences,
+# so (n, B, S, H, D) -> (n * B, S, H, D) is one call with the same per-sequence arithmetic (the
+# results equal the loop's bit for bit). An unbatched q, k or v is expanded to n entries (a copy:
+# the batch of the folded call is n * B); alibi slopes follow the batch when they have one. Calls
+# whose other tensors are vmapped, or that carry a block-sparse mask or rotary (their tensors are
+# laid out per batch entry), and varlen calls (folding would need cu_seqlens' last entries on the
+# host) run one entry at a time here, as the fallback would.
+
+def _vmap_entries(op, n: int, in_dims, args):
+    """op over each of the n vmapped entries, outputs stacked along dim 0."""
+    outs = []
+    for i in range(n):
+        outs.append(op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims))))
+    return tuple(torch.stack(list(o)) for o in zip(*outs)), (0,) * len(outs[0])
+
+
+def _fold(x: Tensor, d: Optional[int], n: int) -> Tensor:
+    """x with its vmapped dim d folded into the batch dim 0; not vmapped (d None): n copies (a view
+    with a stride-0 batch would alias its entries, which the kernels refuse)."""
+    if d is None:
+        return x.repeat(n, *([1] * (x.dim() - 1)))
+    x = x.movedim(d, 0)
+    return x.reshape(n * x.shape[1], *x.shape[2:])
+
+
+@flash_attn_fwd.register_vmap
+def _flash_attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
+                         alibi_slopes, return_lse, *rest):
+    n = info.batch_size
+    args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, return_lse) + rest
+    extra_tensors = [a for a in rest if isinstance(a, Tensor)]
+    rotary = len(rest) > 5 and rest[5] != 0  # rotary_dim
+    if extra_tensors or rotary or any(d is not None for d in in_dims[10:]):
+        return _vmap_entries(flash_attn_fwd, n, in_dims, args)
+    batch = (q if in_dims[0] is None else q.movedim(in_dims[0], 0)[0]).shape[0]
+    qf, kf, vf = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
+    slopes = alibi_slopes
+    if alibi_slopes is not None:
+        d = in_dims[8]
+        if d is not None:
+            s_ = alibi_slopes.movedim(d, 0)
+            # (n, H): one row of slopes per entry, shared by its batch; (n, B, H): per sequence
+            slopes = _fold(s_.unsqueeze(1).expand(n, batch, s_.shape[-1]) if s_.dim() == 2 else s_, 0, n)
+        elif alibi_slopes.dim() == 2:
+            slopes = _fold(alibi_slopes, None, n)
+    out, lse = flash_attn_fwd(qf, kf, vf, softmax_scale, causal, window_left, window_right, softcap, slopes,
+                              return_lse, *rest)
+    out = out.reshape(n, batch, *out.shape[1:])
+    if not return_lse:
+        return (out, lse), (0, None)  # lse is the (0,) placeholder: the same for every entry
+    return (out, lse.reshape(n, batch, *lse.shape[1:])), (0, 0)
+
+
 def _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    window_left, window_right, alibi_slopes):
     # Shape/type checks only; the host-side value checks of cu_seqlens run in _prepare for CPU
@@ -236,6 +292,11 @@ def _flash_attn_varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_
                                         max_seqlen_k, window_left, window_right, alibi_slopes)
     return (q.new_empty(shape_o),
             q.new_empty(shape_lse if return_lse else _NO_LSE, dtype=torch.float32))
+
+
+@flash_attn_varlen_fwd.register_vmap
+def _flash_attn_varlen_fwd_vmap(info, in_dims, *args):
+    return _vmap_entries(flash_attn_varlen_fwd, info.batch_size, in_dims, args)
 
 
 # ---- the backward: flash_attn_bwd, flash_attn_varlen_bwd and the autograd formulas ---------------------
@@ -385,6 +446,15 @@ def merge_attention_states_op(v_a: Tensor, s_a: Tensor, v_b: Tensor,
 def _merge_attention_states_fake(v_a, s_a, v_b, s_b):
     _core.check_merge(v_a, s_a, v_b, s_b)
     return v_a.new_empty(v_a.shape), s_a.new_empty(s_a.shape, dtype=torch.float32)
+
+
+@merge_attention_states_op.register_vmap
+def _merge_attention_states_vmap(info, in_dims, v_a, s_a, v_b, s_b):
+    # The merge is row by row over any leading shape: the vmapped dim becomes one more leading dim.
+    n = info.batch_size
+    xs = [x.movedim(d, 0) if d is not None else x.unsqueeze(0).expand(n, *x.shape)
+          for x, d in zip((v_a, s_a, v_b, s_b), in_dims)]
+    return merge_attention_states_op(*xs), (0, 0)
 
 
 def merge_cuda(v_a: Tensor, s_a: Tensor, v_b: Tensor, s_b: Tensor, out: Optional[Tensor] = None,

@@ -1,12 +1,15 @@
 """torch.func transforms and forward-mode AD on flashcpp's entry points (CPU tensors).
 
-torch.func.vmap over flash_attn_func / flash_attn_varlen_func is served by torch's fallback for
-custom ops (one call per batch entry) and equals a loop. Forward mode (torch.func.jvp, jacfwd,
+torch.func.vmap over flash_attn_func / flash_attn_varlen_func runs the ops' batching rules (dense:
+the vmapped dim folded into the batch, one call; varlen, and dense calls with rotary or a
+block-sparse mask: one call per entry) and equals a loop bit for bit, without torch's fallback. Forward mode (torch.func.jvp, jacfwd,
 torch.autograd.forward_ad) would get a zero or no tangent from any custom op, silently; and
 torch.func.grad / vjp raise about an autograd.Function the caller never wrote. Both are refused
 with a sentence that names reverse mode. Entry points without a registered op (attention,
 flash_attn_with_kvcache) refuse vmap too.
 """
+import warnings
+
 import numpy as np
 import pytest
 
@@ -41,9 +44,51 @@ def test_vmap_of_varlen_equals_a_loop():
     q, k, v = (torch.randn(30, 2, 64, generator=g) for _ in range(3))
     cu = torch.tensor([0, 11, 30], dtype=torch.int32)
     qs = torch.stack([q, q * 3])
-    got = torch.func.vmap(lambda x: flashcpp.flash_attn_varlen_func(x, k, v, cu, cu, 19, 19, causal=True))(qs)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = torch.func.vmap(lambda x: flashcpp.flash_attn_varlen_func(x, k, v, cu, cu, 19, 19, causal=True))(qs)
+    assert _no_fallback_warning(record)
     want = torch.stack([flashcpp.flash_attn_varlen_func(x, k, v, cu, cu, 19, 19, causal=True) for x in qs])
     assert torch.equal(got, want)
+
+
+def _no_fallback_warning(record):
+    return not [w for w in record if "performance drop" in str(w.message)]
+
+
+@pytest.mark.parametrize("lse", [False, True])
+@pytest.mark.parametrize("slopes", [None, "heads", "batch", "vmapped_heads", "vmapped_batch"])
+def test_vmap_folds_into_the_batch_and_equals_a_loop(slopes, lse):
+    # batch 2, GQA 4/2, odd length; q vmapped at dim 1, k and v unbatched (copied per entry)
+    g = torch.Generator().manual_seed(21)
+    B, S, Hq, Hkv, D, n = 2, 23, 4, 2, 16, 3
+    qs = torch.randn(B, n, S, Hq, D, generator=g)
+    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, 24, generator=g)
+    al = {None: None, "heads": torch.rand(Hq, generator=g), "batch": torch.rand(B, Hq, generator=g),
+          "vmapped_heads": torch.rand(n, Hq, generator=g), "vmapped_batch": torch.rand(n, B, Hq, generator=g)}[slopes]
+    vm_al = slopes is not None and slopes.startswith("vmapped")
+
+    def f(x, a):
+        return flashcpp.flash_attn_func(x, k, v, causal=True, alibi_slopes=a, return_lse=lse)
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = torch.func.vmap(f, in_dims=(1, 0 if vm_al else None))(qs, al)
+    assert _no_fallback_warning(record)
+    for i in range(n):
+        want = f(qs[:, i], al[i] if vm_al else al)
+        if lse:
+            assert torch.equal(got[0][i], want[0]) and torch.equal(got[1][i], want[1])
+        else:
+            assert torch.equal(got[i], want)
+
+
+def test_vmap_with_rotary_or_block_sparse_runs_entry_by_entry():
+    q, k, v = _qkv(22, b=2, s=20, d=16)
+    qs = torch.stack([q, 0.5 * q])
+    rot = flashcpp.Rotary(theta=500.0)
+    got = torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v, causal=True, rotary=rot))(qs)
+    assert torch.equal(got, torch.stack([flashcpp.flash_attn_func(x, k, v, causal=True, rotary=rot) for x in qs]))
 
 
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
@@ -184,7 +229,16 @@ def test_merge_attention_states_vmaps_and_refuses_forward_mode():
     g = torch.Generator().manual_seed(12)
     va, vb = torch.randn(4, 2, 16, generator=g), torch.randn(4, 2, 16, generator=g)
     sa, sb = torch.randn(4, 2, generator=g), torch.randn(4, 2, generator=g)
-    got = torch.func.vmap(lambda x: flashcpp.merge_attention_states(x, sa, vb, sb)[0])(torch.stack([va, 2 * va]))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = torch.func.vmap(lambda x: flashcpp.merge_attention_states(x, sa, vb, sb)[0])(torch.stack([va, 2 * va]))
+        # the LSEs vmapped at dim 1, the values not
+        sas = torch.stack([sa, sa - 1], dim=1)
+        o2, s2 = torch.func.vmap(lambda a: flashcpp.merge_attention_states(va, a, vb, sb), in_dims=1)(sas)
+    assert _no_fallback_warning(record)
     assert torch.equal(got[1], flashcpp.merge_attention_states(2 * va, sa, vb, sb)[0])
+    for i in range(2):
+        oi, si = flashcpp.merge_attention_states(va, sas[:, i], vb, sb)
+        assert torch.equal(o2[i], oi) and torch.equal(s2[i], si)
     with pytest.raises(NotImplementedError, match="forward-mode AD"):
         torch.func.jvp(lambda x: flashcpp.merge_attention_states(x, sa, vb, sb)[0], (va,), (torch.ones_like(va),))
