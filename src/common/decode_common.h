@@ -65,13 +65,27 @@ struct Config {
   static_assert(D % 16 == 0, "head_dim is a multiple of the mma k");
 };
 
-/// CTAs per SM the planner assumes for a head dim and cache kind (Config<D>::kCtasPerSm, or
-/// kCtasPerSm8 over an fp8 cache, at run time); a head dim between the compiled ones (the CPU
-/// backend's plan) counts as the next larger one.
-inline int ctas_per_sm(int head_dim, bool fp8 = false) {
-  if (head_dim <= 64) return fp8 ? Config<64>::kCtasPerSm8 : Config<64>::kCtasPerSm;
-  if (head_dim <= 128) return fp8 ? Config<128>::kCtasPerSm8 : Config<128>::kCtasPerSm;
-  return fp8 ? Config<256>::kCtasPerSm8 : Config<256>::kCtasPerSm;
+/// Dynamic shared memory of one split-KV CTA for a head dim and cache kind (Config<D>::kSmemBytes,
+/// or kSmemBytes8 over an fp8 cache); a head dim between the compiled ones counts as the next
+/// larger one.
+inline int cta_smem_bytes(int head_dim, bool fp8) {
+  if (head_dim <= 64) return fp8 ? Config<64>::kSmemBytes8 : Config<64>::kSmemBytes;
+  if (head_dim <= 128) return fp8 ? Config<128>::kSmemBytes8 : Config<128>::kSmemBytes;
+  return fp8 ? Config<256>::kSmemBytes8 : Config<256>::kSmemBytes;
+}
+
+/// CTAs per SM the planner counts for a head dim and cache kind: Config<D>::kCtasPerSm (or
+/// kCtasPerSm8 over an fp8 cache), which the configs size for a 228 KB SM (H100, H200), or fewer
+/// where the SM has less shared memory (smem_per_sm > 0: an A100's 164 KB holds one D = 128
+/// 16-bit CTA, not two), 1 KB of it reserved per CTA; at least 1. A head dim between the compiled
+/// ones (the CPU backend's plan) counts as the next larger one.
+inline int ctas_per_sm(int head_dim, bool fp8 = false, int smem_per_sm = 0) {
+  const int natural = head_dim <= 64    ? (fp8 ? Config<64>::kCtasPerSm8 : Config<64>::kCtasPerSm)
+                      : head_dim <= 128 ? (fp8 ? Config<128>::kCtasPerSm8 : Config<128>::kCtasPerSm)
+                                        : (fp8 ? Config<256>::kCtasPerSm8 : Config<256>::kCtasPerSm);
+  if (smem_per_sm <= 0) return natural;
+  const int fit = smem_per_sm / (cta_smem_bytes(head_dim, fp8) + 1024);
+  return fit < 1 ? 1 : fit < natural ? fit : natural;
 }
 
 /// Rows of the query that share one KV head, and how a CTA covers them: warp_rows warps along the

@@ -76,15 +76,18 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
                            std::to_string(kDecodeMaxSplits) + ")");
   if (opt.num_sms < 0) return Status::Invalid("num_sms " + std::to_string(opt.num_sms) + " is negative (0 = the device's)");
   out->num_sms = opt.num_sms;
-  if (out->num_sms == 0) {
-    out->num_sms = select::kCpuPlanSms;
+  int smem_per_sm = 0;  // the CPU backend plans for an H200's SMs
 #if FLASHCPP_HAS_DECODE
-    if (backend == Backend::kCuda) FLASHCPP_RETURN_IF_ERROR(cuda::decode_num_sms(&out->num_sms));
-#endif
+  if (backend == Backend::kCuda) {
+    int device_sms = 0;
+    FLASHCPP_RETURN_IF_ERROR(cuda::decode_device_limits(&device_sms, &smem_per_sm));
+    if (out->num_sms == 0) out->num_sms = device_sms;
   }
+#endif
+  if (out->num_sms == 0) out->num_sms = select::kCpuPlanSms;
   FLASHCPP_RETURN_IF_ERROR(
       select::decode_splits(p, opt.host_cache_seqlens, opt.num_splits, opt.max_splits, out->num_sms, &out->split,
-                            opt.small_plan));
+                            opt.small_plan, smem_per_sm));
   out->rows = decode::row_layout(p.heads_q, p.heads_kv, p.seqlen_q);
   out->fused_merge = opt.fused_merge && backend == Backend::kCuda && out->split.needs_merge;
   out->fused_append = opt.fused_append && backend == Backend::kCuda && p.has_append();

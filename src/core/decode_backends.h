@@ -25,8 +25,9 @@ Status merge_attention_states(const MergeStatesParams& p);
 namespace flashcpp::cuda {
 /// Uploads the work list (stream-ordered; the host buffer may be freed on return).
 Status decode_upload_worklist(void* dst, const std::int32_t* host, std::size_t count, Stream stream);
-/// SM count of the current device.
-Status decode_num_sms(int* num_sms);
+/// SM count of the current device, and its shared memory per SM (the opt-in per-block maximum plus
+/// the 1 KB a CTA's reservation takes: 228 KB on an H100/H200, 164 KB on an A100).
+Status decode_device_limits(int* num_sms, int* smem_per_sm);
 /// CUDA backend of decode_run: append (+ rotary), split-KV kernel, merge. Asynchronous.
 Status decode_run(const DecodeParams& p, const DecodePlan& plan, Stream stream, bool programmatic = false);
 /// CUDA backend of merge_attention_states. Asynchronous.

@@ -650,7 +650,7 @@ std::int64_t wave_aware_chunk(const std::vector<std::int64_t>& tiles, std::int64
 }  // namespace
 
 Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
-                     SplitDecision* out, DecodePlanOptions::SmallPlan small) {
+                     SplitDecision* out, DecodePlanOptions::SmallPlan small, int smem_per_sm) {
   using namespace flashcpp::decode;
   *out = SplitDecision{};
   out->splits.assign(static_cast<std::size_t>(p.batch), 1);
@@ -677,7 +677,7 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
   if (forced > 0) {
     std::fill(out->splits.begin(), out->splits.end(), forced);
   } else {
-    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(std::max(p.head_dim, p.effective_head_dim_v()), p.cache.fp8());
+    const std::int64_t target = static_cast<std::int64_t>(std::max(num_sms, 1)) * ctas_per_sm(std::max(p.head_dim, p.effective_head_dim_v()), p.cache.fp8(), smem_per_sm);
     if (static_cast<std::int64_t>(p.batch) * units < target) {
       // >= 16 keys per row it serves, and >= kMinSplitKeys keys unless the problem is small (below)
       const std::int64_t row_tiles = (kMinKeysPerRow * rl.rows + kDecodeBlockN - 1) / kDecodeBlockN;
@@ -713,10 +713,10 @@ Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int for
   // CTAs beside it on a memory-bound SM, so the cost of c per SM is waves(c) x (CTAs per SM in a
   // full wave, at most c); the larger c wins ties (a grid under one CTA per SM costs 1 either way).
   const int dim = std::max(p.head_dim, p.effective_head_dim_v());
-  const int hi = ctas_per_sm(dim, p.cache.fp8()), lo = ctas_per_sm(dim, false);
+  const int hi = ctas_per_sm(dim, p.cache.fp8(), smem_per_sm), lo = ctas_per_sm(dim, false, smem_per_sm);
   const std::int64_t ctas = items * units, sms = std::max(num_sms, 1), per_sm = (ctas + sms - 1) / sms;
   auto cost = [&](int c) { return (ctas + sms * c - 1) / (sms * c) * std::min<std::int64_t>(c, per_sm); };
-  out->ctas_per_sm = cost(lo) < cost(hi) ? lo : hi;
+  out->ctas_per_sm = lo < hi && cost(lo) < cost(hi) ? lo : hi;
   return Status::Ok();
 }
 

@@ -109,8 +109,11 @@ inline constexpr int kCpuPlanSms = 132;
 /// lengths in the meaning of cache_seqlens (nullptr: full caches); `forced` > 0 gives every
 /// sequence that many splits; `max_splits` caps the count (0: kDecodeMaxSplits); `small` is
 /// DecodePlanOptions::small_plan.
+/// smem_per_sm: the device's shared memory per SM (0: the 228 KB of an H100/H200, the CPU
+/// backend's plan), which bounds the CTAs per SM (decode::ctas_per_sm).
 Status decode_splits(const DecodeParams& p, const std::int32_t* lengths, int forced, int max_splits, int num_sms,
-                     SplitDecision* out, DecodePlanOptions::SmallPlan small = DecodePlanOptions::SmallPlan::kFullWave);
+                     SplitDecision* out, DecodePlanOptions::SmallPlan small = DecodePlanOptions::SmallPlan::kFullWave,
+                     int smem_per_sm = 0);
 
 // ---- register budgets ----------------------------------------------------------------------------
 /// The sm90 prefill kernel's setmaxnreg split of the 64K-register file (multiples of 8): the

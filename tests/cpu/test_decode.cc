@@ -1174,6 +1174,30 @@ TEST(DecodeCpu, SplitHeuristic) {
     EXPECT_EQ(decode::ctas_per_sm(200, true), 2);  // padded into the 256 class
     EXPECT_EQ(decode::ctas_per_sm(128, true), 3);
     EXPECT_EQ(decode::ctas_per_sm(64, true), 4);
+    // An SM with less shared memory holds fewer CTAs, and the wave is planned for what fits: an
+    // A100 (108 SMs, 164 KB per SM) holds one D = 128 16-bit CTA (112 KB + 1 KB), two at D = 64
+    // and two fp8 CTAs at D = 128.
+    constexpr int kA100 = 164 * 1024;
+    EXPECT_EQ(decode::ctas_per_sm(128, false, kA100), 1);
+    EXPECT_EQ(decode::ctas_per_sm(64, false, kA100), 2);
+    EXPECT_EQ(decode::ctas_per_sm(256, false, kA100), 1);
+    EXPECT_EQ(decode::ctas_per_sm(128, true, kA100), 2);
+    EXPECT_EQ(decode::ctas_per_sm(128, false, 228 * 1024), decode::ctas_per_sm(128, false));
+    EXPECT_EQ(decode::ctas_per_sm(128, false, 1024), 1);  // never below one
+    DecodeParams pa;
+    pa.batch = 1;
+    pa.heads_q = 32;
+    pa.heads_kv = 8;
+    pa.head_dim = 128;
+    pa.seqlen_q = 1;
+    pa.cache.capacity = 32768;
+    const std::vector<std::int32_t> la(1, 32768);
+    select::SplitDecision a100, h200;
+    ASSERT_TRUE(select::decode_splits(pa, la.data(), 0, 0, 108, &a100, SmallPlan::kFullWave, kA100).ok());
+    ASSERT_TRUE(select::decode_splits(pa, la.data(), 0, 0, 108, &h200).ok());
+    EXPECT_LE(a100.num_items * 8, 108);   // one wave of one CTA per SM
+    EXPECT_GT(h200.num_items * 8, 108);   // the 228 KB plan counts two
+    EXPECT_EQ(a100.ctas_per_sm, 1);
   }
   // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
   // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.

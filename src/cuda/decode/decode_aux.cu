@@ -125,10 +125,11 @@ Status decode_upload_worklist(void* dst, const std::int32_t* host, std::size_t c
   return Status::Ok();
 }
 
-Status decode_num_sms(int* num_sms) {
+Status decode_device_limits(int* num_sms, int* smem_per_sm) {
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   *num_sms = dev.num_sms;
+  *smem_per_sm = static_cast<int>(dev.smem_optin) + 1024;
   return Status::Ok();
 }
 

@@ -135,9 +135,10 @@ std::size_t smem_bytes(bool fp8) {
 /// (select::decode_splits); then the SM's shared memory over that count, less the 1 KB the
 /// hardware reserves per CTA, in 128-byte steps.
 int smem_pad(const DeviceInfo& dev, int cls, bool fp8, int plan_ctas_per_sm, std::size_t need) {
-  const int lo = decode::ctas_per_sm(cls, false), hi = decode::ctas_per_sm(cls, fp8);
-  if (!fp8 || lo >= hi || plan_ctas_per_sm != lo) return 0;
   const std::size_t per_sm = dev.smem_optin + 1024;
+  const int lo = decode::ctas_per_sm(cls, false, static_cast<int>(per_sm));
+  const int hi = decode::ctas_per_sm(cls, fp8, static_cast<int>(per_sm));
+  if (!fp8 || lo >= hi || plan_ctas_per_sm != lo) return 0;
   const std::size_t pad = (per_sm / static_cast<std::size_t>(lo) - 1024) / 128 * 128;
   return pad > need && pad <= dev.smem_optin ? static_cast<int>(pad) : 0;
 }
