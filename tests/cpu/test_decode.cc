@@ -1056,8 +1056,9 @@ TEST(DecodeCpu, ReplayWithNewLengthsUnderOnePlan) {
 TEST(DecodeCpu, SplitHeuristic) {
   // The documented examples (docs/decode.md).
   using SmallPlan = DecodePlanOptions::SmallPlan;
+  // Every sequence `len` keys; fp8: an fp8 cache; smem: the SM's shared memory (0: 228 KB).
   auto splits = [](int batch, int hq, int hkv, int d, int len, int sq = 1, int sms = 132,
-                   SmallPlan small = SmallPlan::kFullWave) {
+                   SmallPlan small = SmallPlan::kFullWave, bool fp8 = false, int smem = 0) {
     DecodeParams p;
     p.batch = batch;
     p.heads_q = hq;
@@ -1065,9 +1066,10 @@ TEST(DecodeCpu, SplitHeuristic) {
     p.head_dim = d;
     p.seqlen_q = sq;
     p.cache.capacity = len;
+    if (fp8) p.cache.k.dtype = p.cache.v.dtype = DType::kF8E4M3;
     select::SplitDecision s;
     std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
-    EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, sms, &s, small).ok());
+    EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, sms, &s, small, smem).ok());
     return s;
   };
   auto shared = [&](int batch, int hq, int hkv, int d, int len) {
@@ -1139,19 +1141,8 @@ TEST(DecodeCpu, SplitHeuristic) {
   // caches), so its wave is 264 CTAs: B=8, MQA 8/1, 16384 keys (2048 tiles) splits 32 ways where a
   // bf16 cache splits 16 ways; at D = 128 both run two CTAs per SM and plan alike.
   {
-    auto fp8_splits = [](int batch, int hq, int hkv, int d, int len, bool fp8) {
-      DecodeParams p;
-      p.batch = batch;
-      p.heads_q = hq;
-      p.heads_kv = hkv;
-      p.head_dim = d;
-      p.seqlen_q = 1;
-      p.cache.capacity = len;
-      if (fp8) p.cache.k.dtype = p.cache.v.dtype = DType::kF8E4M3;
-      select::SplitDecision s;
-      std::vector<std::int32_t> lens(static_cast<std::size_t>(batch), len);
-      EXPECT_TRUE(select::decode_splits(p, lens.data(), 0, 0, 132, &s).ok());
-      return s;
+    auto fp8_splits = [&](int batch, int hq, int hkv, int d, int len, bool fp8) {
+      return splits(batch, hq, hkv, d, len, 1, 132, SmallPlan::kFullWave, fp8);
     };
     EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, false).max_splits, 16);
     EXPECT_EQ(fp8_splits(8, 8, 1, 256, 16384, true).max_splits, 32);
@@ -1184,17 +1175,8 @@ TEST(DecodeCpu, SplitHeuristic) {
     EXPECT_EQ(decode::ctas_per_sm(128, true, kA100), 2);
     EXPECT_EQ(decode::ctas_per_sm(128, false, 228 * 1024), decode::ctas_per_sm(128, false));
     EXPECT_EQ(decode::ctas_per_sm(128, false, 1024), 1);  // never below one
-    DecodeParams pa;
-    pa.batch = 1;
-    pa.heads_q = 32;
-    pa.heads_kv = 8;
-    pa.head_dim = 128;
-    pa.seqlen_q = 1;
-    pa.cache.capacity = 32768;
-    const std::vector<std::int32_t> la(1, 32768);
-    select::SplitDecision a100, h200;
-    ASSERT_TRUE(select::decode_splits(pa, la.data(), 0, 0, 108, &a100, SmallPlan::kFullWave, kA100).ok());
-    ASSERT_TRUE(select::decode_splits(pa, la.data(), 0, 0, 108, &h200).ok());
+    const select::SplitDecision a100 = splits(1, 32, 8, 128, 32768, 1, 108, SmallPlan::kFullWave, false, kA100);
+    const select::SplitDecision h200 = splits(1, 32, 8, 128, 32768, 1, 108);
     EXPECT_LE(a100.num_items * 8, 108);   // one wave of one CTA per SM
     EXPECT_GT(h200.num_items * 8, 108);   // the 228 KB plan counts two
     EXPECT_EQ(a100.ctas_per_sm, 1);
