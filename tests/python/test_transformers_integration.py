@@ -447,6 +447,36 @@ def test_padded_decode_reads_the_cache_in_place(heads_q, heads_kv, dim, dim_v, o
     torch.testing.assert_close(fcpp_hf._padded_decode(query, key2, value2, mask, opts), got, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int64])
+def test_decode_pages_list_the_real_keys_in_order(dtype):
+    """The block table of a padded decode step, against a loop over the mask: sequence b * heads_kv
+    + h lists the pages of row b's real keys in order (b * p_b + h * p_h + position), its length
+    is the row's real keys (0 when the query, the last position, is padding), and every entry past
+    the length is still a page of the cache (the kernels may address, never read, them). Random
+    masks with holes, left padding and widths on both sides of the table's 256-column quantum."""
+    g = torch.Generator().manual_seed(41)
+    for trial in range(60):
+        batch, len_k, heads_kv = (int(torch.randint(lo, hi, (1,), generator=g)) for lo, hi in ((1, 5), (1, 600), (1, 4)))
+        mask = torch.rand(batch, len_k, generator=g) < 0.7
+        if trial % 3 == 0:  # left padding
+            mask[:] = True
+            for r in range(batch):
+                mask[r, :int(torch.randint(0, len_k, (1,), generator=g))] = False
+        strides = (heads_kv * (len_k + 3), len_k + 3)
+        pages = fcpp_hf._decode_pages(mask.to(dtype), heads_kv, strides)
+        assert pages.table.dtype == torch.int32 and pages.lens.dtype == torch.int32
+        assert pages.table.shape == (batch * heads_kv, -(-len_k // 256) * 256)
+        num_pages = (batch - 1) * strides[0] + (heads_kv - 1) * strides[1] + len_k
+        assert 0 <= int(pages.table.min()) and int(pages.table.max()) < num_pages
+        for b in range(batch):
+            real = [j for j in range(len_k) if mask[b, j]]
+            n = len(real) if mask[b, -1] else 0
+            for h in range(heads_kv):
+                s = b * heads_kv + h
+                assert int(pages.lens[s]) == n
+                assert pages.table[s, :n].tolist() == [b * strides[0] + h * strides[1] + j for j in real[:n]]
+
+
 def test_padded_decode_steps_aside_for_layouts_it_cannot_page():
     """Key and value that number their slots differently, a position stride that does not divide
     the others: None, and the caller packs instead. Slots of any width do page."""

@@ -293,6 +293,22 @@ _DECODE_MEMO = _TensorMemo()
 # The block table's width, a multiple of this: the decode plan is cached by it, so a growing cache
 # makes a new plan once per this many steps, not at every step.
 _TABLE_QUANTUM = 256
+# (device, width, batch, heads_kv, p_b, p_h) -> (positions 0 .. width - 1, the same + width, the
+# (batch, heads_kv, 1) page bases), int32: made once per table width and layout, not per step.
+_PAGE_CONSTANTS: dict = {}
+
+
+def _page_constants(device: torch.device, width: int, batch: int, heads_kv: int, p_b: int, p_h: int):
+    key = (device, width, batch, heads_kv, p_b, p_h)
+    c = _PAGE_CONSTANTS.get(key)
+    if c is None:
+        if len(_PAGE_CONSTANTS) >= 8:
+            _PAGE_CONSTANTS.clear()
+        at = torch.arange(width, dtype=torch.int32, device=device)
+        base = (torch.arange(batch, dtype=torch.int32, device=device)[:, None] * p_b
+                + torch.arange(heads_kv, dtype=torch.int32, device=device)[None, :] * p_h)
+        c = _PAGE_CONSTANTS[key] = (at, at + width, base[:, :, None])
+    return c
 
 
 def _decode_pages(attention_mask: torch.Tensor, heads_kv: int, strides: Tuple[int, int]) -> _DecodePages:
@@ -300,21 +316,21 @@ def _decode_pages(attention_mask: torch.Tensor, heads_kv: int, strides: Tuple[in
     cache whose batch and head strides are ``strides`` = (p_b, p_h) position strides (a page is one
     key slot): sequence b * heads_kv + h lists, for j < its length, the page of the j-th real key of
     row b, b * p_b + h * p_h + position. A row whose query (the last position) is padding gets
-    length 0: no key, O = 0, as the packed path gives it. Computed once per mask (no sync)."""
+    length 0: no key, O = 0, as the packed path gives it. Computed once per mask (no sync), in eight
+    launches: a decode step of a tiny model is bound by host time, and this runs at every step."""
     def compute() -> _DecodePages:
         mask = attention_mask.to(torch.bool)
         batch, len_k = mask.shape
-        p_b, p_h = strides
-        # The positions of each row's real keys first, in order: a stable sort of "is padding".
-        order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
         width = -(-len_k // _TABLE_QUANTUM) * _TABLE_QUANTUM
-        cols = torch.arange(width, device=mask.device).clamp(max=len_k - 1)
-        positions = order[:, cols]  # (batch, width): past the real keys, valid slots never read
-        base = (torch.arange(batch, device=mask.device)[:, None] * p_b
-                + torch.arange(heads_kv, device=mask.device)[None, :] * p_h)  # (batch, heads_kv)
-        table = (base[:, :, None] + positions[:, None, :]).reshape(batch * heads_kv, width).to(torch.int32)
+        at, at_pad, base = _page_constants(mask.device, width, batch, heads_kv, *strides)
+        # Sort keys: a real key's position, a padding slot's position + width (and the columns past
+        # len_k are padding), so each row's real positions come first, in order; the rest clamp to
+        # the last slot (valid pages, never read).
+        real = torch.nn.functional.pad(mask, (0, width - len_k))
+        positions = torch.where(real, at, at_pad).sort(dim=-1).values.clamp_(max=len_k - 1)
+        table = (base + positions[:, None, :]).view(batch * heads_kv, width)
         lens = torch.where(mask[:, -1], mask.sum(-1, dtype=torch.int32), 0)
-        return _DecodePages(lens.repeat_interleave(heads_kv), table)
+        return _DecodePages(lens[:, None].expand(batch, heads_kv).reshape(-1), table)
     return _DECODE_MEMO.get(attention_mask, (heads_kv, strides), compute)
 
 
