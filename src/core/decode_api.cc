@@ -71,9 +71,10 @@ Status plan_sizes(const DecodeParams& p, const DecodePlanOptions& opt, Backend b
   if (opt.num_splits < 0 || opt.num_splits > kDecodeMaxSplits)
     return Status::Invalid("num_splits " + std::to_string(opt.num_splits) + " is outside [0, " +
                            std::to_string(kDecodeMaxSplits) + "] (0 = heuristic)");
-  if (opt.max_splits < 0)
-    return Status::Invalid("max_splits " + std::to_string(opt.max_splits) + " is negative (0 = " +
-                           std::to_string(kDecodeMaxSplits) + ")");
+  if (opt.max_splits < 0 || opt.max_splits > kDecodeMaxSplits)
+    return Status::Invalid("max_splits " + std::to_string(opt.max_splits) + " is outside [0, " +
+                           std::to_string(kDecodeMaxSplits) + "] (0 = " + std::to_string(kDecodeMaxSplits) +
+                           ", the most splits a plan makes)");
   if (opt.num_sms < 0) return Status::Invalid("num_sms " + std::to_string(opt.num_sms) + " is negative (0 = the device's)");
   out->num_sms = opt.num_sms;
   int smem_per_sm = 0;  // the CPU backend plans for an H200's SMs

@@ -1260,6 +1260,15 @@ TEST(DecodeCpu, EmptyBatchAndWorkspaceChecks) {
   ASSERT_TRUE(decode_workspace_size(pr.p, po, &ws).ok());
   EXPECT_EQ(ws.int_bytes, (2u * 2 + 2u * 6) * 4);
   EXPECT_GT(ws.float_bytes, 0u);
+  for (int cap : {-1, kDecodeMaxSplits + 1}) {  // a cap outside [0, kDecodeMaxSplits], as num_splits
+    DecodePlanOptions pc = po;
+    pc.max_splits = cap;
+    DecodeWorkspaceSize wc;
+    const Status sc = decode_workspace_size(pr.p, pc, &wc);
+    EXPECT_EQ(sc.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(sc.message().find("max_splits " + std::to_string(cap) + " is outside [0, 256]"), std::string::npos)
+        << sc.message();
+  }
   {  // the fused merge and append are CUDA options: the CPU backend plans the same workspaces
      // without them and its plan records neither
     DecodePlanOptions pf = po;

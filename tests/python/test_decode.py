@@ -254,6 +254,9 @@ def test_plan_run_wrapper_errors(rng):
         w.run(q, kc, kc.copy(), lens)
     with pytest.raises(ValueError, match="num_splits 300 is outside \\[0, 256\\]"):  # the C++ sentence
         w.plan(2, 4, 2, 64, kv_capacity=64, dtype=np.float32, device="cpu", num_splits=300)
+    for cap in (300, -1):  # a cap above the most splits a plan makes is refused as num_splits is
+        with pytest.raises(ValueError, match=f"max_splits {cap} is outside \\[0, 256\\]"):
+            w.plan(2, 4, 2, 64, kv_capacity=64, dtype=np.float32, device="cpu", max_splits=cap)
     with pytest.raises(ValueError, match="head_dim 84 is not supported \\(it must be a multiple of 8 in \\[8, 256\\]\\)"):
         w.plan(2, 4, 2, 84, kv_capacity=64, dtype=np.float32, device="cpu")
     with pytest.raises(ValueError, match="head_dim_v 264 is not supported \\(it must be a multiple of 8"):
