@@ -104,6 +104,19 @@ def meta(x: Any, name: str) -> Meta:
     raise TypeError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
+def check_place(m: Meta) -> None:
+    """Refuses a torch tensor on a device flashcpp does not run on: a meta tensor has no data, and
+    its null data pointer would reach the C++ validator as "x.data is null"."""
+    if m.lib == "torch" and torch.device(m.device).type not in ("cpu", "cuda"):
+        raise ValueError(f"{m.name} is on the {m.device} device: flashcpp runs on CPU and CUDA tensors (a meta tensor "
+                         f"has no data to read)")
+
+
+def kind_of(lib: str) -> str:
+    """'a torch tensor' or 'a numpy array' (a Meta's lib) for sentences."""
+    return "a torch tensor" if lib == "torch" else "a numpy array"
+
+
 def _same_library(name_list: str, *xs: Any) -> None:
     kinds = {x.lib if isinstance(x, Meta) else
              "torch" if is_torch(x) else "numpy" if isinstance(x, np.ndarray) else type(x).__name__
@@ -157,9 +170,7 @@ def check_qkv(q: Any, k: Any, v: Any, varlen: bool = False) -> Tuple[Dims, Meta,
     mq, mk, mv = meta(q, "q"), meta(k, "k"), meta(v, "v")
     if not (mq.lib == mk.lib == mv.lib):
         _same_library("q, k and v", mq, mk, mv)
-    if mq.lib == "torch" and torch.device(mq.device).type not in ("cpu", "cuda"):
-        raise ValueError(f"q is on the {mq.device} device: flashcpp runs on CPU and CUDA tensors (a meta tensor "
-                         f"has no data to read)")
+    check_place(mq)
     for m in (mq, mk, mv):
         if m.dtype not in _ATTN_DTYPE_CODES:
             raise TypeError(f"{m.name} has dtype {m.dtype}; flashcpp attention takes float16, "
@@ -225,8 +236,9 @@ if torch is not None:  # what the C++ fast paths read tensors with (python/src/e
 def check_int(value: Any, name: str, lo: int, hi: int = _INT32_MAX, what: str = "") -> int:
     """An int in [lo, hi] (a float is not truncated, a bool is not a count); returns it as int."""
     if not _is_int(value) or not lo <= int(value) <= hi:
-        raise ValueError(f"{name} must be an int in [{lo}, {hi}]{what}; got {value!r}"
-                         + (f" (a {type(value).__name__} is not truncated)" if not _is_int(value) else ""))
+        why = ("" if _is_int(value) else " (a bool is not a count)" if isinstance(value, (bool, np.bool_))
+               else f" (a {type(value).__name__} is not truncated)")
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}]{what}; got {value!r}{why}")
     return int(value)
 
 
@@ -369,6 +381,22 @@ def check_softcap(x: Any, name: str = "softcap") -> float:
     return c
 
 
+def check_eps(x: Any, name: str = "eps") -> float:
+    """A norm's eps as a float. The kernels add it in float32: a positive eps that rounds to 0 there
+    leaves an all-zero row at rsqrt(0) (NaN), and one past float32's range rounds to inf; both are
+    refused here, as a negative or non-finite eps is refused by the C++ validator (which takes 0).
+    The eager fast paths call this only for an eps outside (2**-150, float32 max]."""
+    e = check_real(x, name)
+    if e == 0.0 or _FLOAT32_HALF_TRUE_MIN < e <= _FLOAT32_MAX:
+        return e
+    span = f"0 or a value in [{_FLOAT32_TRUE_MIN:.1e}, {_FLOAT32_MAX:.1e}], float32's positive range"
+    if not math.isfinite(e) or e < 0:
+        raise ValueError(f"{name} {x!r} must be finite and >= 0: pass {span}")
+    if e <= _FLOAT32_HALF_TRUE_MIN:
+        raise ValueError(f"{name} {x!r} rounds to 0 in float32 (an all-zero row would give NaN): pass {span}")
+    raise ValueError(f"{name} {x!r} rounds to inf in float32: pass {span}")
+
+
 def check_flag(x: Any, name: str) -> bool:
     """A yes/no argument: True or False (a numpy bool, or the ints 0 and 1, too), not any truthy
     value ("False" is truthy)."""
@@ -402,12 +430,98 @@ def check_writable(x: Any, name: str) -> None:
     if isinstance(x, np.ndarray) and not x.flags.writeable:
         raise ValueError(f"{name} is a read-only numpy array (its WRITEABLE flag is off) and flashcpp would "
                          f"write into it; pass a writable array (np.array({name}) makes a copy)")
+    if torch is not None and isinstance(x, torch.Tensor):
+        check_inference_write(x, name)
     if torch is not None and isinstance(x, torch.Tensor) and torch.is_grad_enabled():
         if x.requires_grad:
             raise RuntimeError(f"flashcpp would write {name} in place, and {name} requires grad: flashcpp's in-place "
                                f"writes have no backward (run under torch.no_grad(), or pass a tensor that does not "
                                f"require grad)")
         torch._C._increment_version([x])  # a list: the one-tensor form costs ~9 us, this ~0.6
+
+
+def check_inference_write(x: Any, name: str) -> None:
+    """Refuses a torch inference tensor (made under torch.inference_mode()) as something flashcpp
+    writes in place outside inference mode, as torch's own in-place ops refuse it: it has no version
+    counter, and code outside inference mode may rely on it not changing. x is a torch tensor (the
+    eager fast paths call this before their C++ call writes; is_inference() first, the cheaper test)."""
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode()) and flashcpp would "
+                           f"write it in place outside inference mode, which torch does not allow; run the call "
+                           f"under torch.inference_mode(), or pass {name}.clone()")
+
+
+def check_caches_apart(k_cache: Any, v_cache: Any) -> None:
+    """An append writes the new keys into k_cache and the new values into v_cache: refused when the
+    two share an element (one tensor or array passed twice, or overlapping views of one buffer).
+    Views of one buffer that interleave without meeting stay allowed, as the C++ validator allows
+    them (FlashInfer's (pages, 2, page_size, heads, dim) layout: k = buf[:, 0], v = buf[:, 1]).
+    Cheap where it matters: two torch tensors of different storages cost one comparison; views of
+    one storage are decided by _views_meet (numpy arrays: after a bounds test)."""
+    if is_torch(k_cache):
+        if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
+            return
+        if k_cache.numel() == 0 or v_cache.numel() == 0:
+            return
+        item = k_cache.element_size()
+        layout = (tuple(k_cache.shape), k_cache.stride(), tuple(v_cache.shape), v_cache.stride())
+    else:
+        if k_cache.size == 0 or v_cache.size == 0 or not np.may_share_memory(k_cache, v_cache):
+            return
+        item = k_cache.itemsize
+        layout = (k_cache.shape, tuple(st // item for st in k_cache.strides), v_cache.shape,
+                  tuple(st // item for st in v_cache.strides))
+    delta = data_ptr(v_cache) - data_ptr(k_cache)
+    if delta == 0 or (delta % item == 0 and _views_meet(delta // item, *layout)):
+        raise ValueError("k_cache and v_cache share memory (one tensor passed twice, or overlapping views of one "
+                         "buffer), and the append would write the new keys and values into the same bytes; pass "
+                         "two separate caches")
+
+
+def _views_meet(delta: int, shape_k: Tuple[int, ...], strides_k: Tuple[int, ...], shape_v: Tuple[int, ...],
+                strides_v: Tuple[int, ...]) -> bool:
+    """Whether strided views k (at element 0) and v (at element `delta`) of one buffer share an
+    element. Exact where both are contiguous, or where both step their dimensions by one set of
+    positive strides (views of one buffer): then they meet when delta = sum(i_d * stride_d) with
+    -(v's extent_d - 1) <= i_d <= k's extent_d - 1, searched from the largest stride down. Other
+    layouts, or a search past a few hundred steps, count as apart (the caller's to keep so)."""
+    if any(st < 0 for st in strides_k + strides_v):
+        return False
+    span_k = 1 + sum((n - 1) * st for n, st in zip(shape_k, strides_k))
+    span_v = 1 + sum((n - 1) * st for n, st in zip(shape_v, strides_v))
+    if -span_v >= delta or delta >= span_k:
+        return False  # their element ranges do not meet
+    if math.prod(shape_k) == span_k and math.prod(shape_v) == span_v:
+        return True  # contiguous blocks whose ranges meet
+    if len(shape_k) != len(shape_v):
+        return False
+    dims = []
+    for st_k, st_v, nk, nv in zip(strides_k, strides_v, shape_k, shape_v):
+        if nk > 1 or nv > 1:
+            if st_k != st_v or st_k == 0:
+                return False
+            dims.append((st_k, nk, nv))
+    dims.sort(reverse=True)
+    up, down = [0] * (len(dims) + 1), [0] * (len(dims) + 1)  # what the dims after d reach, up (k) and down (v)
+    for d in range(len(dims) - 1, -1, -1):
+        st, nk, nv = dims[d]
+        up[d], down[d] = up[d + 1] + (nk - 1) * st, down[d + 1] + (nv - 1) * st
+    steps = [0]
+
+    def walk(d: int, rest: int) -> bool:
+        if d == len(dims):
+            return rest == 0
+        st, nk, nv = dims[d]
+        lo = max(-(nv - 1), -((up[d + 1] - rest) // st))  # rest - i * st <= up[d + 1]
+        hi = min(nk - 1, (rest + down[d + 1]) // st)      # rest - i * st >= -down[d + 1]
+        for i in range(lo, hi + 1):
+            steps[0] += 1
+            if steps[0] > 256:
+                return False
+            if walk(d + 1, rest - i * st):
+                return True
+        return False
+    return walk(0, delta)
 
 
 def bump_versions(*tensors: Any) -> None:
@@ -812,6 +926,10 @@ def launch_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, dout: Any, dlse:
 def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int, ...], mq: Meta) -> None:
     """Checks caller-provided outputs of the low-level `attention` function."""
     mo = meta(out, "out")
+    ml = None if lse is None else meta(lse, "lse")
+    for m in (mo, ml):
+        if m is not None and m.lib != mq.lib:  # else a numpy out for a CPU tensor q read "on cpu; got cpu"
+            raise TypeError(f"{m.name} must be {kind_of(mq.lib)} like q; got {kind_of(m.lib)}")
     check_writable(out, "out")
     if lse is not None:
         check_writable(lse, "lse")
@@ -828,7 +946,6 @@ def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int
     elif any(s < 0 for s in mo.strides):
         raise ValueError(f"out has a negative stride {mo.strides}")
     if lse is not None:
-        ml = meta(lse, "lse")
         if ml.shape != tuple(shape_lse) or ml.dtype != "float32" or ml.device != mq.device:
             raise ValueError(f"lse must be a float32 array of shape {tuple(shape_lse)} on {mq.device}; "
                              f"got {ml.dtype} {ml.shape} on {ml.device}")
@@ -856,7 +973,10 @@ def check_merge(v_a: Any, s_a: Any, v_b: Any, s_b: Any) -> None:
     if not (ma.device == mb.device == sa.device == sb.device):
         raise ValueError(f"v_a, s_a, v_b and s_b must be on one device; got {ma.device}, {sa.device}, "
                          f"{mb.device}, {sb.device}")
-    if len(ma.shape) < 1 or ma.shape != mb.shape:
+    if len(ma.shape) < 1 or len(mb.shape) < 1:
+        raise ValueError(f"v_a and v_b must have at least one dimension, (..., head_dim); got shapes {ma.shape} and "
+                         f"{mb.shape} (a 0-dim tensor has no head_dim)")
+    if ma.shape != mb.shape:
         raise ValueError(f"v_a and v_b must have the same shape (..., head_dim); got {ma.shape} and {mb.shape}")
     if sa.shape != ma.shape[:-1] or sb.shape != ma.shape[:-1]:
         raise ValueError(f"s_a and s_b must have the shape of v without its last dim, {ma.shape[:-1]}; "

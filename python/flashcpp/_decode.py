@@ -50,6 +50,14 @@ def _ints(x: Any, name: str) -> np.ndarray:
     return _core.check_int32_values(a.astype(np.int64), name)  # an int32 quantity: a wider value would wrap
 
 
+def _refuse_bool_lens(cache_seqlens: Any) -> None:
+    """cache_seqlens as one int is every sequence's length; a bool is an int to Python (True ran as
+    1), not a length."""
+    if isinstance(cache_seqlens, (bool, np.bool_)):
+        raise TypeError(f"cache_seqlens must be an int or int32 (batch,) lengths; got the bool {cache_seqlens!r} "
+                        "(a bool is not a count)")
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -264,7 +272,8 @@ class BatchDecodeWithKVCache:
                 k_scale and v_scale (the append quantizes into it). Both backends; on CUDA the
                 cache strides are multiples of 16 codes.
             num_splits: force this many key splits per sequence (0 = heuristic); max_splits caps
-                the heuristic (0 = 256); num_sms: plan for this many SMs (0 = the device's).
+                the heuristic (0 = 256; at most 256, as num_splits); num_sms: plan for this many SMs
+                (0 = the device's).
             non_blocking: CUDA: the work list is uploaded on the current stream; by default plan()
                 then waits for that stream, so run() may be called on any stream. True skips the
                 wait (run() must then be ordered after the current stream).
@@ -302,12 +311,17 @@ class BatchDecodeWithKVCache:
         for name, val, lo in (("batch_size", batch_size, 0), ("num_qo_heads", num_qo_heads, 1),
                               ("num_kv_heads", num_kv_heads, 1), ("head_dim", head_dim, 1),
                               ("seqlen_q", seqlen_q, 1), ("num_splits", num_splits, 0),
-                              ("max_splits", max_splits, 0), ("num_sms", num_sms, 0), ("page_size", page_size, 0),
-                              ("rotary_dim", rotary_dim, 0)):
+                              ("num_sms", num_sms, 0), ("page_size", page_size, 0), ("rotary_dim", rotary_dim, 0)):
             # a float is not truncated, a bool is not a count; past int32 the binding refuses
             # with nanobind's "incompatible function arguments"
             if not _core._is_int(val) or not lo <= val <= _core._INT32_MAX:
                 raise ValueError(f"{name} must be an int in [{lo}, 2**31-1]; got {val!r}")
+        if not _core._is_int(max_splits):
+            raise ValueError(f"max_splits must be an int in [0, {MAX_SPLITS}]; got {max_splits!r}")
+        if not 0 <= max_splits <= MAX_SPLITS:
+            # decode_plan's sentence (decode_api.cc); a binary built before that refusal clamped the cap silently
+            raise ValueError(f"max_splits {max_splits} is outside [0, {MAX_SPLITS}] (0 = {MAX_SPLITS}, the most "
+                             f"splits a plan makes)")
         if kv_capacity is not None:
             _core.check_int(kv_capacity, "kv_capacity", 0)
         head_dim_v = int(head_dim) if head_dim_v is None else _core.check_int(head_dim_v, "head_dim_v", 1,
@@ -319,6 +333,7 @@ class BatchDecodeWithKVCache:
         add = int(seqlen_q) if append else 0
         lens = None
         if cache_seqlens is not None:
+            _refuse_bool_lens(cache_seqlens)
             if isinstance(cache_seqlens, (int, np.integer)):
                 lens = np.full(batch, int(cache_seqlens), dtype=np.int64)
             else:
@@ -460,6 +475,7 @@ class BatchDecodeWithKVCache:
         if k is not None:
             _core.check_writable(k_cache, "k_cache")  # the append writes the new tokens into the cache
             _core.check_writable(v_cache, "v_cache")
+            _core.check_caches_apart(k_cache, v_cache)  # the C++ validator does not compare the pair
             mkn, mvn = _core.meta(k, "k"), _core.meta(v, "v")
             for m, d, what in ((mkn, D, "head_dim"), (mvn, Dv, "head_dim_v")):
                 if m.dtype != c["dtype"] or m.device != mq.device:
@@ -474,9 +490,15 @@ class BatchDecodeWithKVCache:
         is_cuda, device = c["is_cuda"], c["device"]
         B, Sq, Hq, D, Dv = c["batch"], c["seqlen_q"], c["heads_q"], c["head_dim"], c["head_dim_v"]
         torch = _core.torch
-        lens = _small(cache_seqlens, "cache_seqlens", "int32", q, is_cuda, device)
-        if lens is None:
+        if cache_seqlens is None:
             raise ValueError("cache_seqlens is required by run() (keys in the cache before the step)")
+        # the shape as given: a number (or a 0-dim array) would become shape (1,) in the conversion below
+        given = tuple(cache_seqlens.shape) if hasattr(cache_seqlens, "shape") else np.shape(cache_seqlens)
+        if given == ():
+            raise TypeError(f"cache_seqlens must be an int32 array of shape (batch,) = ({B},) (a tensor on q's "
+                            f"device for torch inputs); got {type(cache_seqlens).__name__} {cache_seqlens!r}, and "
+                            f"run() takes no single length (flash_attn_with_kvcache does)")
+        lens = _small(cache_seqlens, "cache_seqlens", "int32", q, is_cuda, device)
         if tuple(lens.shape) != (B,):
             raise ValueError(f"cache_seqlens must have shape (batch,) = ({B},); got {tuple(lens.shape)}")
         table = _small(block_table, "block_table", "int32", q, is_cuda, device)
@@ -523,6 +545,9 @@ class BatchDecodeWithKVCache:
         if out is None:
             out = torch.empty(shape_o, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(shape_o, q.dtype)
         mo = _core.meta(out, "out")
+        for m in (mo, None if lse is None else _core.meta(lse, "lse")):
+            if m is not None and m.lib != mq.lib:  # else a numpy out for a CPU tensor q read "on cpu; got ... on cpu"
+                raise TypeError(f"{m.name} must be {_core.kind_of(mq.lib)} like q; got {_core.kind_of(m.lib)}")
         _core.check_writable(out, "out")
         if lse is not None:
             _core.check_writable(lse, "lse")
@@ -597,6 +622,7 @@ class _Step:
         if not (mq.device == mkc.device == mvc.device):
             raise ValueError(f"q, k_cache and v_cache must be on one device (got {mq.device}, {mkc.device}, "
                              f"{mvc.device})")
+        _core.check_place(mq)  # a meta tensor: a sentence, not "q.data is null"
         self.mq, self.mk, self.mv = mq, mkc, mvc
         self.is_cuda = mq.is_cuda
         self.device = mq.device
@@ -616,7 +642,10 @@ class _Step:
         if mkc.shape[3] != self.head_dim:
             raise ValueError(f"k_cache's head_dim {mkc.shape[3]} differs from q's {self.head_dim}")
         _core.check_head_dims(self.head_dim, self.head_dim_v)
-        if self.heads_kv == 0 or self.heads_q % self.heads_kv:
+        if self.heads_q < 1 or self.heads_kv < 1:  # "(0) must be a multiple of (0)" said nothing
+            raise ValueError(f"decode needs at least one head in q and in the cache; got heads_q {self.heads_q} "
+                             f"(q.shape[2]) and heads_kv {self.heads_kv} (k_cache.shape[2])")
+        if self.heads_q % self.heads_kv:
             raise ValueError(f"heads of q ({self.heads_q}) must be a multiple of heads of the cache "
                              f"({self.heads_kv}) (GQA/MQA)")
         self.paged = block_table is not None
@@ -661,6 +690,7 @@ class _Step:
             if shape not in ((self.heads_q,), (self.batch, self.heads_q)):
                 raise ValueError(f"alibi_slopes must be (heads_q,) or (batch, heads_q); got {shape}")
         add = self.seqlen_q if self.append else 0
+        _refuse_bool_lens(cache_seqlens)
         self.lens = None  # host values (None on CUDA, where only the device holds them)
         if self.is_cuda or not check_values:
             # Values on the device are not read (the kernels clamp them); host values (an int, a
@@ -733,13 +763,14 @@ def _check_kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
                         v_scale: Any = None) -> Tuple["_Step", Tuple[int, int]]:
     """The checks of a flash_attn_with_kvcache call (shapes only with check_values False: the
     fake of the torch op). Returns the checked step and the window."""
-    if not isinstance(num_splits, (int, np.integer)) or not 0 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0 = heuristic); got {num_splits!r}")
+    _core.check_int(num_splits, "num_splits", 0, MAX_SPLITS, " (0 = heuristic)")  # not a bool, not a float
     window = _core.check_window(window_size)
     if _core.check_softcap(softcap) < 0 or not np.isfinite(softcap):
         raise ValueError(f"softcap must be finite and >= 0; got {softcap}")
     if rotary_cos is not None and rope_theta is not None:
         raise ValueError("pass rotary_cos/rotary_sin or rope_theta, not both")
+    if rope_theta is not None:
+        _core.check_real(rope_theta, "rope_theta")  # a number: True is not a base of 1.0
     st = _Step(q, k_cache, v_cache, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes,
                check_values)
     if not check_values:  # the fake: the scales' presence and shapes (a number never reaches the op)
@@ -824,6 +855,8 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     window = _core.check_window(window_size)
 
     def plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, device, code) -> Any:
+        if Hq == 0:
+            return None  # no q heads: the general path says so (a plan would blame num_qo_heads)
         dt = _DTYPE_OF_CODE[code]
         shape = (B, Hq, Hkv, D)
 
@@ -850,6 +883,11 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
 
         return _cached_plan(key, make)
 
+    if k is not None and type(k_cache) in _FAST_TYPES and type(v_cache) in _FAST_TYPES:
+        # the C++ call appends into both caches: what the general path's run() refuses is refused first
+        _core.check_inference_write(k_cache, "k_cache")
+        _core.check_inference_write(v_cache, "v_cache")
+        _core.check_caches_apart(k_cache, v_cache)
     res = _C.kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, plan_for, return_lse)
     if res is not None and k is not None:
         _core.bump_versions(k_cache, v_cache)  # written in place (the append)

@@ -44,6 +44,7 @@ def _check_dtype(m: _core.Meta, op: str) -> None:
 def _check_same(ms, op: str) -> None:
     _core._same_library(", ".join(m.name for m in ms), *ms)
     first = ms[0]
+    _core.check_place(first)  # a meta tensor: a sentence, not "x.data is null" (the others must match it)
     for m in ms[1:]:
         if m.dtype != first.dtype:
             raise TypeError(f"{m.name} has dtype {m.dtype} but {first.name} has {first.dtype} "
@@ -51,6 +52,13 @@ def _check_same(ms, op: str) -> None:
         if m.device != first.device:
             raise ValueError(f"{m.name} is on {m.device} but {first.name} is on {first.device} "
                              f"(the tensors of {op} live on one device)")
+
+
+def _check_weight_stride(mw: _core.Meta) -> None:
+    """A norm weight (n,) of the right shape: the kernels read its n elements one after another."""
+    if mw.shape[0] > 1 and mw.strides[0] != 1:
+        raise ValueError(f"{mw.name} must be contiguous (stride 1); got stride {mw.strides[0]}"
+                         + (" (an expanded view)" if mw.strides[0] == 0 else "") + ": pass a contiguous copy")
 
 
 def _rows(m: _core.Meta) -> Tuple[int, int, int]:
@@ -85,7 +93,7 @@ def _check_out(out: Any, name: str, shape, like: _core.Meta) -> _core.Meta:
     m = _core.meta(out, name)
     _core.check_writable(out, name)
     if m.lib != like.lib:
-        raise TypeError(f"{name} must be a {like.lib} array like {like.name}; got {m.lib}")
+        raise TypeError(f"{name} must be {_core.kind_of(like.lib)} like {like.name}; got {_core.kind_of(m.lib)}")
     if tuple(m.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}; got {m.shape}")
     if m.dtype != like.dtype:
@@ -136,11 +144,16 @@ def _matrix(x: Any, dtype_code: int, row_stride: int) -> Any:
 # tests/python/test_fused_fast_path.py.
 _FAST_CODES = _core.FAST_CODES
 _FAST_TYPES = _core.FAST_TYPES
+# An eps in (2**-150, float32 max] needs no further check (the default 1e-6 among them); any other
+# value goes through _core.check_eps, which refuses or accepts it (0, an int, a numpy number).
+_EPS_LO, _EPS_HI = _core._FLOAT32_HALF_TRUE_MIN, _core._FLOAT32_MAX
 
 
 def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
-    """RunOptions for the fast path when x and every tensor in `tensors` qualify (`written`: those
-    the call writes in place, which must not require grad; the caller moves their version counters), else None."""
+    """RunOptions for the fast path when x and every tensor in `tensors` qualify (`written`: (name,
+    tensor) pairs of those the call writes in place, which must be plain tensors that do not require
+    grad, and are refused as inference tensors outside inference mode; the caller moves their
+    version counters), else None."""
     if type(x) not in _FAST_TYPES or x.dtype not in _FAST_CODES or x.dim() == 0 or x.numel() == 0:
         return None
     if type(cpu_threads) is not int or not 0 <= cpu_threads <= _core.MAX_CPU_THREADS:
@@ -149,9 +162,10 @@ def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
     for t in tensors:
         if type(t) not in _FAST_TYPES or t.dtype != dt or t.device != dev or not t.is_contiguous():
             return None
-    for t in written:
-        if t.requires_grad:
+    for name, t in written:
+        if type(t) not in _FAST_TYPES or t.requires_grad:  # (a numpy k: the general path says why not)
             return None
+        _core.check_inference_write(t, name)  # before the write, as the general path's check_writable
     where = _core.fast_device(dev, dt, fp32_on_cuda=True)  # the fused CUDA kernels' answer on fp32 is theirs
     return None if where is None else _C.RunOptions(where[0], where[1], cpu_threads, "")
 
@@ -173,13 +187,12 @@ def _norm(x, residual, weight, eps, out, residual_out, backend, cpu_threads, cud
     rows, x_rs, hidden = _rows(mx)
     if tuple(mw.shape) != (hidden,):
         raise ValueError(f"weight must have shape (hidden,) = ({hidden},); got {mw.shape}")
-    if hidden > 1 and mw.strides[0] != 1:
-        raise ValueError(f"weight must be contiguous; got stride {mw.strides}")
+    _check_weight_stride(mw)
     mo = _check_out(out, "out", mx.shape, mx)
     _, y_rs, _ = _rows(mo)
     code = _core._DTYPE_CODES[mx.dtype]
     p = _C.RmsNormParams()
-    p.rows, p.hidden, p.eps = rows, hidden, _core.check_real(eps, "eps")
+    p.rows, p.hidden, p.eps = rows, hidden, _core.check_eps(eps)
     p.x, p.y, p.weight = _matrix(x, code, x_rs), _matrix(out, code, y_rs), _core.data_ptr(weight)
     if residual is not None:
         _, r_rs, _ = _rows(mr)
@@ -210,6 +223,8 @@ def rms_norm(x: Any, weight: Any, eps: float = 1e-6, *, out: Any = None, backend
         return _core.no_backward("rms_norm", lambda: rms_norm(x, weight, eps, backend=backend, cpu_threads=cpu_threads,
                                                              cuda_config=cuda_config, stream=stream), (x, weight))
     if out is None and backend == "auto" and not cuda_config and stream is None:
+        if eps.__class__ is not float or not _EPS_LO < eps <= _EPS_HI:
+            _core.check_eps(eps)  # the binding rounds eps to float32 unchecked: refuses what rounds to 0 or inf
         fast = _C.norm_fast(x, None, weight, eps, cpu_threads)
         if fast is not None:
             return fast
@@ -236,6 +251,11 @@ def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
                                (x, residual, weight))
     if out is None and residual_out is None and backend == "auto" and not cuda_config and stream is None:
         # in place: x receives the normalized output, residual x + residual
+        if eps.__class__ is not float or not _EPS_LO < eps <= _EPS_HI:
+            _core.check_eps(eps)  # the binding rounds eps to float32 unchecked: refuses what rounds to 0 or inf
+        if type(x) in _FAST_TYPES and type(residual) in _FAST_TYPES:  # the C++ call writes them: checked first
+            _core.check_inference_write(x, "x")
+            _core.check_inference_write(residual, "residual")
         if _C.norm_fast(x, residual, weight, eps, cpu_threads) is not None:
             _core.bump_versions(x, residual)
             return x, residual
@@ -274,6 +294,7 @@ def silu_and_mul(x: Any, up: Any = None, *, out: Any = None, backend: str = "aut
             return fast
     mg = _core.meta(x, "x" if up is None else "gate")
     _check_dtype(mg, "silu_and_mul")
+    _core.check_place(mg)
     rows, g_rs, cols = _rows(mg)
     itemsize = 2 if mg.dtype in ("float16", "bfloat16") else 4
     if up is None:
@@ -433,7 +454,7 @@ def _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cache, inpla
         return None
     if llama3 is not None and type(llama3) is not dict:
         return None
-    written = () if not inplace else (q,) if k is None else (q, k)
+    written = () if not inplace else (("q", q),) if k is None else (("q", q), ("k", k))
     opt = _fast_options(q, (), written, cpu_threads)
     if opt is None:
         return None
@@ -501,7 +522,7 @@ def _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cache, inpla
         r.set_cos_sin_cache(cache.data_ptr(), cache.shape[0], rot)
     _C.apply_rotary(p, opt)
     if inplace:
-        _core.bump_versions(*written)
+        _core.bump_versions(*((q,) if k is None else (q, k)))
     return q_out, k_out
 
 
@@ -685,8 +706,9 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
                 raise ValueError(f"{name} is required (shape (head_dim,) = ({head_dim},))")
             continue
         mw = _core.meta(w, name)
-        if tuple(mw.shape) != (head_dim,) or (head_dim > 1 and mw.strides[0] != 1):
+        if tuple(mw.shape) != (head_dim,):
             raise ValueError(f"{name} must be a contiguous (head_dim,) = ({head_dim},) array; got shape {mw.shape}")
+        _check_weight_stride(mw)  # as rms_norm's weight: an expanded (stride 0) view is refused
         ms.append(mw)
     if k is None and k_weight is not None:
         raise ValueError("k_weight given without k")
@@ -706,7 +728,7 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
     code = _core._DTYPE_CODES[mq.dtype]
     p = _C.QkNormRopeParams()
     p.batch, p.seqlen, p.heads_q, p.heads_k, p.head_dim = int(batch), int(seqlen), int(heads_q), int(heads_k), int(head_dim)
-    p.eps, p.weight_offset = _core.check_real(eps, "eps"), _core.check_real(weight_offset, "weight_offset")
+    p.eps, p.weight_offset = _core.check_eps(eps), _core.check_real(weight_offset, "weight_offset")
     p.q = _C.TensorView(_core.data_ptr(q), code, *qv)
     if k is not None:
         p.k = _C.TensorView(_core.data_ptr(k), code, *kv)
