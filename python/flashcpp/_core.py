@@ -278,8 +278,8 @@ def check_transforms(what: str, *tensors: Any, vmap: bool = True) -> bool:
     sentence, where torch itself would drop the tangent (forward mode: torch.func.jvp, jacfwd and
     torch.autograd.forward_ad give a custom op's outputs a zero or no tangent, silently) or raise
     about an autograd.Function the caller never wrote (torch.func.grad, vjp, jacrev: torch 2.11's
-    custom ops have no functorch gradient). torch.func.vmap is served by torch's fallback for
-    custom ops (one call per batch entry) where the entry point has a registered op (vmap=True);
+    custom ops have no functorch gradient). torch.func.vmap is served by the registered op's
+    batching rule (_torch_ops) where the entry point has one (vmap=True);
     the others refuse it too. Only arguments the transform wrapped count (constants captured by
     the transformed function are plain tensors, and their calls run as usual); `tensors` are all
     of the call's tensor arguments (None and non-tensors are skipped). Returns True when some

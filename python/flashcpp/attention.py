@@ -176,7 +176,8 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
     below (the LSE output too, when returned), on CPU tensors by the CPU backward (float64 by the
     fp64 reference, so torch.autograd.gradcheck works), on CUDA tensors (fp16/bf16) by the CUDA
     backward kernels (docs/backward.md); rotary has no backward (NotImplementedError).
-    torch.func.vmap runs it (torch's fallback for custom ops: one call per batch entry); forward
+    torch.func.vmap runs it (the op's batching rule folds the vmapped dim into the batch: one call;
+    with rotary or a block-sparse mask, one call per entry); forward
     mode (torch.func.jvp, jacfwd, torch.autograd.forward_ad) and torch.func.grad / vjp / jacrev
     over its arguments raise NotImplementedError (torch would drop the tangent, or cannot reach
     the backward); a call on constants inside such a transform runs.
