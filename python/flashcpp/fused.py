@@ -253,8 +253,8 @@ def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float = 1e-6, *,
         # in place: x receives the normalized output, residual x + residual
         if eps.__class__ is not float or not _EPS_LO < eps <= _EPS_HI:
             _core.check_eps(eps)  # the binding rounds eps to float32 unchecked: refuses what rounds to 0 or inf
-        if type(x) in _FAST_TYPES and type(residual) in _FAST_TYPES:  # the C++ call writes them: checked first
-            _core.check_inference_write(x, "x")
+        if type(x) in _FAST_TYPES and type(residual) in _FAST_TYPES and (x.is_inference() or residual.is_inference()):
+            _core.check_inference_write(x, "x")  # the C++ call writes them: checked first
             _core.check_inference_write(residual, "residual")
         if _C.norm_fast(x, residual, weight, eps, cpu_threads) is not None:
             _core.bump_versions(x, residual)
