@@ -189,18 +189,24 @@ def call_flash_attn_fwd(*args: Any, rotary_k_out: Optional[Tensor] = None,
 # ---- torch.func.vmap: batching rules ----------------------------------------------------------------
 # Without a rule torch's fallback calls the op once per vmapped entry and warns of the cost. Dense
 # attention folds the vmapped dimension into the batch instead: entries are independent sequences,
-# so (n, B, S, H, D) -> (n * B, S, H, D) is one call with the same per-sequence arithmetic (the
-# results equal the loop's bit for bit). An unbatched q, k or v is expanded to n entries (a copy:
-# the batch of the folded call is n * B); alibi slopes follow the batch when they have one. Calls
-# whose other tensors are vmapped, or that carry a block-sparse mask or rotary (their tensors are
-# laid out per batch entry), and varlen calls (folding would need cu_seqlens' last entries on the
-# host) run one entry at a time here, as the fallback would.
+# so (n, B, S, H, D) -> (n * B, S, H, D) is one call with the same per-sequence arithmetic (on the
+# CPU the results equal a loop's bit for bit; on CUDA the selector may pick another config for the
+# larger problem, within the kernels' tolerance of the loop). An unbatched q, k or v is copied to n
+# entries (the batch of the folded call is n * B); alibi slopes follow the batch when they have one. Calls whose other
+# tensors are vmapped, or that carry a block-sparse mask or rotary (their tensors are laid out per
+# batch entry), and varlen calls (folding would need cu_seqlens' last entries on the host) run one
+# entry at a time here, as the fallback would. A folded call that fails its checks runs entry by
+# entry too, so that the sentence names the caller's shapes, not the folded ones.
 
 def _vmap_entries(op, n: int, in_dims, args):
-    """op over each of the n vmapped entries, outputs stacked along dim 0."""
+    """op over each of the n vmapped entries, outputs stacked along dim 0. in_dims has an int for
+    a vmapped tensor and None (or, for a list argument, a list of Nones) otherwise."""
+    if n == 0:
+        raise ValueError(f"flashcpp::{op._name} under torch.func.vmap over an empty dimension: it runs entry by entry "
+                         "here and has no entry to take its output shapes from; skip the call for an empty batch")
     outs = []
     for i in range(n):
-        outs.append(op(*(a.select(d, i) if d is not None else a for a, d in zip(args, in_dims))))
+        outs.append(op(*(a.select(d, i) if isinstance(d, int) else a for a, d in zip(args, in_dims))))
     return tuple(torch.stack(list(o)) for o in zip(*outs)), (0,) * len(outs[0])
 
 
@@ -218,27 +224,42 @@ def _flash_attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_l
                          alibi_slopes, return_lse, *rest):
     n = info.batch_size
     args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, return_lse) + rest
-    extra_tensors = [a for a in rest if isinstance(a, Tensor)]
+    entries = lambda: _vmap_entries(flash_attn_fwd, n, in_dims, args)  # noqa: E731
     rotary = len(rest) > 5 and rest[5] != 0  # rotary_dim
-    if extra_tensors or rotary or any(d is not None for d in in_dims[10:]):
-        return _vmap_entries(flash_attn_fwd, n, in_dims, args)
-    batch = (q if in_dims[0] is None else q.movedim(in_dims[0], 0)[0]).shape[0]
-    qf, kf, vf = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
+    if any(isinstance(a, Tensor) for a in rest) or rotary or any(d is not None for d in in_dims[10:]):
+        return entries()
+    if any(t.dim() - (d is not None) != 4 for t, d in zip((q, k, v), in_dims[:3])):
+        return entries()  # not (batch, seqlen, heads, dim) per entry: the plain call's sentence
+    batch = q.shape[0] if in_dims[0] is None else q.shape[1 if in_dims[0] % q.dim() == 0 else 0]
     slopes = alibi_slopes
     if alibi_slopes is not None:
         d = in_dims[8]
+        per_entry = alibi_slopes.dim() - (d is not None)
+        if per_entry not in (1, 2):
+            return entries()
         if d is not None:
             s_ = alibi_slopes.movedim(d, 0)
             # (n, H): one row of slopes per entry, shared by its batch; (n, B, H): per sequence
-            slopes = _fold(s_.unsqueeze(1).expand(n, batch, s_.shape[-1]) if s_.dim() == 2 else s_, 0, n)
-        elif alibi_slopes.dim() == 2:
+            slopes = _fold(s_.unsqueeze(1).expand(n, batch, s_.shape[-1]) if per_entry == 1 else s_, 0, n)
+        elif per_entry == 2:
             slopes = _fold(alibi_slopes, None, n)
-    out, lse = flash_attn_fwd(qf, kf, vf, softmax_scale, causal, window_left, window_right, softcap, slopes,
-                              return_lse, *rest)
+    try:
+        out, lse = flash_attn_fwd(*(_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3])), softmax_scale, causal,
+                                  window_left, window_right, softcap, slopes, return_lse, *rest)
+    except (ValueError, TypeError):
+        return entries()  # the first bad entry raises, with the caller's shapes in the sentence
     out = out.reshape(n, batch, *out.shape[1:])
     if not return_lse:
         return (out, lse), (0, None)  # lse is the (0,) placeholder: the same for every entry
     return (out, lse.reshape(n, batch, *lse.shape[1:])), (0, 0)
+
+
+@flash_attn_fwd_rotary_k_out.register_vmap
+def _flash_attn_fwd_rotary_k_out_vmap(info, in_dims, *args):
+    raise NotImplementedError(
+        "flash_attn_func with Rotary(k_out=...) does not run under torch.func.vmap: every entry would write its "
+        "rotated keys into the one k_out; leave k_out out (the call rotates into a buffer of its own) or loop "
+        "over the entries")
 
 
 def _varlen_shapes(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

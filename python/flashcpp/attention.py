@@ -233,9 +233,11 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
         sparse = None if block_sparse is None else _sparse_for(block_sparse, _core.meta(q, "q"))
         rot_args, k_out = _rotary_op_args(rotary, q)
         need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        # The backward reads the forward's LSE: computed whenever a gradient may be asked for.
+        # The backward reads the forward's LSE: computed whenever a gradient may be asked for, and
+        # under a transform, where a vmapped tensor's requires_grad reads False even when the
+        # tensor it wraps requires grad (autograd records the folded call all the same).
         args = (q, k, v, scale, _core.check_flag(causal, "causal"), wl, wr, _core.check_real(softcap, "softcap"), _torch_alibi(alibi_slopes, q),
-                bool(return_lse or need_grad), *_core.sparse_to_args(sparse), *rot_args)
+                bool(return_lse or need_grad or transformed), *_core.sparse_to_args(sparse), *rot_args)
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
         if torch.compiler.is_compiling() or need_grad or transformed:
@@ -292,7 +294,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
         args = (q, k, v, _torch_cu(cu_seqlens_q, q, "cu_seqlens_q"), _torch_cu(cu_seqlens_k, q, "cu_seqlens_k"),
                 _core.check_int(max_seqlen_q, "max_seqlen_q", 0), _core.check_int(max_seqlen_k, "max_seqlen_k", 0),
                 scale, _core.check_flag(causal, "causal"), wl, wr, _core.check_real(softcap, "softcap"),
-                _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad))
+                _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad or transformed))  # as flash_attn_func
         # As flash_attn_func: traced or autograd-visible calls take the registered op, plain eager
         # calls its body.
         if torch.compiler.is_compiling() or need_grad or transformed:

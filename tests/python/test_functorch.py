@@ -91,6 +91,77 @@ def test_vmap_with_rotary_or_block_sparse_runs_entry_by_entry():
     assert torch.equal(got, torch.stack([flashcpp.flash_attn_func(x, k, v, causal=True, rotary=rot) for x in qs]))
 
 
+@pytest.mark.parametrize("vmapped", ["q", "kv"])
+def test_backward_through_vmap_equals_a_loop(vmapped):
+    # A vmapped tensor's requires_grad reads False inside the transform, yet autograd records the
+    # folded call: the LSE is kept so that backward() works, and the gradients are the loop's.
+    g = torch.Generator().manual_seed(23)
+    n, B, S, H, D = 3, 2, 9, 2, 16
+    qs = torch.randn(n, B, S, H, D, generator=g)
+    k, v = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, H, D, generator=g)
+    ks, vs = torch.stack([k, 2 * k, -k]), torch.stack([v, v, 0.5 * v])
+    dout = torch.randn(n, B, S, H, D, generator=g)
+    if vmapped == "q":
+        a, b = qs.clone().requires_grad_(), k.clone().requires_grad_()
+        out = torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, b, v, causal=True))(a)
+        (out * dout).sum().backward()
+        a2, b2 = qs.clone().requires_grad_(), k.clone().requires_grad_()
+        loop = torch.stack([flashcpp.flash_attn_func(a2[i], b2, v, causal=True) for i in range(n)])
+        (loop * dout).sum().backward()
+        assert torch.equal(out, loop) and torch.equal(a.grad, a2.grad)
+        torch.testing.assert_close(b.grad, b2.grad)  # summed over the entries in another order
+    else:
+        a, b = ks.clone().requires_grad_(), vs.clone().requires_grad_()
+        out = torch.func.vmap(lambda x, y: flashcpp.flash_attn_func(qs[0], x, y, deterministic=True))(a, b)
+        (out * dout).sum().backward()
+        a2, b2 = ks.clone().requires_grad_(), vs.clone().requires_grad_()
+        loop = torch.stack([flashcpp.flash_attn_func(qs[0], a2[i], b2[i], deterministic=True) for i in range(n)])
+        (loop * dout).sum().backward()
+        assert torch.equal(out, loop) and torch.equal(a.grad, a2.grad) and torch.equal(b.grad, b2.grad)
+    # varlen, entry by entry
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    x = qs[:, 0].reshape(n, S, H * D).reshape(n, S, H, D).clone().requires_grad_()
+    out = torch.func.vmap(lambda t: flashcpp.flash_attn_varlen_func(t, k[0], v[0], cu, cu, 5, 5, causal=True))(x)
+    out.sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    torch.stack([flashcpp.flash_attn_varlen_func(x2[i], k[0], v[0], cu, cu, 5, 5, causal=True) for i in range(n)]).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+
+
+def test_vmap_with_a_block_sparse_mask_runs_entry_by_entry():
+    q, k, v = _qkv(24, b=2, s=8, d=16)
+    bs = flashcpp.causal_block_sparse(8, 8, 4, 4)
+    qs = torch.stack([q, 2 * q, -q])
+    got = torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v, block_sparse=bs))(qs)
+    assert torch.equal(got, torch.stack([flashcpp.flash_attn_func(x, k, v, block_sparse=bs) for x in qs]))
+
+
+def test_vmap_edge_cases_get_results_or_sentences():
+    q, k, v = _qkv(25, b=2, s=7, d=16)
+    # an empty vmapped dimension: empty outputs from the folded call
+    got = torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v))(q[None][:0])
+    assert got.shape == (0,) + q.shape
+    # ... and a sentence where the call runs entry by entry
+    with pytest.raises(ValueError, match="over an empty dimension"):
+        torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v, rotary=flashcpp.Rotary()))(q[None][:0])
+    # Rotary(k_out=...) would write every entry's keys into one buffer
+    with pytest.raises(NotImplementedError, match="k_out.*does not run under torch.func.vmap"):
+        torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k, v, rotary=flashcpp.Rotary(k_out=torch.empty_like(k))))(
+            torch.stack([q, q]))
+    # a bad shape is named as the caller wrote it, not as the folded call saw it
+    with pytest.raises(ValueError) as plain:
+        flashcpp.flash_attn_func(q, k[:1], v[:1])
+    with pytest.raises(ValueError) as vm:
+        torch.func.vmap(lambda x: flashcpp.flash_attn_func(x, k[:1], v[:1]))(torch.stack([q, q, q]))
+    assert str(vm.value) == str(plain.value)
+    with pytest.raises(ValueError) as plain:
+        flashcpp.flash_attn_func(q, k, v, alibi_slopes=torch.tensor(0.5))
+    with pytest.raises(ValueError) as vm:  # per-entry 0-dim slopes
+        torch.func.vmap(lambda x, s: flashcpp.flash_attn_func(x, k, v, alibi_slopes=s))(torch.stack([q, q]),
+                                                                                           torch.rand(2))
+    assert str(vm.value) == str(plain.value)
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
 def test_forward_mode_is_refused(transform):
     q, k, v = _qkv(3, s=5, d=8)
