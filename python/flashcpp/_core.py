@@ -343,8 +343,10 @@ def check_window(window_size: Any) -> Tuple[int, int]:
                          f"got {window_size!r}") from None
     for x in (left, right):
         if not _is_int(x):
+            why = ("a bool is not a window size" if isinstance(x, (bool, np.bool_)) else "a float is not truncated"
+                   if isinstance(x, (float, np.floating)) else f"a {type(x).__name__} is not an int")
             raise ValueError(f"window_size must be a pair (left, right) of ints, -1 meaning unbounded; got "
-                             f"{window_size!r}, with a {type(x).__name__} (a float is not truncated)")
+                             f"{window_size!r} ({why})")
     left, right = int(left), int(right)
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded); got {window_size!r}")
@@ -361,14 +363,44 @@ ZERO_SCALE = _C.ZERO_SCALE  # 2**-100, one value with the eager fast path's (pyt
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FLOAT32_TRUE_MIN = float(np.finfo(np.float32).smallest_subnormal)
 _FLOAT32_HALF_TRUE_MIN = 2.0 ** -150  # at most this rounds to 0 in float32 (pure Python: torch.compile traces it)
+# At least this rounds to inf in float32: halfway between float32's max (2**128 - 2**104) and 2**128,
+# where round-to-nearest-even goes up; anything below rounds to the max (3.4028235e38 among them).
+_FLOAT32_ROUNDS_TO_INF = 2.0 ** 128 - 2.0 ** 103
+
+
+def _shown(x: Any) -> str:
+    """x for a sentence: an array or tensor by kind, dtype and shape; anything else by a repr of at
+    most 80 characters (an int past 4300 digits has none)."""
+    if is_torch(x):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    if isinstance(x, np.ndarray):
+        return f"a {x.dtype} numpy array of shape {x.shape}"
+    try:
+        r = repr(x)
+    except ValueError:
+        return f"an int of {x.bit_length()} bits"
+    return r if len(r) <= 80 else f"{r[:60]}... ({len(r)} characters)"
 
 
 def check_real(x: Any, name: str) -> float:
-    """A real-number argument as a float: a Python or numpy number (or anything with __float__, a
-    one-element tensor included), never a bool or a string ("0.3" is not parsed)."""
-    if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)) or not hasattr(type(x), "__float__"):
-        raise TypeError(f"{name} must be a number; got {x!r}")
-    return float(x)
+    """A real-number argument as a float: a Python or numpy number (a 0-dim array too) or a
+    one-element real tensor (or anything else with __float__), never a bool, a string ("0.3" is not
+    parsed) or a complex number (numpy would drop its imaginary part with only a warning). What
+    float() refuses (an int past float's range, Decimal('sNaN')) gets the sentence too."""
+    if x.__class__ is float:
+        return x  # the common case: no further test
+    if (isinstance(x, (bool, np.bool_, str, bytes, complex, np.complexfloating)) or not hasattr(type(x), "__float__")
+            or (isinstance(x, np.ndarray) and (x.ndim != 0 or x.dtype.kind not in "iuf"))
+            or (is_torch(x) and (x.numel() != 1 or x.dtype.is_complex or x.dtype == torch.bool))):
+        raise TypeError(f"{name} must be a real number (a Python or numpy number, or a one-element tensor); "
+                        f"got {_shown(x)}")
+    try:
+        return float(x)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # RuntimeError: torch (a meta tensor)
+        kind = ValueError if isinstance(e, (ValueError, OverflowError)) else TypeError
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise kind(f"{name} must be a real number that float() takes; got {_shown(x)}, which it refuses "
+                   f"({why})") from None
 
 
 def check_softcap(x: Any, name: str = "softcap") -> float:
@@ -385,9 +417,10 @@ def check_eps(x: Any, name: str = "eps") -> float:
     """A norm's eps as a float. The kernels add it in float32: a positive eps that rounds to 0 there
     leaves an all-zero row at rsqrt(0) (NaN), and one past float32's range rounds to inf; both are
     refused here, as a negative or non-finite eps is refused by the C++ validator (which takes 0).
-    The eager fast paths call this only for an eps outside (2**-150, float32 max]."""
+    A value a little past float32's max that rounds to it (3.4028235e38, as numpy prints the max)
+    is taken. The eager fast paths call this only for an eps outside (2**-150, float32 max]."""
     e = check_real(x, name)
-    if e == 0.0 or _FLOAT32_HALF_TRUE_MIN < e <= _FLOAT32_MAX:
+    if e == 0.0 or _FLOAT32_HALF_TRUE_MIN < e < _FLOAT32_ROUNDS_TO_INF:
         return e
     span = f"0 or a value in [{_FLOAT32_TRUE_MIN:.1e}, {_FLOAT32_MAX:.1e}], float32's positive range"
     if not math.isfinite(e) or e < 0:
@@ -401,6 +434,8 @@ def check_flag(x: Any, name: str) -> bool:
     """A yes/no argument: True or False (a numpy bool, or the ints 0 and 1, too), not any truthy
     value ("False" is truthy)."""
     if not (isinstance(x, (bool, np.bool_)) or (isinstance(x, (int, np.integer)) and x in (0, 1))):
+        if torch is not None and torch.compiler.is_compiling() and isinstance(x, np.ndarray) and x in (0, 1):
+            return bool(x)  # torch.compile traces a numpy bool as a 0-dim ndarray: not a np.bool_ there
         raise TypeError(f"{name} must be True or False; got {x!r}")
     return bool(x)
 
@@ -456,11 +491,15 @@ def check_caches_apart(k_cache: Any, v_cache: Any) -> None:
     two share an element (one tensor or array passed twice, or overlapping views of one buffer).
     Views of one buffer that interleave without meeting stay allowed, as the C++ validator allows
     them (FlashInfer's (pages, 2, page_size, heads, dim) layout: k = buf[:, 0], v = buf[:, 1]).
-    Cheap where it matters: two torch tensors of different storages cost one comparison; views of
-    one storage are decided by _views_meet (numpy arrays: after a bounds test)."""
+    Cheap where it matters: two torch tensors whose storages' byte ranges do not meet cost a few
+    attribute reads; views of one memory are decided by _views_meet (numpy arrays: after a bounds
+    test). Two storages are not two memories: torch.from_numpy of overlapping slices of one array
+    gives two storages over shared bytes, so the test is on the bytes, not on the storage."""
     if is_torch(k_cache):
-        if k_cache.untyped_storage().data_ptr() != v_cache.untyped_storage().data_ptr():
-            return
+        sk, sv = k_cache.untyped_storage(), v_cache.untyped_storage()
+        k0, v0 = sk.data_ptr(), sv.data_ptr()
+        if not k0 or not v0 or k0 + sk.nbytes() <= v0 or v0 + sv.nbytes() <= k0:
+            return  # apart (a null pointer holds no bytes: a meta tensor is the caller's check_place's)
         if k_cache.numel() == 0 or v_cache.numel() == 0:
             return
         item = k_cache.element_size()
@@ -1038,8 +1077,15 @@ _UNSIGNED_WIDE = tuple(getattr(torch, n) for n in ("uint16", "uint32", "uint64")
 def check_int32_values(a: Any, name: str) -> Any:
     """Refuses host integers (a numpy array or a CPU tensor) outside int32, which a conversion
     would wrap into plausible indices; returns a."""
-    # torch has no host min/max for the wide unsigned dtypes
-    v = a.numpy() if torch is not None and isinstance(a, torch.Tensor) and a.dtype in _UNSIGNED_WIDE else a
+    v = a
+    if torch is not None and isinstance(a, torch.Tensor):
+        # Under torch.func.vmap a vmapped tensor's values cannot be read through the wrapper (its
+        # .item() raises): the check reads the tensor it wraps, every entry at once.
+        f = getattr(torch._C, "_functorch", None)
+        while f is not None and f.is_batchedtensor(v):
+            v = f.get_unwrapped(v)
+        if v.dtype in _UNSIGNED_WIDE:  # torch has no host min/max for the wide unsigned dtypes
+            v = v.numpy()
     if (v.size if isinstance(v, np.ndarray) else v.numel()) and (int(v.min()) < -2**31 or int(v.max()) > _INT32_MAX):
         raise ValueError(f"{name} values must fit int32; got {int(v.min())} .. {int(v.max())}")
     return a

@@ -58,6 +58,21 @@ def _refuse_bool_lens(cache_seqlens: Any) -> None:
                         "(a bool is not a count)")
 
 
+def _check_places(names: Tuple[str, ...], *tensors: Any) -> None:
+    """Refuses a torch tensor argument (`tensors`, named by `names`) on a device flashcpp does not
+    run on (meta) with _core.check_place's sentence, before a copy ("Cannot copy out of meta tensor")
+    or its null data pointer ("q.data is null") speaks instead. None and non-tensors are skipped.
+    (is_cpu / is_cuda: a tenth of what reading x.device costs, on run()'s path.)"""
+    for name, x in zip(names, tensors):
+        if x is not None and _is_torch(x) and not (x.is_cpu or x.is_cuda):
+            _core.check_place(_core.meta(x, name))
+
+
+_RUN_TENSORS = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k", "v", "rotary_cos", "rotary_sin",
+                "alibi_slopes", "out", "lse", "k_scale", "v_scale")
+_STEP_TENSORS = ("k", "v", "cache_seqlens", "block_table", "rotary_cos", "rotary_sin", "alibi_slopes")
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -291,6 +306,13 @@ class BatchDecodeWithKVCache:
         """
         if small_plan not in ("full_wave", "shared"):
             raise ValueError(f"small_plan must be 'full_wave' or 'shared'; got {small_plan!r}")
+        # Yes/no options are True or False, not any truthy value (fused_merge='no' ran as True), and
+        # checked first: append decides the planned lengths below.
+        append, causal = _core.check_flag(append, "append"), _core.check_flag(causal, "causal")
+        non_blocking = _core.check_flag(non_blocking, "non_blocking")
+        fused_merge = _core.check_flag(fused_merge, "fused_merge")
+        fused_append = _core.check_flag(fused_append, "fused_append")
+        rope_theta = _core.check_real(rope_theta, "rope_theta")  # a number: True is not a base of 1.0
         torch = _core.torch
         dt = _dtype_name(dtype)
         kv_dt = _kv_dtype_name(kv_dtype, dt)
@@ -363,9 +385,9 @@ class BatchDecodeWithKVCache:
                    head_dim=int(head_dim), head_dim_v=head_dim_v, dtype=dt, kv_dtype=kv_dt, device=device,
                    is_cuda=is_cuda,
                    page_size=int(page_size),
-                   append=_core.check_flag(append, "append"), causal=_core.check_flag(causal, "causal"), window=window,
+                   append=append, causal=causal, window=window,
                    softcap=_core.check_softcap(softcap), scale=scale,
-                   rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=float(rope_theta))
+                   rotary=_ROTARY[rotary], rotary_dim=int(rotary_dim), rope_theta=rope_theta)
         # decode_plan reads the scalars only: the tensors are absent (null views of the planned dtype).
         code = _core._DTYPE_CODES[dt]
         params = _C.DecodeParams()
@@ -386,13 +408,13 @@ class BatchDecodeWithKVCache:
         opt.backend = "cuda" if is_cuda else "cpu"
         opt.host_cache_seqlens = None if lens is None else np.ascontiguousarray(lens, dtype=np.int32)
         opt.num_splits, opt.max_splits, opt.num_sms = int(num_splits), int(max_splits), int(num_sms)
-        opt.fused_merge, opt.fused_append = bool(fused_merge), bool(fused_append)
+        opt.fused_merge, opt.fused_append = fused_merge, fused_append
         opt.small_plan = small_plan
         with _DeviceGuard(device):
-            ib, fb = _C.decode_workspace_size(params, opt, bool(append))
+            ib, fb = _C.decode_workspace_size(params, opt, append)
             iptr, fptr = self._ws.carve(ib, fb, is_cuda, device)
             opt.stream = _stream(device)
-            self._plan = _C.decode_plan(params, opt, bool(append), iptr, ib, fptr, fb)
+            self._plan = _C.decode_plan(params, opt, append, iptr, ib, fptr, fb)
             if is_cuda and not non_blocking:
                 torch.cuda.current_stream(device).synchronize()
         self._cfg = cfg
@@ -443,6 +465,9 @@ class BatchDecodeWithKVCache:
         c = self._cfg
         if c is None:
             raise RuntimeError("call plan() before run()")
+        return_lse = _core.check_flag(return_lse, "return_lse")
+        _check_places(_RUN_TENSORS, q, k_cache, v_cache, cache_seqlens, block_table, k, v, rotary_cos, rotary_sin,
+                      alibi_slopes, out, lse, k_scale, v_scale)
         mq, mk, mv = _core.meta(q, "q"), _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
         for m, want in ((mq, c["dtype"]), (mk, c["kv_dtype"]), (mv, c["kv_dtype"])):
             if m.dtype != want:
@@ -623,6 +648,7 @@ class _Step:
             raise ValueError(f"q, k_cache and v_cache must be on one device (got {mq.device}, {mkc.device}, "
                              f"{mvc.device})")
         _core.check_place(mq)  # a meta tensor: a sentence, not "q.data is null"
+        _check_places(_STEP_TENSORS, k, v, cache_seqlens, block_table, rotary_cos, rotary_sin, alibi_slopes)
         self.mq, self.mk, self.mv = mq, mkc, mvc
         self.is_cuda = mq.is_cuda
         self.device = mq.device
@@ -848,7 +874,8 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
     """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply.
     The tensors are read, checked and run by _C.kvcache_fast (python/src/eager_fast.cc); it asks
     plan_for below for the plan of the shape it read."""
-    if causal.__class__ is not bool or softcap.__class__ not in (float, int):  # the general path says why
+    if (causal.__class__ is not bool or return_lse.__class__ is not bool
+            or softcap.__class__ not in (float, int)):  # the general path says why (kvcache_fast takes a bool)
         return None
     if type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
         return None
@@ -951,9 +978,12 @@ class BatchDecodeWithPagedKVCache:
             _core.check_int(val, name, lo)
         if head_dim_vo is not None:
             _core.check_int(head_dim_vo, "head_dim_vo", 1, what=" (None = head_dim)")
-        _core.check_window((window_left, -1))
-        if logits_soft_cap is not None and not (math.isfinite(float(logits_soft_cap)) and logits_soft_cap >= 0):
-            raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None = off); got {logits_soft_cap!r}")
+        _core.check_int(window_left, "window_left", -1, what=" (the left of window_size; -1 = unbounded)")
+        _core.check_flag(non_blocking, "non_blocking")  # ignored, but a yes/no all the same
+        if logits_soft_cap is not None:
+            cap = _core.check_softcap(logits_soft_cap, "logits_soft_cap")  # a number: True is not a cap of 1.0
+            if not (math.isfinite(cap) and cap >= 0):
+                raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 or None = off); got {logits_soft_cap!r}")
         if sm_scale is not None:
             _core.default_scale(sm_scale, int(head_dim))
         device = self._device
@@ -989,7 +1019,7 @@ class BatchDecodeWithPagedKVCache:
         self._plan = dict(table=table, lens=lens, heads_q=int(num_qo_heads), heads_kv=int(num_kv_heads),
                           head_dim=int(head_dim), head_dim_v=int(head_dim if head_dim_vo is None else head_dim_vo),
                           page_size=int(page_size), window=(int(window_left), -1),
-                          softcap=float(logits_soft_cap or 0.0), scale=sm_scale, num_splits=int(num_splits),
+                          softcap=0.0 if logits_soft_cap is None else cap, scale=sm_scale, num_splits=int(num_splits),
                           device=device, dtype=None, table_dev=table, lens_dev=lens, kv_fp8=kv_fp8)
         if dtype is not None:
             self._plan_for(_dtype_name(dtype), device)

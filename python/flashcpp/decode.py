@@ -103,12 +103,19 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
             q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, None, None, block_table,
             softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             return_softmax_lse, rope_theta, k_scale, v_scale), (q, k_cache, v_cache, alibi_slopes))
+    # (rotary_interleaved is unused without rotary, but a value that is not a bool gets the general path's sentence)
     if (type(q) in _FAST_TYPES and rotary_cos is None and rotary_sin is None and rope_theta is None
-            and alibi_slopes is None and k_scale is None and v_scale is None and not torch.compiler.is_compiling()):
+            and alibi_slopes is None and k_scale is None and v_scale is None and rotary_interleaved.__class__ is bool
+            and not torch.compiler.is_compiling()):
         fast = _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
                              window_size, softcap, num_splits, return_softmax_lse)
         if fast is not None:
             return fast if return_softmax_lse else fast[0]
+    # Yes/no options are True or False (a numpy bool too), not any truthy value: rotary_interleaved='no'
+    # ran as True, and the registered op's caller casts with bool(). (The fast path took exact bools only.)
+    causal = _core.check_flag(causal, "causal")
+    rotary_interleaved = _core.check_flag(rotary_interleaved, "rotary_interleaved")
+    return_softmax_lse = _core.check_flag(return_softmax_lse, "return_softmax_lse")
     if is_torch(q) and torch.compiler.is_compiling():
         # Traced by torch.compile: one opaque op (flashcpp::flash_attn_with_kvcache, or
         # ..._append, which mutates the caches); eager calls skip the dispatcher.

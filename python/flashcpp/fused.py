@@ -145,7 +145,8 @@ def _matrix(x: Any, dtype_code: int, row_stride: int) -> Any:
 _FAST_CODES = _core.FAST_CODES
 _FAST_TYPES = _core.FAST_TYPES
 # An eps in (2**-150, float32 max] needs no further check (the default 1e-6 among them); any other
-# value goes through _core.check_eps, which refuses or accepts it (0, an int, a numpy number).
+# value goes through _core.check_eps, which refuses or accepts it (0, an int, a numpy number, a value
+# just past float32's max that rounds to it).
 _EPS_LO, _EPS_HI = _core._FLOAT32_HALF_TRUE_MIN, _core._FLOAT32_MAX
 
 
@@ -549,7 +550,7 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
         if r is not None:
             return r[0]
     if _core.grad_needed(q, k):
-        if inplace or q_out is not None or k_out is not None:
+        if _core.check_flag(inplace, "inplace") or q_out is not None or k_out is not None:
             _core.refuse_grad_in_place("apply_rotary", "with inplace=True or q_out= / k_out= writes in place", (q, k))
         return _core.no_backward("apply_rotary", lambda: apply_rotary(
             q, k, positions, style=style, rotary_dim=rotary_dim, theta=theta, llama3=llama3,
@@ -560,6 +561,7 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
         fast = _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cos_sin_cache, inplace, cpu_threads)
         if fast is not None:
             return fast
+    inplace = _core.check_flag(inplace, "inplace")  # not any truthy value: inplace='no' wrote in place
     mq = _core.meta(q, "q")
     _check_dtype(mq, "apply_rotary")
     if len(mq.shape) not in (3, 4):
@@ -678,6 +680,7 @@ def qk_norm_rope(q: Any, k: Any, q_weight: Any, k_weight: Any = None, positions:
         r = _core.guard(qk_norm_rope, "qk_norm_rope", locals(), ("q", "k", "q_weight", "k_weight", "cos_sin_cache", "q_out", "k_out"))
         if r is not None:
             return r[0]
+    inplace = _core.check_flag(inplace, "inplace")  # not any truthy value: inplace='no' wrote in place
     if _core.grad_needed(q, k, q_weight, k_weight):
         if inplace or q_out is not None or k_out is not None:
             _core.refuse_grad_in_place("qk_norm_rope", "with inplace=True or q_out= / k_out= writes in place",
@@ -785,6 +788,7 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
         if r is not None:
             return r[0]
     _core.refuse_grad_in_place("rope_append_kv", "writes the cache in place", (k, v, q))
+    inplace_q = _core.check_flag(inplace_q, "inplace_q")  # not any truthy value: inplace_q='no' rotated q in place
     mk, mv = _core.meta(k, "k"), _core.meta(v, "v")
     mkc, mvc = _core.meta(k_cache, "k_cache"), _core.meta(v_cache, "v_cache")
     for m in (mk, mv):
@@ -866,6 +870,7 @@ def rope_append_kv(k: Any, v: Any, k_cache: Any, v_cache: Any, cache_seqlens: An
             p.q_out = _C.TensorView(_core.data_ptr(q_out), code, *_bshd(mqo, one_token_per_batch=True)[2])
     _core.check_writable(k_cache, "k_cache")
     _core.check_writable(v_cache, "v_cache")
+    _core.check_caches_apart(k_cache, v_cache)  # as decode's append: the keys and values must not share bytes
     opt = _options(backend, cpu_threads, cuda_config, k, first, stream)
     if batch * seqlen > 0:
         _call(k, first, _C.rope_append_kv, p, opt)

@@ -162,6 +162,20 @@ def test_vmap_edge_cases_get_results_or_sentences():
     assert str(vm.value) == str(plain.value)
 
 
+def test_vmap_of_varlen_takes_vmapped_int64_cu_seqlens():
+    # int64 lengths are checked against int32's range before the conversion; under vmap that check
+    # reads the tensor the vmapped one wraps (.item() through the wrapper raises)
+    g = torch.Generator().manual_seed(26)
+    q, k, v = (torch.randn(12, 2, 16, generator=g) for _ in range(3))
+    cus = torch.tensor([[0, 5, 12], [0, 7, 12]])
+    got = torch.func.vmap(lambda c: flashcpp.flash_attn_varlen_func(q, k, v, c, c, 7, 7, causal=True))(cus)
+    want = torch.stack([flashcpp.flash_attn_varlen_func(q, k, v, c, c, 7, 7, causal=True) for c in cus])
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="must fit int32"):
+        torch.func.vmap(lambda c: flashcpp.flash_attn_varlen_func(q, k, v, c, c, 7, 7))(
+            torch.tensor([[0, 5, 12], [0, 7, 2**40]]))
+
+
 @pytest.mark.parametrize("transform", ["jvp", "jacfwd"])
 def test_forward_mode_is_refused(transform):
     q, k, v = _qkv(3, s=5, d=8)

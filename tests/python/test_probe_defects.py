@@ -10,7 +10,17 @@
   shape), zero heads in decode ("(0) must be a multiple of (0)").
 - Bools taken as counts by flash_attn_with_kvcache (cache_seqlens=True, num_splits=True).
 - plan(max_splits=300) was clamped to 256 without a word.
-- An append into k_cache and v_cache that share memory wrote keys and values into the same bytes.
+- An append into k_cache and v_cache that share memory wrote keys and values into the same bytes;
+  torch caches over overlapping bytes in two storages (torch.from_numpy of overlapping slices)
+  still did.
+- Yes/no options took any truthy value (rotary_interleaved='no' ran as True, plan(fused_merge='no'),
+  inplace='no'), return_softmax_lse=np.True_ on torch reached nanobind's "incompatible function
+  arguments", and bools ran as numbers (plan(rope_theta=True), logits_soft_cap=True).
+- eps 3.4028235e38 (float32's max as numpy prints it) was refused as rounding to inf; an eps that is
+  not a real number (a 2-element tensor, 10**400, a complex) got messages without its name or a
+  ComplexWarning only.
+- Meta tensors in decode arguments other than q ("cache.k.data is null", "Cannot copy out of meta
+  tensor").
 
 numpy tests run without torch; the torch ones skip without it.
 """
@@ -301,7 +311,8 @@ def test_flash_attn_with_kvcache_refuses_bools_as_counts():
         with pytest.raises(ValueError, match=r"^num_splits must be an int in \[0, 256\] \(0 = heuristic\); got "
                                              r"(np\.)?True_? \(a bool is not a count\)$"):
             flashcpp.flash_attn_with_kvcache(q, kc, kc.copy(), cache_seqlens=lens, num_splits=b)
-    with pytest.raises(TypeError, match="^rope_theta must be a number; got True$"):
+    with pytest.raises(TypeError, match=r"^rope_theta must be a real number \(a Python or numpy number, or a "
+                                        r"one-element tensor\); got True$"):
         flashcpp.flash_attn_with_kvcache(q, kc, kc.copy(), cache_seqlens=lens, rope_theta=True)
     with pytest.raises(TypeError, match="cache_seqlens must be an int or int32 .*a bool is not a count"):
         BatchDecodeWithKVCache().plan(2, 2, 2, 64, kv_capacity=8, cache_seqlens=True, dtype=np.float32, device="cpu")
@@ -385,3 +396,312 @@ def test_interleaved_caches_of_one_buffer_still_append():
     want = flashcpp.flash_attn_with_kvcache(q, k_sep, v_sep, kn, vn, cache_seqlens=lens, block_table=table)
     assert np.array_equal(got, want)
     assert np.array_equal(buf[:, 0], k_sep) and np.array_equal(buf[:, 1], v_sep)
+
+
+# ---- 7. overlapping caches in two torch storages ------------------------------------------------------
+
+def test_overlapping_torch_caches_of_two_storages_are_refused():
+    """torch.from_numpy of overlapping slices of one array gives two storages over shared bytes: the
+    storage test alone called them apart, and the append wrote each key over a value."""
+    torch = _torch()
+    arr = np.zeros((3, 8, 1, 8), np.float32)
+    kc, vc = torch.from_numpy(arr[0:2]), torch.from_numpy(arr[1:3])  # overlap at arr[1]
+    assert kc.untyped_storage().data_ptr() != vc.untyped_storage().data_ptr()
+    q, kn, vn = torch.randn(2, 1, 1, 8), torch.ones(2, 1, 1, 8), torch.full((2, 1, 1, 8), 2.0)
+    lens = torch.tensor([0, 0], dtype=torch.int32)
+    w = BatchDecodeWithKVCache()
+    w.plan(2, 1, 1, 8, kv_capacity=8, cache_seqlens=[0, 0], append=True, dtype=torch.float32, device="cpu")
+    calls = [lambda: flashcpp.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens),  # the fast path
+             lambda: flashcpp.flash_attn_with_kvcache(q, kc, vc, kn, vn, cache_seqlens=lens, rope_theta=1e4),
+             lambda: w.run(q, kc, vc, lens, k=kn, v=vn),
+             lambda: flashcpp.rope_append_kv(kn, vn, kc, vc, lens)]
+    for call in calls:
+        with pytest.raises(ValueError, match=_SHARED):
+            call()
+        assert not arr.any()  # nothing written
+    # storages over disjoint bytes of one array still append, adjacent or interleaved
+    buf = np.zeros((4, 8, 1, 8), np.float32)
+    for k_cache, v_cache in ((torch.from_numpy(buf[0:2]), torch.from_numpy(buf[2:4])),
+                             (torch.from_numpy(buf[:, 0:4].reshape(2, 2, 4, 1, 8)[:, 0]),
+                              torch.from_numpy(buf[:, 0:4].reshape(2, 2, 4, 1, 8)[:, 1]))):
+        buf[:] = 0
+        flashcpp.flash_attn_with_kvcache(q, k_cache, v_cache, kn, vn, cache_seqlens=lens)
+        assert (k_cache[:, 0] == 1).all() and (v_cache[:, 0] == 2).all()
+
+
+# ---- 8. yes/no options and bools as numbers ---------------------------------------------------------
+
+def _plan_args(**kw):
+    return dict(dict(kv_capacity=8, cache_seqlens=[1, 2], dtype=np.float32, device="cpu"), **kw)
+
+
+@pytest.mark.parametrize("flag", ["append", "causal", "non_blocking", "fused_merge", "fused_append"])
+def test_plan_takes_true_or_false_only(flag):
+    w = BatchDecodeWithKVCache()
+    for bad in ("no", 2, None):
+        with pytest.raises(TypeError, match=rf"^{flag} must be True or False; got {bad!r}$"):
+            w.plan(2, 2, 2, 64, **_plan_args(**{flag: bad}))
+    for good in (True, False, np.True_, np.False_):
+        w.plan(2, 2, 2, 64, **_plan_args(**{flag: good}))
+
+
+def test_plan_refuses_a_bool_rope_theta():
+    w = BatchDecodeWithKVCache()
+    for b in (True, np.True_):
+        with pytest.raises(TypeError, match=r"^rope_theta must be a real number \(a Python or numpy number, or a "
+                                            r"one-element tensor\); got (np\.)?True_?$"):
+            w.plan(2, 2, 2, 64, **_plan_args(rotary="neox", rope_theta=b))
+    w.plan(2, 2, 2, 64, **_plan_args(rotary="neox", rope_theta=500000))
+
+
+def test_run_takes_true_or_false_for_return_lse():
+    w = BatchDecodeWithKVCache()
+    w.plan(2, 2, 2, 64, **_plan_args())
+    q, kc = np.zeros((2, 1, 2, 64), np.float32), np.zeros((2, 8, 2, 64), np.float32)
+    lens = np.array([1, 2], np.int32)
+    for bad in ("no", 2):
+        with pytest.raises(TypeError, match=rf"^return_lse must be True or False; got {bad!r}$"):
+            w.run(q, kc, kc, lens, return_lse=bad)
+    assert len(w.run(q, kc, kc, lens, return_lse=np.True_)) == 2
+    assert w.run(q, kc, kc, lens, return_lse=np.False_).shape == (2, 1, 2, 64)
+
+
+def _paged_plan(**kw):
+    a = dict(indptr=np.array([0, 1, 2]), indices=np.array([0, 1]), last_page_len=np.array([3, 4]), num_qo_heads=2,
+             num_kv_heads=2, head_dim=64, page_size=4, data_type="float32")
+    a.update(kw)
+    w = flashcpp.BatchDecodeWithPagedKVCache()
+    w.plan(**a)
+    return w
+
+
+def test_paged_plan_refuses_bools_as_numbers():
+    for b in (True, np.True_):
+        with pytest.raises(TypeError, match=r"^logits_soft_cap must be a real number \(a Python or numpy number, or a "
+                                            r"one-element tensor\); got (np\.)?True_?$"):
+            _paged_plan(logits_soft_cap=b)
+        with pytest.raises(ValueError, match=r"^window_left must be an int in \[-1, 2147483647\] \(the left of "
+                                             r"window_size; -1 = unbounded\); got (np\.)?True_? \(a bool is not a "
+                                             r"count\)$"):
+            _paged_plan(window_left=b)
+    with pytest.raises(ValueError, match=r"^logits_soft_cap 1e-50 rounds to 0 in float32"):  # silently off, else
+        _paged_plan(logits_soft_cap=1e-50)
+    with pytest.raises(TypeError, match="^non_blocking must be True or False; got 'no'$"):
+        _paged_plan(non_blocking="no")
+    w = _paged_plan(logits_soft_cap=30, window_left=2)
+    q, cache = np.zeros((2, 2, 64), np.float32), np.zeros((2, 4, 2, 64), np.float32)
+    with pytest.raises(TypeError, match="^return_lse must be True or False; got 'no'$"):
+        w.run(q, (cache, cache), return_lse="no")
+    assert len(w.run(q, (cache, cache), return_lse=np.True_)) == 2
+
+
+def test_window_size_with_a_bool_gets_a_plain_sentence():
+    q, kc = np.zeros((2, 1, 2, 64), np.float32), np.zeros((2, 8, 2, 64), np.float32)
+    with pytest.raises(ValueError, match=r"^window_size must be a pair \(left, right\) of ints, -1 meaning unbounded; "
+                                         r"got \(True, -1\) \(a bool is not a window size\)$"):
+        flashcpp.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1, window_size=(True, -1))
+    with pytest.raises(ValueError, match=r"got \(1.5, -1\) \(a float is not truncated\)$"):
+        flashcpp.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=1, window_size=(1.5, -1))
+
+
+def _kvcache_inputs(torch):
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(s).astype(np.float32) for s in ((2, 1, 2, 64), (2, 8, 2, 64), (2, 8, 2, 64))]
+    lens = np.array([3, 5], np.int32)
+    if torch is None:
+        return (*arrays, lens)
+    return (*(torch.from_numpy(a) for a in arrays), torch.from_numpy(lens))
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_flash_attn_with_kvcache_flags_are_true_or_false(lib):
+    """return_softmax_lse=np.True_ on torch tensors reached the C++ fast path as nanobind's
+    "incompatible function arguments"; 2 ran on numpy; rotary_interleaved='no' ran as True."""
+    torch = _torch() if lib == "torch" else None
+    q, kc, vc, lens = _kvcache_inputs(torch)
+    for flag in ("return_softmax_lse", "rotary_interleaved", "causal"):
+        for bad in ("no", 2, None):
+            with pytest.raises(TypeError, match=rf"^{flag} must be True or False; got {bad!r}$"):
+                flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, rope_theta=1e4, **{flag: bad})
+            with pytest.raises(TypeError, match=rf"^{flag} must be True or False; got {bad!r}$"):
+                flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, **{flag: bad})
+    out, lse = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_softmax_lse=np.True_)
+    assert tuple(lse.shape) == (2, 2, 1)
+    plain = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_softmax_lse=np.False_)
+    assert tuple(plain.shape) == (2, 1, 2, 64)
+    for style in (False, True):
+        want = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, rope_theta=1e4,
+                                                rotary_interleaved=style)
+        got = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, rope_theta=1e4,
+                                               rotary_interleaved=np.bool_(style))
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_kvcache_fast_path_steps_aside_for_a_flag_that_is_not_a_bool():
+    torch = _torch()
+    from flashcpp import _decode
+    q, kc, vc, lens = _kvcache_inputs(torch)
+    for flag in (np.True_, 1, "no"):
+        assert _decode._fast_kvcache(q, kc, vc, None, None, lens, None, None, False, (-1, -1), 0.0, 0, flag) is None
+    assert _decode._fast_kvcache(q, kc, vc, None, None, lens, None, None, False, (-1, -1), 0.0, 0, True) is not None
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_fused_in_place_options_are_true_or_false(lib):
+    """inplace='no' rotated q in place."""
+    torch = _torch() if lib == "torch" else None
+    rng = np.random.default_rng(0)
+
+    def z(*s):
+        a = rng.standard_normal(s).astype(np.float32)
+        return torch.from_numpy(a) if torch else a
+    q, k = z(1, 4, 2, 64), z(1, 4, 2, 64)
+    q0 = q.copy() if torch is None else q.clone()
+    w = (torch.ones(64) if torch else np.ones(64, np.float32))
+    lens = np.array([1], np.int32) if torch is None else torch.tensor([1], dtype=torch.int32)
+    kc = z(1, 8, 2, 64)
+    calls = [("inplace", lambda: flashcpp.apply_rotary(q, k, inplace="no")),
+             ("inplace", lambda: flashcpp.qk_norm_rope(q, k, w, w, inplace="no")),
+             ("inplace_q", lambda: flashcpp.rope_append_kv(k[:, :1], k[:, :1], kc, kc * 1, lens, q=q[:, :1],
+                                                          inplace_q="no"))]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=rf"^{name} must be True or False; got 'no'$"):
+            call()
+        assert (q == q0).all()
+    flashcpp.apply_rotary(q, k, inplace=np.True_)
+    assert not (q == q0).all()
+
+
+# ---- 9. eps at float32's max, and eps that is not a real number -------------------------------------
+
+_F32_TO_INF = 2.0**128 - 2.0**103  # the least value that rounds to inf in float32
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_eps_that_rounds_to_float32_max_runs(lib):
+    torch = _torch() if lib == "torch" else None
+    x = torch.ones(2, 64) if torch else np.ones((2, 64), np.float32)
+    w = torch.ones(64) if torch else np.ones(64, np.float32)
+    for eps in (3.4028235e38, float(np.finfo(np.float32).max), np.float32(3.4028235e38), np.nextafter(_F32_TO_INF, 0),
+                float(np.nextafter(_F32_TO_INF, 0))):
+        y = flashcpp.rms_norm(x, w, eps=eps)
+        assert np.isfinite(np.asarray(y)).all() and (np.asarray(y) > 0).all(), eps
+        flashcpp.fused_add_rms_norm(x * 1, x * 1, w, eps=eps)
+    for eps in (_F32_TO_INF, 3.5e38, 10**39):
+        with pytest.raises(ValueError, match=r"^eps \S+ rounds to inf in float32: pass 0 or a value in "
+                                             r"\[1.4e-45, 3.4e\+38\], float32's positive range$"):
+            flashcpp.rms_norm(x, w, eps=eps)
+
+
+def _bad_eps(torch):
+    from decimal import Decimal
+    cases = [(10**400, ValueError, r"got 10{59}\.\.\. \(401 characters\), which it refuses \(int too large to "
+                                   r"convert to float\)"),
+             (10**5000, ValueError, r"got an int of 16610 bits, which it refuses"),
+             (np.array([1e-5]), TypeError, r"\(a Python or numpy number, or a one-element tensor\); got a float64 "
+                                           r"numpy array of shape \(1,\)"),
+             (Decimal("sNaN"), ValueError, r"got Decimal\('sNaN'\), which it refuses \(cannot convert signaling NaN"),
+             (np.complex128(1e-5 + 1j), TypeError, r"got np.complex128\(1e-05\+1j\)"),
+             (np.complex64(1e-5), TypeError, r"got np.complex64"),
+             (1e-5 + 0j, TypeError, r"got \(1e-05\+0j\)")]
+    if torch is not None:
+        cases += [(torch.tensor([1e-5, 2e-5]), TypeError, r"got a torch.float32 tensor of shape \(2,\) on cpu$"),
+                  (torch.tensor(1e-5 + 0j), TypeError, r"got a torch.complex64 tensor of shape \(\) on cpu$"),
+                  (torch.tensor([True]), TypeError, r"got a torch.bool tensor"),
+                  (torch.empty(1, device="meta"), TypeError, r"on meta, which it refuses")]
+    return cases
+
+
+@pytest.mark.parametrize("lib", ["numpy", "torch"])
+def test_eps_that_is_not_a_real_number_gets_a_sentence_naming_eps(lib):
+    torch = _torch() if lib == "torch" else None
+    x = torch.ones(2, 64) if torch else np.ones((2, 64), np.float32)
+    w = torch.ones(64) if torch else np.ones(64, np.float32)
+    import warnings
+    for eps, exc, tail in _bad_eps(torch):
+        for call in (lambda: flashcpp.rms_norm(x, w, eps=eps),
+                     lambda: flashcpp.fused_add_rms_norm(x * 1, x * 1, w, eps=eps),
+                     lambda: flashcpp.qk_norm_rope(x.reshape(1, 2, 1, 64), None, w, eps=eps)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # numpy's ComplexWarning was all a complex eps got
+                with pytest.raises(exc, match=r"^eps must be a real number .*" + tail):
+                    call()
+    # a one-element tensor and a 0-dim array still count as numbers
+    flashcpp.rms_norm(x, w, eps=np.array(1e-5))
+    if torch is not None:
+        flashcpp.rms_norm(x, w, eps=torch.tensor([1e-5]))
+
+
+def test_other_real_arguments_get_the_same_sentence():
+    q = np.zeros((1, 4, 2, 64), np.float32)
+    with pytest.raises(TypeError, match=r"^softmax_scale must be a real number .*got a float64 numpy array of shape "
+                                        r"\(1,\)$"):
+        flashcpp.flash_attn_func(q, q, q, softmax_scale=np.array([0.1]))
+    with pytest.raises(TypeError, match=r"^softcap must be a real number .*got np.complex128"):
+        flashcpp.flash_attn_func(q, q, q, softcap=np.complex128(1))
+
+
+# ---- 10. meta tensors anywhere in decode -------------------------------------------------------------
+
+def test_meta_tensors_in_every_decode_argument_name_the_device():
+    torch = _torch()
+
+    def m(*s, dtype=torch.float32):
+        return torch.empty(*s, device="meta", dtype=dtype)
+    q, kc, vc = torch.randn(2, 1, 2, 64), torch.randn(2, 8, 2, 64), torch.randn(2, 8, 2, 64)
+    kn, vn = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    lens = torch.tensor([1, 2], dtype=torch.int32)
+    plain, append = BatchDecodeWithKVCache(), BatchDecodeWithKVCache()
+    plain.plan(2, 2, 2, 64, **_plan_args(dtype=torch.float32))
+    append.plan(2, 2, 2, 64, **_plan_args(dtype=torch.float32, append=True))
+    paged = BatchDecodeWithKVCache()
+    paged.plan(2, 2, 2, 64, **_plan_args(dtype=torch.float32, page_size=4))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    pages = torch.randn(4, 4, 2, 64)
+    fa = flashcpp.flash_attn_with_kvcache
+    calls = {
+        "q": [lambda: plain.run(m(2, 1, 2, 64), kc, vc, lens)],
+        "k_cache": [lambda: plain.run(q, m(2, 8, 2, 64), m(2, 8, 2, 64), lens),
+                    lambda: append.run(q, m(2, 8, 2, 64), m(2, 8, 2, 64), lens, k=kn, v=vn)],
+        "v_cache": [lambda: plain.run(q, kc, m(2, 8, 2, 64), lens)],
+        "cache_seqlens": [lambda: plain.run(q, kc, vc, m(2, dtype=torch.int32)),
+                          lambda: fa(q, kc, vc, cache_seqlens=m(2, dtype=torch.int32)),
+                          lambda: fa(q, kc, vc, kn, vn, cache_seqlens=m(2, dtype=torch.int32))],
+        "block_table": [lambda: paged.run(q, pages, pages, lens, block_table=m(2, 2, dtype=torch.int32)),
+                        lambda: fa(q, pages, pages, cache_seqlens=lens, block_table=m(2, 2, dtype=torch.int32))],
+        "k": [lambda: append.run(q, kc, vc, lens, k=m(2, 1, 2, 64), v=m(2, 1, 2, 64)),
+              lambda: fa(q, kc, vc, m(2, 1, 2, 64), m(2, 1, 2, 64), cache_seqlens=lens)],
+        "alibi_slopes": [lambda: plain.run(q, kc, vc, lens, alibi_slopes=m(2)),
+                         lambda: fa(q, kc, vc, cache_seqlens=lens, alibi_slopes=m(2))],
+        "out": [lambda: plain.run(q, kc, vc, lens, out=m(2, 1, 2, 64))],
+        "lse": [lambda: plain.run(q, kc, vc, lens, lse=m(2, 2, 1))],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=f"^{name} is on the meta device: flashcpp runs on CPU and CUDA "
+                                                 r"tensors \(a meta tensor has no data to read\)$"):
+                fn()
+    assert table is not None  # (a real table runs)
+    paged.run(q, pages, pages, lens, block_table=table)
+    # meta caches beside a host q: the devices differ (not "k_cache and v_cache share memory")
+    with pytest.raises(ValueError, match="must be on one device"):
+        fa(q, m(2, 8, 2, 64), m(2, 8, 2, 64), kn, vn, cache_seqlens=lens)
+
+
+def test_kvcache_flags_under_torch_compile():
+    """The registered op's caller casts flags with bool() ('no' ran as True); torch.compile traces a
+    numpy bool as a 0-dim ndarray, which check_flag takes there as the bool it is."""
+    torch = _torch()
+    q, kc, vc, lens = _kvcache_inputs(torch)
+    for flag in (np.True_, "no"):
+        torch._dynamo.reset()
+        f = torch.compile(lambda q, kc, vc, lens: flashcpp.flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, return_softmax_lse=flag, rotary_interleaved=flag), backend="eager")
+        if flag == "no":
+            with pytest.raises(TypeError, match="^rotary_interleaved must be True or False; got 'no'$"):
+                f(q, kc, vc, lens)
+        else:
+            out, lse = f(q, kc, vc, lens)
+            want, want_lse = flashcpp.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, return_softmax_lse=True)
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    torch._dynamo.reset()
