@@ -88,6 +88,17 @@ inline int ctas_per_sm(int head_dim, bool fp8 = false, int smem_per_sm = 0) {
   return fit < 1 ? 1 : fit < natural ? fit : natural;
 }
 
+/// Dynamic shared memory that holds a split-KV launch to `plan_ctas` CTAs per SM (DecodePlan::
+/// ctas_per_sm) on an SM of `smem_per_sm` bytes: 0, the kernel's own size, unless the plan asks
+/// for a 16-bit cache's count on an fp8 cache whose config fits more (select::decode_splits); then
+/// the SM's shared memory over that count, less the 1 KB reserved per CTA, in 128-byte steps.
+inline int launch_smem_pad(int head_dim, bool fp8, int plan_ctas, int smem_per_sm) {
+  const int lo = ctas_per_sm(head_dim, false, smem_per_sm), hi = ctas_per_sm(head_dim, fp8, smem_per_sm);
+  if (!fp8 || lo >= hi || plan_ctas != lo) return 0;
+  const int pad = (smem_per_sm / lo - 1024) / 128 * 128;
+  return pad > cta_smem_bytes(head_dim, fp8) && pad <= smem_per_sm - 1024 ? pad : 0;
+}
+
 /// Rows of the query that share one KV head, and how a CTA covers them: warp_rows warps along the
 /// rows (16 rows each), the other 4 / warp_rows warps split each tile's keys; row_blocks CTAs
 /// when more than 64 rows share a KV head (MQA with many heads, long speculative steps).

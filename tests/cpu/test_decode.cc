@@ -1180,6 +1180,19 @@ TEST(DecodeCpu, SplitHeuristic) {
     EXPECT_LE(a100.num_items * 8, 108);   // one wave of one CTA per SM
     EXPECT_GT(h200.num_items * 8, 108);   // the 228 KB plan counts two
     EXPECT_EQ(a100.ctas_per_sm, 1);
+    // The launch's shared memory for a plan's CTAs per SM: padded only for an fp8 cache planned
+    // at the 16-bit count, to the SM's memory over that count (2 on an H200 at D = 128: 112 KB + 1
+    // KB each, so 3 no longer fit; 1 on an A100), else the kernel's own size (0).
+    constexpr int kH200 = 228 * 1024;
+    const int pad = decode::launch_smem_pad(128, true, 2, kH200);
+    EXPECT_EQ(pad, kH200 / 2 - 1024);
+    EXPECT_GT(pad, decode::cta_smem_bytes(128, true));
+    EXPECT_GT(3 * (pad + 1024), kH200);
+    EXPECT_EQ(decode::launch_smem_pad(128, true, 3, kH200), 0);   // the fp8 count: its own size
+    EXPECT_EQ(decode::launch_smem_pad(128, false, 2, kH200), 0);  // a 16-bit cache
+    EXPECT_EQ(decode::launch_smem_pad(256, true, 1, kH200), kH200 - 1024);
+    EXPECT_EQ(decode::launch_smem_pad(128, true, 1, kA100), kA100 - 1024);
+    EXPECT_EQ(decode::launch_smem_pad(64, true, 3, kH200), (kH200 / 3 - 1024) / 128 * 128);
   }
   // A ragged batch: splits follow the lengths. 8 KV heads x (256 + 16) tiles = 2176 tile-CTAs
   // over 264 CTAs -> chunk 9 tiles: 29 splits for 16384 keys, 2 for 1024.

@@ -130,18 +130,6 @@ std::size_t smem_bytes(bool fp8) {
   return static_cast<std::size_t>(fp8 ? decode::Config<D>::kSmemBytes8 : decode::Config<D>::kSmemBytes);
 }
 
-/// Dynamic shared memory that holds the split-KV launch to the plan's CTAs per SM: 0 (the kernel's
-/// own size) unless the plan asks for a 16-bit cache's count on an fp8 cache whose config fits more
-/// (select::decode_splits); then the SM's shared memory over that count, less the 1 KB the
-/// hardware reserves per CTA, in 128-byte steps.
-int smem_pad(const DeviceInfo& dev, int cls, bool fp8, int plan_ctas_per_sm, std::size_t need) {
-  const std::size_t per_sm = dev.smem_optin + 1024;
-  const int lo = decode::ctas_per_sm(cls, false, static_cast<int>(per_sm));
-  const int hi = decode::ctas_per_sm(cls, fp8, static_cast<int>(per_sm));
-  if (!fp8 || lo >= hi || plan_ctas_per_sm != lo) return 0;
-  const std::size_t pad = (per_sm / static_cast<std::size_t>(lo) - 1024) / 128 * 128;
-  return pad > need && pad <= dev.smem_optin ? static_cast<int>(pad) : 0;
-}
 
 }  // namespace
 
@@ -170,7 +158,7 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
     p.pdl = pdl_ok ? 1 : 0;
     p.after_own_append = pdl_ok ? 1 : 0;  // the split kernel may start its loads beside the append
   }
-  const int pad = smem_pad(dev, cls, fp8, plan.ctas_per_sm, smem);
+  const int pad = decode::launch_smem_pad(cls, fp8, plan.ctas_per_sm, static_cast<int>(dev.smem_optin) + 1024);
   switch (cls) {
     case 64: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd64(p, dt, plan.ctas, pad, stream, dev.device)); break;
     case 128: FLASHCPP_RETURN_IF_ERROR(decode_split_launch_hd128(p, dt, plan.ctas, pad, stream, dev.device)); break;
