@@ -192,7 +192,10 @@ def call_flash_attn_fwd(*args: Any, rotary_k_out: Optional[Tensor] = None,
 # so (n, B, S, H, D) -> (n * B, S, H, D) is one call with the same per-sequence arithmetic (on the
 # CPU the results equal a loop's bit for bit; on CUDA the selector may pick another config for the
 # larger problem, within the kernels' tolerance of the loop). An unbatched q, k or v is copied to n
-# entries (the batch of the folded call is n * B); alibi slopes follow the batch when they have one. Calls whose other
+# entries (the batch of the folded call is n * B); alibi slopes follow the batch when they have one.
+# Only q vmapped (k and v shared by the entries, the common case) folds into the heads instead:
+# (n, B, S, H, D) -> (B, S, H * n, D) with entry e of head h at h * n + e, whose group still maps
+# to KV head h // (H / H_kv), so K and V are read as they are, not copied n times. Calls whose other
 # tensors are vmapped, or that carry a block-sparse mask or rotary (their tensors are laid out per
 # batch entry), and varlen calls (folding would need cu_seqlens' last entries on the host) run one
 # entry at a time here, as the fallback would. A folded call that fails its checks runs entry by
@@ -230,6 +233,8 @@ def _flash_attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_l
         return entries()
     if any(t.dim() - (d is not None) != 4 for t, d in zip((q, k, v), in_dims[:3])):
         return entries()  # not (batch, seqlen, heads, dim) per entry: the plain call's sentence
+    if in_dims[0] is not None and in_dims[1] is None and in_dims[2] is None:
+        return _flash_attn_fwd_vmap_heads(n, entries, q.movedim(in_dims[0], 0), args, in_dims[8])
     batch = q.shape[0] if in_dims[0] is None else q.shape[1 if in_dims[0] % q.dim() == 0 else 0]
     slopes = alibi_slopes
     if alibi_slopes is not None:
@@ -252,6 +257,30 @@ def _flash_attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_l
     if not return_lse:
         return (out, lse), (0, None)  # lse is the (0,) placeholder: the same for every entry
     return (out, lse.reshape(n, batch, *lse.shape[1:])), (0, 0)
+
+
+def _flash_attn_fwd_vmap_heads(n, entries, qn, args, alibi_dim):
+    """flash_attn_fwd with only q vmapped (qn: (n, B, S, H, D)), the entries folded into the heads."""
+    _, B, S, H, D = qn.shape
+    q = qn.permute(1, 2, 3, 0, 4).reshape(B, S, H * n, D)
+    alibi = args[8]
+    if alibi is not None:
+        per_entry = alibi.dim() - (alibi_dim is not None)
+        if per_entry not in (1, 2):
+            return entries()
+        if alibi_dim is None:  # (H,) or (B, H): each head's slope for its n entries
+            alibi = alibi.repeat_interleave(n, dim=-1)
+        else:  # (n, H) or (n, B, H): entry e's slopes at h * n + e
+            a = alibi.movedim(alibi_dim, 0)
+            alibi = a.movedim(0, -1).reshape(*a.shape[1:-1], a.shape[-1] * n)
+    try:
+        out, lse = flash_attn_fwd(q, *args[1:8], alibi, *args[9:])
+    except (ValueError, TypeError):
+        return entries()  # the first bad entry raises, with the caller's shapes in the sentence
+    out = out.view(B, S, H, n, out.shape[-1]).permute(3, 0, 1, 2, 4)
+    if not args[9]:  # return_lse
+        return (out, lse), (0, None)
+    return (out, lse.view(B, H, n, S).permute(2, 0, 1, 3)), (0, 0)
 
 
 @flash_attn_fwd_rotary_k_out.register_vmap

@@ -56,27 +56,32 @@ def _no_fallback_warning(record):
     return not [w for w in record if "performance drop" in str(w.message)]
 
 
+@pytest.mark.parametrize("fold", ["heads", "batch"])
 @pytest.mark.parametrize("lse", [False, True])
 @pytest.mark.parametrize("slopes", [None, "heads", "batch", "vmapped_heads", "vmapped_batch"])
-def test_vmap_folds_into_the_batch_and_equals_a_loop(slopes, lse):
-    # batch 2, GQA 4/2, odd length; q vmapped at dim 1, k and v unbatched (copied per entry)
+def test_vmap_folds_into_the_batch_and_equals_a_loop(slopes, lse, fold):
+    # batch 2, GQA 4/2, odd length; q vmapped at dim 1. fold "heads": k and v shared by the entries
+    # (folded into q's heads, K and V read as they are); "batch": k vmapped too (folded into the
+    # batch, v copied per entry)
     g = torch.Generator().manual_seed(21)
     B, S, Hq, Hkv, D, n = 2, 23, 4, 2, 16, 3
     qs = torch.randn(B, n, S, Hq, D, generator=g)
-    k, v = torch.randn(B, S, Hkv, D, generator=g), torch.randn(B, S, Hkv, 24, generator=g)
+    ks = torch.randn(n, B, S, Hkv, D, generator=g)
+    v = torch.randn(B, S, Hkv, 24, generator=g)
     al = {None: None, "heads": torch.rand(Hq, generator=g), "batch": torch.rand(B, Hq, generator=g),
           "vmapped_heads": torch.rand(n, Hq, generator=g), "vmapped_batch": torch.rand(n, B, Hq, generator=g)}[slopes]
     vm_al = slopes is not None and slopes.startswith("vmapped")
 
-    def f(x, a):
-        return flashcpp.flash_attn_func(x, k, v, causal=True, alibi_slopes=a, return_lse=lse)
+    def f(x, kk, a):
+        return flashcpp.flash_attn_func(x, kk, v, causal=True, alibi_slopes=a, return_lse=lse)
 
+    k_dim = 0 if fold == "batch" else None
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        got = torch.func.vmap(f, in_dims=(1, 0 if vm_al else None))(qs, al)
+        got = torch.func.vmap(f, in_dims=(1, k_dim, 0 if vm_al else None))(qs, ks if k_dim == 0 else ks[0], al)
     assert _no_fallback_warning(record)
     for i in range(n):
-        want = f(qs[:, i], al[i] if vm_al else al)
+        want = f(qs[:, i], ks[i] if k_dim == 0 else ks[0], al[i] if vm_al else al)
         if lse:
             assert torch.equal(got[0][i], want[0]) and torch.equal(got[1][i], want[1])
         else:
