@@ -517,6 +517,19 @@ def check_caches_apart(k_cache: Any, v_cache: Any) -> None:
                          "two separate caches")
 
 
+def _dense(shape: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
+    """Row-major contiguous (size-1 dims aside): the view covers its element range with no gap and
+    no element twice (an element count equal to the span is not enough: strides (3, 3) over (5, 5)
+    revisit elements and skip others)."""
+    expected = 1
+    for n, st in zip(reversed(shape), reversed(strides)):
+        if n != 1:
+            if st != expected:
+                return False
+            expected *= n
+    return True
+
+
 def _views_meet(delta: int, shape_k: Tuple[int, ...], strides_k: Tuple[int, ...], shape_v: Tuple[int, ...],
                 strides_v: Tuple[int, ...]) -> bool:
     """Whether strided views k (at element 0) and v (at element `delta`) of one buffer share an
@@ -530,7 +543,7 @@ def _views_meet(delta: int, shape_k: Tuple[int, ...], strides_k: Tuple[int, ...]
     span_v = 1 + sum((n - 1) * st for n, st in zip(shape_v, strides_v))
     if -span_v >= delta or delta >= span_k:
         return False  # their element ranges do not meet
-    if math.prod(shape_k) == span_k and math.prod(shape_v) == span_v:
+    if _dense(shape_k, strides_k) and _dense(shape_v, strides_v):
         return True  # contiguous blocks whose ranges meet
     if len(shape_k) != len(shape_v):
         return False
