@@ -293,7 +293,7 @@ int decode_main(const DecodeCliOptions& o) {
     for (const auto& t : r.op_times) ops_j[t.name] = t.us;
     j["op_us_per_step"] = ops_j;
     j["decode_plan"] = {{"num_items", r.plan.num_items}, {"max_splits", r.plan.max_splits}, {"ctas", r.plan.ctas},
-                        {"needs_merge", r.plan.needs_merge}};
+                        {"ctas_per_sm", r.plan.ctas_per_sm}, {"needs_merge", r.plan.needs_merge}};
     j["page_size"] = g.page_size;
     j["kv_dtype"] = g.kv_fp8 ? "fp8_e4m3" : "auto";
     if (g.kv_fp8) j["kv_scale"] = g.kv_scale;

@@ -186,8 +186,8 @@ void print_decode_plan(const ShapeOptions& s) {
       fmt::print("  refused: {}\n", st.to_string());
       return;
     }
-    fmt::print("  small_plan {}: {} split(s) a sequence at most, {} work items, {} CTAs of {} row block(s){}\n", name,
-               plan.max_splits, plan.num_items, plan.ctas, plan.row_blocks,
+    fmt::print("  small_plan {}: {} split(s) a sequence at most, {} work items, {} CTAs ({} per SM) of {} row block(s){}\n",
+               name, plan.max_splits, plan.num_items, plan.ctas, plan.ctas_per_sm, plan.row_blocks,
                plan.needs_merge ? ", partials merged" : "");
   }
 }

@@ -245,7 +245,7 @@ TEST(CliInfo, TheDecodePlanIsPrintedForEachSmallPlan) {
   const Outcome r = run({"info", "--seqlen-q", "1", "--seqlen-k", "2048", "--heads-q", "32", "--heads-kv", "8"},
                         std::size_t{1} << 30, 60);
   EXPECT_EQ(r.status, 0) << r.out << r.err;
-  EXPECT_NE(r.out.find("small_plan full_wave: 32 split(s) a sequence at most, 32 work items, 256 CTAs"),
+  EXPECT_NE(r.out.find("small_plan full_wave: 32 split(s) a sequence at most, 32 work items, 256 CTAs (2 per SM)"),
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("small_plan shared: 8 split(s) a sequence at most, 8 work items, 64 CTAs"), std::string::npos)
