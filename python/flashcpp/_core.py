@@ -112,9 +112,12 @@ def check_place(m: Meta) -> None:
                          f"has no data to read)")
 
 
-def kind_of(lib: str) -> str:
-    """'a torch tensor' or 'a numpy array' (a Meta's lib) for sentences."""
-    return "a torch tensor" if lib == "torch" else "a numpy array"
+def check_same_kind(m: Optional[Meta], like: Meta) -> None:
+    """Refuses an output (m; None: not given) of another library than the input it follows (a numpy
+    out for a CPU tensor q would otherwise be told "must be on q's device (cpu); got cpu")."""
+    if m is not None and m.lib != like.lib:
+        kind = lambda lib: "a torch tensor" if lib == "torch" else "a numpy array"  # noqa: E731
+        raise TypeError(f"{m.name} must be {kind(like.lib)} like {like.name}; got {kind(m.lib)}")
 
 
 def _same_library(name_list: str, *xs: Any) -> None:
@@ -467,12 +470,12 @@ def check_writable(x: Any, name: str) -> None:
                          f"write into it; pass a writable array (np.array({name}) makes a copy)")
     if torch is not None and isinstance(x, torch.Tensor):
         check_inference_write(x, name)
-    if torch is not None and isinstance(x, torch.Tensor) and torch.is_grad_enabled():
-        if x.requires_grad:
-            raise RuntimeError(f"flashcpp would write {name} in place, and {name} requires grad: flashcpp's in-place "
-                               f"writes have no backward (run under torch.no_grad(), or pass a tensor that does not "
-                               f"require grad)")
-        torch._C._increment_version([x])  # a list: the one-tensor form costs ~9 us, this ~0.6
+        if torch.is_grad_enabled():
+            if x.requires_grad:
+                raise RuntimeError(f"flashcpp would write {name} in place, and {name} requires grad: flashcpp's "
+                                   f"in-place writes have no backward (run under torch.no_grad(), or pass a tensor "
+                                   f"that does not require grad)")
+            torch._C._increment_version([x])  # a list: the one-tensor form costs ~9 us, this ~0.6
 
 
 def check_inference_write(x: Any, name: str) -> None:
@@ -979,9 +982,8 @@ def check_out(out: Any, lse: Any, shape_o: Tuple[int, ...], shape_lse: Tuple[int
     """Checks caller-provided outputs of the low-level `attention` function."""
     mo = meta(out, "out")
     ml = None if lse is None else meta(lse, "lse")
-    for m in (mo, ml):
-        if m is not None and m.lib != mq.lib:  # else a numpy out for a CPU tensor q read "on cpu; got cpu"
-            raise TypeError(f"{m.name} must be {kind_of(mq.lib)} like q; got {kind_of(m.lib)}")
+    check_same_kind(mo, mq)
+    check_same_kind(ml, mq)
     check_writable(out, "out")
     if lse is not None:
         check_writable(lse, "lse")

@@ -341,7 +341,8 @@ class BatchDecodeWithKVCache:
         if not _core._is_int(max_splits):
             raise ValueError(f"max_splits must be an int in [0, {MAX_SPLITS}]; got {max_splits!r}")
         if not 0 <= max_splits <= MAX_SPLITS:
-            # decode_plan's sentence (decode_api.cc); a binary built before that refusal clamped the cap silently
+            # decode_plan's sentence (decode_api.cc), here too: a value past int32 would not reach it
+            # (the binding's int refuses it with "incompatible function arguments")
             raise ValueError(f"max_splits {max_splits} is outside [0, {MAX_SPLITS}] (0 = {MAX_SPLITS}, the most "
                              f"splits a plan makes)")
         if kv_capacity is not None:
@@ -570,9 +571,8 @@ class BatchDecodeWithKVCache:
         if out is None:
             out = torch.empty(shape_o, dtype=q.dtype, device=q.device) if _is_torch(q) else np.empty(shape_o, q.dtype)
         mo = _core.meta(out, "out")
-        for m in (mo, None if lse is None else _core.meta(lse, "lse")):
-            if m is not None and m.lib != mq.lib:  # else a numpy out for a CPU tensor q read "on cpu; got ... on cpu"
-                raise TypeError(f"{m.name} must be {_core.kind_of(mq.lib)} like q; got {_core.kind_of(m.lib)}")
+        _core.check_same_kind(mo, mq)
+        _core.check_same_kind(None if lse is None else _core.meta(lse, "lse"), mq)
         _core.check_writable(out, "out")
         if lse is not None:
             _core.check_writable(lse, "lse")

@@ -222,65 +222,62 @@ def _fold(x: Tensor, d: Optional[int], n: int) -> Tensor:
     return x.reshape(n * x.shape[1], *x.shape[2:])
 
 
+def _fold_into_batch(n, qkv, dims, alibi, alibi_dim):
+    """(q, k, v) with the vmapped dim folded into the batch, the slopes to match, and the unfolds of
+    out and lse."""
+    q, d = qkv[0], dims[0]
+    batch = q.shape[0] if d is None else q.shape[1 if d % q.dim() == 0 else 0]
+    if alibi is not None:
+        if alibi_dim is not None:
+            s_ = alibi.movedim(alibi_dim, 0)
+            # (n, H): one row of slopes per entry, shared by its batch; (n, B, H): per sequence
+            alibi = _fold(s_.unsqueeze(1).expand(n, batch, s_.shape[-1]) if s_.dim() == 2 else s_, 0, n)
+        elif alibi.dim() == 2:
+            alibi = _fold(alibi, None, n)
+    unfold = lambda t: t.reshape(n, batch, *t.shape[1:])  # noqa: E731  (out and lse alike)
+    return tuple(_fold(t, dt, n) for t, dt in zip(qkv, dims)), alibi, (unfold, unfold)
+
+
+def _fold_into_heads(n, qn, alibi, alibi_dim):
+    """q (qn: (n, B, S, H, D), k and v shared) with the entries folded into the heads, the slopes
+    to match, and the unfolds of out and lse."""
+    _, B, S, H, D = qn.shape
+    if alibi is not None:
+        if alibi_dim is None:  # (H,) or (B, H): each head's slope for its n entries
+            alibi = alibi.repeat_interleave(n, dim=-1)
+        else:  # (n, H) or (n, B, H): entry e's slopes at h * n + e
+            a = alibi.movedim(alibi_dim, 0)
+            alibi = a.movedim(0, -1).reshape(*a.shape[1:-1], a.shape[-1] * n)
+    unfold_out = lambda out: out.view(B, S, H, n, out.shape[-1]).permute(3, 0, 1, 2, 4)  # noqa: E731
+    unfold_lse = lambda lse: lse.view(B, H, n, S).permute(2, 0, 1, 3)  # noqa: E731
+    return (qn.permute(1, 2, 3, 0, 4).reshape(B, S, H * n, D),), alibi, (unfold_out, unfold_lse)
+
+
 @flash_attn_fwd.register_vmap
-def _flash_attn_fwd_vmap(info, in_dims, q, k, v, softmax_scale, causal, window_left, window_right, softcap,
-                         alibi_slopes, return_lse, *rest):
+def _flash_attn_fwd_vmap(info, in_dims, *args):
     n = info.batch_size
-    args = (q, k, v, softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, return_lse) + rest
+    q, k, v, alibi, return_lse, rest = args[0], args[1], args[2], args[8], args[9], args[10:]
     entries = lambda: _vmap_entries(flash_attn_fwd, n, in_dims, args)  # noqa: E731
     rotary = len(rest) > 5 and rest[5] != 0  # rotary_dim
     if any(isinstance(a, Tensor) for a in rest) or rotary or any(d is not None for d in in_dims[10:]):
         return entries()
     if any(t.dim() - (d is not None) != 4 for t, d in zip((q, k, v), in_dims[:3])):
         return entries()  # not (batch, seqlen, heads, dim) per entry: the plain call's sentence
+    if alibi is not None and alibi.dim() - (in_dims[8] is not None) not in (1, 2):
+        return entries()  # slopes neither (H,) nor (B, H) per entry: the plain call's sentence
     if in_dims[0] is not None and in_dims[1] is None and in_dims[2] is None:
-        return _flash_attn_fwd_vmap_heads(n, entries, q.movedim(in_dims[0], 0), args, in_dims[8])
-    batch = q.shape[0] if in_dims[0] is None else q.shape[1 if in_dims[0] % q.dim() == 0 else 0]
-    slopes = alibi_slopes
-    if alibi_slopes is not None:
-        d = in_dims[8]
-        per_entry = alibi_slopes.dim() - (d is not None)
-        if per_entry not in (1, 2):
-            return entries()
-        if d is not None:
-            s_ = alibi_slopes.movedim(d, 0)
-            # (n, H): one row of slopes per entry, shared by its batch; (n, B, H): per sequence
-            slopes = _fold(s_.unsqueeze(1).expand(n, batch, s_.shape[-1]) if per_entry == 1 else s_, 0, n)
-        elif per_entry == 2:
-            slopes = _fold(alibi_slopes, None, n)
+        qkv, slopes, unfold = _fold_into_heads(n, q.movedim(in_dims[0], 0), alibi, in_dims[8])
+        qkv += (k, v)
+    else:
+        qkv, slopes, unfold = _fold_into_batch(n, (q, k, v), in_dims[:3], alibi, in_dims[8])
     try:
-        out, lse = flash_attn_fwd(*(_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3])), softmax_scale, causal,
-                                  window_left, window_right, softcap, slopes, return_lse, *rest)
+        out, lse = flash_attn_fwd(*qkv, *args[3:8], slopes, *args[9:])
     except (ValueError, TypeError):
         return entries()  # the first bad entry raises, with the caller's shapes in the sentence
-    out = out.reshape(n, batch, *out.shape[1:])
-    if not return_lse:
-        return (out, lse), (0, None)  # lse is the (0,) placeholder: the same for every entry
-    return (out, lse.reshape(n, batch, *lse.shape[1:])), (0, 0)
-
-
-def _flash_attn_fwd_vmap_heads(n, entries, qn, args, alibi_dim):
-    """flash_attn_fwd with only q vmapped (qn: (n, B, S, H, D)), the entries folded into the heads."""
-    _, B, S, H, D = qn.shape
-    q = qn.permute(1, 2, 3, 0, 4).reshape(B, S, H * n, D)
-    alibi = args[8]
-    if alibi is not None:
-        per_entry = alibi.dim() - (alibi_dim is not None)
-        if per_entry not in (1, 2):
-            return entries()
-        if alibi_dim is None:  # (H,) or (B, H): each head's slope for its n entries
-            alibi = alibi.repeat_interleave(n, dim=-1)
-        else:  # (n, H) or (n, B, H): entry e's slopes at h * n + e
-            a = alibi.movedim(alibi_dim, 0)
-            alibi = a.movedim(0, -1).reshape(*a.shape[1:-1], a.shape[-1] * n)
-    try:
-        out, lse = flash_attn_fwd(q, *args[1:8], alibi, *args[9:])
-    except (ValueError, TypeError):
-        return entries()  # the first bad entry raises, with the caller's shapes in the sentence
-    out = out.view(B, S, H, n, out.shape[-1]).permute(3, 0, 1, 2, 4)
-    if not args[9]:  # return_lse
-        return (out, lse), (0, None)
-    return (out, lse.view(B, H, n, S).permute(2, 0, 1, 3)), (0, 0)
+    unfold_out, unfold_lse = unfold
+    if not return_lse:  # lse is the (0,) placeholder: the same for every entry
+        return (unfold_out(out), lse), (0, None)
+    return (unfold_out(out), unfold_lse(lse)), (0, 0)
 
 
 @flash_attn_fwd_rotary_k_out.register_vmap

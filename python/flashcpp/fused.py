@@ -92,8 +92,7 @@ def _empty(like: Any, shape, dtype=None) -> Any:
 def _check_out(out: Any, name: str, shape, like: _core.Meta) -> _core.Meta:
     m = _core.meta(out, name)
     _core.check_writable(out, name)
-    if m.lib != like.lib:
-        raise TypeError(f"{name} must be {_core.kind_of(like.lib)} like {like.name}; got {_core.kind_of(m.lib)}")
+    _core.check_same_kind(m, like)
     if tuple(m.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}; got {m.shape}")
     if m.dtype != like.dtype:

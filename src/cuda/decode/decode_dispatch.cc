@@ -125,12 +125,6 @@ Status check_device(DeviceInfo* dev) {
   return Status::Ok();
 }
 
-template <int D>
-std::size_t smem_bytes(bool fp8) {
-  return static_cast<std::size_t>(fp8 ? decode::Config<D>::kSmemBytes8 : decode::Config<D>::kSmemBytes);
-}
-
-
 }  // namespace
 
 Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, bool programmatic) {
@@ -139,7 +133,7 @@ Status decode_run(const DecodeParams& a, const DecodePlan& plan, Stream stream, 
   const bool fp8 = a.cache.fp8();
   // The class runs the shape padded inside the kernel (decode_params.h), nothing copied.
   const int cls = cuda_head_dim_class(a.head_dim, a.effective_head_dim_v());
-  const std::size_t smem = cls == 64 ? smem_bytes<64>(fp8) : cls == 128 ? smem_bytes<128>(fp8) : smem_bytes<256>(fp8);
+  const std::size_t smem = static_cast<std::size_t>(decode::cta_smem_bytes(cls, fp8));
   if (smem > dev.smem_optin)
     return Status::Unsupported("the head_dim class " + std::to_string(cls) + " decode kernel needs " +
                                std::to_string(smem) + " bytes of shared memory; " + dev.name + " allows " +
