@@ -14,12 +14,12 @@ import flashcpp
 from flashcpp.bench import common
 
 ROOF = 4.3e12
-NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048), (16384, 1024)]
+NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048), (16384, 1024), (32768, 8192), (4096, 16384)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--knobs", default="default,slots1,slots2,two_pass,streaming")
+    ap.add_argument("--knobs", default="default,two_pass,stages2,stages3,stages4,streaming")
     a = ap.parse_args()
     knobs = a.knobs.split(",")
     for rows, hidden in NORM_SHAPES:

@@ -186,7 +186,8 @@ void run_norm(const NormCase& c, std::uint64_t salt) {
 
 TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
   std::uint64_t salt = 1;
-  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots1", "slots2", "slots4", "persistent"})
+  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots1", "slots2", "slots4", "persistent", "stages2",
+                          "stages3", "stages4,streaming"})
     run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
   run_norm({8192, 4096, DType::kF16, true}, salt++);
   run_norm({8192, 4096, DType::kBF16, false}, salt++);
@@ -194,8 +195,10 @@ TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
 
 TEST(FusedGpuRmsNorm, OddSizes) {
   std::uint64_t salt = 100;
+  // {3, 264}: 33 vectors, the shortest stream row (one warp of 2 vectors); {7, 16384}: the longest
+  // (256 threads of 8, two stages with a residual); {1000, 1000}: 125 vectors, a part-filled block.
   const std::int64_t shapes[][2] = {{1, 1}, {3, 8}, {5, 127}, {17, 4097}, {7, 128}, {1000, 64}, {33, 8192},
-                                    {4, 8193}, {2, 20000}, {3, 24}, {9, 40}};
+                                    {4, 8193}, {2, 20000}, {3, 24}, {9, 40}, {3, 264}, {7, 16384}, {1000, 1000}};
   for (DType dt : {DType::kBF16, DType::kF16})
     for (const auto& s : shapes)
       for (bool res : {false, true})
@@ -212,6 +215,12 @@ TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
   run_norm({64, 4097, DType::kBF16, true, 0, 0, true, "two_pass"}, salt++);
   run_norm({5000, 4096, DType::kBF16, true, 0, 0, true, "persistent"}, salt++);  // rows > blocks: the loop and prefetch
   run_norm({64, 12000, DType::kF16, false, 16, 0, true}, salt++);
+  // The stream kernel: a part-filled last vector (4100 = 512 * 8 + 4) beside padding, in place with
+  // more rows than the resident grid (each block walks ~40 rows through its stages), and fp16.
+  run_norm({64, 4100, DType::kBF16, true, 4}, salt++);
+  run_norm({40000, 4096, DType::kBF16, true, 0, 0, true}, salt++);
+  run_norm({40000, 2048, DType::kF16, false, 0, 0, true, "stages2"}, salt++);
+  run_norm({9000, 4100, DType::kF16, true, 12, 0, false, "stages3"}, salt++);
 }
 
 // ---- SwiGLU ------------------------------------------------------------------------------
@@ -543,17 +552,24 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
     p.weight = buf;
     return cuda::rms_norm_path(p, true, f).name;
   };
-  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // wide rows: two passes
+  // Wide 16-byte rows stream through shared memory: 16 KB stages (x and residual) hold 7 rows of 112 KB.
+  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=4 group=128");
   cuda::FusedForce slots1;
   slots1.slots = 1;  // the register kernel on request
   EXPECT_EQ(norm(4096, 4096, slots1), "fused_add_rms_norm vec8 register threads=512 group=512 slots=1");
-  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
+  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 stream threads=128 vecs=8 stages=3 group=128");
+  EXPECT_EQ(norm(16384, 16384), "fused_add_rms_norm vec8 stream threads=256 vecs=8 stages=2 group=256");
+  EXPECT_EQ(norm(16392, 16392), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // past the stream rows
+  EXPECT_EQ(norm(264, 264), "fused_add_rms_norm vec8 stream threads=32 vecs=2 stages=4 group=32");
   EXPECT_EQ(norm(128, 128), "fused_add_rms_norm vec8 register threads=128 group=16");  // QK-norm: 8 rows/block
   EXPECT_EQ(norm(4097, 4097), "fused_add_rms_norm scalar register threads=544 group=544");
-  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // padded rows: vector + tail
-  EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
+  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 stream threads=96 vecs=8 stages=4 group=96");  // vector + tail
+  EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 stream threads=160 vecs=8 stages=2 group=160");
   EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
+  cuda::FusedForce stages2;
+  stages2.stages = 2;
+  EXPECT_EQ(norm(4096, 4096, stages2), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=2 group=128");
   cuda::FusedForce persistent;
   persistent.persistent = true;
   EXPECT_EQ(norm(4096, 4096, persistent), "fused_add_rms_norm vec8 persistent threads=512 group=512");

@@ -28,7 +28,12 @@
 // layout, e.g. 4097) take the scalar kernels, 8x more memory instructions; expect roughly half
 // the bandwidth there. hidden > 8192 takes two_pass.
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <mutex>
 
+#include "cuda/common/ptx.cuh"
+#include "cuda/common/smem_opt_in.h"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
@@ -68,6 +73,7 @@ struct NormArgs {
   int group = 0;  ///< register kernel: threads per row, a power of two <= 32, or > 32 = the whole block
   float eps = 0.f, inv_hidden = 0.f;
   bool streaming = false;  ///< evict-first hints on data touched once (not on weight or re-read rows)
+  int stages = 0;          ///< stream kernel: rows a block has in shared memory (in flight + current)
 };
 
 template <class T, int VEC, int SLOTS = RegisterConfig<VEC>::kSlots>
@@ -206,6 +212,114 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
   }
 }
 
+/// Stream kernel (the default for 16-byte rows of 33..kStreamMaxVecs vectors): a resident grid in
+/// which each block walks rows blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 rows'
+/// x (and residual) in flight into shared memory with cp.async while it reduces and stores the
+/// current one. The bytes in flight then cost shared memory, not registers, and never drop to zero
+/// between rows: the register and two-pass kernels hold a row per block in flight only during its
+/// load phase (Little's law: ~50 KB in flight per SM for the H200's 4.3 TB/s), which kept them at
+/// 70-88% of the floor. A thread copies and later reads only its own vectors of a stage (vector
+/// v = threadIdx.x + k * blockDim.x), so cp.async.wait_group alone makes a stage readable, and a
+/// stage is refilled by the same thread that emptied it; the one barrier per row is the reduction's.
+/// Each row is read before it is written, by the block that writes it, so in place is safe.
+/// Where it falls off: a grid whose blocks get unequal row counts (rows not a multiple of the
+/// grid) loses up to one row per block in the last round, a few percent below ~20 rows a block.
+constexpr int kStreamThreadsMax = 256;
+constexpr int kStreamThreadsPref = 128;             // threads a row, when the row has enough vectors
+constexpr int kStreamMaxVecs = kStreamThreadsMax * 8;  // hidden <= 16384 at 2 bytes
+constexpr int kStreamStagesMax = 4;
+constexpr int kStreamStageBudget = 112 * 1024;      // bytes of stages a block, at most (then fewer stages)
+
+/// cp.async.wait_group with a run-time count (0 .. kStreamStagesMax - 1).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  switch (n) {
+    case 0: ptx::cp_async_wait<0>(); break;
+    case 1: ptx::cp_async_wait<1>(); break;
+    case 2: ptx::cp_async_wait<2>(); break;
+    default: ptx::cp_async_wait<3>(); break;
+  }
+}
+
+template <class T, int P>
+__global__ void __launch_bounds__(kStreamThreadsMax) rms_norm_stream_kernel(const __grid_constant__ NormArgs a) {
+  constexpr int VEC = kVec16;
+  extern __shared__ __align__(16) unsigned char stream_smem[];
+  __shared__ float scratch[2][32];  // alternating: one barrier a row (see persistent's note)
+  using V = Vec<T, VEC>;
+  V* stages = reinterpret_cast<V*>(stream_smem);
+  const int threads = blockDim.x, t = threadIdx.x;
+  const bool has_res = a.residual != nullptr;
+  const int tensors = has_res ? 2 : 1, per_tensor = threads * P, S = a.stages;
+  int n[P];  // valid elements of each of this thread's vectors (0: past the row)
+  V w[P];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    const int v = t + k * threads;
+    n[k] = v < a.nvec ? valid_in<VEC>(v, a.hidden) : 0;
+    if (n[k] > 0) w[k] = load_vec<T, VEC>(static_cast<const T*>(a.weight) + v * VEC, n[k]);
+  }
+  const std::int64_t step = gridDim.x;
+  auto issue = [&](std::int64_t row, int s) {  // one commit group per call, empty past the last row
+    if (row < a.rows) {
+      const T* x = static_cast<const T*>(a.x) + row * a.x_stride;
+      const T* r = has_res ? static_cast<const T*>(a.residual) + row * a.r_stride : nullptr;
+      V* sx = stages + static_cast<std::int64_t>(s) * tensors * per_tensor;
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const int v = t + k * threads;
+        if (n[k] <= 0) continue;
+        const int bytes = n[k] * static_cast<int>(sizeof(T));
+        ptx::cp_async_16(ptx::smem_u32(sx + v), x + v * VEC, bytes);
+        if (has_res) ptx::cp_async_16(ptx::smem_u32(sx + per_tensor + v), r + v * VEC, bytes);
+      }
+    }
+    ptx::cp_async_commit();
+  };
+  std::int64_t row = blockIdx.x;
+  for (int s = 0; s + 1 < S; ++s) issue(row + s * step, s);
+  for (int it = 0; row < a.rows; ++it, row += step) {
+    const int s = it % S;
+    issue(row + (S - 1) * step, (it + S - 1) % S);  // the stage emptied last row, by its own threads
+    cp_async_wait_dyn(S - 1);                        // this row's group (and every older one) landed
+    const V* sx = stages + static_cast<std::int64_t>(s) * tensors * per_tensor;
+    V h[P];
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const int v = t + k * threads;
+      if (n[k] > 0) {
+        const V xv = sx[v];
+        const V rv = has_res ? sx[per_tensor + v] : xv;
+        ss += add_residual<T, VEC>(xv, rv, n[k], has_res, &h[k]);
+      }
+    }
+    if (has_res) {
+      T* ro = static_cast<T*>(a.residual_out) + row * a.ro_stride;
+#pragma unroll
+      for (int k = 0; k < P; ++k)
+        if (n[k] > 0) store_vec<T, VEC>(ro + (t + k * threads) * VEC, h[k], n[k], a.streaming);
+    }
+    ss = block_sum(ss, scratch[it & 1]);
+    const float rstd = row_rstd(ss, a.inv_hidden, a.eps);
+    T* y = static_cast<T*>(a.y) + row * a.y_stride;
+#pragma unroll
+    for (int k = 0; k < P; ++k)
+      if (n[k] > 0) store_vec<T, VEC>(y + (t + k * threads) * VEC, scale_by_weight<T, VEC>(h[k], rstd, w[k]), n[k], a.streaming);
+  }
+  ptx::cp_async_wait<0>();  // the empty groups past the last row
+}
+
+/// Vectors a thread holds in the stream kernel (2, 4 or 8) and the block's threads, for a row of
+/// nvec 16-byte vectors: kStreamThreadsPref threads when that needs at most 8 vectors a thread,
+/// else up to kStreamThreadsMax; short rows take P = 2 and fewer threads (a multiple of 32).
+void stream_shape(int nvec, int* per_thread, int* threads) {
+  int p = 2;
+  while (p < 8 && p * kStreamThreadsPref < nvec) p *= 2;
+  const int need = (nvec + p - 1) / p;
+  *per_thread = p;
+  *threads = std::min(kStreamThreadsMax, (need + 31) / 32 * 32);
+}
+
 int round_up(int a, int b) { return (a + b - 1) / b * b; }
 int next_pow2(int a) {
   int p = 1;
@@ -221,6 +335,37 @@ bool vector_ok(const RmsNormParams& p, bool with_residual) {
   return ok(p.x.data, p.x.row_stride) && ok(p.y.data, p.y.row_stride) && aligned(p.weight, 16) &&
          (!with_residual || (ok(p.residual.data, p.residual.row_stride) &&
                              ok(p.residual_out.data, p.residual_out.row_stride)));
+}
+
+/// Launches a stream kernel on a resident grid: as many blocks as the SMs hold at once (cached
+/// per device, block size and shared memory), at most one per row.
+template <class Kernel>
+Status launch_stream(Kernel* kernel, const NormArgs& a, const FusedPath& path, bool with_residual, Stream stream) {
+  static std::atomic<unsigned long long> opted_in{0};
+  static std::mutex mu;
+  static std::array<std::array<int, 4>, 32> fits{};  // {device + 1, threads, smem, blocks per SM}, newest first
+  DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
+  if (static_cast<std::size_t>(smem) > dev.smem_optin)
+    return Status::Internal("rms_norm: the stream kernel's stages exceed the device's shared memory");
+  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, static_cast<int>(dev.smem_optin), dev.device, opted_in, "rms_norm: "));
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& f : fits)
+      if (f[0] == dev.device + 1 && f[1] == path.threads && f[2] == smem) per_sm = f[3];
+    if (per_sm == 0) {
+      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, path.threads, smem);
+      if (e != cudaSuccess) return Status::Cuda(std::string("rms_norm: occupancy query failed: ") + cudaGetErrorString(e));
+      per_sm = std::max(1, per_sm);
+      std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
+      fits[0] = {dev.device + 1, path.threads, smem, per_sm};
+    }
+  }
+  const std::int64_t blocks = std::min<std::int64_t>(a.rows, static_cast<std::int64_t>(per_sm) * dev.num_sms);
+  kernel<<<static_cast<unsigned>(blocks), path.threads, smem, stream>>>(a);
+  return launch_status("rms_norm");
 }
 
 }  // namespace
@@ -255,8 +400,18 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.group = path.threads;
   }
   path.persistent = force.persistent && path.vector && path.register_row && path.group > 32 && force.slots <= 1;
+  // 16-byte rows past one warp stream through shared memory unless a knob asks for another kernel.
+  path.stream = path.vector && !path.register_row && !force.two_pass && nvec <= kStreamMaxVecs;
+  if (path.stream) {
+    stream_shape(nvec, &path.per_thread, &path.threads);
+    path.group = path.threads;
+    const int stage_bytes = path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
+    path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+  }
   path.name = std::string(with_residual ? "fused_add_rms_norm" : "rms_norm") + (path.vector ? " vec8" : " scalar") +
-              (path.persistent ? " persistent" : path.register_row ? " register" : " two_pass") + " threads=" + std::to_string(path.threads) +
+              (path.persistent ? " persistent" : path.stream ? " stream" : path.register_row ? " register" : " two_pass") +
+              " threads=" + std::to_string(path.threads) +
+              (path.stream ? " vecs=" + std::to_string(path.per_thread) + " stages=" + std::to_string(path.stages) : "") +
               " group=" + std::to_string(path.group) + (force.streaming ? " streaming" : "") +
               (path.vector && path.register_row && force.slots > 0 ? " slots=" + std::to_string(force.slots) : "");
   return path;
@@ -283,6 +438,17 @@ Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& fo
   a.eps = p.eps;
   a.inv_hidden = static_cast<float>(1.0 / static_cast<double>(p.hidden));
   a.streaming = force.streaming;
+  if (path.stream) {
+    a.stages = path.stages;
+    return with_half_type(p.x.dtype, [&](auto tag) -> Status {
+      using T = typename decltype(tag)::type;
+      switch (path.per_thread) {
+        case 2: return launch_stream(rms_norm_stream_kernel<T, 2>, a, path, with_residual, stream);
+        case 4: return launch_stream(rms_norm_stream_kernel<T, 4>, a, path, with_residual, stream);
+        default: return launch_stream(rms_norm_stream_kernel<T, 8>, a, path, with_residual, stream);
+      }
+    });
+  }
   const int rows_per_block = path.register_row && path.group <= 32 ? path.threads / path.group : 1;
   const unsigned grid = static_cast<unsigned>((p.rows + rows_per_block - 1) / rows_per_block);
   if (path.persistent) {
