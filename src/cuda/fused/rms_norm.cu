@@ -347,17 +347,26 @@ Status launch_stream(Kernel* kernel, const NormArgs& a, const FusedPath& path, b
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
-  if (static_cast<std::size_t>(smem) > dev.smem_optin)
-    return Status::Internal("rms_norm: the stream kernel's stages exceed the device's shared memory");
-  FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, static_cast<int>(dev.smem_optin), dev.device, opted_in, "rms_norm: "));
   int per_sm = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& f : fits)
       if (f[0] == dev.device + 1 && f[1] == path.threads && f[2] == smem) per_sm = f[3];
-    if (per_sm == 0) {
+    if (per_sm == 0) {  // first launch of this shape on this device
+      // Opt in to all the dynamic shared memory a block may have beside the kernel's static scratch.
+      cudaFuncAttributes attr{};
+      if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError();
+        return Status::Cuda("rms_norm: cudaFuncGetAttributes failed for the stream kernel");
+      }
+      const int dyn_max = static_cast<int>(dev.smem_optin - attr.sharedSizeBytes);
+      if (smem > dyn_max) return Status::Internal("rms_norm: the stream kernel's stages exceed the device's shared memory");
+      FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, dyn_max, dev.device, opted_in, "rms_norm: "));
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, path.threads, smem);
-      if (e != cudaSuccess) return Status::Cuda(std::string("rms_norm: occupancy query failed: ") + cudaGetErrorString(e));
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return Status::Cuda(std::string("rms_norm: occupancy query failed: ") + cudaGetErrorString(e));
+      }
       per_sm = std::max(1, per_sm);
       std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
       fits[0] = {dev.device + 1, path.threads, smem, per_sm};
