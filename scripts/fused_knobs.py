@@ -39,14 +39,20 @@ def main() -> int:
             line = "  ".join(f"{k} {t[k]:7.1f} us {nbytes / (t[k] * 1e-6) / ROOF * 100:5.1f}%" for k in knobs)
             print(f"{name:<12} {rows}x{hidden:<6} {line}", flush=True)
     q = torch.randn(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
-    qo = torch.empty_like(q)
-    nbytes = 2 * q.numel() * 2
-    fns = {k: (lambda cfg: (lambda: flashcpp.apply_rotary(q, q_out=qo, theta=10000.0, cuda_config=cfg)))(
-        "" if k == "default" else k) for k in ["default", "heads1", "heads2", "staged", "shared,heads2"]}
-    fns["copy"] = lambda: qo.copy_(q)
-    t = common.interleaved(fns, rounds=3, graph=True, rep_ms=50)
-    print("rotary q (4,4096,32,128) " + "  ".join(f"{k} {v:7.1f} us {nbytes / (v * 1e-6) / ROOF * 100:5.1f}%"
-                                                 for k, v in t.items()), flush=True)
+    k = torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    qo, ko = torch.empty_like(q), torch.empty_like(k)
+    rot_knobs = ["default", "shared", "heads1", "stages2", "stages3"]
+    for name, nbytes, mk in (
+        ("rotary q (4,4096,32,128)", 2 * q.numel() * 2,
+         lambda cfg: (lambda: flashcpp.apply_rotary(q, q_out=qo, theta=10000.0, cuda_config=cfg))),
+        ("rotary q+k (4,4096,32/8,128)", 2 * (q.numel() + k.numel()) * 2,
+         lambda cfg: (lambda: flashcpp.apply_rotary(q, k, q_out=qo, k_out=ko, theta=10000.0, cuda_config=cfg))),
+    ):
+        fns = {kn: mk("" if kn == "default" else kn) for kn in rot_knobs}
+        fns["copy"] = lambda: qo.copy_(q)
+        t = common.interleaved(fns, rounds=3, graph=True, rep_ms=50)
+        print(name + " " + "  ".join(f"{kn} {v:7.1f} us {nbytes / (v * 1e-6) / ROOF * 100:5.1f}%"
+                                     for kn, v in t.items()), flush=True)
     return 0
 
 

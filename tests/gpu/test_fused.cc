@@ -454,6 +454,14 @@ TEST(FusedGpuRotary, DesignSize) {
   run_rope(c, 2);
   c.config = "heads2";  // two heads per thread sharing cos/sin (the measurement knob)
   run_rope(c, 3);
+  c.config = "shared";  // cos/sin once per token in shared memory, one head a thread
+  run_rope(c, 11);
+  c.config = "stages2,streaming";  // the stream kernel with two stages and evict-first stores
+  run_rope(c, 12);
+  c.config = "";
+  c.cache = true;  // the stream kernel's cos/sin from an fp32 cache
+  run_rope(c, 13);
+  c.cache = false;
   c.config = "staged";  // rows through shared memory with cp.async
   run_rope(c, 6);
   c.cache = true;
@@ -478,7 +486,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
     for (DType dt : {DType::kBF16, DType::kF16})
       for (int rot : {0, 64, 32, 24, 2})
         for (bool oop : {false, true})
-          for (const char* cfg : {"", "staged", "heads1"}) {  // staged / register kernel: 16-byte path knobs
+          for (const char* cfg : {"", "staged", "heads1", "shared"}) {  // stream (default) and the other 16-byte kernels
             RopeCase c;
             c.batch = 2;
             c.seqlen = 37;
@@ -518,6 +526,17 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   run_rope(c, salt++);
   c.config = "";
   c.misalign = 1;  // scalar path
+  run_rope(c, salt++);
+  c = RopeCase{};  // the stream kernel with 4 units a thread over 160 threads, 600 tokens of 72 heads
+  c.batch = 2;
+  c.seqlen = 300;
+  c.hq = 64;
+  c.hk = 8;
+  c.positions = true;
+  c.out_of_place = true;
+  run_rope(c, salt++);
+  c.style = RopeStyle::kInterleaved;
+  c.rot = 64;  // partial: pass-through units beside rotary ones
   run_rope(c, salt++);
 }
 
@@ -587,8 +606,21 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.heads_q = 32;
   rp.head_dim = 128;
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos shared");
+  // 256 units (32 heads x 8 lanes): 128 threads of 2; a stage is 8 KB of q and 512 B of cos/sin.
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=128 units=2 stages=4");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
+  cuda::FusedForce shared;
+  shared.shared = true;
+  EXPECT_EQ(cuda::rotary_path(rp, shared).name, "rotary neox vec8 sincos shared");
+  rp.heads_k = 8;  // 320 units: 4 a thread
+  rp.k = bshd_view(buf, DType::kBF16, 4096, 8, 128);
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=96 units=4 stages=4");
+  rp.heads_q = 64;  // 576 units: 160 threads of 4
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=160 units=4 stages=4");
+  rp.heads_q = 200;  // 1664 units: more than a block of the stream kernel holds (and the shared kernel's 256)
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
+  rp.heads_q = 32;
+  rp.heads_k = 0;
   cuda::FusedForce heads1;
   heads1.heads = 1;
   EXPECT_EQ(cuda::rotary_path(rp, heads1).name, "rotary neox vec8 sincos");

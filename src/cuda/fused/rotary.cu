@@ -26,10 +26,14 @@
 // In place is safe: an element is read and written by the same thread.
 //
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <limits>
+#include <mutex>
 
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/rope.cuh"
+#include "cuda/common/smem_opt_in.h"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
@@ -69,6 +73,7 @@ struct RotaryArgs {
   const std::int32_t* cu_seqlens = nullptr;
   rope::CosSinTables tables;                ///< the spec's cos/sin tables; cos null: compute cos/sin
   bool streaming = false;  ///< evict-first hints on q/k loads and stores
+  int units = 0, stages = 0;  ///< stream kernel: units a thread, tokens a block keeps in shared memory
   // Staged kernel (cuda_config "staged"): rows = (token, head) pairs of head_dim elements.
   int head_dim = 0;
   std::int64_t total_rows = 0;  ///< tokens * heads
@@ -360,6 +365,133 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
   }
 }
 
+/// Stream kernel (the default on the 16-byte path): a resident grid in which each block walks
+/// tokens blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 tokens' q and k rows in
+/// flight into shared memory with cp.async while it rotates and stores the current one. The other
+/// kernels hold a token's bytes in flight only during their own load phase, one short-lived block
+/// at a time (60-70% of the floor, reports/fused); here the bytes in flight cost shared memory
+/// and do not drop between tokens. A thread owns units u = threadIdx.x + k * blockDim.x (k < units)
+/// of the token's heads x lanes (lane_offsets: the A and B vectors of a rotary lane, or one
+/// pass-through vector), copies exactly those vectors and later reads only them, so
+/// cp.async.wait_group makes them readable without a barrier. The token's cos/sin pairs are formed
+/// once in shared memory (one pair a thread, as in the shared kernel) stages - 1 tokens ahead, just
+/// after the block's one barrier a token, which both publishes them and retires the slot they
+/// overwrite. In place is safe: a token is read before it is written, by the block that writes it.
+constexpr int kStreamThreadsPref = 128;  // threads a block while 4 units a thread cover the token
+constexpr int kStreamThreadsMax = 256;
+constexpr int kStreamUnitsMax = 4;  // units a thread: tokens of up to 1024 units (e.g. 128 heads of 128)
+constexpr int kStreamStagesMax = 4;
+constexpr int kStreamStageBudget = 112 * 1024;
+
+/// cp.async.wait_group with a run-time count (0 .. kStreamStagesMax - 1).
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  switch (n) {
+    case 0: ptx::cp_async_wait<0>(); break;
+    case 1: ptx::cp_async_wait<1>(); break;
+    case 2: ptx::cp_async_wait<2>(); break;
+    default: ptx::cp_async_wait<3>(); break;
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kStreamThreadsMax) rotary_stream_kernel(const __grid_constant__ RotaryArgs a) {
+  constexpr int VEC = kVec16, U = kStreamUnitsMax;
+  using V = Vec<T, VEC>;
+  extern __shared__ __align__(16) unsigned char stream_raw[];
+  const int S = a.stages, B = blockDim.x, tid = threadIdx.x, per_stage = 2 * B * a.units;  // vectors a stage
+  V* stages = reinterpret_cast<V*>(stream_raw);
+  float* cs = reinterpret_cast<float*>(stages + S * per_stage);  // [S][cos half | sin half]
+  int oa[U], ob[U], head[U], lane[U];
+#pragma unroll
+  for (int k = 0; k < U; ++k) {
+    const int u = tid + k * B;
+    lane[k] = k < a.units && u < a.per_token ? u % a.lanes : -1;  // -1: no unit
+    head[k] = u / a.lanes;
+    lane_offsets<VEC>(a, lane[k] < 0 ? 0 : lane[k], &oa[k], &ob[k]);
+  }
+  auto slot = [&](int s, int k, int which) { return stages + s * per_stage + (2 * k + which) * B + tid; };
+  const std::int64_t step = gridDim.x;
+  auto issue = [&](std::int64_t t, int s) {  // one commit group per call, empty past the end
+    if (t < a.tokens) {
+      const TokenRow row = token_row(a, t);
+      if (row.live) {
+#pragma unroll
+        for (int k = 0; k < U; ++k) {
+          if (lane[k] < 0) continue;
+          const T* src = head_src<T>(a, row, head[k]);
+          ptx::cp_async_16(ptx::smem_u32(slot(s, k, 0)), src + oa[k], 16);
+          if (lane[k] < a.rot_lanes) ptx::cp_async_16(ptx::smem_u32(slot(s, k, 1)), src + ob[k], 16);
+        }
+      }
+    }
+    ptx::cp_async_commit();
+  };
+  auto fill_cos_sin = [&](std::int64_t t, int s) {
+    if (t >= a.tokens) return;
+    const TokenRow row = token_row(a, t);
+    if (!row.live) return;
+    const std::int32_t pos = a.positions ? a.positions[row.tpos] : static_cast<std::int32_t>(row.s);
+    float* c = cs + s * 2 * a.half;
+    for (int i = tid; i < a.half; i += B) rope::cos_sin(a.tables, a.inv_freq, pos, i, &c[i], &c[a.half + i]);
+  };
+  std::int64_t t = blockIdx.x;
+  for (int s = 0; s + 1 < S; ++s) {
+    issue(t + s * step, s);
+    fill_cos_sin(t + s * step, s);
+  }
+  for (int it = 0; t < a.tokens; ++it, t += step) {
+    const int s = it % S, ahead = (it + S - 1) % S;
+    issue(t + (S - 1) * step, ahead);  // the stage this thread emptied last token
+    cp_async_wait_dyn(S - 1);          // this token's vectors (and every older group) landed
+    __syncthreads();                   // this token's cos/sin are written; the slot `ahead` is read by all
+    fill_cos_sin(t + (S - 1) * step, ahead);
+    const TokenRow row = token_row(a, t);
+    if (!row.live) continue;
+    const float* c = cs + s * 2 * a.half;
+#pragma unroll
+    for (int k = 0; k < U; ++k) {
+      if (lane[k] < 0) continue;
+      T* dst = head_dst<T>(a, row, head[k]);
+      const V va = *slot(s, k, 0);
+      if (lane[k] >= a.rot_lanes) {  // pass-through
+        store_vec<T, VEC>(dst + oa[k], va, VEC, a.streaming);
+        continue;
+      }
+      const V vb = *slot(s, k, 1);
+      float cv[VEC], sv[VEC];
+#pragma unroll
+      for (int j = 0; j < VEC; j += 4) {
+        const float4 c4 = *reinterpret_cast<const float4*>(c + lane[k] * VEC + j);
+        const float4 s4 = *reinterpret_cast<const float4*>(c + a.half + lane[k] * VEC + j);
+        cv[j] = c4.x, cv[j + 1] = c4.y, cv[j + 2] = c4.z, cv[j + 3] = c4.w;
+        sv[j] = s4.x, sv[j + 1] = s4.y, sv[j + 2] = s4.z, sv[j + 3] = s4.w;
+      }
+      V ra, rb;
+      rotate_lane<T, VEC>(a.neox, va, vb, ra, rb, [&](int j, float* cj, float* sj) {
+        *cj = cv[j];
+        *sj = sv[j];
+      });
+      store_vec<T, VEC>(dst + oa[k], ra, VEC, a.streaming);
+      store_vec<T, VEC>(dst + ob[k], rb, VEC, a.streaming);
+    }
+  }
+  ptx::cp_async_wait<0>();  // the empty groups past the last token
+}
+
+/// Units a thread (1, 2 or 4) and the block's threads of the stream kernel for a token of
+/// per_token units; false when a token has more units than a block holds.
+bool stream_shape(int per_token, int* units, int* threads) {
+  int u = 1;
+  while (u < kStreamUnitsMax && u * kStreamThreadsPref < per_token) u *= 2;
+  if (per_token > u * kStreamThreadsMax) return false;
+  *units = u;
+  *threads = ((per_token + u - 1) / u + 31) / 32 * 32;
+  return true;
+}
+
+/// Shared memory of the stream kernel: the stages' vectors and their cos/sin.
+int stream_smem(int stages, int threads, int units, int half) { return stages * (2 * threads * units * 16 + 2 * half * 4); }
+
 /// Heads per thread of the shared kernel: 1, or 2 with cuda_config "shared,heads2".
 int shared_heads(const FusedForce& force) { return force.shared && force.heads == 2 ? 2 : 1; }
 
@@ -384,6 +516,39 @@ bool vector_ok(const RopeParams& p) {
   return all;
 }
 
+/// Launches the stream kernel on a resident grid: as many blocks as the SMs hold at once (cached per
+/// device, block size and shared memory), at most one per token.
+template <class Kernel>
+Status launch_stream(Kernel* kernel, const RotaryArgs& a, int threads, int smem, Stream stream) {
+  static std::atomic<unsigned long long> opted_in{0};
+  static std::mutex mu;
+  static std::array<std::array<int, 4>, 32> fits{};  // {device + 1, threads, smem, blocks per SM}, newest first
+  DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& f : fits)
+      if (f[0] == dev.device + 1 && f[1] == threads && f[2] == smem) per_sm = f[3];
+    if (per_sm == 0) {  // first launch of this shape on this device
+      if (static_cast<std::size_t>(smem) > dev.smem_optin)
+        return Status::Internal("apply_rotary: the stream kernel's stages exceed the device's shared memory");
+      FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, static_cast<int>(dev.smem_optin), dev.device, opted_in, "apply_rotary: "));
+      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return Status::Cuda(std::string("apply_rotary: occupancy query failed: ") + cudaGetErrorString(e));
+      }
+      per_sm = std::max(1, per_sm);
+      std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
+      fits[0] = {dev.device + 1, threads, smem, per_sm};
+    }
+  }
+  const std::int64_t blocks = std::min<std::int64_t>(a.tokens, static_cast<std::int64_t>(per_sm) * dev.num_sms);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a);
+  return launch_status("apply_rotary");
+}
+
 }  // namespace
 }  // namespace fused
 
@@ -391,16 +556,31 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   using namespace fused;
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p);
-  path.threads = kThreads;
   const bool staged = path.vector && force.staged &&
                       static_cast<std::int64_t>(p.batch) * p.seqlen * (p.heads_q + p.heads_k) <= std::numeric_limits<std::int32_t>::max();
-  if (staged) path.threads = kStagedThreads;
   // The default on the 16-byte path: on the H200 it took the DESIGN case from 102.8 to 89.7 us
   // (60.7% -> 69.6% of the floor; reports/fused). cuda_config heads1 / heads2 without "shared" pick
   // the register kernel (one or two heads a thread), the default before it.
-  const bool shared = path.vector && !staged && (force.shared || force.heads == 0) && shared_ok(p, force);
+  // The stream kernel unless a knob names another (shared, headsN, staged).
+  const int rot = p.effective_rotary_dim();
+  const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
+  const int lanes = rot / 2 / kVec16 + (rot < p.head_dim && any_out ? (p.head_dim - rot) / kVec16 : 0);
+  const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_k) * lanes;
+  const bool stream = path.vector && !staged && !force.shared && force.heads == 0 && per_token <= 1 << 20 &&
+                      stream_shape(static_cast<int>(per_token), &path.per_thread, &path.threads);
+  if (stream) {
+    const int stage_bytes = stream_smem(1, path.threads, path.per_thread, rot / 2);
+    path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+  } else {
+    path.threads = staged ? kStagedThreads : kThreads;
+  }
+  path.stream = stream;
+  const bool shared = path.vector && !staged && !stream && (force.shared || force.heads == 0) && shared_ok(p, force);
   path.name = std::string("rotary ") + rope_style_name(p.rotary.style) + (path.vector ? " vec8" : " scalar") +
               (p.rotary.has_tables() ? " cache" : " sincos") + (staged ? " staged" : "") + (shared ? " shared" : "") +
+              (stream ? " stream threads=" + std::to_string(path.threads) + " units=" + std::to_string(path.per_thread) +
+                            " stages=" + std::to_string(path.stages)
+                      : "") +
               (force.streaming ? " streaming" : "");
   return path;
 }
@@ -446,6 +626,17 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
     return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
+  if (path.stream) {
+    if (a.tokens == 0) return Status::Ok();
+    a.groups = a.heads;  // one head a unit
+    a.per_token = a.groups * a.lanes;
+    a.units = path.per_thread;
+    a.stages = path.stages;
+    return with_half_type(p.q.dtype, [&](auto tag) -> Status {
+      using T = typename decltype(tag)::type;
+      return launch_stream(rotary_stream_kernel<T>, a, path.threads, stream_smem(path.stages, path.threads, path.per_thread, a.half), stream);
+    });
+  }
   if (path.name.find(" shared") != std::string::npos) {
     const int H = shared_heads(force);
     a.groups = (a.heads + H - 1) / H;
