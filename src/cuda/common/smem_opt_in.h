@@ -11,6 +11,17 @@
 
 namespace flashcpp::cuda {
 
+/// Sets cudaFuncAttributeMaxDynamicSharedMemorySize of `kernel` (on the current device) to `bytes`,
+/// for callers that cache their own per-device setup. `what` prefixes the error sentence.
+template <class Kernel>
+Status set_dynamic_smem(Kernel* kernel, int bytes, const char* what = "") {
+  const cudaError_t e =
+      cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) return Status::Ok();
+  cudaGetLastError();  // the runtime records the failure as the last error: a later launch check would report it
+  return Status::Cuda(std::string(what) + "cudaFuncSetAttribute(max dynamic smem) failed: " + cudaGetErrorString(e));
+}
+
 /// Sets cudaFuncAttributeMaxDynamicSharedMemorySize of `kernel` to `bytes` unless bit `device` of
 /// `opted_in` (one static per kernel instantiation) says it was done. Not a stream operation, so safe
 /// while a graph is captured. `what` prefixes the error sentence.

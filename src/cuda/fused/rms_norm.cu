@@ -29,7 +29,6 @@
 // the bandwidth there. hidden > 8192 takes two_pass.
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <mutex>
 
 #include "cuda/common/ptx.cuh"
@@ -341,17 +340,18 @@ bool vector_ok(const RmsNormParams& p, bool with_residual) {
 /// per device, block size and shared memory), at most one per row.
 template <class Kernel>
 Status launch_stream(Kernel* kernel, const NormArgs& a, const FusedPath& path, bool with_residual, Stream stream) {
-  static std::atomic<unsigned long long> opted_in{0};
+  // One table for every instantiation (they share this function's type): keyed by the kernel too.
   static std::mutex mu;
-  static std::array<std::array<int, 4>, 32> fits{};  // {device + 1, threads, smem, blocks per SM}, newest first
+  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, blocks per SM}
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
+  const auto key = reinterpret_cast<std::intptr_t>(kernel);
   int per_sm = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& f : fits)
-      if (f[0] == dev.device + 1 && f[1] == path.threads && f[2] == smem) per_sm = f[3];
+      if (f[0] == key && f[1] == dev.device + 1 && f[2] == path.threads && f[3] == smem) per_sm = static_cast<int>(f[4]);
     if (per_sm == 0) {  // first launch of this shape on this device
       // Opt in to all the dynamic shared memory a block may have beside the kernel's static scratch.
       cudaFuncAttributes attr{};
@@ -361,7 +361,7 @@ Status launch_stream(Kernel* kernel, const NormArgs& a, const FusedPath& path, b
       }
       const int dyn_max = static_cast<int>(dev.smem_optin - attr.sharedSizeBytes);
       if (smem > dyn_max) return Status::Internal("rms_norm: the stream kernel's stages exceed the device's shared memory");
-      FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, dyn_max, dev.device, opted_in, "rms_norm: "));
+      FLASHCPP_RETURN_IF_ERROR(set_dynamic_smem(kernel, dyn_max, "rms_norm: "));
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, path.threads, smem);
       if (e != cudaSuccess) {
         cudaGetLastError();
@@ -369,7 +369,7 @@ Status launch_stream(Kernel* kernel, const NormArgs& a, const FusedPath& path, b
       }
       per_sm = std::max(1, per_sm);
       std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
-      fits[0] = {dev.device + 1, path.threads, smem, per_sm};
+      fits[0] = {key, dev.device + 1, path.threads, smem, per_sm};
     }
   }
   const std::int64_t blocks = std::min<std::int64_t>(a.rows, static_cast<std::int64_t>(per_sm) * dev.num_sms);

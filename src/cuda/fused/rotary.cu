@@ -27,7 +27,6 @@
 //
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <limits>
 #include <mutex>
 
@@ -520,20 +519,21 @@ bool vector_ok(const RopeParams& p) {
 /// device, block size and shared memory), at most one per token.
 template <class Kernel>
 Status launch_stream(Kernel* kernel, const RotaryArgs& a, int threads, int smem, Stream stream) {
-  static std::atomic<unsigned long long> opted_in{0};
+  // One table for every instantiation (they share this function's type): keyed by the kernel too.
   static std::mutex mu;
-  static std::array<std::array<int, 4>, 32> fits{};  // {device + 1, threads, smem, blocks per SM}, newest first
+  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, blocks per SM}
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  const auto key = reinterpret_cast<std::intptr_t>(kernel);
   int per_sm = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& f : fits)
-      if (f[0] == dev.device + 1 && f[1] == threads && f[2] == smem) per_sm = f[3];
+      if (f[0] == key && f[1] == dev.device + 1 && f[2] == threads && f[3] == smem) per_sm = static_cast<int>(f[4]);
     if (per_sm == 0) {  // first launch of this shape on this device
       if (static_cast<std::size_t>(smem) > dev.smem_optin)
         return Status::Internal("apply_rotary: the stream kernel's stages exceed the device's shared memory");
-      FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, static_cast<int>(dev.smem_optin), dev.device, opted_in, "apply_rotary: "));
+      FLASHCPP_RETURN_IF_ERROR(set_dynamic_smem(kernel, static_cast<int>(dev.smem_optin), "apply_rotary: "));
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
       if (e != cudaSuccess) {
         cudaGetLastError();
@@ -541,7 +541,7 @@ Status launch_stream(Kernel* kernel, const RotaryArgs& a, int threads, int smem,
       }
       per_sm = std::max(1, per_sm);
       std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
-      fits[0] = {dev.device + 1, threads, smem, per_sm};
+      fits[0] = {key, dev.device + 1, threads, smem, per_sm};
     }
   }
   const std::int64_t blocks = std::min<std::int64_t>(a.tokens, static_cast<std::int64_t>(per_sm) * dev.num_sms);
