@@ -6,6 +6,7 @@ floor = bytes that must move / 4.3 TB/s.
     python scripts/fused_knobs.py [--knobs default,slots2,...]
 """
 import argparse
+import importlib
 import sys
 
 import torch
@@ -14,16 +15,17 @@ import flashcpp
 from flashcpp.bench import common
 
 ROOF = 4.3e12
-NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048), (16384, 1024), (32768, 8192), (4096, 16384)]
+NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--knobs", default="default,two_pass,stages2,stages3,stages4,streaming")
+    ap.add_argument("--knobs", default="default,stream,stream+stages2,stream+stages3",
+                    help="comma-separated cuda_config values; '+' joins tokens of one value")
     a = ap.parse_args()
     knobs = a.knobs.split(",")
     try:
-        from quack import rmsnorm as quack
+        quack = importlib.import_module("quack.rmsnorm")  # the package's `rmsnorm` is a function
     except Exception as e:  # noqa: BLE001 - any import failure: not timed, and said so
         quack = None
         print(f"quack: not timed ({type(e).__name__}: {str(e)[:80]})", flush=True)
@@ -39,7 +41,7 @@ def main() -> int:
              lambda cfg: (lambda: flashcpp.fused_add_rms_norm(x, r, w, 1e-6, out=y, residual_out=ro,
                                                               cuda_config=cfg))),
         ):
-            fns = {k: mk("" if k == "default" else k) for k in knobs}
+            fns = {k: mk("" if k == "default" else k.replace("+", ",")) for k in knobs}
             # The same bytes as a copy (x -> y, and x, r -> y, ro), and quack's kernel when it imports.
             if name == "rmsnorm":
                 fns["copy"] = lambda: y.copy_(x)
@@ -54,15 +56,25 @@ def main() -> int:
     q = torch.randn(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    rot_knobs = ["default", "shared", "heads1", "stages2", "stages3"]
+    rot_knobs = ["default", "stream", "stream+stages2", "stream+stages3", "heads1"]
+    try:
+        quack_rot = importlib.import_module("quack.rotary")
+        inv = 1.0 / (10000.0 ** (torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128))
+        freqs = torch.outer(torch.arange(4096, device="cuda", dtype=torch.float32), inv)
+        qc_cos, qc_sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    except Exception:  # noqa: BLE001 - not timed (said above for the norms)
+        quack_rot = None
     for name, nbytes, mk in (
         ("rotary q (4,4096,32,128)", 2 * q.numel() * 2,
          lambda cfg: (lambda: flashcpp.apply_rotary(q, q_out=qo, theta=10000.0, cuda_config=cfg))),
         ("rotary q+k (4,4096,32/8,128)", 2 * (q.numel() + k.numel()) * 2,
          lambda cfg: (lambda: flashcpp.apply_rotary(q, k, q_out=qo, k_out=ko, theta=10000.0, cuda_config=cfg))),
     ):
-        fns = {kn: mk("" if kn == "default" else kn) for kn in rot_knobs}
-        fns["copy"] = lambda: qo.copy_(q)
+        fns = {kn: mk("" if kn == "default" else kn.replace("+", ",")) for kn in rot_knobs}
+        fns["copy"] = (lambda: qo.copy_(q)) if name.startswith("rotary q ") else (lambda: (qo.copy_(q), ko.copy_(k)))
+        if quack_rot is not None:  # fp32 (seqlen, head_dim / 2) tables, as the fused bench gives it
+            fns["quack"] = ((lambda: quack_rot.apply_rotary(q, qc_cos, qc_sin)) if name.startswith("rotary q ")
+                            else (lambda: (quack_rot.apply_rotary(q, qc_cos, qc_sin), quack_rot.apply_rotary(k, qc_cos, qc_sin))))
         t = common.interleaved(fns, rounds=3, graph=True, rep_ms=50)
         print(name + " " + "  ".join(f"{kn} {v:7.1f} us {nbytes / (v * 1e-6) / ROOF * 100:5.1f}%"
                                      for kn, v in t.items()), flush=True)

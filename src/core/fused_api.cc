@@ -47,7 +47,7 @@ Status no_reference(const char* op) {
 
 #if FLASHCPP_HAS_FUSED
 /// RunOptions::cuda_config for the fused kernels: "" or a comma-separated list of "scalar",
-/// "two_pass", "streaming", "slots1|2|4" (norms), "persistent" (norms), "stages2|3|4" (norms), "heads1|2", "staged" and "shared" (rotary). Also checks that a
+/// "two_pass", "streaming", "slots1|2|4" (norms), "persistent" (norms), "stream" and "stages2|3|4" (norms, rotary), "heads1|2", "staged" and "shared" (rotary). Also checks that a
 /// usable sm_80+ device is current.
 Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
   std::size_t at = 0;
@@ -63,11 +63,12 @@ Status cuda_prologue(const std::string& config, cuda::FusedForce* force) {
     else if (tok == "staged") force->staged = true;
     else if (tok == "persistent") force->persistent = true;
     else if (tok == "shared") force->shared = true;
+    else if (tok == "stream") force->stream = true;
     else if (tok == "stages2" || tok == "stages3" || tok == "stages4") force->stages = tok.back() - '0';
     else if (!tok.empty())
       return Status::Invalid(cat("cuda_config token '", tok,
                                  "' is not known to the fused kernels (known: scalar, two_pass, streaming, "
-                                 "slots1, slots2, slots4, heads1, heads2, staged, shared, persistent, stages2, stages3, stages4)"));
+                                 "slots1, slots2, slots4, heads1, heads2, staged, shared, persistent, stream, stages2, stages3, stages4)"));
     at = comma + 1;
   }
   cuda::DeviceInfo dev;

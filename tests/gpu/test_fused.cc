@@ -186,8 +186,8 @@ void run_norm(const NormCase& c, std::uint64_t salt) {
 
 TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
   std::uint64_t salt = 1;
-  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots1", "slots2", "slots4", "persistent", "stages2",
-                          "stages3", "stages4,streaming"})
+  for (const char* cfg : {"", "two_pass", "scalar", "scalar,two_pass", "slots1", "slots2", "slots4", "persistent", "stream",
+                          "stream,stages2", "stream,stages3", "stream,stages4,streaming"})
     run_norm({8192, 4096, DType::kBF16, true, 0, 0, false, cfg}, salt++);
   run_norm({8192, 4096, DType::kF16, true}, salt++);
   run_norm({8192, 4096, DType::kBF16, false}, salt++);
@@ -202,7 +202,7 @@ TEST(FusedGpuRmsNorm, OddSizes) {
   for (DType dt : {DType::kBF16, DType::kF16})
     for (const auto& s : shapes)
       for (bool res : {false, true})
-        for (const char* cfg : {"", "slots1", "slots2", "persistent"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
+        for (const char* cfg : {"", "slots1", "slots2", "persistent", "stream"}) run_norm({s[0], s[1], dt, res, 0, 0, false, cfg}, salt++);
 }
 
 TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
@@ -217,10 +217,10 @@ TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
   run_norm({64, 12000, DType::kF16, false, 16, 0, true}, salt++);
   // The stream kernel: a part-filled last vector (4100 = 512 * 8 + 4) beside padding, in place with
   // more rows than the resident grid (each block walks ~40 rows through its stages), and fp16.
-  run_norm({64, 4100, DType::kBF16, true, 4}, salt++);
-  run_norm({40000, 4096, DType::kBF16, true, 0, 0, true}, salt++);
-  run_norm({40000, 2048, DType::kF16, false, 0, 0, true, "stages2"}, salt++);
-  run_norm({9000, 4100, DType::kF16, true, 12, 0, false, "stages3"}, salt++);
+  run_norm({64, 4100, DType::kBF16, true, 4, 0, false, "stream"}, salt++);
+  run_norm({40000, 4096, DType::kBF16, true, 0, 0, true, "stream"}, salt++);
+  run_norm({40000, 2048, DType::kF16, false, 0, 0, true, "stream,stages2"}, salt++);
+  run_norm({9000, 4100, DType::kF16, true, 12, 0, false, "stream,stages3"}, salt++);
 }
 
 // ---- SwiGLU ------------------------------------------------------------------------------
@@ -454,11 +454,11 @@ TEST(FusedGpuRotary, DesignSize) {
   run_rope(c, 2);
   c.config = "heads2";  // two heads per thread sharing cos/sin (the measurement knob)
   run_rope(c, 3);
-  c.config = "shared";  // cos/sin once per token in shared memory, one head a thread
+  c.config = "stream";  // tokens through cp.async stages, cos/sin once per token in shared memory
   run_rope(c, 11);
-  c.config = "stages2,streaming";  // the stream kernel with two stages and evict-first stores
+  c.config = "stream,stages2,streaming";  // two stages and evict-first stores
   run_rope(c, 12);
-  c.config = "";
+  c.config = "stream";
   c.cache = true;  // the stream kernel's cos/sin from an fp32 cache
   run_rope(c, 13);
   c.cache = false;
@@ -486,7 +486,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
     for (DType dt : {DType::kBF16, DType::kF16})
       for (int rot : {0, 64, 32, 24, 2})
         for (bool oop : {false, true})
-          for (const char* cfg : {"", "staged", "heads1", "shared"}) {  // stream (default) and the other 16-byte kernels
+          for (const char* cfg : {"", "staged", "heads1", "stream"}) {  // the 16-byte kernels
             RopeCase c;
             c.batch = 2;
             c.seqlen = 37;
@@ -528,6 +528,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   c.misalign = 1;  // scalar path
   run_rope(c, salt++);
   c = RopeCase{};  // the stream kernel with 4 units a thread over 160 threads, 600 tokens of 72 heads
+  c.config = "stream";
   c.batch = 2;
   c.seqlen = 300;
   c.hq = 64;
@@ -571,24 +572,29 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
     p.weight = buf;
     return cuda::rms_norm_path(p, true, f).name;
   };
-  // Wide 16-byte rows stream through shared memory: 16 KB stages (x and residual) hold 7 rows of 112 KB.
-  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=4 group=128");
+  EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // wide rows: two passes
   cuda::FusedForce slots1;
   slots1.slots = 1;  // the register kernel on request
   EXPECT_EQ(norm(4096, 4096, slots1), "fused_add_rms_norm vec8 register threads=512 group=512 slots=1");
-  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 stream threads=128 vecs=8 stages=3 group=128");
-  EXPECT_EQ(norm(16384, 16384), "fused_add_rms_norm vec8 stream threads=256 vecs=8 stages=2 group=256");
-  EXPECT_EQ(norm(16392, 16392), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // past the stream rows
-  EXPECT_EQ(norm(264, 264), "fused_add_rms_norm vec8 stream threads=32 vecs=2 stages=4 group=32");
+  EXPECT_EQ(norm(8192, 8192), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(128, 128), "fused_add_rms_norm vec8 register threads=128 group=16");  // QK-norm: 8 rows/block
   EXPECT_EQ(norm(4097, 4097), "fused_add_rms_norm scalar register threads=544 group=544");
-  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 stream threads=96 vecs=8 stages=4 group=96");  // vector + tail
-  EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 stream threads=160 vecs=8 stages=2 group=160");
+  EXPECT_EQ(norm(4097, 4104), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // padded rows: vector + tail
+  EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
-  cuda::FusedForce stages2;
-  stages2.stages = 2;
-  EXPECT_EQ(norm(4096, 4096, stages2), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=2 group=128");
+  // The stream kernel on request: 16 KB stages (x and residual) of which 112 KB hold 7, capped at 4.
+  cuda::FusedForce stream;
+  stream.stream = true;
+  EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=4 group=128");
+  EXPECT_EQ(norm(8192, 8192, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=8 stages=3 group=128");
+  EXPECT_EQ(norm(16384, 16384, stream), "fused_add_rms_norm vec8 stream threads=256 vecs=8 stages=2 group=256");
+  EXPECT_EQ(norm(16392, 16392, stream), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // past its rows
+  EXPECT_EQ(norm(264, 264, stream), "fused_add_rms_norm vec8 stream threads=32 vecs=2 stages=4 group=32");
+  EXPECT_EQ(norm(4097, 4104, stream), "fused_add_rms_norm vec8 stream threads=96 vecs=8 stages=4 group=96");
+  EXPECT_EQ(norm(8193, 8200, stream), "fused_add_rms_norm vec8 stream threads=160 vecs=8 stages=2 group=160");
+  stream.stages = 2;
+  EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=2 group=128");
   cuda::FusedForce persistent;
   persistent.persistent = true;
   EXPECT_EQ(norm(4096, 4096, persistent), "fused_add_rms_norm vec8 persistent threads=512 group=512");
@@ -606,19 +612,19 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.heads_q = 32;
   rp.head_dim = 128;
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
-  // 256 units (32 heads x 8 lanes): 128 threads of 2; a stage is 8 KB of q and 512 B of cos/sin.
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=128 units=2 stages=4");
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos shared");
   EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
-  cuda::FusedForce shared;
-  shared.shared = true;
-  EXPECT_EQ(cuda::rotary_path(rp, shared).name, "rotary neox vec8 sincos shared");
+  // The stream kernel on request. 256 units (32 heads x 8 lanes): 128 threads of 2; a stage is 8 KB
+  // of q and 512 B of cos/sin.
+  stream.stages = 0;
+  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos stream threads=128 units=2 stages=4");
   rp.heads_k = 8;  // 320 units: 4 a thread
   rp.k = bshd_view(buf, DType::kBF16, 4096, 8, 128);
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=96 units=4 stages=4");
+  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos stream threads=96 units=4 stages=4");
   rp.heads_q = 64;  // 576 units: 160 threads of 4
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=160 units=4 stages=4");
+  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos stream threads=160 units=4 stages=4");
   rp.heads_q = 200;  // 1664 units: more than a block of the stream kernel holds (and the shared kernel's 256)
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
+  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos");
   rp.heads_q = 32;
   rp.heads_k = 0;
   cuda::FusedForce heads1;

@@ -43,12 +43,13 @@ def main(argv=None) -> int:
     if args.area == "prefill":
         from . import prefill
         return prefill.run(quick=args.quick, out=args.out or "reports/prefill")
-    if args.area == "headdims":  # issue [headdims]'s bar: prefill and backward at 96, 80, 32, 192/128 (128 beside)
-        from . import backward, prefill
+    if args.area == "headdims":  # issue [headdims]'s bar: prefill and backward at 96, 80, 32, 192/128 (128 beside),
+        from . import backward, decode, prefill  # and decode's TB/s at 96 and 80 against 128
         out = args.out or "reports/headdims"
         rc = prefill.run(quick=args.quick, out=os.path.join(out, "prefill"), shapes=prefill.HEADDIM_SHAPES,
                          area_reports=False)
-        return rc or backward.run(quick=args.quick, out=os.path.join(out, "backward"), shapes=backward.HEADDIM_SHAPES)
+        rc = rc or backward.run(quick=args.quick, out=os.path.join(out, "backward"), shapes=backward.HEADDIM_SHAPES)
+        return rc or decode.run(quick=args.quick, out=os.path.join(out, "decode"), cases=decode.HEADDIM_CASES)
     if args.area == "backward":
         from . import backward
         return backward.run(quick=args.quick, out=args.out or "reports/backward")

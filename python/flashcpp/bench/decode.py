@@ -46,8 +46,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import re
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from .common import ceilings, environment, interleaved, progress, write_csv, write_json
 
@@ -137,7 +138,29 @@ def _bottom_right(torch, sq: int, n: int, device) -> Any:
     return torch.arange(n, device=device)[None, :] <= i
 
 
-def run(quick: bool, out: str) -> int:
+# [headdims]'s decode bar: the TB/s at head dims 96 and 80 within 5% of the TB/s at 128, on the same
+# steps (contiguous and paged, a mid batch and a long context); 64 beside them.
+HEADDIM_CASES = [Case("hd", b, 32, 8, n, head_dim=d, page_size=ps)
+                 for b, n in ((16, 8192), (4, 32768)) for ps in (0, 16) for d in (128, 96, 80, 64)]
+HEADDIM_BAR = 0.95
+
+
+def headdim_table(rows: List[Dict[str, object]]) -> List[str]:
+    """Lines of TB/s at each head dim against head dim 128 on the same step, with the 5% bar."""
+    ours = {str(r["case"]): float(r["ours_tbps"]) for r in rows}
+    lines = []
+    for name, tbps in ours.items():
+        if "_d128_" in name:
+            continue
+        ref = ours.get(re.sub(r"_d\d+_", "_d128_", name))
+        if ref:
+            ratio = tbps / ref
+            verdict = "beside" if "_d64_" in name else "meets" if ratio >= HEADDIM_BAR else "BELOW"
+            lines.append(f"{name:44s} {tbps:5.2f} TB/s vs {ref:5.2f} at d128: {ratio:.3f}x  {verdict} (bar {HEADDIM_BAR})")
+    return lines
+
+
+def run(quick: bool, out: str, cases: Optional[List[Case]] = None) -> int:
     import torch
 
     import flashcpp
@@ -161,7 +184,7 @@ def run(quick: bool, out: str) -> int:
     checks: List[Dict[str, object]] = []
     failed: List[str] = []
 
-    for idx, c in enumerate(_cases(quick)):
+    for idx, c in enumerate(cases if cases is not None else _cases(quick)):
         case_rows, check = _run_case(c, idx, env, libs, rounds, rep_ms)
         rows += case_rows
         checks.append(check)
@@ -177,6 +200,9 @@ def run(quick: bool, out: str) -> int:
     plot(rows, os.path.join(out, "benchmark.png"), env)
     progress(f"[bench decode] wrote {out}/benchmark.csv, benchmark.png, bench_correctness.json in {env['wall_s']} s")
     _print_table(rows)
+    if cases is HEADDIM_CASES:
+        for line in headdim_table(rows):
+            progress(f"[bench decode] {line}")
     if failed:
         progress(f"[bench decode] CORRECTNESS FAILED: {', '.join(failed)}")
         return 1

@@ -10,7 +10,7 @@
 namespace flashcpp::cuda {
 
 /// Paths and switches the caller may force (RunOptions::cuda_config tokens "scalar",
-/// "two_pass", "streaming", "slotsN", "headsN", "staged", "shared", "persistent", "stagesN"). They change speed only, never results.
+/// "two_pass", "streaming", "slotsN", "headsN", "staged", "shared", "persistent", "stream", "stagesN"). They change speed only, never results.
 struct FusedForce {
   bool scalar = false;     ///< element-wise accesses even when 16-byte vectors would fit
   bool two_pass = false;   ///< norms: re-read the row instead of keeping it in registers
@@ -20,7 +20,8 @@ struct FusedForce {
   bool staged = false;     ///< rotary: rows through shared memory with cp.async (16-byte path)
   bool persistent = false; ///< norms: a persistent grid that prefetches the next row (16-byte rows of > 32 vectors)
   bool shared = false;     ///< rotary: the shared-cos/sin kernel (the default; with heads2: two heads a thread)
-  int stages = 0;          ///< norms, stream kernel: rows a block keeps in shared memory (2..4; 0 = by size)
+  bool stream = false;     ///< norms and rotary: the stream kernel (a resident grid, rows through cp.async stages)
+  int stages = 0;          ///< stream kernel: rows (tokens) a block keeps in shared memory (2..4; 0 = by size)
 };
 
 /// The path a launch takes, as a name for tests and `flashcpp info`-style printing, e.g.

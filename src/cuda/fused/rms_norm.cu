@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
   }
 }
 
-/// Stream kernel (the default for 16-byte rows of 33..kStreamMaxVecs vectors): a resident grid in
+/// Stream kernel (cuda_config "stream"; 16-byte rows of 33..kStreamMaxVecs vectors): a resident grid in
 /// which each block walks rows blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 rows'
 /// x (and residual) in flight into shared memory with cp.async while it reduces and stores the
 /// current one. The bytes in flight then cost shared memory, not registers, and never drop to zero
@@ -409,8 +409,8 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.group = path.threads;
   }
   path.persistent = force.persistent && path.vector && path.register_row && path.group > 32 && force.slots <= 1;
-  // 16-byte rows past one warp stream through shared memory unless a knob asks for another kernel.
-  path.stream = path.vector && !path.register_row && !force.two_pass && nvec <= kStreamMaxVecs;
+  // The stream kernel on request (cuda_config "stream"): 16-byte rows past one warp.
+  path.stream = force.stream && path.vector && !path.register_row && !force.two_pass && nvec <= kStreamMaxVecs;
   if (path.stream) {
     stream_shape(nvec, &path.per_thread, &path.threads);
     path.group = path.threads;

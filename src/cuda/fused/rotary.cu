@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
   }
 }
 
-/// Stream kernel (the default on the 16-byte path): a resident grid in which each block walks
+/// Stream kernel (cuda_config "stream"; the 16-byte path): a resident grid in which each block walks
 /// tokens blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 tokens' q and k rows in
 /// flight into shared memory with cp.async while it rotates and stores the current one. The other
 /// kernels hold a token's bytes in flight only during their own load phase, one short-lived block
@@ -561,12 +561,12 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   // The default on the 16-byte path: on the H200 it took the DESIGN case from 102.8 to 89.7 us
   // (60.7% -> 69.6% of the floor; reports/fused). cuda_config heads1 / heads2 without "shared" pick
   // the register kernel (one or two heads a thread), the default before it.
-  // The stream kernel unless a knob names another (shared, headsN, staged).
+  // The stream kernel on request (cuda_config "stream").
   const int rot = p.effective_rotary_dim();
   const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
   const int lanes = rot / 2 / kVec16 + (rot < p.head_dim && any_out ? (p.head_dim - rot) / kVec16 : 0);
   const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_k) * lanes;
-  const bool stream = path.vector && !staged && !force.shared && force.heads == 0 && per_token <= 1 << 20 &&
+  const bool stream = force.stream && path.vector && !staged && !force.shared && force.heads == 0 && per_token <= 1 << 20 &&
                       stream_shape(static_cast<int>(per_token), &path.per_thread, &path.threads);
   if (stream) {
     const int stage_bytes = stream_smem(1, path.threads, path.per_thread, rot / 2);
