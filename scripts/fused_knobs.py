@@ -20,7 +20,7 @@ NORM_SHAPES = [(8192, 4096), (32768, 4096), (8192, 8192), (4096, 2048)]
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--knobs", default="default,stream,stream+stages2,stream+stages3",
+    ap.add_argument("--knobs", default="default,two_pass,stream,stream+stages2",
                     help="comma-separated cuda_config values; '+' joins tokens of one value")
     a = ap.parse_args()
     knobs = a.knobs.split(",")
@@ -56,7 +56,7 @@ def main() -> int:
     q = torch.randn(4, 4096, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    rot_knobs = ["default", "stream", "stream+stages2", "stream+stages3", "heads1"]
+    rot_knobs = ["default", "shared", "stream+stages2", "stream+stages4", "heads1"]
     try:
         quack_rot = importlib.import_module("quack.rotary")
         inv = 1.0 / (10000.0 ** (torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128))

@@ -454,7 +454,7 @@ TEST(FusedGpuRotary, DesignSize) {
   run_rope(c, 2);
   c.config = "heads2";  // two heads per thread sharing cos/sin (the measurement knob)
   run_rope(c, 3);
-  c.config = "stream";  // tokens through cp.async stages, cos/sin once per token in shared memory
+  c.config = "shared";  // cos/sin once per token in shared memory, one head a thread, no stages
   run_rope(c, 11);
   c.config = "stream,stages2,streaming";  // two stages and evict-first stores
   run_rope(c, 12);
@@ -486,7 +486,7 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
     for (DType dt : {DType::kBF16, DType::kF16})
       for (int rot : {0, 64, 32, 24, 2})
         for (bool oop : {false, true})
-          for (const char* cfg : {"", "staged", "heads1", "stream"}) {  // the 16-byte kernels
+          for (const char* cfg : {"", "staged", "heads1", "shared"}) {  // the 16-byte kernels (stream by default)
             RopeCase c;
             c.batch = 2;
             c.seqlen = 37;
@@ -572,6 +572,14 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
     p.weight = buf;
     return cuda::rms_norm_path(p, true, f).name;
   };
+  auto plain = [&](std::int64_t hidden, cuda::FusedForce f = {}) {  // rms_norm, no residual
+    RmsNormParams p;
+    p.rows = 8192;
+    p.hidden = hidden;
+    p.x = p.y = MatrixView{buf, DType::kBF16, hidden};
+    p.weight = buf;
+    return cuda::rms_norm_path(p, false, f).name;
+  };
   EXPECT_EQ(norm(4096, 4096), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // wide rows: two passes
   cuda::FusedForce slots1;
   slots1.slots = 1;  // the register kernel on request
@@ -583,15 +591,22 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   EXPECT_EQ(norm(8193, 8200), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {true, false}), "fused_add_rms_norm scalar register threads=512 group=512");
   EXPECT_EQ(norm(4096, 4096, {false, true}), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
-  // The stream kernel on request: 16 KB stages (x and residual) of which 112 KB hold 7, capped at 4.
+  // Plain rows of 257..512 vectors stream through shared memory by default (8 KB stages, 3 of them).
+  EXPECT_EQ(plain(4096), "rms_norm vec8 stream threads=128 vecs=4 stages=3 group=128");
+  EXPECT_EQ(plain(2056), "rms_norm vec8 stream threads=96 vecs=4 stages=3 group=96");
+  EXPECT_EQ(plain(2048), "rms_norm vec8 two_pass threads=256 group=256");
+  EXPECT_EQ(plain(8192), "rms_norm vec8 two_pass threads=512 group=512");
+  EXPECT_EQ(plain(4096, {false, true}), "rms_norm vec8 two_pass threads=512 group=512");
+  EXPECT_EQ(plain(4096, slots1), "rms_norm vec8 register threads=512 group=512 slots=1");
+  // The stream kernel on request: 16 KB stages (x and residual), at most 3 by default.
   cuda::FusedForce stream;
   stream.stream = true;
-  EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=4 group=128");
+  EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=3 group=128");
   EXPECT_EQ(norm(8192, 8192, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=8 stages=3 group=128");
   EXPECT_EQ(norm(16384, 16384, stream), "fused_add_rms_norm vec8 stream threads=256 vecs=8 stages=2 group=256");
   EXPECT_EQ(norm(16392, 16392, stream), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // past its rows
-  EXPECT_EQ(norm(264, 264, stream), "fused_add_rms_norm vec8 stream threads=32 vecs=2 stages=4 group=32");
-  EXPECT_EQ(norm(4097, 4104, stream), "fused_add_rms_norm vec8 stream threads=96 vecs=8 stages=4 group=96");
+  EXPECT_EQ(norm(264, 264, stream), "fused_add_rms_norm vec8 stream threads=32 vecs=2 stages=3 group=32");
+  EXPECT_EQ(norm(4097, 4104, stream), "fused_add_rms_norm vec8 stream threads=96 vecs=8 stages=3 group=96");
   EXPECT_EQ(norm(8193, 8200, stream), "fused_add_rms_norm vec8 stream threads=160 vecs=8 stages=2 group=160");
   stream.stages = 2;
   EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=2 group=128");
@@ -612,19 +627,20 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   rp.heads_q = 32;
   rp.head_dim = 128;
   rp.q = bshd_view(buf, DType::kBF16, 4096, 32, 128);
-  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos shared");
-  EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
-  // The stream kernel on request. 256 units (32 heads x 8 lanes): 128 threads of 2; a stage is 8 KB
+  // The stream kernel by default. 256 units (32 heads x 8 lanes): 128 threads of 2; a stage is 8 KB
   // of q and 512 B of cos/sin.
-  stream.stages = 0;
-  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos stream threads=128 units=2 stages=4");
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=128 units=2 stages=3");
+  EXPECT_EQ(cuda::rotary_path(rp, staged).name, "rotary neox vec8 sincos staged");
+  cuda::FusedForce shared;
+  shared.shared = true;
+  EXPECT_EQ(cuda::rotary_path(rp, shared).name, "rotary neox vec8 sincos shared");
   rp.heads_k = 8;  // 320 units: 4 a thread
   rp.k = bshd_view(buf, DType::kBF16, 4096, 8, 128);
-  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos stream threads=96 units=4 stages=4");
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=96 units=4 stages=3");
   rp.heads_q = 64;  // 576 units: 160 threads of 4
-  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos stream threads=160 units=4 stages=4");
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos stream threads=160 units=4 stages=3");
   rp.heads_q = 200;  // 1664 units: more than a block of the stream kernel holds (and the shared kernel's 256)
-  EXPECT_EQ(cuda::rotary_path(rp, stream).name, "rotary neox vec8 sincos");
+  EXPECT_EQ(cuda::rotary_path(rp, {}).name, "rotary neox vec8 sincos");
   rp.heads_q = 32;
   rp.heads_k = 0;
   cuda::FusedForce heads1;

@@ -6,10 +6,15 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "cuda/common/ptx.cuh"
+#include "cuda/common/smem_opt_in.h"
+#include "flashcpp/device.h"
 #include "flashcpp/status.h"
 #include "flashcpp/types.h"
 
@@ -140,6 +145,49 @@ inline Status launch_status(const char* what) {
   const cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess) return Status::Ok();
   return Status::Cuda(std::string(what) + " launch failed: " + cudaGetErrorString(e));
+}
+
+/// Launches a resident-grid kernel (the stream kernels: each block walks work items blockIdx.x,
+/// + gridDim.x, ...) with as many blocks as the SMs hold at once, at most one per item. The first
+/// launch of a (kernel, device, block size, shared memory) opts the kernel in to the dynamic shared
+/// memory beside its static part and asks the occupancy; later ones read a small table. `what`
+/// names the op in error sentences.
+template <class Kernel, class Args>
+Status launch_resident(Kernel* kernel, const Args& a, int threads, int smem, std::int64_t items, Stream stream,
+                       const char* what) {
+  static std::mutex mu;
+  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, blocks per SM}
+  DeviceInfo dev;
+  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  const auto key = reinterpret_cast<std::intptr_t>(kernel);
+  int per_sm = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& f : fits)
+      if (f[0] == key && f[1] == dev.device + 1 && f[2] == threads && f[3] == smem) per_sm = static_cast<int>(f[4]);
+    if (per_sm == 0) {
+      cudaFuncAttributes attr{};
+      if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+        cudaGetLastError();
+        return Status::Cuda(std::string(what) + ": cudaFuncGetAttributes failed for the stream kernel");
+      }
+      const int dyn_max = static_cast<int>(dev.smem_optin - attr.sharedSizeBytes);
+      if (smem > dyn_max)
+        return Status::Internal(std::string(what) + ": the stream kernel's stages exceed the device's shared memory");
+      FLASHCPP_RETURN_IF_ERROR(set_dynamic_smem(kernel, dyn_max, what));
+      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        return Status::Cuda(std::string(what) + ": occupancy query failed: " + cudaGetErrorString(e));
+      }
+      per_sm = std::max(1, per_sm);
+      std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
+      fits[0] = {key, dev.device + 1, threads, smem, per_sm};
+    }
+  }
+  const std::int64_t blocks = std::min<std::int64_t>(items, static_cast<std::int64_t>(per_sm) * dev.num_sms);
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a);
+  return launch_status(what);
 }
 
 }  // namespace flashcpp::cuda::fused

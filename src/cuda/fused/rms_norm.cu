@@ -28,11 +28,8 @@
 // layout, e.g. 4097) take the scalar kernels, 8x more memory instructions; expect roughly half
 // the bandwidth there. hidden > 8192 takes two_pass.
 #include <algorithm>
-#include <array>
-#include <mutex>
 
 #include "cuda/common/ptx.cuh"
-#include "cuda/common/smem_opt_in.h"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
@@ -211,7 +208,7 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
   }
 }
 
-/// Stream kernel (cuda_config "stream"; 16-byte rows of 33..kStreamMaxVecs vectors): a resident grid in
+/// Stream kernel (16-byte rows of 33..kStreamMaxVecs vectors; see rms_norm_path for when): a resident grid in
 /// which each block walks rows blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 rows'
 /// x (and residual) in flight into shared memory with cp.async while it reduces and stores the
 /// current one. The bytes in flight then cost shared memory, not registers, and never drop to zero
@@ -226,18 +223,8 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
 constexpr int kStreamThreadsMax = 256;
 constexpr int kStreamThreadsPref = 128;             // threads a row, when the row has enough vectors
 constexpr int kStreamMaxVecs = kStreamThreadsMax * 8;  // hidden <= 16384 at 2 bytes
-constexpr int kStreamStagesMax = 4;
+constexpr int kStreamStagesMax = 3;  // by default; cuda_config stages4 asks for a fourth
 constexpr int kStreamStageBudget = 112 * 1024;      // bytes of stages a block, at most (then fewer stages)
-
-/// cp.async.wait_group with a run-time count (0 .. kStreamStagesMax - 1).
-__device__ __forceinline__ void cp_async_wait_dyn(int n) {
-  switch (n) {
-    case 0: ptx::cp_async_wait<0>(); break;
-    case 1: ptx::cp_async_wait<1>(); break;
-    case 2: ptx::cp_async_wait<2>(); break;
-    default: ptx::cp_async_wait<3>(); break;
-  }
-}
 
 template <class T, int P>
 __global__ void __launch_bounds__(kStreamThreadsMax) rms_norm_stream_kernel(const __grid_constant__ NormArgs a) {
@@ -279,7 +266,7 @@ __global__ void __launch_bounds__(kStreamThreadsMax) rms_norm_stream_kernel(cons
   for (int it = 0; row < a.rows; ++it, row += step) {
     const int s = it % S;
     issue(row + (S - 1) * step, (it + S - 1) % S);  // the stage emptied last row, by its own threads
-    cp_async_wait_dyn(S - 1);                        // this row's group (and every older one) landed
+    ptx::cp_async_wait_n(S - 1);                        // this row's group (and every older one) landed
     const V* sx = stages + static_cast<std::int64_t>(s) * tensors * per_tensor;
     V h[P];
     float ss = 0.f;
@@ -336,47 +323,6 @@ bool vector_ok(const RmsNormParams& p, bool with_residual) {
                              ok(p.residual_out.data, p.residual_out.row_stride)));
 }
 
-/// Launches a stream kernel on a resident grid: as many blocks as the SMs hold at once (cached
-/// per device, block size and shared memory), at most one per row.
-template <class Kernel>
-Status launch_stream(Kernel* kernel, const NormArgs& a, const FusedPath& path, bool with_residual, Stream stream) {
-  // One table for every instantiation (they share this function's type): keyed by the kernel too.
-  static std::mutex mu;
-  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, blocks per SM}
-  DeviceInfo dev;
-  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
-  const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
-  const auto key = reinterpret_cast<std::intptr_t>(kernel);
-  int per_sm = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& f : fits)
-      if (f[0] == key && f[1] == dev.device + 1 && f[2] == path.threads && f[3] == smem) per_sm = static_cast<int>(f[4]);
-    if (per_sm == 0) {  // first launch of this shape on this device
-      // Opt in to all the dynamic shared memory a block may have beside the kernel's static scratch.
-      cudaFuncAttributes attr{};
-      if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-        cudaGetLastError();
-        return Status::Cuda("rms_norm: cudaFuncGetAttributes failed for the stream kernel");
-      }
-      const int dyn_max = static_cast<int>(dev.smem_optin - attr.sharedSizeBytes);
-      if (smem > dyn_max) return Status::Internal("rms_norm: the stream kernel's stages exceed the device's shared memory");
-      FLASHCPP_RETURN_IF_ERROR(set_dynamic_smem(kernel, dyn_max, "rms_norm: "));
-      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, path.threads, smem);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return Status::Cuda(std::string("rms_norm: occupancy query failed: ") + cudaGetErrorString(e));
-      }
-      per_sm = std::max(1, per_sm);
-      std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
-      fits[0] = {key, dev.device + 1, path.threads, smem, per_sm};
-    }
-  }
-  const std::int64_t blocks = std::min<std::int64_t>(a.rows, static_cast<std::int64_t>(per_sm) * dev.num_sms);
-  kernel<<<static_cast<unsigned>(blocks), path.threads, smem, stream>>>(a);
-  return launch_status("rms_norm");
-}
-
 }  // namespace
 }  // namespace fused
 
@@ -409,8 +355,13 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.group = path.threads;
   }
   path.persistent = force.persistent && path.vector && path.register_row && path.group > 32 && force.slots <= 1;
-  // The stream kernel on request (cuda_config "stream"): 16-byte rows past one warp.
-  path.stream = force.stream && path.vector && !path.register_row && !force.two_pass && nvec <= kStreamMaxVecs;
+  // The stream kernel: by default for plain rows of 257..512 vectors (hidden 2049..4096 at 2 bytes),
+  // where it ran faster than the two-pass kernel on the H200; on request (cuda_config "stream") for
+  // any 16-byte row past one warp. Elsewhere the two-pass kernel measured faster (reports/fused):
+  // with a residual, at 8 vectors a thread (register-bound) and at 2 (short rows).
+  const bool stream_pays = !with_residual && nvec > 2 * kStreamThreadsPref && nvec <= 4 * kStreamThreadsPref;
+  path.stream = (force.stream || (stream_pays && !register_knob)) && path.vector && !path.register_row && !force.two_pass &&
+                nvec <= kStreamMaxVecs;
   if (path.stream) {
     stream_shape(nvec, &path.per_thread, &path.threads);
     path.group = path.threads;
@@ -449,12 +400,13 @@ Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& fo
   a.streaming = force.streaming;
   if (path.stream) {
     a.stages = path.stages;
+    const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
     return with_half_type(p.x.dtype, [&](auto tag) -> Status {
       using T = typename decltype(tag)::type;
       switch (path.per_thread) {
-        case 2: return launch_stream(rms_norm_stream_kernel<T, 2>, a, path, with_residual, stream);
-        case 4: return launch_stream(rms_norm_stream_kernel<T, 4>, a, path, with_residual, stream);
-        default: return launch_stream(rms_norm_stream_kernel<T, 8>, a, path, with_residual, stream);
+        case 2: return launch_resident(rms_norm_stream_kernel<T, 2>, a, path.threads, smem, a.rows, stream, "rms_norm");
+        case 4: return launch_resident(rms_norm_stream_kernel<T, 4>, a, path.threads, smem, a.rows, stream, "rms_norm");
+        default: return launch_resident(rms_norm_stream_kernel<T, 8>, a, path.threads, smem, a.rows, stream, "rms_norm");
       }
     });
   }

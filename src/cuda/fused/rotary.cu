@@ -26,13 +26,10 @@
 // In place is safe: an element is read and written by the same thread.
 //
 #include <algorithm>
-#include <array>
 #include <limits>
-#include <mutex>
 
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/rope.cuh"
-#include "cuda/common/smem_opt_in.h"
 #include "cuda/cuda_api.h"
 #include "cuda/fused/fused_common.cuh"
 #include "cuda/fused/fused_launch.h"
@@ -364,7 +361,7 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
   }
 }
 
-/// Stream kernel (cuda_config "stream"; the 16-byte path): a resident grid in which each block walks
+/// Stream kernel (the default on the 16-byte path): a resident grid in which each block walks
 /// tokens blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 tokens' q and k rows in
 /// flight into shared memory with cp.async while it rotates and stores the current one. The other
 /// kernels hold a token's bytes in flight only during their own load phase, one short-lived block
@@ -379,18 +376,8 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
 constexpr int kStreamThreadsPref = 128;  // threads a block while 4 units a thread cover the token
 constexpr int kStreamThreadsMax = 256;
 constexpr int kStreamUnitsMax = 4;  // units a thread: tokens of up to 1024 units (e.g. 128 heads of 128)
-constexpr int kStreamStagesMax = 4;
+constexpr int kStreamStagesMax = 3;  // by default; cuda_config stages4 asks for a fourth
 constexpr int kStreamStageBudget = 112 * 1024;
-
-/// cp.async.wait_group with a run-time count (0 .. kStreamStagesMax - 1).
-__device__ __forceinline__ void cp_async_wait_dyn(int n) {
-  switch (n) {
-    case 0: ptx::cp_async_wait<0>(); break;
-    case 1: ptx::cp_async_wait<1>(); break;
-    case 2: ptx::cp_async_wait<2>(); break;
-    default: ptx::cp_async_wait<3>(); break;
-  }
-}
 
 template <class T>
 __global__ void __launch_bounds__(kStreamThreadsMax) rotary_stream_kernel(const __grid_constant__ RotaryArgs a) {
@@ -441,7 +428,7 @@ __global__ void __launch_bounds__(kStreamThreadsMax) rotary_stream_kernel(const 
   for (int it = 0; t < a.tokens; ++it, t += step) {
     const int s = it % S, ahead = (it + S - 1) % S;
     issue(t + (S - 1) * step, ahead);  // the stage this thread emptied last token
-    cp_async_wait_dyn(S - 1);          // this token's vectors (and every older group) landed
+    ptx::cp_async_wait_n(S - 1);          // this token's vectors (and every older group) landed
     __syncthreads();                   // this token's cos/sin are written; the slot `ahead` is read by all
     fill_cos_sin(t + (S - 1) * step, ahead);
     const TokenRow row = token_row(a, t);
@@ -515,40 +502,6 @@ bool vector_ok(const RopeParams& p) {
   return all;
 }
 
-/// Launches the stream kernel on a resident grid: as many blocks as the SMs hold at once (cached per
-/// device, block size and shared memory), at most one per token.
-template <class Kernel>
-Status launch_stream(Kernel* kernel, const RotaryArgs& a, int threads, int smem, Stream stream) {
-  // One table for every instantiation (they share this function's type): keyed by the kernel too.
-  static std::mutex mu;
-  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, blocks per SM}
-  DeviceInfo dev;
-  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
-  const auto key = reinterpret_cast<std::intptr_t>(kernel);
-  int per_sm = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& f : fits)
-      if (f[0] == key && f[1] == dev.device + 1 && f[2] == threads && f[3] == smem) per_sm = static_cast<int>(f[4]);
-    if (per_sm == 0) {  // first launch of this shape on this device
-      if (static_cast<std::size_t>(smem) > dev.smem_optin)
-        return Status::Internal("apply_rotary: the stream kernel's stages exceed the device's shared memory");
-      FLASHCPP_RETURN_IF_ERROR(set_dynamic_smem(kernel, static_cast<int>(dev.smem_optin), "apply_rotary: "));
-      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
-      if (e != cudaSuccess) {
-        cudaGetLastError();
-        return Status::Cuda(std::string("apply_rotary: occupancy query failed: ") + cudaGetErrorString(e));
-      }
-      per_sm = std::max(1, per_sm);
-      std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
-      fits[0] = {key, dev.device + 1, threads, smem, per_sm};
-    }
-  }
-  const std::int64_t blocks = std::min<std::int64_t>(a.tokens, static_cast<std::int64_t>(per_sm) * dev.num_sms);
-  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a);
-  return launch_status("apply_rotary");
-}
-
 }  // namespace
 }  // namespace fused
 
@@ -561,12 +514,13 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   // The default on the 16-byte path: on the H200 it took the DESIGN case from 102.8 to 89.7 us
   // (60.7% -> 69.6% of the floor; reports/fused). cuda_config heads1 / heads2 without "shared" pick
   // the register kernel (one or two heads a thread), the default before it.
-  // The stream kernel on request (cuda_config "stream").
+  // The stream kernel is the default on the 16-byte path (a knob naming another kernel, shared,
+  // headsN or staged, picks that one); reports/fused has its measurements against the others.
   const int rot = p.effective_rotary_dim();
   const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
   const int lanes = rot / 2 / kVec16 + (rot < p.head_dim && any_out ? (p.head_dim - rot) / kVec16 : 0);
   const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_k) * lanes;
-  const bool stream = force.stream && path.vector && !staged && !force.shared && force.heads == 0 && per_token <= 1 << 20 &&
+  const bool stream = path.vector && !staged && !force.shared && force.heads == 0 && per_token <= 1 << 20 &&
                       stream_shape(static_cast<int>(per_token), &path.per_thread, &path.threads);
   if (stream) {
     const int stage_bytes = stream_smem(1, path.threads, path.per_thread, rot / 2);
@@ -634,7 +588,9 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
     a.stages = path.stages;
     return with_half_type(p.q.dtype, [&](auto tag) -> Status {
       using T = typename decltype(tag)::type;
-      return launch_stream(rotary_stream_kernel<T>, a, path.threads, stream_smem(path.stages, path.threads, path.per_thread, a.half), stream);
+      return launch_resident(rotary_stream_kernel<T>, a, path.threads,
+                             stream_smem(path.stages, path.threads, path.per_thread, a.half), a.tokens, stream,
+                             "apply_rotary");
     });
   }
   if (path.name.find(" shared") != std::string::npos) {

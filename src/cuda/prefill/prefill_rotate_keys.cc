@@ -22,7 +22,11 @@ Status rotate_keys(const AttnParams& p, Stream stream) {
   const bool in_place = r.k_rotated.data == p.k.data;  // validate(): then it is k, strides and all
   if (!in_place) rp.q_out = r.k_rotated;
   if (varlen) rp.q.batch_stride = rp.q_out.batch_stride = 0;
-  const Status s = apply_rotary(rp, FusedForce{}, stream, varlen ? p.mask.cu_seqlens_k : nullptr);
+  // Packed (varlen) keys take the shared-cos/sin kernel: the stream kernel's packed-sequence walk
+  // has not run on a GPU yet (same arithmetic either way, so the same bits).
+  FusedForce force;
+  force.shared = varlen;
+  const Status s = apply_rotary(rp, force, stream, varlen ? p.mask.cu_seqlens_k : nullptr);
   if (!s.ok()) return Status(s.code(), std::string("rotary (k pre-pass): ") + s.message());
   return Status::Ok();
 }
