@@ -541,6 +541,56 @@ TEST(FusedGpuRotary, StylesPartialOddAndPacked) {
   run_rope(c, salt++);
 }
 
+/// The packed-sequence walk (rotate_keys of a varlen attention: token (b, s) is packed row
+/// cu_seqlens[b] + s, live only inside its sequence): the stream kernel equals the shared kernel bit
+/// for bit (same arithmetic), with and without positions, and writes no row twice or past the end.
+TEST(FusedGpuRotary, StreamPackedSequencesEqualTheSharedKernel) {
+  const int d = 128, heads = 8;
+  const std::vector<std::int32_t> cu = {0, 5, 5, 42, 43};  // lengths 5, 0, 37, 1
+  const int batch = static_cast<int>(cu.size()) - 1, max_len = 37, total = cu.back();
+  std::mt19937_64 g(gpu_seed() ^ 0x51ull);
+  Guarded k(static_cast<std::int64_t>(total) * heads * d);
+  k.fill_random(DType::kBF16, g);
+  ASSERT_TRUE(k.upload());
+  DeviceBuffer dcu(cu.size() * 4), dpos(static_cast<std::size_t>(total) * 4);
+  std::vector<std::int32_t> pos(static_cast<std::size_t>(total));
+  for (auto& x : pos) x = static_cast<std::int32_t>(g() % 5000);
+  CUDA_OK(cudaMemcpy(dcu.ptr, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(dpos.ptr, pos.data(), pos.size() * 4, cudaMemcpyHostToDevice));
+  for (bool with_pos : {false, true}) {
+    SCOPED_TRACE(with_pos ? "positions" : "positions = s");
+    std::vector<std::uint16_t> outs[2];
+    for (int kernel = 0; kernel < 2; ++kernel) {
+      Guarded o(k.n);  // poisoned
+      ASSERT_TRUE(o.upload());
+      RopeParams rp;
+      rp.batch = batch;
+      rp.seqlen = max_len;
+      rp.heads_q = heads;
+      rp.head_dim = d;
+      rp.rotary.theta = 10000.0;
+      rp.q = TensorView{k.data(), DType::kBF16, 0, heads * d, d};  // packed rows: no batch stride
+      rp.q_out = TensorView{o.data(), DType::kBF16, 0, heads * d, d};
+      rp.positions = with_pos ? static_cast<const std::int32_t*>(dpos.ptr) : nullptr;
+      cuda::FusedForce f;
+      f.stream = kernel == 0;
+      f.shared = kernel == 1;
+      ASSERT_EQ(cuda::rotary_path(rp, f).name.find(kernel == 0 ? " stream" : " shared") != std::string::npos, true)
+          << cuda::rotary_path(rp, f).name;
+      const Status st = cuda::apply_rotary(rp, f, nullptr, static_cast<const std::int32_t*>(dcu.ptr));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      CUDA_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(o.download());
+      EXPECT_EQ(o.guards_changed(), 0);
+      std::int64_t unwritten = 0;
+      for (std::int64_t i = 0; i < o.n; ++i) unwritten += o.at(i) == kPoison;
+      EXPECT_EQ(unwritten, 0) << "every packed row belongs to a sequence, so every element is written";
+      outs[kernel] = o.host;
+    }
+    EXPECT_TRUE(outs[0] == outs[1]) << "the stream kernel's packed walk differs from the shared kernel's";
+  }
+}
+
 TEST(FusedGpuRotary, CacheAndOutOfRangePositions) {
   RopeCase c;
   c.batch = 2;
