@@ -74,7 +74,9 @@
 // kernels lives in the tests, tests/cpu/test_fused.cc). CUDA launches are asynchronous on opt.stream, allocate nothing and never
 // synchronize (capturable in a CUDA graph). opt.cuda_config may force a CUDA path for tests
 // and tuning: a comma-separated list of "scalar" (element-wise loads instead of 16-byte
-// vectors), "two_pass" (norms: re-read the row instead of keeping it in registers) and
+// vectors), "two_pass" (norms: re-read the row instead of keeping it in registers), "stream"
+// (norms and rotary: a resident grid that keeps the next rows in flight into shared memory; rotary's
+// 16-byte default), "stages2|3|4" (its depth), "shared" (rotary: the shared-cos/sin kernel) and
 // "streaming" (evict-first cache hints on the 16-byte loads and stores); "" is automatic.
 // None of them changes a result. qk_norm_rope and rope_append_kv take "scalar" only (their row
 // kernels have no two-pass or streaming variant; the other tokens leave them unchanged). The automatic choice takes 16-byte vectors whenever every pointer is 16-byte
