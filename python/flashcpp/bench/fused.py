@@ -43,7 +43,9 @@ flashcpp is also timed with cuda_config="streaming" (evict-first cache hints): `
 
 Rotary fused into attention (rope_attention.csv): flash_attn_func(..., rotary=Rotary()) against
 apply_rotary (ours) followed by flash_attn_func, causal bf16 at (4, 4096, 32, 128) and GQA shapes;
-bar >= 1.05x, and the outputs must be equal bit for bit (`exact_vs_separate`).
+bar >= 1.05x, and the outputs must be equal bit for bit (`exact_vs_separate`). Beside it,
+`separate_fa2_us` / `speedup_vs_rotary_fa2`: apply_rotary followed by FA2 (SDPA's flash backend),
+the issue's own wording of the bar; `meets_bar` stays with the stricter comparison.
 
 The bars of the issue: rmsnorm_residual >= 1.8x eager, swiglu >= 1.5x eager, every case >= 1.0x
 torch.compile and >= 85% of the floor (floor_us / ours_us). The `meets_bar` column says yes/no.
@@ -514,9 +516,25 @@ def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> Lis
         def attn_only():
             return flashcpp.flash_attn_func(q, k, v, causal=True)
 
+        # The issue's wording of the bar: the unfused rotary followed by FA2 (PyTorch's SDPA flash
+        # backend, GQA through enable_gqa), beside the stricter comparison with our own attention.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def separate_fa2():
+            flashcpp.apply_rotary(q, k, q_out=qo, k_out=ko)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qo.transpose(1, 2), ko.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=hq != hk)
+
+        fns = {"fused": fused, "fused_cache": fused_cache, "separate": separate, "attn_only": attn_only}
+        try:
+            separate_fa2()
+            fns["separate_fa2"] = separate_fa2
+        except Exception as e:  # noqa: BLE001 - a backend that refuses the shape: said, not timed
+            progress(f"[bench fused] rotary + FA2 (SDPA flash) not timed at {(b, s, hq, hk, d)}: {type(e).__name__}: {str(e)[:80]}")
         exact = bool(torch.equal(fused(), separate()))
-        t = interleaved({"fused": fused, "fused_cache": fused_cache, "separate": separate, "attn_only": attn_only},
-                        rounds=3, graph=True, rep_ms=rep_ms_for(quick))
+        t = interleaved(fns, rounds=3, graph=True, rep_ms=rep_ms_for(quick))
+        fa2 = t.get("separate_fa2")
         sp = t["separate"] / t["fused"]
         cid = f"rope_attn_b{b}_s{s}_h{hq}kv{hk}_d{d}_bf16_causal"
         rows.append({"case": cid, "batch": b, "seqlen": s, "heads_q": hq, "heads_k": hk, "head_dim": d,
@@ -525,13 +543,16 @@ def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> Lis
                      "attn_only_us": round(t["attn_only"], 2),
                      "rotary_overhead_us": round(t["fused"] - t["attn_only"], 2),
                      "separate_rotary_us": round(t["separate"] - t["attn_only"], 2),
+                     "separate_fa2_us": round(fa2, 2) if fa2 else "",
+                     "speedup_vs_rotary_fa2": round(fa2 / t["fused"], 3) if fa2 else "",
                      "speedup": round(sp, 3), "bar_speedup": ROPE_ATTN_BAR,
                      "meets_bar": "yes" if sp >= ROPE_ATTN_BAR else "no", "exact_vs_separate": "yes" if exact else "no",
                      "timing": "cuda_graph_median", "gpu": env["gpu"], "git_commit": env["git_commit"]})
         progress(f"{cid:44s} fused {t['fused']:8.1f} us (cos/sin cache {t['fused_cache']:8.1f})  separate "
                  f"{t['separate']:8.1f} us  attention alone "
                  f"{t['attn_only']:8.1f} us  ({sp:.3f}x{'' if sp >= ROPE_ATTN_BAR else ' BELOW BAR'}, "
-                 f"exact {'yes' if exact else 'NO'})")
+                 f"exact {'yes' if exact else 'NO'})" +
+                 (f"  rotary + FA2 {fa2:8.1f} us ({fa2 / t['fused']:.3f}x)" if fa2 else ""))
         del q, k, v, qo, ko
         torch.cuda.empty_cache()
     return rows
