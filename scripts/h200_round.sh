@@ -19,20 +19,24 @@
 #                                                                      (~380 s: the whole grid took 268 s
 #                                                                      at 793b0a9)
 #   call 5, no carry:                  bash scripts/h200_round.sh 5 C   fused (quack, Liger)              (~300 s)
+#   call 6, no carry (after 3):        bash scripts/h200_round.sh 6 C   fused and decode GPU tests in three
+#                                                                      shards, the fused kernels' knobs
+#                                                                      against a copy and quack, decode at
+#                                                                      head dims 128/96/80/64  (~250 s)
 # The five calls need ~29 minutes plus the start, more than a round's 30 device minutes once a start
 # is refused or a machine is taken back: run phase 1 and then the phases the change needs.
 # Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
 # folders as one tarball per phase: unpack with `tar xzf` into reports/ and name the raw folder by
 # commit and date). A phase that finds its machine cold says so and stops (start again at phase 1).
 set -uo pipefail
-phase=${1:?phase 1..5}
+phase=${1:?phase 1..6}
 commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 case $phase in
-  1 | 2 | 3 | 4 | 5) ;;
+  1 | 2 | 3 | 4 | 5 | 6) ;;
   *)
-    echo "h200_round.sh: phase must be 1, 2, 3, 4 or 5; got '$phase'" >&2
+    echo "h200_round.sh: phase must be 1, 2, 3, 4, 5 or 6; got '$phase'" >&2
     exit 2
     ;;
 esac
@@ -142,6 +146,32 @@ case $phase in
     timeout 290 python3 -m flashcpp.bench fused --out "$OUT/fused" > "$OUT/bench_fused.log" 2>&1  # > 200 s since the new fusions
     say "fused rc $?"
     pack phase5 fused
+    ;;
+  6)
+    warm_or_stop
+    fa4_path
+    # Three shards side by side (the fused suite alone ran past 150 s in one process).
+    i=0
+    pids=()
+    for f in 'FusedGpuRotary.DesignSize:FusedGpuRmsNorm.DesignSizeEveryPath' \
+      'FusedGpuRotary.*:FusedGpuPaths.*:FusedGpuQkNormRope.*:FusedGpuRmsNorm.OddSizes:-FusedGpuRotary.DesignSize' \
+      'FusedGpuRmsNorm.StridedMisalignedInPlace:DecodeGpu.*:-DecodeGpu.CourseShapes'; do
+      timeout 240 ./build/flashcpp_gpu_tests --gtest_filter="$f" > "$OUT/gtest_$i.txt" 2>&1 &
+      pids+=($!)
+      i=$((i + 1))
+    done
+    wait "${pids[@]}"
+    for j in 0 1 2; do
+      say "gpu tests $j: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/gtest_$j.txt" | tr '\n' ' ')"
+    done
+    (cd /tmp && timeout 200 python3 "$repo/scripts/fused_knobs.py" > "$OUT/knobs.txt" 2>&1)
+    say "fused knobs rc $?"
+    cat "$OUT/knobs.txt" >> "$summary"
+    (cd /tmp && timeout 120 python3 -c "import sys; from flashcpp.bench import decode
+sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_CASES))" > "$OUT/headdim_decode.log" 2>&1)
+    say "head-dim decode rc $?"
+    grep "at d128" "$OUT/headdim_decode.log" >> "$summary"
+    pack phase6 headdim_decode
     ;;
 esac
 cat "$summary"
