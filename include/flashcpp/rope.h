@@ -104,4 +104,14 @@ struct RotarySpec {
 /// What every backend uses (the CUDA kernels get these values from the host).
 double rotary_inv_freq(int i, int rotary_dim, double theta, const Llama3Scaling& llama3) noexcept;
 
+/// Pairs rotary_inv_freq_table holds: rotary_dim up to 1024.
+inline constexpr int kRotaryTableMaxPairs = 512;
+
+/// The whole table rotary_inv_freq(i, rotary_dim, theta, llama3) for i < rotary_dim / 2 (rotary_dim
+/// in [2, 2 * kRotaryTableMaxPairs], even), memoized per thread over the last four specs: what the
+/// CUDA launches copy into their kernel arguments at every call (64 fp64 pows cost ~1.2 us of host
+/// time at rotary_dim 128). The pointer is valid until this thread has asked for four other specs;
+/// copy the values at once. Null for a rotary_dim outside that range.
+const double* rotary_inv_freq_table(int rotary_dim, double theta, const Llama3Scaling& llama3) noexcept;
+
 }  // namespace flashcpp

@@ -27,6 +27,32 @@ double rotary_inv_freq(int i, int rotary_dim, double theta, const Llama3Scaling&
                          s.original_max_position);
 }
 
+const double* rotary_inv_freq_table(int rotary_dim, double theta, const Llama3Scaling& s) noexcept {
+  if (rotary_dim < 2 || rotary_dim > 2 * kRotaryTableMaxPairs || rotary_dim % 2 != 0) return nullptr;
+  struct Entry {
+    int rotary_dim = 0;  // 0: empty
+    double theta = 0;
+    Llama3Scaling llama3;
+    double values[kRotaryTableMaxPairs];
+  };
+  thread_local Entry cache[4];
+  thread_local int next = 0;
+  auto same = [&](const Entry& e) {  // a NaN theta never matches: computed afresh (validation refuses it)
+    return e.rotary_dim == rotary_dim && e.theta == theta && e.llama3.factor == s.factor &&
+           e.llama3.low_freq_factor == s.low_freq_factor && e.llama3.high_freq_factor == s.high_freq_factor &&
+           e.llama3.original_max_position == s.original_max_position;
+  };
+  for (const Entry& e : cache)
+    if (same(e)) return e.values;
+  Entry& e = cache[next];
+  next = (next + 1) % 4;
+  for (int i = 0; i < rotary_dim / 2; ++i) e.values[i] = rotary_inv_freq(i, rotary_dim, theta, s);
+  e.rotary_dim = rotary_dim;
+  e.theta = theta;
+  e.llama3 = s;
+  return e.values;
+}
+
 namespace cpu {
 namespace {
 

@@ -352,6 +352,37 @@ TEST(Rotary, InvFreqMatchesDirectFormulaWithLlama3Scaling) {
   EXPECT_NEAR(rotary_inv_freq(63, 128, 500000.0, l31), lowest / 8, 1e-12 * lowest);
 }
 
+// The memoized table the CUDA launches copy: every entry is rotary_inv_freq's, bit for bit, for
+// specs that differ in one field only, after the thread's four slots have been reused, and at the
+// range's ends; outside the range null; a NaN theta gives NaN entries (never a stale match).
+TEST(Rotary, InvFreqTableIsTheFunctionBitForBit) {
+  const Llama3Scaling off{}, l31{8.f, 1.f, 4.f, 8192}, l31b{8.f, 1.f, 4.f, 4096}, l31c{8.f, 2.f, 4.f, 8192};
+  struct Spec {
+    int rot;
+    double theta;
+    Llama3Scaling s;
+  };
+  const Spec specs[] = {{128, 10000.0, off}, {128, 500000.0, off}, {128, 500000.0, l31}, {128, 500000.0, l31b},
+                        {128, 500000.0, l31c}, {64, 10000.0, off},   {2, 10000.0, off},   {1024, 1e6, l31}};
+  for (int round = 0; round < 3; ++round)  // 8 specs over 4 slots: each round evicts the last one's
+    for (const Spec& sp : specs) {
+      const double* t = rotary_inv_freq_table(sp.rot, sp.theta, sp.s);
+      ASSERT_NE(t, nullptr);
+      for (int i = 0; i < sp.rot / 2; ++i) {
+        const double want = rotary_inv_freq(i, sp.rot, sp.theta, sp.s);
+        ASSERT_EQ(std::memcmp(&t[i], &want, sizeof want), 0) << "rot " << sp.rot << " theta " << sp.theta << " i " << i;
+      }
+      const double* again = rotary_inv_freq_table(sp.rot, sp.theta, sp.s);
+      EXPECT_EQ(again, t) << "a repeated spec is served from its slot";
+    }
+  EXPECT_EQ(rotary_inv_freq_table(0, 10000.0, off), nullptr);
+  EXPECT_EQ(rotary_inv_freq_table(3, 10000.0, off), nullptr);
+  EXPECT_EQ(rotary_inv_freq_table(2 * kRotaryTableMaxPairs + 2, 10000.0, off), nullptr);
+  const double* nan_table = rotary_inv_freq_table(8, std::nan(""), off);
+  ASSERT_NE(nan_table, nullptr);
+  EXPECT_TRUE(std::isnan(nan_table[1]));
+}
+
 struct RotCase {
   int batch = 2, seqlen = 5, hq = 4, hk = 2, head_dim = 64, rot = 0;
   RopeStyle style = RopeStyle::kNeox;

@@ -74,8 +74,10 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.rot_sin = ro.sin;
   p.rot_table_stride = ro.effective_table_stride(a.head_dim);
   p.rot_max_pos = ro.max_position;
-  if (p.rot_style != 0 && ro.cos == nullptr)
-    for (int i = 0; i < p.rot_dim / 2; ++i) p.rot_inv_freq[i] = rotary_inv_freq(i, p.rot_dim, ro.theta, ro.llama3);
+  if (p.rot_style != 0 && ro.cos == nullptr) {
+    const double* table = rotary_inv_freq_table(p.rot_dim, ro.theta, ro.llama3);  // rot_dim <= 256: validated
+    for (int i = 0; i < p.rot_dim / 2; ++i) p.rot_inv_freq[i] = table[i];
+  }
 
   p.batch = a.batch;
   p.seqlen_q = a.seqlen_q;

@@ -52,7 +52,8 @@ inline void set_row_rotary(const RotarySpec& spec, int head_dim, RowRotary* r) {
   if (spec.has_tables()) {
     r->tables = rope::CosSinTables{spec.cos, spec.sin, spec.effective_table_stride(head_dim), spec.max_position};
   } else {
-    for (int i = 0; i < r->half; ++i) r->inv_freq[i] = rotary_inv_freq(i, r->rot, spec.theta, spec.llama3);
+    const double* table = rotary_inv_freq_table(r->rot, spec.theta, spec.llama3);  // rot <= 256 here
+    for (int i = 0; i < r->half; ++i) r->inv_freq[i] = table[i];
   }
 }
 

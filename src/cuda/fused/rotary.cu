@@ -45,7 +45,7 @@ constexpr int kThreads = 128;       // 12 blocks of 128 at 40 registers: 1536 th
 // DESIGN case took 104 / 114 / 134 us. Memory-level parallelism (threads x bytes in flight) is
 // what limits this kernel, not the cos/sin arithmetic.
 constexpr int kHeadsInFlight = 1;
-constexpr int kMaxPairs = 512;     // rotary_dim / 2 for head_dim <= 1024 (fused_validate.cc)
+constexpr int kMaxPairs = kRotaryTableMaxPairs;  // rotary_dim / 2 for head_dim <= 1024 (fused_validate.cc)
 
 /// Kernel arguments; index 0 = q, 1 = k.
 struct RotaryArgs {
@@ -567,7 +567,9 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   a.tables = rope::CosSinTables{spec.cos, spec.sin, spec.effective_table_stride(p.head_dim), spec.max_position};
   if (!spec.has_tables()) {
     if (a.half > kMaxPairs) return Status::Internal("apply_rotary: rotary_dim / 2 exceeds the kernel's inv_freq table");
-    for (int i = 0; i < a.half; ++i) a.inv_freq[i] = rotary_inv_freq(i, rot, spec.theta, spec.llama3);
+    const double* table = rotary_inv_freq_table(rot, spec.theta, spec.llama3);
+    if (table == nullptr) return Status::Internal("apply_rotary: rotary_dim past the inv_freq table");
+    std::copy_n(table, a.half, a.inv_freq);
   }
   a.streaming = force.streaming;
   // Block: a token's threads (warps of it, at most kThreads; the rest on blockIdx.y) x as many
