@@ -30,7 +30,8 @@ struct FusedPath {
   bool vector = false;        ///< 16-byte accesses
   bool register_row = false;  ///< norms: row held in registers (else two passes)
   bool persistent = false;    ///< norms: the persistent register kernel
-  bool stream = false;        ///< norms: rows streamed through shared memory by a resident grid
+  bool stream = false;        ///< norms and rotary: rows streamed through shared memory by a resident grid
+  bool shared = false;        ///< rotary: the shared-cos/sin kernel
   int per_thread = 0;         ///< norms, stream: 16-byte vectors a thread holds per tensor
   int stages = 0;             ///< norms, stream: rows in shared memory per block
   int threads = 0;            ///< threads per block
@@ -38,21 +39,23 @@ struct FusedPath {
   std::string name;
 };
 
-FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedForce& force);
+// The *_path functions: the launch's choice; `named` false leaves FusedPath::name empty (the launches
+// ask that way: the name's string building is host time on every eager call).
+FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedForce& force, bool named = true);
 Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& force, Stream stream);
 
-FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force);
+FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force, bool named = true);
 Status silu_and_mul(const SiluMulParams& p, const FusedForce& force, Stream stream);
 
-FusedPath rotary_path(const RopeParams& p, const FusedForce& force);
+FusedPath rotary_path(const RopeParams& p, const FusedForce& force, bool named = true);
 /// cu_seqlens (rotate_keys): packed sequences of at most p.seqlen tokens; see RotaryArgs.
 Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
                     const std::int32_t* cu_seqlens = nullptr);
 
-FusedPath qk_norm_rope_path(const QkNormRopeParams& p, const FusedForce& force);
+FusedPath qk_norm_rope_path(const QkNormRopeParams& p, const FusedForce& force, bool named = true);
 Status qk_norm_rope(const QkNormRopeParams& p, const FusedForce& force, Stream stream);
 
-FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force);
+FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force, bool named = true);
 Status rope_append_kv(const RopeAppendParams& p, const FusedForce& force, Stream stream);
 
 }  // namespace flashcpp::cuda

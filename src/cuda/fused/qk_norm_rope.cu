@@ -199,13 +199,14 @@ bool vector_ok(const QkNormRopeParams& p) {
 }  // namespace
 }  // namespace fused
 
-FusedPath qk_norm_rope_path(const QkNormRopeParams& p, const FusedForce& force) {
+FusedPath qk_norm_rope_path(const QkNormRopeParams& p, const FusedForce& force, bool named) {
   using namespace fused;
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p);
   path.register_row = true;
   path.threads = kRowBlockThreads;
   path.group = next_pow2((p.head_dim + kRowLaneElems - 1) / kRowLaneElems);
+  if (!named) return path;
   path.name = std::string("qk_norm_rope ") + (p.rotary.enabled() ? rope_style_name(p.rotary.style) : "norm-only") +
               (path.vector ? " vec8" : " scalar") + (p.rotary.has_tables() ? " cache" : "") +
               " group=" + std::to_string(path.group);
@@ -214,7 +215,7 @@ FusedPath qk_norm_rope_path(const QkNormRopeParams& p, const FusedForce& force) 
 
 Status qk_norm_rope(const QkNormRopeParams& p, const FusedForce& force, Stream stream) {
   using namespace fused;
-  const FusedPath path = qk_norm_rope_path(p, force);
+  const FusedPath path = qk_norm_rope_path(p, force, false);
   const int vec = path.vector ? kVec16 : kScalar;
   QkNormArgs a;
   set_qk_views(p.q, p.k, p.q_out, p.k_out, &a);

@@ -326,7 +326,7 @@ bool vector_ok(const RmsNormParams& p, bool with_residual) {
 }  // namespace
 }  // namespace fused
 
-FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedForce& force) {
+FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedForce& force, bool named) {
   using namespace fused;
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p, with_residual);
@@ -368,6 +368,7 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     const int stage_bytes = path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
     path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
   }
+  if (!named) return path;
   path.name = std::string(with_residual ? "fused_add_rms_norm" : "rms_norm") + (path.vector ? " vec8" : " scalar") +
               (path.persistent ? " persistent" : path.stream ? " stream" : path.register_row ? " register" : " two_pass") +
               " threads=" + std::to_string(path.threads) +
@@ -379,7 +380,7 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
 
 Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& force, Stream stream) {
   using namespace fused;
-  const FusedPath path = rms_norm_path(p, with_residual, force);
+  const FusedPath path = rms_norm_path(p, with_residual, force, false);
   const int vec = path.vector ? kVec16 : kScalar;
   NormArgs a;
   a.x = p.x.data;

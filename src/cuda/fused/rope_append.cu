@@ -287,7 +287,7 @@ bool vector_ok(const RopeAppendParams& p) {
 }  // namespace
 }  // namespace fused
 
-FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force) {
+FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force, bool named) {
   using namespace fused;
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p);
@@ -295,6 +295,7 @@ FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force) {
   path.threads = kRowBlockThreads;
   const int widest = std::max(p.head_dim, p.effective_head_dim_v());
   path.group = next_pow2((widest + kRowLaneElems - 1) / kRowLaneElems);
+  if (!named) return path;
   path.name = std::string("rope_append_kv ") + (p.rotary.enabled() ? rope_style_name(p.rotary.style) : "no-rotary") +
               (path.vector ? " vec8" : " scalar") + (p.cache.paged() ? " paged" : " contiguous") +
               (p.cache.fp8() ? " fp8" : "") +
@@ -304,7 +305,7 @@ FusedPath rope_append_path(const RopeAppendParams& p, const FusedForce& force) {
 
 Status rope_append_kv(const RopeAppendParams& p, const FusedForce& force, Stream stream) {
   using namespace fused;
-  const FusedPath path = rope_append_path(p, force);
+  const FusedPath path = rope_append_path(p, force, false);
   const KVCacheView& c = p.cache;
   AppendArgs a;
   const TensorView& qo = p.q_out.data ? p.q_out : p.q;

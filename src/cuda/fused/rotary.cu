@@ -505,7 +505,7 @@ bool vector_ok(const RopeParams& p) {
 }  // namespace
 }  // namespace fused
 
-FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
+FusedPath rotary_path(const RopeParams& p, const FusedForce& force, bool named) {
   using namespace fused;
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p);
@@ -530,6 +530,8 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
   }
   path.stream = stream;
   const bool shared = path.vector && !staged && !stream && (force.shared || force.heads == 0) && shared_ok(p, force);
+  path.shared = shared;
+  if (!named) return path;
   path.name = std::string("rotary ") + rope_style_name(p.rotary.style) + (path.vector ? " vec8" : " scalar") +
               (p.rotary.has_tables() ? " cache" : " sincos") + (staged ? " staged" : "") + (shared ? " shared" : "") +
               (stream ? " stream threads=" + std::to_string(path.threads) + " units=" + std::to_string(path.per_thread) +
@@ -541,7 +543,7 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force) {
 
 Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream, const std::int32_t* cu_seqlens) {
   using namespace fused;
-  const FusedPath path = rotary_path(p, force);
+  const FusedPath path = rotary_path(p, force, false);
   const int vec = path.vector ? kVec16 : kScalar;
   const int rot = p.effective_rotary_dim();
   RotaryArgs a;
@@ -595,7 +597,7 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
                              "apply_rotary");
     });
   }
-  if (path.name.find(" shared") != std::string::npos) {
+  if (path.shared) {
     const int H = shared_heads(force);
     a.groups = (a.heads + H - 1) / H;
     a.per_token = a.groups * a.lanes;

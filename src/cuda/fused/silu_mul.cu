@@ -69,13 +69,14 @@ bool vector_ok(const SiluMulParams& p) {
 }  // namespace
 }  // namespace fused
 
-FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force) {
+FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force, bool named) {
   using namespace fused;
   FusedPath path;
   path.vector = !force.scalar && vector_ok(p);
   const int vec = path.vector ? kVec16 : kScalar;
   const std::int64_t nvec = (p.d + vec - 1) / vec;
   path.threads = static_cast<int>(std::min<std::int64_t>(kThreads, (nvec + 31) / 32 * 32));
+  if (!named) return path;
   path.name = std::string("silu_and_mul") + (path.vector ? " vec8" : " scalar") + " threads=" + std::to_string(path.threads) +
               (force.streaming ? " streaming" : "");
   return path;
@@ -83,7 +84,7 @@ FusedPath silu_and_mul_path(const SiluMulParams& p, const FusedForce& force) {
 
 Status silu_and_mul(const SiluMulParams& p, const FusedForce& force, Stream stream) {
   using namespace fused;
-  const FusedPath path = silu_and_mul_path(p, force);
+  const FusedPath path = silu_and_mul_path(p, force, false);
   const int vec = path.vector ? kVec16 : kScalar;
   SiluArgs a;
   a.gate = p.gate.data;
