@@ -195,10 +195,11 @@ TEST(FusedGpuRmsNorm, DesignSizeEveryPath) {
 
 TEST(FusedGpuRmsNorm, OddSizes) {
   std::uint64_t salt = 100;
-  // {3, 264}: 33 vectors, the shortest stream row (one warp of 2 vectors); {7, 16384}: the longest
-  // (256 threads of 8, two stages with a residual); {1000, 1000}: 125 vectors, a part-filled block.
-  const std::int64_t shapes[][2] = {{1, 1}, {3, 8}, {5, 127}, {17, 4097}, {7, 128}, {1000, 64}, {33, 8192},
-                                    {4, 8193}, {2, 20000}, {3, 24}, {9, 40}, {3, 264}, {7, 16384}, {1000, 1000}};
+  // {3, 264}: 33 vectors, the shortest row past one warp; {7, 16384}: 2048 vectors; {1000, 1000}:
+  // 125 vectors, a part-filled block; {5, 4088}: 511 vectors, a row the stream kernel takes.
+  const std::int64_t shapes[][2] = {{1, 1},   {3, 8},     {5, 127},  {17, 4097},   {7, 128},    {1000, 64},
+                                    {33, 8192}, {4, 8193}, {2, 20000}, {3, 24},     {9, 40},     {3, 264},
+                                    {7, 16384}, {1000, 1000}, {5, 4088}};
   for (DType dt : {DType::kBF16, DType::kF16})
     for (const auto& s : shapes)
       for (bool res : {false, true})
@@ -215,12 +216,14 @@ TEST(FusedGpuRmsNorm, StridedMisalignedInPlace) {
   run_norm({64, 4097, DType::kBF16, true, 0, 0, true, "two_pass"}, salt++);
   run_norm({5000, 4096, DType::kBF16, true, 0, 0, true, "persistent"}, salt++);  // rows > blocks: the loop and prefetch
   run_norm({64, 12000, DType::kF16, false, 16, 0, true}, salt++);
-  // The stream kernel: a part-filled last vector (4100 = 512 * 8 + 4) beside padding, in place with
-  // more rows than the resident grid (each block walks ~40 rows through its stages), and fp16.
-  run_norm({64, 4100, DType::kBF16, true, 4, 0, false, "stream"}, salt++);
+  // The stream kernel: a part-filled last vector (4092 = 511 * 8 + 4) beside padding, in place with
+  // more rows than the resident grid (each block walks ~40 rows through its stages), the shortest
+  // rows it takes (257 vectors: 96 threads), and fp16.
+  run_norm({64, 4092, DType::kBF16, true, 4, 0, false, "stream"}, salt++);
   run_norm({40000, 4096, DType::kBF16, true, 0, 0, true, "stream"}, salt++);
-  run_norm({40000, 2048, DType::kF16, false, 0, 0, true, "stream,stages2"}, salt++);
-  run_norm({9000, 4100, DType::kF16, true, 12, 0, false, "stream,stages3"}, salt++);
+  run_norm({40000, 2056, DType::kF16, false, 0, 0, true, "stream,stages2"}, salt++);
+  run_norm({9000, 4092, DType::kF16, true, 12, 0, false, "stream,stages3"}, salt++);
+  run_norm({1000, 4096, DType::kBF16, false}, salt++);  // plain rows of 512 vectors: the stream kernel by default
 }
 
 // ---- SwiGLU ------------------------------------------------------------------------------
@@ -652,12 +655,11 @@ TEST(FusedGpuPaths, ChosenPathsForTypicalShapes) {
   cuda::FusedForce stream;
   stream.stream = true;
   EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=3 group=128");
-  EXPECT_EQ(norm(8192, 8192, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=8 stages=3 group=128");
-  EXPECT_EQ(norm(16384, 16384, stream), "fused_add_rms_norm vec8 stream threads=256 vecs=8 stages=2 group=256");
-  EXPECT_EQ(norm(16392, 16392, stream), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // past its rows
-  EXPECT_EQ(norm(264, 264, stream), "fused_add_rms_norm vec8 stream threads=32 vecs=2 stages=3 group=32");
-  EXPECT_EQ(norm(4097, 4104, stream), "fused_add_rms_norm vec8 stream threads=96 vecs=8 stages=3 group=96");
-  EXPECT_EQ(norm(8193, 8200, stream), "fused_add_rms_norm vec8 stream threads=160 vecs=8 stages=2 group=160");
+  EXPECT_EQ(norm(4092, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=3 group=128");  // tail
+  EXPECT_EQ(norm(2056, 2056, stream), "fused_add_rms_norm vec8 stream threads=96 vecs=4 stages=3 group=96");
+  EXPECT_EQ(norm(8192, 8192, stream), "fused_add_rms_norm vec8 two_pass threads=512 group=512");  // past its rows
+  EXPECT_EQ(norm(2048, 2048, stream), "fused_add_rms_norm vec8 two_pass threads=256 group=256");
+  EXPECT_EQ(norm(4097, 4104, stream), "fused_add_rms_norm vec8 two_pass threads=512 group=512");
   stream.stages = 2;
   EXPECT_EQ(norm(4096, 4096, stream), "fused_add_rms_norm vec8 stream threads=128 vecs=4 stages=2 group=128");
   cuda::FusedForce persistent;

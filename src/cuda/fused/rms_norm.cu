@@ -9,7 +9,8 @@
 //   FLOPs are ~5 per element: nothing here is compute bound; the work is keeping enough
 //   16-byte loads in flight (Little: ~16 B/cycle/SM x ~1000 cycles of latency = ~16 KB/SM).
 //
-// Two kernels, each instantiated for {bf16, fp16} x {16-byte vectors, scalar} (8 in all):
+// Kernels (instantiated for bf16 and fp16 each): register {16-byte vectors at 1, 2 or 4 slots,
+// scalar}, two_pass {16-byte, scalar}, persistent and stream (16-byte only): 16 in all.
 //   register   hidden <= kRegisterMaxHidden (8192). The row lives in registers between the load
 //              and the store: each thread holds kSlots vectors (1 x 8 elements, or 8 scalars),
 //              kept as the packed, ROUNDED h (what residual_out receives, and what y is computed
@@ -208,7 +209,7 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
   }
 }
 
-/// Stream kernel (16-byte rows of 33..kStreamMaxVecs vectors; see rms_norm_path for when): a resident grid in
+/// Stream kernel (16-byte rows of 257..512 vectors, 4 a thread; see rms_norm_path for when): a resident grid in
 /// which each block walks rows blockIdx.x, + gridDim.x, ... and keeps the next stages - 1 rows'
 /// x (and residual) in flight into shared memory with cp.async while it reduces and stores the
 /// current one. The bytes in flight then cost shared memory, not registers, and never drop to zero
@@ -220,15 +221,16 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
 /// Each row is read before it is written, by the block that writes it, so in place is safe.
 /// Where it falls off: a grid whose blocks get unequal row counts (rows not a multiple of the
 /// grid) loses up to one row per block in the last round, a few percent below ~20 rows a block.
-constexpr int kStreamThreadsMax = 256;
-constexpr int kStreamThreadsPref = 128;             // threads a row, when the row has enough vectors
-constexpr int kStreamMaxVecs = kStreamThreadsMax * 8;  // hidden <= 16384 at 2 bytes
+/// Only rows of 4 vectors a thread are built: 2 (shorter rows) and 8 (longer, 169 registers) ran
+/// slower than the two-pass kernel on the H200 (reports/fused), as did every residual row.
+constexpr int kStreamVecs = 4;       // 16-byte vectors a thread holds per tensor
+constexpr int kStreamThreads = 128;  // at most: rows of 257..512 vectors take 96..128
 constexpr int kStreamStagesMax = 3;  // by default; cuda_config stages4 asks for a fourth
 constexpr int kStreamStageBudget = 112 * 1024;      // bytes of stages a block, at most (then fewer stages)
 
-template <class T, int P>
-__global__ void __launch_bounds__(kStreamThreadsMax) rms_norm_stream_kernel(const __grid_constant__ NormArgs a) {
-  constexpr int VEC = kVec16;
+template <class T>
+__global__ void __launch_bounds__(kStreamThreads) rms_norm_stream_kernel(const __grid_constant__ NormArgs a) {
+  constexpr int VEC = kVec16, P = kStreamVecs;
   extern __shared__ __align__(16) unsigned char stream_smem[];
   __shared__ float scratch[2][32];  // alternating: one barrier a row (see persistent's note)
   using V = Vec<T, VEC>;
@@ -295,17 +297,6 @@ __global__ void __launch_bounds__(kStreamThreadsMax) rms_norm_stream_kernel(cons
   ptx::cp_async_wait<0>();  // the empty groups past the last row
 }
 
-/// Vectors a thread holds in the stream kernel (2, 4 or 8) and the block's threads, for a row of
-/// nvec 16-byte vectors: kStreamThreadsPref threads when that needs at most 8 vectors a thread,
-/// else up to kStreamThreadsMax; short rows take P = 2 and fewer threads (a multiple of 32).
-void stream_shape(int nvec, int* per_thread, int* threads) {
-  int p = 2;
-  while (p < 8 && p * kStreamThreadsPref < nvec) p *= 2;
-  const int need = (nvec + p - 1) / p;
-  *per_thread = p;
-  *threads = std::min(kStreamThreadsMax, (need + 31) / 32 * 32);
-}
-
 int round_up(int a, int b) { return (a + b - 1) / b * b; }
 int next_pow2(int a) {
   int p = 1;
@@ -355,16 +346,15 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.group = path.threads;
   }
   path.persistent = force.persistent && path.vector && path.register_row && path.group > 32 && force.slots <= 1;
-  // The stream kernel: by default for plain rows of 257..512 vectors (hidden 2049..4096 at 2 bytes),
-  // where it ran faster than the two-pass kernel on the H200; on request (cuda_config "stream") for
-  // any 16-byte row past one warp. Elsewhere the two-pass kernel measured faster (reports/fused):
-  // with a residual, at 8 vectors a thread (register-bound) and at 2 (short rows).
-  const bool stream_pays = !with_residual && nvec > 2 * kStreamThreadsPref && nvec <= 4 * kStreamThreadsPref;
-  path.stream = (force.stream || (stream_pays && !register_knob)) && path.vector && !path.register_row && !force.two_pass &&
-                nvec <= kStreamMaxVecs;
+  // The stream kernel takes 16-byte rows of 257..512 vectors (hidden 2049..4096 at 2 bytes): by
+  // default the plain ones, where it ran faster than the two-pass kernel on the H200, and with a
+  // residual on request (cuda_config "stream"), where it ran slower (reports/fused).
+  const bool stream_rows = nvec > (kStreamVecs / 2) * kStreamThreads && nvec <= kStreamVecs * kStreamThreads;
+  path.stream = stream_rows && (force.stream || (!with_residual && !register_knob)) && path.vector &&
+                !path.register_row && !force.two_pass;
   if (path.stream) {
-    stream_shape(nvec, &path.per_thread, &path.threads);
-    path.group = path.threads;
+    path.per_thread = kStreamVecs;
+    path.threads = path.group = round_up((nvec + kStreamVecs - 1) / kStreamVecs, 32);
     const int stage_bytes = path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
     path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
   }
@@ -404,11 +394,7 @@ Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& fo
     const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
     return with_half_type(p.x.dtype, [&](auto tag) -> Status {
       using T = typename decltype(tag)::type;
-      switch (path.per_thread) {
-        case 2: return launch_resident(rms_norm_stream_kernel<T, 2>, a, path.threads, smem, a.rows, stream, "rms_norm");
-        case 4: return launch_resident(rms_norm_stream_kernel<T, 4>, a, path.threads, smem, a.rows, stream, "rms_norm");
-        default: return launch_resident(rms_norm_stream_kernel<T, 8>, a, path.threads, smem, a.rows, stream, "rms_norm");
-      }
+      return launch_resident(rms_norm_stream_kernel<T>, a, path.threads, smem, a.rows, stream, "rms_norm");
     });
   }
   const int rows_per_block = path.register_row && path.group <= 32 ? path.threads / path.group : 1;
