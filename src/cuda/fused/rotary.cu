@@ -25,6 +25,13 @@
 // fp64 (L40, A10) that share is much larger: pass a cos_sin_cache there.
 // In place is safe: an element is read and written by the same thread.
 //
+// The kernels of this file: the register kernel above (the scalar path, the fallback for tokens of
+// more than 1024 units, and cuda_config heads1 / heads2), the shared-cos/sin kernel (varlen key
+// pre-passes, cuda_config shared), the staged kernel (cuda_config staged) and the stream kernel, the
+// 16-byte default (below: the measurements against the others are in reports/fused). Instantiations,
+// each for bf16 and fp16: register {16-byte at 1 and 2 heads, scalar}, shared {1, 2 heads}, staged,
+// stream: 14 in all.
+//
 #include <algorithm>
 #include <limits>
 
