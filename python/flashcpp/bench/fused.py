@@ -485,6 +485,8 @@ def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> Lis
     """Rotary fused into attention vs apply_rotary (ours) then attention, causal bf16, default
     positions (theta 10000, neox over all of head_dim). `attn_only_us` is attention alone on
     unrotated inputs: fused - attn_only is what the in-kernel rotation costs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     shapes = [(4, 4096, 32, 32, 128), (4, 4096, 32, 8, 128), (8, 1024, 32, 8, 128), (16, 512, 32, 8, 128)]
     if quick:
         shapes = shapes[1:3]
@@ -518,8 +520,6 @@ def _rope_attention(torch, flashcpp, quick: bool, env: Dict[str, object]) -> Lis
 
         # The issue's wording of the bar: the unfused rotary followed by FA2 (PyTorch's SDPA flash
         # backend, GQA through enable_gqa), beside the stricter comparison with our own attention.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         def separate_fa2():
             flashcpp.apply_rotary(q, k, q_out=qo, k_out=ko)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

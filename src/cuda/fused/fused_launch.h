@@ -19,7 +19,7 @@ struct FusedForce {
   int heads = 0;           ///< rotary: heads a thread loads at once (1, 2); without shared, the register kernel
   bool staged = false;     ///< rotary: rows through shared memory with cp.async (16-byte path)
   bool persistent = false; ///< norms: a persistent grid that prefetches the next row (16-byte rows of > 32 vectors)
-  bool shared = false;     ///< rotary: the shared-cos/sin kernel (the default; with heads2: two heads a thread)
+  bool shared = false;     ///< rotary: the shared-cos/sin kernel (with heads2: two heads a thread)
   bool stream = false;     ///< norms and rotary: the stream kernel (a resident grid, rows through cp.async stages)
   int stages = 0;          ///< stream kernel: rows (tokens) a block keeps in shared memory (2..4; 0 = by size)
 };
@@ -32,8 +32,9 @@ struct FusedPath {
   bool persistent = false;    ///< norms: the persistent register kernel
   bool stream = false;        ///< norms and rotary: rows streamed through shared memory by a resident grid
   bool shared = false;        ///< rotary: the shared-cos/sin kernel
-  int per_thread = 0;         ///< norms, stream: 16-byte vectors a thread holds per tensor
-  int stages = 0;             ///< norms, stream: rows in shared memory per block
+  int per_thread = 0;         ///< stream: 16-byte vectors (norms, per tensor) or units (rotary) a thread holds
+  int stages = 0;             ///< stream: rows (tokens) in shared memory per block
+  int smem = 0;               ///< stream: dynamic shared memory of a block (its stages)
   int threads = 0;            ///< threads per block
   int group = 0;              ///< norms: threads per row
   std::string name;

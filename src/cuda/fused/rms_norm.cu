@@ -357,6 +357,7 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.threads = path.group = round_up((nvec + kStreamVecs - 1) / kStreamVecs, 32);
     const int stage_bytes = path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
     path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+    path.smem = path.stages * stage_bytes;
   }
   if (!named) return path;
   path.name = std::string(with_residual ? "fused_add_rms_norm" : "rms_norm") + (path.vector ? " vec8" : " scalar") +
@@ -391,10 +392,9 @@ Status rms_norm(const RmsNormParams& p, bool with_residual, const FusedForce& fo
   a.streaming = force.streaming;
   if (path.stream) {
     a.stages = path.stages;
-    const int smem = path.stages * path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
     return with_half_type(p.x.dtype, [&](auto tag) -> Status {
       using T = typename decltype(tag)::type;
-      return launch_resident(rms_norm_stream_kernel<T>, a, path.threads, smem, a.rows, stream, "rms_norm");
+      return launch_resident(rms_norm_stream_kernel<T>, a, path.threads, path.smem, a.rows, stream, "rms_norm");
     });
   }
   const int rows_per_block = path.register_row && path.group <= 32 ? path.threads / path.group : 1;

@@ -233,7 +233,20 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(const __grid_constant_
   }
 }
 
-/// Shared cos/sin kernel (the default on the 16-byte path): a block holds TB whole tokens
+/// The cos/sin of a lane's VEC pairs from a token's rows of them in shared memory (16-byte reads).
+template <int VEC>
+__device__ __forceinline__ void lane_cos_sin(const float* s_cos, const float* s_sin, int lane, float (&c)[VEC],
+                                             float (&sn)[VEC]) {
+#pragma unroll
+  for (int k = 0; k < VEC; k += 4) {
+    const float4 cv = *reinterpret_cast<const float4*>(s_cos + lane * VEC + k);
+    const float4 sv = *reinterpret_cast<const float4*>(s_sin + lane * VEC + k);
+    c[k] = cv.x, c[k + 1] = cv.y, c[k + 2] = cv.z, c[k + 3] = cv.w;
+    sn[k] = sv.x, sn[k + 1] = sv.y, sn[k + 2] = sv.z, sn[k + 3] = sv.w;
+  }
+}
+
+/// Shared cos/sin kernel (cuda_config shared, and varlen key pre-passes): a block holds TB whole tokens
 /// (threadIdx.y), each with all its (head group, lane) threads (threadIdx.x). Every thread issues its
 /// loads first; then the block forms each token's rotary_dim / 2 cos/sin pairs once, in shared memory
 /// (one pair per thread, instead of once per head and lane: 40x fewer for q of 32 heads and k of 8),
@@ -276,15 +289,7 @@ __global__ void __launch_bounds__(256, H == 2 ? 4 : 5) rotary_shared_kernel(cons
   // 3. Rotate and store.
   if (!mine) return;
   float c[VEC], sn[VEC];
-  if (rotate) {
-#pragma unroll
-    for (int k = 0; k < VEC; k += 4) {
-      const float4 cv = *reinterpret_cast<const float4*>(s_cos + lane * VEC + k);
-      const float4 sv = *reinterpret_cast<const float4*>(s_sin + lane * VEC + k);
-      c[k] = cv.x, c[k + 1] = cv.y, c[k + 2] = cv.z, c[k + 3] = cv.w;
-      sn[k] = sv.x, sn[k + 1] = sv.y, sn[k + 2] = sv.z, sn[k + 3] = sv.w;
-    }
-  }
+  if (rotate) lane_cos_sin<VEC>(s_cos, s_sin, lane, c, sn);
 #pragma unroll
   for (int u = 0; u < H; ++u) {
     if (!head_valid(u)) continue;
@@ -452,13 +457,7 @@ __global__ void __launch_bounds__(kStreamThreadsMax) rotary_stream_kernel(const 
       }
       const V vb = *slot(s, k, 1);
       float cv[VEC], sv[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; j += 4) {
-        const float4 c4 = *reinterpret_cast<const float4*>(c + lane[k] * VEC + j);
-        const float4 s4 = *reinterpret_cast<const float4*>(c + a.half + lane[k] * VEC + j);
-        cv[j] = c4.x, cv[j + 1] = c4.y, cv[j + 2] = c4.z, cv[j + 3] = c4.w;
-        sv[j] = s4.x, sv[j + 1] = s4.y, sv[j + 2] = s4.z, sv[j + 3] = s4.w;
-      }
+      lane_cos_sin<VEC>(c, c + a.half, lane[k], cv, sv);
       V ra, rb;
       rotate_lane<T, VEC>(a.neox, va, vb, ra, rb, [&](int j, float* cj, float* sj) {
         *cj = cv[j];
@@ -482,8 +481,18 @@ bool stream_shape(int per_token, int* units, int* threads) {
   return true;
 }
 
-/// Shared memory of the stream kernel: the stages' vectors and their cos/sin.
-int stream_smem(int stages, int threads, int units, int half) { return stages * (2 * threads * units * 16 + 2 * half * 4); }
+/// Shared memory of one stage of the stream kernel: its vectors and their cos/sin.
+int stream_stage_bytes(int threads, int units, int half) { return 2 * threads * units * 16 + 2 * half * 4; }
+
+/// Lanes of a token's head (RotaryArgs::lanes) at `vec` elements a vector: the rotary ones, plus
+/// pass-through ones when some output is out of place. A tensor rotated in place then copies its own
+/// tail onto itself (same bytes, same thread): harmless, and only on the rare partial-rotary call
+/// that mixes in-place and out-of-place outputs.
+int head_lanes(const RopeParams& p, int vec) {
+  const int rot = p.effective_rotary_dim();
+  const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
+  return rot / 2 / vec + (rot < p.head_dim && any_out ? (p.head_dim - rot) / vec : 0);
+}
 
 /// Heads per thread of the shared kernel: 1, or 2 with cuda_config "shared,heads2".
 int shared_heads(const FusedForce& force) { return force.shared && force.heads == 2 ? 2 : 1; }
@@ -518,20 +527,17 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force, bool named) 
   path.vector = !force.scalar && vector_ok(p);
   const bool staged = path.vector && force.staged &&
                       static_cast<std::int64_t>(p.batch) * p.seqlen * (p.heads_q + p.heads_k) <= std::numeric_limits<std::int32_t>::max();
-  // The default on the 16-byte path: on the H200 it took the DESIGN case from 102.8 to 89.7 us
-  // (60.7% -> 69.6% of the floor; reports/fused). cuda_config heads1 / heads2 without "shared" pick
-  // the register kernel (one or two heads a thread), the default before it.
-  // The stream kernel is the default on the 16-byte path (a knob naming another kernel, shared,
-  // headsN or staged, picks that one); reports/fused has its measurements against the others.
+  // The stream kernel is the default on the 16-byte path; a knob naming another kernel picks that
+  // one: shared (the shared-cos/sin kernel), heads1 / heads2 (the register kernel) or staged.
+  // reports/fused has their measurements.
   const int rot = p.effective_rotary_dim();
-  const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
-  const int lanes = rot / 2 / kVec16 + (rot < p.head_dim && any_out ? (p.head_dim - rot) / kVec16 : 0);
-  const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_k) * lanes;
+  const std::int64_t per_token = static_cast<std::int64_t>(p.heads_q + p.heads_k) * head_lanes(p, kVec16);
   const bool stream = path.vector && !staged && !force.shared && force.heads == 0 && per_token <= 1 << 20 &&
                       stream_shape(static_cast<int>(per_token), &path.per_thread, &path.threads);
   if (stream) {
-    const int stage_bytes = stream_smem(1, path.threads, path.per_thread, rot / 2);
+    const int stage_bytes = stream_stage_bytes(path.threads, path.per_thread, rot / 2);
     path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+    path.smem = path.stages * stage_bytes;
   } else {
     path.threads = staged ? kStagedThreads : kThreads;
   }
@@ -560,11 +566,7 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
   a.seqlen = p.seqlen;
   a.half = rot / 2;
   a.rot_lanes = a.half / vec;
-  // Pass-through lanes only when some output is out of place. A tensor rotated in place then
-  // copies its own tail onto itself (same bytes, same thread): harmless, and only on the rare
-  // partial-rotary call that mixes in-place and out-of-place outputs.
-  const bool any_out = p.q_out.data != nullptr || (p.heads_k > 0 && p.k_out.data != nullptr);
-  a.lanes = a.rot_lanes + (rot < p.head_dim && any_out ? (p.head_dim - rot) / vec : 0);
+  a.lanes = head_lanes(p, vec);
   const int heads_in_flight = path.vector && force.heads > 0 ? force.heads : kHeadsInFlight;  // H of the kernel launched
   a.groups = (a.heads + heads_in_flight - 1) / heads_in_flight;
   a.per_token = a.groups * a.lanes;
@@ -581,29 +583,26 @@ Status apply_rotary(const RopeParams& p, const FusedForce& force, Stream stream,
     std::copy_n(table, a.half, a.inv_freq);
   }
   a.streaming = force.streaming;
-  // Block: a token's threads (warps of it, at most kThreads; the rest on blockIdx.y) x as many
-  // tokens as fill kThreads.
-  const int bx = std::min(kThreads, (a.per_token + 31) / 32 * 32);
-  const int by = std::max(1, kThreads / bx);
-  const std::int64_t blocks = (a.tokens + by - 1) / by;
-  const int chunks = (a.per_token + bx - 1) / bx;
   if (a.tokens == 0) return Status::Ok();
-  if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
-    return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
   if (path.stream) {
-    if (a.tokens == 0) return Status::Ok();
     a.groups = a.heads;  // one head a unit
     a.per_token = a.groups * a.lanes;
     a.units = path.per_thread;
     a.stages = path.stages;
     return with_half_type(p.q.dtype, [&](auto tag) -> Status {
       using T = typename decltype(tag)::type;
-      return launch_resident(rotary_stream_kernel<T>, a, path.threads,
-                             stream_smem(path.stages, path.threads, path.per_thread, a.half), a.tokens, stream,
-                             "apply_rotary");
+      return launch_resident(rotary_stream_kernel<T>, a, path.threads, path.smem, a.tokens, stream, "apply_rotary");
     });
   }
+  // Block: a token's threads (warps of it, at most kThreads; the rest on blockIdx.y) x as many
+  // tokens as fill kThreads.
+  const int bx = std::min(kThreads, (a.per_token + 31) / 32 * 32);
+  const int by = std::max(1, kThreads / bx);
+  const std::int64_t blocks = (a.tokens + by - 1) / by;
+  const int chunks = (a.per_token + bx - 1) / bx;
+  if (blocks > std::numeric_limits<std::int32_t>::max() || chunks > 65535)
+    return Status::Unsupported("apply_rotary: the launch needs more than 2^31-1 x 65535 blocks (too many tokens x heads)");
+  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks)), block(bx, by);
   if (path.shared) {
     const int H = shared_heads(force);
     a.groups = (a.heads + H - 1) / H;
