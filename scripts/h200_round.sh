@@ -23,20 +23,24 @@
 #                                                                      shards, the fused kernels' knobs
 #                                                                      against a copy and quack, decode at
 #                                                                      head dims 128/96/80/64  (~250 s)
+#   call 7, no carry (after 1):        bash scripts/h200_round.sh 7 C   prefill A/B probes in one process: d64's
+#                                                                      192-row tile general / lean / lean
+#                                                                      persistent against the 128-row twin
+#                                                                      (~120 s)
 # The five calls need ~29 minutes plus the start, more than a round's 30 device minutes once a start
 # is refused or a machine is taken back: run phase 1 and then the phases the change needs.
 # Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
 # folders as one tarball per phase: unpack with `tar xzf` into reports/ and name the raw folder by
 # commit and date). A phase that finds its machine cold says so and stops (start again at phase 1).
 set -uo pipefail
-phase=${1:?phase 1..6}
+phase=${1:?phase 1..7}
 commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 case $phase in
-  1 | 2 | 3 | 4 | 5 | 6) ;;
+  1 | 2 | 3 | 4 | 5 | 6 | 7) ;;
   *)
-    echo "h200_round.sh: phase must be 1, 2, 3, 4, 5 or 6; got '$phase'" >&2
+    echo "h200_round.sh: phase must be 1, 2, 3, 4, 5, 6 or 7; got '$phase'" >&2
     exit 2
     ;;
 esac
@@ -172,6 +176,21 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
     say "head-dim decode rc $?"
     grep "at d128" "$OUT/headdim_decode.log" >> "$summary"
     pack phase6 headdim_decode
+    ;;
+  7)
+    warm_or_stop
+    # d64 (the widest gap to FA4): the general and lean 192-row tiles and the lean persistent twin
+    # against the 128-row persistent twin and the automatic choice; the probe skips a config that
+    # does not take a shape and prints each output's largest difference from the first config's.
+    d64=()
+    for s in 2,16,4096,64 2,16,4096,64,c 2,16,16384,64 2,16,16384,64,c 1,8,2048,64 1,8,2048,64,c 4,32,2048,64,c 16,32,1024,64,c; do
+      d64+=(--shape "$s")
+    done
+    (cd /tmp && timeout 300 python3 "$repo/scripts/prefill_probe.py" "${d64[@]}" --reps 15 \
+      --configs auto,sm90_m192n128s4p,sm90_m192n128s4p_lean,sm90_m192n128s4p_lean_persist,sm90_m128n128s4p_persist \
+      --out "$OUT/probe_d64.csv" > "$OUT/probe_d64.txt" 2>&1)
+    say "d64 probe rc $?"
+    cat "$OUT/probe_d64.txt" >> "$summary"
     ;;
 esac
 cat "$summary"

@@ -244,6 +244,10 @@ struct TileConfig {
   bool ping_pong = false;   ///< pipelined consumers (Q K^T of block j with P V of block j-1)
   bool sched = false;       ///< with ping_pong: the warpgroups take turns (named barriers)
   bool persistent = false;  ///< persistent CTAs (tile scheduler, TMA-store epilogue)
+  /// Lean masks: the consumers apply only the causal and sequence-end masks, so a problem with a
+  /// window, attention sinks, softcap, ALiBi, a block-sparse mask or rotary does not fit the config
+  /// (the selector knows); the registers the general mask path holds are freed.
+  bool lean_mask = false;
   friend bool operator==(const TileConfig&, const TileConfig&) = default;
 };
 

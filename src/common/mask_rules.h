@@ -39,6 +39,12 @@ struct MaskRules {
       hi = ia + window_right + 1;
     return hi < 0 ? 0 : hi;
   }
+  /// key_hi of a rule set without a window (no window_right, no global queries): the sequence's
+  /// end, or ia + 1 when causal. May be negative (a causal row that sees no key).
+  FC_HD int causal_key_hi(int i) const {
+    const int ia1 = i + offset() + 1;
+    return causal && ia1 < seqlen_k ? ia1 : seqlen_k;
+  }
   /// Inclusive lower bound of the window of row i (keys below it are visible only if global).
   FC_HD int key_lo(int i) const {
     if (window_left < 0 || is_global_query(i)) return 0;

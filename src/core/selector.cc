@@ -50,7 +50,7 @@ std::string sm80_config_name(const TileConfig& t) {
 
 std::string sm90_config_name(const TileConfig& t) {
   return "sm90_m" + std::to_string(t.block_m) + "n" + std::to_string(t.block_n) + "s" + std::to_string(t.stages) +
-         (t.ping_pong ? (t.sched ? "p" : "o") : "") + (t.persistent ? "_persist" : "");
+         (t.ping_pong ? (t.sched ? "p" : "o") : "") + (t.lean_mask ? "_lean" : "") + (t.persistent ? "_persist" : "");
 }
 
 bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n) {
@@ -239,17 +239,28 @@ bool same_tiles(const TileConfig& x, const TileConfig& y) {
   return x.block_m == y.block_m && x.block_n == y.block_n && x.stages == y.stages;
 }
 
-/// Whether a config can run the problem's block-sparse mask (always true without one). The
-/// pipelined consumers do not read element bits (no registers left for it; fa3_mainloop.cuh).
+/// Whether a problem's masks are only causal and sequence ends: what a lean-mask config runs
+/// (TileConfig::lean_mask; no window, sinks, softcap, ALiBi, block-sparse mask or rotary).
+bool lean_masks_suffice(const AttnParams& p) {
+  const MaskParams& m = p.mask;
+  return !m.has_window() && m.global_tokens == 0 && m.softcap == 0.f && m.alibi_slopes == nullptr &&
+         m.block_sparse == nullptr && !p.rotary.enabled();
+}
+
+/// Whether a config can run the problem's masks: a lean-mask config only causal and sequence
+/// ends; a block-sparse mask only plain consumers (the pipelined ones do not read element bits:
+/// no registers left for it; fa3_mainloop.cuh) whose tiles divide its blocks.
 bool sm90_fits(const TileConfig& t, const AttnParams& p) {
+  if (t.lean_mask && !lean_masks_suffice(p)) return false;
   return p.mask.block_sparse == nullptr ||
          (!t.ping_pong && tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n));
 }
 
-/// The persistent twin of `base` (same tiles, stages and scheduling), if compiled.
+/// The persistent twin of `base` (same tiles, stages, scheduling and masks), if compiled.
 const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
   for (const auto& e : sm90_entries(p))
-    if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong && e.tile.sched == base.sched)
+    if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong &&
+        e.tile.sched == base.sched && e.tile.lean_mask == base.lean_mask)
       return &e;
   return nullptr;
 }
@@ -258,6 +269,8 @@ const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
 /// sink) masks, without varlen or block-sparse walks, where sm90_persistent_pays.
 bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num_sms) {
   if (p.mask.is_varlen() || p.mask.block_sparse != nullptr) return false;
+  // The 192-row persistent twin (lean masks) has not been measured: it runs when named only.
+  if (base.block_m > 128) return false;
   const cuda::Fa3Entry* twin = sm90_twin(p, base);
   if (twin == nullptr) return false;
   const int m_blocks = (p.seqlen_q + base.block_m - 1) / base.block_m;
@@ -270,8 +283,8 @@ bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num
 
 /// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
 /// where wide_tile_pays, unless the problem is short and the 128-row config's persistent twin pays
-/// (sm90_short_for_wide_tile). Its own persistent twin lost everywhere (spills at 160 registers) and
-/// is not built.
+/// (sm90_short_for_wide_tile). Its persistent twin with the general mask path lost everywhere
+/// (spills at 160 registers) and is not built; the lean-mask one runs when named only.
 bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
   if (t.block_m <= 128) return true;
   if (!wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms))
@@ -299,6 +312,17 @@ const cuda::Fa3Entry* sm90_auto(const AttnParams& p, int num_sms) {
 std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
   if (sm90_fits(t, p)) return {};
   const std::string name = sm90_config_name(t);
+  if (t.lean_mask && !lean_masks_suffice(p)) {
+    std::string twin;  // the same tiles with the general mask path, of the same persistence if compiled
+    for (const auto& e : sm90_entries(p))
+      if (!e.tile.lean_mask && same_tiles(e.tile, t) && e.tile.ping_pong == t.ping_pong && e.tile.sched == t.sched &&
+          (twin.empty() || e.tile.persistent == t.persistent))
+        twin = sm90_config_name(e.tile);
+    return "sm90 config " + name + " (lean masks) runs only causal and sequence-end masks, not this problem's " +
+           "window, attention sinks, softcap, ALiBi, block-sparse mask or rotary; " +
+           (twin.empty() ? std::string("leave cuda_config empty and dispatch picks a config that does")
+                         : "its twin " + twin + " does");
+  }
   if (t.ping_pong) {
     std::string twin;  // same tiles, stages and persistence with plain consumers, if compiled
     for (const auto& e : sm90_entries(p))

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -225,6 +226,79 @@ TEST(Selector, Sm90Runs192By128InItsOwnClass) {
     const std::vector<std::string> n256 = cuda::prefill_sm90_configs(256);
     EXPECT_NE(std::find(n256.begin(), n256.end(), kc.config), n256.end()) << kc.config;
     EXPECT_NE(kc.reason.find(" 256 class"), std::string::npos) << kc.reason;
+  }
+}
+#endif
+
+#if FLASHCPP_HAS_SM90
+TEST(Selector, Sm90LeanMaskConfigsTakeOnlyCausalAndSequenceEnds) {
+  // d64's 192-row tile comes twice: with lean masks (causal and sequence ends only: no spills at
+  // its 160 registers) and with the general mask path. The automatic choice takes the lean one
+  // wherever the problem's masks allow, the general one for every other mask; a lean config named
+  // for a mask it does not run is refused with a sentence naming its twin. The lean persistent
+  // twin runs when named, never by the automatic choice (not measured yet).
+  cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"};
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(64);
+  for (const char* n : {"sm90_m192n128s4p_lean", "sm90_m192n128s4p", "sm90_m192n128s4p_lean_persist"})
+    ASSERT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  int lean = 0;
+  for (const auto& e : cuda::fa3_entries(64, 64)) lean += e.tile.lean_mask;
+  EXPECT_EQ(lean, 2);
+  const int big = 192 * ((10 * 132 + 15) / 16);  // 16 heads: >= 10 wide tiles per SM
+  std::vector<std::uint16_t> buf;
+  auto problem = [&](bool causal) {
+    AttnParams p = host_problem(&buf);
+    p.heads_q = p.heads_kv = 16;
+    p.seqlen_q = p.seqlen_k = big;
+    p.mask.causal = causal;
+    return p;
+  };
+  auto pick = [&](const AttnParams& p, const std::string& named = "") {
+    RunOptions opt;
+    opt.cuda_config = named;
+    KernelChoice kc;
+    const Status st = select::cuda_prefill(p, opt, h200, &kc);
+    return st.ok() ? kc.config : "refused: " + st.message();
+  };
+  for (bool causal : {false, true}) {
+    AttnParams p = problem(causal);
+    EXPECT_EQ(pick(p), "sm90_m192n128s4p_lean") << causal;
+    p.seqlen_k = big + 77;  // unequal lengths: still causal and sequence ends
+    EXPECT_EQ(pick(p), "sm90_m192n128s4p_lean") << causal;
+  }
+  const float slopes[16] = {};
+  RotarySpec rope;
+  rope.style = RopeStyle::kNeox;
+  const std::vector<std::pair<std::string, std::function<void(AttnParams&)>>> others = {
+      {"window", [](AttnParams& p) { p.mask.window_left = 256; }},
+      {"right window", [](AttnParams& p) { p.mask.window_right = 0; }},
+      {"sinks", [](AttnParams& p) { p.mask.window_left = 256, p.mask.global_tokens = 4; }},
+      {"softcap", [](AttnParams& p) { p.mask.softcap = 30.f; }},
+      {"alibi", [&](AttnParams& p) { p.mask.alibi_slopes = slopes; }},
+      {"rotary", [&](AttnParams& p) { p.rotary.spec = rope; }},
+  };
+  for (const auto& [what, set] : others)
+    for (bool causal : {false, true}) {
+      AttnParams p = problem(causal);
+      set(p);
+      EXPECT_EQ(pick(p), "sm90_m192n128s4p") << what;
+      const std::string refused = pick(p, "sm90_m192n128s4p_lean");
+      EXPECT_EQ(refused.rfind("refused: ", 0), 0u) << what << ": " << refused;
+      EXPECT_NE(refused.find("lean masks"), std::string::npos) << refused;
+      EXPECT_NE(refused.find("its twin sm90_m192n128s4p does"), std::string::npos) << refused;
+      EXPECT_NE(pick(p, "sm90_m192n128s4p_lean_persist").find("its twin"), std::string::npos) << what;
+    }
+  // Named, the lean persistent twin runs a plain or causal problem; the automatic choice never
+  // takes it, at any size.
+  for (bool causal : {false, true}) {
+    AttnParams p = problem(causal);
+    EXPECT_EQ(pick(p, "sm90_m192n128s4p_lean_persist"), "sm90_m192n128s4p_lean_persist");
+    for (int seqlen : {512, 1024, 4096, 8192, 16384, 65536})
+      for (int batch : {1, 4, 16, 64}) {
+        p.batch = batch;
+        p.seqlen_q = p.seqlen_k = seqlen;
+        EXPECT_EQ(pick(p).find("m192n128s4p_lean_persist"), std::string::npos) << batch << " x " << seqlen;
+      }
   }
 }
 #endif

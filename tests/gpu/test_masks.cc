@@ -468,6 +468,7 @@ TEST(MasksGpuPersistent, EveryMaskOnThePersistentConfigs) {
   int ran = 0;
   for (int d : {64, 128, 256})
     for (const Sm90Twin& t : sm90_twins(d, "_persist")) {
+      if (t.config.find("_lean") != std::string::npos) continue;  // takes none of these masks (below)
       for (const MaskCase& c : stacked_mask_cases(d)) {
         Outcome out;
         run_mask_case(c, t.config, salt++, &out);
@@ -813,6 +814,67 @@ TEST(MasksGpuHeadDim192By128, EveryConfigUnderStackedMasks) {
   }
 }
 #endif
+
+// The lean-mask configs of d64's 192-row tile (TileConfig::lean_mask: causal and sequence ends
+// only) against fp64 on what the automatic choice gives them beyond the dense shapes of
+// test_prefill.cc: packed sequences (causal and not; lengths 1, odd, ones that leave the third
+// warpgroup without rows, q shorter than k, empty documents, rows no sequence covers) and NaN in q
+// and k, where a NaN a row sees makes the row NaN and a masked one does not reach it. Every mask
+// they do not run is refused before any launch, with a sentence that names the general twin.
+TEST(MasksGpuWideTile, LeanMaskConfigsOnPackedSequencesAndTheirRefusals) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  std::vector<std::string> lean;
+  for (const std::string& n : cuda::prefill_sm90_configs(64))
+    if (n.find("_lean") != std::string::npos) lean.push_back(n);
+  ASSERT_FALSE(lean.empty()) << "no lean-mask sm90 config compiled";
+  std::uint64_t salt = 2700;
+  std::vector<MaskCase> cases = {
+      packed({1000, 1, 523, 64, 130}, {}, 4, 2, 64, kBf16, true),
+      packed({1000, 1, 523, 64, 130}, {}, 4, 2, 64, kF16, false),
+      packed({1, 7, 50, 385}, {10, 7, 127, 700}, 2, 2, 64, kBf16, true),  // q shorter than k
+      packed({10, 7, 127}, {1, 7, 50}, 2, 2, 64, kF16, true),             // q longer than k: rows see nothing
+      packed({0, 5, 0, 300, 1}, {3, 5, 0, 300, 1}, 2, 1, 64, kBf16, false),  // empty documents
+  };
+  MaskCase t = packed({100, 37, 200}, {}, 2, 2, 64, kBf16, true);
+  t.extra_rows = 13;
+  cases.push_back(t);
+  MaskCase nan = dense(2, 300, 300, 4, 2, 64, kBf16, true);
+  nan.nan_q = {{17, 0, 5}};   // batch 0 row 17, head 0
+  nan.nan_k = {{250, 1, 3}};  // batch 0 key 250, kv head 1: q heads 2, 3 of rows 250..299
+  nan.expect_nan_rows = 1 + 2 * 50;
+  cases.push_back(nan);
+  MaskCase empty = dense(1, 100, 40, 2, 2, 64, kBf16, true);  // rows 0..59 see no key
+  empty.nan_q = {{10, 0, 0}, {80, 1, 5}};                     // row 10 stays 0 / -inf, row 80 is NaN
+  empty.expect_nan_rows = 1;
+  cases.push_back(empty);
+  for (const std::string& cfg : lean)
+    for (const MaskCase& c : cases) {
+      Outcome out;
+      run_mask_case(c, cfg, salt++, &out);
+    }
+  MaskCase w = window(dense(1, 700, 700, 2, 2, 64, kBf16, true), 64, 0);
+  MaskCase g = global(window(dense(1, 700, 700, 2, 2, 64, kBf16, true), 64, 0), 4, false);
+  MaskCase sc = dense(1, 700, 700, 2, 2, 64, kBf16, true);
+  sc.softcap = 30.f;
+  MaskCase al = dense(1, 700, 700, 2, 2, 64, kBf16, false);
+  al.alibi = 1;
+  MaskCase bs = sparse(dense(1, 768, 768, 2, 2, 64, kBf16), 192, 128, false, dilated, "dilated");
+  for (const std::string& cfg : lean)
+    for (const MaskCase& c : {w, g, sc, al, bs}) {
+      SCOPED_TRACE(cfg + " " + describe(c));
+      Outcome out;
+      run_mask_case(c, cfg, salt++, &out, /*expect_ok=*/false);
+      ASSERT_EQ(out.status.code(), StatusCode::kUnsupported) << out.status.to_string();
+      EXPECT_NE(out.status.message().find("lean masks"), std::string::npos) << out.status.message();
+      EXPECT_NE(out.status.message().find("its twin sm90_m192n128s4p"), std::string::npos) << out.status.message();
+    }
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
 
 }  // namespace
 }  // namespace flashcpp::testing

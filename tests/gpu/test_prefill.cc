@@ -240,6 +240,8 @@ TEST(Prefill, BitwiseDeterministic) {
 int expect_equals_twin(const Sm90Twin& t, std::initializer_list<Case> cases, std::uint64_t salt) {
   int compared = 0;
   for (Case c : cases) {
+    // Lean-mask configs run no window (the selector refuses it; LeanMaskEqualsTheGeneralPath).
+    if (t.config.find("_lean") != std::string::npos && (c.wl >= 0 || c.wr >= 0)) continue;
     std::vector<std::uint16_t> a, b;
     c.config = t.config;
     run_case(c, ++salt, &a);
@@ -288,6 +290,52 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
                                       dv(Case{16, 515, 515, 32, 8, d, true}, v)},  // ~16 tiles per CTA
                                      760 + d);
   EXPECT_GT(compared, 0) << "no persistent sm90 config compiled";
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
+// The lean-mask configs (d64's 192-row tile with only the causal and sequence-end masks,
+// TileConfig::lean_mask) compute every score, max and sum as the general config of the same tile:
+// the element mask sets the same scores to -inf, from two rule registers instead of the general
+// path. Their outputs must be equal bit for bit, and each passes the fp64 check of run_case. Odd
+// lengths (partial first and last tiles, a single row), q longer and shorter than k under causal
+// (rows that see no key), GQA and MQA, fp16, the SDPA layout, and ~10 tiles per CTA for the
+// persistent twin (named: the automatic choice does not take it yet).
+TEST(Prefill, LeanMaskEqualsTheGeneralPathBitForBit) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(64);
+  int compared = 0;
+  for (const std::string& lean : names) {
+    const std::size_t at = lean.find("_lean");
+    if (at == std::string::npos) continue;
+    const Sm90Twin t{lean, lean.substr(0, at) + lean.substr(at + 5)};  // the general config, persistent if lean is
+    if (t.twin.find("_persist") != std::string::npos &&
+        std::find(names.begin(), names.end(), t.twin) == names.end()) {
+      // No general 192-row persistent config is built: compare with the lean non-persistent one.
+      compared += expect_equals_twin(Sm90Twin{lean, lean.substr(0, lean.find("_persist"))},
+                                     {Case{2, 2047, 2047, 8, 8, 64, true}, Case{2, 777, 1025, 4, 2, 64, false},
+                                      Case{3, 1, 300, 4, 4, 64, true}, Case{2, 1100, 16384, 8, 2, 64, true},
+                                      Case{16, 515, 515, 32, 8, 64, true, DType::kF16}},
+                                     2900);
+      continue;
+    }
+    std::uint64_t salt = 2800;
+    for (bool causal : {false, true}) {
+      compared += expect_equals_twin(t,
+                                     {Case{2, 1, 1, 3, 3, 64, causal}, Case{2, 17, 17, 3, 3, 64, causal},
+                                      Case{1, 1000, 1000, 4, 2, 64, causal}, Case{1, 4097, 4097, 4, 1, 64, causal},
+                                      Case{1, 1000, 4097, 4, 2, 64, causal}, Case{1, 4097, 1000, 4, 2, 64, causal},
+                                      Case{2, 777, 777, 8, 1, 64, causal, DType::kF16},
+                                      Case{1, 513, 1025, 8, 2, 64, causal, DType::kF16, true}},
+                                     salt);
+      salt += 20;
+    }
+  }
+  EXPECT_GE(compared, 16 + 5) << "the lean d64 configs are not compiled";
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif
@@ -348,8 +396,8 @@ TEST(Prefill, AutoChoiceTakesTheWideD64TileForLargeProblems) {
   const std::int64_t elems = std::max<std::int64_t>(std::int64_t{big} * 16, std::int64_t{dev.num_sms} * 128 * 16) * 64;
   DeviceBuffer q(elems * 2), k(elems * 2), v(elems * 2), o(elems * 2);
   auto pick = [&](int batch, int seqlen, bool causal) { return auto_config(q, k, v, o, batch, 16, seqlen, 64, causal); };
-  EXPECT_EQ(pick(1, big, false), "sm90_m192n128s4p");
-  EXPECT_EQ(pick(1, big, true), "sm90_m192n128s4p");
+  EXPECT_EQ(pick(1, big, false), "sm90_m192n128s4p_lean");  // lean masks: no window or modifier here
+  EXPECT_EQ(pick(1, big, true), "sm90_m192n128s4p_lean");
   // Half as many: causal takes the 128-row persistent twin (its triangle balance wins there).
   EXPECT_EQ(pick(1, big / 2, true), "sm90_m128n128s4p_persist");
   // Sequences of 128 rows: a 192-row tile would only add empty rows.

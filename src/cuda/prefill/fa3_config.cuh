@@ -13,7 +13,7 @@ namespace flashcpp::cuda {
 /// HeadDim: the q/k class (Q K^T's depth); HeadDimV: the v/o class (P V's width, O's columns),
 /// HeadDim unless a class of two head dims (fa3_hd192.cu: 192 / 128) says otherwise.
 template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
-          int Consumers = 2, int HeadDimV = HeadDim>
+          int Consumers = 2, int HeadDimV = HeadDim, bool LeanMask = false>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kHeadDimV = HeadDimV;
@@ -33,6 +33,12 @@ struct Fa3Config {
   /// Persistent CTAs (config suffix "_persist"): the tile scheduler (fa3_scheduler.cuh), the next
   /// tile's K/V loads overlapping the current tile's last blocks and epilogue, O stored by TMA.
   static constexpr bool kPersistent = Persistent;
+  /// Lean masks (config suffix "_lean"): a boundary tile gets only the causal and sequence-end
+  /// masks, from two registers of the tile's rules, instead of the general path (window, sinks,
+  /// softcap, ALiBi: the record lookups and their registers). The selector gives such a config no
+  /// other mask (TileConfig::lean_mask). At the 192-row tile's 160 registers the general path
+  /// spills 148 bytes in the main loop (its persistent twin 224); the lean one spills none.
+  static constexpr bool kLeanMask = LeanMask;
   static constexpr int kThreads = 128 * (1 + Consumers);  ///< producer warpgroup + the consumers
   static constexpr int kPanels = HeadDim / 64;     ///< 64-column (128-byte) panels per row of Q and K
   static constexpr int kPanelsV = HeadDimV / 64;   ///< the same per row of V and O

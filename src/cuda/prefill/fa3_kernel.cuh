@@ -41,7 +41,7 @@ template <class Cfg, typename T>
 __device__ __forceinline__ void fa3_consumer(const Fa3Params& p, const Fa3Smem<Cfg, T>& sm, int c, int ct) {
   constexpr int D = Cfg::kHeadDim, DV = Cfg::kHeadDimV, BM = Cfg::kBlockM, BN = Cfg::kBlockN;
   Fa3Consumer<Cfg, T> cs(sm, c, ct);
-  const bool rotary = p.mask.flags & PrefillMask::kRotary;
+  const bool rotary = !Cfg::kLeanMask && (p.mask.flags & PrefillMask::kRotary);  // lean configs take no rotary
   const bool varlen = p.mask.flags & PrefillMask::kVarlen;
   // Rotary without a cache: this warpgroup's copy of inv_freq in shared memory (a warp reads 16
   // different pairs at once: one shared-memory access, but 16 serialized kernel-parameter reads).

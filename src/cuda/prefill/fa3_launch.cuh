@@ -34,6 +34,7 @@ constexpr Fa3Entry fa3_entry() {
   t.ping_pong = Cfg::kPingPong;
   t.sched = Cfg::kSched;
   t.persistent = Cfg::kPersistent;
+  t.lean_mask = Cfg::kLeanMask;
   return Fa3Entry{Cfg::kHeadDim, Cfg::kHeadDimV, t, Cfg::kSmemBytes, Cfg::kQBufs, &fa3_run<Cfg, __nv_bfloat16>,
                   &fa3_run<Cfg, __half>};
 }

@@ -135,6 +135,14 @@ __device__ __forceinline__ void fa3_scores(const Fa3Params& p, const Fa3Consumer
   constexpr int BN = Cfg::kBlockN, NC = BN / 8;
   if (tr.plain.contains(it)) return;  // no record lookup on the hot path
   const CtaWork& cta = cs.work();
+  if constexpr (Cfg::kLeanMask) {
+    // A window walk without sinks: tile it is n_last - it (make_cta_work). Two rule registers.
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      mask_row_lean<NC>([&](int j, int k) -> float& { return s_acc[4 * j + k]; }, r, tr.row_base + 8 * r, cs.t,
+                        (cta.n_last - it) * BN, cta.rules);
+    return;
+  }
   const KeyTile kt = cta.key_tile<BN>(it);
   const int n0 = kt.n0, t = cs.t;
   const MaskRules& rules = cta.rules;

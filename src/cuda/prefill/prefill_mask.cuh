@@ -221,4 +221,16 @@ __device__ __forceinline__ void mask_row(Frag&& s, int r, int i, int t, const Ke
   }
 }
 
+/// mask_row for the lean-mask configs (TileConfig::lean_mask: no window, sinks or block-sparse
+/// mask): only the keys at or past the row's causal or sequence end become -inf.
+template <int NC, class Frag>
+__device__ __forceinline__ void mask_row_lean(Frag&& s, int r, int i, int t, int n0, const MaskRules& rules) {
+  const int hi = rules.causal_key_hi(i);
+#pragma unroll
+  for (int j = 0; j < NC; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (n0 + 8 * j + 2 * t + e >= hi) s(j, 2 * r + e) = -INFINITY;
+}
+
 }  // namespace flashcpp::cuda
