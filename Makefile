@@ -11,7 +11,8 @@
 #   make BUILD=build-nosm80 CMAKE_ARGS=-DFLASHCPP_WITH_SM80=OFF
 #   make BUILD=build-small CMAKE_ARGS="-DFLASHCPP_WITH_SM80=OFF -DFLASHCPP_WITH_ENGINE=OFF"
 # A changed CMAKE_ARGS (or CUDA) configures the build directory again, every switch ON unless
-# CMAKE_ARGS turns it off (so a plain `make` after one of these builds every family again).
+# CMAKE_ARGS turns it off (so a plain `make` after one of these builds every family again), and
+# FLASHCPP_SM90_EXPERIMENTS (configs waiting for a GPU measurement) OFF unless CMAKE_ARGS turns it on.
 SHELL := /bin/bash
 BUILD ?= build
 JOBS ?= $(shell nproc)
@@ -53,7 +54,7 @@ deps:
 # The configure arguments that matter (not the commit label: it is written at build time), kept in
 # $(BUILD)/configure-args; a change re-runs the configure (otherwise an existing build.ninja keeps
 # whatever configuration made it, and `make CMAKE_ARGS=...` on it would silently change nothing).
-FAMILIES_ON := $(foreach f,SM80 SM90 DECODE FUSED ENGINE,-DFLASHCPP_WITH_$(f)=ON)
+FAMILIES_ON := $(foreach f,SM80 SM90 DECODE FUSED ENGINE,-DFLASHCPP_WITH_$(f)=ON) -DFLASHCPP_SM90_EXPERIMENTS=OFF
 CONFIGURE_ARGS := -DFLASHCPP_CUDA=$(CUDA) $(CMAKE_PREFIX) $(FAMILIES_ON) $(CMAKE_ARGS)
 $(BUILD)/configure-args: FORCE
 	@mkdir -p $(BUILD); echo '$(CONFIGURE_ARGS)' | cmp -s - $@ || echo '$(CONFIGURE_ARGS)' > $@

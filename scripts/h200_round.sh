@@ -23,10 +23,9 @@
 #                                                                      shards, the fused kernels' knobs
 #                                                                      against a copy and quack, decode at
 #                                                                      head dims 128/96/80/64  (~250 s)
-#   call 7, no carry (after 1):        bash scripts/h200_round.sh 7 C   prefill A/B probes in one process: d64's
-#                                                                      192-row tile general / lean / lean
-#                                                                      persistent against the 128-row twin
-#                                                                      (~120 s)
+#   call 7, no carry (after 1):        bash scripts/h200_round.sh 7 C   prefill A/B probes, one process per
+#                                                                      head dim: the lean-mask configs
+#                                                                      against the general ones (~200 s)
 # The five calls need ~29 minutes plus the start, more than a round's 30 device minutes once a start
 # is refused or a machine is taken back: run phase 1 and then the phases the change needs.
 # Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
@@ -69,9 +68,13 @@ pack() {  # pack NAME DIR...: one tarball of report folders
 case $phase in
   1)
     mkdir -p /tmp/fa4 && cp .fa4a/* /tmp/fa4/ 2> /dev/null
-    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+    # With the configs that wait for a measurement (CMake FLASHCPP_SM90_EXPERIMENTS: named only, the
+    # automatic choices are the shipped build's), for phase 7's A/B.
+    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" CMAKE_ARGS=-DFLASHCPP_SM90_EXPERIMENTS=ON > "$OUT/build.txt" 2>&1 ||
+      { tail -30 "$OUT/build.txt"; exit 1; }
     say "$(tail -2 "$OUT/build.txt" | head -1)"
-    (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > "$OUT/pip.txt" 2>&1
+    (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py \
+      -Ccmake.define.FLASHCPP_SM90_EXPERIMENTS=ON . > "$OUT/pip.txt" 2>&1
      echo "pip rc $?" >> "$OUT/pip.txt") &
     # Two shards side by side on the one GPU: the whole suite ran past 280 s in one process on an
     # H100 host (e5f49c3), and tests check values, not timings. Side by side, shard 0 still stopped
@@ -179,18 +182,27 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
     ;;
   7)
     warm_or_stop
-    # d64 (the widest gap to FA4): the general and lean 192-row tiles and the lean persistent twin
-    # against the 128-row persistent twin and the automatic choice; the probe skips a config that
-    # does not take a shape and prints each output's largest difference from the first config's.
-    d64=()
-    for s in 2,16,4096,64 2,16,4096,64,c 2,16,16384,64 2,16,16384,64,c 1,8,2048,64 1,8,2048,64,c 4,32,2048,64,c 16,32,1024,64,c; do
-      d64+=(--shape "$s")
-    done
-    (cd /tmp && timeout 300 python3 "$repo/scripts/prefill_probe.py" "${d64[@]}" --reps 15 \
-      --configs auto,sm90_m192n128s4p,sm90_m192n128s4p_lean,sm90_m192n128s4p_lean_persist,sm90_m128n128s4p_persist \
-      --out "$OUT/probe_d64.csv" > "$OUT/probe_d64.txt" 2>&1)
-    say "d64 probe rc $?"
-    cat "$OUT/probe_d64.txt" >> "$summary"
+    # The lean-mask configs (causal and sequence-end masks only) against the general ones: d64's
+    # 192-row tile (the automatic choice on this tree) and its persistent twin against the 128-row
+    # persistent twin; the named-only lean twins at d128 and d256. The probe skips a config that
+    # does not take a shape and prints each output's largest difference from the first config's
+    # (0 between a lean config and its general twin: they give the same bits).
+    probe() {  # probe NAME CONFIGS SHAPE...
+      local name=$1 cfgs=$2
+      shift 2
+      local args=()
+      for s in "$@"; do args+=(--shape "$s"); done
+      (cd /tmp && timeout 150 python3 "$repo/scripts/prefill_probe.py" "${args[@]}" --reps 15 --configs "$cfgs" \
+        --out "$OUT/probe_$name.csv" > "$OUT/probe_$name.txt" 2>&1)
+      say "probe $name rc $?"
+      grep -v skipped "$OUT/probe_$name.txt" >> "$summary"
+    }
+    probe d64 auto,sm90_m192n128s4p,sm90_m192n128s4p_lean,sm90_m192n128s4p_lean_persist,sm90_m128n128s4p_persist \
+      2,16,4096,64 2,16,4096,64,c 2,16,16384,64 2,16,16384,64,c 1,8,2048,64 1,8,2048,64,c 4,32,2048,64,c 16,32,1024,64,c
+    probe d128 auto,sm90_m128n128s2p,sm90_m128n128s2p_lean,sm90_m128n128s2p_persist,sm90_m128n128s2p_lean_persist \
+      4,32,4096,128 4,32,4096,128,c 1,16,16384,128 1,16,16384,128,c 16,32,512,128,c 8,16,1024,128,c 1,64,8192,128,8,c
+    probe d256 auto,sm90_m128n64s2p,sm90_m128n64s2p_lean,sm90_m128n64s2p_persist,sm90_m128n64s2p_lean_persist \
+      1,16,4096,256 1,16,4096,256,c
     ;;
 esac
 cat "$summary"

@@ -238,12 +238,18 @@ TEST(Selector, Sm90LeanMaskConfigsTakeOnlyCausalAndSequenceEnds) {
   // for a mask it does not run is refused with a sentence naming its twin. The lean persistent
   // twin runs when named, never by the automatic choice (not measured yet).
   cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"};
+  // FLASHCPP_SM90_EXPERIMENTS builds the configs that wait for a measurement: the 192-row lean
+  // persistent twin, and a lean twin of the d128 and d256 default and persistent configs. A build
+  // has all of them or none.
   const std::vector<std::string> names = cuda::prefill_sm90_configs(64);
-  for (const char* n : {"sm90_m192n128s4p_lean", "sm90_m192n128s4p", "sm90_m192n128s4p_lean_persist"})
+  const bool kExp = std::find(names.begin(), names.end(), "sm90_m192n128s4p_lean_persist") != names.end();
+  for (const char* n : {"sm90_m192n128s4p_lean", "sm90_m192n128s4p"})
     ASSERT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
-  int lean = 0;
-  for (const auto& e : cuda::fa3_entries(64, 64)) lean += e.tile.lean_mask;
-  EXPECT_EQ(lean, 2);
+  for (int d : {64, 128, 256}) {
+    int lean = 0;
+    for (const auto& e : cuda::fa3_entries(d, d)) lean += e.tile.lean_mask;
+    EXPECT_EQ(lean, d == 64 ? 1 + kExp : 2 * kExp) << d;
+  }
   const int big = 192 * ((10 * 132 + 15) / 16);  // 16 heads: >= 10 wide tiles per SM
   std::vector<std::uint16_t> buf;
   auto problem = [&](bool causal) {
@@ -286,10 +292,26 @@ TEST(Selector, Sm90LeanMaskConfigsTakeOnlyCausalAndSequenceEnds) {
       EXPECT_EQ(refused.rfind("refused: ", 0), 0u) << what << ": " << refused;
       EXPECT_NE(refused.find("lean masks"), std::string::npos) << refused;
       EXPECT_NE(refused.find("its twin sm90_m192n128s4p does"), std::string::npos) << refused;
-      EXPECT_NE(pick(p, "sm90_m192n128s4p_lean_persist").find("its twin"), std::string::npos) << what;
+      if (kExp) EXPECT_NE(pick(p, "sm90_m192n128s4p_lean_persist").find("its twin"), std::string::npos) << what;
     }
-  // Named, the lean persistent twin runs a plain or causal problem; the automatic choice never
-  // takes it, at any size.
+  if (!kExp) return;
+  // d128 and d256 have lean twins too (named only until measured): the automatic choice keeps the
+  // general configs, a named lean config runs a causal problem and refuses a window.
+  for (const auto& [d, general] : {std::pair{128, "sm90_m128n128s2p"}, {256, "sm90_m128n64s2p"}}) {
+    AttnParams p = problem(true);
+    p.head_dim = d;
+    p.seqlen_q = p.seqlen_k = 4096;
+    p.heads_q = p.heads_kv = 4;  // 128 tiles: below the persistent rule's waves
+    EXPECT_EQ(pick(p), general) << d;
+    const std::string lean = std::string(general) + "_lean";
+    EXPECT_EQ(pick(p, lean), lean);
+    EXPECT_EQ(pick(p, lean + "_persist"), lean + "_persist");
+    p.mask.window_left = 100;
+    EXPECT_NE(pick(p, lean).find("its twin " + std::string(general) + " does"), std::string::npos) << pick(p, lean);
+    EXPECT_NE(pick(p, lean + "_persist").find("its twin " + std::string(general) + "_persist does"), std::string::npos);
+  }
+  // Named, the 192-row lean persistent twin runs a plain or causal problem; the automatic choice
+  // never takes it, at any size.
   for (bool causal : {false, true}) {
     AttnParams p = problem(causal);
     EXPECT_EQ(pick(p, "sm90_m192n128s4p_lean_persist"), "sm90_m192n128s4p_lean_persist");

@@ -295,47 +295,48 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
 #endif
 }
 
-// The lean-mask configs (d64's 192-row tile with only the causal and sequence-end masks,
-// TileConfig::lean_mask) compute every score, max and sum as the general config of the same tile:
-// the element mask sets the same scores to -inf, from two rule registers instead of the general
-// path. Their outputs must be equal bit for bit, and each passes the fp64 check of run_case. Odd
-// lengths (partial first and last tiles, a single row), q longer and shorter than k under causal
-// (rows that see no key), GQA and MQA, fp16, the SDPA layout, and ~10 tiles per CTA for the
-// persistent twin (named: the automatic choice does not take it yet).
+// The lean-mask configs (TileConfig::lean_mask: only the causal and sequence-end masks; d64's
+// 192-row tile, the automatic choice there, and named-only twins at d128 and d256) compute every
+// score, max and sum as the general config of the same tile: the element mask sets the same scores
+// to -inf, from two rule registers instead of the general path (the named-only twins are built
+// with FLASHCPP_SM90_EXPERIMENTS). Their outputs must be equal bit for
+// bit, and each passes the fp64 check of run_case. Odd lengths (partial first and last tiles, a
+// single row), q longer and shorter than k under causal (rows that see no key), GQA and MQA, fp16,
+// the SDPA layout; the persistent ones also with ~10 tiles per CTA (d64's against the lean
+// non-persistent config: no general 192-row persistent config is built).
 TEST(Prefill, LeanMaskEqualsTheGeneralPathBitForBit) {
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
-  const std::vector<std::string> names = cuda::prefill_sm90_configs(64);
-  int compared = 0;
-  for (const std::string& lean : names) {
-    const std::size_t at = lean.find("_lean");
-    if (at == std::string::npos) continue;
-    const Sm90Twin t{lean, lean.substr(0, at) + lean.substr(at + 5)};  // the general config, persistent if lean is
-    if (t.twin.find("_persist") != std::string::npos &&
-        std::find(names.begin(), names.end(), t.twin) == names.end()) {
-      // No general 192-row persistent config is built: compare with the lean non-persistent one.
-      compared += expect_equals_twin(Sm90Twin{lean, lean.substr(0, lean.find("_persist"))},
-                                     {Case{2, 2047, 2047, 8, 8, 64, true}, Case{2, 777, 1025, 4, 2, 64, false},
-                                      Case{3, 1, 300, 4, 4, 64, true}, Case{2, 1100, 16384, 8, 2, 64, true},
-                                      Case{16, 515, 515, 32, 8, 64, true, DType::kF16}},
-                                     2900);
-      continue;
-    }
-    std::uint64_t salt = 2800;
-    for (bool causal : {false, true}) {
-      compared += expect_equals_twin(t,
-                                     {Case{2, 1, 1, 3, 3, 64, causal}, Case{2, 17, 17, 3, 3, 64, causal},
-                                      Case{1, 1000, 1000, 4, 2, 64, causal}, Case{1, 4097, 4097, 4, 1, 64, causal},
-                                      Case{1, 1000, 4097, 4, 2, 64, causal}, Case{1, 4097, 1000, 4, 2, 64, causal},
-                                      Case{2, 777, 777, 8, 1, 64, causal, DType::kF16},
-                                      Case{1, 513, 1025, 8, 2, 64, causal, DType::kF16, true}},
-                                     salt);
-      salt += 20;
+  int compared = 0, configs = 0, persistent = 0;
+  std::uint64_t salt = 2800;
+  for (int d : {64, 128, 256}) {
+    const std::vector<std::string> names = cuda::prefill_sm90_configs(d);
+    for (const std::string& lean : names) {
+      const std::size_t at = lean.find("_lean");
+      if (at == std::string::npos) continue;
+      ++configs;
+      std::string twin = lean.substr(0, at) + lean.substr(at + 5);  // the general config, persistent if lean is
+      if (std::find(names.begin(), names.end(), twin) == names.end()) twin = lean.substr(0, lean.find("_persist"));
+      const Sm90Twin t{lean, twin};
+      for (bool causal : {false, true}) {
+        compared += expect_equals_twin(t,
+                                       {Case{2, 1, 1, 3, 3, d, causal}, Case{2, 17, 17, 3, 3, d, causal},
+                                        Case{1, 1000, 1000, 4, 2, d, causal}, Case{1, 4097, 4097, 4, 1, d, causal},
+                                        Case{1, 1000, 4097, 4, 2, d, causal}, Case{1, 4097, 1000, 4, 2, d, causal},
+                                        Case{2, 777, 777, 8, 1, d, causal, DType::kF16},
+                                        Case{1, 513, 1025, 8, 2, d, causal, DType::kF16, true}},
+                                       salt);
+        salt += 20;
+      }
+      if (lean.find("_persist") != std::string::npos && ++persistent)
+        compared += expect_equals_twin(t, {Case{2, 1100, 16384, 8, 2, d, true}, Case{16, 515, 515, 32, 8, d, true, DType::kF16}},
+                                       salt += 20);
     }
   }
-  EXPECT_GE(compared, 16 + 5) << "the lean d64 configs are not compiled";
+  EXPECT_GE(configs, 1) << "the lean d64 config is not compiled";
+  EXPECT_EQ(compared, configs * 16 + persistent * 2);  // every case ran: no window among them
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif

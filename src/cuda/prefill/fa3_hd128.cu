@@ -11,6 +11,15 @@ const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<128, 128, 2, true>>(),   // default: pipelined consumers + ping-pong
     fa3_entry<Fa3Config<128, 128, 2>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     fa3_entry<Fa3Config<128, 128, 2, true, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
+#if FLASHCPP_SM90_EXPERIMENTS
+    // Lean-mask twins of the default and of its persistent twin (causal and sequence-end masks
+    // only, TileConfig::lean_mask): the general steady-state loop carries three copies of the
+    // softmax, one per mask branch (2,433 static instructions against 792); neither spills. Built
+    // with FLASHCPP_SM90_EXPERIMENTS only and listed after the general configs, so they run when
+    // named, until an A/B on the GPU says whether they pay (scripts/h200_round.sh phase 7).
+    fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, true>>(),
+    fa3_entry<Fa3Config<128, 128, 2, true, true, true, 2, 128, true>>(),
+#endif
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd128() { return kEntries; }
