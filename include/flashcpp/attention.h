@@ -248,6 +248,9 @@ struct TileConfig {
   /// window, attention sinks, softcap, ALiBi, a block-sparse mask or rotary does not fit the config
   /// (the selector knows); the registers the general mask path holds are freed.
   bool lean_mask = false;
+  /// sm90: the q/k dims Q K^T covers when below the class's head dim (a twin that serves the head
+  /// dims up to it with fewer k-steps); 0 = the class's own.
+  int qk_dims = 0;
   friend bool operator==(const TileConfig&, const TileConfig&) = default;
 };
 

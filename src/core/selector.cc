@@ -50,7 +50,8 @@ std::string sm80_config_name(const TileConfig& t) {
 
 std::string sm90_config_name(const TileConfig& t) {
   return "sm90_m" + std::to_string(t.block_m) + "n" + std::to_string(t.block_n) + "s" + std::to_string(t.stages) +
-         (t.ping_pong ? (t.sched ? "p" : "o") : "") + (t.lean_mask ? "_lean" : "") + (t.persistent ? "_persist" : "");
+         (t.ping_pong ? (t.sched ? "p" : "o") : "") + (t.lean_mask ? "_lean" : "") +
+         (t.qk_dims > 0 ? "_k" + std::to_string(t.qk_dims) : "") + (t.persistent ? "_persist" : "");
 }
 
 bool tiles_fit_block_sparse(const BlockSparseMask& bs, int block_m, int block_n) {
@@ -251,6 +252,7 @@ bool lean_masks_suffice(const AttnParams& p) {
 /// ends; a block-sparse mask only plain consumers (the pipelined ones do not read element bits:
 /// no registers left for it; fa3_mainloop.cuh) whose tiles divide its blocks.
 bool sm90_fits(const TileConfig& t, const AttnParams& p) {
+  if (t.qk_dims > 0 && p.head_dim > t.qk_dims) return false;
   if (t.lean_mask && !lean_masks_suffice(p)) return false;
   return p.mask.block_sparse == nullptr ||
          (!t.ping_pong && tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n));
@@ -260,7 +262,7 @@ bool sm90_fits(const TileConfig& t, const AttnParams& p) {
 const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
   for (const auto& e : sm90_entries(p))
     if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong &&
-        e.tile.sched == base.sched && e.tile.lean_mask == base.lean_mask)
+        e.tile.sched == base.sched && e.tile.lean_mask == base.lean_mask && e.tile.qk_dims == base.qk_dims)
       return &e;
   return nullptr;
 }
@@ -312,11 +314,15 @@ const cuda::Fa3Entry* sm90_auto(const AttnParams& p, int num_sms) {
 std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
   if (sm90_fits(t, p)) return {};
   const std::string name = sm90_config_name(t);
+  if (t.qk_dims > 0 && p.head_dim > t.qk_dims)
+    return "sm90 config " + name + " covers head dims up to " + std::to_string(t.qk_dims) + " (its Q K^T runs " +
+           std::to_string(t.qk_dims / 16) + " k16 steps); head_dim " + std::to_string(p.head_dim) +
+           " needs a config of the whole class (leave cuda_config empty and dispatch picks one)";
   if (t.lean_mask && !lean_masks_suffice(p)) {
     std::string twin;  // the same tiles with the general mask path, of the same persistence if compiled
     for (const auto& e : sm90_entries(p))
       if (!e.tile.lean_mask && same_tiles(e.tile, t) && e.tile.ping_pong == t.ping_pong && e.tile.sched == t.sched &&
-          (twin.empty() || e.tile.persistent == t.persistent))
+          e.tile.qk_dims == t.qk_dims && (twin.empty() || e.tile.persistent == t.persistent))
         twin = sm90_config_name(e.tile);
     return "sm90 config " + name + " (lean masks) runs only causal and sequence-end masks, not this problem's " +
            "window, attention sinks, softcap, ALiBi, block-sparse mask or rotary; " +

@@ -35,8 +35,8 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
 /// Config names (what RunOptions::cuda_config and `flashcpp tune` take): "m128n64w4s2q" (sm80:
 /// BlockM, BlockN, warps, stages, q = Q re-read / r = Q in registers, "bN" = registers for N CTAs
 /// per SM) and "sm90_m128n128s2p" (sm90: BlockM, BlockN, stages; "p" pipelined consumers with
-/// ping-pong turns, "o" pipelined without; "_lean" only the causal and sequence-end masks;
-/// "_persist" persistent CTAs).
+/// ping-pong turns, "o" pipelined without; "_lean" only the causal and sequence-end masks; "_k96"
+/// Q K^T over the first 96 dims, for the head dims of the class up to 96; "_persist" persistent CTAs).
 std::string sm80_config_name(const TileConfig& t);
 std::string sm90_config_name(const TileConfig& t);
 

@@ -325,6 +325,57 @@ TEST(Selector, Sm90LeanMaskConfigsTakeOnlyCausalAndSequenceEnds) {
 }
 #endif
 
+#if FLASHCPP_HAS_SM90
+TEST(Selector, Sm90QkTwinsServeHeadDimsUpTo96) {
+  // The 128 class's default and its persistent twin come with "_k96" twins whose Q K^T covers the
+  // first 96 dims (6 of 8 k16 steps): the automatic choice takes them for q/k head dims up to 96
+  // (Phi-3's 96, Phi-2's 80, 64 with v/o 128), the whole-class configs above; a twin named for a
+  // larger head dim is refused with a sentence; block-sparse masks keep the plain config.
+  cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"};
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(128);
+  for (const char* n : {"sm90_m128n128s2p_k96", "sm90_m128n128s2p_k96_persist"})
+    ASSERT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  for (const auto& e : cuda::fa3_entries(128, 128))
+    if (e.tile.qk_dims != 0) EXPECT_EQ(e.tile.qk_dims, 96);
+  std::vector<std::uint16_t> buf;
+  auto pick = [&](int d, int dv, bool causal, int batch, int seqlen, const std::string& named = "",
+                  const BlockSparseMask* bs = nullptr) {
+    AttnParams p = host_problem(&buf);
+    p.head_dim = d;
+    p.head_dim_v = dv;
+    p.batch = batch;
+    p.heads_q = p.heads_kv = 16;
+    p.seqlen_q = p.seqlen_k = seqlen;
+    p.mask.causal = causal;
+    p.mask.block_sparse = bs;
+    RunOptions opt;
+    opt.cuda_config = named;
+    KernelChoice kc;
+    const Status st = select::cuda_prefill(p, opt, h200, &kc);
+    return st.ok() ? kc.config : "refused: " + st.message();
+  };
+  for (int d : {96, 88, 80, 72}) {
+    EXPECT_EQ(pick(d, d, false, 1, 4096), "sm90_m128n128s2p_k96") << d;
+    EXPECT_EQ(pick(d, d, true, 1, 1000), "sm90_m128n128s2p_k96") << d;         // too few units to persist
+    EXPECT_EQ(pick(d, d, true, 2, 4096), "sm90_m128n128s2p_k96_persist") << d;  // 512 units, four full waves
+    EXPECT_EQ(pick(d, 128, false, 1, 4096), "sm90_m128n128s2p_k96") << d;       // v/o anywhere in the class
+  }
+  EXPECT_EQ(pick(64, 128, false, 1, 4096), "sm90_m128n128s2p_k96");
+  for (int d : {104, 112, 120, 128}) {
+    EXPECT_EQ(pick(d, d, false, 1, 4096), "sm90_m128n128s2p") << d;
+    EXPECT_EQ(pick(d, d, true, 2, 4096), "sm90_m128n128s2p_persist") << d;
+    const std::string refused = pick(d, d, false, 1, 4096, "sm90_m128n128s2p_k96");
+    EXPECT_EQ(refused.rfind("refused: ", 0), 0u) << refused;
+    EXPECT_NE(refused.find("covers head dims up to 96"), std::string::npos) << refused;
+  }
+  BlockSparseMask bs;
+  bs.block_m = bs.block_n = 128;
+  EXPECT_EQ(pick(96, 96, false, 1, 4096, "", &bs), "sm90_m128n128s2");
+  // Named at a head dim it takes, the twin runs; a plain config name is still there for block-sparse.
+  EXPECT_EQ(pick(80, 80, false, 1, 4096, "sm90_m128n128s2p_k96_persist"), "sm90_m128n128s2p_k96_persist");
+}
+#endif
+
 TEST(Selector, SoftcapAndAlibiNeedFiniteRawUnits) {
   // The kernels keep scores in units of 1/|scale|: at a scale whose inverse overflows fp32 the
   // cap and the slopes have no such units, and validation says so on every backend.

@@ -113,6 +113,12 @@ inline SeqLayout seq_layout(const std::vector<int>& lq, const std::vector<int>& 
 }
 
 #if FLASHCPP_HAS_SM90
+/// Whether sm90 config `cfg` takes q/k head dim d: a "_k<N>" twin (Q K^T over the first N dims of
+/// its class) takes the head dims up to N, every other config those of its class.
+inline bool sm90_config_takes(const std::string& cfg, int d) {
+  const std::size_t at = cfg.find("_k");
+  return at == std::string::npos || d <= std::stoi(cfg.substr(at + 2));
+}
 /// A compiled sm90 config named <twin><suffix> (e.g. suffix "_persist") and its twin's name.
 struct Sm90Twin {
   std::string config, twin;

@@ -197,12 +197,13 @@ TEST(Prefill, SlidingWindows) {
 }
 
 /// Every compiled config this device runs for head dims (d, dv) (dv 0: d): the sm80 kernel's and,
-/// on Hopper, those of the pair's sm90 class.
+/// on Hopper, those of the pair's sm90 class that take head dim d.
 std::vector<std::string> all_configs(int d, int dv = 0) {
   auto v = cuda::prefill_sm80_configs(d);
 #if FLASHCPP_HAS_SM90
   if (sm90_device())
-    for (const auto& c : cuda::prefill_sm90_configs(d, dv)) v.push_back(c);
+    for (const auto& c : cuda::prefill_sm90_configs(d, dv))
+      if (sm90_config_takes(c, d)) v.push_back(c);
 #endif
   return v;
 }
@@ -240,8 +241,10 @@ TEST(Prefill, BitwiseDeterministic) {
 int expect_equals_twin(const Sm90Twin& t, std::initializer_list<Case> cases, std::uint64_t salt) {
   int compared = 0;
   for (Case c : cases) {
-    // Lean-mask configs run no window (the selector refuses it; LeanMaskEqualsTheGeneralPath).
+    // Lean-mask configs run no window (the selector refuses it; LeanMaskEqualsTheGeneralPath), a
+    // "_k96" twin no head dim above 96 (QkTwinEqualsTheWholeClass).
     if (t.config.find("_lean") != std::string::npos && (c.wl >= 0 || c.wr >= 0)) continue;
+    if (!sm90_config_takes(t.config, c.d)) continue;
     std::vector<std::uint16_t> a, b;
     c.config = t.config;
     run_case(c, ++salt, &a);
@@ -337,6 +340,46 @@ TEST(Prefill, LeanMaskEqualsTheGeneralPathBitForBit) {
   }
   EXPECT_GE(configs, 1) << "the lean d64 config is not compiled";
   EXPECT_EQ(compared, configs * 16 + persistent * 2);  // every case ran: no window among them
+#else
+  GTEST_SKIP() << "this build has no sm_90a kernels";
+#endif
+}
+
+// The 128 class's "_k96" twins (Q K^T over the first 96 dims: 6 of 8 k16 steps, Fa3Config::kQkDims)
+// give the bits of the class's configs at every head dim up to 96 (the columns past it are zeros on
+// both sides), with head_dim_v anywhere in the class; each also passes run_case's fp64 check. The
+// automatic choice takes them for those head dims (Selector.Sm90QkTwinsServeHeadDimsUpTo96).
+TEST(Prefill, QkTwinEqualsTheWholeClassBitForBit) {
+#if FLASHCPP_HAS_SM90
+  cuda::DeviceInfo dev;
+  ASSERT_TRUE(cuda::current_device(&dev).ok());
+  if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
+  int compared = 0;
+  std::uint64_t salt = 3000;
+  auto dv = [](Case c, int v) {
+    c.dv = v;
+    return c;
+  };
+  for (const std::string& cfg : cuda::prefill_sm90_configs(128)) {
+    const std::size_t at = cfg.find("_k96");
+    if (at == std::string::npos) continue;
+    const Sm90Twin t{cfg, cfg.substr(0, at) + cfg.substr(at + 4)};
+    for (int d : {96, 88, 80, 72})
+      for (bool causal : {false, true}) {
+        compared += expect_equals_twin(t,
+                                       {Case{2, 777, 1025, 4, 2, d, causal}, Case{1, 1, 300, 4, 4, d, causal},
+                                        Case{1, 4097, 1000, 4, 1, d, causal, DType::kF16},
+                                        Case{2, 513, 513, 8, 8, d, causal, DType::kBF16, true},
+                                        dv(Case{1, 1000, 1000, 4, 2, d, causal}, 128), dv(Case{1, 700, 900, 2, 2, d, causal}, 80)},
+                                       salt);
+        salt += 10;
+      }
+    // q/k 64 with v/o 128 runs in the 128 class too.
+    compared += expect_equals_twin(t, {dv(Case{2, 1000, 1000, 4, 2, 64, true}, 128)}, salt++);
+    if (cfg.find("_persist") != std::string::npos)  // ~16 tiles per CTA
+      compared += expect_equals_twin(t, {Case{16, 515, 515, 32, 8, 96, true}, Case{2, 1100, 16384, 8, 2, 80, true}}, salt++);
+  }
+  EXPECT_EQ(compared, 2 * (4 * 2 * 6 + 1) + 2) << "the 128 class's _k96 twins (default and persistent)";
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif

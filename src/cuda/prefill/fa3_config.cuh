@@ -13,10 +13,18 @@ namespace flashcpp::cuda {
 /// HeadDim: the q/k class (Q K^T's depth); HeadDimV: the v/o class (P V's width, O's columns),
 /// HeadDim unless a class of two head dims (fa3_hd192.cu: 192 / 128) says otherwise.
 template <int HeadDim, int BlockN, int Stages, bool PingPong = false, bool Sched = true, bool Persistent = false,
-          int Consumers = 2, int HeadDimV = HeadDim, bool LeanMask = false>
+          int Consumers = 2, int HeadDimV = HeadDim, bool LeanMask = false, int QkDims = HeadDim>
 struct Fa3Config {
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kHeadDimV = HeadDimV;
+  /// The q/k dims Q K^T covers (config suffix "_k<QkDims>" when below HeadDim): QkDims / 16 k16
+  /// steps. A twin with fewer serves the head dims of its class up to QkDims (96 and 80 in the 128
+  /// class: 6 of 8 steps), whose columns past them are zeros on both sides (TMA's out-of-bounds
+  /// fill), so it gives the same bits. A compile-time count: a run-time test between two wgmmas
+  /// makes ptxas fence each one and break the chain (reports/hopper). Q and K keep the class's
+  /// panels and P V its N.
+  static constexpr int kQkDims = QkDims;
+  static_assert(QkDims % 16 == 0 && QkDims > 0 && QkDims <= HeadDim, "Q K^T covers whole k16 steps of the class");
   /// Consumer warpgroups, 64 query rows each: 2 (BlockM 128), or 3 (BlockM 192, FA3's d64 tile:
   /// more rows per K/V stage, and with ping-pong two warpgroups' softmax under one's GEMMs).
   static constexpr int kConsumers = Consumers;

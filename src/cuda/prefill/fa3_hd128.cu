@@ -8,9 +8,14 @@ namespace {
 // (it spills at 240 registers) and the sequential persistent twin lost to them and are not
 // compiled (reports/hopper: the measurements).
 const Fa3Entry kEntries[] = {
+    // The default's twin for head dims up to 96 (Phi-3's 96, Phi-2's and StableLM's 80): Q K^T over
+    // the first 96 dims, 6 of the class's 8 k16 steps (Fa3Config::kQkDims), the same bits. Listed
+    // first, so the automatic choice takes it wherever it fits; its persistent twin is below.
+    fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, false, 96>>(),
     fa3_entry<Fa3Config<128, 128, 2, true>>(),   // default: pipelined consumers + ping-pong
     fa3_entry<Fa3Config<128, 128, 2>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     fa3_entry<Fa3Config<128, 128, 2, true, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
+    fa3_entry<Fa3Config<128, 128, 2, true, true, true, 2, 128, false, 96>>(),  // ... and its twin up to 96
 #if FLASHCPP_SM90_EXPERIMENTS
     // Lean-mask twins of the default and of its persistent twin (causal and sequence-end masks
     // only, TileConfig::lean_mask): the general steady-state loop carries three copies of the

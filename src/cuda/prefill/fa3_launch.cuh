@@ -35,6 +35,7 @@ constexpr Fa3Entry fa3_entry() {
   t.sched = Cfg::kSched;
   t.persistent = Cfg::kPersistent;
   t.lean_mask = Cfg::kLeanMask;
+  t.qk_dims = Cfg::kQkDims < Cfg::kHeadDim ? Cfg::kQkDims : 0;
   return Fa3Entry{Cfg::kHeadDim, Cfg::kHeadDimV, t, Cfg::kSmemBytes, Cfg::kQBufs, &fa3_run<Cfg, __nv_bfloat16>,
                   &fa3_run<Cfg, __half>};
 }

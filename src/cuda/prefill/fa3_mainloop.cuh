@@ -75,11 +75,12 @@ struct Fa3Consumer {
     }
   }
 
-  /// Issue S = Q K^T for stage s (D/16 k-steps; the first overwrites S).
+  /// Issue S = Q K^T for stage s (Cfg::kQkDims / 16 k-steps, D / 16 but in a twin for smaller head
+  /// dims; the first overwrites S).
   __device__ __forceinline__ void issue_qk(float (&s_acc)[BN / 2], int s) const {
     const std::uint64_t kd = advance(k_desc, s * Cfg::kKBytes);
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+    for (int kk = 0; kk < Cfg::kQkDims / 16; ++kk) {
       const int pn = kk / 4, off = (kk % 4) * 32;  // 64-column panel, then 32 bytes per k16 step
       sm90::wgmma_ss<BN, T>(s_acc, advance(q_desc, pn * Cfg::kBlockM * 128 + off), advance(kd, pn * BN * 128 + off),
                             kk > 0 ? 1 : 0);
