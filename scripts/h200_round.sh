@@ -25,7 +25,9 @@
 #                                                                      head dims 128/96/80/64  (~250 s)
 #   call 7, no carry (after 1):        bash scripts/h200_round.sh 7 C   prefill A/B probes, one process per
 #                                                                      head dim: the lean-mask configs
-#                                                                      against the general ones (~200 s)
+#                                                                      against the general ones, the _k96
+#                                                                      twins against the whole class
+#                                                                      (~250 s)
 # The five calls need ~29 minutes plus the start, more than a round's 30 device minutes once a start
 # is refused or a machine is taken back: run phase 1 and then the phases the change needs.
 # Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
@@ -203,6 +205,10 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
       4,32,4096,128 4,32,4096,128,c 1,16,16384,128 1,16,16384,128,c 16,32,512,128,c 8,16,1024,128,c 1,64,8192,128,8,c
     probe d256 auto,sm90_m128n64s2p,sm90_m128n64s2p_lean,sm90_m128n64s2p_persist,sm90_m128n64s2p_lean_persist \
       1,16,4096,256 1,16,4096,256,c
+    # The 128 class's _k96 twins (Q K^T over 6 of 8 k16 steps) against the whole-class configs at
+    # head dims 96 and 80 (bench headdims' shapes; the automatic choice takes the twins).
+    probe k96 sm90_m128n128s2p_k96,sm90_m128n128s2p,sm90_m128n128s2p_k96_persist,sm90_m128n128s2p_persist \
+      1,16,4096,96 1,16,4096,96,c 1,16,4096,80 1,16,4096,80,c 4,32,4096,96,c 2,32,2048,80,8
     ;;
 esac
 cat "$summary"
