@@ -194,10 +194,11 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
       shift 2
       local args=()
       for s in "$@"; do args+=(--shape "$s"); done
+      mkdir -p "$OUT/probes"
       (cd /tmp && timeout 150 python3 "$repo/scripts/prefill_probe.py" "${args[@]}" --reps 15 --configs "$cfgs" \
-        --out "$OUT/probe_$name.csv" > "$OUT/probe_$name.txt" 2>&1)
+        --out "$OUT/probes/$name.csv" > "$OUT/probes/$name.txt" 2>&1)
       say "probe $name rc $?"
-      grep -v skipped "$OUT/probe_$name.txt" >> "$summary"
+      grep -v skipped "$OUT/probes/$name.txt" >> "$summary"
     }
     probe d64 auto,sm90_m192n128s4p,sm90_m192n128s4p_lean,sm90_m192n128s4p_lean_persist,sm90_m128n128s4p_persist \
       2,16,4096,64 2,16,4096,64,c 2,16,16384,64 2,16,16384,64,c 1,8,2048,64 1,8,2048,64,c 4,32,2048,64,c 16,32,1024,64,c
@@ -209,6 +210,7 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
     # head dims 96 and 80 (bench headdims' shapes; the automatic choice takes the twins).
     probe k96 sm90_m128n128s2p_k96,sm90_m128n128s2p,sm90_m128n128s2p_k96_persist,sm90_m128n128s2p_persist \
       1,16,4096,96 1,16,4096,96,c 1,16,4096,80 1,16,4096,80,c 4,32,4096,96,c 2,32,2048,80,8
+    pack phase7 probes
     ;;
 esac
 cat "$summary"
