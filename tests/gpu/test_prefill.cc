@@ -318,7 +318,7 @@ TEST(Prefill, LeanMaskEqualsTheGeneralPathBitForBit) {
     const std::vector<std::string> names = cuda::prefill_sm90_configs(d);
     for (const std::string& lean : names) {
       const std::size_t at = lean.find("_lean");
-      if (at == std::string::npos) continue;
+      if (at == std::string::npos || lean.find("_k") != std::string::npos) continue;  // Q K^T twins: below
       ++configs;
       std::string twin = lean.substr(0, at) + lean.substr(at + 5);  // the general config, persistent if lean is
       if (std::find(names.begin(), names.end(), twin) == names.end()) twin = lean.substr(0, lean.find("_persist"));
@@ -345,41 +345,48 @@ TEST(Prefill, LeanMaskEqualsTheGeneralPathBitForBit) {
 #endif
 }
 
-// The 128 class's "_k96" twins (Q K^T over the first 96 dims: 6 of 8 k16 steps, Fa3Config::kQkDims)
-// give the bits of the class's configs at every head dim up to 96 (the columns past it are zeros on
-// both sides), with head_dim_v anywhere in the class; each also passes run_case's fp64 check. The
-// automatic choice takes them for those head dims (Selector.Sm90QkTwinsServeHeadDimsUpTo96).
+// The Q K^T twins ("_k<N>": Q K^T over the first N dims of the class, Fa3Config::kQkDims; the 128
+// class's _k96, and with FLASHCPP_SM90_EXPERIMENTS its _k80 and d64's _k32) give the bits of the
+// class's configs at every head dim up to N (the columns past it are zeros on both sides), with
+// head_dim_v anywhere in the class; each also passes run_case's fp64 check. The automatic choice
+// takes _k96 for head dims up to 96 (Selector.Sm90QkTwinsServeHeadDimsUpTo96).
 TEST(Prefill, QkTwinEqualsTheWholeClassBitForBit) {
 #if FLASHCPP_HAS_SM90
   cuda::DeviceInfo dev;
   ASSERT_TRUE(cuda::current_device(&dev).ok());
   if (dev.sm_major != 9) GTEST_SKIP() << "needs an sm_90 device";
-  int compared = 0;
   std::uint64_t salt = 3000;
   auto dv = [](Case c, int v) {
     c.dv = v;
     return c;
   };
-  for (const std::string& cfg : cuda::prefill_sm90_configs(128)) {
-    const std::size_t at = cfg.find("_k96");
-    if (at == std::string::npos) continue;
-    const Sm90Twin t{cfg, cfg.substr(0, at) + cfg.substr(at + 4)};
-    for (int d : {96, 88, 80, 72})
-      for (bool causal : {false, true}) {
-        compared += expect_equals_twin(t,
-                                       {Case{2, 777, 1025, 4, 2, d, causal}, Case{1, 1, 300, 4, 4, d, causal},
-                                        Case{1, 4097, 1000, 4, 1, d, causal, DType::kF16},
-                                        Case{2, 513, 513, 8, 8, d, causal, DType::kBF16, true},
-                                        dv(Case{1, 1000, 1000, 4, 2, d, causal}, 128), dv(Case{1, 700, 900, 2, 2, d, causal}, 80)},
-                                       salt);
-        salt += 10;
-      }
-    // q/k 64 with v/o 128 runs in the 128 class too.
-    compared += expect_equals_twin(t, {dv(Case{2, 1000, 1000, 4, 2, 64, true}, 128)}, salt++);
-    if (cfg.find("_persist") != std::string::npos)  // ~16 tiles per CTA
-      compared += expect_equals_twin(t, {Case{16, 515, 515, 32, 8, 96, true}, Case{2, 1100, 16384, 8, 2, 80, true}}, salt++);
-  }
-  EXPECT_EQ(compared, 2 * (4 * 2 * 6 + 1) + 2) << "the 128 class's _k96 twins (default and persistent)";
+  int k96 = 0;
+  for (int cls : {64, 128, 256})
+    for (const std::string& cfg : cuda::prefill_sm90_configs(cls)) {
+      const std::size_t at = cfg.find("_k");
+      if (at == std::string::npos) continue;
+      const std::size_t end = cfg.find('_', at + 2);
+      const int n = std::stoi(cfg.substr(at + 2, end == std::string::npos ? std::string::npos : end - at - 2));
+      const Sm90Twin t{cfg, cfg.substr(0, at) + (end == std::string::npos ? "" : cfg.substr(end))};
+      SCOPED_TRACE(cfg + " against " + t.twin);
+      int compared = 0;
+      // Head dims up to n, multiples of 8, down to the class below (or 8).
+      for (int d = n; d > (cls == 64 ? 0 : cls / 2) && d >= n - 24; d -= 8)
+        for (bool causal : {false, true}) {
+          compared += expect_equals_twin(t,
+                                         {Case{2, 777, 1025, 4, 2, d, causal}, Case{1, 1, 300, 4, 4, d, causal},
+                                          Case{1, 4097, 1000, 4, 1, d, causal, DType::kF16},
+                                          Case{2, 513, 513, 8, 8, d, causal, DType::kBF16, true},
+                                          dv(Case{1, 1000, 1000, 4, 2, d, causal}, cls), dv(Case{1, 700, 900, 2, 2, d, causal}, n)},
+                                         salt);
+          salt += 10;
+        }
+      if (cfg.find("_persist") != std::string::npos)  // ~16 tiles per CTA
+        compared += expect_equals_twin(t, {Case{16, 515, 515, 32, 8, n, true}, Case{2, 1100, 16384, 8, 2, n - 8, true}}, salt++);
+      EXPECT_GE(compared, 2 * 6) << cfg;
+      k96 += cfg.rfind("sm90_m128n128s2p_k96", 0) == 0;
+    }
+  EXPECT_EQ(k96, 2) << "the 128 class's _k96 twins (default and persistent)";
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
 #endif

@@ -24,6 +24,9 @@ const Fa3Entry kEntries[] = {
     // named, until an A/B on the GPU says whether they pay (scripts/h200_round.sh phase 7).
     fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, true>>(),
     fa3_entry<Fa3Config<128, 128, 2, true, true, true, 2, 128, true>>(),
+    // The default's Q K^T twin for head dims up to 80 (5 of 8 k16 steps; _k96 runs 6 there): named
+    // only, for phase 7's A/B against _k96 at 80.
+    fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, false, 80>>(),
 #endif
 };
 }  // namespace

@@ -20,6 +20,11 @@ const Fa3Entry kEntries[] = {
     // everywhere). Not measured yet: built with FLASHCPP_SM90_EXPERIMENTS only, and then the
     // automatic choice does not take it (selector.cc).
     fa3_entry<Fa3Config<64, 128, 4, true, true, true, 3, 64, true>>(),
+    // Q K^T twins for head dims up to 32 (2 of 4 k16 steps, Fa3Config::kQkDims) of the 192-row lean
+    // tile and of the 128-row default: no spills; named only until measured against the 128
+    // class's _k96 evidence (scripts/h200_round.sh phase 7).
+    fa3_entry<Fa3Config<64, 128, 4, true, true, false, 3, 64, true, 32>>(),
+    fa3_entry<Fa3Config<64, 128, 4, true, true, false, 2, 64, false, 32>>(),
 #endif
 };
 }  // namespace
