@@ -89,6 +89,27 @@ TEST(MaskRules, VisibleMatchesDefinition) {
   }
 }
 
+// The lean-mask configs' element mask (sm90 TileConfig::lean_mask, prefill_mask.cuh mask_row_lean):
+// without a window or sinks, a key j >= 0 is visible to row i exactly when j < causal_key_hi(i),
+// for every row of a tile, those past the sequence's end included (they are computed, not stored),
+// with seqlen_q above and below seqlen_k.
+TEST(MaskRules, CausalKeyHiIsTheLeanMask) {
+  auto g = testing::rng(209);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(g); };
+  for (int n = 0; n < kConfigs; ++n) {
+    MaskRules r;
+    r.seqlen_q = pick(1, 60);
+    r.seqlen_k = pick(0, 60);
+    r.causal = pick(0, 1);
+    for (int i = 0; i < r.seqlen_q + 20; ++i)
+      for (int j = 0; j < r.seqlen_k + 20; ++j) {
+        const bool lean = j < r.causal_key_hi(i);
+        const bool by_definition = i < r.seqlen_q ? visible_by_definition(r, i, j) : j < r.key_hi(i) && r.visible(i, j);
+        ASSERT_EQ(lean, by_definition) << describe(r) << " i=" << i << " j=" << j;
+      }
+  }
+}
+
 TEST(MaskRules, RowBoundsAreTight) {
   auto g = testing::rng(202);
   for (int n = 0; n < kConfigs; ++n) {
