@@ -78,16 +78,17 @@ case $phase in
     (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py \
       -Ccmake.define.FLASHCPP_SM90_EXPERIMENTS=ON . > "$OUT/pip.txt" 2>&1
      echo "pip rc $?" >> "$OUT/pip.txt") &
-    # Two shards side by side on the one GPU: the whole suite ran past 280 s in one process on an
-    # H100 host (e5f49c3), and tests check values, not timings. Side by side, shard 0 still stopped
-    # at 280 s (5d5621a: Prefill.CourseShapes alone took 119 s beside the other shard), so 360.
+    # Three shards side by side on the one GPU: the whole suite ran past 280 s in one process on an
+    # H100 host (e5f49c3), and tests check values, not timings. With two, shard 0 stopped at 280 s
+    # (5d5621a: Prefill.CourseShapes alone took 119 s beside the other shard) and got 360; the lean
+    # and Q K^T twin tests add more cases (every lean and _k config against its twin).
     shards=()
-    for shard in 0 1; do
-      GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard timeout 360 ./build/flashcpp_gpu_tests > "$OUT/gpu_tests_$shard.txt" 2>&1 &
+    for shard in 0 1 2; do
+      GTEST_TOTAL_SHARDS=3 GTEST_SHARD_INDEX=$shard timeout 360 ./build/flashcpp_gpu_tests > "$OUT/gpu_tests_$shard.txt" 2>&1 &
       shards+=($!)
     done
     wait "${shards[@]}"
-    for shard in 0 1; do
+    for shard in 0 1 2; do
       say "gpu tests shard $shard: $(grep -E '^\[  (PASSED|FAILED) |tests ran' "$OUT/gpu_tests_$shard.txt" | tr '\n' ' ')"
     done
     for area in attention backward decode fused; do
