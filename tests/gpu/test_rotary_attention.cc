@@ -251,6 +251,7 @@ void run_case(const RotCase& c, std::uint64_t salt) {
   CUDA_OK(cudaMemcpy(hk2.data(), k2.ptr, k2.bytes, cudaMemcpyDeviceToHost));
   int run_index = 0;
   for (const std::string& cfg : configs(c.d)) {
+    if (!sm90_config_takes(cfg, c.d)) continue;  // a Q K^T twin of smaller head dims (its refusal: test_selector)
     SCOPED_TRACE(cfg);
     // Keys rotated into a separate buffer, or in place into k (every other config).
     const bool in_place = (run_index++ + salt) % 2 == 1;
@@ -263,6 +264,9 @@ void run_case(const RotCase& c, std::uint64_t salt) {
     opt.cuda_config = cfg;
     KernelChoice choice;
     Status st = select_kernel(p, opt, &choice);
+    // A lean-mask twin refuses windows and sinks with its sentence (MasksGpuWideTile checks it).
+    if (!st.ok() && cfg.find("_lean") != std::string::npos && st.message().find("lean masks") != std::string::npos)
+      continue;
     ASSERT_TRUE(st.ok()) << st.to_string();
     for (auto* b : {&o, &o2, &lse, &lse2}) CUDA_OK(cudaMemset(b->ptr, 0xFF, b->bytes));
     st = attention_forward(p, opt);
