@@ -271,8 +271,6 @@ const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
 /// sink) masks, without varlen or block-sparse walks, where sm90_persistent_pays.
 bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num_sms) {
   if (p.mask.is_varlen() || p.mask.block_sparse != nullptr) return false;
-  // The 192-row persistent twin (lean masks) has not been measured: it runs when named only.
-  if (base.block_m > 128) return false;
   const cuda::Fa3Entry* twin = sm90_twin(p, base);
   if (twin == nullptr) return false;
   const int m_blocks = (p.seqlen_q + base.block_m - 1) / base.block_m;
@@ -283,12 +281,15 @@ bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num
                               twin->q_bufs);
 }
 
-/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile
-/// where wide_tile_pays, unless the problem is short and the 128-row config's persistent twin pays
-/// (sm90_short_for_wide_tile). Its persistent twin with the general mask path lost everywhere
-/// (spills at 160 registers) and is not built; the lean-mask one runs when named only.
+/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile where
+/// its own persistent twin pays (the lean-mask one: it balances the causal triangle, which the
+/// 10-tiles-per-SM rule of wide_tile_pays stood in for), else where wide_tile_pays, unless the
+/// problem is short and the 128-row config's persistent twin pays (sm90_short_for_wide_tile). The
+/// 192-row persistent twin with the general mask path lost everywhere (spills at 160 registers)
+/// and is not built.
 bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
   if (t.block_m <= 128) return true;
+  if (sm90_prefer_persistent(p, t, num_sms)) return true;
   if (!wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms))
     return false;
   if (!sm90_short_for_wide_tile(p.seqlen_k, p.mask.causal)) return true;

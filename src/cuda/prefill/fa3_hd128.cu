@@ -12,22 +12,16 @@ const Fa3Entry kEntries[] = {
     // the first 96 dims, 6 of the class's 8 k16 steps (Fa3Config::kQkDims), the same bits. Listed
     // first, so the automatic choice takes it wherever it fits; its persistent twin is below.
     fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, false, 96>>(),
+    // Lean-mask twin of the default (causal and sequence-end masks only, TileConfig::lean_mask): the
+    // general steady-state loop carries three copies of the softmax, one per mask branch (2,433
+    // static instructions against 792). Listed before the default, so the automatic choice takes
+    // it wherever the masks allow; its persistent twin is below.
+    fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, true>>(),
     fa3_entry<Fa3Config<128, 128, 2, true>>(),   // default: pipelined consumers + ping-pong
     fa3_entry<Fa3Config<128, 128, 2>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     fa3_entry<Fa3Config<128, 128, 2, true, true, true>>(),  // the default config, persistent (tile scheduler, TMA store)
     fa3_entry<Fa3Config<128, 128, 2, true, true, true, 2, 128, false, 96>>(),  // ... and its twin up to 96
-#if FLASHCPP_SM90_EXPERIMENTS
-    // Lean-mask twins of the default and of its persistent twin (causal and sequence-end masks
-    // only, TileConfig::lean_mask): the general steady-state loop carries three copies of the
-    // softmax, one per mask branch (2,433 static instructions against 792); neither spills. Built
-    // with FLASHCPP_SM90_EXPERIMENTS only and listed after the general configs, so they run when
-    // named, until an A/B on the GPU says whether they pay (scripts/h200_round.sh phase 7).
-    fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, true>>(),
-    fa3_entry<Fa3Config<128, 128, 2, true, true, true, 2, 128, true>>(),
-    // The default's Q K^T twin for head dims up to 80 (5 of 8 k16 steps; _k96 runs 6 there): named
-    // only, for phase 7's A/B against _k96 at 80.
-    fa3_entry<Fa3Config<128, 128, 2, true, true, false, 2, 128, false, 80>>(),
-#endif
+    fa3_entry<Fa3Config<128, 128, 2, true, true, true, 2, 128, true>>(),  // the lean default's persistent twin
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd128() { return kEntries; }

@@ -4,19 +4,17 @@
 namespace flashcpp::cuda {
 namespace {
 const Fa3Entry kEntries[] = {
+    // Lean-mask twin of the default (causal and sequence-end masks only), listed first so that the
+    // automatic choice takes it wherever the masks allow.
+    fa3_entry<Fa3Config<256, 64, 2, true, true, false, 2, 256, true>>(),
     fa3_entry<Fa3Config<256, 64, 2, true>>(),   // default: pipelined consumers + ping-pong
     fa3_entry<Fa3Config<256, 64, 2>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     // The default config, persistent: where the selector's persistent rule holds (large causal
     // problems) it beats the default and a plain persistent config, which is not compiled
     // (reports/hopper/raw/persist_a367a06_2026-11-30.txt).
     fa3_entry<Fa3Config<256, 64, 2, true, true, true>>(),
-#if FLASHCPP_SM90_EXPERIMENTS
-    // Lean-mask twins (causal and sequence-end masks only, TileConfig::lean_mask), built with
-    // FLASHCPP_SM90_EXPERIMENTS only and named only until an A/B on the GPU (scripts/h200_round.sh
-    // phase 7): the persistent one has no spills where the general one has 36 bytes.
-    fa3_entry<Fa3Config<256, 64, 2, true, true, false, 2, 256, true>>(),
+    // The lean default's persistent twin: no spills where the general one has 36 bytes.
     fa3_entry<Fa3Config<256, 64, 2, true, true, true, 2, 256, true>>(),
-#endif
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd256() { return kEntries; }

@@ -15,17 +15,9 @@ const Fa3Entry kEntries[] = {
     fa3_entry<Fa3Config<64, 128, 4, true>>(),   // pipelined consumers + ping-pong
     fa3_entry<Fa3Config<64, 128, 4>>(),         // plain: Q K^T, softmax, P V in sequence (block-sparse masks)
     fa3_entry<Fa3Config<64, 128, 4, true, true, true>>(),  // the 128-row config, persistent (tile scheduler, TMA store)
-#if FLASHCPP_SM90_EXPERIMENTS
-    // The 192-row lean twin, persistent: no spills (the general one spilled 224 bytes and lost
-    // everywhere). Not measured yet: built with FLASHCPP_SM90_EXPERIMENTS only, and then the
-    // automatic choice does not take it (selector.cc).
+    // The 192-row lean twin, persistent (no spills; the general one spilled 224 bytes and lost
+    // everywhere, and is not built): the short and mid-size causal problems' tile.
     fa3_entry<Fa3Config<64, 128, 4, true, true, true, 3, 64, true>>(),
-    // Q K^T twins for head dims up to 32 (2 of 4 k16 steps, Fa3Config::kQkDims) of the 192-row lean
-    // tile and of the 128-row default: no spills; named only until measured against the 128
-    // class's _k96 evidence (scripts/h200_round.sh phase 7).
-    fa3_entry<Fa3Config<64, 128, 4, true, true, false, 3, 64, true, 32>>(),
-    fa3_entry<Fa3Config<64, 128, 4, true, true, false, 2, 64, false, 32>>(),
-#endif
 };
 }  // namespace
 std::span<const Fa3Entry> fa3_entries_hd64() { return kEntries; }
