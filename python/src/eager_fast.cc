@@ -296,20 +296,27 @@ bool view_of(const Tensor& t, bool packed, TensorView* v) {
 
 bool view4(const Tensor& t, TensorView* v) { return view_of(t, false, v); }
 
-/// The view of a new contiguous (b, s, h, d) output at `data`.
-TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::int64_t s, std::int64_t h,
-                            std::int64_t d) {
+/// The metadata of a new contiguous (row-major) tensor of `shape` (ndim dims) at `data`.
+Tensor contiguous_tensor(std::uintptr_t data, DType dt, int ndim, const std::int64_t* shape) {
   Tensor t;
   t.data = data;
   t.dtype = dt;
-  t.ndim = 4;
-  const std::int64_t shape[4] = {b, s, h, d}, stride[4] = {s * h * d, h * d, d, 1};
-  for (int i = 0; i < 4; ++i) {
+  t.ndim = ndim;
+  std::int64_t stride = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
     t.shape[i] = shape[i];
-    t.stride[i] = stride[i];
+    t.stride[i] = stride;
+    stride *= shape[i];
   }
+  return t;
+}
+
+/// The view of a new contiguous (b, s, h, d) output at `data`.
+TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::int64_t s, std::int64_t h,
+                            std::int64_t d) {
+  const std::int64_t shape[4] = {b, s, h, d};
   TensorView v;
-  view4(t, &v);
+  view4(contiguous_tensor(data, dt, 4, shape), &v);
   return v;
 }
 
@@ -397,18 +404,25 @@ nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handl
   return nb::make_tuple(out, lse);
 }
 
-/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its element count and pointer.
-bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
+/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its shape and pointer (t's
+/// dtype field, which has no int32, is left as it is).
+bool read_int32_tensor(nb::handle h, int device, Tensor* t) {
   PyObject* o = h.ptr();
   if (!plain_tensor(o)) return false;
   nb::object dt = cleared(PyObject_GetAttr(o, g_torch->s_dtype));
-  Tensor t;
   int dev = 0;
-  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, &t) ||
-      t.ndim != ndim || !t.contiguous())
+  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, t) ||
+      !t->contiguous())
     return false;
   nb::object neg = cleared(PyObject_CallMethodNoArgs(o, g_torch->s_is_neg));  // memory holding -x: not its values
-  if (!neg.is_valid() || neg.ptr() != Py_False) return false;
+  return neg.is_valid() && neg.ptr() == Py_False;
+}
+
+/// Reads a plain contiguous int32 tensor of `ndim` dims on `device` (-1: the host): its shape and
+/// pointer.
+bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
+  Tensor t;
+  if (!read_int32_tensor(h, device, &t) || t.ndim != ndim) return false;
   for (int i = 0; i < ndim; ++i) shape[i] = t.shape[i];
   *data = t.data;
   return true;
