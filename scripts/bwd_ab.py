@@ -1,5 +1,7 @@
 """The CUDA backward under several kernel choices (FLASHCPP_BWD_CONFIG = RunOptions::cuda_config), interleaved in one
 process, with cuDNN through SDPA beside; each choice's gradients are checked against cuDNN's first.
+A config ending in "+det" runs that config with deterministic=True ("+det" alone: the automatic choice), and its
+gradients must repeat bit for bit.
 Usage (on a GPU, flashcpp installed): python3 scripts/bwd_ab.py [configs, default sm90,sm90ws] [shape indices, e.g. 0,2]"""
 import os
 import statistics
@@ -24,9 +26,10 @@ for (b, h, n, d, causal) in shapes:
     fns = {}
     for cfg in configs:
         q, k, v = leaves()
-        o = flashcpp.flash_attn_func(q, k, v, causal=causal)
+        det = cfg.endswith("+det")
+        o = flashcpp.flash_attn_func(q, k, v, causal=causal, deterministic=det)
 
-        def run(o=o, q=q, k=k, v=v, cfg=cfg):
+        def run(o=o, q=q, k=k, v=v, cfg=cfg.removesuffix("+det")):
             os.environ["FLASHCPP_BWD_CONFIG"] = cfg
             return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
         fns[cfg] = run
@@ -38,7 +41,11 @@ for (b, h, n, d, causal) in shapes:
     for cfg in configs:
         got = [x.float() for x in fns[cfg]()]
         diff = max(((a - r).abs().max() / r.abs().max()).item() for a, r in zip(got, ref))
-        print(f"  {cfg}: max rel diff vs cudnn {diff:.2e}", flush=True)
+        same = ""
+        if cfg.endswith("+det"):
+            again = fns[cfg]()
+            same = ", bitwise repeat " + ("yes" if all(torch.equal(x, y) for x, y in zip(fns[cfg](), again)) else "NO")
+        print(f"  {cfg}: max rel diff vs cudnn {diff:.2e}{same}", flush=True)
     times = {k_: [] for k_ in fns}
     for _ in range(3):
         for k_, f in fns.items():

@@ -231,11 +231,6 @@ def _is_int(x: Any) -> bool:
 
 MAX_CPU_THREADS = 1024  # the CLI's --threads limit (tools/cli_checks.h kMaxThreads)
 
-if torch is not None:  # what the C++ fast paths read tensors with (python/src/eager_fast.cc)
-    _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32, torch.int32,
-                   getattr(torch._C, "_cuda_getDevice", None), _raw_stream, torch.empty_like, MAX_CPU_THREADS)
-
-
 def check_int(value: Any, name: str, lo: int, hi: int = _INT32_MAX, what: str = "") -> int:
     """An int in [lo, hi] (a float is not truncated, a bool is not a count); returns it as int."""
     if not _is_int(value) or not lo <= int(value) <= hi:
@@ -482,11 +477,18 @@ def check_inference_write(x: Any, name: str) -> None:
     """Refuses a torch inference tensor (made under torch.inference_mode()) as something flashcpp
     writes in place outside inference mode, as torch's own in-place ops refuse it: it has no version
     counter, and code outside inference mode may rely on it not changing. x is a torch tensor (the
-    eager fast paths call this before their C++ call writes; is_inference() first, the cheaper test)."""
+    eager fast paths call this before their C++ call writes, _C.rotary_fast from C++ for a tensor
+    whose is_inference() is True; is_inference() first, the cheaper test)."""
     if x.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode()) and flashcpp would "
                            f"write it in place outside inference mode, which torch does not allow; run the call "
                            f"under torch.inference_mode(), or pass {name}.clone()")
+
+
+if torch is not None:  # what the C++ fast paths read tensors with (python/src/eager_fast.cc)
+    _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32, torch.int32,
+                   getattr(torch._C, "_cuda_getDevice", None), _raw_stream, torch.empty_like, check_inference_write,
+                   MAX_CPU_THREADS)
 
 
 def check_caches_apart(k_cache: Any, v_cache: Any) -> None:

@@ -131,43 +131,20 @@ def _matrix(x: Any, dtype_code: int, row_stride: int) -> Any:
 
 
 # ---- the eager fast path ---------------------------------------------------------------------
-# A plain call on torch tensors (contiguous, one of float16/bfloat16/float32, one device, the
-# current CUDA device or the host; backend "auto", no cuda_config, no stream, outputs allocated
-# here or in place as documented) goes straight into the params: pointers, sizes and row strides,
-# and the stream read with torch's raw-stream accessor. rms_norm, fused_add_rms_norm and
-# silu_and_mul do this in one C++ call (_C.norm_fast, _C.silu_and_mul_fast:
-# python/src/eager_fast.cc); apply_rotary in Python (_fast_options, _fast_rotary). The C++
-# validator checks these params as it checks every call, so a bad value still gets its sentence;
-# anything the fast path does not take (numpy, strides, out=, another backend, a device that is not
-# the current one, an empty tensor) runs the general path below with its Python checks.
-# tests/python/test_fused_fast_path.py.
-_FAST_CODES = _core.FAST_CODES
+# A plain call on torch tensors (one of float16/bfloat16/float32, one device, the current CUDA
+# device or the host; backend "auto", no cuda_config, no stream, outputs allocated here or in place
+# as documented) goes straight into the params: pointers, sizes and strides, and the stream read
+# with torch's raw-stream accessor, in one C++ call (_C.norm_fast, _C.silu_and_mul_fast,
+# _C.rotary_fast: python/src/eager_fast.cc, which says what each takes). The C++ validator checks
+# these params as it checks every call, so a bad value still gets its sentence; anything the fast
+# path does not take (numpy, strides, out=, another backend, a device that is not the current one,
+# an empty tensor) returns None and runs the general path below with its Python checks.
+# tests/python/test_fused_fast_path.py, test_rotary_fast_path.py.
 _FAST_TYPES = _core.FAST_TYPES
 # An eps in (2**-150, float32 max] needs no further check (the default 1e-6 among them); any other
 # value goes through _core.check_eps, which refuses or accepts it (0, an int, a numpy number, a value
 # just past float32's max that rounds to it).
 _EPS_LO, _EPS_HI = _core._FLOAT32_HALF_TRUE_MIN, _core._FLOAT32_MAX
-
-
-def _fast_options(x: Any, tensors, written, cpu_threads: Any) -> Any:
-    """RunOptions for the fast path when x and every tensor in `tensors` qualify (`written`: (name,
-    tensor) pairs of those the call writes in place, which must be plain tensors that do not require
-    grad, and are refused as inference tensors outside inference mode; the caller moves their
-    version counters), else None."""
-    if type(x) not in _FAST_TYPES or x.dtype not in _FAST_CODES or x.dim() == 0 or x.numel() == 0:
-        return None
-    if type(cpu_threads) is not int or not 0 <= cpu_threads <= _core.MAX_CPU_THREADS:
-        return None
-    dt, dev = x.dtype, x.device
-    for t in tensors:
-        if type(t) not in _FAST_TYPES or t.dtype != dt or t.device != dev or not t.is_contiguous():
-            return None
-    for name, t in written:
-        if type(t) not in _FAST_TYPES or t.requires_grad:  # (a numpy k: the general path says why not)
-            return None
-        _core.check_inference_write(t, name)  # before the write, as the general path's check_writable
-    where = _core.fast_device(dev, dt, fp32_on_cuda=True)  # the fused CUDA kernels' answer on fp32 is theirs
-    return None if where is None else _C.RunOptions(where[0], where[1], cpu_threads, "")
 
 
 # ---- RMSNorm -------------------------------------------------------------------------------
@@ -410,122 +387,6 @@ def _rope_view(m: _core.Meta) -> Tuple[int, int, int]:
     return _core._view(m, varlen=len(m.shape) == 3)
 
 
-def _fast_rope_view(t: Any, sh: Tuple[int, ...], code: int) -> Any:
-    """The TensorView that _rope_view gives t, a 3-D or 4-D torch tensor of shape sh with a
-    contiguous last dim and no empty dim: a size-1 dim gets t's extent as its stride (_core._view)."""
-    st = t.stride()
-    if 1 in sh:  # contiguous (size-1 strides aside): the extent is numel
-        ext = t.numel() if t.is_contiguous() else 1 + sum((n - 1) * s for n, s in zip(sh, st))
-        st = [s if n > 1 else ext for n, s in zip(sh, st)]
-    if len(sh) == 3:
-        return _C.TensorView(t.data_ptr(), code, 0, st[0], st[1])
-    return _C.TensorView(t.data_ptr(), code, st[0], st[1], st[2])
-
-
-def _fast_empty(t: Any) -> Any:
-    """A new contiguous tensor like t, as the general path allocates (empty_like costs a third of
-    torch.empty with keywords)."""
-    if t.is_contiguous():
-        return torch.empty_like(t)
-    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
-
-
-# The eager fast path of apply_rotary: q (and k) torch tensors of one dtype and device (the host or
-# the current CUDA device), 3-D or 4-D with a contiguous head_dim and any other strides (views of
-# one packed qkv buffer too), nothing empty; positions None or an int32 contiguous tensor of the
-# right shape on q's device; cos_sin_cache None or a contiguous float32 (max_position, rotary_dim)
-# tensor there; style "neox"/"interleaved", an int rotary_dim in [0, head_dim], a number theta, a
-# dict llama3; outputs allocated here or in place (nothing written may require grad); backend
-# "auto", no cuda_config, no stream. RopeParams is filled directly; the C++ validator checks it as
-# it checks every call. Anything else (numpy, int64 positions, q_out=, ...) runs the general path.
-def _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cache, inplace, cpu_threads) -> Any:
-    """(q_out, k_out) of apply_rotary on the fast path, or None when it does not apply."""
-    if type(style) is not str:
-        return None
-    if style == "neox":
-        sty = _C.ROPE_NEOX
-    elif style == "interleaved":
-        sty = _C.ROPE_INTERLEAVED
-    else:
-        return None
-    if inplace is not False and inplace is not True:
-        return None
-    if type(theta) is not float and type(theta) is not int:
-        return None
-    if llama3 is not None and type(llama3) is not dict:
-        return None
-    written = () if not inplace else (("q", q),) if k is None else (("q", q), ("k", k))
-    opt = _fast_options(q, (), written, cpu_threads)
-    if opt is None:
-        return None
-    shape = tuple(q.shape)
-    nd = len(shape)
-    if nd == 4:
-        batch, seqlen, heads_q, head_dim = shape
-    elif nd == 3:
-        batch, (seqlen, heads_q, head_dim) = 1, shape
-    else:
-        return None
-    if q.stride(-1) != 1:
-        return None
-    dt = q.dtype
-    code = _FAST_CODES[dt]
-    heads_k = 0
-    if k is not None:
-        if type(k) not in _FAST_TYPES or k.dtype != dt or k.device != q.device:
-            return None
-        kshape = tuple(k.shape)
-        if len(kshape) != nd or kshape[:-2] != shape[:-2] or kshape[-1] != head_dim or k.stride(-1) != 1:
-            return None
-        heads_k = kshape[-2]
-        if heads_k == 0:
-            return None
-    if rotary_dim is None:
-        rot = head_dim
-    elif type(rotary_dim) is int and 0 <= rotary_dim <= head_dim:
-        rot = rotary_dim
-    else:
-        return None
-    if positions is not None:
-        if (type(positions) is not torch.Tensor or positions.dtype != torch.int32 or positions.device != q.device
-                or not positions.is_contiguous()):
-            return None
-        ps = tuple(positions.shape)
-        if ps != (batch * seqlen,) and ps != (batch, seqlen):
-            return None
-    if cache is not None:
-        if (type(cache) is not torch.Tensor or cache.dtype != torch.float32 or cache.device != q.device
-                or cache.dim() != 2 or rot == 0 or cache.shape[1] != rot or cache.shape[0] == 0
-                or not cache.is_contiguous()):
-            return None
-    p = _C.RopeParams()
-    p.batch, p.seqlen, p.heads_q, p.heads_k, p.head_dim = batch, seqlen, heads_q, heads_k, head_dim
-    p.q = _fast_rope_view(q, shape, code)
-    if k is not None:
-        p.k = _fast_rope_view(k, kshape, code)
-    if inplace:
-        q_out, k_out = q, k
-    else:
-        q_out = _fast_empty(q)
-        p.q_out = _fast_rope_view(q_out, shape, code)
-        k_out = None
-        if k is not None:
-            k_out = _fast_empty(k)
-            p.k_out = _fast_rope_view(k_out, kshape, code)
-    if positions is not None:
-        p.positions = positions.data_ptr()
-    r = p.rotary
-    r.style, r.rotary_dim, r.theta = sty, rot, float(theta)
-    if llama3 is not None:
-        r.llama3 = _C.Llama3Scaling(*_llama3(llama3))
-    if cache is not None:
-        r.set_cos_sin_cache(cache.data_ptr(), cache.shape[0], rot)
-    _C.apply_rotary(p, opt)
-    if inplace:
-        _core.bump_versions(*((q,) if k is None else (q, k)))
-    return q_out, k_out
-
-
 def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "neox",
                  rotary_dim: Optional[int] = None, theta: float = 10000.0,
                  llama3: Optional[Mapping[str, Any]] = None, cos_sin_cache: Any = None,
@@ -555,10 +416,11 @@ def apply_rotary(q: Any, k: Any = None, positions: Any = None, *, style: str = "
             q, k, positions, style=style, rotary_dim=rotary_dim, theta=theta, llama3=llama3,
             cos_sin_cache=cos_sin_cache, backend=backend, cpu_threads=cpu_threads, cuda_config=cuda_config,
             stream=stream), (q, k))
-    if (q_out is None and k_out is None and backend == "auto" and not cuda_config and stream is None
-            and type(q) in _FAST_TYPES):
-        fast = _fast_rotary(q, k, positions, style, rotary_dim, theta, llama3, cos_sin_cache, inplace, cpu_threads)
+    if q_out is None and k_out is None and backend == "auto" and not cuda_config and stream is None:
+        fast = _C.rotary_fast(q, k, positions, style, rotary_dim, theta, llama3, cos_sin_cache, inplace, cpu_threads)
         if fast is not None:
+            if inplace:  # it wrote q and k in place (it takes no inplace other than True and False)
+                _core.bump_versions(*((q,) if k is None else (q, k)))
             return fast
     inplace = _core.check_flag(inplace, "inplace")  # not any truthy value: inplace='no' wrote in place
     mq = _core.meta(q, "q")

@@ -1,7 +1,7 @@
 // The eager fast paths, marshalled in C++: a plain flash_attn_func, flash_attn_varlen_func,
-// flash_attn_with_kvcache, rms_norm, fused_add_rms_norm or silu_and_mul call on torch tensors is
-// read and launched here in one call from Python (the kvcache step calls back once for its plan,
-// which Python caches).
+// flash_attn_with_kvcache, rms_norm, fused_add_rms_norm, silu_and_mul or apply_rotary call on torch
+// tensors is read and launched here in one call from Python (the kvcache step calls back once for
+// its plan, which Python caches).
 //
 // Why: Python code that reads each tensor's shape, strides and pointer and then sets each params
 // field as an attribute cost about 29 of flash_attn_func's 46 us of host time per call on the H200
@@ -18,8 +18,8 @@
 // cannot read plainly, empty tensors, arguments of other Python types. The Python caller then runs
 // its general path, whose checks and sentences are unchanged. A call it takes reaches the same C++
 // entry point with the params the Python fast path filled before, and the C++ validator checks them
-// as it checks every call (tests/python/test_attention_fast_path.py and test_fused_fast_path.py
-// compare it with the general path bit for bit).
+// as it checks every call (tests/python/test_attention_fast_path.py, test_fused_fast_path.py and
+// test_rotary_fast_path.py compare it with the general path bit for bit).
 #include "eager_fast.h"
 
 #include <nanobind/stl/pair.h>
@@ -57,10 +57,15 @@ struct Torch {
   PyObject* current_device = nullptr;  // () -> int: torch's current CUDA device (null: no CUDA in torch)
   PyObject* raw_stream = nullptr;      // (int) -> int: the current stream of that device
   PyObject* empty_like = nullptr;      // torch.empty_like: about 1.2 us cheaper than new_empty on the H200 host (host_probe)
+  // _core.check_inference_write(t, name): raises the general path's sentence for an inference tensor
+  // written outside inference mode (called only for a tensor whose is_inference() is True).
+  PyObject* check_inference_write = nullptr;
   long max_cpu_threads = 0;
-  // Interned attribute names, and ("dtype",) for new_empty's keyword.
-  PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device, *s_is_neg,
-      *s_new_empty, *kw_dtype;
+  // Interned attribute names, ("dtype",) for new_empty's keyword, and the keys of a llama3 dict.
+  PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device,
+      *s_is_neg, *s_is_inference, *s_new_empty, *kw_dtype;
+  PyObject *k_factor, *k_low_freq_factor, *k_high_freq_factor, *k_original_max_position_embeddings,
+      *k_original_max_position;
 };
 Torch* g_torch = nullptr;
 
@@ -296,20 +301,27 @@ bool view_of(const Tensor& t, bool packed, TensorView* v) {
 
 bool view4(const Tensor& t, TensorView* v) { return view_of(t, false, v); }
 
-/// The view of a new contiguous (b, s, h, d) output at `data`.
-TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::int64_t s, std::int64_t h,
-                            std::int64_t d) {
+/// The metadata of a new contiguous (row-major) tensor of `shape` (ndim dims) at `data`.
+Tensor contiguous_tensor(std::uintptr_t data, DType dt, int ndim, const std::int64_t* shape) {
   Tensor t;
   t.data = data;
   t.dtype = dt;
-  t.ndim = 4;
-  const std::int64_t shape[4] = {b, s, h, d}, stride[4] = {s * h * d, h * d, d, 1};
-  for (int i = 0; i < 4; ++i) {
+  t.ndim = ndim;
+  std::int64_t stride = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
     t.shape[i] = shape[i];
-    t.stride[i] = stride[i];
+    t.stride[i] = stride;
+    stride *= shape[i];
   }
+  return t;
+}
+
+/// The view of a new contiguous (b, s, h, d) output at `data`.
+TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::int64_t s, std::int64_t h,
+                            std::int64_t d) {
+  const std::int64_t shape[4] = {b, s, h, d};
   TensorView v;
-  view4(t, &v);
+  view4(contiguous_tensor(data, dt, 4, shape), &v);
   return v;
 }
 
@@ -397,18 +409,25 @@ nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handl
   return nb::make_tuple(out, lse);
 }
 
-/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its element count and pointer.
-bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
+/// Reads a plain contiguous int32 tensor on `device` (-1: the host): its shape and pointer (t's
+/// dtype field, which has no int32, is left as it is).
+bool read_int32_tensor(nb::handle h, int device, Tensor* t) {
   PyObject* o = h.ptr();
   if (!plain_tensor(o)) return false;
   nb::object dt = cleared(PyObject_GetAttr(o, g_torch->s_dtype));
-  Tensor t;
   int dev = 0;
-  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, &t) ||
-      t.ndim != ndim || !t.contiguous())
+  if (!dt.is_valid() || dt.ptr() != g_torch->i32 || !read_device(o, &dev) || dev != device || !read_layout(o, t) ||
+      !t->contiguous())
     return false;
   nb::object neg = cleared(PyObject_CallMethodNoArgs(o, g_torch->s_is_neg));  // memory holding -x: not its values
-  if (!neg.is_valid() || neg.ptr() != Py_False) return false;
+  return neg.is_valid() && neg.ptr() == Py_False;
+}
+
+/// Reads a plain contiguous int32 tensor of `ndim` dims on `device` (-1: the host): its shape and
+/// pointer.
+bool read_int32(nb::handle h, int device, int ndim, std::int64_t* shape, std::uintptr_t* data) {
+  Tensor t;
+  if (!read_int32_tensor(h, device, &t) || t.ndim != ndim) return false;
   for (int i = 0; i < ndim; ++i) shape[i] = t.shape[i];
   *data = t.data;
   return true;
@@ -563,6 +582,161 @@ nb::object silu_and_mul_fast(nb::handle xh, nb::handle threads_h) {
   return out;
 }
 
+/// A fresh contiguous tensor of t's shape, dtype and device, as the general path allocates one:
+/// empty_like keeps a contiguous t's strides (row-major up to the strides of size-1 dims, which no
+/// view reads); any other t gets row-major ones through new_empty.
+nb::object empty_contiguous(const Tensor& t) {
+  if (t.contiguous()) return empty_like(t);
+  nb::list shape;
+  for (int i = 0; i < t.ndim; ++i) shape.append(t.shape[i]);
+  return new_empty(t, nb::tuple(shape));
+}
+
+/// A value of a dict (borrowed), null when the key is absent; false when the lookup raised.
+bool dict_item(PyObject* dict, PyObject* key, PyObject** out) {
+  *out = PyDict_GetItemWithError(dict, key);
+  if (*out == nullptr && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+/// A llama3 rope_scaling dict read as fused._llama3 reads it (factor; low_freq_factor 1 and
+/// high_freq_factor 4 by default; original_max_position_embeddings, else original_max_position,
+/// else 8192), each number rounded to float as the Llama3Scaling binding rounds it. False for
+/// anything else: not exactly a dict, no factor, a value that is not a plain float or int (the
+/// general path converts a numpy number or a numeric string, and refuses the rest with its
+/// sentence), an original_max_position outside [0, 2^31 - 1].
+bool llama3_of(nb::handle h, flashcpp::Llama3Scaling* out) {
+  const Torch& T = *g_torch;
+  PyObject* d = h.ptr();
+  if (!PyDict_CheckExact(d)) return false;
+  PyObject *factor = nullptr, *low = nullptr, *high = nullptr, *orig = nullptr;
+  if (!dict_item(d, T.k_factor, &factor) || !dict_item(d, T.k_low_freq_factor, &low) ||
+      !dict_item(d, T.k_high_freq_factor, &high) || !dict_item(d, T.k_original_max_position_embeddings, &orig) ||
+      (orig == nullptr && !dict_item(d, T.k_original_max_position, &orig)))
+    return false;
+  double f = 0, lo = 1.0, hi = 4.0;
+  if (factor == nullptr || !number(factor, &f) || (low != nullptr && !number(low, &lo)) ||
+      (high != nullptr && !number(high, &hi)))
+    return false;
+  long long max_position = 8192;
+  if (orig != nullptr && orig != Py_None) {
+    if (!PyLong_CheckExact(orig)) return false;
+    max_position = PyLong_AsLongLong(orig);
+    if (max_position < 0 || max_position > 0x7fffffffLL) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  *out = flashcpp::Llama3Scaling{static_cast<float>(f), static_cast<float>(lo), static_cast<float>(hi),
+                                 static_cast<int>(max_position)};
+  return true;
+}
+
+/// Whether apply_rotary may write t in place here: false when t requires grad (the general path's
+/// to take); raises the general path's sentence for an inference tensor outside inference mode.
+bool writable_in_place(const Tensor& t, const char* name) {
+  if (t.requires_grad) return false;
+  nb::object inference = cleared(PyObject_CallMethodNoArgs(t.obj, g_torch->s_is_inference));
+  if (!inference.is_valid()) return false;
+  if (inference.ptr() == Py_True) nb::handle(g_torch->check_inference_write)(nb::handle(t.obj), name);
+  return true;
+}
+
+bool fits_int32(std::int64_t v) { return v <= 0x7fffffffLL; }
+
+/// apply_rotary(q, k, positions, style=, rotary_dim=, theta=, llama3=, cos_sin_cache=, inplace=,
+/// cpu_threads=) with no outputs passed, backend "auto", no cuda_config or stream: q (and k) of one
+/// dtype and device (the host or the current CUDA device, on torch's current stream), 3-D (tokens,
+/// heads, head_dim) or 4-D (batch, seqlen, heads, head_dim) with a contiguous head_dim and any other
+/// strides (views of one packed qkv buffer too), nothing empty; positions None or a contiguous int32
+/// tensor of shape (tokens,) or (batch, seqlen) on q's device; cos_sin_cache None or a contiguous
+/// float32 (max_position, rotary_dim) tensor there; style "neox" or "interleaved", rotary_dim None or
+/// an int in [0, head_dim], theta a float or int, llama3 None or a dict (llama3_of); inplace True
+/// (nothing written may require grad; the caller moves the version counters) or False (new
+/// contiguous outputs). (q_out, k_out or None), or None.
+nb::object rotary_fast(nb::handle qh, nb::handle kh, nb::handle positions_h, nb::handle style_h,
+                       nb::handle rotary_dim_h, nb::handle theta_h, nb::handle llama3_h, nb::handle cache_h,
+                       nb::handle inplace_h, nb::handle threads_h) {
+  if (g_torch == nullptr) return nb::none();
+  flashcpp::RopeParams p;
+  flashcpp::RotarySpec& r = p.rotary;
+  PyObject* style = style_h.ptr();
+  if (!PyUnicode_CheckExact(style)) return nb::none();
+  if (PyUnicode_CompareWithASCIIString(style, "neox") == 0) r.style = flashcpp::RopeStyle::kNeox;
+  else if (PyUnicode_CompareWithASCIIString(style, "interleaved") == 0) r.style = flashcpp::RopeStyle::kInterleaved;
+  else return nb::none();
+  if (inplace_h.ptr() != Py_True && inplace_h.ptr() != Py_False) return nb::none();
+  const bool inplace = inplace_h.ptr() == Py_True, has_k = !kh.is_none();
+  Tensor q, k;
+  if (!read(qh, &q) || q.numel() == 0 || (q.ndim != 3 && q.ndim != 4)) return nb::none();
+  const int nd = q.ndim;
+  const bool packed = nd == 3;  // (tokens, heads, head_dim): batch 1
+  const std::int64_t batch = packed ? 1 : q.shape[0], seqlen = q.shape[nd - 3], head_dim = q.shape[nd - 1];
+  if (has_k) {
+    if (!read(kh, &k) || !q.same_place(k) || k.ndim != nd || k.shape[nd - 1] != head_dim || k.shape[nd - 2] == 0)
+      return nb::none();
+    for (int i = 0; i < nd - 2; ++i)
+      if (k.shape[i] != q.shape[i]) return nb::none();
+  }
+  std::int64_t rot = head_dim;
+  if (!rotary_dim_h.is_none()) {
+    if (!PyLong_CheckExact(rotary_dim_h.ptr())) return nb::none();
+    rot = PyLong_AsLongLong(rotary_dim_h.ptr());
+    if (rot < 0 || rot > head_dim) {
+      PyErr_Clear();
+      return nb::none();
+    }
+  }
+  // The general path checks what it writes in place after the checks above and before the rest.
+  if (inplace && (!writable_in_place(q, "q") || (has_k && !writable_in_place(k, "k")))) return nb::none();
+  int threads = 0;
+  RunOptions opt;
+  if (!number(theta_h, &r.theta) || (!llama3_h.is_none() && !llama3_of(llama3_h, &r.llama3)) ||
+      !cpu_threads_of(threads_h, &threads))
+    return nb::none();
+  opt.cpu_threads = threads;
+  if (!place(q, /*fp32_on_cuda=*/true, &opt)) return nb::none();  // the CUDA kernel's answer on fp32 is its own
+  if (!fits_int32(batch) || !fits_int32(seqlen) || !fits_int32(q.shape[nd - 2]) || !fits_int32(head_dim) ||
+      (has_k && !fits_int32(k.shape[nd - 2])))
+    return nb::none();
+  if (!view_of(q, packed, &p.q) || (has_k && !view_of(k, packed, &p.k))) return nb::none();
+  if (!positions_h.is_none()) {
+    Tensor pos;
+    if (!read_int32_tensor(positions_h, q.device, &pos)) return nb::none();
+    const bool tokens = pos.ndim == 1 && pos.shape[0] == batch * seqlen;
+    if (!tokens && !(pos.ndim == 2 && pos.shape[0] == batch && pos.shape[1] == seqlen)) return nb::none();
+    p.positions = reinterpret_cast<const std::int32_t*>(pos.data);
+  }
+  if (!cache_h.is_none()) {
+    Tensor c;
+    if (!read(cache_h, &c) || c.dtype != DType::kF32 || c.device != q.device || c.ndim != 2 || rot == 0 ||
+        c.shape[1] != rot || c.shape[0] == 0 || !fits_int32(c.shape[0]) || !c.contiguous())
+      return nb::none();
+    r.set_cos_sin_cache(reinterpret_cast<const float*>(c.data), static_cast<int>(c.shape[0]), static_cast<int>(rot));
+  }
+  r.rotary_dim = static_cast<int>(rot);
+
+  nb::object q_out = nb::borrow(qh), k_out = nb::borrow(kh);
+  if (!inplace) {
+    q_out = empty_contiguous(q);
+    view_of(contiguous_tensor(data_ptr(q_out), q.dtype, nd, q.shape), packed, &p.q_out);
+    if (has_k) {
+      k_out = empty_contiguous(k);
+      view_of(contiguous_tensor(data_ptr(k_out), k.dtype, nd, k.shape), packed, &p.k_out);
+    }
+  }
+  p.batch = static_cast<int>(batch);
+  p.seqlen = static_cast<int>(seqlen);
+  p.heads_q = static_cast<int>(q.shape[nd - 2]);
+  p.heads_k = has_k ? static_cast<int>(k.shape[nd - 2]) : 0;
+  p.head_dim = static_cast<int>(head_dim);
+  call_released([&] { return flashcpp::apply_rotary(p, opt); });
+  return nb::make_tuple(q_out, k_out);
+}
+
 /// _core.fast_view in C++: the TensorView of a plain 4-D tensor with a contiguous last dim (a size-1
 /// dim gets the extent as its stride), with dtype `code` (the caller checked the tensor's dtype), or
 /// None. Reads only the shape, strides and pointer.
@@ -698,7 +872,8 @@ PyObject* owned(nb::handle h) { return h.is_none() ? nullptr : h.inc_ref().ptr()
 /// Hands the fast paths what they need of torch (flashcpp._core at import). Once per process: a
 /// second call is ignored.
 void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::handle bf16, nb::handle f32,
-                nb::handle i32, nb::handle current_device, nb::handle raw_stream, nb::handle empty_like, long max_cpu_threads) {
+                nb::handle i32, nb::handle current_device, nb::handle raw_stream, nb::handle empty_like,
+                nb::handle check_inference_write, long max_cpu_threads) {
   if (g_torch != nullptr) return;
   auto* t = new Torch();
   t->tensor = owned(tensor);
@@ -710,6 +885,7 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->current_device = owned(current_device);
   t->raw_stream = owned(raw_stream);
   t->empty_like = owned(empty_like);
+  t->check_inference_write = owned(check_inference_write);
   t->max_cpu_threads = max_cpu_threads;
   t->s_dtype = intern("dtype");
   t->s_shape = intern("shape");
@@ -720,9 +896,15 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->s_is_cpu = intern("is_cpu");
   t->s_get_device = intern("get_device");
   t->s_is_neg = intern("is_neg");
+  t->s_is_inference = intern("is_inference");
   t->s_new_empty = intern("new_empty");
   t->kw_dtype = PyTuple_Pack(1, t->s_dtype);
   if (t->kw_dtype == nullptr) throw nb::python_error();
+  t->k_factor = intern("factor");
+  t->k_low_freq_factor = intern("low_freq_factor");
+  t->k_high_freq_factor = intern("high_freq_factor");
+  t->k_original_max_position_embeddings = intern("original_max_position_embeddings");
+  t->k_original_max_position = intern("original_max_position");
   g_torch = t;
 }
 
@@ -732,9 +914,10 @@ void bind_eager(nb::module_& m) {
   using namespace nb::literals;
   m.attr("ZERO_SCALE") = kZeroScale;
   m.def("_eager_bind", &eager_bind, "tensor"_a, "parameter"_a, "float16"_a, "bfloat16"_a, "float32"_a, "int32"_a,
-        "current_device"_a.none(), "raw_stream"_a.none(), "empty_like"_a, "max_cpu_threads"_a,
+        "current_device"_a.none(), "raw_stream"_a.none(), "empty_like"_a, "check_inference_write"_a,
+        "max_cpu_threads"_a,
         "Hands the eager fast paths torch's tensor types, dtypes, current-device and raw-stream "
-        "accessors (flashcpp._core, at import).");
+        "accessors, and _core.check_inference_write (flashcpp._core, at import).");
   m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a.none(),
         "window_left"_a, "window_right"_a, "softcap"_a.none(), "return_lse"_a.none(),
         "flash_attn_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
@@ -754,6 +937,11 @@ void bind_eager(nb::module_& m) {
         "path, or None.");
   m.def("silu_and_mul_fast", &silu_and_mul_fast, "x"_a, "cpu_threads"_a.none(),
         "silu_and_mul(x) on the eager fast path: the new output, or None.");
+  m.def("rotary_fast", &rotary_fast, "q"_a.none(), "k"_a.none(), "positions"_a.none(), "style"_a.none(),
+        "rotary_dim"_a.none(), "theta"_a.none(), "llama3"_a.none(), "cos_sin_cache"_a.none(), "inplace"_a.none(),
+        "cpu_threads"_a.none(),
+        "apply_rotary on the eager fast path: (q_out, k_out or None), new tensors or q and k themselves "
+        "(inplace; the caller moves their version counters), or None.");
 }
 
 }  // namespace flashcpp_python

@@ -358,13 +358,19 @@ Status check_qk_tensors(const char* op, const QkTensors& p, bool cuda, Span* q_o
 }
 
 
+/// The (batch, seqlen) grid of the token-wise ops: non-negative, at most 2^31-1 tokens.
+Status check_tokens(int batch, int seqlen) {
+  if (batch < 0) return Status::Invalid(cat("batch ", batch, " is negative (must be >= 0)"));
+  if (seqlen < 0) return Status::Invalid(cat("seqlen ", seqlen, " is negative (must be >= 0)"));
+  if (static_cast<std::int64_t>(batch) * seqlen > kInt32Max)
+    return Status::Invalid(cat("batch*seqlen = ", batch, "*", seqlen, " tokens is more than 2^31-1"));
+  return Status::Ok();
+}
+
 Status validate_rotary(const RopeParams& p, Backend backend) {
   bool cuda = false;
   FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
-  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
-  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
-  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
-    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  FLASHCPP_RETURN_IF_ERROR(check_tokens(p.batch, p.seqlen));
   if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
   if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
   if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kMaxHeadDim)
@@ -416,10 +422,7 @@ constexpr int kRowMaxHeadDim = kFusedRowMaxHeadDim;
 Status validate_qk_norm(const QkNormRopeParams& p, Backend backend) {
   bool cuda = false;
   FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
-  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
-  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
-  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
-    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  FLASHCPP_RETURN_IF_ERROR(check_tokens(p.batch, p.seqlen));
   if (p.heads_q < 1) return Status::Invalid(cat("heads_q ", p.heads_q, " must be >= 1"));
   if (p.heads_k < 0) return Status::Invalid(cat("heads_k ", p.heads_k, " is negative (must be >= 0; 0 = no k)"));
   if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kRowMaxHeadDim)
@@ -474,10 +477,7 @@ Status check_append_view(const char* name, const TensorView& t, std::int64_t e0,
 Status validate_append(const RopeAppendParams& p, Backend backend) {
   bool cuda = false;
   FLASHCPP_RETURN_IF_ERROR(check_backend(backend, &cuda));
-  if (p.batch < 0) return Status::Invalid(cat("batch ", p.batch, " is negative (must be >= 0)"));
-  if (p.seqlen < 0) return Status::Invalid(cat("seqlen ", p.seqlen, " is negative (must be >= 0)"));
-  if (static_cast<std::int64_t>(p.batch) * p.seqlen > kInt32Max)
-    return Status::Invalid(cat("batch*seqlen = ", p.batch, "*", p.seqlen, " tokens is more than 2^31-1"));
+  FLASHCPP_RETURN_IF_ERROR(check_tokens(p.batch, p.seqlen));
   if (p.heads_q < 0) return Status::Invalid(cat("heads_q ", p.heads_q, " is negative (must be >= 0; 0 = no q)"));
   if (p.heads_kv < 1) return Status::Invalid(cat("heads_kv ", p.heads_kv, " must be >= 1"));
   if (p.head_dim < 2 || p.head_dim % 2 != 0 || p.head_dim > kRowMaxHeadDim)

@@ -593,6 +593,17 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
 #endif
 }
 
+int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas) {
+  if (key_tiles <= 0) return 1;
+  const std::int64_t pairs = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * heads_kv);
+  std::int64_t g = key_tiles;
+  if (deterministic) g = std::max<std::int64_t>(4, (std::max(resident_ctas, 1) + pairs - 1) / pairs);
+  g = std::min<std::int64_t>(g, key_tiles);
+  const std::int64_t groups_max = std::max<std::int64_t>(1, 65535 / std::max(batch, 1));  // grid z = batch x groups
+  g = std::max(g, (key_tiles + groups_max - 1) / groups_max);
+  return static_cast<int>(g);
+}
+
 Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
   *out = KernelChoice{};
   switch (b) {

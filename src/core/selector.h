@@ -83,6 +83,19 @@ bool wide_tile_pays(std::int64_t seqlen_q, std::int64_t heads_batch, bool causal
 /// tiled CPU backward; kCuda the mma.sync backward of src/cuda/backward (one config per head-dim class).
 Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out);
 
+/// The backward grid's key tiles per group. The grid runs groups of `key_tiles_per_group` key tiles
+/// of every (sequence, KV head), group after group, the tiles of a group fastest (bwd_launch.cuh).
+/// Default mode: one group of all `key_tiles` (each head's key tiles run side by side and share its
+/// Q, dO and dQ in L2). Deterministic mode: key tile n adds to a query tile after tile n - 1 did,
+/// one hand-over (the reduce-add landing, then the flag) per tile; with every key tile of a head
+/// running at once, the last one finishes (key_tiles - 1) hand-overs after the first (1.82x the
+/// default's time at (4,32,4096,128) causal). Groups bound that chain: G = max(4, resident_ctas /
+/// kv_pairs) tiles of a head run at once, enough heads to fill the GPU, and the next group's tiles
+/// start as this group's finish, their turns already passed. G >= 4 keeps the passes over Q, dO and
+/// dQ (one per group; L2 holds a pass's tiles, not a head's) at key_tiles / 4 or fewer. G also grows
+/// until batch x groups fits the grid's 65535 z limit.
+int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas);
+
 // ---- the sm80 tuned table ------------------------------------------------------------------------
 /// The tuned table's seqlen buckets (flashcpp/tune.h: kSeqlenBuckets). Lookup order: the JSON cache
 /// written by `flashcpp tune` (FLASHCPP_TUNE_CACHE, else ~/.cache/flashcpp/prefill_sm80_<device>.json),

@@ -414,5 +414,29 @@ TEST(Selector, DecodeValidationSharesTheScoreUnitCheck) {
   EXPECT_NE(st.message().find("units of 1/|softmax_scale|"), std::string::npos) << st.message();
 }
 
+TEST(Selector, BackwardKeyGroupsBoundTheDeterministicChain) {
+  // Default mode: one group of every key tile (each head's tiles side by side, today's grid).
+  EXPECT_EQ(select::backward_key_group(false, 32, 4, 32, 132), 32);
+  EXPECT_EQ(select::backward_key_group(false, 1, 1, 1, 132), 1);
+  // Deterministic: enough tiles per head to fill the GPU, at least 4, never more than there are.
+  EXPECT_EQ(select::backward_key_group(true, 32, 4, 32, 132), 4);    // 128 heads: 4 tiles each
+  EXPECT_EQ(select::backward_key_group(true, 128, 1, 16, 132), 9);   // 16 heads: ceil(132 / 16)
+  EXPECT_EQ(select::backward_key_group(true, 64, 2, 16, 132), 5);    // 32 heads: ceil(132 / 32)
+  EXPECT_EQ(select::backward_key_group(true, 3, 1, 1, 132), 3);      // fewer tiles than the rule
+  EXPECT_EQ(select::backward_key_group(true, 0, 1, 1, 132), 1);      // no key tile: one empty group
+  EXPECT_EQ(select::backward_key_group(true, 8, 1, 1, 0), 4);        // no device count: the floor
+  // The grid's z (batch x groups) stays within 65535: groups grow when the batch is large.
+  for (const int batch : {1, 1000, 20000, 65535}) {
+    const int key_tiles = 4096;
+    for (const bool det : {false, true}) {
+      const int g = select::backward_key_group(det, key_tiles, batch, 1, 132);
+      ASSERT_GE(g, 1);
+      ASSERT_LE(g, key_tiles);
+      const long long groups = (key_tiles + g - 1) / g;
+      EXPECT_LE(static_cast<long long>(batch) * groups, 65535) << "batch " << batch << " det " << det;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flashcpp

@@ -248,6 +248,23 @@ TEST(BackwardGpu, EveryHeadDimRunsPaddedToItsClass) {
   for (const auto& pr : pairs) check_case({.batch = 1, .sq = 100, .sk = 100, .hq = 2, .hkv = 2, .d = pr[0], .dv = pr[1]});
 }
 
+/// Runs a deterministic case three times on the same inputs: every gradient must repeat bit for bit.
+void expect_bitwise_repeat(const BwdCase& c) {
+  Result first;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::mt19937_64 gen(1234);  // the same inputs each time
+    Result r;
+    run_case(c, gen, &r);
+    if (::testing::Test::HasFatalFailure()) return;
+    if (rep == 0) {
+      first = std::move(r);
+      continue;
+    }
+    EXPECT_TRUE(r.dq == first.dq) << "dq differs between deterministic runs: " << describe(c);
+    EXPECT_TRUE(r.dk == first.dk && r.dv == first.dv) << "dk or dv differs between deterministic runs: " << describe(c);
+  }
+}
+
 TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
   std::vector<std::string> cfgs = {"", "sm80"};  // "": the warp-specialized kernel on Hopper (d128)
   if (sm90_device()) cfgs.push_back("sm90");
@@ -255,19 +272,26 @@ TEST(BackwardGpu, DeterministicIsBitwiseRepeatable) {
     const BwdCase c{.batch = 1, .sq = 1024, .sk = 1024, .hq = 4, .hkv = 1, .d = 128, .causal = true, .deterministic = true,
                     .config = cfg};
     check_case(c);
-    Result first;
-    for (int rep = 0; rep < 3; ++rep) {
-      std::mt19937_64 gen(1234);  // the same inputs each time
-      Result r;
-      run_case(c, gen, &r);
-      if (::testing::Test::HasFatalFailure()) return;
-      if (rep == 0) {
-        first = std::move(r);
-        continue;
-      }
-      EXPECT_TRUE(r.dq == first.dq) << "dq differs between deterministic runs";
-      EXPECT_TRUE(r.dk == first.dk && r.dv == first.dv) << "dk or dv differs between deterministic runs";
-    }
+    expect_bitwise_repeat(c);
+  }
+}
+
+// Deterministic mode runs the grid in groups of key tiles (select::backward_key_group: 4 per
+// group here, with 40-48 (sequence, KV head) pairs): later groups' CTAs, and CTAs past a short
+// sequence's last tile inside a group, must find their tile, take their turns and add in order.
+TEST(BackwardGpu, DeterministicKeyTileGroups) {
+  std::vector<std::string> cfgs = {"", "sm80"};
+  if (sm90_device()) cfgs.push_back("sm90");
+  for (const std::string& cfg : cfgs) {
+    // Short query sides keep the fp64 reference cheap; every key tile adds to the same few query tiles.
+    const BwdCase dense{.batch = 2, .sq = 100, .sk = 1000, .hq = 20, .hkv = 20, .d = 64, .causal = false,
+                        .deterministic = true, .config = cfg};
+    check_case(dense);
+    expect_bitwise_repeat(dense);
+    const BwdCase packed{.batch = 3, .hq = 16, .hkv = 16, .d = 128, .lq = {100, 37, 130}, .lk = {1100, 300, 650},
+                         .causal = true, .deterministic = true, .config = cfg};
+    check_case(packed);
+    expect_bitwise_repeat(packed);
   }
 }
 

@@ -1,10 +1,11 @@
-"""The eager fast path of apply_rotary (flashcpp/fused.py, _fast_rotary): plain calls on torch
-tensors fill RopeParams directly and let the C++ validator check them.
+"""The eager fast path of apply_rotary (_C.rotary_fast, python/src/eager_fast.cc): plain calls on
+torch tensors are read and launched in one C++ call that fills RopeParams and lets the C++ validator
+check them.
 
 It must compute exactly what the general path computes (backend="cpu" runs the general path: both
 are compared bit for bit), refuse what the general path refuses with the same sentence (the C++
 validator's), and step aside for everything it does not take, which then still works or refuses
-as before. Host tensors here; the same code serves CUDA tensors on the current device."""
+as before. Host tensors here, and the CUDA half at the end (skipped without a GPU)."""
 import math
 
 import numpy as np
@@ -163,11 +164,11 @@ def test_fast_path_refuses_as_the_general_path_does(bad):
 
 def test_what_the_fast_path_steps_aside_for():
     q, k = torch.randn(5, 2, 16), torch.randn(5, 1, 16)
-    args = dict(positions=None, style="neox", rotary_dim=None, theta=10000.0, llama3=None, cache=None,
+    args = dict(positions=None, style="neox", rotary_dim=None, theta=10000.0, llama3=None, cos_sin_cache=None,
                 inplace=False, cpu_threads=0)
 
     def fast(q_, k_=None, **kw):
-        return fused._fast_rotary(q_, k_, **dict(args, **kw))
+        return fused._C.rotary_fast(q_, k_, **dict(args, **kw))
 
     assert fast(q, k) is not None
     aside = {
@@ -183,15 +184,30 @@ def test_what_the_fast_path_steps_aside_for():
         "list positions": lambda: fast(q, positions=[0, 1, 2, 3, 4]),
         "positions of a wrong shape": lambda: fast(q, positions=torch.arange(4, dtype=torch.int32)),
         "strided positions": lambda: fast(q, positions=torch.arange(10, dtype=torch.int32)[::2]),
-        "fp16 cache": lambda: fast(q, cache=torch.randn(8, 16).half()),
-        "cache of a wrong width": lambda: fast(q, cache=torch.randn(8, 12)),
-        "numpy cache": lambda: fast(q, cache=np.zeros((8, 16), np.float32)),
+        "fp16 cache": lambda: fast(q, cos_sin_cache=torch.randn(8, 16).half()),
+        "cache of a wrong width": lambda: fast(q, cos_sin_cache=torch.randn(8, 12)),
+        "numpy cache": lambda: fast(q, cos_sin_cache=np.zeros((8, 16), np.float32)),
+        "empty cache": lambda: fast(q, cos_sin_cache=torch.randn(0, 16)),
+        "strided cache": lambda: fast(q, cos_sin_cache=torch.randn(8, 32)[:, ::2]),
+        "cache with rotary_dim 0": lambda: fast(q, rotary_dim=0, cos_sin_cache=torch.randn(8, 16)),
         "unknown style": lambda: fast(q, style="gptj"),
+        "style None": lambda: fast(q, style=None),
+        "negative view": lambda: fast(torch._neg_view(q)),
+        "None q": lambda: fast(None),
+        "meta q": lambda: fast(q.to("meta")),
         "float rotary_dim": lambda: fast(q, rotary_dim=8.0),
         "bool rotary_dim": lambda: fast(q, rotary_dim=True),
         "rotary_dim over head_dim": lambda: fast(q, rotary_dim=18),
         "string theta": lambda: fast(q, theta="1e4"),
+        "bool theta": lambda: fast(q, theta=True),
+        "theta past float": lambda: fast(q, theta=10**400),
         "llama3 not a dict": lambda: fast(q, llama3=[("factor", 8.0)]),
+        "llama3 without factor": lambda: fast(q, llama3={"low_freq_factor": 1.0}),
+        "llama3 numpy factor": lambda: fast(q, llama3={"factor": np.float32(8.0)}),
+        "llama3 string factor": lambda: fast(q, llama3={"factor": "8"}),
+        "llama3 float original_max_position": lambda: fast(q, llama3={"factor": 8.0,
+                                                                      "original_max_position_embeddings": 8.0}),
+        "llama3 negative original_max_position": lambda: fast(q, llama3={"factor": 8.0, "original_max_position": -1}),
         "inplace not a bool": lambda: fast(q, inplace=1),
         "cpu_threads -1": lambda: fast(q, cpu_threads=-1),
         "written tensor requiring grad": lambda: fast(q.clone().requires_grad_(), inplace=True),
@@ -200,6 +216,8 @@ def test_what_the_fast_path_steps_aside_for():
         assert call() is None, what
     # a q requiring grad is only read when not in place: the fast path takes it
     assert fast(q.clone().requires_grad_()) is not None
+    assert fast(torch.nn.Parameter(q.clone(), requires_grad=False), inplace=True) is not None
+    assert fast(q, llama3={"factor": 8, "original_max_position": None}) is not None  # plain numbers, None: 8192
     # and the public calls still work or refuse through the general path
     want = flashcpp.apply_rotary(q, positions=torch.arange(5, dtype=torch.int32))[0]
     assert torch.equal(flashcpp.apply_rotary(q, positions=torch.arange(5))[0], want)
@@ -219,4 +237,158 @@ def test_what_the_fast_path_steps_aside_for():
         flashcpp.apply_rotary(q.double())
     with pytest.raises(ValueError, match="cpu_threads"):
         flashcpp.apply_rotary(q, cpu_threads=-1)
+    with pytest.raises(ValueError, match="negative view"):
+        flashcpp.apply_rotary(torch._neg_view(q))
+    with pytest.raises(ValueError, match="llama3 must be a mapping"):
+        flashcpp.apply_rotary(q, llama3={"factor": "eight"})
+    with pytest.raises(ValueError, match="original_max_position_embeddings must be an int"):
+        flashcpp.apply_rotary(q, llama3={"factor": 8.0, "original_max_position": -1})
     assert flashcpp.apply_rotary(q[:0])[0].shape == (0, 2, 16)
+    l3 = {"factor": 8.0, "original_max_position_embeddings": 4}
+    want = flashcpp.apply_rotary(q, llama3=l3)[0]
+    for same in ({"factor": np.float64(8.0), "original_max_position_embeddings": 4},
+                 {"factor": "8", "original_max_position": 4}):
+        assert torch.equal(flashcpp.apply_rotary(q, llama3=same)[0], want)  # the general path reads them alike
+
+
+LLAMA3 = [  # every way _llama3 reads a dict of plain numbers
+    {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+    {"factor": 32, "low_freq_factor": 2, "high_freq_factor": 8},  # ints; original_max_position 8192
+    {"factor": 8.0, "original_max_position": 16},
+    {"factor": 8.0, "original_max_position_embeddings": None, "original_max_position": 16},  # None: 8192
+    {"factor": 4.0, "low_freq_factor": 1.0 / 3.0, "high_freq_factor": 4.1, "original_max_position_embeddings": 32},
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(LLAMA3)))
+def test_llama3_dicts_take_the_fast_path(dtype, case, monkeypatch):
+    q, k = _rand((2, 7, 3, 64), dtype, 30 + case), _rand((2, 7, 1, 64), dtype, 40 + case)
+    pos = torch.randint(0, 30000, (2, 7), dtype=torch.int32, generator=torch.Generator().manual_seed(case))
+    kw = dict(theta=500000.0, llama3=LLAMA3[case])
+    general = _general(q, k, positions=pos, **kw)
+    with monkeypatch.context() as m:
+        _no_general(m)
+        fast = flashcpp.apply_rotary(q, k, pos, **kw)
+    assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
+    assert not torch.equal(fast[0], flashcpp.apply_rotary(q, k, pos, theta=500000.0)[0])  # the scaling applied
+
+
+def test_inference_tensors_in_place(monkeypatch):
+    """In place into inference tensors: taken on the fast path inside inference mode; refused with the
+    general path's sentence outside it, before anything is written."""
+    with torch.inference_mode():
+        q, k = torch.randn(4, 2, 32), torch.randn(4, 1, 32)
+        want = _general(q, k)
+        with monkeypatch.context() as m:
+            _no_general(m)
+            ret = flashcpp.apply_rotary(q, k, inplace=True)
+        assert ret[0] is q and ret[1] is k and torch.equal(q, want[0]) and torch.equal(k, want[1])
+        q0, k0 = q.clone(), k.clone()
+    for args, name in (((q, None), "q"), ((q.clone(), k), "k")):
+        with monkeypatch.context() as m:
+            _no_general(m)  # the refusal comes from the fast path
+            with pytest.raises(RuntimeError, match=f"^{name} is an inference tensor .* pass {name}.clone\\(\\)$"):
+                flashcpp.apply_rotary(*args, inplace=True)
+    assert torch.equal(q, q0) and torch.equal(k, k0)
+    out = flashcpp.apply_rotary(q, k)  # read only: fine outside inference mode
+    assert torch.equal(out[0], _general(q, k)[0]) and not out[0].is_inference()
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_in_place_moves_the_version_counters_as_the_general_path(grad, monkeypatch):
+    q, k = torch.randn(4, 2, 32), torch.randn(4, 1, 32)
+    with torch.set_grad_enabled(grad):
+        qg, kg = q.clone(), k.clone()
+        vq, vk = qg._version, kg._version
+        flashcpp.apply_rotary(qg, kg, inplace=True, backend="cpu")
+        moved = (qg._version - vq, kg._version - vk)
+        with monkeypatch.context() as m:
+            _no_general(m)
+            qf, kf = q.clone(), k.clone()
+            vq, vk = qf._version, kf._version
+            flashcpp.apply_rotary(qf, kf, inplace=True)
+            assert (qf._version - vq, kf._version - vk) == moved
+            qf = q.clone()
+            vq = qf._version
+            flashcpp.apply_rotary(qf, None, inplace=True)
+            assert qf._version - vq == moved[0]
+            vq = qf._version
+            flashcpp.apply_rotary(qf, None)  # not in place: no move
+            assert qf._version == vq
+    assert moved == ((1, 1) if grad else (0, 0))
+    assert torch.equal(qf, flashcpp.apply_rotary(q)[0]) and torch.equal(qg, qf) and torch.equal(kg, kf)
+
+
+def _cuda_cases(dev):
+    g = torch.Generator(device=dev).manual_seed(31)
+    for i, (qs, ks, kw, pk, cache) in enumerate(CASES):
+        for dtype in (torch.bfloat16, torch.float16):
+            q = torch.randn(qs, generator=g, device=dev).to(dtype)
+            k = None if ks is None else torch.randn(ks, generator=g, device=dev).to(dtype)
+            batch, seqlen = (1, qs[0]) if len(qs) == 3 else qs[:2]
+            pos = None
+            if pk == "t":
+                pos = torch.randint(0, 40, (batch * seqlen,), dtype=torch.int32, device=dev, generator=g)
+            elif pk == "bs":
+                pos = torch.randint(0, 4000, (batch, seqlen), dtype=torch.int32, device=dev, generator=g)
+            extra = dict(kw)
+            if cache:
+                extra["cos_sin_cache"] = torch.randn(40, 32, device=dev, generator=g)
+            yield f"case {i} {dtype}", q, k, pos, extra
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the fast path's CUDA half)")
+def test_cuda_fast_path_equals_general_and_captures_in_a_graph(monkeypatch):
+    """On CUDA tensors apply_rotary takes the fast path (new outputs and in place), equals the general
+    path bit for bit, and launches on torch's current stream (a side stream's work is ordered after
+    it, and a CUDA graph captures it)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    q32 = torch.randn(3, 2, 32, device=dev)
+    with pytest.raises(NotImplementedError) as fast:  # fp32 on CUDA: the kernel's own sentence, both paths
+        flashcpp.apply_rotary(q32)
+    with pytest.raises(NotImplementedError) as general:
+        flashcpp.apply_rotary(q32, backend="cuda")
+    assert str(fast.value) == str(general.value)
+    for what, q, k, pos, kw in _cuda_cases(dev):
+        assert fused._C.rotary_fast(q, k, pos, kw.get("style", "neox"), kw.get("rotary_dim"), kw.get("theta", 10000.0),
+                                    kw.get("llama3"), kw.get("cos_sin_cache"), False, 0) is not None, what
+        general = flashcpp.apply_rotary(q, k, pos, backend="cuda", **kw)
+        qi, ki = q.clone(), None if k is None else k.clone()
+        with monkeypatch.context() as m:
+            _no_general(m)
+            fast = flashcpp.apply_rotary(q, k, pos, **kw)
+            flashcpp.apply_rotary(qi, ki, pos, inplace=True, **kw)
+        assert torch.equal(fast[0], general[0]) and torch.equal(qi, general[0]), what
+        if k is not None:
+            assert torch.equal(fast[1], general[1]) and torch.equal(ki, general[1]), what
+    g = torch.Generator(device=dev).manual_seed(32)
+    q = torch.randn((2, 64, 8, 128), generator=g, device=dev, dtype=torch.bfloat16)
+    k = torch.randn((2, 64, 2, 128), generator=g, device=dev, dtype=torch.bfloat16)
+    pos = torch.randint(0, 8192, (2, 64), dtype=torch.int32, device=dev, generator=g)
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # a long kernel first: a launch on another stream would overtake it
+        qs = q.clone()
+        flashcpp.apply_rotary(qs, None, pos, inplace=True)
+    torch.cuda.synchronize()
+    assert torch.equal(qs, flashcpp.apply_rotary(q, None, pos, backend="cuda")[0])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = flashcpp.apply_rotary(q, k, pos, style="interleaved")
+    q.copy_(torch.randn(q.shape, generator=g, device=dev, dtype=q.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = flashcpp.apply_rotary(q, k, pos, style="interleaved", backend="cuda")
+    assert torch.equal(y[0], want[0]) and torch.equal(y[1], want[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_tensors_off_the_current_device_step_aside():
+    q = torch.randn(3, 2, 32, device="cuda:1", dtype=torch.bfloat16)
+    with torch.cuda.device(0):
+        assert fused._C.rotary_fast(q, None, None, "neox", None, 10000.0, None, None, False, 0) is None
+        out = flashcpp.apply_rotary(q)[0]  # the general path runs it on q's device
+    with torch.cuda.device(1):
+        assert torch.equal(out, flashcpp.apply_rotary(q)[0])

@@ -4,10 +4,12 @@
 // synchronizes (capturable in a CUDA graph). Which config runs is the selector's choice.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "common/attention_walk.h"
+#include "core/selector.h"
 #include "cuda/backward/bwd_kernel.cuh"
 #include "cuda/backward/bwd_registry.h"
 #include "cuda/common/tma_map.h"
@@ -110,8 +112,15 @@ Status zero_uncovered(const TensorView& x, int heads, int dim, const std::int32_
 
 template <typename T>
 Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardWorkspaceLayout& l, cudaStream_t stream,
-                 int device) {
+                 const DeviceInfo& dev) {
   BwdParams p = make_params(a, l);
+  {
+    const BlockSparseMask* bs = a.mask.block_sparse;
+    const int key_tiles =
+        walk::Tiles::make(a.seqlen_q, a.seqlen_k, e.tile.block_m, e.tile.block_n, bs).num_k_tiles();
+    p.key_group = select::backward_key_group(p.sem != nullptr, key_tiles, a.batch, a.heads_kv,
+                                             dev.num_sms * std::max(1, e.tile.min_blocks));
+  }
   const bool rows = a.batch > 0 && a.seqlen_q > 0, keys = a.batch > 0 && a.seqlen_k > 0;
   if (e.ws && rows && keys) {  // the warp-specialized kernel loads Q, dO, K and V by TMA
     const bool varlen = a.mask.is_varlen();
@@ -141,7 +150,7 @@ Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardW
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward preprocess launch"));
   }
   // The main kernel wherever keys exist: without query rows it visits no pair and writes dK = dV = 0.
-  if (keys) FLASHCPP_RETURN_IF_ERROR((std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16)(p, stream, device));
+  if (keys) FLASHCPP_RETURN_IF_ERROR((std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16)(p, stream, dev.device));
   if (rows) {
     bwd_postprocess_kernel<T><<<rows_grid, 128, 0, stream>>>(p);
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward postprocess launch"));
@@ -175,8 +184,8 @@ Status backward_cuda(const AttnBackwardParams& a, const TileConfig& tile, const 
     return Status::Unsupported("batch " + std::to_string(a.batch) + " or heads " + std::to_string(a.heads_q) +
                                " exceeds the 65535 limit of a grid dimension");
   const auto stream_ = static_cast<cudaStream_t>(stream);
-  return a.q.dtype == DType::kBF16 ? run_typed<__nv_bfloat16>(a, *e, layout, stream_, dev.device)
-                                   : run_typed<__half>(a, *e, layout, stream_, dev.device);
+  return a.q.dtype == DType::kBF16 ? run_typed<__nv_bfloat16>(a, *e, layout, stream_, dev)
+                                   : run_typed<__half>(a, *e, layout, stream_, dev);
 }
 
 }  // namespace flashcpp::cuda

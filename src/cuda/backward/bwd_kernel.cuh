@@ -186,13 +186,14 @@ struct BwdCta {
   const BlockSparseMask* bs;
 };
 
-/// The CTA's key tile (blockIdx.x), KV head and sequence with tiles of BM x BN; false when the
-/// sequence has no key tile blockIdx.x (varlen), so the whole CTA returns.
+/// The CTA's key tile, KV head and sequence with tiles of BM x BN (the grid of bwd_run); false when
+/// the sequence has no such key tile (varlen, or past the last group's end), so the whole CTA returns.
 template <int BM, int BN>
 __device__ __forceinline__ bool bwd_make_cta(const BwdParams& p, BwdCta* c) {
-  c->n = blockIdx.x;
+  const int group = static_cast<int>(blockIdx.z) / p.batch;
+  c->n = group * p.key_group + static_cast<int>(blockIdx.x);
   c->hk = blockIdx.y;
-  c->b = blockIdx.z;
+  c->b = static_cast<int>(blockIdx.z) - group * p.batch;
   c->s = bwd_seq(p, c->b);
   c->bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
   c->tiles = walk::Tiles::make(c->s.len_q, c->s.len_k, BM, BN, c->bs);

@@ -13,8 +13,10 @@
 
 namespace flashcpp::cuda {
 
-/// Grid (key tiles, heads_kv, batch): key tiles fastest, so the CTAs of one (sequence, KV head) start
-/// in ascending key order (deterministic mode waits only for smaller key tiles of its own).
+/// Grid (key_group, heads_kv, groups x batch): CTAs start group by group (select::backward_key_group),
+/// and within a group, (sequence, KV head) by (sequence, KV head) with its key tiles fastest. So the
+/// CTAs of one (sequence, KV head) start in ascending key order, and deterministic mode, which waits
+/// only for smaller key tiles of its own, waits only for CTAs that started before it.
 template <class Cfg, typename T>
 Status bwd_run(const BwdParams& p, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
@@ -27,7 +29,9 @@ Status bwd_run(const BwdParams& p, Stream stream, int device) {
   const BlockSparseMask* bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
   const int n_tiles = walk::Tiles::make(p.seqlen_q, p.seqlen_k, Cfg::kBlockM, Cfg::kBlockN, bs).num_k_tiles();
   if (n_tiles == 0) return Status::Ok();
-  const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.heads_kv), static_cast<unsigned>(p.batch));
+  const int groups = (n_tiles + p.key_group - 1) / p.key_group;
+  const dim3 grid(static_cast<unsigned>(p.key_group), static_cast<unsigned>(p.heads_kv),
+                  static_cast<unsigned>(p.batch) * static_cast<unsigned>(groups));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(p);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return Status::Cuda(std::string("backward kernel launch failed: ") + cudaGetErrorString(e));

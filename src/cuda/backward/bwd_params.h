@@ -45,6 +45,9 @@ struct BwdParams {
   std::int32_t* sem;         ///< [heads_q][ws_rows / row_pad] deterministic mode, else nullptr
   std::int64_t ws_rows;
   int row_pad;
+  /// Key tiles per group of the grid (select::backward_key_group): blockIdx.x is the tile within
+  /// its group, blockIdx.z = group x batch + sequence.
+  int key_group;
   /// Varlen: the packed rows of q (mask.total_q) and of k (total_k); 0 = unknown. Rows past
   /// cu_seqlens[batch] get zero gradients when known. Also the LSE's row count when total_q > 0.
   std::int64_t total_q, total_k;

@@ -30,12 +30,7 @@ Status opt_in_dynamic_smem(Kernel* kernel, int bytes, int device, std::atomic<un
                            const char* what = "") {
   const unsigned long long bit = 1ull << (device & 63);
   if (opted_in.load(std::memory_order_acquire) & bit) return Status::Ok();
-  const cudaError_t e =
-      cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // the runtime records the failure as the last error: a later launch check would report it
-    return Status::Cuda(std::string(what) + "cudaFuncSetAttribute(max dynamic smem) failed: " + cudaGetErrorString(e));
-  }
+  if (Status st = set_dynamic_smem(kernel, bytes, what); !st.ok()) return st;
   opted_in.fetch_or(bit, std::memory_order_acq_rel);
   return Status::Ok();
 }

@@ -6,6 +6,7 @@
 // the kernels read cache_seqlens at run time, so a replay sees new lengths.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <string>
 
 #include "cuda/cuda_api.h"
@@ -74,10 +75,8 @@ DecodeKernelParams make_params(const DecodeParams& a, const DecodePlan& plan) {
   p.rot_sin = ro.sin;
   p.rot_table_stride = ro.effective_table_stride(a.head_dim);
   p.rot_max_pos = ro.max_position;
-  if (p.rot_style != 0 && ro.cos == nullptr) {
-    const double* table = rotary_inv_freq_table(p.rot_dim, ro.theta, ro.llama3);  // rot_dim <= 256: validated
-    for (int i = 0; i < p.rot_dim / 2; ++i) p.rot_inv_freq[i] = table[i];
-  }
+  if (p.rot_style != 0 && ro.cos == nullptr)  // rot_dim <= 256: validated
+    std::copy_n(rotary_inv_freq_table(p.rot_dim, ro.theta, ro.llama3), p.rot_dim / 2, p.rot_inv_freq);
 
   p.batch = a.batch;
   p.seqlen_q = a.seqlen_q;

@@ -147,25 +147,42 @@ inline Status launch_status(const char* what) {
   return Status::Cuda(std::string(what) + " launch failed: " + cudaGetErrorString(e));
 }
 
+/// The stream kernels' depth (rms_norm, apply_rotary): rows (tokens) a block keeps in shared memory,
+/// `forced` (cuda_config stages2..4) or as many stages of `stage_bytes` as kStreamStageBudget holds,
+/// 2..kStreamStagesMax (cuda_config stages4 asks for a fourth).
+inline constexpr int kStreamStagesMax = 3;
+inline constexpr int kStreamStageBudget = 112 * 1024;
+inline int stream_stages(int forced, int stage_bytes) {
+  return forced > 0 ? forced : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+}
+
 /// Launches a resident-grid kernel (the stream kernels: each block walks work items blockIdx.x,
 /// + gridDim.x, ...) with as many blocks as the SMs hold at once, at most one per item. The first
 /// launch of a (kernel, device, block size, shared memory) opts the kernel in to the dynamic shared
-/// memory beside its static part and asks the occupancy; later ones read a small table. `what`
-/// names the op in error sentences.
+/// memory beside its static part and asks the occupancy; later ones read a small table (the device
+/// from cudaGetDevice alone: the caller has checked it). `what` names the op in error sentences.
 template <class Kernel, class Args>
 Status launch_resident(Kernel* kernel, const Args& a, int threads, int smem, std::int64_t items, Stream stream,
                        const char* what) {
   static std::mutex mu;
-  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, blocks per SM}
-  DeviceInfo dev;
-  FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
+  static std::array<std::array<std::intptr_t, 5>, 32> fits{};  // {kernel, device + 1, threads, smem, resident blocks}
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return Status::Cuda(std::string(what) + ": cudaGetDevice failed");
+  }
   const auto key = reinterpret_cast<std::intptr_t>(kernel);
-  int per_sm = 0;
+  std::int64_t resident = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& f : fits)
-      if (f[0] == key && f[1] == dev.device + 1 && f[2] == threads && f[3] == smem) per_sm = static_cast<int>(f[4]);
-    if (per_sm == 0) {
+      if (f[0] == key && f[1] == device + 1 && f[2] == threads && f[3] == smem) {
+        resident = f[4];
+        break;
+      }
+    if (resident == 0) {
+      DeviceInfo dev;
+      FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
       cudaFuncAttributes attr{};
       if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
         cudaGetLastError();
@@ -175,17 +192,18 @@ Status launch_resident(Kernel* kernel, const Args& a, int threads, int smem, std
       if (smem > dyn_max)
         return Status::Internal(std::string(what) + ": the stream kernel's stages exceed the device's shared memory");
       FLASHCPP_RETURN_IF_ERROR(set_dynamic_smem(kernel, dyn_max, what));
+      int per_sm = 0;
       const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
       if (e != cudaSuccess) {
         cudaGetLastError();
         return Status::Cuda(std::string(what) + ": occupancy query failed: " + cudaGetErrorString(e));
       }
-      per_sm = std::max(1, per_sm);
+      resident = static_cast<std::int64_t>(std::max(1, per_sm)) * dev.num_sms;
       std::rotate(fits.rbegin(), fits.rbegin() + 1, fits.rend());  // shift down, the oldest drops out
-      fits[0] = {key, dev.device + 1, threads, smem, per_sm};
+      fits[0] = {key, device + 1, threads, smem, static_cast<std::intptr_t>(resident)};
     }
   }
-  const std::int64_t blocks = std::min<std::int64_t>(items, static_cast<std::int64_t>(per_sm) * dev.num_sms);
+  const std::int64_t blocks = std::min<std::int64_t>(items, resident);
   kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(a);
   return launch_status(what);
 }

@@ -225,8 +225,6 @@ __global__ void __launch_bounds__(1024) rms_norm_persistent_kernel(const __grid_
 /// slower than the two-pass kernel on the H200 (reports/fused), as did every residual row.
 constexpr int kStreamVecs = 4;       // 16-byte vectors a thread holds per tensor
 constexpr int kStreamThreads = 128;  // at most: rows of 257..512 vectors take 96..128
-constexpr int kStreamStagesMax = 3;  // by default; cuda_config stages4 asks for a fourth
-constexpr int kStreamStageBudget = 112 * 1024;      // bytes of stages a block, at most (then fewer stages)
 
 template <class T>
 __global__ void __launch_bounds__(kStreamThreads) rms_norm_stream_kernel(const __grid_constant__ NormArgs a) {
@@ -356,7 +354,7 @@ FusedPath rms_norm_path(const RmsNormParams& p, bool with_residual, const FusedF
     path.per_thread = kStreamVecs;
     path.threads = path.group = round_up((nvec + kStreamVecs - 1) / kStreamVecs, 32);
     const int stage_bytes = path.threads * path.per_thread * 16 * (with_residual ? 2 : 1);
-    path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+    path.stages = stream_stages(force.stages, stage_bytes);
     path.smem = path.stages * stage_bytes;
   }
   if (!named) return path;

@@ -12,6 +12,7 @@
 // there. A lane writes only the elements it loaded itself, so in-place rows are safe.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common/rope.cuh"
@@ -52,8 +53,7 @@ inline void set_row_rotary(const RotarySpec& spec, int head_dim, RowRotary* r) {
   if (spec.has_tables()) {
     r->tables = rope::CosSinTables{spec.cos, spec.sin, spec.effective_table_stride(head_dim), spec.max_position};
   } else {
-    const double* table = rotary_inv_freq_table(r->rot, spec.theta, spec.llama3);  // rot <= 256 here
-    for (int i = 0; i < r->half; ++i) r->inv_freq[i] = table[i];
+    std::copy_n(rotary_inv_freq_table(r->rot, spec.theta, spec.llama3), r->half, r->inv_freq);  // rot <= 256 here
   }
 }
 

@@ -388,8 +388,6 @@ __global__ void __launch_bounds__(kStagedThreads) rotary_staged_kernel(const __g
 constexpr int kStreamThreadsPref = 128;  // threads a block while 4 units a thread cover the token
 constexpr int kStreamThreadsMax = 256;
 constexpr int kStreamUnitsMax = 4;  // units a thread: tokens of up to 1024 units (e.g. 128 heads of 128)
-constexpr int kStreamStagesMax = 3;  // by default; cuda_config stages4 asks for a fourth
-constexpr int kStreamStageBudget = 112 * 1024;
 
 template <class T>
 __global__ void __launch_bounds__(kStreamThreadsMax) rotary_stream_kernel(const __grid_constant__ RotaryArgs a) {
@@ -536,7 +534,7 @@ FusedPath rotary_path(const RopeParams& p, const FusedForce& force, bool named) 
                       stream_shape(static_cast<int>(per_token), &path.per_thread, &path.threads);
   if (stream) {
     const int stage_bytes = stream_stage_bytes(path.threads, path.per_thread, rot / 2);
-    path.stages = force.stages > 0 ? force.stages : std::clamp(kStreamStageBudget / stage_bytes, 2, kStreamStagesMax);
+    path.stages = stream_stages(force.stages, stage_bytes);
     path.smem = path.stages * stage_bytes;
   } else {
     path.threads = staged ? kStagedThreads : kThreads;

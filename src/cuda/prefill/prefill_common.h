@@ -69,10 +69,8 @@ inline void fill_prefill_rope(PrefillRope& r, const AttnRotary& a, int head_dim)
   r.neox = s.style == RopeStyle::kNeox ? 1 : 0;
   r.tables = fused::CosSinTables{s.cos, s.sin, s.effective_table_stride(head_dim), s.max_position};
   r.positions_q = a.positions_q;
-  if (!s.has_tables()) {
-    const double* table = rotary_inv_freq_table(rd, s.theta, s.llama3);  // rd <= 256: validated head dims
-    for (int i = 0; i < r.half; ++i) r.inv_freq[i] = table[i];
-  }
+  if (!s.has_tables())  // rd <= 256: validated head dims
+    std::copy_n(rotary_inv_freq_table(rd, s.theta, s.llama3), r.half, r.inv_freq);
 }
 
 /// Output, LSE, sizes, score transform and mask rules: the fields Fa2Params and Fa3Params share by name.
