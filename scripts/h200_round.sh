@@ -209,11 +209,8 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
       1,16,4096,256 1,16,4096,256,c
     # The 128 class's _k96 twins (Q K^T over 6 of 8 k16 steps) against the whole-class configs at
     # head dims 96 and 80 (bench headdims' shapes; the automatic choice takes the twins).
-    probe k96 sm90_m128n128s2p_k96,sm90_m128n128s2p,sm90_m128n128s2p_k96_persist,sm90_m128n128s2p_persist,sm90_m128n128s2p_k80 \
+    probe k96 sm90_m128n128s2p_k96,sm90_m128n128s2p,sm90_m128n128s2p_k96_persist,sm90_m128n128s2p_persist \
       1,16,4096,96 1,16,4096,96,c 1,16,4096,80 1,16,4096,80,c 4,32,4096,96,c 2,32,2048,80,8
-    # d64's _k32 twins (2 of 4 k16 steps; named only) at head dim 32.
-    probe k32 auto,sm90_m192n128s4p_lean,sm90_m192n128s4p_lean_k32,sm90_m128n128s4p,sm90_m128n128s4p_k32 \
-      2,16,4096,32 2,16,4096,32,c 2,16,16384,32,c 16,32,1024,32,c
     pack phase7 probes
     ;;
 esac
