@@ -80,10 +80,15 @@ struct DecodeKvLoads {
   using Cfg = Config<D>;
   static constexpr int kElems = 16 / static_cast<int>(sizeof(C));  ///< elements per 16-byte copy
   static constexpr int BN = Cfg::kBlockN, kRowChunks = D / kElems, kRowsPerPass = Cfg::kThreads / kRowChunks;
+  /// Dims a warp's MMA step covers (DecodeWarp: 16; DecodeWarp8: 32, one ldmatrix of codes): the
+  /// warps read a stage's columns only up to the head dim rounded up to this, so the chunks past it
+  /// are never copied (see DecodeWarp::chunk), and those inside it but past the head dim zero-fill.
+  static constexpr int kStepDims = kFp8Cache<C> ? 32 : 16;
   const C* gK;
   const C* gV;
   int c, r0;
   int k_bytes, v_bytes;  ///< source bytes of chunk c inside head_dim / head_dim_v: 16, or 0 past them
+  bool k_read, v_read;   ///< chunk c is read by the warps' MMA steps (else it is not copied at all)
   bool page_holds_tile;
 
   /// Bytes of chunk `chunk` inside a row of `dim` elements (16 when the head dim is the class).
@@ -94,7 +99,10 @@ struct DecodeKvLoads {
 
   __device__ __forceinline__ DecodeKvLoads(const DecodeKernelParams& p, int hk, int tid)
       : c(tid % kRowChunks), r0(tid / kRowChunks), k_bytes(chunk_bytes(p.head_dim, tid % kRowChunks)),
-        v_bytes(chunk_bytes(p.head_dim_v, tid % kRowChunks)), page_holds_tile(p.paged && p.page_mask + 1 >= BN) {
+        v_bytes(chunk_bytes(p.head_dim_v, tid % kRowChunks)),
+        k_read((tid % kRowChunks) * kElems < (p.head_dim + kStepDims - 1) / kStepDims * kStepDims),
+        v_read((tid % kRowChunks) * kElems < (p.head_dim_v + kStepDims - 1) / kStepDims * kStepDims),
+        page_holds_tile(p.paged && p.page_mask + 1 >= BN) {
     // A padding chunk keeps its row's first address: nothing is read, and it stays inside the view.
     gK = static_cast<const C*>(p.k_cache) + hk * p.k_head_stride + (k_bytes > 0 ? c * kElems : 0);
     gV = static_cast<const C*>(p.v_cache) + hk * p.v_head_stride + (v_bytes > 0 ? c * kElems : 0);
@@ -135,8 +143,8 @@ struct DecodeKvLoads {
     for (int it = 0; it < kIt; ++it) {
       const int r = r0 + it * kRowsPerPass;
       const bool ok = j0 + it * kRowsPerPass < key_hi;  // keys at or past the visible end are zero-filled, never read
-      ptx::cp_async_16(ptx::smem_u32(dK + stage_offset(r, c)), gK + (ok ? ko[it] : 0), ok ? k_bytes : 0);
-      ptx::cp_async_16(ptx::smem_u32(dV + stage_offset(r, c)), gV + (ok ? vo[it] : 0), ok ? v_bytes : 0);
+      if (k_read) ptx::cp_async_16(ptx::smem_u32(dK + stage_offset(r, c)), gK + (ok ? ko[it] : 0), ok ? k_bytes : 0);
+      if (v_read) ptx::cp_async_16(ptx::smem_u32(dV + stage_offset(r, c)), gV + (ok ? vo[it] : 0), ok ? v_bytes : 0);
     }
   }
 };
@@ -268,9 +276,12 @@ struct DecodeWarp : DecodeRows<D> {
   __device__ __forceinline__ void chunk(const DecodeKernelParams& p, const DecodeCta& cta, std::uint32_t chunk_off,
                                         int j_chunk, bool full, int t4) {
     // S = Q K^T for 16 rows x 16 keys, raw q.k units
+    // A head dim below the class runs only the k16 steps that hold its dims (the loads copy no
+    // column past them): a warp-uniform test, so 96 in the 128 class does 6 of 8 steps.
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
+      if (kk * 16 >= p.head_dim) break;
       std::uint32_t a[4], bk[4];
       ptx::ldmatrix_x4(a, q_base ^ (kk << 5));
       ptx::ldmatrix_x4(bk, (k_base + chunk_off) ^ (kk << 5));
@@ -282,6 +293,7 @@ struct DecodeWarp : DecodeRows<D> {
     this->template scores_to_p<T, false>(p, cta, s_acc, {1.f, 1.f}, j_chunk, full, t4, a);
 #pragma unroll
     for (int dp = 0; dp < DT / 2; ++dp) {
+      if (dp * 16 >= p.head_dim_v) break;  // likewise the n16 steps of O that hold head_dim_v's dims
       std::uint32_t bv[4];
       ptx::ldmatrix_x4_trans(bv, (v_base + chunk_off) ^ (dp << 5));
       ptx::mma_16816<T>(acc_o[2 * dp], a, bv[0], bv[1]);
@@ -386,6 +398,7 @@ struct DecodeWarp8 : DecodeRows<D> {
     float s_acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kp = 0; kp < KT / 2; ++kp) {
+      if (kp * 32 >= p.head_dim) break;  // the 32-dim steps that hold head_dim's dims (DecodeWarp::chunk)
       std::uint32_t kf[4];  // keys 0-7 / 8-15 of dims 32 kp .. + 15, then of dims 32 kp + 16 .. + 31
       ptx::ldmatrix_x4(kf, (k_base + chunk_off) ^ (kp << 5));
 #pragma unroll
@@ -400,6 +413,7 @@ struct DecodeWarp8 : DecodeRows<D> {
     this->template scores_to_p<__half, true>(p, cta, s_acc, row_qinv, j_chunk, full, t4, a);
 #pragma unroll
     for (int kp = 0; kp < KT / 2; ++kp) {
+      if (kp * 32 >= p.head_dim_v) break;
       std::uint32_t vf[4];  // as kf, transposed: lane (g, t) holds dims 2g, 2g+1 of keys 2t, 2t+1
       ptx::ldmatrix_x4_trans(vf, (v_base + chunk_off) ^ (kp << 5));
 #pragma unroll
