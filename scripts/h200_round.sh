@@ -28,6 +28,9 @@
 #                                                                      against the general ones, the _k96
 #                                                                      twins against the whole class
 #                                                                      (~250 s)
+#   call 8, no carry (cold is fine):   bash scripts/h200_round.sh 8 C   the pending items: build, backward and
+#                                                                      rotary-attention GPU tests, deterministic
+#                                                                      cost, ncu of decode at d96  (~250 s)
 # The five calls need ~29 minutes plus the start, more than a round's 30 device minutes once a start
 # is refused or a machine is taken back: run phase 1 and then the phases the change needs.
 # Each phase prints a short table last and leaves at most 8 files under $OUT (logs, and the report
@@ -39,7 +42,7 @@ commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 case $phase in
-  1 | 2 | 3 | 4 | 5 | 6 | 7) ;;
+  1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
   *)
     echo "h200_round.sh: phase must be 1, 2, 3, 4, 5, 6 or 7; got '$phase'" >&2
     exit 2
@@ -212,6 +215,28 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
     probe k96 sm90_m128n128s2p_k96,sm90_m128n128s2p,sm90_m128n128s2p_k96_persist,sm90_m128n128s2p_persist \
       1,16,4096,96 1,16,4096,96,c 1,16,4096,80 1,16,4096,80,c 4,32,4096,96,c 2,32,2048,80,8
     pack phase7 probes
+    ;;
+  8)
+    # One cold call for the pending items (~250 s): the build and its Python package, the backward and
+    # rotary-attention GPU tests, deterministic mode's cost (bwd_ab.py, bitwise repeat checked), and
+    # ncu of decode at head dim 96, contiguous against page 16 (the paged step ran 1.09x faster at
+    # 3873b71). Run it on the tree under test (wip-det-writer for the writer change).
+    make build JOBS=16 FLASHCPP_GIT_COMMIT="$commit" > "$OUT/build.txt" 2>&1 || { tail -30 "$OUT/build.txt"; exit 1; }
+    say "$(tail -2 "$OUT/build.txt" | head -1)"
+    (python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > "$OUT/pip.txt" 2>&1
+     echo "pip rc $?" >> "$OUT/pip.txt") &
+    timeout 200 ./build/flashcpp_gpu_tests --gtest_filter='BackwardGpu.*:RotaryAttentionGpu.*' > "$OUT/gpu_tests.txt" 2>&1
+    say "gpu tests: $(grep -E '^\[  (PASSED|FAILED) |tests ran' "$OUT/gpu_tests.txt" | tr '\n' ' ')"
+    wait
+    say "$(tail -1 "$OUT/pip.txt")"
+    (cd /tmp && timeout 120 python3 "$repo/scripts/bwd_ab.py" sm90ws,sm90ws+det 1,2,0,3 > "$OUT/bwd_det.txt" 2>&1)
+    say "bwd det rc $?"
+    grep -E "TF/s|repeat" "$OUT/bwd_det.txt" >> "$summary"
+    for ps in 0 16; do
+      (cd /tmp && timeout 60 ncu -k regex:decode --set full -c 2 python3 "$repo/scripts/decode_ncu.py" 16,32,8,8192,96,$ps \
+        --calls 2 > "$OUT/ncu_d96_ps$ps.txt" 2>&1)
+      say "ncu d96 page $ps rc $?"
+    done
     ;;
 esac
 cat "$summary"
