@@ -258,13 +258,18 @@ bool sm90_fits(const TileConfig& t, const AttnParams& p) {
          (!t.ping_pong && tiles_fit_block_sparse(*p.mask.block_sparse, t.block_m, t.block_n));
 }
 
-/// The persistent twin of `base` (same tiles, stages, scheduling and masks), if compiled.
+/// The persistent twin of `base` (same tiles, stages, scheduling and Q K^T dims), if compiled: the
+/// lean-mask one when base is lean, or when the problem's masks allow it and one is compiled (d256
+/// builds a lean persistent twin only), else the one with base's mask path.
 const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
+  const cuda::Fa3Entry* found = nullptr;
   for (const auto& e : sm90_entries(p))
     if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong &&
-        e.tile.sched == base.sched && e.tile.lean_mask == base.lean_mask && e.tile.qk_dims == base.qk_dims)
-      return &e;
-  return nullptr;
+        e.tile.sched == base.sched && e.tile.qk_dims == base.qk_dims && sm90_fits(e.tile, p)) {
+      if (e.tile.lean_mask == base.lean_mask && found == nullptr) found = &e;
+      if (e.tile.lean_mask && !base.lean_mask) return &e;  // fits: the masks are lean
+    }
+  return found;
 }
 
 /// Whether the automatic choice is the persistent twin of `base`: problems of dense (or window /
@@ -281,15 +286,16 @@ bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num
                               twin->q_bufs);
 }
 
-/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile where
-/// its own persistent twin pays (the lean-mask one: it balances the causal triangle, which the
-/// 10-tiles-per-SM rule of wide_tile_pays stood in for), else where wide_tile_pays, unless the
+/// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile on a
+/// causal problem where its own persistent twin pays (the lean-mask one: it balances the triangle,
+/// which the 10-tiles-per-SM rule of wide_tile_pays stood in for; measured on causal rows only),
+/// else where wide_tile_pays, unless the
 /// problem is short and the 128-row config's persistent twin pays (sm90_short_for_wide_tile). The
 /// 192-row persistent twin with the general mask path lost everywhere (spills at 160 registers)
 /// and is not built.
 bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
   if (t.block_m <= 128) return true;
-  if (sm90_prefer_persistent(p, t, num_sms)) return true;
+  if (p.mask.causal && sm90_prefer_persistent(p, t, num_sms)) return true;
   if (!wide_tile_pays(p.seqlen_q, static_cast<std::int64_t>(p.heads_q) * p.batch, p.mask.causal, t.block_m, num_sms))
     return false;
   if (!sm90_short_for_wide_tile(p.seqlen_k, p.mask.causal)) return true;

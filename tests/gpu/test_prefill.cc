@@ -299,10 +299,10 @@ TEST(Prefill, PersistentEqualsItsTwinBitForBit) {
 }
 
 // The lean-mask configs (TileConfig::lean_mask: only the causal and sequence-end masks; d64's
-// 192-row tile, the automatic choice there, and named-only twins at d128 and d256) compute every
-// score, max and sum as the general config of the same tile: the element mask sets the same scores
-// to -inf, from two rule registers instead of the general path (the named-only twins are built
-// with FLASHCPP_SM90_EXPERIMENTS). Their outputs must be equal bit for
+// 192-row tile and its persistent twin, d128's default and persistent twin, d256's persistent one:
+// the automatic choice wherever the masks allow) compute every score, max and sum as the general
+// config of the same tile: the element mask sets the same scores to -inf, from two rule registers
+// instead of the general path. Their outputs must be equal bit for
 // bit, and each passes the fp64 check of run_case. Odd lengths (partial first and last tiles, a
 // single row), q longer and shorter than k under causal (rows that see no key), GQA and MQA, fp16,
 // the SDPA layout; the persistent ones also with ~10 tiles per CTA (d64's against the lean
@@ -449,14 +449,16 @@ TEST(Prefill, AutoChoiceTakesTheWideD64TileForLargeProblems) {
   auto pick = [&](int batch, int seqlen, bool causal) { return auto_config(q, k, v, o, batch, 16, seqlen, 64, causal); };
   EXPECT_EQ(pick(1, big, false), "sm90_m192n128s4p_lean");  // lean masks: no window or modifier here
   EXPECT_EQ(pick(1, big, true), "sm90_m192n128s4p_lean");
-  // Half as many: causal takes the 128-row persistent twin (its triangle balance wins there).
-  EXPECT_EQ(pick(1, big / 2, true), "sm90_m128n128s4p_persist");
+  // Half as many: causal takes the 192-row lean persistent twin (a tile walks 32 key tiles on
+  // average: the persistent rule's limit).
+  EXPECT_EQ(pick(1, big / 2, true), "sm90_m192n128s4p_lean_persist");
   // Sequences of 128 rows: a 192-row tile would only add empty rows.
   EXPECT_EQ(pick(dev.num_sms, 128, false).rfind("sm90_m128n128s4p", 0), 0u) << pick(dev.num_sms, 128, false);
-  // Short sequences in large batches: the wide tile would pay by its waves, the 128-row persistent
-  // twin pays more (sm90_short_for_wide_tile).
+  // Short sequences in large batches: causal takes the 192-row lean persistent twin ((16,32,1024,64)
+  // causal: 1.17x the 128-row persistent twin on an H100), non-causal the 128-row persistent twin
+  // (sm90_short_for_wide_tile; the 192-row one is not measured there).
   const int wide_batch = (10 * dev.num_sms + 6 * 16 - 1) / (6 * 16);  // 6 wide tiles a head of 1024: >= 10 x SMs
-  EXPECT_EQ(pick(wide_batch, 1024, true), "sm90_m128n128s4p_persist");
+  EXPECT_EQ(pick(wide_batch, 1024, true), "sm90_m192n128s4p_lean_persist");
   EXPECT_EQ(pick(2 * dev.num_sms / 16, 512, false), "sm90_m128n128s4p_persist");
 #else
   GTEST_SKIP() << "this build has no sm_90a kernels";
