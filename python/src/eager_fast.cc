@@ -109,6 +109,20 @@ nb::object cleared(PyObject* r) {
   return nb::steal(r);
 }
 
+/// An exact Python int (not a bool) in [lo, hi], or false with no Python error left pending.
+bool int_in(nb::handle h, long long lo, long long hi, long long* out) {
+  if (!PyLong_CheckExact(h.ptr())) return false;
+  const long long v = PyLong_AsLongLong(h.ptr());  // -1 with an error past long long: outside too
+  if (v < lo || v > hi || (v == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+bool fits_int32(std::int64_t v) { return v <= 0x7fffffffLL; }
+
 bool read_ints(PyObject* tuple, Py_ssize_t n, std::int64_t* out) {
   if (!PyTuple_Check(tuple) || PyTuple_GET_SIZE(tuple) != n) return false;
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -241,12 +255,8 @@ bool number(nb::handle h, double* out) {
 }
 
 bool cpu_threads_of(nb::handle h, int* out) {
-  if (!PyLong_CheckExact(h.ptr())) return false;
-  const long v = PyLong_AsLong(h.ptr());
-  if (v < 0 || v > g_torch->max_cpu_threads) {
-    PyErr_Clear();
-    return false;
-  }
+  long long v = 0;
+  if (!int_in(h, 0, g_torch->max_cpu_threads, &v)) return false;
   *out = static_cast<int>(v);
   return true;
 }
@@ -447,12 +457,8 @@ bool host_prefix_sums_fit(std::uintptr_t data, std::int64_t n, std::int64_t rows
 
 /// An int in [1, 2^31 - 1] (not a bool), or false.
 bool positive_int32(nb::handle h, int* out) {
-  if (!PyLong_CheckExact(h.ptr())) return false;
-  const long long x = PyLong_AsLongLong(h.ptr());
-  if (x < 1 || x > 0x7fffffffLL) {
-    PyErr_Clear();
-    return false;
-  }
+  long long x = 0;
+  if (!int_in(h, 1, 0x7fffffffLL, &x)) return false;
   *out = static_cast<int>(x);
   return true;
 }
@@ -470,13 +476,13 @@ nb::object varlen_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle c
   if (!attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, return_lse_h, 3, &c)) return nb::none();
   const Tensor &q = c.q, &k = c.k, &v = c.v;
   const std::int64_t Tq = q.shape[0], Hq = q.shape[1], D = q.shape[2], Tk = k.shape[0], Dv = v.shape[2];
-  if (v.shape[0] != Tk || Tq == 0 || Tk == 0 || Tq > 0x7fffffffLL || Tk > 0x7fffffffLL) return nb::none();
+  if (v.shape[0] != Tk || Tq == 0 || Tk == 0 || !fits_int32(Tq) || !fits_int32(Tk)) return nb::none();
   int max_q = 0, max_k = 0;
   if (!positive_int32(max_q_h, &max_q) || !positive_int32(max_k_h, &max_k)) return nb::none();
   std::int64_t nq = 0, nk = 0;
   std::uintptr_t cu_q = 0, cu_k = 0;
   if (!read_int32(cu_q_h, q.device, 1, &nq, &cu_q) || !read_int32(cu_k_h, q.device, 1, &nk, &cu_k) || nq != nk ||
-      nq < 2 || nq - 1 > 0x7fffffffLL)
+      nq < 2 || !fits_int32(nq - 1))
     return nb::none();
   // Host arrays: values the general path refuses with its sentences (a first entry other than 0, a
   // decrease, a sequence longer than its maximum, more rows than the packed tensor holds: the C++
@@ -622,14 +628,7 @@ bool llama3_of(nb::handle h, flashcpp::Llama3Scaling* out) {
       (high != nullptr && !number(high, &hi)))
     return false;
   long long max_position = 8192;
-  if (orig != nullptr && orig != Py_None) {
-    if (!PyLong_CheckExact(orig)) return false;
-    max_position = PyLong_AsLongLong(orig);
-    if (max_position < 0 || max_position > 0x7fffffffLL) {
-      PyErr_Clear();
-      return false;
-    }
-  }
+  if (orig != nullptr && orig != Py_None && !int_in(orig, 0, 0x7fffffffLL, &max_position)) return false;
   *out = flashcpp::Llama3Scaling{static_cast<float>(f), static_cast<float>(lo), static_cast<float>(hi),
                                  static_cast<int>(max_position)};
   return true;
@@ -644,8 +643,6 @@ bool writable_in_place(const Tensor& t, const char* name) {
   if (inference.ptr() == Py_True) nb::handle(g_torch->check_inference_write)(nb::handle(t.obj), name);
   return true;
 }
-
-bool fits_int32(std::int64_t v) { return v <= 0x7fffffffLL; }
 
 /// apply_rotary(q, k, positions, style=, rotary_dim=, theta=, llama3=, cos_sin_cache=, inplace=,
 /// cpu_threads=) with no outputs passed, backend "auto", no cuda_config or stream: q (and k) of one
@@ -681,15 +678,8 @@ nb::object rotary_fast(nb::handle qh, nb::handle kh, nb::handle positions_h, nb:
     for (int i = 0; i < nd - 2; ++i)
       if (k.shape[i] != q.shape[i]) return nb::none();
   }
-  std::int64_t rot = head_dim;
-  if (!rotary_dim_h.is_none()) {
-    if (!PyLong_CheckExact(rotary_dim_h.ptr())) return nb::none();
-    rot = PyLong_AsLongLong(rotary_dim_h.ptr());
-    if (rot < 0 || rot > head_dim) {
-      PyErr_Clear();
-      return nb::none();
-    }
-  }
+  long long rot = head_dim;
+  if (!rotary_dim_h.is_none() && !int_in(rotary_dim_h, 0, head_dim, &rot)) return nb::none();
   // The general path checks what it writes in place after the checks above and before the rest.
   if (inplace && (!writable_in_place(q, "q") || (has_k && !writable_in_place(k, "k")))) return nb::none();
   int threads = 0;

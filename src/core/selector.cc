@@ -240,6 +240,12 @@ bool same_tiles(const TileConfig& x, const TileConfig& y) {
   return x.block_m == y.block_m && x.block_n == y.block_n && x.stages == y.stages;
 }
 
+/// Same tiles, stages, consumer schedule and Q K^T dims: twins that differ in persistence or in
+/// the mask path only.
+bool same_schedule(const TileConfig& x, const TileConfig& y) {
+  return same_tiles(x, y) && x.ping_pong == y.ping_pong && x.sched == y.sched && x.qk_dims == y.qk_dims;
+}
+
 /// Whether a problem's masks are only causal and sequence ends: what a lean-mask config runs
 /// (TileConfig::lean_mask; no window, sinks, softcap, ALiBi, block-sparse mask or rotary).
 bool lean_masks_suffice(const AttnParams& p) {
@@ -262,14 +268,13 @@ bool sm90_fits(const TileConfig& t, const AttnParams& p) {
 /// lean-mask one when base is lean, or when the problem's masks allow it and one is compiled (d256
 /// builds a lean persistent twin only), else the one with base's mask path.
 const cuda::Fa3Entry* sm90_twin(const AttnParams& p, const TileConfig& base) {
-  const cuda::Fa3Entry* found = nullptr;
+  const cuda::Fa3Entry* general = nullptr;
   for (const auto& e : sm90_entries(p))
-    if (e.tile.persistent && same_tiles(e.tile, base) && e.tile.ping_pong == base.ping_pong &&
-        e.tile.sched == base.sched && e.tile.qk_dims == base.qk_dims && sm90_fits(e.tile, p)) {
-      if (e.tile.lean_mask == base.lean_mask && found == nullptr) found = &e;
-      if (e.tile.lean_mask && !base.lean_mask) return &e;  // fits: the masks are lean
+    if (e.tile.persistent && same_schedule(e.tile, base) && sm90_fits(e.tile, p)) {
+      if (e.tile.lean_mask) return &e;  // it fits: the masks are lean
+      if (!base.lean_mask && general == nullptr) general = &e;
     }
-  return found;
+  return general;
 }
 
 /// Whether the automatic choice is the persistent twin of `base`: problems of dense (or window /
@@ -289,10 +294,9 @@ bool sm90_prefer_persistent(const AttnParams& p, const TileConfig& base, int num
 /// Whether a config's tile suits the problem: tiles of 128 rows always do; d64's 192-row tile on a
 /// causal problem where its own persistent twin pays (the lean-mask one: it balances the triangle,
 /// which the 10-tiles-per-SM rule of wide_tile_pays stood in for; measured on causal rows only),
-/// else where wide_tile_pays, unless the
-/// problem is short and the 128-row config's persistent twin pays (sm90_short_for_wide_tile). The
-/// 192-row persistent twin with the general mask path lost everywhere (spills at 160 registers)
-/// and is not built.
+/// else where wide_tile_pays, unless the problem is short and the 128-row config's persistent twin
+/// pays (sm90_short_for_wide_tile). The 192-row persistent twin with the general mask path lost
+/// everywhere (spills at 160 registers) and is not built.
 bool sm90_suits(const TileConfig& t, const AttnParams& p, int num_sms) {
   if (t.block_m <= 128) return true;
   if (p.mask.causal && sm90_prefer_persistent(p, t, num_sms)) return true;
@@ -328,8 +332,7 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
   if (t.lean_mask && !lean_masks_suffice(p)) {
     std::string twin;  // the same tiles with the general mask path, of the same persistence if compiled
     for (const auto& e : sm90_entries(p))
-      if (!e.tile.lean_mask && same_tiles(e.tile, t) && e.tile.ping_pong == t.ping_pong && e.tile.sched == t.sched &&
-          e.tile.qk_dims == t.qk_dims && (twin.empty() || e.tile.persistent == t.persistent))
+      if (!e.tile.lean_mask && same_schedule(e.tile, t) && (twin.empty() || e.tile.persistent == t.persistent))
         twin = sm90_config_name(e.tile);
     return "sm90 config " + name + " (lean masks) runs only causal and sequence-end masks, not this problem's " +
            "window, attention sinks, softcap, ALiBi, block-sparse mask or rotary; " +

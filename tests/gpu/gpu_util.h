@@ -123,12 +123,20 @@ inline bool sm90_config_takes(const std::string& cfg, int d) {
 struct Sm90Twin {
   std::string config, twin;
 };
-/// The configs of a head dim (or a pair: head_dim_v 0 = head_dim) that carry `suffix`, each with its twin.
+/// The configs of a head dim (or a pair: head_dim_v 0 = head_dim) that carry `suffix`, each with its
+/// twin: the name without the suffix, or, for a lean-mask config whose lean twin is not built (d256
+/// builds only a lean persistent config), the general one without "_lean" too (the same bits).
 inline std::vector<Sm90Twin> sm90_twins(int head_dim, const std::string& suffix, int head_dim_v = 0) {
+  const std::vector<std::string> names = cuda::prefill_sm90_configs(head_dim, head_dim_v);
   std::vector<Sm90Twin> out;
-  for (const auto& cfg : cuda::prefill_sm90_configs(head_dim, head_dim_v))
-    if (cfg.size() > suffix.size() && cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) == 0)
-      out.push_back({cfg, cfg.substr(0, cfg.size() - suffix.size())});
+  for (const auto& cfg : names)
+    if (cfg.size() > suffix.size() && cfg.compare(cfg.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      std::string twin = cfg.substr(0, cfg.size() - suffix.size());
+      if (const std::size_t at = twin.find("_lean");
+          at != std::string::npos && std::find(names.begin(), names.end(), twin) == names.end())
+        twin.erase(at, 5);
+      out.push_back({cfg, twin});
+    }
   return out;
 }
 #endif

@@ -346,7 +346,7 @@ TEST(Prefill, LeanMaskEqualsTheGeneralPathBitForBit) {
 }
 
 // The Q K^T twins ("_k<N>": Q K^T over the first N dims of the class, Fa3Config::kQkDims; the 128
-// class's _k96, and with FLASHCPP_SM90_EXPERIMENTS its _k80 and d64's _k32) give the bits of the
+// class's _k96 and its persistent twin) give the bits of the
 // class's configs at every head dim up to N (the columns past it are zeros on both sides), with
 // head_dim_v anywhere in the class; each also passes run_case's fp64 check. The automatic choice
 // takes _k96 for head dims up to 96 (Selector.Sm90QkTwinsServeHeadDimsUpTo96).

@@ -114,13 +114,11 @@ template <typename T>
 Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardWorkspaceLayout& l, cudaStream_t stream,
                  const DeviceInfo& dev) {
   BwdParams p = make_params(a, l);
-  {
-    const BlockSparseMask* bs = a.mask.block_sparse;
-    const int key_tiles =
-        walk::Tiles::make(a.seqlen_q, a.seqlen_k, e.tile.block_m, e.tile.block_n, bs).num_k_tiles();
-    p.key_group = select::backward_key_group(p.sem != nullptr, key_tiles, a.batch, a.heads_kv,
-                                             dev.num_sms * std::max(1, e.tile.min_blocks));
-  }
+  // The main kernel's grid: key tiles of the longest sequence, in groups (bwd_run).
+  const int key_tiles =
+      walk::Tiles::make(a.seqlen_q, a.seqlen_k, e.tile.block_m, e.tile.block_n, a.mask.block_sparse).num_k_tiles();
+  p.key_group = select::backward_key_group(p.sem != nullptr, key_tiles, a.batch, a.heads_kv,
+                                           dev.num_sms * std::max(1, e.tile.min_blocks));
   const bool rows = a.batch > 0 && a.seqlen_q > 0, keys = a.batch > 0 && a.seqlen_k > 0;
   if (e.ws && rows && keys) {  // the warp-specialized kernel loads Q, dO, K and V by TMA
     const bool varlen = a.mask.is_varlen();
@@ -150,7 +148,7 @@ Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardW
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward preprocess launch"));
   }
   // The main kernel wherever keys exist: without query rows it visits no pair and writes dK = dV = 0.
-  if (keys) FLASHCPP_RETURN_IF_ERROR((std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16)(p, stream, dev.device));
+  if (keys) FLASHCPP_RETURN_IF_ERROR((std::is_same_v<T, __nv_bfloat16> ? e.run_bf16 : e.run_fp16)(p, key_tiles, stream, dev.device));
   if (rows) {
     bwd_postprocess_kernel<T><<<rows_grid, 128, 0, stream>>>(p);
     FLASHCPP_RETURN_IF_ERROR(cuda_status(cudaGetLastError(), "backward postprocess launch"));

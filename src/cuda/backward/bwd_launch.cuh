@@ -4,7 +4,6 @@
 
 #include <atomic>
 
-#include "common/attention_walk.h"
 #include "cuda/backward/bwd_kernel.cuh"
 #include "cuda/backward/bwd_registry.h"
 #include "cuda/backward/bwd_sm90.cuh"
@@ -18,7 +17,7 @@ namespace flashcpp::cuda {
 /// CTAs of one (sequence, KV head) start in ascending key order, and deterministic mode, which waits
 /// only for smaller key tiles of its own, waits only for CTAs that started before it.
 template <class Cfg, typename T>
-Status bwd_run(const BwdParams& p, Stream stream, int device) {
+Status bwd_run(const BwdParams& p, int key_tiles, Stream stream, int device) {
   static std::atomic<unsigned long long> opted_in{0};  // per instantiation, one bit per device
   auto* kernel = [] {
     if constexpr (Cfg::kWs) return &bwd_sm90_ws_kernel<Cfg, T>;
@@ -26,10 +25,8 @@ Status bwd_run(const BwdParams& p, Stream stream, int device) {
     else return &bwd_main_kernel<Cfg, T>;
   }();
   FLASHCPP_RETURN_IF_ERROR(opt_in_dynamic_smem(kernel, Cfg::kSmemBytes, device, opted_in, "backward: "));
-  const BlockSparseMask* bs = (p.mask.flags & PrefillMask::kSparse) ? &p.bs : nullptr;
-  const int n_tiles = walk::Tiles::make(p.seqlen_q, p.seqlen_k, Cfg::kBlockM, Cfg::kBlockN, bs).num_k_tiles();
-  if (n_tiles == 0) return Status::Ok();
-  const int groups = (n_tiles + p.key_group - 1) / p.key_group;
+  if (key_tiles == 0) return Status::Ok();
+  const int groups = (key_tiles + p.key_group - 1) / p.key_group;
   const dim3 grid(static_cast<unsigned>(p.key_group), static_cast<unsigned>(p.heads_kv),
                   static_cast<unsigned>(p.batch) * static_cast<unsigned>(groups));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, static_cast<cudaStream_t>(stream)>>>(p);

@@ -11,7 +11,9 @@
 
 namespace flashcpp::cuda {
 
-using BwdRunFn = Status (*)(const BwdParams&, Stream, int device);
+/// Launches the main kernel over key_tiles key tiles (the longest sequence's) in groups of
+/// BwdParams::key_group.
+using BwdRunFn = Status (*)(const BwdParams&, int key_tiles, Stream, int device);
 
 struct BwdEntry {
   int head_dim = 0;  ///< the class
