@@ -11,8 +11,9 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .fi flashinfer-python==0.6.0 nvidia-cudnn-frontend
 # On the device (the run tool), C = the commit being measured (the device's copy has no usable git):
 #   call 1, carry [".fa4a", ".debs"]:  bash scripts/h200_round.sh 1 C   build, GPU tests, check tables   (~350-450 s)
-#   call 2, carry [".fa4b"]:           bash scripts/h200_round.sh 2 C   CUDA pytest, memcheck, host overhead,
-#                                                                      transformers generate           (~300 s)
+#   call 2, carry [".fa4b"]:           bash scripts/h200_round.sh 2 C   CUDA pytest, memcheck, deterministic
+#                                                                      backward's cost, host overhead,
+#                                                                      transformers generate           (~360 s)
 #   call 3, carry [".fa4c", ".whl"]:   bash scripts/h200_round.sh 3 C   FA4 and quack installed; prefill, backward,
 #                                                                      head dims                        (~500 s)
 #   call 4, carry [".fi"]:             bash scripts/h200_round.sh 4 C   FlashInfer installed; decode grid, masks
@@ -37,14 +38,14 @@
 # folders as one tarball per phase: unpack with `tar xzf` into reports/ and name the raw folder by
 # commit and date). A phase that finds its machine cold says so and stops (start again at phase 1).
 set -uo pipefail
-phase=${1:?phase 1..7}
+phase=${1:?phase 1..8}
 commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 case $phase in
   1 | 2 | 3 | 4 | 5 | 6 | 7 | 8) ;;
   *)
-    echo "h200_round.sh: phase must be 1, 2, 3, 4, 5, 6 or 7; got '$phase'" >&2
+    echo "h200_round.sh: phase must be 1 to 8; got '$phase'" >&2
     exit 2
     ;;
 esac
@@ -112,6 +113,10 @@ case $phase in
       --gtest_filter='BackwardGpu.VarlenZeroesUncoveredRows:BackwardGpu.NanInQueryReachesItsRowAndTheKvHead' \
       > "$OUT/memcheck.txt" 2>&1
     say "memcheck rc $?: $(grep 'ERROR SUMMARY' "$OUT/memcheck.txt")"
+    # Deterministic mode's cost against the default, bitwise repeat checked (phase 8 has it too).
+    (cd /tmp && timeout 90 python3 "$repo/scripts/bwd_ab.py" sm90ws,sm90ws+det 1,2,0,3 > "$OUT/bwd_det.txt" 2>&1)
+    say "bwd det rc $?"
+    grep -E "TF/s|repeat" "$OUT/bwd_det.txt" >> "$summary"
     (cd /tmp && timeout 150 python3 -m flashcpp.bench.host_overhead --device cuda --out "$OUT/integrations" \
       > "$OUT/host_overhead.log" 2>&1)
     say "host overhead rc $?"
