@@ -477,18 +477,12 @@ def check_inference_write(x: Any, name: str) -> None:
     """Refuses a torch inference tensor (made under torch.inference_mode()) as something flashcpp
     writes in place outside inference mode, as torch's own in-place ops refuse it: it has no version
     counter, and code outside inference mode may rely on it not changing. x is a torch tensor (the
-    eager fast paths call this before their C++ call writes, _C.rotary_fast from C++ for a tensor
-    whose is_inference() is True; is_inference() first, the cheaper test)."""
+    eager fast paths' C++ calls call this for a tensor whose is_inference() is True before they
+    write it; is_inference() first, the cheaper test)."""
     if x.is_inference() and not torch.is_inference_mode_enabled():
         raise RuntimeError(f"{name} is an inference tensor (made under torch.inference_mode()) and flashcpp would "
                            f"write it in place outside inference mode, which torch does not allow; run the call "
                            f"under torch.inference_mode(), or pass {name}.clone()")
-
-
-if torch is not None:  # what the C++ fast paths read tensors with (python/src/eager_fast.cc)
-    _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32, torch.int32,
-                   getattr(torch._C, "_cuda_getDevice", None), _raw_stream, torch.empty_like, check_inference_write,
-                   MAX_CPU_THREADS)
 
 
 def check_caches_apart(k_cache: Any, v_cache: Any) -> None:
@@ -520,6 +514,13 @@ def check_caches_apart(k_cache: Any, v_cache: Any) -> None:
         raise ValueError("k_cache and v_cache share memory (one tensor passed twice, or overlapping views of one "
                          "buffer), and the append would write the new keys and values into the same bytes; pass "
                          "two separate caches")
+
+
+if torch is not None:  # what the C++ fast paths read tensors with and call (python/src/eager_fast.cc)
+    _C._eager_bind(torch.Tensor, torch.nn.Parameter, torch.float16, torch.bfloat16, torch.float32, torch.int32,
+                   getattr(torch._C, "_cuda_getDevice", None), _raw_stream, torch.empty_like, check_inference_write,
+                   MAX_CPU_THREADS, torch.is_grad_enabled, torch._C._increment_version, check_eps, check_window,
+                   check_caches_apart)
 
 
 def _dense(shape: Tuple[int, ...], strides: Tuple[int, ...]) -> bool:
@@ -579,14 +580,6 @@ def _views_meet(delta: int, shape_k: Tuple[int, ...], strides_k: Tuple[int, ...]
                 return True
         return False
     return walk(0, delta)
-
-
-def bump_versions(*tensors: Any) -> None:
-    """Moves the version counters of torch tensors a fast path wrote in place, under grad mode (as
-    check_writable does on the general path), so that a backward that saved one of them before the
-    write says so. Outside grad mode nothing is recorded that could save them, and nothing is done."""
-    if torch.is_grad_enabled():  # the fast paths' callers pass torch tensors only
-        torch._C._increment_version(list(tensors))
 
 
 def grad_needed(*tensors: Any) -> bool:

@@ -856,12 +856,20 @@ def _with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
 # A plain step (torch tensors of one dtype on the host or the current CUDA device: q, the caches
 # and the new k/v; int32 cache_seqlens and block_table tensors there; no rotary, ALiBi, fp8 scales,
 # cache_batch_idx or cache_leftpad) is read, checked and run by one C++ call (_C.kvcache_fast,
-# python/src/eager_fast.cc), which fills DecodeParams straight from shapes, strides and pointers. It
-# asks plan_for (below) for the plan: on CUDA the plan of the shape, made as the general path makes
-# it (for full caches) and kept in the same plan table under a key of plain values; on the host a
-# plan for this call's lengths (host lengths: the C++ validator checks them). Anything else, a first
-# call under CUDA graph capture included, runs the general path with its Python checks and
-# sentences. tests/python/test_kvcache_fast_path.py.
+# python/src/eager_fast.cc), which fills DecodeParams straight from shapes, strides and pointers. On
+# CUDA it looks the plan of the shape up in the plan table itself, under a key of plain values, and
+# asks plan_for (below) only on a miss: the plan made as the general path makes it (for full caches)
+# and kept in the same table. On the host plan_for makes a plan for this call's lengths (host
+# lengths: the C++ validator checks them). Anything else, a first call under CUDA graph capture
+# included, runs the general path with its Python checks and sentences.
+# tests/python/test_kvcache_fast_path.py.
+#
+# The C++ call also does what flash_attn_with_kvcache's guard did before it, in the guard's order:
+# it returns None where autograd records (grad mode on and q, a cache or the new k/v requires grad;
+# the caller then refuses or runs without a backward), then checks window_size and, for an append,
+# the caches (inference tensors, shared memory), and moves the caches' version counters after an
+# append under grad mode. So flash_attn_with_kvcache calls it before its grad test (~1.7 us on the
+# CPU machine with six arguments), and again after that test only for a call it stepped aside for.
 torch = _core.torch
 _FAST_TYPES = _core.FAST_TYPES
 
@@ -869,21 +877,38 @@ _FAST_TYPES = _core.FAST_TYPES
 _DTYPE_OF_CODE = {} if torch is None else {code: dt for dt, code in _core.FAST_CODES.items()}
 
 
+def _plain_kvcache_args(causal, softcap, num_splits, return_lse) -> bool:
+    """Whether the fast path takes these arguments (anything else: the general path says why;
+    kvcache_fast takes a bool)."""
+    return (causal.__class__ is bool and return_lse.__class__ is bool and softcap.__class__ in (float, int)
+            and type(num_splits) is int and 0 <= num_splits <= MAX_SPLITS)
+
+
+def _fast_kvcache_checks(q, k_cache, v_cache, k, causal, window_size, softcap, num_splits, return_lse) -> None:
+    """What _C.kvcache_fast checks before it runs a step, in Python, in its order: for a call it
+    returned None for (after flash_attn_with_kvcache's grad test), so that the sentences come as
+    they came when these checks ran before it."""
+    if not _plain_kvcache_args(causal, softcap, num_splits, return_lse):
+        return
+    _core.check_window(window_size)
+    if k is not None and type(k_cache) in _FAST_TYPES and type(v_cache) in _FAST_TYPES:
+        # the C++ call appends into both caches: what the general path's run() refuses is refused first
+        _core.check_inference_write(k_cache, "k_cache")
+        _core.check_inference_write(v_cache, "v_cache")
+        _core.check_caches_apart(k_cache, v_cache)
+
+
 def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
                   softcap, num_splits, return_lse) -> Any:
-    """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply.
-    The tensors are read, checked and run by _C.kvcache_fast (python/src/eager_fast.cc); it asks
-    plan_for below for the plan of the shape it read."""
-    if (causal.__class__ is not bool or return_lse.__class__ is not bool
-            or softcap.__class__ not in (float, int)):  # the general path says why (kvcache_fast takes a bool)
+    """flash_attn_with_kvcache on the fast path: (out, lse or None), or None when it does not apply
+    (where autograd records too). The tensors are read, checked and run by _C.kvcache_fast
+    (python/src/eager_fast.cc); it asks plan_for below for a plan it does not find."""
+    if not _plain_kvcache_args(causal, softcap, num_splits, return_lse):
         return None
-    if type(num_splits) is not int or not 0 <= num_splits <= MAX_SPLITS:
-        return None
-    window = _core.check_window(window_size)
 
-    def plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, device, code) -> Any:
-        if Hq == 0:
-            return None  # no q heads: the general path says so (a plan would blame num_qo_heads)
+    def plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, device, code, window, key) -> Any:
+        # (the C++ call asks only with heads_q > 0, window the checked window_size, and on CUDA
+        # with the key it missed in _PLAN_CACHE)
         dt = _DTYPE_OF_CODE[code]
         shape = (B, Hq, Hkv, D)
 
@@ -898,8 +923,6 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
             w = BatchDecodeWithKVCache()
             w.plan(*shape, cache_seqlens=cache_seqlens.numpy(), **config())
             return w
-        key = ("fast", device, shape, Sq, Dv, slots, ps, append, bool(causal), window, float(softcap),
-               softmax_scale, dt, num_splits)
         if key not in _PLAN_CACHE and _capturing(q.device):
             return None  # the general path says why a first call cannot be captured
 
@@ -910,15 +933,8 @@ def _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax
 
         return _cached_plan(key, make)
 
-    if k is not None and type(k_cache) in _FAST_TYPES and type(v_cache) in _FAST_TYPES:
-        # the C++ call appends into both caches: what the general path's run() refuses is refused first
-        _core.check_inference_write(k_cache, "k_cache")
-        _core.check_inference_write(v_cache, "v_cache")
-        _core.check_caches_apart(k_cache, v_cache)
-    res = _C.kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, plan_for, return_lse)
-    if res is not None and k is not None:
-        _core.bump_versions(k_cache, v_cache)  # written in place (the append)
-    return res
+    return _C.kvcache_fast(q, k_cache, v_cache, k, v, cache_seqlens, block_table, plan_for, return_lse, _PLAN_CACHE,
+                           causal, window_size, softcap, softmax_scale, num_splits)
 
 
 # ---- FlashInfer's paged wrapper ---------------------------------------------------------------------

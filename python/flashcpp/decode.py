@@ -40,7 +40,7 @@ from typing import Any, Optional, Tuple
 from . import _core
 from ._core import is_torch, torch
 from ._decode import (_FAST_TYPES, MAX_PAGE_SIZE, MAX_SEQLEN_Q, MAX_SPLITS, BatchDecodeWithKVCache,
-                      BatchDecodeWithPagedKVCache, _fast_kvcache, _with_kvcache)
+                      BatchDecodeWithPagedKVCache, _fast_kvcache, _fast_kvcache_checks, _with_kvcache)
 
 if torch is not None:
     from . import _torch_ops
@@ -95,6 +95,15 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
                          "v_scale"))
         if r is not None:
             return r[0]
+    # (rotary_interleaved is unused without rotary, but a value that is not a bool gets the general path's sentence)
+    plain = (type(q) in _FAST_TYPES and rotary_cos is None and rotary_sin is None and rope_theta is None
+             and alibi_slopes is None and k_scale is None and v_scale is None and rotary_interleaved.__class__ is bool
+             and not torch.compiler.is_compiling())
+    if plain:  # first: None where autograd records (the test below), before anything it checks raises
+        fast = _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
+                             window_size, softcap, num_splits, return_softmax_lse)
+        if fast is not None:
+            return fast if return_softmax_lse else fast[0]
     if _core.grad_needed(q, k_cache, v_cache, k, v, alibi_slopes) and not torch.compiler.is_compiling():
         if k is not None or v is not None:
             _core.refuse_grad_in_place("flash_attn_with_kvcache", "appends k and v into the cache in place",
@@ -103,14 +112,11 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
             q, k_cache, v_cache, None, None, rotary_cos, rotary_sin, cache_seqlens, None, None, block_table,
             softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
             return_softmax_lse, rope_theta, k_scale, v_scale), (q, k_cache, v_cache, alibi_slopes))
-    # (rotary_interleaved is unused without rotary, but a value that is not a bool gets the general path's sentence)
-    if (type(q) in _FAST_TYPES and rotary_cos is None and rotary_sin is None and rope_theta is None
-            and alibi_slopes is None and k_scale is None and v_scale is None and rotary_interleaved.__class__ is bool
-            and not torch.compiler.is_compiling()):
-        fast = _fast_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-                             window_size, softcap, num_splits, return_softmax_lse)
-        if fast is not None:
-            return fast if return_softmax_lse else fast[0]
+    if plain:
+        # Autograd does not record: the fast call's checks, which it may have stepped aside before
+        # (window_size, an append's caches), raise their sentences here, in their order; the call
+        # itself would return None again.
+        _fast_kvcache_checks(q, k_cache, v_cache, k, causal, window_size, softcap, num_splits, return_softmax_lse)
     # Yes/no options are True or False (a numpy bool too), not any truthy value: rotary_interleaved='no'
     # ran as True, and the registered op's caller casts with bool(). (The fast path took exact bools only.)
     causal = _core.check_flag(causal, "causal")

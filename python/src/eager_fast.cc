@@ -20,6 +20,15 @@
 // entry point with the params the Python fast path filled before, and the C++ validator checks them
 // as it checks every call (tests/python/test_attention_fast_path.py, test_fused_fast_path.py and
 // test_rotary_fast_path.py compare it with the general path bit for bit).
+//
+// The entries also do what the Python guard in front of them did on every call (about 2-4 us of
+// Python per call on the 2-core CPU machine): where autograd records (grad mode on and an input
+// requires grad) they return None before checking anything that raises, so the callers make this
+// call first and run their grad test only when it returns None; then they check what the guard
+// checked, in its order (eps, window_size, the inference tensors and caches written in place,
+// through the guard's own functions where a value is not the plain one), and move the version
+// counters of what they wrote in place under grad mode (_core.bump_versions did). With autograd off
+// they refuse exactly what they refused before.
 #include "eager_fast.h"
 
 #include <nanobind/stl/pair.h>
@@ -27,6 +36,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 
 #include "flashcpp/attention.h"
 #include "flashcpp/decode.h"
@@ -60,10 +70,19 @@ struct Torch {
   // _core.check_inference_write(t, name): raises the general path's sentence for an inference tensor
   // written outside inference mode (called only for a tensor whose is_inference() is True).
   PyObject* check_inference_write = nullptr;
+  // What the Python guards in front of the fast paths called on every call, now called from here
+  // only where a call needs them (a tensor requires grad, an eps outside the plain range, an append):
+  // torch.is_grad_enabled, torch._C._increment_version (on a list: the one-tensor form costs ~9 us
+  // on the H200 host), _core.check_eps, _core.check_window, _core.check_caches_apart.
+  PyObject* is_grad_enabled = nullptr;
+  PyObject* increment_version = nullptr;
+  PyObject* check_eps = nullptr;
+  PyObject* check_window = nullptr;
+  PyObject* check_caches_apart = nullptr;
   long max_cpu_threads = 0;
   // Interned attribute names, ("dtype",) for new_empty's keyword, and the keys of a llama3 dict.
   PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device,
-      *s_is_neg, *s_is_inference, *s_new_empty, *kw_dtype;
+      *s_is_neg, *s_is_inference, *s_new_empty, *kw_dtype, *s_move_to_end, *s_fast;
   PyObject *k_factor, *k_low_freq_factor, *k_high_freq_factor, *k_original_max_position_embeddings,
       *k_original_max_position;
 };
@@ -235,6 +254,38 @@ bool place(const Tensor& t, bool fp32_on_cuda, RunOptions* opt) {
   return true;
 }
 
+/// Whether autograd records (torch.is_grad_enabled()); raises on failure.
+bool grad_mode() {
+  nb::object r = nb::steal(PyObject_CallNoArgs(g_torch->is_grad_enabled));
+  if (!r.is_valid()) throw nb::python_error();
+  return r.ptr() == Py_True;
+}
+
+/// Whether autograd would record a call on t: grad mode on and t requires grad, as _core.grad_needed
+/// decides it for a plain tensor (grad mode read only for a tensor that requires grad). The entries
+/// return None for such a call before anything they check could raise: the caller's general path
+/// refuses it or runs it without a backward, as before.
+bool grad_recorded(const Tensor& t) { return t.requires_grad && grad_mode(); }
+
+/// _core.bump_versions from here: under grad mode, the version counters of tensors a fast path
+/// wrote in place move (one torch._C._increment_version call on a list), as an in-place torch op
+/// moves them, so that a backward that saved one of them before the write says so.
+void bump_versions(std::initializer_list<PyObject*> written) {
+  if (!grad_mode()) return;
+  nb::list l;
+  for (PyObject* t : written) l.append(nb::handle(t));
+  nb::object r = nb::steal(PyObject_CallOneArg(g_torch->increment_version, l.ptr()));
+  if (!r.is_valid()) throw nb::python_error();
+}
+
+/// Calls one of the handed-over Python checks (it raises the general path's sentence, or returns).
+nb::object py_check(PyObject* fn, nb::handle a, nb::handle b = nb::handle()) {
+  PyObject* r = b.is_valid() ? PyObject_CallFunctionObjArgs(fn, a.ptr(), b.ptr(), nullptr)
+                             : PyObject_CallOneArg(fn, a.ptr());
+  if (r == nullptr) throw nb::python_error();
+  return nb::steal(r);
+}
+
 /// A plain Python float or int (not bool) as a double.
 bool number(nb::handle h, double* out) {
   PyObject* o = h.ptr();
@@ -333,6 +384,16 @@ TensorView contiguous_view4(std::uintptr_t data, DType dt, std::int64_t b, std::
   TensorView v;
   view4(contiguous_tensor(data, dt, 4, shape), &v);
   return v;
+}
+
+/// Whether t's strides are exactly row-major, size-1 dims included (contiguous() skips those).
+bool row_major(const Tensor& t) {
+  std::int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.stride[i] != expected) return false;
+    expected *= t.shape[i];
+  }
+  return true;
 }
 
 // ---- entries ---------------------------------------------------------------------------------------
@@ -527,17 +588,47 @@ bool fused_same(const Tensor& x, nb::handle h, Tensor* t) {
   return read(h, t) && x.same_place(*t) && t->contiguous();
 }
 
+/// An eps in (2^-150, float32 max] as an exact float (the default 1e-6 among them) needs no check
+/// (fused._EPS_LO, _EPS_HI); any other value goes through _core.check_eps, which raises its
+/// sentence or takes it (0, an int, a numpy number, a value just past float32's max): the binding
+/// rounds eps to float32 unchecked.
+void check_eps(nb::handle eps) {
+  PyObject* e = eps.ptr();
+  if (PyFloat_CheckExact(e) && PyFloat_AS_DOUBLE(e) > 0x1p-150 && PyFloat_AS_DOUBLE(e) <= FLT_MAX) return;
+  py_check(g_torch->check_eps, eps);
+}
+
+/// Raises the general path's sentence (_core.check_inference_write) for an inference tensor t that
+/// is written in place outside inference mode; false when is_inference() could not be read.
+bool inference_checked(const Tensor& t, const char* name) {
+  nb::object inference = cleared(PyObject_CallMethodNoArgs(t.obj, g_torch->s_is_inference));
+  if (!inference.is_valid()) return false;
+  if (inference.ptr() == Py_True) nb::handle(g_torch->check_inference_write)(nb::handle(t.obj), name);
+  return true;
+}
+
 /// rms_norm(x, weight, eps) with a new output (residual None), or fused_add_rms_norm(x, residual,
-/// weight, eps) in place (x receives the normalized rows, residual x + residual): the output /
-/// True, or None.
+/// weight, eps) in place (x receives the normalized rows, residual x + residual, their version
+/// counters moved under grad mode): the output / True, or None. None too where autograd records
+/// (grad mode on and an input requires grad), before eps is checked: the caller's general path
+/// checks in its order.
 nb::object norm_fast(nb::handle xh, nb::handle residual_h, nb::handle weight_h, nb::handle eps_h,
                      nb::handle threads_h) {
   Tensor x, w, r;
   RunOptions opt;
   double eps = 0;
   const bool fused = !residual_h.is_none();
-  if (!number(eps_h, &eps) || !fused_inputs(xh, threads_h, &x, &opt) || !fused_same(x, weight_h, &w)) return nb::none();
-  if (fused && (!fused_same(x, residual_h, &r) || x.requires_grad || r.requires_grad)) return nb::none();
+  if (!fused_inputs(xh, threads_h, &x, &opt) || !fused_same(x, weight_h, &w) ||
+      (fused && !fused_same(x, residual_h, &r)))
+    return nb::none();
+  // What the Python guard checked before this call, in its order: autograd (the general path
+  // refuses the in-place call or runs rms_norm without a backward), then eps, then (in place) the
+  // inference tensors written.
+  if (grad_recorded(x) || grad_recorded(w) || (fused && grad_recorded(r))) return nb::none();
+  if (fused && (x.requires_grad || r.requires_grad)) return nb::none();
+  check_eps(eps_h);
+  if (!number(eps_h, &eps)) return nb::none();
+  if (fused && (!inference_checked(x, "x") || !inference_checked(r, "residual"))) return nb::none();
   const std::int64_t hidden = x.shape[x.ndim - 1];
   if (w.ndim != 1 || w.shape[0] != hidden) return nb::none();
   if (fused) {
@@ -556,6 +647,7 @@ nb::object norm_fast(nb::handle xh, nb::handle residual_h, nb::handle weight_h, 
     p.x = p.y = xv;
     p.residual = p.residual_out = rv;
     call_released([&] { return flashcpp::fused_add_rms_norm(p, opt); });
+    bump_versions({x.obj, r.obj});
     return nb::bool_(true);
   }
   nb::object out = empty_like(x);  // x is contiguous (fused_inputs)
@@ -565,11 +657,12 @@ nb::object norm_fast(nb::handle xh, nb::handle residual_h, nb::handle weight_h, 
   return out;
 }
 
-/// silu_and_mul(x) on the fused projection [gate | up]: the new (..., d) output, or None.
+/// silu_and_mul(x) on the fused projection [gate | up]: the new (..., d) output, or None (also
+/// where autograd records: the caller runs it without a backward).
 nb::object silu_and_mul_fast(nb::handle xh, nb::handle threads_h) {
   Tensor x;
   RunOptions opt;
-  if (!fused_inputs(xh, threads_h, &x, &opt)) return nb::none();
+  if (!fused_inputs(xh, threads_h, &x, &opt) || grad_recorded(x)) return nb::none();  // grad: no_backward's
   const std::int64_t cols = x.shape[x.ndim - 1];
   if (cols % 2 != 0) return nb::none();
   const std::int64_t d = cols / 2;
@@ -636,13 +729,7 @@ bool llama3_of(nb::handle h, flashcpp::Llama3Scaling* out) {
 
 /// Whether apply_rotary may write t in place here: false when t requires grad (the general path's
 /// to take); raises the general path's sentence for an inference tensor outside inference mode.
-bool writable_in_place(const Tensor& t, const char* name) {
-  if (t.requires_grad) return false;
-  nb::object inference = cleared(PyObject_CallMethodNoArgs(t.obj, g_torch->s_is_inference));
-  if (!inference.is_valid()) return false;
-  if (inference.ptr() == Py_True) nb::handle(g_torch->check_inference_write)(nb::handle(t.obj), name);
-  return true;
-}
+bool writable_in_place(const Tensor& t, const char* name) { return !t.requires_grad && inference_checked(t, name); }
 
 /// apply_rotary(q, k, positions, style=, rotary_dim=, theta=, llama3=, cos_sin_cache=, inplace=,
 /// cpu_threads=) with no outputs passed, backend "auto", no cuda_config or stream: q (and k) of one
@@ -652,8 +739,9 @@ bool writable_in_place(const Tensor& t, const char* name) {
 /// tensor of shape (tokens,) or (batch, seqlen) on q's device; cos_sin_cache None or a contiguous
 /// float32 (max_position, rotary_dim) tensor there; style "neox" or "interleaved", rotary_dim None or
 /// an int in [0, head_dim], theta a float or int, llama3 None or a dict (llama3_of); inplace True
-/// (nothing written may require grad; the caller moves the version counters) or False (new
-/// contiguous outputs). (q_out, k_out or None), or None.
+/// (nothing written may require grad; their version counters move under grad mode) or False (new
+/// contiguous outputs); nothing that autograd records (grad mode on and q or k requiring grad: the
+/// caller's general path). (q_out, k_out or None), or None.
 nb::object rotary_fast(nb::handle qh, nb::handle kh, nb::handle positions_h, nb::handle style_h,
                        nb::handle rotary_dim_h, nb::handle theta_h, nb::handle llama3_h, nb::handle cache_h,
                        nb::handle inplace_h, nb::handle threads_h) {
@@ -678,6 +766,9 @@ nb::object rotary_fast(nb::handle qh, nb::handle kh, nb::handle positions_h, nb:
     for (int i = 0; i < nd - 2; ++i)
       if (k.shape[i] != q.shape[i]) return nb::none();
   }
+  // Where autograd records, the caller's general path refuses the call or runs it without a
+  // backward: checked before anything that raises (the in-place checks below).
+  if (grad_recorded(q) || (has_k && grad_recorded(k))) return nb::none();
   long long rot = head_dim;
   if (!rotary_dim_h.is_none() && !int_in(rotary_dim_h, 0, head_dim, &rot)) return nb::none();
   // The general path checks what it writes in place after the checks above and before the rest.
@@ -724,6 +815,10 @@ nb::object rotary_fast(nb::handle qh, nb::handle kh, nb::handle positions_h, nb:
   p.heads_k = has_k ? static_cast<int>(k.shape[nd - 2]) : 0;
   p.head_dim = static_cast<int>(head_dim);
   call_released([&] { return flashcpp::apply_rotary(p, opt); });
+  if (inplace) {
+    if (has_k) bump_versions({q.obj, k.obj});
+    else bump_versions({q.obj});
+  }
   return nb::make_tuple(q_out, k_out);
 }
 
@@ -755,15 +850,39 @@ bool cfg_number(PyObject* cfg, const char* key, double* out) {
   return number(v, out);
 }
 
+/// window_size as _core.check_window reads it: the default (-1, -1) of exact ints here, anything
+/// else through check_window itself (its sentence, or the pair).
+std::pair<int, int> window_of(nb::handle h) {
+  PyObject* o = h.ptr();
+  long long l = 0, r = 0;
+  if (PyTuple_CheckExact(o) && PyTuple_GET_SIZE(o) == 2 && int_in(PyTuple_GET_ITEM(o, 0), -1, -1, &l) &&
+      int_in(PyTuple_GET_ITEM(o, 1), -1, -1, &r))
+    return {-1, -1};
+  return nb::cast<std::pair<int, int>>(py_check(g_torch->check_window, h));
+}
+
 /// flash_attn_with_kvcache's plain step (no rotary, ALiBi, fp8 scales, cache_batch_idx or
-/// cache_leftpad: the caller checks those): reads q, the caches, the new k/v, cache_seqlens and
-/// block_table, checks what the Python fast path checked, asks `plan_for(batch, seqlen_q, heads_q,
-/// heads_kv, head_dim, head_dim_v, slots, page_size, append, device, dtype_code)` for the decode
-/// plan (a BatchDecodeWithKVCache, or None: the general path runs), fills DecodeParams and runs the
-/// step. (out, lse or None), or None.
+/// cache_leftpad; causal and return_lse bools, softcap a float or int, num_splits an int in range:
+/// the caller checks those): reads q, the caches, the new k/v, cache_seqlens and block_table; then
+/// what the Python guard checked before, in its order: autograd (None where it records: the
+/// caller's general path refuses the append or runs the step without a backward), window_size
+/// (_core.check_window's sentence), and for an append the caches' inference check and
+/// _core.check_caches_apart. Then the plan: on the host `plan_for(batch, seqlen_q, heads_q,
+/// heads_kv, head_dim, head_dim_v, slots, page_size, append, device, dtype_code, window, None)`
+/// makes one for this call's lengths; on CUDA the plan of the shape is looked up here in
+/// `plan_cache` (_decode._PLAN_CACHE, least recently used last) under a key of plain values, and
+/// plan_for gets that key on a miss (it makes the plan, or returns None under a CUDA graph capture:
+/// the general path runs). Fills DecodeParams and runs the step; an append moves the caches'
+/// version counters under grad mode. (out, lse or None), or None.
+///
+/// Why the lookup is here: the Python callback that built the key and looked it up cost more than
+/// the rest of the step's Python on the CPU machine (the call with 11 ints, the key tuple, the
+/// closures, the lookup and move_to_end).
 nb::object kvcache_fast(nb::handle qh, nb::handle kch, nb::handle vch, nb::handle kh, nb::handle vh, nb::handle lens_h,
-                        nb::handle table_h, nb::handle plan_for, bool return_lse) {
-  if (g_torch == nullptr) return nb::none();
+                        nb::handle table_h, nb::handle plan_for, bool return_lse, nb::handle plan_cache,
+                        nb::handle causal_h, nb::handle window_h, nb::handle softcap_h, nb::handle scale_h,
+                        nb::handle splits_h) {
+  if (g_torch == nullptr || !PyDict_Check(plan_cache.ptr())) return nb::none();
   Tensor q, kc, vc, k, v;
   if (!read(qh, &q) || !read(kch, &kc) || !read(vch, &vc)) return nb::none();
   if (q.ndim != 4 || kc.ndim != 4 || vc.ndim != 4 || !q.same_place(kc) || !q.same_place(vc)) return nb::none();
@@ -771,7 +890,15 @@ nb::object kvcache_fast(nb::handle qh, nb::handle kch, nb::handle vch, nb::handl
   if (append) {
     if (kh.is_none() || vh.is_none() || !read(kh, &k) || !read(vh, &v) || !q.same_place(k) || !q.same_place(v))
       return nb::none();
-    if (kc.requires_grad || vc.requires_grad) return nb::none();
+  }
+  if (grad_recorded(q) || grad_recorded(kc) || grad_recorded(vc) ||
+      (append && (grad_recorded(k) || grad_recorded(v))))
+    return nb::none();
+  if (append && (kc.requires_grad || vc.requires_grad)) return nb::none();
+  const std::pair<int, int> window = window_of(window_h);
+  if (append) {  // the call appends into both caches: what the general path's run() refuses, refused first
+    if (!inference_checked(kc, "k_cache") || !inference_checked(vc, "v_cache")) return nb::none();
+    py_check(g_torch->check_caches_apart, kch, vch);
   }
   std::int64_t lens_shape[1] = {0}, table_shape[2] = {0, 0};
   std::uintptr_t lens = 0, table = 0;
@@ -802,10 +929,47 @@ nb::object kvcache_fast(nb::handle qh, nb::handle kch, nb::handle vch, nb::handl
   }
   RunOptions opt;
   TensorView vq, vkc, vvc, vk, vv;
-  if (!place(q, false, &opt) || !view4(q, &vq) || !view4(kc, &vkc) || !view4(vc, &vvc) ||
+  if (Hq == 0 ||  // no q heads: the general path says so (a plan would blame num_qo_heads)
+      !place(q, false, &opt) || !view4(q, &vq) || !view4(kc, &vkc) || !view4(vc, &vvc) ||
       (append && (!view4(k, &vk) || !view4(v, &vv))))
     return nb::none();
-  nb::object w = plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, q.device, static_cast<int>(q.dtype));
+  const int code = static_cast<int>(q.dtype);
+  const nb::tuple win = nb::make_tuple(window.first, window.second);
+  nb::object w;
+  if (q.device < 0) {
+    w = plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, q.device, code, win, nb::none());
+  } else {
+    // The key's fields: what the plan depends on (float(softcap) as the Python key had it, the
+    // scale as passed: an unhashable one raises here as it did there).
+    nb::object key = nb::steal(PyTuple_New(18));
+    if (!key.is_valid()) throw nb::python_error();
+    Py_ssize_t at = 0;
+    auto put = [&](PyObject* item) {  // a new reference (null: raise), which the tuple keeps
+      if (item == nullptr) throw nb::python_error();
+      PyTuple_SET_ITEM(key.ptr(), at++, item);
+    };
+    auto put_int = [&](long long x) { put(PyLong_FromLongLong(x)); };
+    put(nb::handle(g_torch->s_fast).inc_ref().ptr());
+    put_int(q.device);
+    for (std::int64_t x : {B, Hq, Hkv, D, Sq, Dv, slots, ps}) put_int(x);
+    put(nb::bool_(append).release().ptr());
+    put(nb::borrow(causal_h).release().ptr());
+    put_int(window.first);
+    put_int(window.second);
+    put(PyNumber_Float(softcap_h.ptr()));
+    put(nb::borrow(scale_h).release().ptr());
+    put_int(code);
+    put(nb::borrow(splits_h).release().ptr());
+    PyObject* hit = PyDict_GetItemWithError(plan_cache.ptr(), key.ptr());  // borrowed
+    if (hit == nullptr && PyErr_Occurred()) throw nb::python_error();
+    if (hit != nullptr) {
+      w = nb::borrow(hit);
+      nb::object moved = nb::steal(PyObject_CallMethodOneArg(plan_cache.ptr(), g_torch->s_move_to_end, key.ptr()));
+      if (!moved.is_valid()) throw nb::python_error();
+    } else {
+      w = plan_for(B, Sq, Hq, Hkv, D, Dv, slots, ps, append, q.device, code, win, key);
+    }
+  }
   if (w.is_none()) return nb::none();
   const flashcpp::DecodePlan& plan = nb::cast<const flashcpp::DecodePlan&>(w.attr("_plan"));
   nb::object cfg = w.attr("_cfg");
@@ -813,9 +977,11 @@ nb::object kvcache_fast(nb::handle qh, nb::handle kch, nb::handle vch, nb::handl
   if (!PyDict_Check(cfg.ptr()) || !cfg_number(cfg.ptr(), "scale", &scale) || !cfg_number(cfg.ptr(), "causal", &causal) ||
       !cfg_number(cfg.ptr(), "softcap", &softcap))
     throw nb::type_error("kvcache_fast: the plan's _cfg lacks scale, causal or softcap");
-  const auto window = nb::cast<std::pair<int, int>>(nb::handle(PyDict_GetItemString(cfg.ptr(), "window")));
+  const auto plan_window = nb::cast<std::pair<int, int>>(nb::handle(PyDict_GetItemString(cfg.ptr(), "window")));
 
-  nb::object out = new_empty(q, nb::make_tuple(B, Sq, Hq, Dv));
+  // An output of q's shape from empty_like (cheaper than new_empty) where q's strides are exactly
+  // row-major, size-1 dims included: empty_like keeps them, so out's strides are new_empty's.
+  nb::object out = Dv == D && row_major(q) ? empty_like(q) : new_empty(q, nb::make_tuple(B, Sq, Hq, Dv));
   nb::object lse = return_lse ? new_empty(q, nb::make_tuple(B, Hq, Sq), g_torch->f32) : nb::none();
   flashcpp::DecodeParams p;
   p.batch = static_cast<int>(B);
@@ -844,10 +1010,11 @@ nb::object kvcache_fast(nb::handle qh, nb::handle kch, nb::handle vch, nb::handl
   }
   p.softmax_scale = static_cast<float>(scale);
   p.mask.causal = causal != 0;
-  p.mask.window_left = window.first;
-  p.mask.window_right = window.second;
+  p.mask.window_left = plan_window.first;
+  p.mask.window_right = plan_window.second;
   p.mask.softcap = static_cast<float>(softcap);
   call_released([&] { return flashcpp::decode_run(p, plan, opt); });
+  if (append) bump_versions({kc.obj, vc.obj});  // written in place
   return nb::make_tuple(out, lse);
 }
 
@@ -863,7 +1030,9 @@ PyObject* owned(nb::handle h) { return h.is_none() ? nullptr : h.inc_ref().ptr()
 /// second call is ignored.
 void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::handle bf16, nb::handle f32,
                 nb::handle i32, nb::handle current_device, nb::handle raw_stream, nb::handle empty_like,
-                nb::handle check_inference_write, long max_cpu_threads) {
+                nb::handle check_inference_write, long max_cpu_threads, nb::handle is_grad_enabled,
+                nb::handle increment_version, nb::handle check_eps, nb::handle check_window,
+                nb::handle check_caches_apart) {
   if (g_torch != nullptr) return;
   auto* t = new Torch();
   t->tensor = owned(tensor);
@@ -876,6 +1045,11 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->raw_stream = owned(raw_stream);
   t->empty_like = owned(empty_like);
   t->check_inference_write = owned(check_inference_write);
+  t->is_grad_enabled = owned(is_grad_enabled);
+  t->increment_version = owned(increment_version);
+  t->check_eps = owned(check_eps);
+  t->check_window = owned(check_window);
+  t->check_caches_apart = owned(check_caches_apart);
   t->max_cpu_threads = max_cpu_threads;
   t->s_dtype = intern("dtype");
   t->s_shape = intern("shape");
@@ -888,6 +1062,8 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->s_is_neg = intern("is_neg");
   t->s_is_inference = intern("is_inference");
   t->s_new_empty = intern("new_empty");
+  t->s_move_to_end = intern("move_to_end");
+  t->s_fast = intern("fast");
   t->kw_dtype = PyTuple_Pack(1, t->s_dtype);
   if (t->kw_dtype == nullptr) throw nb::python_error();
   t->k_factor = intern("factor");
@@ -905,9 +1081,11 @@ void bind_eager(nb::module_& m) {
   m.attr("ZERO_SCALE") = kZeroScale;
   m.def("_eager_bind", &eager_bind, "tensor"_a, "parameter"_a, "float16"_a, "bfloat16"_a, "float32"_a, "int32"_a,
         "current_device"_a.none(), "raw_stream"_a.none(), "empty_like"_a, "check_inference_write"_a,
-        "max_cpu_threads"_a,
+        "max_cpu_threads"_a, "is_grad_enabled"_a, "increment_version"_a, "check_eps"_a, "check_window"_a,
+        "check_caches_apart"_a,
         "Hands the eager fast paths torch's tensor types, dtypes, current-device and raw-stream "
-        "accessors, and _core.check_inference_write (flashcpp._core, at import).");
+        "accessors, torch.is_grad_enabled and torch._C._increment_version, and _core's checks they "
+        "call (flashcpp._core, at import).");
   m.def("attention_fast", &attention_fast, "q"_a, "k"_a, "v"_a, "softmax_scale"_a.none(), "causal"_a.none(),
         "window_left"_a, "window_right"_a, "softcap"_a.none(), "return_lse"_a.none(),
         "flash_attn_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
@@ -919,7 +1097,8 @@ void bind_eager(nb::module_& m) {
         "The TensorView of a plain 4-D torch tensor with a contiguous last dim (a size-1 dim gets the "
         "extent as its stride), or None.");
   m.def("kvcache_fast", &kvcache_fast, "q"_a, "k_cache"_a, "v_cache"_a, "k"_a.none(), "v"_a.none(),
-        "cache_seqlens"_a.none(), "block_table"_a.none(), "plan_for"_a, "return_lse"_a,
+        "cache_seqlens"_a.none(), "block_table"_a.none(), "plan_for"_a, "return_lse"_a, "plan_cache"_a.none(),
+        "causal"_a.none(), "window_size"_a.none(), "softcap"_a.none(), "softmax_scale"_a.none(), "num_splits"_a.none(),
         "flash_attn_with_kvcache's eager fast path: (out, lse or None), or None when the step is not one "
         "it takes.");
   m.def("norm_fast", &norm_fast, "x"_a, "residual"_a.none(), "weight"_a, "eps"_a.none(), "cpu_threads"_a.none(),

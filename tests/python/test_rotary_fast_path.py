@@ -214,8 +214,12 @@ def test_what_the_fast_path_steps_aside_for():
     }
     for what, call in aside.items():
         assert call() is None, what
-    # a q requiring grad is only read when not in place: the fast path takes it
-    assert fast(q.clone().requires_grad_()) is not None
+    # a q requiring grad is only read when not in place: the fast path takes it where autograd does not
+    # record, and steps aside for the public call's no_backward where it does (grad mode on)
+    with torch.no_grad():
+        assert fast(q.clone().requires_grad_()) is not None
+    assert fast(q.clone().requires_grad_()) is None
+    assert fast(q, k.clone().requires_grad_()) is None
     assert fast(torch.nn.Parameter(q.clone(), requires_grad=False), inplace=True) is not None
     assert fast(q, llama3={"factor": 8, "original_max_position": None}) is not None  # plain numbers, None: 8192
     # and the public calls still work or refuse through the general path
