@@ -52,6 +52,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._C import _functions as _autograd_functions
 
 from . import _core
 from . import _flashcpp as _C
@@ -381,6 +382,16 @@ def flash_attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    bs_row_ptr: Optional[Tensor] = None, bs_col_idx: Optional[Tensor] = None,
                    bs_partial: Optional[Tensor] = None, bs_element_masks: Optional[Tensor] = None,
                    block_sparse_sizes: Optional[List[int]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    return flash_attn_bwd_eager(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right,
+                                softcap, alibi_slopes, deterministic, bs_row_ptr, bs_col_idx, bs_partial,
+                                bs_element_masks, block_sparse_sizes)
+
+
+def flash_attn_bwd_eager(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right, softcap,
+                         alibi_slopes, deterministic, bs_row_ptr=None, bs_col_idx=None, bs_partial=None,
+                         bs_element_masks=None, block_sparse_sizes=None):
+    """The body of flashcpp::flash_attn_bwd, which the eager autograd formula (EagerAttention) calls
+    directly, as flash_attn_fwd_eager."""
     p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
                bs_partial, bs_element_masks, block_sparse_sizes)
     dout, dlse = _grad_views(p, out, lse, dout, dlse)
@@ -402,6 +413,14 @@ def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int,
                           window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                           deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    return flash_attn_varlen_bwd_eager(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                       max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                       alibi_slopes, deterministic)
+
+
+def flash_attn_varlen_bwd_eager(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic):
+    """The body of flashcpp::flash_attn_varlen_bwd (EagerVarlenAttention calls it directly)."""
     p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k)
     dout, dlse = _grad_views(p, out, lse, dout, dlse)
@@ -436,14 +455,14 @@ def _fwd_setup_context(ctx, inputs, output):
                    a["deterministic"], a["block_sparse_sizes"], a["rotary_dim"])
 
 
-def _fwd_backward(ctx, dout, dlse):
+def _fwd_backward(ctx, dout, dlse, bwd=None):
     q, k, v, out, lse, alibi, rp, ci, pa, em = ctx.saved_tensors
     scale, causal, wl, wr, softcap, deterministic, sizes, rotary_dim = ctx.scalars
     if rotary_dim != 0:
         raise NotImplementedError("the backward of attention with fused rotary is not implemented: rotate q and k "
                                   "with flashcpp.apply_rotary first and differentiate through that rotation")
-    dq, dk, dv = torch.ops.flashcpp.flash_attn_bwd(dout, q, k, v, out, lse, dlse, scale, causal, wl, wr, softcap,
-                                                   alibi, deterministic, rp, ci, pa, em, sizes)
+    dq, dk, dv = (bwd or torch.ops.flashcpp.flash_attn_bwd)(dout, q, k, v, out, lse, dlse, scale, causal, wl, wr,
+                                                            softcap, alibi, deterministic, rp, ci, pa, em, sizes)
     return (dq, dk, dv) + (None,) * (len(_FWD_ARGS) - 3)
 
 
@@ -461,15 +480,69 @@ def _varlen_setup_context(ctx, inputs, output):
                    a["window_right"], a["softcap"], a["deterministic"])
 
 
-def _varlen_backward(ctx, dout, dlse):
+def _varlen_backward(ctx, dout, dlse, bwd=None):
     q, k, v, out, lse, cu_q, cu_k, alibi = ctx.saved_tensors
     mq, mk, scale, causal, wl, wr, softcap, deterministic = ctx.scalars
-    dq, dk, dv = torch.ops.flashcpp.flash_attn_varlen_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk, scale,
-                                                          causal, wl, wr, softcap, alibi, deterministic)
+    dq, dk, dv = (bwd or torch.ops.flashcpp.flash_attn_varlen_bwd)(dout, q, k, v, out, lse, dlse, cu_q, cu_k, mq, mk,
+                                                                   scale, causal, wl, wr, softcap, alibi,
+                                                                   deterministic)
     return (dq, dk, dv) + (None,) * (len(_VARLEN_ARGS) - 3)
 
 
 flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+# ---- the eager autograd formulas ------------------------------------------------------------------
+# An eager call that autograd records (grad mode on, q, k or v requiring grad; not traced, no torch.func
+# transform, no rotary) takes these autograd.Functions instead of the registered ops: the same bodies,
+# setup and backward as register_autograd's, without the op's autograd wrapper. That wrapper fills the
+# schema's defaults per call (torch._library.utils.fill_defaults) by reading schema.arguments, a fresh
+# list, once per argument: for flash_attn_fwd's 26 arguments about 300 us of host time per forward on
+# the CPU machine (torch 2.15; flashcpp's own share of the call was ~35 us), more than the kernels of a
+# training step at short lengths. Traced calls (torch.compile) and transforms keep the ops, whose
+# registrations they read. The kernels record nothing for a double backward: under create_graph the
+# gradients come out behind a node that raises when reached (as the ops' missing formula for
+# flash_attn_bwd does), so that a gradient penalty through dq fails instead of dropping its term.
+def _no_double_backward(grads):
+    if not torch.is_grad_enabled():  # grad mode is on in a backward only under create_graph=True
+        return grads
+    dq, dk, dv = (g.detach().requires_grad_() for g in grads[:3])
+    refuse = _autograd_functions.DelayedError(
+        b"flashcpp's attention backward has no backward of its own (a double backward, such as a gradient penalty "
+        b"through dq, dk or dv); differentiate the gradients with another attention implementation", 3)
+    return tuple(refuse(dq, dk, dv)) + grads[3:]
+
+
+class EagerAttention(torch.autograd.Function):
+    """flash_attn_fwd's autograd for eager calls: apply(*inputs) with inputs in _FWD_ARGS order."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = flash_attn_fwd_eager(*inputs[:-1])  # the last input is deterministic (the backward's)
+        _fwd_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        with torch.no_grad():
+            grads = _fwd_backward(ctx, dout, dlse, flash_attn_bwd_eager)
+        return _no_double_backward(grads)
+
+
+class EagerVarlenAttention(torch.autograd.Function):
+    """flash_attn_varlen_fwd's autograd for eager calls: apply(*inputs) in _VARLEN_ARGS order."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = flash_attn_varlen_fwd_eager(*inputs[:-1])
+        _varlen_setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        with torch.no_grad():
+            grads = _varlen_backward(ctx, dout, dlse, flash_attn_varlen_bwd_eager)
+        return _no_double_backward(grads)
 
 
 # ---- merge_attention_states -----------------------------------------------------------------------

@@ -241,7 +241,11 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
                 bool(return_lse or need_grad or transformed), *_core.sparse_to_args(sparse), *rot_args)
         # Traced (torch.compile) or autograd-visible calls go through the registered op; plain
         # eager calls skip the dispatcher (same body, same checks, a fraction of the overhead).
-        if torch.compiler.is_compiling() or need_grad or transformed:
+        # An eager call that autograd records takes the ops' formula without their wrapper
+        # (_torch_ops.EagerAttention says why); rotary (no backward) keeps the op.
+        if need_grad and k_out is None and not (transformed or torch.compiler.is_compiling()):
+            out, lse = _torch_ops.EagerAttention.apply(*args, bool(deterministic))
+        elif torch.compiler.is_compiling() or need_grad or transformed:
             out, lse = _torch_ops.call_flash_attn_fwd(*args, rotary_k_out=k_out, deterministic=bool(deterministic))
         else:
             out, lse = _torch_ops.flash_attn_fwd_eager(*args, rotary_k_rotated=k_out)
@@ -298,7 +302,9 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
                 _torch_alibi(alibi_slopes, q), bool(return_lse or need_grad or transformed))  # as flash_attn_func
         # As flash_attn_func: traced or autograd-visible calls take the registered op, plain eager
         # calls its body.
-        if torch.compiler.is_compiling() or need_grad or transformed:
+        if need_grad and not (transformed or torch.compiler.is_compiling()):
+            out, lse = _torch_ops.EagerVarlenAttention.apply(*args, bool(deterministic))
+        elif torch.compiler.is_compiling() or need_grad or transformed:
             out, lse = _torch_ops.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
         else:
             out, lse = _torch_ops.flash_attn_varlen_fwd_eager(*args)

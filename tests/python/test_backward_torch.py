@@ -339,3 +339,75 @@ def test_gradcheck_would_catch_a_wrong_gradient(rng, monkeypatch):
     q, k, v = leaves(rng, (1, 5, 2, 64), (1, 6, 1, 64), torch.float64)
     f = lambda q, k, v: flashcpp.flash_attn_func(q, k, v, causal=True)  # noqa: E731
     assert not torch.autograd.gradcheck(f, (q, k, v), raise_exception=False)
+
+
+# ---- the eager autograd formulas (_torch_ops.EagerAttention, EagerVarlenAttention) ------------------
+# Eager calls that autograd records skip the registered op's autograd wrapper (hundreds of us of host
+# time per call). They must give what the op gives, bit for bit, and behave as it does around autograd.
+
+def _op_grads(q, k, v, dout, dlse, *args, deterministic=False):
+    out, lse = torch.ops.flashcpp.flash_attn_fwd(q, k, v, *args, deterministic=deterministic)
+    return (out, lse) + torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+
+
+@pytest.mark.parametrize("kw", MASKS, ids=lambda kw: "-".join(kw) or "none")
+def test_eager_formula_equals_the_op_bit_for_bit(rng, kw):
+    q, k, v = leaves(rng, (2, 7, 2, 64), (2, 9, 1, 64), torch.float32)  # GQA 2/1 (MASKS' ALiBi has 2 heads)
+    dout = torch.from_numpy(rng.standard_normal((2, 7, 2, 64))).float()
+    dlse = torch.from_numpy(rng.standard_normal((2, 2, 7))).float()
+    out, lse = flashcpp.flash_attn_func(q, k, v, return_lse=True, deterministic=True, **kw)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"  # the eager formula ran
+    got = (out, lse) + torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    alibi = kw.get("alibi_slopes")
+    wl, wr = kw.get("window_size", (-1, -1))
+    want = _op_grads(q, k, v, dout, dlse, 0.125, kw.get("causal", False), wl, wr, kw.get("softcap", 0.0),
+                     None if alibi is None else torch.tensor(alibi, dtype=torch.float32), True, deterministic=True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_eager_formula_block_sparse_and_varlen_equal_the_ops(rng):
+    q, k, v = leaves(rng, (1, 256, 2, 64), (1, 256, 2, 64), torch.float32)
+    bs = flashcpp.causal_block_sparse(256, 256, 64, 64)
+    # deterministic: the CPU backward's threads otherwise sum dq in the order they finish
+    out = flashcpp.flash_attn_func(q, k, v, block_sparse=bs, deterministic=True)
+    assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+    dout = torch.from_numpy(rng.standard_normal(out.shape)).float()
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want_out, _ = torch.ops.flashcpp.flash_attn_fwd(q, k, v, 0.125, False, -1, -1, 0.0, None, True,
+                                                    *flashcpp._core.sparse_to_args(
+                                                        flashcpp._attn._sparse_for(bs, flashcpp._core.meta(q, "q"))),
+                                                    deterministic=True)
+    want = torch.autograd.grad(want_out, (q, k, v), dout)
+    assert torch.equal(out, want_out) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+    q, k, v = leaves(rng, (13, 4, 64), (17, 2, 64), torch.float32)
+    cu_q, cu_k = torch.tensor([0, 6, 13], dtype=torch.int32), torch.tensor([0, 9, 17], dtype=torch.int32)
+    out = flashcpp.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 7, 9, causal=True, deterministic=True)
+    assert type(out.grad_fn).__name__ == "EagerVarlenAttentionBackward"
+    dout = torch.from_numpy(rng.standard_normal(out.shape)).float()
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want_out, _ = torch.ops.flashcpp.flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 7, 9, 0.125, True, -1, -1, 0.0,
+                                                           None, True, deterministic=True)
+    want = torch.autograd.grad(want_out, (q, k, v), dout)
+    assert torch.equal(out, want_out) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_eager_formula_refuses_a_double_backward_and_a_changed_input(rng):
+    for varlen in (False, True):
+        if varlen:
+            q, k, v = leaves(rng, (5, 2, 64), (6, 2, 64), torch.float32)
+            cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 6], dtype=torch.int32)
+            f = lambda: flashcpp.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6, causal=True)  # noqa: E731
+        else:
+            q, k, v = leaves(rng, (1, 5, 2, 64), (1, 6, 2, 64), torch.float32)
+            f = lambda: flashcpp.flash_attn_func(q, k, v, causal=True)  # noqa: E731
+        dq, dk = torch.autograd.grad(f().sum(), (q, k), create_graph=True)
+        assert dq.requires_grad  # a gradient penalty through dq fails instead of dropping its term
+        with pytest.raises(RuntimeError, match="has no backward of its own"):
+            (dq.square().sum() + dk.sum()).backward()
+        out = f()
+        with torch.no_grad():
+            k.add_(1.0)  # a saved input changed before the backward: torch's version check says so
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
