@@ -32,7 +32,8 @@
 #                                                                      (~250 s)
 #   call 8, no carry (cold is fine):   bash scripts/h200_round.sh 8 C   the pending items: build, backward and
 #                                                                      rotary-attention GPU tests, deterministic
-#                                                                      cost, ncu of decode at d96  (~250 s)
+#                                                                      cost, ncu of decode at d96 and d128
+#                                                                      (L2 requests against sectors)  (~250 s)
 # The run tool carries at most 64 MiB: the tracked tree (~29 MB, most of it reports/) plus .fa4b
 # (37 MB) is past it, so move reports/raw_* and reports/numerics aside for call 2 (the device needs
 # no report) and put them back after.
@@ -250,10 +251,20 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
     (cd /tmp && timeout 120 python3 "$repo/scripts/bwd_ab.py" sm90ws,sm90ws+det 1,2,0,3 > "$OUT/bwd_det.txt" 2>&1)
     say "bwd det rc $?"
     grep -E "TF/s|repeat" "$OUT/bwd_det.txt" >> "$summary"
-    for ps in 0 16; do
-      (cd /tmp && timeout 60 ncu -k regex:decode --set full -c 2 python3 "$repo/scripts/decode_ncu.py" 16,32,8,8192,96,$ps \
-        --calls 2 > "$OUT/ncu_d96_ps$ps.txt" 2>&1)
-      say "ncu d96 page $ps rc $?"
+    # Decode at d96 against d128 (reports/decode "ncu of the split kernel"): L2 read requests and
+    # sectors per step (equal requests at 3:4 sectors would say requests, not bytes, set the step),
+    # and the excess shared wavefronts and stalls per instruction from the source page.
+    for d in 96 128; do
+      (cd /tmp && timeout 90 ncu -k regex:decode_split --set full --import-source yes -c 1 \
+        --metrics lts__t_requests_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_read.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum \
+        -o "$OUT/ncu_d$d" python3 "$repo/scripts/decode_ncu.py" 16,32,8,8192,$d,0 --calls 2 > "$OUT/ncu_d${d}_run.txt" 2>&1)
+      say "ncu d$d rc $?"
+      ncu -i "$OUT/ncu_d$d.ncu-rep" --page raw --csv 2> /dev/null | python3 -c "import csv,sys
+r=list(csv.reader(sys.stdin)); h=r[0]
+for k in ('gpu__time_duration.sum','lts__t_requests_srcunit_tex_op_read.sum','lts__t_sectors_srcunit_tex_op_read.sum','l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum'):
+  print('d$d', k, r[2][h.index(k)] if k in h else 'missing')" >> "$summary"
+      ncu -i "$OUT/ncu_d$d.ncu-rep" --page source --print-source sass --csv 2> /dev/null | gzip > "$OUT/ncu_d${d}_src.csv.gz"
+      rm -f "$OUT/ncu_d$d.ncu-rep"
     done
     ;;
 esac
