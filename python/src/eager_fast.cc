@@ -1,7 +1,9 @@
 // The eager fast paths, marshalled in C++: a plain flash_attn_func, flash_attn_varlen_func,
 // flash_attn_with_kvcache, rms_norm, fused_add_rms_norm, silu_and_mul or apply_rotary call on torch
 // tensors is read and launched here in one call from Python (the kvcache step calls back once for
-// its plan, which Python caches).
+// its plan, which Python caches); so are the forward and the backward of the eager autograd
+// formulas of flash_attn_func and flash_attn_varlen_func (_torch_ops.EagerAttention and
+// EagerVarlenAttention: attention_fast and varlen_fast, backward_fast and varlen_backward_fast).
 //
 // Why: Python code that reads each tensor's shape, strides and pointer and then sets each params
 // field as an attribute cost about 29 of flash_attn_func's 46 us of host time per call on the H200
@@ -36,9 +38,11 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 
 #include "flashcpp/attention.h"
+#include "flashcpp/backward.h"
 #include "flashcpp/decode.h"
 #include "flashcpp/fused.h"
 #include "py_status.h"
@@ -82,7 +86,7 @@ struct Torch {
   long max_cpu_threads = 0;
   // Interned attribute names, ("dtype",) for new_empty's keyword, and the keys of a llama3 dict.
   PyObject *s_dtype, *s_shape, *s_stride, *s_data_ptr, *s_requires_grad, *s_is_cuda, *s_is_cpu, *s_get_device,
-      *s_is_neg, *s_is_inference, *s_new_empty, *kw_dtype, *s_move_to_end, *s_fast;
+      *s_is_neg, *s_is_inference, *s_new_empty, *kw_dtype, *s_move_to_end, *s_fast, *s_contiguous;
   PyObject *k_factor, *k_low_freq_factor, *k_high_freq_factor, *k_original_max_position_embeddings,
       *k_original_max_position;
 };
@@ -398,8 +402,12 @@ bool row_major(const Tensor& t) {
 
 // ---- entries ---------------------------------------------------------------------------------------
 
-/// What flash_attn_func and flash_attn_varlen_func share on the fast path: the flags, softcap and
-/// scale, and q, k and v read (`dims` of them: 4, or 3 when packed), in one place, without grad.
+/// What flash_attn_func and flash_attn_varlen_func (and their backward) share on the fast path: the
+/// flags, softcap and scale, and q, k and v read (`dims` of them: 4, or 3 when packed), in one
+/// place. Inputs that require grad are taken with grad mode off: the eager autograd formulas
+/// (_torch_ops.EagerAttention, EagerVarlenAttention) run their forward and backward under it, and a
+/// call there records nothing. With grad mode on such a call is autograd's: None, before anything
+/// that raises.
 struct AttnCall {
   bool causal = false, return_lse = false;
   double softcap = 0, scale = 0;
@@ -420,7 +428,8 @@ bool attn_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, 
   if (!number(softcap_h, &c->softcap) || (c->softcap != 0.0 && static_cast<float>(c->softcap) == 0.0f)) return false;
   Tensor &q = c->q, &k = c->k, &v = c->v;
   if (!read(qh, &q) || !read(kh, &k) || !read(vh, &v)) return false;
-  if (!q.same_place(k) || !q.same_place(v) || q.requires_grad || k.requires_grad || v.requires_grad) return false;
+  if (!q.same_place(k) || !q.same_place(v)) return false;
+  if ((q.requires_grad || k.requires_grad || v.requires_grad) && grad_mode()) return false;
   if (q.ndim != dims || k.ndim != dims || v.ndim != dims) return false;
   const std::int64_t D = q.shape[dims - 1], Hq = q.shape[dims - 2], Hkv = k.shape[dims - 2];
   if (k.shape[dims - 1] != D || v.shape[dims - 2] != Hkv || Hq == 0 || Hkv == 0 || Hq % Hkv != 0 || D <= 0 ||
@@ -436,8 +445,10 @@ bool attn_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, 
   return place(q, false, &c->opt);
 }
 
-/// The params' head counts, dims, scale and masks from a read call.
-void fill_attn(const AttnCall& c, int window_left, int window_right, AttnParams* p) {
+/// The params' head counts, dims, scale and masks from a read call (AttnParams or AttnBackwardParams,
+/// whose fields of these names mean the same).
+template <class Params>
+void fill_attn(const AttnCall& c, int window_left, int window_right, Params* p) {
   const int dims = c.q.ndim;
   p->heads_q = static_cast<int>(c.q.shape[dims - 2]);
   p->heads_kv = static_cast<int>(c.k.shape[dims - 2]);
@@ -450,8 +461,9 @@ void fill_attn(const AttnCall& c, int window_left, int window_right, AttnParams*
   p->mask.softcap = static_cast<float>(c.softcap);
 }
 
-/// flash_attn_func's plain call (no gradient, ALiBi, block-sparse mask or rotary: the caller checks
-/// those): out, or (out, lse) with return_lse; None when the call is not one this path takes.
+/// flash_attn_func's plain call (no ALiBi, block-sparse mask or rotary: the caller checks those; no
+/// gradient recorded: attn_call): out, or (out, lse) with return_lse; None when the call is not one
+/// this path takes. EagerAttention's forward calls it too, with return_lse, under grad mode off.
 nb::object attention_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, nb::handle causal_h,
                           int window_left, int window_right, nb::handle softcap_h, nb::handle return_lse_h) {
   AttnCall c;
@@ -571,6 +583,210 @@ nb::object varlen_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle c
   call_released([&] { return flashcpp::attention_forward(p, c.opt); });
   if (!c.return_lse) return out;
   return nb::make_tuple(out, lse);
+}
+
+// ---- the backward ----------------------------------------------------------------------------------
+// flash_attn_bwd_eager and flash_attn_varlen_bwd_eager (the eager autograd formulas' backward) on
+// the fast path: what their general path does (_grad_views, torch.empty_like x3,
+// _attn._execute_backward -> _core.launch_backward) cost about 300 us of Python per backward on the
+// CPU machine, ten times the kernels of a short sequence there. The same params and RunOptions are
+// filled here; the C++ validator checks them as it checks every call.
+
+/// Reads dout or dlse, the gradient of `like` (out or the LSE): a plain tensor of like's shape, dtype
+/// and device, else false (the general path's sentence, or its run). Its contiguous() copy (what
+/// _grad_views passes on: autograd hands out expanded, stride-0 gradients, e.g. of a sum) is made
+/// by contiguous_grad, after the grad check.
+bool read_grad(nb::handle h, const Tensor& like, Tensor* g) {
+  if (!read(h, g) || !g->same_place(like) || g->ndim != like.ndim) return false;
+  for (int i = 0; i < like.ndim; ++i)
+    if (g->shape[i] != like.shape[i]) return false;
+  return true;
+}
+
+/// g as _grad_views passes it on: itself when contiguous (torch's contiguous() returns the tensor
+/// then), else its contiguous() copy, which `keep` holds and g then describes; raises what
+/// contiguous() raises.
+void contiguous_grad(Tensor* g, nb::object* keep) {
+  if (g->contiguous()) return;
+  *keep = nb::steal(PyObject_CallMethodNoArgs(g->obj, g_torch->s_contiguous));
+  if (!keep->is_valid()) throw nb::python_error();
+  if (!read_layout(keep->ptr(), g) || !g->contiguous())
+    throw nb::type_error("contiguous() returned a tensor that is not contiguous");
+  g->obj = keep->ptr();
+}
+
+/// torch.empty_like(like) (dq, dk, dv as the general path allocates them) and the view of it, with
+/// `packed` as view_of. empty_like keeps a dense input's strides: a row-major `like` gives a
+/// row-major tensor, whose strides are known here; any other is read back from the new tensor.
+nb::object empty_like_view(const Tensor& like, bool packed, TensorView* v) {
+  nb::object r = empty_like(like);
+  Tensor t;
+  if (row_major(like)) {
+    t = contiguous_tensor(data_ptr(r), like.dtype, like.ndim, like.shape);
+  } else if (!read_layout(r.ptr(), &t)) {
+    throw nb::type_error("torch.empty_like returned a tensor whose layout cannot be read");
+  }
+  t.dtype = like.dtype;
+  if (!view_of(t, packed, v)) throw nb::type_error("torch.empty_like returned a tensor with a strided last dim");
+  return r;
+}
+
+/// Whether t has exactly this shape (ndim dims).
+bool shape_is(const Tensor& t, int ndim, std::initializer_list<std::int64_t> shape) {
+  if (t.ndim != ndim) return false;
+  int i = 0;
+  for (std::int64_t n : shape)
+    if (t.shape[i++] != n) return false;
+  return true;
+}
+
+/// The window as _core.check_window returns it: two ints in [-1, 2^31 - 1] (the formulas pass the
+/// forward's checked pair); anything else is the general path's to refuse with check_window's
+/// sentence (the C++ validator words its own).
+bool window_ints(nb::handle left_h, nb::handle right_h, int* left, int* right) {
+  long long l = 0, r = 0;
+  if (!int_in(left_h, -1, 0x7fffffffLL, &l) || !int_in(right_h, -1, 0x7fffffffLL, &r)) return false;
+  *left = static_cast<int>(l);
+  *right = static_cast<int>(r);
+  return true;
+}
+
+/// The part the two backward entries share, after the entry has read q, k and v (`c`, with
+/// `packed` for varlen) and filled the problem's sizes (and varlen's mask fields) into p: reads
+/// out (shape_o), the LSE (shape_lse, fp32, contiguous, on q's device), dout (out's shape and dtype)
+/// and dlse (None, or the LSE's shape), then does what flash_attn_bwd_eager does: dout and dlse
+/// contiguous (_grad_views), dq, dk and dv from torch.empty_like, and _core.launch_backward's call:
+/// AttnBackwardParams from the views, RunOptions of the device (backend cpu or cuda, torch's
+/// current stream, cpu_threads 0, cuda_config from FLASHCPP_BWD_CONFIG), the workspace the call
+/// asks for as a tensor on q's device, 256-byte aligned. (dq, dk, dv), or None.
+///
+/// An empty LSE (a forward run without it) is the general path's sentence; so are a dout or dlse
+/// of another shape or dtype. A non-contiguous LSE, which the general path would read as if it were
+/// contiguous, is its to run too.
+nb::object backward_run(const AttnCall& c, bool packed, std::initializer_list<std::int64_t> shape_o,
+                        std::initializer_list<std::int64_t> shape_lse, nb::handle dout_h, nb::handle out_h,
+                        nb::handle lse_h, nb::handle dlse_h, nb::handle deterministic_h,
+                        flashcpp::AttnBackwardParams* p) {
+  if (deterministic_h.ptr() != Py_True && deterministic_h.ptr() != Py_False) return nb::none();
+  const Tensor& q = c.q;
+  const int nd = packed ? 3 : 4;
+  Tensor out, lse, dout, dlse;
+  if (!read(out_h, &out) || !q.same_place(out) || !shape_is(out, nd, shape_o)) return nb::none();
+  if (!read(lse_h, &lse) || lse.dtype != DType::kF32 || lse.device != q.device ||
+      !shape_is(lse, nd - 1, shape_lse) || !lse.contiguous())
+    return nb::none();
+  const bool has_dlse = !dlse_h.is_none();
+  if (!read_grad(dout_h, out, &dout) || (has_dlse && !read_grad(dlse_h, lse, &dlse))) return nb::none();
+  // Grad mode is off in the autograd formulas' backward (create_graph included); with it on and a
+  // gradient that requires grad the call is autograd's, as every entry's (q, k and v: attn_call).
+  if ((dout.requires_grad || (has_dlse && dlse.requires_grad)) && grad_mode()) return nb::none();
+  TensorView vq, vk, vv, vo, vdout, vdq, vdk, vdv;
+  if (!view_of(q, packed, &vq) || !view_of(c.k, packed, &vk) || !view_of(c.v, packed, &vv) ||
+      !view_of(out, packed, &vo))
+    return nb::none();
+  nb::object dout_keep, dlse_keep;
+  contiguous_grad(&dout, &dout_keep);
+  if (has_dlse) contiguous_grad(&dlse, &dlse_keep);
+  if (!view_of(dout, packed, &vdout)) return nb::none();
+  nb::object dq = empty_like_view(q, packed, &vdq);
+  nb::object dk = empty_like_view(c.k, packed, &vdk);
+  nb::object dv = empty_like_view(c.v, packed, &vdv);
+
+  p->q = vq;
+  p->k = vk;
+  p->v = vv;
+  p->o = vo;
+  p->dout = vdout;
+  p->dq = vdq;
+  p->dk = vdk;
+  p->dv = vdv;
+  p->lse = reinterpret_cast<const float*>(lse.data);
+  p->dlse = has_dlse ? reinterpret_cast<const float*>(dlse.data) : nullptr;
+  p->deterministic = deterministic_h.ptr() == Py_True;
+  RunOptions opt = c.opt;  // the device's backend and torch's current stream; cpu_threads 0
+  // What launch_backward reads per call (os.environ writes reach the C environment through putenv).
+  const char* config = std::getenv("FLASHCPP_BWD_CONFIG");
+  opt.cuda_config = config == nullptr ? "" : config;
+  std::size_t bytes = 0;
+  call_released([&] { return flashcpp::attention_backward_workspace_size(*p, opt, &bytes); });
+  nb::object workspace;  // held until the call returns (CUDA: the caching allocator orders its reuse on the stream)
+  if (bytes != 0) {
+    // int32 words rather than launch_backward's uint8 bytes: the same memory from the same allocator
+    // (the contents do not matter, backward.h), through the dtype handed over at bind.
+    const std::size_t words = (bytes + 255 + 3) / 4;
+    workspace = new_empty(q, nb::make_tuple(words), g_torch->i32);
+    p->workspace = reinterpret_cast<void*>((data_ptr(workspace) + 255) / 256 * 256);
+    p->workspace_bytes = bytes;
+  }
+  call_released([&] { return flashcpp::attention_backward(*p, opt); });
+  return nb::make_tuple(dq, dk, dv);
+}
+
+/// flash_attn_bwd_eager's plain call (no ALiBi or block-sparse mask: the caller checks those):
+/// dout, q, k, v, out, lse, dlse (None or a tensor) and the forward's scale (the checked one it
+/// ran with), flags and window, as the eager formula saved them. (dq, dk, dv), or None when the
+/// call is not one this path takes (empty problems among them: the general path fills their zeros).
+nb::object backward_fast(nb::handle dout_h, nb::handle qh, nb::handle kh, nb::handle vh, nb::handle out_h,
+                         nb::handle lse_h, nb::handle dlse_h, nb::handle scale_h, nb::handle causal_h,
+                         nb::handle window_left_h, nb::handle window_right_h, nb::handle softcap_h,
+                         nb::handle deterministic_h) {
+  AttnCall c;
+  int window_left = 0, window_right = 0;
+  if (!window_ints(window_left_h, window_right_h, &window_left, &window_right) ||
+      !attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, nb::handle(Py_True), 4, &c))
+    return nb::none();
+  const Tensor &q = c.q, &k = c.k, &v = c.v;
+  const std::int64_t B = q.shape[0], Sq = q.shape[1], Hq = q.shape[2], Sk = k.shape[1], Dv = v.shape[3];
+  if (k.shape[0] != B || v.shape[0] != B || v.shape[1] != Sk || B == 0 || Sq == 0 || Sk == 0) return nb::none();
+  for (std::int64_t n : {B, Sq, Sk, Hq, k.shape[2], q.shape[3], Dv})
+    if (!fits_int32(n)) return nb::none();
+  flashcpp::AttnBackwardParams p;
+  fill_attn(c, window_left, window_right, &p);
+  p.batch = static_cast<int>(B);
+  p.seqlen_q = static_cast<int>(Sq);
+  p.seqlen_k = static_cast<int>(Sk);
+  return backward_run(c, false, {B, Sq, Hq, Dv}, {B, Hq, Sq}, dout_h, out_h, lse_h, dlse_h, deterministic_h, &p);
+}
+
+/// flash_attn_varlen_bwd_eager's plain call (no ALiBi): backward_fast's arguments with packed
+/// q, k, v, out and dout, the (heads_q, total_q) LSE, and cu_seqlens and the maxima read as
+/// varlen_fast reads them. (dq, dk, dv), or None (batch 0, an empty packed tensor or a zero maximum
+/// among what it leaves to the general path).
+nb::object varlen_backward_fast(nb::handle dout_h, nb::handle qh, nb::handle kh, nb::handle vh, nb::handle out_h,
+                                nb::handle lse_h, nb::handle dlse_h, nb::handle cu_q_h, nb::handle cu_k_h,
+                                nb::handle max_q_h, nb::handle max_k_h, nb::handle scale_h, nb::handle causal_h,
+                                nb::handle window_left_h, nb::handle window_right_h, nb::handle softcap_h,
+                                nb::handle deterministic_h) {
+  AttnCall c;
+  int window_left = 0, window_right = 0;
+  if (!window_ints(window_left_h, window_right_h, &window_left, &window_right) ||
+      !attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, nb::handle(Py_True), 3, &c))
+    return nb::none();
+  const Tensor &q = c.q, &k = c.k, &v = c.v;
+  const std::int64_t Tq = q.shape[0], Hq = q.shape[1], Tk = k.shape[0], Dv = v.shape[2];
+  if (v.shape[0] != Tk || Tq == 0 || Tk == 0) return nb::none();
+  for (std::int64_t n : {Tq, Tk, Hq, k.shape[1], q.shape[2], Dv})
+    if (!fits_int32(n)) return nb::none();
+  int max_q = 0, max_k = 0;
+  if (!positive_int32(max_q_h, &max_q) || !positive_int32(max_k_h, &max_k)) return nb::none();
+  std::int64_t nq = 0, nk = 0;
+  std::uintptr_t cu_q = 0, cu_k = 0;
+  if (!read_int32(cu_q_h, q.device, 1, &nq, &cu_q) || !read_int32(cu_k_h, q.device, 1, &nk, &cu_k) || nq != nk ||
+      nq < 2 || !fits_int32(nq - 1))
+    return nb::none();
+  // Host arrays the general path would refuse with its sentences are its (varlen_fast says which).
+  if (q.device < 0 && !(host_prefix_sums_fit(cu_q, nq, Tq, max_q) && host_prefix_sums_fit(cu_k, nk, Tk, max_k)))
+    return nb::none();
+  flashcpp::AttnBackwardParams p;
+  fill_attn(c, window_left, window_right, &p);
+  p.batch = static_cast<int>(nq - 1);
+  p.seqlen_q = max_q;
+  p.seqlen_k = max_k;
+  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_q);
+  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_k);
+  p.mask.total_q = Tq;  // the packed rows (_fill_mask's total_q)
+  p.total_k = Tk;       // rows past cu_seqlens_k[-1] get dk = dv = 0, as launch_backward asks
+  return backward_run(c, true, {Tq, Hq, Dv}, {Hq, Tq}, dout_h, out_h, lse_h, dlse_h, deterministic_h, &p);
 }
 
 /// The checks of the fused ops' fast path on x and the other inputs (`same`: same dtype and
@@ -1064,6 +1280,7 @@ void eager_bind(nb::handle tensor, nb::handle parameter, nb::handle f16, nb::han
   t->s_new_empty = intern("new_empty");
   t->s_move_to_end = intern("move_to_end");
   t->s_fast = intern("fast");
+  t->s_contiguous = intern("contiguous");
   t->kw_dtype = PyTuple_Pack(1, t->s_dtype);
   if (t->kw_dtype == nullptr) throw nb::python_error();
   t->k_factor = intern("factor");
@@ -1093,6 +1310,15 @@ void bind_eager(nb::module_& m) {
         "max_seqlen_q"_a.none(), "max_seqlen_k"_a.none(), "softmax_scale"_a.none(), "causal"_a.none(),
         "window_left"_a, "window_right"_a, "softcap"_a.none(), "return_lse"_a.none(),
         "flash_attn_varlen_func's eager fast path: out or (out, lse), or None when the call is not one it takes.");
+  m.def("backward_fast", &backward_fast, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a, "dlse"_a.none(),
+        "softmax_scale"_a.none(), "causal"_a.none(), "window_left"_a.none(), "window_right"_a.none(),
+        "softcap"_a.none(), "deterministic"_a.none(),
+        "flash_attn_bwd_eager's fast path: (dq, dk, dv), or None when the call is not one it takes.");
+  m.def("varlen_backward_fast", &varlen_backward_fast, "dout"_a, "q"_a, "k"_a, "v"_a, "out"_a, "lse"_a,
+        "dlse"_a.none(), "cu_seqlens_q"_a.none(), "cu_seqlens_k"_a.none(), "max_seqlen_q"_a.none(),
+        "max_seqlen_k"_a.none(), "softmax_scale"_a.none(), "causal"_a.none(), "window_left"_a.none(),
+        "window_right"_a.none(), "softcap"_a.none(), "deterministic"_a.none(),
+        "flash_attn_varlen_bwd_eager's fast path: (dq, dk, dv), or None when the call is not one it takes.");
   m.def("fast_view", &fast_view, "t"_a, "dtype"_a,
         "The TensorView of a plain 4-D torch tensor with a contiguous last dim (a size-1 dim gets the "
         "extent as its stride), or None.");
