@@ -391,7 +391,15 @@ def flash_attn_bwd_eager(dout, q, k, v, out, lse, dlse, softmax_scale, causal, w
                          alibi_slopes, deterministic, bs_row_ptr=None, bs_col_idx=None, bs_partial=None,
                          bs_element_masks=None, block_sparse_sizes=None):
     """The body of flashcpp::flash_attn_bwd, which the eager autograd formula (EagerAttention) calls
-    directly, as flash_attn_fwd_eager."""
+    directly, as flash_attn_fwd_eager. A plain call (no ALiBi or block-sparse mask) is tried on the
+    C++ fast path first (_C.backward_fast: the same checks, allocations and launch as the lines
+    below, without their ~300 us of Python on the CPU machine); None sends it down those lines."""
+    if (alibi_slopes is None and bs_row_ptr is None and bs_col_idx is None and bs_partial is None
+            and bs_element_masks is None and block_sparse_sizes is None):
+        grads = _C.backward_fast(dout, q, k, v, out, lse, dlse, softmax_scale, causal, window_left, window_right,
+                                 softcap, deterministic)
+        if grads is not None:
+            return grads
     p = _dense(q, k, v, softmax_scale, window_left, window_right, alibi_slopes, bs_row_ptr, bs_col_idx,
                bs_partial, bs_element_masks, block_sparse_sizes)
     dout, dlse = _grad_views(p, out, lse, dout, dlse)
@@ -420,7 +428,14 @@ def flash_attn_varlen_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
 def flash_attn_varlen_bwd_eager(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 softmax_scale, causal, window_left, window_right, softcap, alibi_slopes, deterministic):
-    """The body of flashcpp::flash_attn_varlen_bwd (EagerVarlenAttention calls it directly)."""
+    """The body of flashcpp::flash_attn_varlen_bwd (EagerVarlenAttention calls it directly), with
+    flash_attn_bwd_eager's fast path (_C.varlen_backward_fast) for a call without ALiBi."""
+    if alibi_slopes is None:
+        grads = _C.varlen_backward_fast(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                        max_seqlen_k, softmax_scale, causal, window_left, window_right, softcap,
+                                        deterministic)
+        if grads is not None:
+            return grads
     p = _prepare(q, k, v, softmax_scale, (window_left, window_right), alibi_slopes, cu_seqlens_q, cu_seqlens_k,
                  max_seqlen_q, max_seqlen_k)
     dout, dlse = _grad_views(p, out, lse, dout, dlse)
@@ -513,12 +528,22 @@ def _no_double_backward(grads):
     return tuple(refuse(dq, dk, dv)) + grads[3:]
 
 
+# Their forward tries the eager fast path first (_C.attention_fast, _C.varlen_fast) for a plain call
+# with the LSE: grad mode is off inside forward, so it takes inputs that require grad, and it returns
+# what the ops' body returns (out and the fp32 LSE of the same shape, bit for bit), which the backward
+# reads; anything else (ALiBi, a block-sparse mask, rotary, a call it does not take) runs the body.
 class EagerAttention(torch.autograd.Function):
     """flash_attn_fwd's autograd for eager calls: apply(*inputs) with inputs in _FWD_ARGS order."""
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = flash_attn_fwd_eager(*inputs[:-1])  # the last input is deterministic (the backward's)
+        output = None
+        # alibi_slopes, return_lse, the block-sparse mask's five and rotary_dim (_FWD_ARGS)
+        if (inputs[8] is None and inputs[9] is True and inputs[10] is None and inputs[11] is None
+                and inputs[12] is None and inputs[13] is None and inputs[14] is None and inputs[15] == 0):
+            output = _C.attention_fast(*inputs[:8], True)
+        if output is None:
+            output = flash_attn_fwd_eager(*inputs[:-1])  # the last input is deterministic (the backward's)
         _fwd_setup_context(ctx, inputs, output)
         return output
 
@@ -534,7 +559,11 @@ class EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *inputs):
-        output = flash_attn_varlen_fwd_eager(*inputs[:-1])
+        output = None
+        if inputs[12] is None and inputs[13] is True:  # alibi_slopes, return_lse (_VARLEN_ARGS)
+            output = _C.varlen_fast(*inputs[:12], True)
+        if output is None:
+            output = flash_attn_varlen_fwd_eager(*inputs[:-1])
         _varlen_setup_context(ctx, inputs, output)
         return output
 
