@@ -1,7 +1,8 @@
 """The CUDA backward under several kernel choices (FLASHCPP_BWD_CONFIG = RunOptions::cuda_config), interleaved in one
 process, with cuDNN through SDPA beside; each choice's gradients are checked against cuDNN's first.
 A config ending in "+det" runs that config with deterministic=True ("+det" alone: the automatic choice), and its
-gradients must repeat bit for bit.
+gradients must repeat bit for bit. "+g<N>" before it forces N key tiles per group of the grid (docs/backward.md),
+e.g. sm90ws+g5 (default mode in groups) against sm90ws+g32+det (deterministic, one group per head).
 Usage (on a GPU, flashcpp installed): python3 scripts/bwd_ab.py [configs, default sm90,sm90ws] [shape indices, e.g. 0,2]"""
 import os
 import statistics

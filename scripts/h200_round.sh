@@ -251,6 +251,12 @@ sys.exit(decode.run(quick=True, out='$OUT/headdim_decode', cases=decode.HEADDIM_
     (cd /tmp && timeout 120 python3 "$repo/scripts/bwd_ab.py" sm90ws,sm90ws+det 1,2,0,3 > "$OUT/bwd_det.txt" 2>&1)
     say "bwd det rc $?"
     grep -E "TF/s|repeat" "$OUT/bwd_det.txt" >> "$summary"
+    # What sets deterministic mode's cost: the grid's groups alone (default mode in groups of 5, as
+    # deterministic mode runs (2,16,4096,64)), and deterministic mode with other group sizes.
+    (cd /tmp && timeout 120 python3 "$repo/scripts/bwd_ab.py" \
+      sm90ws,sm90ws+g5,sm90ws+det,sm90ws+g2+det,sm90ws+g8+det,sm90ws+g32+det 0,1 > "$OUT/bwd_groups.txt" 2>&1)
+    say "bwd groups rc $?"
+    grep -E "TF/s" "$OUT/bwd_groups.txt" >> "$summary"
     # Decode at d96 against d128 (reports/decode "ncu of the split kernel"): L2 read requests and
     # sectors per step (equal requests at 3:4 sectors would say requests, not bytes, set the step),
     # and the excess shared wavefronts and stalls per instruction from the source page.

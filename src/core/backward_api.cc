@@ -122,7 +122,12 @@ Status attention_backward(const AttnBackwardParams& p, const RunOptions& opt) {
     case KernelId::kCpuTiled: return cpu::tiled_backward(p, opt, layout);
 #if FLASHCPP_HAS_SM80
     case KernelId::kCudaSm80:
-    case KernelId::kCudaSm90: return cuda::backward_cuda(p, choice.tile, layout, opt.stream);
+    case KernelId::kCudaSm90: {
+      std::string family, why;
+      int key_group = 0;  // cuda_config's "+g<N>" (select::backward_config; checked by the selection above)
+      if (!select::backward_config(opt.cuda_config, &family, &key_group, &why)) return Status::Invalid(why);
+      return cuda::backward_cuda(p, choice.tile, layout, opt.stream, key_group);
+    }
 #endif
     default: break;
   }

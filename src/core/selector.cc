@@ -523,10 +523,10 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   (void)out;
   return build::refuse(build::Family::kSm80, "the CUDA attention backward is built with it");
 #else
-  const std::string& want = opt.cuda_config;
-  if (!want.empty() && want != "sm80" && want != "sm90" && want != "sm90ws")
-    return Status::Invalid("the backward takes cuda_config \"\" (automatic), \"sm80\" (mma.sync), \"sm90\" "
-                           "(wgmma) or \"sm90ws\" (warp-specialized wgmma), not '" + want + "'");
+  std::string want, why_config;
+  int key_group = 0;  // read again by backward_api (the grid's groups), checked here
+  if (!backward_config(opt.cuda_config, &want, &key_group, &why_config)) return Status::Invalid(why_config);
+  (void)key_group;
   cuda::DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
   if (dev.sm_major < 8)
@@ -602,15 +602,34 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
 #endif
 }
 
-int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas) {
+int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas, int forced) {
   if (key_tiles <= 0) return 1;
   const std::int64_t pairs = std::max<std::int64_t>(1, static_cast<std::int64_t>(batch) * heads_kv);
   std::int64_t g = key_tiles;
-  if (deterministic) g = std::max<std::int64_t>(4, (std::max(resident_ctas, 1) + pairs - 1) / pairs);
+  if (forced > 0) g = forced;
+  else if (deterministic) g = std::max<std::int64_t>(4, (std::max(resident_ctas, 1) + pairs - 1) / pairs);
   g = std::min<std::int64_t>(g, key_tiles);
   const std::int64_t groups_max = std::max<std::int64_t>(1, 65535 / std::max(batch, 1));  // grid z = batch x groups
   g = std::max(g, (key_tiles + groups_max - 1) / groups_max);
   return static_cast<int>(g);
+}
+
+bool backward_config(const std::string& cuda_config, std::string* family, int* key_group, std::string* why) {
+  const std::size_t plus = cuda_config.find("+g");
+  *family = cuda_config.substr(0, plus);
+  *key_group = 0;
+  const auto bad = [&] {
+    *why = "the backward takes cuda_config \"\" (automatic), \"sm80\" (mma.sync), \"sm90\" (wgmma) or \"sm90ws\" "
+           "(warp-specialized wgmma), optionally followed by \"+g<N>\" (N key tiles per group of the grid, 1 to "
+           "65535), not '" + cuda_config + "'";
+    return false;
+  };
+  if (!family->empty() && *family != "sm80" && *family != "sm90" && *family != "sm90ws") return bad();
+  if (plus == std::string::npos) return true;
+  const std::string n = cuda_config.substr(plus + 2);
+  if (n.empty() || n.size() > 5 || n.find_first_not_of("0123456789") != std::string::npos) return bad();
+  *key_group = std::stoi(n);
+  return (*key_group >= 1 && *key_group <= 65535) || bad();
 }
 
 Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {

@@ -94,7 +94,15 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
 /// start as this group's finish, their turns already passed. G >= 4 keeps the passes over Q, dO and
 /// dQ (one per group; L2 holds a pass's tiles, not a head's) at key_tiles / 4 or fewer. G also grows
 /// until batch x groups fits the grid's 65535 z limit.
-int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas);
+/// `forced` > 0 (cuda_config's "+g<N>", backward_config) asks for that many tiles per group instead,
+/// in either mode, within the same bounds (at most key_tiles, and batch x groups within 65535): a
+/// measurement knob for the rule.
+int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas, int forced = 0);
+
+/// The backward's cuda_config: a family ("" automatic, "sm80", "sm90", "sm90ws"), optionally followed
+/// by "+g<N>" (N in [1, 65535]: key tiles per group of the grid, backward_key_group's `forced`).
+/// False (and a sentence in *why) for anything else.
+bool backward_config(const std::string& cuda_config, std::string* family, int* key_group, std::string* why);
 
 // ---- the sm80 tuned table ------------------------------------------------------------------------
 /// The tuned table's seqlen buckets (flashcpp/tune.h: kSeqlenBuckets). Lookup order: the JSON cache

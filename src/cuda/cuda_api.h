@@ -27,9 +27,10 @@ Status prefill_sm90(const AttnParams& p, const TileConfig& tile, Stream stream);
 /// The attention backward (src/cuda/backward: preprocess, main kernel, postprocess) with the
 /// selector's tile, which names the main kernel (mma.sync, or wgmma on sm_90), and the workspace
 /// layout made for it. Defined only when the build holds the sm80 family (FLASHCPP_HAS_SM80);
-/// asynchronous on `stream`, allocates nothing.
+/// asynchronous on `stream`, allocates nothing. key_group > 0: key tiles per group of the grid
+/// (cuda_config "+g<N>"; select::backward_key_group), 0 the selector's rule.
 Status backward_cuda(const AttnBackwardParams& p, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
-                     Stream stream);
+                     Stream stream, int key_group = 0);
 
 /// Varlen batch 0 (or seqlen_q 0) with mask.total_q > 0: O = 0 and LSE = -inf in all total_q
 /// packed rows (attention.h), by one small kernel on `stream`: no allocation, no synchronization.

@@ -441,5 +441,32 @@ TEST(Selector, BackwardKeyGroupsBoundTheDeterministicChain) {
   }
 }
 
+TEST(Selector, BackwardConfigTakesAFamilyAndAKeyGroup) {
+  std::string family, why;
+  int g = -1;
+  EXPECT_TRUE(select::backward_config("", &family, &g, &why));
+  EXPECT_EQ(family, "");
+  EXPECT_EQ(g, 0);
+  EXPECT_TRUE(select::backward_config("sm90ws+g8", &family, &g, &why));
+  EXPECT_EQ(family, "sm90ws");
+  EXPECT_EQ(g, 8);
+  EXPECT_TRUE(select::backward_config("+g65535", &family, &g, &why));  // the automatic family, forced groups
+  EXPECT_EQ(family, "");
+  EXPECT_EQ(g, 65535);
+  EXPECT_TRUE(select::backward_config("sm80", &family, &g, &why));
+  EXPECT_EQ(g, 0);
+  for (const char* bad : {"sm90ws+g", "sm90ws+g0", "sm90ws+g65536", "sm90ws+g-1", "sm90ws+g8x", "sm90ws+g 8",
+                          "sm91", "sm90_m128n128s2p", "+g123456"}) {
+    why.clear();
+    EXPECT_FALSE(select::backward_config(bad, &family, &g, &why)) << bad;
+    EXPECT_NE(why.find("+g<N>"), std::string::npos) << bad << ": " << why;
+  }
+  // A forced group size holds in either mode, within the same bounds.
+  EXPECT_EQ(select::backward_key_group(true, 32, 4, 32, 132, 8), 8);
+  EXPECT_EQ(select::backward_key_group(false, 32, 4, 32, 132, 2), 2);
+  EXPECT_EQ(select::backward_key_group(true, 32, 4, 32, 132, 100), 32);  // at most the key tiles
+  EXPECT_EQ(select::backward_key_group(true, 4096, 20000, 1, 132, 1), 1366);  // 3 groups: batch x groups <= 65535
+}
+
 }  // namespace
 }  // namespace flashcpp

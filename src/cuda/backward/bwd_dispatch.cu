@@ -112,13 +112,13 @@ Status zero_uncovered(const TensorView& x, int heads, int dim, const std::int32_
 
 template <typename T>
 Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardWorkspaceLayout& l, cudaStream_t stream,
-                 const DeviceInfo& dev) {
+                 const DeviceInfo& dev, int key_group) {
   BwdParams p = make_params(a, l);
   // The main kernel's grid: key tiles of the longest sequence, in groups (bwd_run).
   const int key_tiles =
       walk::Tiles::make(a.seqlen_q, a.seqlen_k, e.tile.block_m, e.tile.block_n, a.mask.block_sparse).num_k_tiles();
   p.key_group = select::backward_key_group(p.sem != nullptr, key_tiles, a.batch, a.heads_kv,
-                                           dev.num_sms * std::max(1, e.tile.min_blocks));
+                                           dev.num_sms * std::max(1, e.tile.min_blocks), key_group);
   const bool rows = a.batch > 0 && a.seqlen_q > 0, keys = a.batch > 0 && a.seqlen_k > 0;
   if (e.ws && rows && keys) {  // the warp-specialized kernel loads Q, dO, K and V by TMA
     const bool varlen = a.mask.is_varlen();
@@ -166,7 +166,7 @@ Status run_typed(const AttnBackwardParams& a, const BwdEntry& e, const BackwardW
 }  // namespace
 
 Status backward_cuda(const AttnBackwardParams& a, const TileConfig& tile, const BackwardWorkspaceLayout& layout,
-                     Stream stream) {
+                     Stream stream, int key_group) {
   DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
   const int cls = cuda_head_dim_class(a.head_dim, a.effective_head_dim_v());
@@ -182,8 +182,8 @@ Status backward_cuda(const AttnBackwardParams& a, const TileConfig& tile, const 
     return Status::Unsupported("batch " + std::to_string(a.batch) + " or heads " + std::to_string(a.heads_q) +
                                " exceeds the 65535 limit of a grid dimension");
   const auto stream_ = static_cast<cudaStream_t>(stream);
-  return a.q.dtype == DType::kBF16 ? run_typed<__nv_bfloat16>(a, *e, layout, stream_, dev)
-                                   : run_typed<__half>(a, *e, layout, stream_, dev);
+  return a.q.dtype == DType::kBF16 ? run_typed<__nv_bfloat16>(a, *e, layout, stream_, dev, key_group)
+                                   : run_typed<__half>(a, *e, layout, stream_, dev, key_group);
 }
 
 }  // namespace flashcpp::cuda
