@@ -34,6 +34,9 @@
 #                                                                      rotary-attention GPU tests, deterministic
 #                                                                      cost, ncu of decode at d96 and d128
 #                                                                      (L2 requests against sectors)  (~250 s)
+#   call 10, no carry (cold is fine):  bash scripts/h200_round.sh 10 C  the package only, the training path's CUDA
+#                                                                      tests and host time, deterministic
+#                                                                      groups, short non-causal probes (~200 s)
 # The run tool carries at most 64 MiB: the tracked tree (~29 MB, most of it reports/) plus .fa4b
 # (37 MB) is past it, so move reports/raw_* and reports/numerics aside for call 2 (the device needs
 # no report) and put them back after.
@@ -43,14 +46,14 @@
 # folders as one tarball per phase: unpack with `tar xzf` into reports/ and name the raw folder by
 # commit and date). A phase that finds its machine cold says so and stops (start again at phase 1).
 set -uo pipefail
-phase=${1:?phase 1..9}
+phase=${1:?phase 1..10}
 commit=${2:?commit}
 export PYTHONUNBUFFERED=1 FLASHCPP_GIT_COMMIT=$commit
 OUT=${OUT:?run through the device tool: OUT is its output folder}
 case $phase in
-  1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9) ;;
+  1 | 2 | 3 | 4 | 5 | 6 | 7 | 8 | 9 | 10) ;;
   *)
-    echo "h200_round.sh: phase must be 1 to 9; got '$phase'" >&2
+    echo "h200_round.sh: phase must be 1 to 10; got '$phase'" >&2
     exit 2
     ;;
 esac
@@ -147,6 +150,32 @@ case $phase in
     timeout 170 python3 -m flashcpp.bench headdims --out "$OUT/headdims" > "$OUT/bench_headdims.log" 2>&1
     say "headdims rc $?"
     pack phase3 prefill headdims hopper
+    ;;
+  10)
+    # A short cold call (~200 s after the start) for the pending CPU-side changes: the package alone
+    # (no make build), the training path's CUDA tests (the eager autograd formulas on the C++ fast
+    # paths), its host time against SDPA, what sets deterministic mode's cost (the groups alone, and
+    # deterministic mode in one group per head), and the lean persistent twin on the non-causal short
+    # rows.
+    python3 -m pip install --no-build-isolation --no-deps -q -Cbuild-dir=build-py . > "$OUT/pip.txt" 2>&1
+    say "pip rc $?"
+    (cd /tmp && timeout 90 python3 -m pytest -q -p no:cacheprovider "$repo/tests/python/test_autograd_fast_path.py" \
+      "$repo/tests/python/test_backward_torch.py" "$repo/tests/python/test_attention_fast_path.py" \
+      "$repo/tests/python/test_varlen_fast_path.py" -k "cuda or CUDA" > "$OUT/pytest.txt" 2>&1)
+    say "pytest rc $?: $(tail -1 "$OUT/pytest.txt")"
+    (cd /tmp && timeout 60 python3 "$repo/scripts/train_host_probe.py" > "$OUT/train_host.txt" 2>&1)
+    say "train host rc $?"
+    cat "$OUT/train_host.txt" >> "$summary"
+    (cd /tmp && timeout 70 python3 "$repo/scripts/bwd_ab.py" sm90ws,sm90ws+g5,sm90ws+det,sm90ws+g32+det 0 \
+      > "$OUT/bwd_groups.txt" 2>&1)
+    say "bwd groups rc $?"
+    grep -E "TF/s|repeat" "$OUT/bwd_groups.txt" >> "$summary"
+    mkdir -p "$OUT/probes"
+    (cd /tmp && timeout 60 python3 "$repo/scripts/prefill_probe.py" --shape 16,32,512,128 --shape 8,16,1024,128 \
+      --reps 15 --configs auto,sm90_m128n128s2p_lean,sm90_m128n128s2p_lean_persist --out "$OUT/probes/short.csv" \
+      > "$OUT/probes/short.txt" 2>&1)
+    say "probe short rc $?"
+    grep -v skipped "$OUT/probes/short.txt" >> "$summary"
     ;;
   9)
     warm_or_stop
