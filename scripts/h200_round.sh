@@ -176,6 +176,13 @@ case $phase in
       > "$OUT/probes/short.txt" 2>&1)
     say "probe short rc $?"
     grep -v skipped "$OUT/probes/short.txt" >> "$summary"
+    (cd /tmp && timeout 60 python3 -m flashcpp.bench.host_overhead --device cuda --out "$OUT/integrations" \
+      > "$OUT/host_overhead.log" 2>&1)
+    say "host overhead rc $?"
+    (cd /tmp && timeout 90 python3 -m flashcpp.bench.hf_generate --device cuda --out "$OUT/integrations" \
+      > "$OUT/hf_generate.log" 2>&1)
+    say "transformers rc $?: $(grep -c 'equal to' "$OUT/hf_generate.log") architectures compared"
+    pack phase10 integrations probes
     ;;
   9)
     warm_or_stop
