@@ -518,9 +518,13 @@ flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_
 # registrations they read. The kernels record nothing for a double backward: under create_graph the
 # gradients come out behind a node that raises when reached (as the ops' missing formula for
 # flash_attn_bwd does), so that a gradient penalty through dq fails instead of dropping its term.
-def _no_double_backward(grads):
+def _eager_backward(formula, body, ctx, dout, dlse):
+    """The eager formulas' backward: `formula` (register_autograd's) with the op's `body`, and no
+    double backward through what it returns."""
     if not torch.is_grad_enabled():  # grad mode is on in a backward only under create_graph=True
-        return grads
+        return formula(ctx, dout, dlse, body)
+    with torch.no_grad():
+        grads = formula(ctx, dout, dlse, body)
     dq, dk, dv = (g.detach().requires_grad_() for g in grads[:3])
     refuse = _autograd_functions.DelayedError(
         b"flashcpp's attention backward has no backward of its own (a double backward, such as a gradient penalty "
@@ -549,9 +553,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        with torch.no_grad():
-            grads = _fwd_backward(ctx, dout, dlse, flash_attn_bwd_eager)
-        return _no_double_backward(grads)
+        return _eager_backward(_fwd_backward, flash_attn_bwd_eager, ctx, dout, dlse)
 
 
 class EagerVarlenAttention(torch.autograd.Function):
@@ -569,9 +571,7 @@ class EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        with torch.no_grad():
-            grads = _varlen_backward(ctx, dout, dlse, flash_attn_varlen_bwd_eager)
-        return _no_double_backward(grads)
+        return _eager_backward(_varlen_backward, flash_attn_varlen_bwd_eager, ctx, dout, dlse)
 
 
 # ---- merge_attention_states -----------------------------------------------------------------------

@@ -536,6 +536,33 @@ bool positive_int32(nb::handle h, int* out) {
   return true;
 }
 
+/// The varlen arguments both varlen entries take: the packed q, k, v of `c` (non-empty, k's and v's
+/// rows equal, row counts within int32), the two maxima (ints in [1, 2^31 - 1]) and int32
+/// cu_seqlens_q/k (batch + 1 >= 2 entries each) on q's device. Host arrays' values that the general
+/// path refuses with its sentences (a first entry other than 0, a decrease, a sequence longer than
+/// its maximum, more rows than the packed tensor holds: the C++ views do not know the packed length
+/// of k) are left to it, as anything else false says; device arrays are not read (a sync).
+struct VarlenArgs {
+  int batch = 0, max_q = 0, max_k = 0;
+  std::uintptr_t cu_q = 0, cu_k = 0;
+};
+bool varlen_args(const AttnCall& c, nb::handle cu_q_h, nb::handle cu_k_h, nb::handle max_q_h, nb::handle max_k_h,
+                 VarlenArgs* a) {
+  const Tensor &q = c.q, &k = c.k, &v = c.v;
+  const std::int64_t Tq = q.shape[0], Tk = k.shape[0];
+  if (v.shape[0] != Tk || Tq == 0 || Tk == 0 || !fits_int32(Tq) || !fits_int32(Tk)) return false;
+  if (!positive_int32(max_q_h, &a->max_q) || !positive_int32(max_k_h, &a->max_k)) return false;
+  std::int64_t nq = 0, nk = 0;
+  if (!read_int32(cu_q_h, q.device, 1, &nq, &a->cu_q) || !read_int32(cu_k_h, q.device, 1, &nk, &a->cu_k) ||
+      nq != nk || nq < 2 || !fits_int32(nq - 1))
+    return false;
+  if (q.device < 0 &&
+      !(host_prefix_sums_fit(a->cu_q, nq, Tq, a->max_q) && host_prefix_sums_fit(a->cu_k, nk, Tk, a->max_k)))
+    return false;
+  a->batch = static_cast<int>(nq - 1);
+  return true;
+}
+
 /// flash_attn_varlen_func's plain call (the same exclusions as attention_fast): packed q (total_q,
 /// heads_q, dim), k and v (total_k, heads_kv, dim[_v]), int32 cu_seqlens_q/k (batch + 1) on q's
 /// device, and the two maxima. Host arrays' values are checked by the C++ validator; device ones
@@ -547,21 +574,10 @@ nb::object varlen_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle c
                        int window_left, int window_right, nb::handle softcap_h, nb::handle return_lse_h) {
   AttnCall c;
   if (!attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, return_lse_h, 3, &c)) return nb::none();
+  VarlenArgs a;
+  if (!varlen_args(c, cu_q_h, cu_k_h, max_q_h, max_k_h, &a)) return nb::none();
   const Tensor &q = c.q, &k = c.k, &v = c.v;
-  const std::int64_t Tq = q.shape[0], Hq = q.shape[1], D = q.shape[2], Tk = k.shape[0], Dv = v.shape[2];
-  if (v.shape[0] != Tk || Tq == 0 || Tk == 0 || !fits_int32(Tq) || !fits_int32(Tk)) return nb::none();
-  int max_q = 0, max_k = 0;
-  if (!positive_int32(max_q_h, &max_q) || !positive_int32(max_k_h, &max_k)) return nb::none();
-  std::int64_t nq = 0, nk = 0;
-  std::uintptr_t cu_q = 0, cu_k = 0;
-  if (!read_int32(cu_q_h, q.device, 1, &nq, &cu_q) || !read_int32(cu_k_h, q.device, 1, &nk, &cu_k) || nq != nk ||
-      nq < 2 || !fits_int32(nq - 1))
-    return nb::none();
-  // Host arrays: values the general path refuses with its sentences (a first entry other than 0, a
-  // decrease, a sequence longer than its maximum, more rows than the packed tensor holds: the C++
-  // views do not know the packed length of k) are left to it. Device arrays are not read.
-  if (q.device < 0 && !(host_prefix_sums_fit(cu_q, nq, Tq, max_q) && host_prefix_sums_fit(cu_k, nk, Tk, max_k)))
-    return nb::none();
+  const std::int64_t Tq = q.shape[0], Hq = q.shape[1], D = q.shape[2], Dv = v.shape[2];
   TensorView vq, vk, vv;
   if (!view_of(q, true, &vq) || !view_of(k, true, &vk) || !view_of(v, true, &vv)) return nb::none();
 
@@ -569,16 +585,16 @@ nb::object varlen_fast(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle c
   nb::object lse = c.return_lse ? new_empty(q, nb::make_tuple(Hq, Tq), g_torch->f32) : nb::none();
   AttnParams p;
   fill_attn(c, window_left, window_right, &p);
-  p.batch = static_cast<int>(nq - 1);
-  p.seqlen_q = max_q;
-  p.seqlen_k = max_k;
+  p.batch = a.batch;
+  p.seqlen_q = a.max_q;
+  p.seqlen_k = a.max_k;
   p.q = vq;
   p.k = vk;
   p.v = vv;
   p.o = TensorView{reinterpret_cast<void*>(data_ptr(out)), q.dtype, 0, Hq * Dv, Dv};
   p.lse = c.return_lse ? reinterpret_cast<float*>(data_ptr(lse)) : nullptr;
-  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_q);
-  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_k);
+  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(a.cu_q);
+  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(a.cu_k);
   p.mask.total_q = Tq;
   call_released([&] { return flashcpp::attention_forward(p, c.opt); });
   if (!c.return_lse) return out;
@@ -762,28 +778,19 @@ nb::object varlen_backward_fast(nb::handle dout_h, nb::handle qh, nb::handle kh,
   if (!window_ints(window_left_h, window_right_h, &window_left, &window_right) ||
       !attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, nb::handle(Py_True), 3, &c))
     return nb::none();
+  VarlenArgs a;
+  if (!varlen_args(c, cu_q_h, cu_k_h, max_q_h, max_k_h, &a)) return nb::none();
   const Tensor &q = c.q, &k = c.k, &v = c.v;
   const std::int64_t Tq = q.shape[0], Hq = q.shape[1], Tk = k.shape[0], Dv = v.shape[2];
-  if (v.shape[0] != Tk || Tq == 0 || Tk == 0) return nb::none();
-  for (std::int64_t n : {Tq, Tk, Hq, k.shape[1], q.shape[2], Dv})
+  for (std::int64_t n : {Hq, k.shape[1], q.shape[2], Dv})
     if (!fits_int32(n)) return nb::none();
-  int max_q = 0, max_k = 0;
-  if (!positive_int32(max_q_h, &max_q) || !positive_int32(max_k_h, &max_k)) return nb::none();
-  std::int64_t nq = 0, nk = 0;
-  std::uintptr_t cu_q = 0, cu_k = 0;
-  if (!read_int32(cu_q_h, q.device, 1, &nq, &cu_q) || !read_int32(cu_k_h, q.device, 1, &nk, &cu_k) || nq != nk ||
-      nq < 2 || !fits_int32(nq - 1))
-    return nb::none();
-  // Host arrays the general path would refuse with its sentences are its (varlen_fast says which).
-  if (q.device < 0 && !(host_prefix_sums_fit(cu_q, nq, Tq, max_q) && host_prefix_sums_fit(cu_k, nk, Tk, max_k)))
-    return nb::none();
   flashcpp::AttnBackwardParams p;
   fill_attn(c, window_left, window_right, &p);
-  p.batch = static_cast<int>(nq - 1);
-  p.seqlen_q = max_q;
-  p.seqlen_k = max_k;
-  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(cu_q);
-  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(cu_k);
+  p.batch = a.batch;
+  p.seqlen_q = a.max_q;
+  p.seqlen_k = a.max_k;
+  p.mask.cu_seqlens_q = reinterpret_cast<const std::int32_t*>(a.cu_q);
+  p.mask.cu_seqlens_k = reinterpret_cast<const std::int32_t*>(a.cu_k);
   p.mask.total_q = Tq;  // the packed rows (_fill_mask's total_q)
   p.total_k = Tk;       // rows past cu_seqlens_k[-1] get dk = dv = 0, as launch_backward asks
   return backward_run(c, true, {Tq, Hq, Dv}, {Hq, Tq}, dout_h, out_h, lse_h, dlse_h, deterministic_h, &p);
