@@ -738,6 +738,16 @@ nb::object backward_run(const AttnCall& c, bool packed, std::initializer_list<st
   return nb::make_tuple(dq, dk, dv);
 }
 
+/// What both backward entries read first: the window as two ints and q, k, v of `rank` dims with the
+/// forward's scale, flags and softcap (attn_call, the LSE asked for); false when the call is not one
+/// they take.
+bool backward_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, nb::handle causal_h,
+                   nb::handle window_left_h, nb::handle window_right_h, nb::handle softcap_h, int rank, AttnCall* c,
+                   int* window_left, int* window_right) {
+  return window_ints(window_left_h, window_right_h, window_left, window_right) &&
+         attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, nb::handle(Py_True), rank, c);
+}
+
 /// flash_attn_bwd_eager's plain call (no ALiBi or block-sparse mask: the caller checks those):
 /// dout, q, k, v, out, lse, dlse (None or a tensor) and the forward's scale (the checked one it
 /// ran with), flags and window, as the eager formula saved them. (dq, dk, dv), or None when the
@@ -748,8 +758,8 @@ nb::object backward_fast(nb::handle dout_h, nb::handle qh, nb::handle kh, nb::ha
                          nb::handle deterministic_h) {
   AttnCall c;
   int window_left = 0, window_right = 0;
-  if (!window_ints(window_left_h, window_right_h, &window_left, &window_right) ||
-      !attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, nb::handle(Py_True), 4, &c))
+  if (!backward_call(qh, kh, vh, scale_h, causal_h, window_left_h, window_right_h, softcap_h, 4, &c, &window_left,
+                     &window_right))
     return nb::none();
   const Tensor &q = c.q, &k = c.k, &v = c.v;
   const std::int64_t B = q.shape[0], Sq = q.shape[1], Hq = q.shape[2], Sk = k.shape[1], Dv = v.shape[3];
@@ -775,8 +785,8 @@ nb::object varlen_backward_fast(nb::handle dout_h, nb::handle qh, nb::handle kh,
                                 nb::handle deterministic_h) {
   AttnCall c;
   int window_left = 0, window_right = 0;
-  if (!window_ints(window_left_h, window_right_h, &window_left, &window_right) ||
-      !attn_call(qh, kh, vh, scale_h, causal_h, softcap_h, nb::handle(Py_True), 3, &c))
+  if (!backward_call(qh, kh, vh, scale_h, causal_h, window_left_h, window_right_h, softcap_h, 3, &c, &window_left,
+                     &window_right))
     return nb::none();
   VarlenArgs a;
   if (!varlen_args(c, cu_q_h, cu_k_h, max_q_h, max_k_h, &a)) return nb::none();
