@@ -3,8 +3,12 @@ CUDNN and FLASH (FA2) backends, one process, bf16.
 
 Each implementation runs its forward once with requires_grad inputs; what is timed is
 torch.autograd.grad(out, (q, k, v), dout, retain_graph=True): the backward alone, through the same
-autograd path for everyone, eager (the kernels take milliseconds at these shapes, so host time is
-small), medians of interleaved rounds after warm-up. flashcpp is also timed with deterministic=True.
+autograd path for everyone, eager, medians of interleaved rounds after warm-up. flashcpp is also timed
+with deterministic=True. Each backward is also replayed from a CUDA graph (the `*_graph_us` columns):
+on the small rows an eager backward is bound by host time (1.03-1.31x SDPA's on an H100 host,
+reports/integrations), which the graph removes for every implementation alike, so the two columns
+tell the kernels apart from the launches. An implementation that cannot be captured keeps its eager
+figure and says so.
 
 TFLOP/s counts 2.5x the forward's FLOPs (4 B H N^2 D, halved for causal), as issue [backward] does.
 Peak memory is torch.cuda.max_memory_allocated during one backward, beyond what was allocated before.
@@ -16,7 +20,8 @@ from __future__ import annotations
 import os
 from typing import Dict, List
 
-from .common import environment, fa4, grouped_bars, interleaved, peer_value, progress, rep_ms_for, write_csv, write_json
+from .common import (bench_graph_us, environment, fa4, grouped_bars, interleaved, peer_value, progress, rep_ms_for,
+                     write_csv, write_json)
 
 SHAPES = [  # batch, heads (query), seqlen, head_dim, causal[, KV heads: GQA]
     (4, 32, 4096, 128, False), (4, 32, 4096, 128, True), (1, 16, 16384, 128, False), (1, 16, 16384, 128, True),
@@ -55,7 +60,8 @@ def run(quick: bool, out: str, shapes=None) -> int:
     os.makedirs(out, exist_ok=True)
     env = environment()
     rep_ms = rep_ms_for(quick)
-    env["timing"] = f"eager median (triton do_bench), rep {rep_ms} ms, 2 interleaved rounds; backward only"
+    env["timing"] = (f"eager median (triton do_bench), rep {rep_ms} ms, 2 interleaved rounds; backward only; "
+                     f"*_graph_us: CUDA-graph replay median (do_bench_cudagraph), one round")
     progress(f"[bench backward] {env}")
     fa4_fn, fa4_ver = fa4()
     progress("[bench backward] fa4: " + (f"flash-attn-4 {fa4_ver}" if fa4_fn else f"does not import, not timed ({fa4_ver})"))
@@ -122,6 +128,7 @@ def run(quick: bool, out: str, shapes=None) -> int:
             continue
         peaks = {name: _peak_bytes(torch, fns[name]) for name in fns}
         t = interleaved(fns, rounds=2, graph=False, rep_ms=rep_ms)
+        tg = _graph_times(torch, fns, rep_ms)
         cid = (f"b{b}_h{h}{f'kv{hkv}' if hkv != h else ''}_n{n}_d{d}{f'v{dv}' if dv != d else ''}"
                f"{'_causal' if causal else ''}_bf16")
         fl = _flops(b, h, n, d, causal, dv)
@@ -141,9 +148,17 @@ def run(quick: bool, out: str, shapes=None) -> int:
                          "ours_peak_bytes": peaks["flashcpp"], "peer_peak_bytes": peaks[peer],
                          "ours_rel_diff_vs_ref": f"{diffs['flashcpp']:.3e}", "peer_rel_diff_vs_ref": f"{diffs[peer]:.3e}",
                          "reference": ref_name, "timing": "eager_median", "gpu": env["gpu"],
-                         "git_commit": env["git_commit"]})
+                         "git_commit": env["git_commit"],
+                         "ours_graph_us": _rounded(tg.get("flashcpp")), "peer_graph_us": _rounded(tg.get(peer)),
+                         "graph_speedup": (round(tg[peer] / tg["flashcpp"], 3)
+                                           if peer in tg and "flashcpp" in tg else "")})
             line.append(f"{peer} {fl / t[peer] / 1e6:6.1f} ({t[peer] / t['flashcpp']:.2f}x)")
         progress("  ".join(line) + f"  rel diff {diffs['flashcpp']:.1e}  peak {peaks['flashcpp'] / 2**20:.0f} MiB")
+        if "flashcpp" in tg:
+            progress("    graph: ours " + "  ".join(
+                [f"{fl / tg['flashcpp'] / 1e6:6.1f} TF/s"]
+                + [f"{peer} {tg[peer] / tg['flashcpp']:.2f}x" for peer in ("fa4", "torch_cudnn", "torch_flash")
+                   if peer in tg]))
         write_csv(os.path.join(out, "benchmark.csv"), rows)  # after every case: a cut-short run keeps its rows
         del graphs, fns, q0, k0, v0, dout
         torch.cuda.empty_cache()
@@ -155,6 +170,24 @@ def run(quick: bool, out: str, shapes=None) -> int:
         progress(f"[bench backward] no plot ({e})")
     progress(f"[bench backward] wrote {out}/benchmark.csv")
     return 0
+
+
+def _rounded(us):
+    return "" if us is None else round(us, 2)
+
+
+def _graph_times(torch, fns, rep_ms: int) -> Dict[str, float]:
+    """us per backward replayed from a CUDA graph, per implementation (flashcpp_det included); one
+    that cannot be captured (a host synchronization, a library that refuses capture) is left out
+    with a line that says why, and the run goes on with the others."""
+    times: Dict[str, float] = {}
+    for name, fn in fns.items():
+        try:
+            times[name] = bench_graph_us(fn, rep_ms)
+        except Exception as e:  # noqa: BLE001 - any failure to capture leaves that peer's eager figure
+            progress(f"  {name}: no CUDA-graph timing ({type(e).__name__}: {str(e)[:120]})")
+            torch.cuda.synchronize()
+    return times
 
 
 def plot(rows: List[Dict[str, object]], path: str, env: Dict[str, object]) -> None:
