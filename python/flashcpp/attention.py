@@ -244,7 +244,7 @@ def flash_attn_func(q: Any, k: Any, v: Any, dropout_p: float = 0.0, softmax_scal
         # An eager call that autograd records takes the ops' formula without their wrapper
         # (_torch_ops.EagerAttention says why); rotary (no backward) keeps the op.
         if need_grad and k_out is None and not (transformed or torch.compiler.is_compiling()):
-            out, lse = _torch_ops.EagerAttention.apply(*args, bool(deterministic))
+            out, lse = _torch_ops.EagerAttention.apply(*args[:3], args[3:] + (bool(deterministic),))
         elif torch.compiler.is_compiling() or need_grad or transformed:
             out, lse = _torch_ops.call_flash_attn_fwd(*args, rotary_k_out=k_out, deterministic=bool(deterministic))
         else:
@@ -303,7 +303,7 @@ def flash_attn_varlen_func(q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens
         # As flash_attn_func: traced or autograd-visible calls take the registered op, plain eager
         # calls its body.
         if need_grad and not (transformed or torch.compiler.is_compiling()):
-            out, lse = _torch_ops.EagerVarlenAttention.apply(*args, bool(deterministic))
+            out, lse = _torch_ops.EagerVarlenAttention.apply(*args[:3], args[3:] + (bool(deterministic),))
         elif torch.compiler.is_compiling() or need_grad or transformed:
             out, lse = _torch_ops.flash_attn_varlen_fwd(*args, deterministic=bool(deterministic))
         else:
