@@ -15,7 +15,8 @@ Gemma-2, whose softcap sdpa does not take):
     margin is at most twice the logit difference between the two implementations at that step;
   - time, each implementation on the same model, interleaved, median of REPS after a warm-up: the
     padded generate of exactly NEW tokens (EOS suppressed, so a near-tie cannot shorten one side's run;
-    fcpp_s, ref_s, speedup = ref_s / fcpp_s), its prefill alone (one forward
+    fcpp_s, ref_s, speedup = ref_s / fcpp_s, and speedup_lo / speedup_hi, the lowest and highest
+    ratio of the repeats: how far one run resolves it), its prefill alone (one forward
     over the padded prompt: prefill_fcpp_ms, prefill_ref_ms, prefill_speedup) and generate on an
     unpadded batch of the same size (nopad_fcpp_s, nopad_ref_s, nopad_speedup), whose layers take
     the plain paths (no mask) where the padded ones pack the prompt and page the cache.
@@ -98,6 +99,10 @@ def _run_arch(torch, name: str, cls, cfg, impl: str, ref: str, dev: str, dt, ids
            "tokens_equal": equal, "first_diff": first_diff, "near_tie": near_tie,
            "fcpp_s": round(med[impl, "generate"], 4), "ref_s": round(med[ref, "generate"], 4),
            "speedup": round(med[ref, "generate"] / med[impl, "generate"], 3),
+           # the spread of the repeats' own ratios (each repeat times both back to back): how far one
+           # run resolves the speedup on this host
+           "speedup_lo": round(min(r / i for r, i in zip(times[ref, "generate"], times[impl, "generate"])), 3),
+           "speedup_hi": round(max(r / i for r, i in zip(times[ref, "generate"], times[impl, "generate"])), 3),
            "prefill_fcpp_ms": round(med[impl, "prefill"] * 1e3, 3), "prefill_ref_ms": round(med[ref, "prefill"] * 1e3, 3),
            "prefill_speedup": round(med[ref, "prefill"] / med[impl, "prefill"], 3),
            "nopad_fcpp_s": round(med[impl, "nopad"], 4), "nopad_ref_s": round(med[ref, "nopad"], 4),
