@@ -519,17 +519,17 @@ flash_attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_
 # gradients come out behind a node that raises when reached (as the ops' missing formula for
 # flash_attn_bwd does), so that a gradient penalty through dq fails instead of dropping its term.
 def _eager_backward(formula, body, ctx, dout, dlse):
-    """The eager formulas' backward: `formula` (register_autograd's) with the op's `body`, and no
-    double backward through what it returns."""
+    """The eager formulas' backward: (dq, dk, dv, None) from `formula` (register_autograd's) with
+    the op's `body` (the rest of the op's inputs travel as one argument), and no double backward
+    through them."""
     if not torch.is_grad_enabled():  # grad mode is on in a backward only under create_graph=True
-        return formula(ctx, dout, dlse, body)
+        return formula(ctx, dout, dlse, body)[:3] + (None,)
     with torch.no_grad():
-        grads = formula(ctx, dout, dlse, body)
-    dq, dk, dv = (g.detach().requires_grad_() for g in grads[:3])
+        grads = formula(ctx, dout, dlse, body)[:3]
     refuse = _autograd_functions.DelayedError(
         b"flashcpp's attention backward has no backward of its own (a double backward, such as a gradient penalty "
         b"through dq, dk or dv); differentiate the gradients with another attention implementation", 3)
-    return tuple(refuse(dq, dk, dv)) + grads[3:]
+    return tuple(refuse(*(g.detach().requires_grad_() for g in grads))) + (None,)
 
 
 # Their forward tries the eager fast path first (_C.attention_fast, _C.varlen_fast) for a plain call
@@ -557,7 +557,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _eager_backward(_fwd_backward, flash_attn_bwd_eager, ctx, dout, dlse)[:3] + (None,)
+        return _eager_backward(_fwd_backward, flash_attn_bwd_eager, ctx, dout, dlse)
 
 
 class EagerVarlenAttention(torch.autograd.Function):
@@ -577,7 +577,7 @@ class EagerVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _eager_backward(_varlen_backward, flash_attn_varlen_bwd_eager, ctx, dout, dlse)[:3] + (None,)
+        return _eager_backward(_varlen_backward, flash_attn_varlen_bwd_eager, ctx, dout, dlse)
 
 
 # ---- merge_attention_states -----------------------------------------------------------------------

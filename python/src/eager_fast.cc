@@ -426,6 +426,11 @@ bool attn_call(nb::handle qh, nb::handle kh, nb::handle vh, nb::handle scale_h, 
   c->return_lse = return_lse_h.ptr() == Py_True;
   // A nonzero softcap that float32 rounds to 0 would turn it off: the general path refuses it.
   if (!number(softcap_h, &c->softcap) || (c->softcap != 0.0 && static_cast<float>(c->softcap) == 0.0f)) return false;
+  // A call autograd records is the eager formula's (flash_attn_func makes this call first, then that
+  // one, inside which grad mode is off): refused from q's flag before the three tensors are read,
+  // so a training step does not read them twice (k's and v's flags are checked after the reads).
+  if (nb::object g = cleared(PyObject_GetAttr(qh.ptr(), g_torch->s_requires_grad)); g.ptr() == Py_True && grad_mode())
+    return false;
   Tensor &q = c->q, &k = c->k, &v = c->v;
   if (!read(qh, &q) || !read(kh, &k) || !read(vh, &v)) return false;
   if (!q.same_place(k) || !q.same_place(v)) return false;

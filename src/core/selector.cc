@@ -523,10 +523,8 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   (void)out;
   return build::refuse(build::Family::kSm80, "the CUDA attention backward is built with it");
 #else
-  std::string want, why_config;
-  int key_group = 0;  // read again by backward_api (the grid's groups), checked here
-  if (!backward_config(opt.cuda_config, &want, &key_group, &why_config)) return Status::Invalid(why_config);
-  (void)key_group;
+  std::string want, why_config;  // the family; "+g<N>" is checked here and read by backward_api
+  if (!backward_config(opt.cuda_config, &want, nullptr, &why_config)) return Status::Invalid(why_config);
   cuda::DeviceInfo dev;
   FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
   if (dev.sm_major < 8)
@@ -617,7 +615,7 @@ int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_k
 bool backward_config(const std::string& cuda_config, std::string* family, int* key_group, std::string* why) {
   const std::size_t plus = cuda_config.find("+g");
   *family = cuda_config.substr(0, plus);
-  *key_group = 0;
+  int group = 0;
   const auto bad = [&] {
     *why = "the backward takes cuda_config \"\" (automatic), \"sm80\" (mma.sync), \"sm90\" (wgmma) or \"sm90ws\" "
            "(warp-specialized wgmma), optionally followed by \"+g<N>\" (N key tiles per group of the grid, 1 to "
@@ -625,11 +623,14 @@ bool backward_config(const std::string& cuda_config, std::string* family, int* k
     return false;
   };
   if (!family->empty() && *family != "sm80" && *family != "sm90" && *family != "sm90ws") return bad();
-  if (plus == std::string::npos) return true;
-  const std::string n = cuda_config.substr(plus + 2);
-  if (n.empty() || n.size() > 5 || n.find_first_not_of("0123456789") != std::string::npos) return bad();
-  *key_group = std::stoi(n);
-  return (*key_group >= 1 && *key_group <= 65535) || bad();
+  if (plus != std::string::npos) {
+    const std::string n = cuda_config.substr(plus + 2);
+    if (n.empty() || n.size() > 5 || n.find_first_not_of("0123456789") != std::string::npos) return bad();
+    group = std::stoi(n);
+    if (group < 1 || group > 65535) return bad();
+  }
+  if (key_group != nullptr) *key_group = group;
+  return true;
 }
 
 Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {

@@ -100,8 +100,8 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
 int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas, int forced = 0);
 
 /// The backward's cuda_config: a family ("" automatic, "sm80", "sm90", "sm90ws"), optionally followed
-/// by "+g<N>" (N in [1, 65535]: key tiles per group of the grid, backward_key_group's `forced`).
-/// False (and a sentence in *why) for anything else.
+/// by "+g<N>" (N in [1, 65535]: key tiles per group of the grid, backward_key_group's `forced`; into
+/// *key_group unless it is null). False (and a sentence in *why) for anything else.
 bool backward_config(const std::string& cuda_config, std::string* family, int* key_group, std::string* why);
 
 // ---- the sm80 tuned table ------------------------------------------------------------------------
