@@ -50,6 +50,7 @@
 #include "common/attention_algebra.h"
 #include "common/mask_rules.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/logits.h"
 #include "cpu/parallel.h"
 
 namespace flashcpp::cpu {
@@ -98,31 +99,6 @@ void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {
       return;
   }
 }
-
-/// How a dot product becomes a score in raw units (the kernels' rule, common/attention_algebra.h):
-/// sign, softcap, then ALiBi with the (batch, head)'s slope in raw units.
-struct Logits {
-  algebra::ScoreTransform score;
-  bool softcap = false, alibi = false;
-  float slope_raw = 0.f;
-
-  static Logits make(const AttnParams& p, int b, int h) {
-    Logits g;
-    const MaskParams& m = p.mask;
-    g.score = algebra::ScoreTransform::make(p.effective_scale(), m.softcap);
-    g.softcap = m.softcap > 0.f;
-    g.alibi = m.alibi_slopes != nullptr;
-    if (g.alibi) g.slope_raw = g.score.slope_raw(m.alibi_slopes[b * m.alibi_batch_stride + h]);
-    return g;
-  }
-  /// u for dot product s of query position ia (bottom-right aligned) and key j.
-  float operator()(float s, int ia, int j) const {
-    float u = score.raw(s);
-    if (softcap) u = score.softcap(u);
-    if (alibi) u = algebra::alibi(u, slope_raw, static_cast<float>(j - ia));
-    return u;
-  }
-};
 
 /// Per-thread buffers, sized once for Br x Bc, D (q, k) and Dv (v, o).
 struct Scratch {

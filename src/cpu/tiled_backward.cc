@@ -50,6 +50,7 @@
 #include "common/mask_rules.h"
 #include "cpu/backward_backend.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/logits.h"
 #include "cpu/parallel.h"
 
 namespace flashcpp::cpu {
@@ -161,22 +162,6 @@ void preprocess_head(const Problem& pr, const Workspace& ws, int b, int h, std::
 
 // ---- 2. the main pass --------------------------------------------------------------------------------
 
-/// How a dot product becomes a transformed score (the forward's rule): sign, softcap, ALiBi.
-struct Logits {
-  algebra::ScoreTransform score;
-  bool softcap = false, alibi = false;
-  float slope_raw = 0.f;
-  static Logits make(const AttnBackwardParams& p, int b, int h) {
-    Logits g;
-    const MaskParams& m = p.mask;
-    g.score = algebra::ScoreTransform::make(p.effective_scale(), m.softcap);
-    g.softcap = m.softcap > 0.f;
-    g.alibi = m.alibi_slopes != nullptr;
-    if (g.alibi) g.slope_raw = g.score.slope_raw(m.alibi_slopes[b * m.alibi_batch_stride + h]);
-    return g;
-  }
-};
-
 /// Per-thread buffers for bm x bn tiles, head_dim d (q, k) and dv (v, o, dO).
 struct Scratch {
   int bm = 0, bn = 0;
@@ -274,8 +259,7 @@ void visit_pair(const Problem& pr, const Workspace& ws, const Item& it, const Lo
     for (int col = 0; col < cols; ++col) {
       const int j = it.j0 + col;
       const float u = lg.score.raw(srow[col]);
-      float t = lg.softcap ? lg.score.softcap(u) : u;
-      if (lg.alibi) t = algebra::alibi(t, lg.slope_raw, static_cast<float>(j - ia));
+      float t = lg.with_alibi(lg.softcap ? lg.score.softcap(u) : u, ia, j);
       if (v.need_mask) {  // MaskRules::visible(i, j), and the block's element bit
         const bool vis = j < key_hi && (j >= key_lo || j < it.rules.global_tokens) &&
                          (v.partial == walk::kFullBlock ||
