@@ -50,7 +50,7 @@
 #include "common/attention_algebra.h"
 #include "common/mask_rules.h"
 #include "cpu/cpu_backend.h"
-#include "cpu/logits.h"
+#include "cpu/tiled_common.h"
 #include "cpu/parallel.h"
 
 namespace flashcpp::cpu {
@@ -60,28 +60,6 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kDefaultBlockM = 64;  // Br: query rows per tile (the GPU kernel's BlockM)
 constexpr int kDefaultBlockN = 64;  // Bc: key columns per tile (the GPU kernel's BlockN)
 constexpr std::int32_t kFullBlock = -1;  // BlockSparseMask::partial value of a fully listed block
-
-/// Where sequence b lives (same convention as the reference; see attention.h).
-struct Sequence {
-  int len_q = 0, len_k = 0;
-  std::int64_t first_q = 0, first_k = 0;  // token index when varlen, else b * seqlen
-};
-
-Sequence sequence(const AttnParams& p, int b) {
-  const MaskParams& m = p.mask;
-  Sequence s;
-  s.first_q = m.cu_seqlens_q ? m.cu_seqlens_q[b] : static_cast<std::int64_t>(b) * p.seqlen_q;
-  s.len_q = m.cu_seqlens_q ? m.cu_seqlens_q[b + 1] - m.cu_seqlens_q[b] : p.seqlen_q;
-  s.first_k = m.cu_seqlens_k ? m.cu_seqlens_k[b] : static_cast<std::int64_t>(b) * p.seqlen_k;
-  s.len_k = m.cu_seqlens_k ? m.cu_seqlens_k[b + 1] - m.cu_seqlens_k[b] : p.seqlen_k;
-  return s;
-}
-
-std::int64_t row_offset(const TensorView& t, bool varlen, int b, std::int64_t first,
-                        std::int64_t row, int h) {
-  const std::int64_t seq_base = varlen ? first * t.seq_stride : b * t.batch_stride;
-  return seq_base + row * t.seq_stride + h * t.head_stride;
-}
 
 /// Converts `dim` elements of t starting at `offset` to fp32.
 void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {

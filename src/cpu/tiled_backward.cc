@@ -50,7 +50,7 @@
 #include "common/mask_rules.h"
 #include "cpu/backward_backend.h"
 #include "cpu/cpu_backend.h"
-#include "cpu/logits.h"
+#include "cpu/tiled_common.h"
 #include "cpu/parallel.h"
 
 namespace flashcpp::cpu {
@@ -58,28 +58,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kDefaultBlock = 64;
-
-struct Sequence {
-  int len_q = 0, len_k = 0;
-  std::int64_t first_q = 0, first_k = 0;  // token index when varlen, else b * seqlen
-};
-
-Sequence sequence(const AttnBackwardParams& p, int b) {
-  const MaskParams& m = p.mask;
-  Sequence s;
-  s.first_q = m.cu_seqlens_q ? m.cu_seqlens_q[b] : static_cast<std::int64_t>(b) * p.seqlen_q;
-  s.len_q = m.cu_seqlens_q ? m.cu_seqlens_q[b + 1] - m.cu_seqlens_q[b] : p.seqlen_q;
-  s.first_k = m.cu_seqlens_k ? m.cu_seqlens_k[b] : static_cast<std::int64_t>(b) * p.seqlen_k;
-  s.len_k = m.cu_seqlens_k ? m.cu_seqlens_k[b + 1] - m.cu_seqlens_k[b] : p.seqlen_k;
-  s.len_q = std::max(s.len_q, 0);
-  s.len_k = std::max(s.len_k, 0);
-  return s;
-}
-
-std::int64_t row_offset(const TensorView& t, bool varlen, int b, std::int64_t first, std::int64_t row, int h) {
-  const std::int64_t seq_base = varlen ? first * t.seq_stride : b * t.batch_stride;
-  return seq_base + row * t.seq_stride + h * t.head_stride;
-}
 
 void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {
   if (t.dtype == DType::kF32) {
