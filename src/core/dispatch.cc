@@ -17,9 +17,8 @@ namespace {
 
 bool empty_problem(const AttnParams& p) { return p.batch == 0 || p.seqlen_q == 0; }
 
-}  // namespace
-
-Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* out) {
+/// select_kernel, with or without the choice's config name and reason (select::prefill's `explain`).
+Status choose(const AttnParams& p, const RunOptions& opt, KernelChoice* out, bool explain) {
   Backend b = opt.backend;
   if (b == Backend::kAuto) {
 #if FLASHCPP_WITH_CUDA
@@ -29,12 +28,16 @@ Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* o
 #endif
   }
   FLASHCPP_RETURN_IF_ERROR(validate(p, b));
-  return select::prefill(p, opt, b, out);
+  return select::prefill(p, opt, b, out, explain);
 }
 
+}  // namespace
+
+Status select_kernel(const AttnParams& p, const RunOptions& opt, KernelChoice* out) { return choose(p, opt, out, true); }
+
 Status attention_forward(const AttnParams& p, const RunOptions& opt) {
-  KernelChoice choice;
-  FLASHCPP_RETURN_IF_ERROR(select_kernel(p, opt, &choice));
+  KernelChoice choice;  // id and tile: the run needs no config name or reason
+  FLASHCPP_RETURN_IF_ERROR(choose(p, opt, &choice, false));
   if (empty_problem(p)) {
     // Varlen with the packed row count: every row is uncovered, O = 0 and LSE = -inf
     // (attention.h), whatever the backend; without it there is nothing to write.

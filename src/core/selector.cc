@@ -370,7 +370,8 @@ std::string sm90_misfit(const AttnParams& p, const TileConfig& t) {
   return "; " + dims + " runs in the " + cls + " class (zero columns inside the kernel, nothing copied)";
 }
 
-Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out) {
+Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out,
+                    bool explain) {
 #if !FLASHCPP_HAS_SM80 && !FLASHCPP_HAS_SM90
   (void)out;  // no family to choose
   return build::refuse_cuda_prefill();
@@ -384,13 +385,15 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
   if (scale < 0.f)
     return Status::Unsupported(
         "a negative softmax_scale runs on the CPU backends only (the CUDA prefill kernels fold a positive scale into exp2)");
-  const std::string masks = fused_masks(p);
   const BlockSparseMask* bs = p.mask.block_sparse;
-  const std::string bs_blocks = bs ? std::to_string(bs->block_m) + "x" + std::to_string(bs->block_n) : "";
+  // For sentences only: a choice without `explain` (attention_forward's) builds no strings.
+  const auto masks = [&] { return fused_masks(p); };
+  const auto bs_blocks = [&] { return bs ? std::to_string(bs->block_m) + "x" + std::to_string(bs->block_n) : ""; };
   // opt.cuda_config: "" = automatic, "sm80" / "sm90" = that kernel family with its automatic
   // choice, anything else = an exact config name of either family.
   const std::string& want = opt.cuda_config;
-  std::string sm90_note;  // why an automatic choice on Hopper fell back to the sm80 kernel
+  [[maybe_unused]] bool sm90_fell_back = false;  // an automatic choice on Hopper fell back to sm80 (block-sparse tiles)
+  std::string sm90_note;                         // why, with `explain`
 #if FLASHCPP_HAS_SM90
   const cuda::Fa3Entry* named90 = nullptr;  // an exact sm90 config name (names are built only then)
   if (want.rfind("sm90_", 0) == 0)
@@ -407,18 +410,20 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
       e = sm90_auto(p, dev.num_sms);
       if (e == nullptr && want == "sm90")
         return Status::Unsupported("no sm90 config has tiles (" + tiles_of(sm90_entries(p)) +
-                                   ") that divide the " + bs_blocks +
+                                   ") that divide the " + bs_blocks() +
                                    " block-sparse blocks; build the mask with multiples of them (e.g. 128x128), "
                                    "or run it on the sm80 kernel (cuda_config \"sm80\")");
-      if (e == nullptr)
+      sm90_fell_back = e == nullptr;
+      if (sm90_fell_back && explain)
         sm90_note = "; the sm90 tiles (" + tiles_of(sm90_entries(p)) + ") do not divide the " +
-                    bs_blocks + " block-sparse blocks, so this mask runs on the sm80 kernel";
+                    bs_blocks() + " block-sparse blocks, so this mask runs on the sm80 kernel";
     }
     if (e != nullptr) {
       out->id = KernelId::kCudaSm90;
       out->tile = e->tile;
+      if (!explain) return Status::Ok();
       out->config = sm90_config_name(e->tile);
-      out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named90 ? " (config forced)" : "") + masks +
+      out->reason = "wgmma/TMA warp-specialized kernel on " + dev.name + (named90 ? " (config forced)" : "") + masks() +
                     head_dim_class_note(p, /*sm90=*/true);
       return Status::Ok();
     }
@@ -435,8 +440,8 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
     if (dev.sm_major != 9)
       why = "device '" + dev.name + "' (sm_" + std::to_string(dev.sm_major * 10 + dev.sm_minor) +
             ") runs only them (the sm90 kernels need a Hopper device)";
-    else if (!sm90_note.empty())
-      why = "the sm90 tiles do not divide the " + bs_blocks + " block-sparse blocks of this problem";
+    else if (sm90_fell_back)
+      why = "the sm90 tiles do not divide the " + bs_blocks() + " block-sparse blocks of this problem";
   } else if (want != "sm80") {
     why = "config '" + want + "' is not an sm90 config of head_dim " + std::to_string(p.head_dim);
   }
@@ -457,39 +462,41 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
     const std::string misfit = sm80_misfit(p, named->tile);
     if (!misfit.empty()) return Status::Unsupported(misfit);
     out->tile = named->tile;
+    if (!explain) return Status::Ok();
     out->config = want;
-    out->reason = "config forced by the caller" + masks + head_dim_class_note(p);
+    out->reason = "config forced by the caller" + masks() + head_dim_class_note(p);
     return Status::Ok();
   }
   const cuda::Fa2Entry* e = sm80_auto(p, dev);
   if (e == nullptr)
     return Status::Unsupported(
         bs ? "no sm80 config for head_dim " + std::to_string(p.head_dim) + " has tiles (" + tiles_of(entries) +
-                 ") that divide the " + bs_blocks +
+                 ") that divide the " + bs_blocks() +
                  " block-sparse blocks and fit this device's shared memory; build the mask with multiples of "
                  "128x128 (FlexAttention's default), or run it on the CPU backend"
            : "no sm80 config for head_dim " + std::to_string(p.head_dim) + " fits the shared memory of " + dev.name);
   out->tile = e->tile;
+  if (!explain) return Status::Ok();
   out->config = sm80_config_name(e->tile);
   out->reason = "FA2-style mma.sync kernel on " + dev.name + " (sm_" + std::to_string(dev.sm_major * 10 + dev.sm_minor) +
                 "), config from the tuned table" +
                 (bs ? " (first config whose tiles divide the block-sparse blocks if the tuned one does not)" : "") +
-                masks + sm90_note + head_dim_class_note(p);
+                masks() + sm90_note + head_dim_class_note(p);
   return Status::Ok();
 #endif  // FLASHCPP_HAS_SM80
 }
 #endif
 
-Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoice* out) {
+Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoice* out, bool explain) {
   *out = KernelChoice{};
   switch (b) {
     case Backend::kCpuReference:
       out->id = KernelId::kCpuReference;
-      out->reason = "fp64 reference requested";
+      if (explain) out->reason = "fp64 reference requested";
       return Status::Ok();
     case Backend::kCpu:
       out->id = KernelId::kCpuTiled;
-      out->reason = "CPU backend (host pointers)";
+      if (explain) out->reason = "CPU backend (host pointers)";
       return Status::Ok();
     case Backend::kCuda: {
 #if FLASHCPP_WITH_CUDA && !FLASHCPP_HAS_SM80 && !FLASHCPP_HAS_SM90
@@ -499,7 +506,7 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
 #elif FLASHCPP_WITH_CUDA
       cuda::DeviceInfo dev;
       FLASHCPP_RETURN_IF_ERROR(cuda::current_device(&dev));
-      return cuda_prefill(p, opt, dev, out);
+      return cuda_prefill(p, opt, dev, out, explain);
 #else
       (void)p;
       (void)opt;

@@ -24,12 +24,16 @@ namespace flashcpp::select {
 // ---- prefill ----------------------------------------------------------------------------------
 /// The kernel for a validated problem on the backend `b` (kCpu, kCpuReference or kCuda): the CPU
 /// kernels directly, a CUDA kernel family and tile config via cuda_prefill.
-Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoice* out);
+/// Without `explain` (attention_forward's call) only id and tile are filled: no config name or
+/// reason is built, which cost about half a microsecond of host time per call (strings and
+/// allocations; error sentences are built as always).
+Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoice* out, bool explain = true);
 
 #if FLASHCPP_WITH_CUDA
 /// The CUDA choice on device `dev`: opt.cuda_config "" (automatic), "sm80" / "sm90" (that family,
 /// its automatic config) or an exact config name of either family.
-Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out);
+Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::DeviceInfo& dev, KernelChoice* out,
+                    bool explain = true);
 #endif
 
 /// Config names (what RunOptions::cuda_config and `flashcpp tune` take): "m128n64w4s2q" (sm80:

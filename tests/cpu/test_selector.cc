@@ -136,6 +136,43 @@ TEST(Selector, AHeadDimRunsInTheSmallestClassThatHoldsIt) {
   ASSERT_TRUE(select::cuda_prefill(host_problem(&buf), RunOptions{}, h200, &kc).ok());
   EXPECT_EQ(kc.reason.find("class"), std::string::npos) << kc.reason;
 }
+
+TEST(Selector, AChoiceWithoutExplainIsTheSameKernelAndTile) {
+  // attention_forward asks without `explain`: the same kernel and tile as flashcpp info's choice,
+  // with no config name or reason built; a refusal keeps its sentence.
+  cuda::DeviceInfo h200{0, 9, 0, 132, 232448, "NVIDIA H200"}, a100{0, 8, 0, 108, 166912, "NVIDIA A100"};
+  const struct {
+    int d, sq, sk;
+    bool causal;
+    const char* config;
+  } cases[] = {{128, 4096, 4096, true, ""}, {64, 512, 512, false, ""}, {96, 1000, 3000, false, ""},
+               {256, 128, 4096, true, ""}, {128, 4096, 4096, false, "sm80"}, {64, 2048, 2048, true, "sm90"}};
+  for (const auto& c : cases)
+    for (const cuda::DeviceInfo* dev : {&h200, &a100}) {
+      std::vector<std::uint16_t> buf;
+      AttnParams p = host_problem(&buf);
+      p.seqlen_q = c.sq;
+      p.seqlen_k = c.sk;
+      p.head_dim = p.head_dim_v = c.d;
+      p.mask.causal = c.causal;
+      RunOptions opt;
+      opt.cuda_config = c.config;
+      KernelChoice full, lean;
+      const Status a = select::cuda_prefill(p, opt, *dev, &full), b = select::cuda_prefill(p, opt, *dev, &lean, false);
+      const std::string what = std::to_string(c.d) + " " + c.config + " on " + dev->name;
+      ASSERT_EQ(a.ok(), b.ok()) << what;
+      if (!a.ok()) {
+        EXPECT_EQ(a.message(), b.message()) << what;
+        continue;
+      }
+      EXPECT_EQ(full.id, lean.id) << what;
+      EXPECT_EQ(full.tile, lean.tile) << what;
+      EXPECT_FALSE(full.config.empty()) << what;
+      EXPECT_FALSE(full.reason.empty()) << what;
+      EXPECT_TRUE(lean.config.empty()) << what;
+      EXPECT_TRUE(lean.reason.empty()) << what;
+    }
+}
 #endif
 
 #if FLASHCPP_HAS_SM90
