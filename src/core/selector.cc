@@ -523,6 +523,7 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
 /// 64 and 128 without softcap, ALiBi or block-sparse masks, the single-role wgmma kernel for the rest
 /// of those classes; elsewhere (and for the 256 class, or block-sparse blocks its tiles do not
 /// divide) the mma.sync kernel. opt.cuda_config: "" = that choice, "sm80" / "sm90" / "sm90ws" = that kernel.
+#if FLASHCPP_WITH_CUDA
 static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, KernelChoice* out) {
 #if !FLASHCPP_HAS_SM80
   (void)p;
@@ -606,6 +607,7 @@ static Status cuda_backward(const AttnBackwardParams& p, const RunOptions& opt, 
   return Status::Ok();
 #endif
 }
+#endif
 
 int backward_key_group(bool deterministic, int key_tiles, int batch, int heads_kv, int resident_ctas, int forced) {
   if (key_tiles <= 0) return 1;
@@ -655,6 +657,8 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
 #if FLASHCPP_WITH_CUDA
       return cuda_backward(p, opt, out);
 #else
+      (void)p;
+      (void)opt;
       return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
 #endif
     case Backend::kAuto: break;
