@@ -374,6 +374,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
                     bool explain) {
 #if !FLASHCPP_HAS_SM80 && !FLASHCPP_HAS_SM90
   (void)out;  // no family to choose
+  (void)explain;
   return build::refuse_cuda_prefill();
 #endif
   if (dev.sm_major < 8)
@@ -387,7 +388,7 @@ Status cuda_prefill(const AttnParams& p, const RunOptions& opt, const cuda::Devi
         "a negative softmax_scale runs on the CPU backends only (the CUDA prefill kernels fold a positive scale into exp2)");
   const BlockSparseMask* bs = p.mask.block_sparse;
   // For sentences only: a choice without `explain` (attention_forward's) builds no strings.
-  const auto masks = [&] { return fused_masks(p); };
+  [[maybe_unused]] const auto masks = [&] { return fused_masks(p); };
   const auto bs_blocks = [&] { return bs ? std::to_string(bs->block_m) + "x" + std::to_string(bs->block_n) : ""; };
   // opt.cuda_config: "" = automatic, "sm80" / "sm90" = that kernel family with its automatic
   // choice, anything else = an exact config name of either family.
