@@ -473,7 +473,9 @@ void run_backward_case(const BwdCase& bc, const RunConfig& cfg, CaseResult* r) {
   const bool f32 = c.dtype == DType::kF32;
   double atol_rel = f32 ? kAtolRelF32 : kAtolRel16;
   const double sanity = f32 ? kPlainSanityF32 : kPlainSanity16;
-  if (f32) {
+  // The LSE's host copy is the forward's own only on the CPU backends (on CUDA it stays on the
+  // device, and the CUDA backward takes no fp32: the selector refuses it, so the case is UNSUPPORTED).
+  if (f32 && cfg.backend != Backend::kCuda) {
     const auto* lse = reinterpret_cast<const float*>(sp.host(ilse));
     float top_lse = 0.f;
     for (std::int64_t i = 0; i < in.rows_q * c.heads_q; ++i)
