@@ -84,8 +84,8 @@ Status prefill_sm90(const AttnParams& a, const std::string& config, Stream strea
     FLASHCPP_RETURN_IF_ERROR(current_device(&dev));
     RunOptions opt;
     opt.cuda_config = "sm90";
-    KernelChoice kc;
-    FLASHCPP_RETURN_IF_ERROR(select::cuda_prefill(a, opt, dev, &kc));
+    KernelChoice kc;  // the tile alone runs: no name or reason (explain off)
+    FLASHCPP_RETURN_IF_ERROR(select::cuda_prefill(a, opt, dev, &kc, false));
     return prefill_sm90(a, kc.tile, stream);
   }
   for (const auto& e : fa3_entries(a.head_dim, a.effective_head_dim_v()))
