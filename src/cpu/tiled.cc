@@ -29,9 +29,10 @@
 //   k of ~1.6e4 at head_dim 128, tests/cpu/test_tiled.cc Tiled.HugeScoresStayFinite). Softcap is
 //   cap tanh(u / cap) in double where the GPU uses two MUFU operations.
 // - q.k over head_dim, and P.V and the row sum of P over a tile's keys, are pairwise (tree) sums,
-//   added once per tile to the rescaled running values; see pairwise_sum_rows() for why. With
-//   running sums this backend missed the 1e-6 bar against the fp64 reference (tests/cpu/
-//   test_tiled.cc tells the measurements); the GPU's MMA reduces k in hardware trees too.
+//   added once per tile to the rescaled running values; see pairwise_sum_rows() in
+//   tiled_common.h for why. With running sums this backend missed the 1e-6 bar against the fp64
+//   reference (tests/cpu/test_tiled.cc tells the measurements); the GPU's MMA reduces k in
+//   hardware trees too.
 // - P stays fp32 for the P.V product; the GPU rounds P to fp16/bf16 for the tensor cores. So
 //   this backend is the "fp32 everywhere" version of the algorithm, used to test the algorithm
 //   and the mask walk, not the GPU's 16-bit rounding.
@@ -114,26 +115,6 @@ bool sparse_bit(const BlockSparseMask& bs, std::int32_t partial, int i, int j) {
   const std::uint64_t word =
       bs.element_masks[(static_cast<std::int64_t>(partial) * bs.block_m + r) * words_per_row + c / 64];
   return (word >> (c % 64)) & 1u;
-}
-
-/// Sums rows [0, n) of a row-major array (rows `stride` apart, `width` used columns) into row 0,
-/// pairwise: the upper half is added onto the lower half until one row is left (an odd middle
-/// row waits a round). Every column is a binary-tree sum, vectorized across the columns.
-/// Why a tree and not a running sum: the rounding error of a sum of n terms grows like n for a
-/// running sum and like log2(n) for a tree. Over head_dim = 64..256 products, and again over Bc
-/// keys for l and P.V, the running sums were the largest fp32 error against the fp64 reference
-/// (up to ~1.8e-6 in O at head_dim 256); the tree brings it to a few 1e-7. The GPU's MMA units
-/// also reduce the k dimension in hardware trees rather than one term at a time.
-void pairwise_sum_rows(float* a, int n, int width, std::size_t stride) {
-  while (n > 1) {
-    const int half = n / 2, upper = n - half;
-    for (int row = 0; row < half; ++row) {
-      float* dst = a + static_cast<std::size_t>(row) * stride;
-      const float* src = a + static_cast<std::size_t>(row + upper) * stride;
-      for (int col = 0; col < width; ++col) dst[col] += src[col];
-    }
-    n = upper;
-  }
 }
 
 /// One Br x Bc step of the online softmax: keys [j0, j0 + cols) against the tile's rows.

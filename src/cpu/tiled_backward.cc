@@ -19,7 +19,7 @@
 //   3. postprocess, per query row: dQ = scale dQ_accum in the output dtype.
 // Every sum over a tile (q.k and dO.v over head_dim, P^T dO and dS^T Q over the tile's rows, dS K
 // over its keys, dO.O over head_dim) is a pairwise tree, added once per tile to the running values:
-// as in the forward (tiled.cc, pairwise_sum_rows), running sums would dominate the fp32 error.
+// as in the forward (tiled_common.h, pairwise_sum_rows), running sums would dominate the fp32 error.
 //
 // dQ accumulation. Different key tiles add to the same query tile from different threads. Default:
 // each element is added atomically (std::atomic_ref::fetch_add, the GPU's red.global.add.f32), so
@@ -66,20 +66,6 @@ void load_row(const TensorView& t, std::int64_t offset, int dim, float* dst) {
     return;
   }
   for (int d = 0; d < dim; ++d) dst[d] = load_as_float(t.data, t.dtype, offset + d);
-}
-
-/// Sums rows [0, n) of a row-major array (rows `stride` apart, `width` used columns) into row 0 as a
-/// binary tree per column (tiled.cc's pairwise_sum_rows: why a tree is in its comment).
-void pairwise_sum_rows(float* a, int n, int width, std::size_t stride) {
-  while (n > 1) {
-    const int half = n / 2, upper = n - half;
-    for (int row = 0; row < half; ++row) {
-      float* dst = a + static_cast<std::size_t>(row) * stride;
-      const float* src = a + static_cast<std::size_t>(row + upper) * stride;
-      for (int col = 0; col < width; ++col) dst[col] += src[col];
-    }
-    n = upper;
-  }
 }
 
 /// The workspace's parts as pointers.
