@@ -198,6 +198,37 @@ Status check_cuda_vector_view(const char* name, const TensorView& t, std::int64_
   return Status::Ok();
 }
 
+Status check_cache_geometry(const KVCacheView& c, int batch) {
+  if (c.paged()) {
+    if (!is_pow2(c.page_size) || c.page_size > kDecodeMaxPageSize)
+      return Status::Invalid(cat("cache.page_size ", c.page_size, " is not a power of two in [1, ",
+                                 kDecodeMaxPageSize, "] (0 = contiguous cache)"));
+    if (c.num_pages < 1) return Status::Invalid(cat("cache.num_pages ", c.num_pages, " must be >= 1 for a paged cache"));
+    if (c.pages_per_seq < 1)
+      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " must be >= 1 for a paged cache"));
+    if (c.slots() > std::numeric_limits<std::int32_t>::max())
+      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " * page_size ", c.page_size,
+                                 " slots do not fit in int32"));
+    if (batch > 1 && c.block_table_stride < c.pages_per_seq)
+      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride,
+                                 " is less than cache.pages_per_seq ", c.pages_per_seq,
+                                 " (rows of the block table would overlap)"));
+    // The block table's extent, (batch - 1) * stride + pages_per_seq entries, in int64 (the
+    // kernels index it so); found by fuzz_decode_validate: a huge stride overflowed it.
+    if (batch > 1 && c.block_table_stride > (std::numeric_limits<std::int64_t>::max() / 4 - c.pages_per_seq) /
+                                                  (batch - 1))
+      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is too large: ", batch,
+                                 " rows of it do not fit in a byte span of 2^63"));
+  } else {
+    if (c.page_size < 0)
+      return Status::Invalid(cat("cache.page_size ", c.page_size, " is negative (0 = contiguous cache)"));
+    if (c.capacity < 0) return Status::Invalid(cat("cache.capacity ", c.capacity, " is negative (must be >= 0)"));
+    if (c.block_table != nullptr)
+      return Status::Invalid("cache.block_table is set but cache.page_size is 0 (set page_size for a paged cache)");
+  }
+  return Status::Ok();
+}
+
 }  // namespace detail
 
 float DecodeParams::effective_scale() const noexcept {
@@ -244,33 +275,7 @@ Status validate_decode_shape(const DecodeParams& p, Backend backend) {
     return Status::Unsupported("fp32 decode runs on the CPU backend only (the CUDA kernels take fp16 or bf16)");
   // cache geometry
   const KVCacheView& c = p.cache;
-  if (c.paged()) {
-    if (!is_pow2(c.page_size) || c.page_size > kDecodeMaxPageSize)
-      return Status::Invalid(cat("cache.page_size ", c.page_size, " is not a power of two in [1, ",
-                                 kDecodeMaxPageSize, "]"));
-    if (c.num_pages < 1) return Status::Invalid(cat("cache.num_pages ", c.num_pages, " must be >= 1 for a paged cache"));
-    if (c.pages_per_seq < 1)
-      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " must be >= 1 for a paged cache"));
-    if (c.slots() > std::numeric_limits<std::int32_t>::max())
-      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " * page_size ", c.page_size,
-                                 " slots do not fit in int32"));
-    if (p.batch > 1 && c.block_table_stride < c.pages_per_seq)
-      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride,
-                                 " is less than cache.pages_per_seq ", c.pages_per_seq,
-                                 " (rows of the block table would overlap)"));
-    // The block table's extent, (batch - 1) * stride + pages_per_seq entries, in int64 (the
-    // kernels index it so); found by fuzz_decode_validate: a huge stride overflowed it.
-    if (p.batch > 1 && c.block_table_stride > (std::numeric_limits<std::int64_t>::max() / 4 - c.pages_per_seq) /
-                                                  (p.batch - 1))
-      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is too large: ", p.batch,
-                                 " rows of it do not fit in a byte span of 2^63"));
-  } else {
-    if (c.page_size < 0)
-      return Status::Invalid(cat("cache.page_size ", c.page_size, " is negative (0 = contiguous cache)"));
-    if (c.capacity < 0) return Status::Invalid(cat("cache.capacity ", c.capacity, " is negative (must be >= 0)"));
-    if (c.block_table != nullptr)
-      return Status::Invalid("cache.block_table is set but cache.page_size is 0 (set page_size for a paged cache)");
-  }
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_geometry(c, p.batch));
   if (append && (p.k_new.data == nullptr || p.v_new.data == nullptr))
     return Status::Invalid(p.k_new.data ? "v_new is null but k_new is set (append needs both)"
                                         : "k_new is null but v_new is set (append needs both)");

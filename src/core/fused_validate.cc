@@ -465,8 +465,6 @@ Status validate_qk_norm(const QkNormRopeParams& p, Backend backend) {
 
 // ---- rotary + KV-cache append ------------------------------------------------------------
 
-bool is_pow2(int x) { return x > 0 && (x & (x - 1)) == 0; }
-
 /// A (e0, e1, e2, dim) view with unit dim stride as check_view, naming e0's stride `outer`.
 Status check_append_view(const char* name, const TensorView& t, std::int64_t e0, std::int64_t e1, std::int64_t e2,
                          std::int64_t dim, DType want, bool cuda, Span* span) {
@@ -490,30 +488,7 @@ Status validate_append(const RopeAppendParams& p, Backend backend) {
   const KVCacheView& c = p.cache;
   // The cache holds k_new's dtype, or fp8 e4m3 with per-head scales: decode's rules (kv_cache_checks.h).
   FLASHCPP_RETURN_IF_ERROR(detail::check_cache_dtype(c, p.k_new.dtype, "k_new"));
-  // Cache geometry: decode's rules (decode.h).
-  if (c.paged()) {
-    if (!is_pow2(c.page_size) || c.page_size > kDecodeMaxPageSize)
-      return Status::Invalid(cat("cache.page_size ", c.page_size, " is not a power of two in [1, ", kDecodeMaxPageSize,
-                                 "] (0 = contiguous cache)"));
-    if (c.num_pages < 1) return Status::Invalid(cat("cache.num_pages ", c.num_pages, " must be >= 1 for a paged cache"));
-    if (c.pages_per_seq < 1)
-      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " must be >= 1 for a paged cache"));
-    if (c.slots() > kInt32Max)
-      return Status::Invalid(cat("cache.pages_per_seq ", c.pages_per_seq, " * page_size ", c.page_size,
-                                 " slots is more than 2^31-1"));
-    if (p.batch > 1 && c.block_table_stride < c.pages_per_seq)
-      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is less than cache.pages_per_seq ",
-                                 c.pages_per_seq, " (rows of the block table would share entries)"));
-    if (p.batch > 1 && c.block_table_stride > (INT64_MAX / 4 - c.pages_per_seq) / p.batch)
-      return Status::Invalid(cat("cache.block_table_stride ", c.block_table_stride, " is too large: ", p.batch,
-                                 " rows of the block table overflow int64"));
-  } else {
-    if (c.page_size < 0)
-      return Status::Invalid(cat("cache.page_size ", c.page_size, " is negative (0 = contiguous cache)"));
-    if (c.capacity < 0) return Status::Invalid(cat("cache.capacity ", c.capacity, " is negative (must be >= 0)"));
-    if (c.block_table != nullptr)
-      return Status::Invalid("cache.block_table is set but cache.page_size is 0 (set page_size for a paged cache)");
-  }
+  FLASHCPP_RETURN_IF_ERROR(detail::check_cache_geometry(c, p.batch));  // decode's rules
   if (c.slots() < p.seqlen)
     return Status::Invalid(cat("the cache has ", c.slots(), " key slots per sequence, fewer than the seqlen ", p.seqlen,
                                " new tokens"));

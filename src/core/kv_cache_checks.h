@@ -16,6 +16,11 @@ namespace flashcpp::detail {
 /// both hold dt, or both fp8_e4m3 (which needs the scales); scales on any other cache are refused.
 Status check_cache_dtype(const KVCacheView& c, DType dt, const char* owner);
 
+/// The cache's geometry for `batch` sequences: a paged cache's page size (a power of two up to
+/// kDecodeMaxPageSize), page counts, int32 slots and block-table stride (its rows may not overlap,
+/// and its extent fits in int64); a contiguous cache's capacity, and no block table.
+Status check_cache_geometry(const KVCacheView& c, int batch);
+
 /// An fp8 cache's scale arrays: fp32 [heads_kv], non-null and 4-byte aligned; `k_span` / `v_span`
 /// get their byte ranges for the aliasing checks (left empty for a cache of another dtype).
 Status check_cache_scale_arrays(const KVCacheView& c, int heads_kv, Span* k_span, Span* v_span);

@@ -212,18 +212,8 @@ Status check_cu_seqlens(const char* which, const std::int32_t* cu, int batch, in
 
 using detail::Span;
 
-/// Extents of one tensor's (batch, seq, head, dim) index map.
-struct Extents {
-  std::int64_t batch = 0;    ///< ignored when varlen (no batch dim)
-  std::int64_t seq = 0;      ///< rows addressed from the base: seqlen, or the packed total
-  std::int64_t seq_max = 0;  ///< rows inside one sequence (for the 32-bit offset rule)
-  std::int64_t heads = 0;
-  std::int64_t dim = 0;
-  bool varlen = false;
-  const char* seqlen_name = "";  ///< "seqlen_q" / "seqlen_k"
-  const char* heads_name = "";   ///< "heads_q" / "heads_kv"
-  const char* dim_name = "head_dim";  ///< "head_dim" (q, k) / "head_dim_v" (v, o)
-};
+/// Extents of one tensor's (batch, seq, head, dim) index map (shared with the backward's validation).
+using Extents = detail::ViewExtents;
 
 struct StrideDim {
   const char* name = "";
@@ -547,8 +537,7 @@ Status detail::check_attention_view(const char* name, const TensorView& t, const
   BackendRules br;
   if (!backend_rules(backend, &br))
     return Status::Invalid(cat("backend ", static_cast<int>(backend), " is not a known backend"));
-  const Extents x{e.batch, e.seq, e.seq_max, e.heads, e.dim, e.varlen, e.seqlen_name, e.heads_name, e.dim_name};
-  return check_tensor(name, t, x, br, span);
+  return check_tensor(name, t, e, br, span);
 }
 
 }  // namespace flashcpp

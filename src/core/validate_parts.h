@@ -11,7 +11,7 @@
 
 namespace flashcpp::detail {
 
-/// The (batch, seq, head, dim) index map a view must address (validate.cc's Extents).
+/// The (batch, seq, head, dim) index map a view must address (validate.cc calls it Extents).
 struct ViewExtents {
   std::int64_t batch = 0;    ///< ignored when varlen (no batch dim)
   std::int64_t seq = 0;      ///< rows addressed from the base: seqlen, or the packed total
