@@ -94,7 +94,11 @@ stage_ctest() {
     npass=$(( total - nfail - nskip ))
     detail="${npass}/${total} passed"
     (( nskip > 0 )) && detail+=" ${nskip} skipped"
-    (( nfail > 0 )) && detail+=" ${nfail} failed"
+    if (( nfail > 0 )); then  # ctest's closing list: "  12 - Name (Failed)"
+      failed_tests="$(grep -E '^[[:space:]]+[0-9]+ - .* \((Failed|Timeout|SEGFAULT|Subprocess aborted|Exception)' "$log" |
+        awk '{print $3}' | head -3 | paste -sd, -)"
+      detail+=" ${nfail} failed${failed_tests:+ ($failed_tests)}"
+    fi
     ok=1; (( rc != 0 || nfail > 0 || npass == 0 )) && ok=0
     record ctest "$ok" "$detail" "$npass" "$nfail" "$nskip"
   else
@@ -116,6 +120,13 @@ stage_check() {
     ok=1; (( rc != 0 || nfail > 0 || npass == 0 )) && ok=0
     detail="${npass} passed ${nfail} failed"
     (( nuns > 0 )) && detail+=" ${nuns} unsupported"
+    # A failure names its cases and the input seed in the verdict line, the part of a CI log that
+    # is sure to be kept (the check draws fresh inputs each run, so the seed is what replays it).
+    if (( nfail > 0 )); then
+      failed_cases="$(grep -E ' FAIL$' "$log" | awk '{print $1}' | head -3 | paste -sd, -)"
+      seed="$(grep -oE 'replay with --seed [0-9]+' "$log" | head -1 | grep -oE '[0-9]+$')"
+      detail+=" (${failed_cases:-?}; replay: --seed ${seed:-?})"
+    fi
     record check "$ok" "$detail" "$npass" "$nfail" "$nuns"
   else
     record check 0 "no summary in its output (exit $rc)" 0 1 0
