@@ -157,8 +157,11 @@ struct RefGrads {
 
 /// The fp64 reference backward (validated params, host memory): P and D recomputed exactly from
 /// q, k, v and dout (o and lse are not read), the mask element by element from attention.h's rules.
-/// Multithreaded over (batch, KV head).
-Status reference_attention_backward(const AttnBackwardParams& p, RefGrads* out, int threads = 0);
+/// Multithreaded over (batch, KV head). `delta_from_o`: D = dO . o from the given o (read in its
+/// dtype) instead, as the kernels compute it; the harness uses the two to bound what o's rounding
+/// alone moves the gradients.
+Status reference_attention_backward(const AttnBackwardParams& p, RefGrads* out, int threads = 0,
+                                    bool delta_from_o = false);
 
 }  // namespace cpu
 }  // namespace flashcpp

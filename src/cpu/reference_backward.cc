@@ -8,14 +8,17 @@
 //   s(j)   = scale q.k(j), then softcap (cap tanh(s / cap)), then ALiBi (+ slope (j - ia))
 //   P(j)   = softmax over the visible keys j of s(j), in double (the row's max, exp, sum)
 //   dP(j)  = dO . V(j)
-//   D      = sum_j P(j) dP(j) - dLSE          (= dO . O for the exact O; o is not read)
+//   D      = sum_j P(j) dP(j) - dLSE          (= dO . O for the exact O; o is not read, unless
+//                                               asked: D = dO . o - dLSE from the given o)
 //   dS(j)  = P(j) (dP(j) - D)
 //   dU(j)  = dS(j) scale (1 - tanh^2(scale q.k(j) / cap))   (the last factor only with softcap)
 //   dQ    += dU(j) K(j),  dK(j) += dU(j) q,  dV(j) += P(j) dO
 //
 // P and D are recomputed from q, k, v and dout rather than taken from the forward's lse and o, so
 // the result is the exact gradient of the forward's function at these inputs, whatever rounding
-// the forward's outputs carry. A NaN score at a visible key makes the row's P NaN (attention.h),
+// the forward's outputs carry. With `delta_from_o`, D is dO . o of the given (rounded) o instead,
+// as every FlashAttention-style backward computes it: the difference between the two is the part
+// of a kernel's error that it inherits from o's rounding (check_backward.cc's band). A NaN score at a visible key makes the row's P NaN (attention.h),
 // and the NaN then reaches dQ of the row and dK, dV of the keys it sees, nothing else.
 //
 // Work items are (batch, KV head): dK and dV of a key sum over the group's query heads inside one
@@ -61,7 +64,8 @@ std::int64_t lse_index(const AttnParams& p, std::int64_t lse_rows, int b, std::i
 }
 
 /// One (sequence b, KV head hk): every query head of the group, every row.
-void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, int hk, RefGrads* out) {
+void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, int hk, bool delta_from_o,
+                     RefGrads* out) {
   const MaskParams& m = p.mask;
   const bool varlen = m.is_varlen();
   const Sequence s = sequence(p, b);
@@ -76,7 +80,7 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
   load_rows(p.k, row_offset(p.k, varlen, b, s.first_k, 0, hk), len_k, dim, kd.data());
   load_rows(p.v, row_offset(p.v, varlen, b, s.first_k, 0, hk), len_k, dim_v, vd.data());
   std::vector<double> dk(kd.size(), 0.0), dv(vd.size(), 0.0);
-  std::vector<double> qd(dim), dod(dim_v), dq(dim);
+  std::vector<double> qd(dim), dod(dim_v), od(dim_v), dq(dim);
   std::vector<double> score(static_cast<std::size_t>(len_k)), capgrad(score.size()), prob(score.size()),
       dp(score.size());
   std::vector<char> seen(score.size());
@@ -120,6 +124,10 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
           dp[j] = dot(dod.data(), &vd[static_cast<std::size_t>(j) * dim_v], dim_v);
           delta += prob[j] * dp[j];
         }
+        if (delta_from_o) {
+          load_rows(bp.o, row_offset(bp.o, varlen, b, s.first_q, i, h), 1, dim_v, od.data());
+          delta = dot(dod.data(), od.data(), dim_v);
+        }
         if (bp.dlse) delta -= bp.dlse[lse_index(p, lse_rows, b, s.first_q, i, h)];
         for (int j = 0; j < len_k; ++j) {
           if (!seen[j]) continue;
@@ -162,7 +170,7 @@ void zero_uncovered_grads(const AttnBackwardParams& p) {
     zero_rows(p.dv, p.batch == 0 ? 0 : m.cu_seqlens_k[p.batch], p.total_k, p.heads_kv, p.effective_head_dim_v());
 }
 
-Status reference_attention_backward(const AttnBackwardParams& bp, RefGrads* out, int threads) {
+Status reference_attention_backward(const AttnBackwardParams& bp, RefGrads* out, int threads, bool delta_from_o) {
   *out = RefGrads{};
   const AttnParams p = bp.forward();
   if (p.batch <= 0 || p.heads_q <= 0 || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0 || p.head_dim <= 0)
@@ -176,7 +184,8 @@ Status reference_attention_backward(const AttnBackwardParams& bp, RefGrads* out,
   const std::int64_t groups = static_cast<std::int64_t>(p.batch) * p.heads_kv;
   const double per_group = 3.0 * (p.heads_q / p.heads_kv) * p.seqlen_q * p.seqlen_k * (p.head_dim + p.effective_head_dim_v());
   parallel_for(groups, threads_for(threads, groups, per_group), [&](std::int64_t item) {
-    reference_group(bp, p, static_cast<int>(item / p.heads_kv), static_cast<int>(item % p.heads_kv), out);
+    reference_group(bp, p, static_cast<int>(item / p.heads_kv), static_cast<int>(item % p.heads_kv), delta_from_o,
+                    out);
   });
   return Status::Ok();
 }

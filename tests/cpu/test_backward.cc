@@ -618,6 +618,63 @@ TEST(Backward, Fp64ForwardIsTheReferenceInDouble) {
   EXPECT_TRUE(contains(sb, "fp64 runs on the fp64 reference backend only")) << sb.message();
 }
 
+/// delta_from_o: D = dO . o from the given o. On the exact o (an fp64 forward) it is the default
+/// gradient to rounding; a change to one o row moves that row's dq and the dk of the keys it sees,
+/// never dv (which does not read D) and never another row.
+TEST(BackwardReference, DeltaFromTheGivenOMovesOnlyWhatThatRowReaches) {
+  BwdSpec s;
+  s.dtype = DType::kF64;
+  s.seqlen_q = 9;
+  s.seqlen_k = 9;
+  s.heads_q = 2;
+  s.heads_kv = 1;
+  s.head_dim = 16;
+  s.causal = true;
+  s.softcap = 5.f;
+  s.dlse = true;
+  BwdProblem pb(s, 97);
+  ASSERT_TRUE(pb.forward(Backend::kCpuReference).ok());
+  cpu::RefGrads exact, from_o;
+  ASSERT_TRUE(cpu::reference_attention_backward(pb.backward_params(), &exact, 1).ok());
+  ASSERT_TRUE(cpu::reference_attention_backward(pb.backward_params(), &from_o, 1, true).ok());
+  double top = 0, diff = 0;
+  for (std::size_t e = 0; e < exact.dq.size(); ++e) {
+    top = std::max(top, std::fabs(exact.dq[e]));
+    diff = std::max(diff, std::fabs(exact.dq[e] - from_o.dq[e]));
+  }
+  EXPECT_GT(top, 1e-3);
+  EXPECT_LE(diff, 1e-12 * top) << "on the exact o the two D agree to double rounding";
+  // Row 4 of head 1 (bshd, batch 1): o[(4 * heads_q + 1) * d + 3] += 0.25.
+  const int d = s.head_dim, row = 4, h = 1;
+  const std::int64_t at = (static_cast<std::int64_t>(row) * s.heads_q + h) * d + 3;
+  pb.o.set(at, pb.o.get(at) + 0.25);
+  cpu::RefGrads moved;
+  ASSERT_TRUE(cpu::reference_attention_backward(pb.backward_params(), &moved, 1, true).ok());
+  for (int i = 0; i < s.seqlen_q; ++i)
+    for (int hh = 0; hh < s.heads_q; ++hh) {
+      double m = 0;
+      for (int c = 0; c < d; ++c) {
+        const std::size_t e = static_cast<std::size_t>((i * s.heads_q + hh) * d + c);
+        m = std::max(m, std::fabs(moved.dq[e] - from_o.dq[e]));
+      }
+      if (i == row && hh == h)
+        EXPECT_GT(m, 1e-6) << "the changed row's dq must move";
+      else
+        EXPECT_EQ(m, 0.0) << "dq row " << i << " head " << hh << " does not read that o row";
+    }
+  for (int j = 0; j < s.seqlen_k; ++j) {
+    double mk = 0, mv = 0;
+    for (int c = 0; c < d; ++c) {
+      const std::size_t e = static_cast<std::size_t>(j * d + c);
+      mk = std::max(mk, std::fabs(moved.dk[e] - from_o.dk[e]));
+      mv = std::max(mv, std::fabs(moved.dv[e] - from_o.dv[e]));
+    }
+    EXPECT_EQ(mv, 0.0) << "dv of key " << j;
+    if (j <= row) EXPECT_GT(mk, 0.0) << "dk of key " << j << ", which row " << row << " sees (causal)";
+    else EXPECT_EQ(mk, 0.0) << "dk of key " << j << ", hidden from row " << row;
+  }
+}
+
 // ---- validation ----------------------------------------------------------------------------------------
 
 class BackwardValidation : public ::testing::Test {
