@@ -24,7 +24,8 @@
 // gradient for fp32, 1/4 for 16-bit), else the case fails as a harness or mask bug.
 //
 // What o's rounding alone moves, per element. The backward reads the forward's o in the dtype and
-// takes D = dO . o, as FA2/FA3/FA4 and cuDNN do; the plain implementation never reads o (its D is
+// takes D = dO . o, as FA2/FA3/FA4 and cuDNN do (so torch's own fused bf16 SDPA backward, the
+// issue's yardstick, carries this error too); the plain implementation never reads o (its D is
 // sum_j P dP). In a row whose P is nearly one-hot and whose |dP| is large, dS = P (dP - D) is a
 // small difference of large terms, so o's half-ulp rounding (2^-9 of |o| in bf16) becomes a large
 // relative error of that row's dq and of the dk, dv it reaches. The softcap-5 bf16 case failed so
