@@ -46,7 +46,7 @@ Backend resolve(Backend b, const void* data, const void* fallback) {
 Status check_backend_built(Backend b) {
 #if !FLASHCPP_WITH_CUDA
   if (b == Backend::kCuda)
-    return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+    return build::refuse_no_cuda();
 #elif !FLASHCPP_HAS_DECODE  // every CUDA call below is then unreachable
   if (b == Backend::kCuda)
     return build::refuse(build::Family::kDecode,

@@ -2,14 +2,14 @@
 // CUDA build defines these in src/cuda/common/device.cc.
 #include <string>
 
+#include "core/families.h"
 #include "flashcpp/device.h"
 
 #if !FLASHCPP_WITH_CUDA
 namespace flashcpp::cuda {
 
 Status current_device(DeviceInfo*) {
-  return Status::Unsupported("no usable CUDA device: this build of flashcpp has no CUDA kernels (configure with "
-                             "-DFLASHCPP_CUDA=ON)");
+  return Status::Unsupported("no usable CUDA device: " + build::refuse_no_cuda().message());
 }
 
 std::string error_string(int cuda_error) {

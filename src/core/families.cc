@@ -76,6 +76,10 @@ Status refuse_cuda_prefill() {
                              " or " + remedy(b).substr(std::string("reconfigure ").size()));
 }
 
+Status refuse_no_cuda() {
+  return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+}
+
 }  // namespace flashcpp::build
 
 namespace flashcpp {

@@ -24,4 +24,7 @@ Status refuse(Family f, const std::string& context);
 /// CUDA attention with neither prefill family in the build.
 Status refuse_cuda_prefill();
 
+/// Backend::kCuda in a build without CUDA at all (-DFLASHCPP_CUDA=OFF): one sentence for every door.
+Status refuse_no_cuda();
+
 }  // namespace flashcpp::build

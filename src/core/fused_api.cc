@@ -84,7 +84,7 @@ Status no_cuda(const char* op) {
   return build::refuse(build::Family::kFused, cat(op, " runs on the CPU backend only"));
 #else
   (void)op;
-  return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+  return build::refuse_no_cuda();
 #endif
 }
 #endif

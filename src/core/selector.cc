@@ -511,7 +511,7 @@ Status prefill(const AttnParams& p, const RunOptions& opt, Backend b, KernelChoi
 #else
       (void)p;
       (void)opt;
-      return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+      return build::refuse_no_cuda();
 #endif
     }
     case Backend::kAuto: break;
@@ -660,7 +660,7 @@ Status backward(const AttnBackwardParams& p, const RunOptions& opt, Backend b, K
 #else
       (void)p;
       (void)opt;
-      return Status::Unsupported("this build of flashcpp has no CUDA kernels (configure with -DFLASHCPP_CUDA=ON)");
+      return build::refuse_no_cuda();
 #endif
     case Backend::kAuto: break;
   }
