@@ -119,6 +119,24 @@ void norm_row(const typename E::S* x, const typename E::S* r, typename E::S* ro,
 
 // ---- rotary ------------------------------------------------------------------------------
 
+/// Every q head, then every k head, of token (b, s) of apply_rotary's or qk_norm_rope's params:
+/// f(which, src, dst) with which 0 for q and 1 for k, dst the head in q_out / k_out, or src itself
+/// (in place) when that output is not set.
+template <class S, class Params, class F>
+void for_each_qk_head(const Params& p, std::int64_t b, std::int64_t s, F&& f) {
+  for (int which = 0; which < 2; ++which) {
+    const TensorView& in = which == 0 ? p.q : p.k;
+    const TensorView& out_v = which == 0 ? p.q_out : p.k_out;
+    const TensorView& out = out_v.data ? out_v : in;
+    const int nh = which == 0 ? p.heads_q : p.heads_k;
+    for (int h = 0; h < nh; ++h) {
+      const S* src = static_cast<const S*>(in.data) + b * in.batch_stride + s * in.seq_stride + h * in.head_stride;
+      S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
+      f(which, src, dst);
+    }
+  }
+}
+
 /// Rotates (or copies) one head of one token: in -> out (out may be in).
 template <class E>
 void rotate_head(const typename E::S* in, typename E::S* out, const float* cs, const float* sn, int half,
@@ -206,18 +224,11 @@ Status fused_apply_rotary(const RopeParams& p, int threads) {
         const std::int64_t b = t / p.seqlen, s = t % p.seqlen;
         const std::int32_t pos = p.positions ? p.positions[t] : static_cast<std::int32_t>(s);
         for (int i = 0; i < half; ++i) angles.at(pos, i, &cs[i], &sn[i]);  // validated: pos inside the tables
-        for (int which = 0; which < 2; ++which) {
-          const TensorView& in = which == 0 ? p.q : p.k;
-          const TensorView& out_v = which == 0 ? p.q_out : p.k_out;
-          const TensorView& out = out_v.data ? out_v : in;
-          const int nh = which == 0 ? p.heads_q : p.heads_k;
-          const bool copy_tail = out_v.data != nullptr && rot < p.head_dim;
-          for (int h = 0; h < nh; ++h) {
-            const S* src = static_cast<const S*>(in.data) + b * in.batch_stride + s * in.seq_stride + h * in.head_stride;
-            S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
-            rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, copy_tail);
-          }
-        }
+        for_each_qk_head<S>(p, b, s, [&](int which, const S* src, S* dst) {
+          // The dims past the rotary part: left as they are in place, copied into a separate output.
+          const bool copy_tail = (which == 0 ? p.q_out : p.k_out).data != nullptr && rot < p.head_dim;
+          rotate_head<E>(src, dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, copy_tail);
+        });
       }
     });
     return Status::Ok();
@@ -242,23 +253,15 @@ Status fused_qk_norm_rope(const QkNormRopeParams& p, int threads) {
         const std::int64_t b = t / p.seqlen, s = t % p.seqlen;
         const std::int32_t pos = p.positions ? p.positions[t] : static_cast<std::int32_t>(s);
         for (int i = 0; i < half; ++i) angles.at(pos, i, &cs[i], &sn[i]);  // validated: pos inside the tables
-        for (int which = 0; which < 2; ++which) {
-          const TensorView& in = which == 0 ? p.q : p.k;
-          const TensorView& out_v = which == 0 ? p.q_out : p.k_out;
-          const TensorView& out = out_v.data ? out_v : in;
+        for_each_qk_head<S>(p, b, s, [&](int which, const S* src, S* dst) {
           const S* w = static_cast<const S*>(which == 0 ? p.q_weight : p.k_weight);
-          const int nh = which == 0 ? p.heads_q : p.heads_k;
-          for (int h = 0; h < nh; ++h) {
-            const S* src = static_cast<const S*>(in.data) + b * in.batch_stride + s * in.seq_stride + h * in.head_stride;
-            S* dst = static_cast<S*>(out.data) + b * out.batch_stride + s * out.seq_stride + h * out.head_stride;
-            // rms_norm of the head (the same row function), rounded; then apply_rotary's rotation of it.
-            norm_row<E>(src, nullptr, nullptr, w, normed.data(), p.head_dim, p.eps, inv_hidden, p.weight_offset);
-            if (rotate)
-              rotate_head<E>(normed.data(), dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, true);
-            else
-              std::copy(normed.begin(), normed.end(), dst);
-          }
-        }
+          // rms_norm of the head (the same row function), rounded; then apply_rotary's rotation of it.
+          norm_row<E>(src, nullptr, nullptr, w, normed.data(), p.head_dim, p.eps, inv_hidden, p.weight_offset);
+          if (rotate)
+            rotate_head<E>(normed.data(), dst, cs.data(), sn.data(), half, p.head_dim, p.rotary.style, true);
+          else
+            std::copy(normed.begin(), normed.end(), dst);
+        });
       }
     });
     return Status::Ok();
