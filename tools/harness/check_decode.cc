@@ -170,7 +170,10 @@ struct DecCase {
   }
   std::string name() const {
     std::string l;
-    for (int x : lens) l += (l.empty() ? "" : "-") + std::to_string(x);
+    for (int x : lens) {  // appended piece by piece: g++ 12 misreads "sep" + to_string() as an overflow
+      if (!l.empty()) l += '-';
+      l += std::to_string(x);
+    }
     std::string n = fmt::format("dec_b{}_h{}{}_q{}_k{}_d{}", batch, hq, hkv != hq ? fmt::format("kv{}", hkv) : "", sq,
                                 l, d);
     n += page_size > 0 ? fmt::format("_paged{}", page_size) : "_contig";
