@@ -194,6 +194,33 @@ TEST(HarnessRun, PerturbedOutputFails) {
   EXPECT_NE(r.message.find("O[b=0,i=0,h=0,d=5]"), std::string::npos) << r.message;
 }
 
+// fp32 with ALiBi: the plain error is scaled by the ratio of the score's ulp in q.k's units (the
+// kernels' algebra) to its ulp scaled (plain.cc's order), between 1 and 2, and only there; an
+// error a few times the band still fails.
+TEST(HarnessRun, Fp32AlibiBandScalesThePlainErrorByTheBinadeOnly) {
+  Case c = make_case(1, 1000, 1000, 4, 2, 128, DType::kF32, false);
+  c.mask.alibi = true;
+  const CaseResult r = run_case(c, cpu_config());
+  EXPECT_EQ(r.status, CaseStatus::kPass) << r.message;
+  const double plain_part = r.effective_atol - r.tol.atol;
+  EXPECT_GE(plain_part, r.tol.plain_factor * r.plain_max_abs_err * (1 - 1e-9));
+  EXPECT_LE(plain_part, 2 * r.tol.plain_factor * r.plain_max_abs_err * (1 + 1e-9));
+  // Here |s| <= 0.25 * 999 + a few (below 256: an ulp of 1.5e-5) and |s| / scale ~ 2830 (an ulp of
+  // 2.4e-4, times the scale 0.088): the factor is 1.41.
+  EXPECT_GT(plain_part, 1.3 * r.tol.plain_factor * r.plain_max_abs_err);
+  Case plain_case = make_case(1, 300, 300, 2, 2, 128, DType::kF32, false);  // no ALiBi: factor 1
+  const CaseResult q = run_case(plain_case, cpu_config());
+  EXPECT_EQ(q.status, CaseStatus::kPass) << q.message;
+  EXPECT_DOUBLE_EQ(q.effective_atol - q.tol.atol, q.tol.plain_factor * q.plain_max_abs_err);
+  RunConfig cfg = cpu_config();
+  const double bump = 3 * r.effective_atol;
+  cfg.perturb_output = [bump](const Case&, HostTensor& out, std::vector<float>&) {
+    out.set(7, out.get(7) + static_cast<float>(bump));
+  };
+  const CaseResult f = run_case(c, cfg);
+  EXPECT_EQ(f.status, CaseStatus::kFail) << "an error of 3x the band passed";
+}
+
 TEST(HarnessRun, NanOutputFails) {
   const Case c = make_case(2, 17, 17, 2, 2, 128, DType::kF16, true);
   RunConfig cfg = cpu_config();

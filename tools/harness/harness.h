@@ -221,8 +221,10 @@ void run_guarded(CaseResult* r, Fn&& fn) {
 CaseResult run_case(const Case& c, const RunConfig& cfg);
 
 /// Plain fp32 attention of an fp32 problem with host pointers, in the packed order of
-/// cpu::RefOutput: o (total_q, heads_q, head_dim), lse (heads_q, total_q). See plain.cc.
-Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vector<float>* lse, int threads = 0);
+/// cpu::RefOutput: o (total_q, heads_q, head_dim), lse (heads_q, total_q); max_abs_score, if
+/// given, gets the largest |score| of a visible key (scaled, after softcap and ALiBi). See plain.cc.
+Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vector<float>* lse, int threads = 0,
+                            float* max_abs_score = nullptr);
 
 /// The per-case seed: a mix of the run seed and the case name.
 std::uint64_t case_seed(std::uint64_t run_seed, const std::string& name);

@@ -75,7 +75,8 @@ bool visible(const AttnParams& p, const Seq& s, int b, int h, int i, int j) {
 
 }  // namespace
 
-Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vector<float>* lse, int threads) {
+Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vector<float>* lse, int threads,
+                            float* max_abs_score) {
   if (p.q.dtype != DType::kF32) return Status::Invalid("plain_attention_fp32 takes fp32 inputs");
   const bool varlen = p.mask.is_varlen();
   const std::int64_t total_q =
@@ -85,6 +86,7 @@ Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vec
   lse->assign(static_cast<std::size_t>(total_q * hq), -INFINITY);
   const float scale = p.effective_scale(), cap = p.mask.softcap;
 
+  std::vector<float> top(static_cast<std::size_t>(std::max(p.batch * p.heads_q, 0)), 0.f);  // per (b, h)
   auto one = [&](int bh) {
     const int b = bh / hq, h = bh % hq, hk = h / group;
     const Seq s = seq_of(p, b);
@@ -105,6 +107,7 @@ Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vec
         if (cap > 0.f) x = cap * std::tanh(x / cap);
         if (p.mask.alibi_slopes) x += slope * static_cast<float>(j - ia);
         sc[keys.size()] = x;
+        if (std::fabs(x) > top[static_cast<std::size_t>(bh)]) top[static_cast<std::size_t>(bh)] = std::fabs(x);
         keys.push_back(j);
         mx = std::max(mx, x);
       }
@@ -135,6 +138,7 @@ Status plain_attention_fp32(const AttnParams& p, std::vector<float>* o, std::vec
   for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   for (auto& th : pool) th.join();
+  if (max_abs_score) *max_abs_score = top.empty() ? 0.f : *std::max_element(top.begin(), top.end());
   return Status::Ok();
 }
 
