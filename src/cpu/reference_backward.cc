@@ -18,8 +18,9 @@
 // the result is the exact gradient of the forward's function at these inputs, whatever rounding
 // the forward's outputs carry. With `delta_from_o`, D is dO . o of the given (rounded) o instead,
 // as every FlashAttention-style backward computes it: the difference between the two is the part
-// of a kernel's error that it inherits from o's rounding (check_backward.cc's band). A NaN score at a visible key makes the row's P NaN (attention.h),
-// and the NaN then reaches dQ of the row and dK, dV of the keys it sees, nothing else.
+// of a kernel's error that it inherits from o's rounding (check_backward.cc's band). A NaN score
+// at a visible key makes the row's P NaN (attention.h), and the NaN then reaches dQ of the row and
+// dK, dV of the keys it sees, nothing else.
 //
 // Work items are (batch, KV head): dK and dV of a key sum over the group's query heads inside one
 // item, so no two threads add to the same element. Cost: about three times the fp64 forward.
@@ -122,7 +123,7 @@ void reference_group(const AttnBackwardParams& bp, const AttnParams& p, int b, i
           if (!seen[j]) continue;
           prob[j] /= sum;
           dp[j] = dot(dod.data(), &vd[static_cast<std::size_t>(j) * dim_v], dim_v);
-          delta += prob[j] * dp[j];
+          if (!delta_from_o) delta += prob[j] * dp[j];
         }
         if (delta_from_o) {
           load_rows(bp.o, row_offset(bp.o, varlen, b, s.first_q, i, h), 1, dim_v, od.data());

@@ -31,10 +31,9 @@
 // relative error of that row's dq and of the dk, dv it reaches. The softcap-5 bf16 case failed so
 // on the CPU backend in 3 of 126 seeds (at seed 2114 a dq row came out 1.6x its true value: dP ~
 // -24, P ~ (0.997, 0.003), D off by 0.05), and a GPU kernel inherits the same. So each element's
-// band adds
-// |truth_o - truth|, where truth_o is the fp64 reference with D = dO . o from the stored o
-// (reference_attention_backward's delta_from_o): exactly what that input's rounding moves, no more;
-// a wrong kernel does not track truth_o.
+// band adds |truth_o - truth|, where truth_o is the fp64 reference with D = dO . o from the stored
+// o (reference_attention_backward's delta_from_o): exactly what that input's rounding moves, no
+// more; a wrong kernel does not track truth_o.
 //
 // Per-row statistics: a row is one head_dim vector of dq (a query row of a head), dk or dv (a key row
 // of a KV head); p50/p99/max over all of them. NaN cases put a NaN in q and dout of the last query
@@ -495,8 +494,7 @@ void run_backward_case(const BwdCase& bc, const RunConfig& cfg, CaseResult* r) {
     float top_lse = 0.f;
     for (std::int64_t i = 0; i < in.rows_q * c.heads_q; ++i)
       if (std::isfinite(lse[i])) top_lse = std::max(top_lse, std::fabs(lse[i]));
-    const double ulp = static_cast<double>(std::nextafter(top_lse, INFINITY) - top_lse);
-    atol_rel = std::max(atol_rel, kLseUlpsF32 * ulp);
+    atol_rel = std::max(atol_rel, kLseUlpsF32 * fp32_ulp(top_lse));
   }
   struct Part {
     const char* name;

@@ -126,6 +126,11 @@ struct Tolerance {
 /// A plain fp32 implementation disagreeing with the fp64 reference by more than this (in O or
 /// the LSE) is a mask or harness bug, not rounding: the case fails. It also caps the fp32 band.
 inline constexpr double kPlainSanityBound = 1e-4;
+/// One fp32 ulp at |x| (the step to the next float up), as a double: the bands' rounding unit.
+inline double fp32_ulp(float x) {
+  const float a = std::fabs(x);
+  return static_cast<double>(std::nextafter(a, INFINITY) - a);
+}
 Tolerance tolerance_for(DType t) noexcept;
 /// The policy as JSON (the "tolerance_policy" object of the report).
 nlohmann::json tolerance_policy_json();
